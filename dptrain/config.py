@@ -1,0 +1,232 @@
+"""Typed configuration: dataclasses composed from YAML, with ``key.sub=value`` overrides.
+
+Each component owns a ``@dataclass`` config (``PrivacyConfig`` in ``dptrain.privacy.config``,
+``OptimConfig`` in ``dptrain.optim.config``, ...). ``RunConfig`` composes them. This module only
+knows how to turn nested dicts into those dataclasses and back, strictly:
+
+- an unknown key is an error naming its full dotted path (``privacy.epslion``);
+- a value of the wrong type is an error naming the field and the expected type;
+- range checks live in each config's ``validate()`` and raise :class:`ConfigError` too.
+
+``ConfigError`` is what the command line turns into one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; ``field`` is the dotted path of the culprit."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin in (list, tuple):
+        args = get_args(tp)
+        return f"list of {_type_name(args[0])}" if args else "list"
+    if origin is dict:
+        return "mapping"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _parse_fraction(value: str) -> float | None:
+    """Accept ``1/84122`` as a float (delta is often written this way)."""
+    if isinstance(value, str) and value.count("/") == 1:
+        num, den = value.split("/")
+        try:
+            return float(num) / float(den)
+        except (ValueError, ZeroDivisionError):
+            return None
+    return None
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Convert ``value`` (parsed YAML) to type ``tp`` or raise ConfigError naming ``path``."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(path, f"must not be null (expected {_type_name(tp)})")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(path, f"expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise ConfigError(path, f"must be one of {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping for {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, path)
+    if origin in (list, tuple):
+        (elem,) = get_args(tp)[:1] or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"expected a list, got {value!r}")
+        return [_convert(v, elem, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping, got {value!r}")
+        kt, vt = get_args(tp) or (Any, Any)
+        return {_convert(k, kt, path): _convert(v, vt, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(path, f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(path, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            frac = _parse_fraction(value)
+            if frac is not None:
+                return frac
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(path, f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(path, f"expected a string, got {value!r}")
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(path, f"expected {_type_name(tp)}, got {value!r}")
+
+
+def from_dict(cls: type, data: dict, path: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``; unknown keys and bad types are ConfigErrors."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        sub = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            raise ConfigError(sub, f"unknown key (known keys of {path or 'the config'}: "
+                                   f"{', '.join(sorted(fields))})")
+        kwargs[key] = _convert(value, hints[key], sub)
+    obj = cls(**kwargs)
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain-data form of a config (for YAML/JSON output and checkpoints)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def validate_tree(obj: Any, path: str = "") -> None:
+    """Call ``validate()`` on every nested config, children first, prefixing field paths."""
+    if not dataclasses.is_dataclass(obj):
+        return
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        sub = f"{path}.{f.name}" if path else f.name
+        if dataclasses.is_dataclass(value):
+            validate_tree(value, sub)
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                validate_tree(v, f"{sub}[{i}]")
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ConfigError as e:
+            if path and not e.field.startswith(path + "."):
+                raise ConfigError(f"{path}.{e.field}" if e.field else path, e.message) from None
+            raise
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``privacy.epsilon=3`` -> (["privacy", "epsilon"], 3); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(text, "an override must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(key or text, "an override must look like key.sub=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_override(data: dict, keys: list[str], value: Any) -> None:
+    node = data
+    for k in keys[:-1]:
+        nxt = node.get(k)
+        if nxt is None:
+            nxt = node[k] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(".".join(keys), f"'{k}' is not a section")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config", f"file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError("config", f"{path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path} must hold a mapping at the top level")
+    return data
+
+
+def load(cls: type, path: str | Path | None = None, overrides: list[str] = ()) -> Any:
+    """Read YAML (optional), apply ``key.sub=value`` overrides, build and validate ``cls``."""
+    data = load_yaml(path) if path is not None else {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        apply_override(data, keys, value)
+    obj = from_dict(cls, data)
+    validate_tree(obj)
+    return obj

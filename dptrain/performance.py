@@ -1,0 +1,38 @@
+"""Performance settings: how fast and in what memory a step runs, never what it computes.
+
+Nothing here may change the sampled sets, the clip factors or the noise (tests/test_invariance.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from dptrain.config import ConfigError
+
+
+@dataclass(kw_only=True)
+class PerformanceConfig:
+    microbatch_size: int = 32
+    """Examples per forward/backward; a logical batch is split into microbatches of this size."""
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    """Compute dtype of the forward/backward (norms and sums are accumulated in float32+)."""
+    num_threads: int | None = None
+    """torch intra-op threads; null keeps torch's default."""
+    clipping: Literal["auto", "bookkeeping", "two_pass"] = "auto"
+    """How the clipped sum is formed: book-keeping (one backward; sum from captured activations
+    and output gradients) or a second backward with per-example loss weights. Same result."""
+    ghost: Literal["auto", "ghost", "instantiate"] = "auto"
+    """Per-layer norm form: by estimated cost (auto), always ghost, or always instantiate."""
+    newton_schulz_dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    """dtype of the optimizer's Newton-Schulz iteration (post-processing)."""
+    device: str = "auto"
+    """'auto' (cuda if available, else cpu), 'cpu' or 'cuda'."""
+
+    def validate(self) -> None:
+        if self.microbatch_size < 1:
+            raise ConfigError("microbatch_size", f"must be >= 1, got {self.microbatch_size}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError("device", f"must be auto, cpu or cuda, got {self.device!r}")

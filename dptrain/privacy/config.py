@@ -1,0 +1,82 @@
+"""Privacy settings: everything that defines the mechanism, and nothing else.
+
+Performance settings (microbatch size, dtype, threads, clipping implementation) live in
+``dptrain.performance.PerformanceConfig`` and cannot change anything defined here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from dptrain.config import ConfigError
+
+
+@dataclass(kw_only=True)
+class PrivacyConfig:
+    epsilon: float | None = 8.0
+    """Target epsilon. With ``noise_multiplier: null`` sigma is calibrated to reach it over
+    ``steps``; with both set, training refuses to start if the plan would exceed it. Null means
+    no budget (sigma must then be given): epsilon is still reported."""
+    delta: float = 1e-5
+    """Target delta; ``1/84122`` is accepted."""
+    sample_rate: float = 0.01
+    """Poisson sampling rate q: every example is included independently with probability q."""
+    steps: int = 100
+    """Number of releases T (one per logical batch)."""
+    clip_norm: float = 1.0
+    """C: every example's complete query is clipped to L2 norm at most C (flat clipping)."""
+    noise_multiplier: float | None = None
+    """sigma: the release adds N(0, (sigma*C)^2) per coordinate. Null: calibrated."""
+    accountant: Literal["prv", "rdp"] = "prv"
+    """Accountant for epsilon and calibration (opacus' implementations)."""
+    adjacency: Literal["add_remove", "replace_one"] = "add_remove"
+    """Neighbouring datasets differ by adding/removing one example. ``replace_one`` is refused
+    (see docs/privacy.md): its sensitivity is 2C and the Poisson-subsampled accountants used here
+    only cover add/remove."""
+    dataset_size: int | None = None
+    """Public dataset size N. Null: the training set's length (treated as public)."""
+    expected_batch_size: int | None = None
+    """Public release denominator b. Null: floor(q * N)."""
+    seed: int | None = 0
+    """Seed of the counter-based sampling and noise streams. Null with secure_mode."""
+    secure_mode: bool = False
+    """Draw the seed from OS entropy and never write it anywhere (exact replay impossible)."""
+
+    def validate(self) -> None:
+        if self.epsilon is not None and not (self.epsilon > 0 and math.isfinite(self.epsilon)):
+            raise ConfigError("epsilon", f"must be > 0, got {self.epsilon}")
+        if not (0.0 < self.delta < 1.0):
+            raise ConfigError("delta", f"must be in (0, 1), got {self.delta}")
+        if not (0.0 < self.sample_rate <= 1.0):
+            raise ConfigError("sample_rate", f"must be in (0, 1], got {self.sample_rate}")
+        if self.steps < 1:
+            raise ConfigError("steps", f"must be >= 1, got {self.steps}")
+        if not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
+            raise ConfigError("clip_norm", f"must be > 0, got {self.clip_norm}")
+        if self.noise_multiplier is not None and not (self.noise_multiplier >= 0):
+            raise ConfigError("noise_multiplier", f"must be >= 0, got {self.noise_multiplier}")
+        if self.noise_multiplier is None and self.epsilon is None:
+            raise ConfigError("noise_multiplier", "set noise_multiplier or a target epsilon")
+        if self.adjacency == "replace_one":
+            raise ConfigError(
+                "adjacency",
+                "replace_one is not supported: its sensitivity is 2C and the Poisson-subsampled "
+                "accountants here only cover add_remove; use add_remove (see docs/privacy.md)")
+        if self.dataset_size is not None and self.dataset_size < 1:
+            raise ConfigError("dataset_size", f"must be >= 1, got {self.dataset_size}")
+        if self.expected_batch_size is not None and self.expected_batch_size < 1:
+            raise ConfigError("expected_batch_size",
+                              f"must be >= 1, got {self.expected_batch_size}")
+        if self.secure_mode and self.seed is not None:
+            raise ConfigError("seed", "must be null in secure_mode (the seed comes from OS entropy)")
+        if not self.secure_mode and self.seed is None:
+            raise ConfigError("seed", "must be set unless secure_mode is true")
+
+    def release_denominator(self, dataset_size: int) -> int:
+        """b: the public denominator of the release, floor(q*N) unless set explicitly."""
+        if self.expected_batch_size is not None:
+            return self.expected_batch_size
+        n = self.dataset_size if self.dataset_size is not None else dataset_size
+        return max(1, math.floor(self.sample_rate * n))
