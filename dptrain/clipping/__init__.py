@@ -1,0 +1,8 @@
+"""Per-example clipping of the complete gradient with ghost norms (see engine.py)."""
+
+from dptrain.clipping.contributions import Dense, OneHot, Outer
+from dptrain.clipping.engine import ClippingEngine, StepStats, per_example_grad_norms
+from dptrain.clipping.rules import LayerRule, find_rule, register_rule
+
+__all__ = ["ClippingEngine", "StepStats", "per_example_grad_norms", "LayerRule", "register_rule",
+           "find_rule", "Outer", "Dense", "OneHot"]

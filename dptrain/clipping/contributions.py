@@ -1,0 +1,187 @@
+"""Per-example gradient *contributions* and the algebra on them.
+
+Every use of a parameter in one forward pass contributes to each example's gradient. A
+contribution is kept in whichever compact form the layer gives, never as the whole model's
+per-example gradient:
+
+``Outer(L, R, coef)``
+    per-example gradient (the parameter viewed as a matrix ``[out, in]``) equal to
+    ``coef * sum_t L[b, t] ⊗ R[b, t]``: Linear (L = output grad, R = input), Conv1D, Conv2d
+    (R = unfolded input), Embedding (L = one-hot token ids). Norms by the ghost identity
+    ``<sum_t L_t⊗R_t, sum_s L'_s⊗R'_s> = sum_{t,s} (L_t·L'_s)(R_t·R'_s)`` or by instantiation.
+``Dense(g, coef)``
+    the per-example gradient itself, ``g[b]`` shaped like the parameter (biases, norms' affine
+    parameters, layers whose gradient passes through a Jacobian such as weight standardisation).
+
+A parameter used several times (GPT-2's tied wte/lm_head, a module called twice, the same
+layer evaluated at several model states for inner momentum or DiSK) simply has several
+contributions; its per-example gradient is their sum, so its squared norm has cross terms
+``2 <c_u, c_v>`` which :func:`squared_norms` includes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+# Instantiating a per-example gradient of more than this many floats per microbatch is refused by
+# the cost model (the ghost form is used instead).
+MAX_INSTANTIATE_NUMEL = 1 << 28
+
+
+@dataclass
+class OneHot:
+    """Implicit one-hot factor: row ``ids[b, t]`` of a ``num``-row matrix."""
+
+    ids: Tensor  # (B, T) int64
+    num: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (*self.ids.shape, self.num)
+
+
+@dataclass
+class Outer:
+    """Per-example gradient = coef * sum_t L[b,t] ⊗ R[b,t], parameter viewed as (out, in)."""
+
+    L: Tensor | OneHot  # (B, T, out)
+    R: Tensor  # (B, T, in)
+    coef: float = 1.0
+
+
+@dataclass
+class Dense:
+    """Per-example gradient g[b], shaped (B, *param.shape)."""
+
+    g: Tensor
+    coef: float = 1.0
+
+
+Contribution = Outer | Dense
+
+
+# ---------------------------------------------------------------------------------------------
+# inner products between two contributions of the same parameter, per example: shape (B,)
+
+
+def _ll(a: Tensor | OneHot, b: Tensor | OneHot) -> Tensor:
+    """(B, Ta, Tb) matrix of dot products between the left factors."""
+    if isinstance(a, OneHot) and isinstance(b, OneHot):
+        return (a.ids[:, :, None] == b.ids[:, None, :]).to(torch.float32)
+    if isinstance(a, OneHot):
+        # a_t · b_s = b[s, ids_t]
+        return torch.gather(b, 2, a.ids[:, None, :].expand(-1, b.shape[1], -1)).transpose(1, 2)
+    if isinstance(b, OneHot):
+        return _ll(b, a).transpose(1, 2)
+    return torch.bmm(a, b.transpose(1, 2))
+
+
+def _outer_inner(u: Outer, v: Outer) -> Tensor:
+    rr = torch.bmm(u.R, v.R.transpose(1, 2))  # (B, Tu, Tv)
+    ll = _ll(u.L, v.L)
+    return (ll.to(rr.dtype) * rr).sum(dim=(1, 2))
+
+
+def instantiate(c: Outer) -> Tensor:
+    """(B, out, in) per-example gradient of an Outer contribution, WITHOUT its coefficient."""
+    if isinstance(c.L, OneHot):
+        B, T = c.L.ids.shape
+        g = c.R.new_zeros(B * c.L.num, c.R.shape[-1])
+        rows = (c.L.ids + torch.arange(B, device=c.R.device)[:, None] * c.L.num).reshape(-1)
+        g.index_add_(0, rows, c.R.reshape(B * T, -1))
+        return g.view(B, c.L.num, -1)
+    return torch.bmm(c.L.transpose(1, 2), c.R)
+
+
+def _dense_outer_inner(d: Tensor, v: Outer) -> Tensor:
+    """<d_b, sum_t L_t ⊗ R_t> with d viewed (B, out, in)."""
+    d = d.reshape(d.shape[0], -1, v.R.shape[-1])
+    dr = torch.bmm(d, v.R.transpose(1, 2))  # (B, out, T)
+    if isinstance(v.L, OneHot):
+        return torch.gather(dr, 1, v.L.ids[:, None, :]).sum(dim=(1, 2))
+    return (dr * v.L.transpose(1, 2)).sum(dim=(1, 2))
+
+
+def inner(u: Contribution, v: Contribution) -> Tensor:
+    """Per-example <u_b, v_b> of two contributions (coefficients not applied)."""
+    if isinstance(u, Outer) and isinstance(v, Outer):
+        return _outer_inner(u, v)
+    if isinstance(u, Dense) and isinstance(v, Dense):
+        return (u.g.flatten(1) * v.g.flatten(1)).sum(1)
+    if isinstance(u, Dense):
+        return _dense_outer_inner(u.g, v)
+    return _dense_outer_inner(v.g, u)
+
+
+# ---------------------------------------------------------------------------------------------
+# cost model: ghost or instantiate, per parameter
+
+
+def _dims(c: Outer) -> tuple[int, int, int, int]:
+    B, T = c.R.shape[:2]
+    out = c.L.num if isinstance(c.L, OneHot) else c.L.shape[-1]
+    return B, T, out, c.R.shape[-1]
+
+
+def choose_form(contribs: list[Contribution],
+                policy: Literal["auto", "ghost", "instantiate"] = "auto") -> str:
+    """'ghost' or 'instantiate' for one parameter's Outer contributions, by estimated flops.
+
+    ghost:       sum_{u,v} B*Tu*Tv*(out+in)  (+ memory B*Tu*Tv)
+    instantiate: sum_u B*Tu*out*in           (+ memory B*out*in)
+    Dense contributions are already instantiated and do not enter the choice.
+    """
+    outers = [c for c in contribs if isinstance(c, Outer)]
+    if not outers:
+        return "instantiate"
+    B, _, out, inn = _dims(outers[0])
+    too_big = B * out * inn > MAX_INSTANTIATE_NUMEL
+    if policy == "ghost" or (policy == "auto" and too_big):
+        return "ghost"
+    if policy == "instantiate":
+        return "instantiate"
+    ghost = sum(_dims(u)[1] * _dims(v)[1] for u in outers for v in outers) * (out + inn)
+    inst = sum(_dims(u)[1] for u in outers) * out * inn
+    return "ghost" if ghost < inst else "instantiate"
+
+
+def squared_norms(contribs: list[Contribution], form: str) -> tuple[Tensor, list[Contribution]]:
+    """Per-example squared norm of sum_u coef_u * c_u, and the contributions actually used
+    (Outer ones replaced by Dense when instantiated, so the clipped sum can reuse them)."""
+    if form == "instantiate":
+        contribs = [Dense(instantiate(c), c.coef) if isinstance(c, Outer) else c for c in contribs]
+        if len(contribs) > 1:
+            # sum first: one pass, no cross terms to pair up
+            total = sum(c.coef * c.g.reshape(c.g.shape[0], -1) for c in contribs)
+            return total.pow(2).sum(1), [Dense(total, 1.0)]
+    sq = None
+    for i, u in enumerate(contribs):
+        for j in range(i, len(contribs)):
+            v = contribs[j]
+            term = inner(u, v) * (u.coef * v.coef * (1.0 if i == j else 2.0))
+            sq = term if sq is None else sq + term
+    return sq, contribs
+
+
+def clipped_sum(contribs: list[Contribution], lam: Tensor, shape: torch.Size,
+                dtype: torch.dtype) -> Tensor:
+    """sum_b lam_b * sum_u coef_u * c_u[b], reshaped to the parameter's shape."""
+    total = None
+    for c in contribs:
+        w = (lam * c.coef).to(dtype)
+        if isinstance(c, Dense):
+            part = torch.einsum("b...,b->...", c.g.to(dtype), w)
+        elif isinstance(c.L, OneHot):
+            B, T = c.L.ids.shape
+            part = c.R.new_zeros(c.L.num, c.R.shape[-1], dtype=dtype)
+            part.index_add_(0, c.L.ids.reshape(-1), (c.R.to(dtype) * w[:, None, None]).reshape(B * T, -1))
+        else:
+            L = c.L.to(dtype) * w[:, None, None]
+            part = L.reshape(-1, L.shape[-1]).T @ c.R.to(dtype).reshape(-1, c.R.shape[-1])
+        part = part.reshape(shape)
+        total = part if total is None else total + part
+    return total

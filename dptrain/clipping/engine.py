@@ -1,0 +1,358 @@
+"""The per-example clipping engine: norms of each example's complete query, clip factors, and
+the clipped sum, without materialising the whole model's per-example gradient.
+
+One microbatch, one query plan ``[(a_0, state_0), (a_1, state_1), ...]`` (``state=None`` is the
+current parameters; DiSK and inner momentum evaluate at several states):
+
+1. for each state: swap the state's parameter values in, run the forward with hooks that capture
+   each layer's input (forward hook) and output gradient (tensor hook), then ONE backward
+   ``autograd.grad(sum_b loss_b, targets)`` whose targets are activations only — autograd then
+   skips every weight-gradient product, which book-keeping recomputes with the clip factors;
+2. every parameter's per-example gradient of the query u_b = sum_j a_j grad l(theta_j; x_b) is a
+   list of contributions (contributions.py); the squared norm of the complete query is the sum
+   over parameters of their ghost (or instantiated) squared norms, cross terms included;
+3. lam_b = min(1, C / ||u_b||) — one factor per example from all trainable coordinates;
+4. the clipped sum sum_b lam_b u_b: by book-keeping (one weighted product per layer from the
+   captured tensors) or by a second backward of sum_b lam_b a_j loss_b per state.
+
+Targets of the backward: float inputs that do not require grad are replaced, in a pre-hook, by
+leaves that do (cheap: the first layer's input gradient), and layers with integer inputs
+(embeddings) make their output a target. Every trainable tensor then lies on a path from the
+loss to a target, so every hooked layer's output gradient is computed, and nothing else extra.
+Tensor hooks registered before an in-place op (timm's in-place activations) receive the gradient
+w.r.t. the pre-in-place value, which is what the layer rules need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Literal
+
+import torch
+from torch import Tensor, nn
+
+from dptrain.clipping.contributions import (
+    Contribution,
+    Dense,
+    OneHot,
+    Outer,
+    choose_form,
+    clipped_sum,
+    squared_norms,
+)
+from dptrain.clipping.rules import FALLBACK, LayerRule, find_rule
+
+LossFn = Callable[[nn.Module, Any], Tensor]
+QueryPlan = list[tuple[float, "dict[str, Tensor] | None"]]
+
+
+def batch_size_of(batch: Any) -> int:
+    if isinstance(batch, Tensor):
+        return batch.shape[0]
+    if isinstance(batch, dict):
+        return batch_size_of(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)):
+        return batch_size_of(batch[0])
+    raise TypeError(f"cannot tell the batch size of {type(batch).__name__}")
+
+
+@dataclass
+class _Record:
+    module: nn.Module
+    rule: LayerRule
+    saved: dict
+    coef: float
+    G: Tensor | None = None
+    target_index: int | None = None
+    output: Tensor | None = None
+    version: int = 0
+
+
+@dataclass
+class StepStats:
+    """Aggregates of one microbatch. ``loss_sum`` is computed from private data without noise:
+    it is for progress display only and not covered by the privacy guarantee."""
+
+    num_examples: int = 0
+    loss_sum: float = 0.0
+
+
+@dataclass
+class _Hooked:
+    name: str
+    module: nn.Module
+    rule: LayerRule
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
+
+
+class ClippingEngine:
+    """Per-example norms and clipped sums for ``model``'s trainable parameters.
+
+    Args:
+        model: any module whose trainable parameters all belong to layers with a rule (or to
+            parameter-owning leaf modules, handled by the torch.func fallback).
+        clip_norm: C; ``None`` only for computing norms.
+        ghost: per-layer norm form, a performance setting (same result either way).
+        mode: "bookkeeping" (one backward) or "two_pass" (second backward with weights).
+    """
+
+    def __init__(self, model: nn.Module, *, clip_norm: float | None = None,
+                 ghost: Literal["auto", "ghost", "instantiate"] = "auto",
+                 mode: Literal["bookkeeping", "two_pass"] = "bookkeeping"):
+        self.model = model
+        self.clip_norm = clip_norm
+        self.ghost = ghost
+        self.mode = mode
+        self.names: dict[int, str] = {}
+        self.params: dict[str, nn.Parameter] = {}
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                self.names[id(p)] = n
+                self.params[n] = p
+        self.hooked: list[_Hooked] = []
+        owned: set[int] = set()
+        unsupported = []
+        for mname, m in model.named_modules():
+            direct = {k: p for k, p in m._parameters.items() if p is not None and p.requires_grad}
+            if not direct:
+                continue
+            rule = find_rule(m)
+            if rule is None:
+                if next(m.children(), None) is not None:
+                    unsupported.append(f"{mname or '<root>'} ({type(m).__name__}: owns "
+                                       f"{', '.join(direct)} and has submodules)")
+                    continue
+                import warnings
+
+                warnings.warn(f"dptrain.clipping: no ghost rule for {type(m).__name__} "
+                              f"({mname}); using the torch.func fallback", stacklevel=2)
+                rule = FALLBACK
+            self.hooked.append(_Hooked(mname, m, rule, direct))
+            owned.update(id(p) for p in direct.values())
+        if unsupported:
+            raise ValueError("dptrain.clipping: unsupported modules with trainable parameters: "
+                             + "; ".join(unsupported))
+        missing = [n for i, n in self.names.items() if i not in owned]
+        assert not missing, f"trainable parameters not owned by any module: {missing}"
+
+    # -----------------------------------------------------------------------------------------
+    # capture
+
+    @contextlib.contextmanager
+    def _capture(self, batch_size: int, coef: float, records: list[_Record],
+                 targets: list[Tensor]) -> Iterator[None]:
+        handles = []
+
+        def make_hooks(h: _Hooked):
+            def pre(module, args):
+                if not torch.is_grad_enabled() or not args or not isinstance(args[0], Tensor):
+                    return None
+                x = args[0]
+                if h.rule.integer_input:
+                    if x.shape[0] == 1 and batch_size != 1:
+                        # broadcast ids (GPT-2's position_ids): one row per example, so each
+                        # example's gradient is separable; same forward values.
+                        return (x.expand(batch_size, *x.shape[1:]),) + tuple(args[1:])
+                    return None
+                new = list(args)
+                changed = False
+                for i, a in enumerate(args):
+                    if isinstance(a, Tensor) and a.is_floating_point() and not a.requires_grad:
+                        leaf = a.detach().requires_grad_(True)
+                        targets.append(leaf)
+                        new[i] = leaf
+                        changed = True
+                return tuple(new) if changed else None
+
+            def post(module, args, output):
+                if not torch.is_grad_enabled():
+                    return None
+                if not isinstance(output, Tensor):
+                    raise ValueError(f"dptrain.clipping: {h.name} ({type(module).__name__}) "
+                                     f"returned {type(output).__name__}, expected a Tensor")
+                if output.shape[0] != batch_size:
+                    raise ValueError(
+                        f"dptrain.clipping: {h.name} ({type(module).__name__}) produced a "
+                        f"leading dimension {output.shape[0]} for a microbatch of {batch_size} "
+                        f"examples: its per-example gradients cannot be separated")
+                rec = _Record(module, h.rule, h.rule.capture(module, args, output), coef)
+                records.append(rec)
+                if not output.requires_grad:
+                    return None
+                if not any(isinstance(a, Tensor) and a.requires_grad for a in args):
+                    rec.target_index = len(targets)
+                    rec.output = output
+                    rec.version = output._version
+                    targets.append(output)
+                else:
+                    def grab(g, rec=rec):
+                        rec.G = g
+
+                    output.register_hook(grab)
+                return None
+
+            return pre, post
+
+        try:
+            for h in self.hooked:
+                pre, post = make_hooks(h)
+                handles.append(h.module.register_forward_pre_hook(pre))
+                handles.append(h.module.register_forward_hook(post))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @contextlib.contextmanager
+    def _state(self, state: dict[str, Tensor] | None) -> Iterator[None]:
+        """Evaluate at ``state`` (name -> values) by swapping parameter storage in and out."""
+        if not state:
+            yield
+            return
+        old = {}
+        try:
+            for n, v in state.items():
+                p = self.params[n]
+                old[n] = p.data
+                p.data = v
+            yield
+        finally:
+            for n, v in old.items():
+                self.params[n].data = v
+
+    # -----------------------------------------------------------------------------------------
+    # the private query of one microbatch
+
+    def _forward_backward(self, loss_fn: LossFn, batch: Any, plan: QueryPlan, retain: bool):
+        B = batch_size_of(batch)
+        records: list[_Record] = []
+        graphs = []
+        loss_total = 0.0
+        for coef, state in plan:
+            targets: list[Tensor] = []
+            start = len(records)
+            with self._state(state), self._capture(B, coef, records, targets):
+                losses = loss_fn(self.model, batch)
+                if losses.shape != (B,):
+                    raise ValueError(f"loss_fn must return per-example losses of shape ({B},), "
+                                     f"got {tuple(losses.shape)}")
+                if state is None:
+                    loss_total += float(losses.detach().sum())
+                loss = losses.sum()
+                live = [t for t in targets if t.requires_grad]
+                grads = (torch.autograd.grad(loss, live, allow_unused=True, retain_graph=retain)
+                         if loss.requires_grad and live else [None] * len(live))
+            index = {id(t): g for t, g in zip(live, grads)}
+            for rec in records[start:]:
+                if rec.target_index is not None:
+                    if rec.output._version != rec.version:
+                        raise ValueError(
+                            f"dptrain.clipping: the output of {type(rec.module).__name__} was "
+                            f"modified in place; its gradient cannot be captured")
+                    rec.G = index.get(id(rec.output))
+                    rec.output = None
+            if retain:
+                graphs.append((coef, state, losses))
+        return records, graphs, loss_total
+
+    def _contributions(self, records: list[_Record]) -> dict[str, list[Contribution]]:
+        per_param: dict[str, list[Contribution]] = {}
+        for rec in records:
+            if rec.G is None:  # the layer's output did not reach the loss
+                continue
+            G = rec.G
+            if G.dtype in (torch.float16, torch.bfloat16):
+                G = G.float()
+                rec.saved = {k: (v.float() if isinstance(v, Tensor) and v.is_floating_point() else v)
+                             for k, v in rec.saved.items()}
+            for attr, c in rec.rule.contributions(rec.module, rec.saved, G).items():
+                p = rec.module._parameters[attr]
+                if p is None or not p.requires_grad:
+                    continue
+                c.coef = c.coef * rec.coef
+                per_param.setdefault(self.names[id(p)], []).append(c)
+            rec.saved = {}
+            rec.G = None
+        return per_param
+
+    def _norms(self, per_param: dict[str, list[Contribution]], B: int, device, dtype):
+        sq = torch.zeros(B, device=device, dtype=dtype)
+        used = {}
+        for name, contribs in per_param.items():
+            form = choose_form(contribs, self.ghost)
+            s, used[name] = squared_norms(contribs, form)
+            sq = sq + s.to(dtype)
+        return sq.clamp_min(0).sqrt(), used
+
+    def _acc_dtype(self) -> torch.dtype:
+        p = next(iter(self.params.values()))
+        return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+    def per_example_norms(self, loss_fn: LossFn, batch: Any, plan: QueryPlan | None = None) -> Tensor:
+        """||u_b|| for each example of ``batch`` (no clipping, no accumulation)."""
+        B = batch_size_of(batch)
+        dtype = self._acc_dtype()
+        device = next(iter(self.params.values())).device
+        if B == 0:
+            return torch.zeros(0, device=device, dtype=dtype)
+        records, _, _ = self._forward_backward(loss_fn, batch, plan or [(1.0, None)], False)
+        norms, _ = self._norms(self._contributions(records), B, device, dtype)
+        return norms
+
+    def clip_factors(self, norms: Tensor) -> Tensor:
+        """lam_b = min(1, C / ||u_b||) (1 for a zero gradient)."""
+        assert self.clip_norm is not None
+        C = torch.as_tensor(self.clip_norm, dtype=norms.dtype, device=norms.device)
+        return torch.where(norms > C, C / norms.clamp_min(torch.finfo(norms.dtype).tiny), 1.0)
+
+    def accumulate(self, loss_fn: LossFn, batch: Any, acc: dict[str, Tensor],
+                   plan: QueryPlan | None = None) -> StepStats:
+        """Add sum_b lam_b u_b of this microbatch into ``acc`` (name -> tensor shaped like the
+        parameter, created on first use). Sensitive: ``acc`` holds an unnoised sum."""
+        plan = plan or [(1.0, None)]
+        B = batch_size_of(batch)
+        if B == 0:
+            return StepStats()
+        dtype = self._acc_dtype()
+        device = next(iter(self.params.values())).device
+        two_pass = self.mode == "two_pass"
+        records, graphs, loss_total = self._forward_backward(loss_fn, batch, plan, two_pass)
+        per_param = self._contributions(records)
+        del records
+        norms, used = self._norms(per_param, B, device, dtype)
+        # Sensitive: per-example norms and clip factors; discard after use.
+        lam = self.clip_factors(norms)
+        del norms
+        if two_pass:
+            del used, per_param
+            names = list(self.params)
+            for coef, state, losses in graphs:
+                with self._state(state):
+                    weighted = (losses * (lam * coef).to(losses.dtype)).sum()
+                    grads = torch.autograd.grad(weighted, [self.params[n] for n in names],
+                                                allow_unused=True)
+                for n, g in zip(names, grads):
+                    if g is not None:
+                        self._add(acc, n, g.to(dtype))
+        else:
+            for name, contribs in used.items():
+                p = self.params[name]
+                self._add(acc, name, clipped_sum(contribs, lam, p.shape, dtype))
+        return StepStats(num_examples=B, loss_sum=loss_total)
+
+    @staticmethod
+    def _add(acc: dict[str, Tensor], name: str, value: Tensor) -> None:
+        if name in acc:
+            acc[name].add_(value)
+        else:
+            acc[name] = value.clone() if value.requires_grad else value
+
+
+def per_example_grad_norms(model: nn.Module, loss_fn: LossFn, batch: Any) -> Tensor:
+    """L2 norm of each example's complete gradient over all trainable parameters.
+
+    ``loss_fn(model, batch)`` returns per-example losses of shape [B]. Equals the norm of
+    torch.func per-example gradients, computed without materialising them (ghost norms).
+    """
+    return ClippingEngine(model).per_example_norms(loss_fn, batch)

@@ -1,0 +1,201 @@
+"""Per-layer rules: how a layer's captured input and output gradient give the per-example
+gradient contributions of its own (direct) parameters.
+
+Rules are registered by decorator and looked up along ``type(module).__mro__``, so subclasses
+and wrapper classes (FSDP2's ``FSDPLinear`` etc.) resolve to their base's rule.
+
+A rule has two halves:
+
+``capture(module, args, output) -> dict``
+    called in the forward hook; stores what the backward half will need (detached). Anything
+    that depends on the parameters' *values* (e.g. the standardised weight) must be captured
+    here, because the engine may evaluate the same layer at several model states.
+``contributions(module, saved, grad_output) -> {param_attr: Contribution}``
+    called after the backward, with ``grad_output`` the gradient of the summed per-example
+    losses w.r.t. the layer's output (so row b is example b's own output gradient).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dptrain.clipping.contributions import Contribution, Dense, OneHot, Outer
+
+_RULES: dict[type, "LayerRule"] = {}
+
+
+class LayerRule:
+    #: True when the layer's first argument is an integer tensor (its output becomes a
+    #: gradient target of the engine's backward, see engine.py).
+    integer_input = False
+
+    def capture(self, module: nn.Module, args: tuple, output: Tensor) -> dict:
+        return {"x": args[0].detach()}
+
+    def contributions(self, module: nn.Module, saved: dict,
+                      grad_output: Tensor) -> dict[str, Contribution]:
+        raise NotImplementedError
+
+
+def register_rule(*module_types: type) -> Callable[[type], type]:
+    """Class decorator: ``@register_rule(nn.Linear) class LinearRule(LayerRule): ...``."""
+
+    def deco(cls: type) -> type:
+        for t in module_types:
+            _RULES[t] = cls()
+        return cls
+
+    return deco
+
+
+def find_rule(module: nn.Module) -> LayerRule | None:
+    for klass in type(module).__mro__:
+        rule = _RULES.get(klass)
+        if rule is not None:
+            return rule
+    return None
+
+
+def _flat_bt(x: Tensor) -> Tensor:
+    """(B, ..., d) -> (B, T, d) with T the product of the middle dimensions."""
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+@register_rule(nn.Linear)
+class LinearRule(LayerRule):
+    """y = x W^T + b; W is (out, in): per-example grad sum_t G_t ⊗ x_t."""
+
+    def contributions(self, module, saved, G):
+        x = _flat_bt(saved["x"])
+        G = _flat_bt(G)
+        out = {"weight": Outer(G, x)}
+        if module.bias is not None:
+            out["bias"] = Dense(G.sum(1))
+        return out
+
+
+def _transformers_conv1d():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except Exception:  # pragma: no cover - transformers is a dependency
+        return None
+    return Conv1D
+
+
+_Conv1D = _transformers_conv1d()
+
+
+if _Conv1D is not None:
+
+    @register_rule(_Conv1D)
+    class Conv1DRule(LayerRule):
+        """transformers' GPT-2 Conv1D: y = x W + b with W stored (in, out): grad sum_t x_t ⊗ G_t."""
+
+        def contributions(self, module, saved, G):
+            x = _flat_bt(saved["x"])
+            G = _flat_bt(G)
+            out = {"weight": Outer(x, G)}
+            if module.bias is not None:
+                out["bias"] = Dense(G.sum(1))
+            return out
+
+
+@register_rule(nn.Embedding)
+class EmbeddingRule(LayerRule):
+    """Row ids[b,t] of W receives G[b,t]: per-example grad sum_t onehot(id_t) ⊗ G_t."""
+
+    integer_input = True
+
+    def capture(self, module, args, output):
+        return {"ids": args[0].detach()}
+
+    def contributions(self, module, saved, G):
+        ids = saved["ids"].reshape(saved["ids"].shape[0], -1)
+        G = _flat_bt(G)
+        if module.padding_idx is not None:
+            G = G * (ids != module.padding_idx).unsqueeze(-1).to(G.dtype)
+        if module.max_norm is not None:
+            raise ValueError(f"nn.Embedding with max_norm is not supported (it renormalises "
+                             f"weights in the forward): {module}")
+        return {"weight": Outer(OneHot(ids, module.num_embeddings), G)}
+
+
+@register_rule(nn.LayerNorm)
+class LayerNormRule(LayerRule):
+    """y = xhat * gamma + beta over the trailing normalized_shape: per-example grads
+    sum_t G_t * xhat_t and sum_t G_t (xhat recomputed from the captured input)."""
+
+    def contributions(self, module, saved, G):
+        x = saved["x"]
+        dims = tuple(range(x.dim() - len(module.normalized_shape), x.dim()))
+        x32 = x.to(G.dtype)
+        mean = x32.mean(dims, keepdim=True)
+        var = x32.var(dims, unbiased=False, keepdim=True)
+        xhat = (x32 - mean) * torch.rsqrt(var + module.eps)
+        B = x.shape[0]
+        n = 1
+        for d in module.normalized_shape:
+            n *= d
+        out = {}
+        if module.weight is not None:
+            out["weight"] = Dense((G * xhat).reshape(B, -1, n).sum(1).reshape(B, *module.normalized_shape))
+        if module.bias is not None:
+            out["bias"] = Dense(G.reshape(B, -1, n).sum(1).reshape(B, *module.normalized_shape))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.func fallback for any other layer with direct parameters
+
+
+class FuncFallbackRule(LayerRule):
+    """Per-example gradients of an unsupported layer's own parameters with torch.func: one
+    vmapped VJP of the layer's forward per example, from the captured input and output grad.
+    Instantiates that layer's per-example gradients only (never the whole model's)."""
+
+    def capture(self, module, args, output):
+        params = {n: p.detach() for n, p in module.named_parameters(recurse=False)}
+        return {"args": tuple(a.detach() if isinstance(a, Tensor) else a for a in args),
+                "params": params}
+
+    def contributions(self, module, saved, G):
+        from torch.func import functional_call, vjp, vmap
+
+        params = saved["params"]
+        args = saved["args"]
+        batched = [isinstance(a, Tensor) for a in args]
+
+        def one(g, *example_args):
+            full = []
+            it = iter(example_args)
+            for a, is_b in zip(args, batched):
+                full.append(next(it).unsqueeze(0) if is_b else a)
+
+            def f(p):
+                return functional_call(module, p, tuple(full))
+
+            _, pull = vjp(f, params)
+            (grads,) = pull(g.unsqueeze(0))
+            return grads
+
+        tensor_args = [a for a in args if isinstance(a, Tensor)]
+        grads = vmap(one)(G, *tensor_args)
+        return {n: Dense(g) for n, g in grads.items()}
+
+
+FALLBACK = FuncFallbackRule()
+
+
+def rule_or_fallback(module: nn.Module, name: str) -> LayerRule:
+    rule = find_rule(module)
+    if rule is not None:
+        return rule
+    warnings.warn(f"dptrain.clipping: no ghost rule for {type(module).__name__} ({name}); "
+                  f"using the torch.func fallback (instantiates this layer's per-example "
+                  f"gradients)", stacklevel=3)
+    return FALLBACK
