@@ -1,0 +1,291 @@
+"""dptrain.diagnostics: definitions of the inner-momentum paper (Eqs. 8-12, 20), on random shapes."""
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dptrain.diagnostics import (
+    PRIVACY_NOTE,
+    clipped_mean,
+    clipping_residual,
+    cosine_error,
+    effective_rank,
+    gradient_snr,
+    normalized_residual,
+    plot_spectra,
+    polar,
+    polar_error,
+    singular_values,
+    spectral_gap,
+    summarize,
+    wedin_threshold,
+)
+
+FAST = settings(max_examples=40, deadline=None)
+dims = st.integers(min_value=1, max_value=7)
+seeds = st.integers(min_value=0, max_value=2**31 - 1)
+
+
+def randn(*shape, seed, dtype=torch.float64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def lam_for(G, C):
+    """Clip factors min(1, C / ||G_i||_F) as the trainer computes them."""
+    norms = torch.linalg.vector_norm(G.reshape(G.shape[0], -1), dim=1)
+    return torch.clamp(C / norms, max=1.0)
+
+
+# ---- Proposition 1 -------------------------------------------------------------------------
+
+
+@FAST
+@given(m=st.integers(1, 9), r=dims, c=dims, seed=seeds, C=st.floats(0.05, 5.0))
+def test_proposition_1_identity_is_exact_and_residual_bounded(m, r, c, seed, C):
+    G = randn(m, r, c, seed=seed) * (1 + 3 * torch.rand(m, 1, 1, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64))
+    lam = lam_for(G, C)
+    R, sigma_lambda, sigma_G = clipping_residual(G, lam)
+    assert R.dtype == torch.float64 and R.shape == (r, c)
+    direct = (lam[:, None, None] * G).sum(0) / m
+    torch.testing.assert_close(lam.mean() * G.mean(0) + R, direct, rtol=0, atol=1e-10)
+    torch.testing.assert_close(clipped_mean(G, lam), direct, rtol=0, atol=1e-12)
+    assert torch.linalg.vector_norm(R).item() <= sigma_lambda * sigma_G * (1 + 1e-12) + 1e-15
+    # The definitions themselves: population (1/m) statistics.
+    assert sigma_lambda == pytest.approx(lam.std(unbiased=False).item(), abs=1e-12)
+    dG = G - G.mean(0)
+    assert sigma_G == pytest.approx(math.sqrt(dG.square().sum().item() / m), rel=1e-12)
+
+
+@FAST
+@given(m=st.integers(1, 9), r=dims, c=dims, seed=seeds, value=st.floats(0.01, 1.0))
+def test_residual_vanishes_for_equal_clip_factors(m, r, c, seed, value):
+    G = randn(m, r, c, seed=seed)
+    R, sigma_lambda, _ = clipping_residual(G, torch.full((m,), value, dtype=torch.float64))
+    assert sigma_lambda == pytest.approx(0.0, abs=1e-15)
+    assert torch.linalg.vector_norm(R).item() <= 1e-14
+
+
+def test_single_example_has_zero_residual_and_spread():
+    G = randn(1, 3, 4, seed=0)
+    R, sigma_lambda, sigma_G = clipping_residual(G, torch.tensor([0.3]))
+    assert torch.count_nonzero(R) == 0 and sigma_lambda == 0.0 and sigma_G == 0.0
+    assert normalized_residual(G, torch.tensor([0.3])) == 0.0
+
+
+def test_clipping_residual_computes_in_float64_from_float32_inputs():
+    G = randn(5, 4, 3, seed=1, dtype=torch.float32)
+    lam = lam_for(G, 1.0)
+    R, _, _ = clipping_residual(G, lam)
+    R64, _, _ = clipping_residual(G.double(), lam.double())
+    assert R.dtype == torch.float64
+    torch.testing.assert_close(R, R64, rtol=0, atol=0)
+
+
+def test_normalized_residual_is_residual_over_aligned_part():
+    G = randn(6, 4, 5, seed=2)
+    lam = torch.linspace(0.2, 1.0, 6, dtype=torch.float64)
+    R, _, _ = clipping_residual(G, lam)
+    expected = torch.linalg.vector_norm(R) / torch.linalg.vector_norm(lam.mean() * G.mean(0))
+    assert normalized_residual(G, lam) == pytest.approx(expected.item(), rel=1e-12)
+    # Scale invariance in G and in lam.
+    assert normalized_residual(3 * G, 0.5 * lam) == pytest.approx(expected.item(), rel=1e-12)
+
+
+def test_clipping_residual_rejects_mismatched_factors():
+    with pytest.raises(ValueError, match="lam"):
+        clipping_residual(torch.zeros(3, 2, 2), torch.ones(4))
+    with pytest.raises(ValueError, match="m >= 1"):
+        clipping_residual(torch.zeros(0, 2, 2), torch.ones(0))
+
+
+# ---- polar factor and errors ---------------------------------------------------------------
+
+
+@FAST
+@given(r=dims, c=dims, seed=seeds)
+def test_polar_factor_has_unit_singular_values(r, c, seed):
+    X = randn(r, c, seed=seed)
+    P = polar(X)
+    assert P.dtype == torch.float64 and P.shape == X.shape
+    torch.testing.assert_close(torch.linalg.svdvals(P), torch.ones(min(r, c), dtype=torch.float64), rtol=0, atol=1e-10)
+    # P is the orthogonal factor of X = P H with H = P^T X symmetric positive semi-definite.
+    H = P.T @ X if r >= c else X @ P.T
+    torch.testing.assert_close(H, H.T, rtol=0, atol=1e-10)
+    assert torch.linalg.eigvalsh(H).min().item() >= -1e-10
+
+
+@FAST
+@given(n=dims, seed=seeds)
+def test_polar_of_orthogonal_matrix_is_itself(n, seed):
+    Q, _ = torch.linalg.qr(randn(n, n, seed=seed))
+    torch.testing.assert_close(polar(Q), Q, rtol=0, atol=1e-12)
+    torch.testing.assert_close(polar(Q.float()), Q, rtol=0, atol=1e-6)  # float32 in, float64 out
+
+
+def test_polar_of_rank_deficient_matrix_is_partial_isometry():
+    u, v = randn(5, 1, seed=3), randn(4, 1, seed=4)
+    P = polar(u @ v.T)
+    expected = (u / u.norm()) @ (v / v.norm()).T
+    torch.testing.assert_close(P, expected, rtol=0, atol=1e-12)
+    assert torch.count_nonzero(polar(torch.zeros(3, 2))) == 0
+
+
+def test_polar_views_conv_weights_as_out_by_rest():
+    W = randn(4, 2, 3, 3, seed=5)
+    torch.testing.assert_close(polar(W).reshape(4, -1), polar(W.reshape(4, -1)), rtol=0, atol=0)
+
+
+@FAST
+@given(r=dims, c=dims, seed=seeds, scale=st.floats(0.01, 100.0))
+def test_polar_error_is_zero_under_positive_scaling(r, c, seed, scale):
+    X = randn(r, c, seed=seed)
+    assert polar_error(2 * X, X) == pytest.approx(0.0, abs=1e-9)
+    assert polar_error(scale * X, X) == pytest.approx(0.0, abs=1e-9)
+
+
+@FAST
+@given(r=dims, c=dims, seed=seeds)
+def test_polar_error_definition_and_negation(r, c, seed):
+    X, Y = randn(r, c, seed=seed), randn(r, c, seed=seed + 7)
+    expected = torch.linalg.vector_norm(polar(X) - polar(Y)) / math.sqrt(min(r, c))
+    assert polar_error(X, Y) == pytest.approx(expected.item(), rel=1e-12, abs=1e-12)
+    assert polar_error(-X, X) == pytest.approx(2.0, abs=1e-9)
+
+
+def test_polar_error_nan_for_zero_reference_and_shape_check():
+    assert math.isnan(polar_error(torch.ones(2, 2), torch.zeros(2, 2)))
+    with pytest.raises(ValueError, match="shapes differ"):
+        polar_error(torch.ones(2, 3), torch.ones(3, 2))
+
+
+@FAST
+@given(r=dims, c=dims, seed=seeds, scale=st.floats(0.01, 100.0))
+def test_cosine_error_scaling_and_negation(r, c, seed, scale):
+    X = randn(r, c, seed=seed)
+    assert cosine_error(scale * X, X) == pytest.approx(0.0, abs=1e-12)
+    assert cosine_error(-X, X) == pytest.approx(2.0, abs=1e-12)
+    Y = randn(r, c, seed=seed + 1)
+    expected = 1 - (X * Y).sum() / (X.norm() * Y.norm())
+    assert cosine_error(X, Y) == pytest.approx(expected.item(), abs=1e-12)
+
+
+def test_cosine_error_of_orthogonal_matrices_is_one():
+    assert cosine_error(torch.eye(3), torch.tensor([[0.0, 1, 0], [1, 0, 0], [0, 0, 0]])) == 1.0
+    assert math.isnan(cosine_error(torch.zeros(2, 2), torch.eye(2)))
+
+
+def test_newton_schulz_preserves_the_polar_factor():
+    """Proposition 2: polar(NS_J(X)) = polar(X) in float64 (NS maps sigma > 0 to sigma' > 0)."""
+    try:
+        from dptrain.optim import newton_schulz
+    except ImportError:
+        pytest.skip("dptrain.optim.newton_schulz not available yet")
+    for seed, shape in enumerate([(6, 4), (4, 6), (5, 5)]):
+        X = randn(*shape, seed=seed)
+        O = newton_schulz(X, steps=5)
+        assert polar_error(O, X) < 1e-10
+
+
+# ---- spectra -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 16])
+def test_effective_rank_of_identity_is_n(n):
+    assert effective_rank(torch.eye(n)) == pytest.approx(n, rel=1e-12)
+
+
+@FAST
+@given(r=dims, c=dims, seed=seeds)
+def test_effective_rank_of_rank_one_is_one_and_bounded(r, c, seed):
+    u, v = randn(r, 1, seed=seed), randn(c, 1, seed=seed + 1)
+    assert effective_rank(u @ v.T) == pytest.approx(1.0, rel=1e-9)
+    X = randn(r, c, seed=seed + 2)
+    assert 1.0 - 1e-12 <= effective_rank(X) <= min(r, c) + 1e-12
+    assert effective_rank(torch.zeros(r, c)) == 0.0
+
+
+def test_spectral_gap_and_relative_gap():
+    X = torch.diag(torch.tensor([5.0, 2.0, 1.0]))
+    gap = spectral_gap(X)
+    assert gap.gap == pytest.approx(3.0) and gap.relative == pytest.approx(0.6)
+    assert spectral_gap(torch.tensor([[3.0, 4.0]])) == (5.0, 1.0)  # one singular value: sigma_2 = 0
+    assert singular_values(X).tolist() == [5.0, 2.0, 1.0]
+
+
+def test_wedin_threshold_on_a_diagonal_matrix_by_hand():
+    # 4 x 4, singular values (3, 1, 0, 0): gap 2; noise scale sigma*C*(2 + 2)/B.
+    X = torch.diag(torch.tensor([3.0, 1.0, 0.0, 0.0]))
+    # sigma = C = 1: 4/B < 2 <=> B > 2, so B = 3 (B = 2 gives equality, not below).
+    assert wedin_threshold(X, 1.0, 1.0) == 3
+    # sigma = 2.5, C = 0.7: 7/B < 2 <=> B > 3.5, so B = 4.
+    assert wedin_threshold(X, 2.5, 0.7) == 4
+    # 9 x 4 with gap 0.5: (3 + 2) * sigma * C / B < 0.5 with sigma*C = 1.25 <=> B > 12.5.
+    Y = torch.zeros(9, 4)
+    Y[0, 0], Y[1, 1] = 2.0, 1.5
+    assert wedin_threshold(Y, 1.25, 1.0) == 13
+    assert wedin_threshold(X, 0.0, 1.0) == 1  # no noise: any batch
+    assert wedin_threshold(torch.eye(3), 1.0, 1.0) is None  # zero gap: no batch suffices
+    with pytest.raises(ValueError, match="clip_norm"):
+        wedin_threshold(X, 1.0, 0.0)
+
+
+@FAST
+@given(r=dims, c=dims, seed=seeds, sigma=st.floats(0.1, 10.0), C=st.floats(0.1, 10.0))
+def test_wedin_threshold_is_the_smallest_batch(r, c, seed, sigma, C):
+    X = randn(r, c, seed=seed)
+    B = wedin_threshold(X, sigma, C)
+    gap = spectral_gap(X).gap
+    scale = sigma * C * (math.sqrt(r) + math.sqrt(c))
+    assert scale / B < gap
+    assert B == 1 or not scale / (B - 1) < gap
+
+
+def test_gradient_snr():
+    assert gradient_snr(torch.full((2, 2), 3.0), torch.full((2, 2), 1.5)) == pytest.approx(2.0)
+    assert gradient_snr(torch.ones(2), torch.zeros(2)) == math.inf
+
+
+# ---- summary and plot ----------------------------------------------------------------------
+
+
+def test_summarize_reports_every_diagnostic_as_json():
+    ref = randn(6, 4, seed=10)
+    G = ref + 0.5 * randn(8, 6, 4, seed=11)
+    lam = lam_for(G, 2.0)
+    out = summarize(
+        ref,
+        {"clipped": (G, lam), "noisy": ref + 0.1 * randn(6, 4, seed=12)},
+        noise=randn(6, 4, seed=13),
+        noise_multiplier=1.0,
+        clip_norm=2.0,
+        batch_size=64,
+    )
+    json.dumps(out)  # serialisable
+    assert out["privacy_note"] == PRIVACY_NOTE and "NOT covered" in PRIVACY_NOTE
+    r = out["reference"]
+    assert r["wedin_threshold"] == wedin_threshold(ref, 1.0, 2.0)
+    assert r["effective_rank"] == pytest.approx(effective_rank(ref))
+    assert r["gradient_snr"] == pytest.approx(gradient_snr(ref, randn(6, 4, seed=13)))
+    assert r["wedin_recoverable"] == (64 >= r["wedin_threshold"])
+    c = out["candidates"]["clipped"]
+    X = clipped_mean(G, lam)
+    assert c["polar_error"] == pytest.approx(polar_error(X, ref))
+    assert c["cosine_error"] == pytest.approx(cosine_error(X, ref))
+    assert c["eta_R"] == pytest.approx(normalized_residual(G, lam))
+    assert c["residual_norm"] <= c["residual_bound"] + 1e-12
+    assert "eta_R" not in out["candidates"]["noisy"]
+    with pytest.raises(ValueError, match="shape"):
+        summarize(ref, {"bad": torch.zeros(4, 6)})
+
+
+def test_plot_spectra_writes_a_png(tmp_path):
+    path = plot_spectra(
+        {"reference": randn(8, 5, seed=20), "rank one": randn(8, 1, seed=21) @ randn(1, 5, seed=22)},
+        tmp_path / "sub" / "spectra.png",
+    )
+    data = path.read_bytes()
+    assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
