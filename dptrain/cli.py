@@ -1,0 +1,49 @@
+"""The ``dptrain`` command line: ``train``, ``calibrate``, ``diagnose``.
+
+A user-facing mistake (``ConfigError``) becomes one line on stderr naming the field, and exit
+status 2; nothing written before is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+from dptrain.config import ConfigError
+
+
+def _commands():
+    import importlib
+
+    names = ("train", "calibrate", "diagnose")
+    return {n: importlib.import_module(f"dptrain.commands.{n}") for n in names
+            if importlib.util.find_spec(f"dptrain.commands.{n}") is not None}
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    parser = argparse.ArgumentParser(
+        prog="dptrain",
+        description="Differentially private training with the Muon family of optimizers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands = _commands()
+    for module in commands.values():
+        module.add_parser(sub)
+    return parser, commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, commands = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(commands[args.command].run(args) or 0)
+    except ConfigError as e:
+        print(f"dptrain {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dptrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""``dptrain train --config PATH [--output-dir DIR] [--resume auto|PATH] [key.sub=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dptrain.config import ConfigError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a model privately",
+                       description="Train privately; writes DIR/summary.json and "
+                                   "DIR/final/model.safetensors.")
+    p.add_argument("--config", required=True, help="YAML run config (see configs/)")
+    p.add_argument("--output-dir", default=None,
+                   help="where metrics, checkpoints and the final model go (default runs/<config>)")
+    p.add_argument("--resume", default=None,
+                   help="'auto' (newest complete checkpoint in the output dir) or a checkpoint path")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dptrain import checkpoint as ckpt
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    cfg = load(RunConfig, args.config, args.overrides)
+    out = Path(args.output_dir) if args.output_dir else Path("runs") / Path(args.config).stem
+    resume_path = None
+    if args.resume == "auto":
+        resume_path = ckpt.find_latest(out)
+        if resume_path is None:
+            print(f"dptrain train: no complete checkpoint in {out}; starting afresh",
+                  file=sys.stderr)
+    elif args.resume is not None:
+        resume_path = Path(args.resume)
+        if not resume_path.is_dir():
+            raise ConfigError("resume", f"no checkpoint directory at {resume_path}")
+    if resume_path is None and (out / "summary.json").exists():
+        raise ConfigError("output-dir", f"{out} already holds a finished run; choose another "
+                                        f"directory or pass --resume auto")
+    trainer = Trainer(cfg, out)
+    if resume_path is not None:
+        ckpt.load(trainer, resume_path)
+        print(f"dptrain train: resumed from {resume_path} at step {trainer.step}",
+              file=sys.stderr)
+    summary = trainer.run()
+    metrics = ", ".join(f"{k} {v:.4g}" for k, v in summary["metrics"].items()
+                        if isinstance(v, (int, float)))
+    print(f"done: {summary['steps']} steps, epsilon {summary['epsilon']:.3f} "
+          f"(delta {summary['delta']:.3g}), {metrics}; wrote {out}/summary.json")
+    return 0

@@ -1,0 +1,312 @@
+"""One private training run: the loop of ARCHITECTURE.md's "one private step".
+
+    for t in steps:
+        S_t  = Poisson sample (seed, t)                     privacy.sampling
+        plan = optimizer.query_plan()                        states to evaluate the query at
+        sum  = sum over microbatches of sum_i lam_i u_i      clipping.ClippingEngine
+        p.grad = (sum + sigma*C*Z_t) / b  for every p        ONE Gaussian release, even if S_t = {}
+        ledger.record(sigma, q)                              privacy.accounting
+        optimizer.step()                                     post-processing (filters, Muon, ...)
+
+Everything before the release touches private data; everything after it is post-processing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from dptrain.clipping import ClippingEngine
+from dptrain.config import ConfigError, to_dict
+from dptrain.data import DataConfig, build_data
+from dptrain.models import ModelConfig, build_model
+from dptrain.optim import OptimConfig, build_optimizer
+from dptrain.performance import PerformanceConfig
+from dptrain.privacy.accounting import Ledger, calibrate_noise_multiplier, epsilon as ledger_epsilon
+from dptrain.privacy.config import PrivacyConfig
+from dptrain.privacy.noise import gaussian_noise, secure_seed
+from dptrain.privacy.sampling import poisson_sample
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    log_every: int = 1
+    """Steps between metric lines (and epsilon evaluations) in metrics.jsonl."""
+    eval_every: int = 0
+    """Steps between test-set evaluations; 0 evaluates only at the end."""
+    eval_batch_size: int = 128
+    """Batch size of evaluation (public test data; no privacy cost)."""
+    checkpoint_every: int = 0
+    """Steps between checkpoints; 0 writes none (the final model is always written)."""
+    keep_checkpoints: int = 2
+    """How many complete checkpoints to keep (the newest complete one is never deleted)."""
+    progress: bool = True
+    """Show a progress bar on stderr."""
+
+    def validate(self) -> None:
+        for name in ("log_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "checkpoint_every", "eval_batch_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    seed: int = 0
+    """Seed of the public randomness: model initialisation, data splits, synthetic data."""
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    performance: PerformanceConfig = field(default_factory=PerformanceConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def resolve_device(perf: PerformanceConfig) -> torch.device:
+    if perf.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if perf.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("performance.device", "cuda requested but no GPU is available")
+    return torch.device(perf.device)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=5)
+        return out.stdout.strip() or None
+    except Exception:
+        return None
+
+
+@dataclass
+class PrivacyPlan:
+    """The mechanism of the run, derived from PrivacyConfig and the data (all public)."""
+
+    sample_rate: float
+    noise_multiplier: float
+    clip_norm: float
+    denominator: int  # b
+    steps: int
+    delta: float
+    accountant: str
+    planned_epsilon: float
+    dataset_size: int  # N used for b and calibration
+
+
+def plan_privacy(cfg: PrivacyConfig, train_size: int) -> PrivacyPlan:
+    """Calibrate or check sigma; refuse a plan that would exceed the target epsilon."""
+    n = cfg.dataset_size if cfg.dataset_size is not None else train_size
+    b = cfg.release_denominator(train_size)
+    if cfg.noise_multiplier is None:
+        sigma = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, cfg.sample_rate, cfg.steps,
+                                           accountant=cfg.accountant)
+    else:
+        sigma = cfg.noise_multiplier
+    plan_ledger = Ledger()
+    plan_ledger.record(sigma, cfg.sample_rate, cfg.steps)
+    eps = ledger_epsilon(plan_ledger, cfg.delta, cfg.accountant) if sigma > 0 else math.inf
+    if cfg.epsilon is not None and eps > cfg.epsilon * (1 + 1e-9):
+        raise ConfigError(
+            "privacy.steps",
+            f"{cfg.steps} releases at noise_multiplier {sigma:.4g} and sample_rate "
+            f"{cfg.sample_rate:.4g} spend epsilon {eps:.4g} > the budget {cfg.epsilon:.4g}; "
+            f"lower privacy.steps or raise privacy.noise_multiplier (or leave it null to calibrate)")
+    return PrivacyPlan(cfg.sample_rate, sigma, cfg.clip_norm, b, cfg.steps, cfg.delta,
+                       cfg.accountant, eps, n)
+
+
+class Trainer:
+    """Builds everything from a RunConfig and runs the private loop on one process."""
+
+    def __init__(self, cfg: RunConfig, output_dir: str | Path | None = None):
+        self.cfg = cfg
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        perf = cfg.performance
+        if perf.num_threads is not None:
+            torch.set_num_threads(perf.num_threads)
+        self.device = resolve_device(perf)
+        self.task = build_data(cfg.data, seed=cfg.seed)
+        self.train_size = len(self.task.train)
+        self.plan = plan_privacy(cfg.privacy, self.train_size)
+        # Sensitive in secure mode: the seed is never written anywhere.
+        self._privacy_seed = secure_seed() if cfg.privacy.secure_mode else cfg.privacy.seed
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(cfg.model, self.task.info).to(self.device)
+        if perf.dtype == "float64":
+            self.model = self.model.double()
+        self.model.train()
+        self.engine = ClippingEngine(
+            self.model, clip_norm=self.plan.clip_norm, ghost=perf.ghost,
+            mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping")
+        self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(
+            cfg.optim, self.named_params, total_steps=self.plan.steps,
+            release_noise_std=self.plan.noise_multiplier * self.plan.clip_norm / self.plan.denominator,
+            seed=cfg.seed)
+        self.ledger = Ledger()
+        self.step = 0
+
+    # ---------------------------------------------------------------------------------- mechanism
+
+    def sample(self, step: int) -> np.ndarray:
+        """S_t: sorted indices of the examples Poisson-sampled at ``step``. Sensitive."""
+        return poisson_sample(self._privacy_seed, step, self.train_size, self.plan.sample_rate)
+
+    def microbatches(self, indices: np.ndarray) -> list[np.ndarray]:
+        mb = self.cfg.performance.microbatch_size
+        return [indices[i:i + mb] for i in range(0, len(indices), mb)]
+
+    def noise(self, step: int, name: str, p: Tensor) -> Tensor:
+        """Z_t for parameter ``name``: a pure function of (seed, step, name, coordinate)."""
+        z = gaussian_noise(self._privacy_seed, step, name, p.numel(), device=p.device,
+                           dtype=torch.float32 if p.dtype != torch.float64 else torch.float64)
+        return z.view_as(p)
+
+    def _autocast(self):
+        if self.cfg.performance.dtype == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def private_step(self) -> dict:
+        """One logical batch: sample, clipped sum over microbatches, one release, optimizer."""
+        t = self.step
+        if self.ledger.num_releases >= self.plan.steps:
+            raise ConfigError("privacy.steps", f"the planned {self.plan.steps} releases are spent; "
+                                               "another would exceed the privacy budget")
+        indices = self.sample(t)
+        plan = self.optimizer.query_plan()
+        acc: dict[str, Tensor] = {}  # Sensitive: unnoised clipped sum; discarded after release.
+        loss_sum, count = 0.0, 0
+        with self._autocast():
+            for chunk in self.microbatches(indices):
+                batch = to_device(self.task.train.collate(chunk), self.device)
+                stats = self.engine.accumulate(self.task.loss_fn, batch, acc, plan)
+                loss_sum += stats.loss_sum
+                count += stats.num_examples
+        del indices
+        sigma, C, b = self.plan.noise_multiplier, self.plan.clip_norm, self.plan.denominator
+        with torch.no_grad():
+            for name, p in self.named_params:
+                s = acc.pop(name, None)
+                noisy = sigma * C * self.noise(t, name, p)
+                if s is not None:
+                    noisy = noisy + s
+                p.grad = (noisy / b).to(p.dtype)
+        del acc
+        self.ledger.record(sigma, self.plan.sample_rate)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.step += 1
+        # Not covered by the guarantee: the training loss is computed without noise.
+        return {"step": self.step, "train_loss": loss_sum / max(count, 1)}
+
+    def epsilon(self) -> float:
+        if self.ledger.num_releases == 0:
+            return 0.0
+        return ledger_epsilon(self.ledger, self.plan.delta, self.plan.accountant)
+
+    def evaluate(self) -> dict:
+        self.model.eval()
+        try:
+            metrics = self.task.evaluate(self.model, self.task.test, self.cfg.train.eval_batch_size)
+        finally:
+            self.model.train()
+        return metrics
+
+    # ---------------------------------------------------------------------------------- the run
+
+    def run(self) -> dict:
+        from tqdm import tqdm
+
+        from dptrain import checkpoint as ckpt
+
+        tc = self.cfg.train
+        out = self.output_dir
+        metrics_file = None
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            metrics_file = open(out / "metrics.jsonl", "a")
+        bar = tqdm(total=self.plan.steps, initial=self.step, disable=not tc.progress,
+                   desc="dptrain", unit="step", dynamic_ncols=True)
+        eps = self.epsilon()
+        start = time.time()
+        try:
+            while self.step < self.plan.steps:
+                row = self.private_step()
+                last = self.step == self.plan.steps
+                if self.step % tc.log_every == 0 or last:
+                    eps = self.epsilon()
+                    row.update(epsilon=eps, lr=self.optimizer.lr, time=time.time() - start)
+                    if tc.eval_every and self.step % tc.eval_every == 0 and not last:
+                        row.update({f"test_{k}": v for k, v in self.evaluate().items()})
+                    if metrics_file:
+                        metrics_file.write(json.dumps(row) + "\n")
+                        metrics_file.flush()
+                bar.set_postfix(loss=f"{row['train_loss']:.4f}", eps=f"{eps:.3f}")
+                bar.update(1)
+                if out is not None and tc.checkpoint_every and (
+                        self.step % tc.checkpoint_every == 0 or last):
+                    ckpt.save(self, out)
+        finally:
+            bar.close()
+            if metrics_file:
+                metrics_file.close()
+        final = self.evaluate()
+        summary = {
+            "epsilon": self.epsilon(),
+            "delta": self.plan.delta,
+            "steps": self.step,
+            "noise_multiplier": self.plan.noise_multiplier,
+            "sample_rate": self.plan.sample_rate,
+            "clip_norm": self.plan.clip_norm,
+            "expected_batch_size": self.plan.denominator,
+            "dataset_size": self.plan.dataset_size,
+            "accountant": self.plan.accountant,
+            "metrics": final,
+            **{f"test_{k}": v for k, v in final.items()},
+            "seed": self.cfg.seed,
+            "secure_mode": self.cfg.privacy.secure_mode,
+            "git_commit": git_commit(),
+            "train_seconds": time.time() - start,
+            "config": to_dict(self.cfg),
+        }
+        if out is not None:
+            self.export(out / "final")
+            tmp = out / "summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=2, default=str))
+            os.replace(tmp, out / "summary.json")
+        return summary
+
+    def export(self, directory: Path) -> None:
+        """The full, unsharded model: ``model.safetensors`` (tied tensors stored once)."""
+        from safetensors.torch import save_model
+
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / "model.safetensors.tmp"
+        save_model(self.model, str(tmp))
+        os.replace(tmp, directory / "model.safetensors")
