@@ -44,7 +44,14 @@ from dptrain.clipping.contributions import (
 from dptrain.clipping.rules import FALLBACK, LayerRule, find_rule
 
 LossFn = Callable[[nn.Module, Any], Tensor]
-QueryPlan = list[tuple[float, "dict[str, Tensor] | None"]]
+#: [(coefficient, state), ...]: example b's query is u_b = sum_j a_j * grad l(state_j; x_b).
+#: ``state`` maps parameter names to the values to evaluate at (None: the current values); the
+#: coefficient is a float, or a dict name -> float for per-parameter coefficients (inner
+#: momentum's separate Muon/AdamW histories; a missing name means 0). An optional third element
+#: is a seed for the forward randomness (dropout) of that evaluation, drawn from its own stream
+#: so that the current state's forward consumes the global RNG exactly as without the plan.
+Coef = "float | dict[str, float]"
+QueryPlan = list[tuple]
 
 
 def batch_size_of(batch: Any) -> int:
@@ -205,21 +212,33 @@ class ClippingEngine:
                 handle.remove()
 
     @contextlib.contextmanager
-    def _state(self, state: dict[str, Tensor] | None) -> Iterator[None]:
-        """Evaluate at ``state`` (name -> values) by swapping parameter storage in and out."""
-        if not state:
-            yield
-            return
-        old = {}
-        try:
-            for n, v in state.items():
-                p = self.params[n]
-                old[n] = p.data
-                p.data = v
-            yield
-        finally:
-            for n, v in old.items():
-                self.params[n].data = v
+    def _state(self, state: dict[str, Tensor] | None, seed: int | None = None) -> Iterator[None]:
+        """Evaluate at ``state`` (name -> values): copy the values in (through ``.data``, so
+        autograd's version counters are untouched) and the current ones back afterwards. Under
+        sharding the values are each rank's local shards. With ``seed``, the forward randomness
+        comes from a forked RNG stream seeded with it."""
+        rng = contextlib.nullcontext()
+        if seed is not None:
+            devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+            rng = torch.random.fork_rng(devices=devices)
+        with rng:
+            if seed is not None:
+                torch.manual_seed(seed)
+            if not state:
+                yield
+                return
+            saved = {}
+            try:
+                with torch.no_grad():
+                    for n, v in state.items():
+                        p = self.params[n]
+                        saved[n] = p.data.clone()
+                        p.data.copy_(v)
+                yield
+            finally:
+                with torch.no_grad():
+                    for n, v in saved.items():
+                        self.params[n].data.copy_(v)
 
     # -----------------------------------------------------------------------------------------
     # the private query of one microbatch
@@ -229,10 +248,12 @@ class ClippingEngine:
         records: list[_Record] = []
         graphs = []
         loss_total = 0.0
-        for coef, state in plan:
+        for entry in plan:
+            coef, state = entry[0], entry[1]
+            seed = entry[2] if len(entry) > 2 else None
             targets: list[Tensor] = []
             start = len(records)
-            with self._state(state), self._capture(B, coef, records, targets):
+            with self._state(state, seed), self._capture(B, coef, records, targets):
                 losses = loss_fn(self.model, batch)
                 if losses.shape != (B,):
                     raise ValueError(f"loss_fn must return per-example losses of shape ({B},), "
@@ -253,7 +274,7 @@ class ClippingEngine:
                     rec.G = index.get(id(rec.output))
                     rec.output = None
             if retain:
-                graphs.append((coef, state, losses))
+                graphs.append((coef, state, seed, losses))
         return records, graphs, loss_total
 
     def _contributions(self, records: list[_Record]) -> dict[str, list[Contribution]]:
@@ -270,8 +291,12 @@ class ClippingEngine:
                 p = rec.module._parameters[attr]
                 if p is None or not p.requires_grad:
                     continue
-                c.coef = c.coef * rec.coef
-                per_param.setdefault(self.names[id(p)], []).append(c)
+                name = self.names[id(p)]
+                a = rec.coef.get(name, 0.0) if isinstance(rec.coef, dict) else rec.coef
+                if a == 0.0:
+                    continue
+                c.coef = c.coef * a
+                per_param.setdefault(name, []).append(c)
             rec.saved = {}
             rec.G = None
         return per_param
@@ -327,14 +352,15 @@ class ClippingEngine:
         if two_pass:
             del used, per_param
             names = list(self.params)
-            for coef, state, losses in graphs:
+            for coef, state, _, losses in graphs:
                 with self._state(state):
-                    weighted = (losses * (lam * coef).to(losses.dtype)).sum()
+                    weighted = (losses * lam.to(losses.dtype)).sum()
                     grads = torch.autograd.grad(weighted, [self.params[n] for n in names],
                                                 allow_unused=True)
                 for n, g in zip(names, grads):
-                    if g is not None:
-                        self._add(acc, n, g.to(dtype))
+                    a = coef.get(n, 0.0) if isinstance(coef, dict) else coef
+                    if g is not None and a != 0.0:
+                        self._add(acc, n, g.to(dtype) * a)
         else:
             for name, contribs in used.items():
                 p = self.params[name]

@@ -159,7 +159,8 @@ class FuncFallbackRule(LayerRule):
     Instantiates that layer's per-example gradients only (never the whole model's)."""
 
     def capture(self, module, args, output):
-        params = {n: p.detach() for n, p in module.named_parameters(recurse=False)}
+        # cloned: the engine may copy other model states into the parameters afterwards
+        params = {n: p.detach().clone() for n, p in module.named_parameters(recurse=False)}
         return {"args": tuple(a.detach() if isinstance(a, Tensor) else a for a in args),
                 "params": params}
 
