@@ -1,0 +1,296 @@
+"""Privacy accounting: a ledger of releases, epsilon from it, and calibration of sigma.
+
+Accounting is derived, not re-specified: the trainer records one entry per Gaussian release
+``(noise_multiplier, sample_rate)`` as it happens, and epsilon is computed from that record with
+opacus' accountants (nothing here reimplements them):
+
+- ``"prv"``: ``opacus.accountants.PRVAccountant`` (Gopi et al. 2021). ``get_epsilon`` reports
+  the *upper* end of its error interval, ``eps_upper = eps(delta - delta_error) + eps_error``
+  with ``eps_error = 0.01`` and ``delta_error = delta / 1000`` by default, so the reported number
+  is a guarantee, not an estimate.
+- ``"rdp"``: ``opacus.accountants.RDPAccountant`` (Mironov et al.; opacus' default orders and
+  its RDP-to-(epsilon, delta) conversion).
+
+Both assume the Poisson-subsampled Gaussian mechanism under add/remove-one adjacency with
+sensitivity C (one example's clipped contribution), which is what the trainer releases.
+
+Two deviations from calling opacus directly, both conservative:
+
+- ``sigma == 0`` (no noise) gives ``epsilon = inf`` instead of a crash.
+- When PRV's discretisation would need more than :data:`PRV_MAX_DOMAIN` grid points (this only
+  happens for epsilons in the hundreds or more, e.g. sigma=0.001) or PRV fails numerically,
+  the RDP bound is returned instead with a :class:`AccountingWarning`; it is a valid, looser
+  upper bound.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dptrain.config import ConfigError
+
+__all__ = [
+    "ACCOUNTANTS",
+    "AccountingWarning",
+    "Budget",
+    "Ledger",
+    "PRV_MAX_DOMAIN",
+    "calibrate_noise_multiplier",
+    "check_plan",
+    "epsilon",
+    "would_exceed",
+]
+
+ACCOUNTANTS = ("prv", "rdp")
+DEFAULT_EPS_ERROR = 0.01
+PRV_MAX_DOMAIN = 1 << 24
+"""Largest PRV grid (points) computed; ~5M points already take seconds and ~0.5 GB."""
+
+_LEDGER_FORMAT = 1
+
+
+class AccountingWarning(UserWarning):
+    """The requested accountant could not be used; a looser valid bound was reported."""
+
+
+def _check_sigma(sigma) -> float:
+    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real):
+        raise TypeError(f"noise_multiplier must be a number, got {sigma!r}")
+    sigma = float(sigma)
+    if not (sigma >= 0 and math.isfinite(sigma)):
+        raise ValueError(f"noise_multiplier must be finite and >= 0, got {sigma}")
+    return sigma
+
+
+def _check_q(q) -> float:
+    if isinstance(q, bool) or not isinstance(q, numbers.Real):
+        raise TypeError(f"sample_rate must be a number, got {q!r}")
+    q = float(q)
+    if not (0.0 < q <= 1.0):
+        raise ValueError(f"sample_rate must be in (0, 1], got {q}")
+    return q
+
+
+def _check_count(count) -> int:
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral):
+        raise TypeError(f"count must be an integer, got {count!r}")
+    count = int(count)
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    return count
+
+
+def _check_delta(delta) -> float:
+    delta = float(delta)
+    if not (0.0 < delta < 1.0):
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    return delta
+
+
+def _check_accountant(accountant: str) -> str:
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
+    return accountant
+
+
+@dataclass
+class Ledger:
+    """The releases made so far, as opacus history entries ``(sigma, q, num_steps)``.
+
+    ``record`` merges a release into the last entry when ``(sigma, q)`` are equal (exactly as
+    opacus' ``step`` does), so T equal releases are one entry ``(sigma, q, T)``.
+    """
+
+    history: list[tuple[float, float, int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        entries, self.history = list(self.history), []
+        for entry in entries:
+            if len(entry) != 3:
+                raise ValueError(f"a ledger entry is (noise_multiplier, sample_rate, "
+                                 f"num_steps), got {entry!r}")
+            self.record(*entry)
+
+    def record(self, sigma: float, q: float, count: int = 1) -> None:
+        """Append ``count`` releases with noise multiplier ``sigma`` at sample rate ``q``."""
+        sigma, q, count = _check_sigma(sigma), _check_q(q), _check_count(count)
+        if self.history and self.history[-1][0] == sigma and self.history[-1][1] == q:
+            self.history[-1] = (sigma, q, self.history[-1][2] + count)
+        else:
+            self.history.append((sigma, q, count))
+
+    @property
+    def num_releases(self) -> int:
+        return sum(n for _, _, n in self.history)
+
+    def copy(self) -> "Ledger":
+        return Ledger(copy.deepcopy(self.history))
+
+    def epsilon(self, delta: float, accountant: str = "prv", **kwargs) -> float:
+        return epsilon(self, delta, accountant, **kwargs)
+
+    def to_dict(self) -> dict:
+        """JSON-safe form (for checkpoints); floats round-trip exactly through JSON."""
+        return {"format": _LEDGER_FORMAT,
+                "history": [[float(s), float(q), int(n)] for s, q, n in self.history]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Ledger":
+        if not isinstance(data, dict) or "history" not in data:
+            raise ValueError("not a ledger: expected a mapping with a 'history' list")
+        fmt = data.get("format", _LEDGER_FORMAT)
+        if fmt != _LEDGER_FORMAT:
+            raise ValueError(f"unsupported ledger format {fmt!r} (this version reads "
+                             f"{_LEDGER_FORMAT})")
+        return cls([tuple(e) for e in data["history"]])
+
+
+def _rdp_epsilon(history, delta: float) -> float:
+    from opacus.accountants import RDPAccountant
+
+    acc = RDPAccountant()
+    acc.history = list(history)
+    return float(acc.get_epsilon(delta=delta))
+
+
+def _prv_epsilon(history, delta: float, eps_error: float) -> float:
+    from opacus.accountants import PRVAccountant
+    from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
+
+    acc = PRVAccountant()
+    acc.history = list(history)
+    delta_error = delta / 1000  # opacus' default
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        try:
+            size = None
+            get_domain = getattr(acc, "_get_domain", None)
+            if get_domain is not None:  # a cheap RDP-based bound on the grid PRV would build
+                domain = get_domain(
+                    prvs=[PoissonSubsampledGaussianPRV(q, s) for s, q, _ in history],
+                    num_self_compositions=[n for _, _, n in history],
+                    eps_error=eps_error, delta_error=delta_error)
+                size = domain.size
+            if size is not None and size > PRV_MAX_DOMAIN:
+                reason = f"its grid would need {size} points (> {PRV_MAX_DOMAIN})"
+            else:
+                return float(acc.get_epsilon(delta=delta, eps_error=eps_error))
+        except (MemoryError, ValueError, RuntimeError, OverflowError) as e:
+            reason = f"it failed ({type(e).__name__}: {e})"
+    warnings.warn(f"PRV accountant not used because {reason}; reporting the (looser, valid) "
+                  f"RDP bound instead", AccountingWarning, stacklevel=3)
+    return _rdp_epsilon(history, delta)
+
+
+def epsilon(ledger: Ledger, delta: float, accountant: str = "prv", *,
+            eps_error: float = DEFAULT_EPS_ERROR) -> float:
+    """Epsilon spent by the releases in ``ledger`` at ``delta``, with opacus' semantics.
+
+    Equals ``PRVAccountant.get_epsilon(delta, eps_error=eps_error)`` (upper end of the error
+    interval) or ``RDPAccountant.get_epsilon(delta)`` on ``ledger.history``. An empty ledger
+    gives 0.0; any release with sigma = 0 gives inf.
+    """
+    delta = _check_delta(delta)
+    _check_accountant(accountant)
+    history = [(s, q, n) for s, q, n in ledger.history if n > 0]
+    if not history:
+        return 0.0
+    if any(s == 0.0 for s, _, _ in history):
+        return math.inf
+    if accountant == "rdp":
+        return _rdp_epsilon(history, delta)
+    return _prv_epsilon(history, delta, eps_error)
+
+
+def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float, steps: int,
+                               accountant: str = "prv",
+                               epsilon_tolerance: float = 0.01) -> float:
+    """Smallest sigma (to ``epsilon_tolerance``) with ``steps`` releases at rate ``sample_rate``
+    spending at most ``epsilon`` at ``delta``.
+
+    Delegates to ``opacus.accountants.utils.get_noise_multiplier`` (its doubling then bisection
+    search); the returned sigma's epsilon, computed by :func:`epsilon`, is <= the target and
+    within ``epsilon_tolerance`` of it. Raises ConfigError (a ValueError) naming the bad argument.
+    """
+    from opacus.accountants.utils import get_noise_multiplier
+
+    if not (isinstance(epsilon, numbers.Real) and epsilon > 0 and math.isfinite(epsilon)):
+        raise ConfigError("epsilon", f"must be > 0 and finite, got {epsilon}")
+    if not (isinstance(delta, numbers.Real) and 0.0 < delta < 1.0):
+        raise ConfigError("delta", f"must be in (0, 1), got {delta}")
+    if not (isinstance(sample_rate, numbers.Real) and 0.0 < sample_rate <= 1.0):
+        raise ConfigError("sample_rate", f"must be in (0, 1], got {sample_rate}")
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ConfigError("steps", f"must be an integer >= 1, got {steps}")
+    if accountant not in ACCOUNTANTS:
+        raise ConfigError("accountant", f"must be one of {', '.join(ACCOUNTANTS)}, "
+                                        f"got {accountant!r}")
+    if not (epsilon_tolerance > 0):
+        raise ConfigError("epsilon_tolerance", f"must be > 0, got {epsilon_tolerance}")
+    try:
+        # the bisection's probes are not results: silence opacus' notes about its RDP orders
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"), \
+                warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Optimal order is the",
+                                    category=UserWarning)
+            sigma = get_noise_multiplier(
+                target_epsilon=float(epsilon), target_delta=float(delta),
+                sample_rate=float(sample_rate), steps=int(steps), accountant=accountant,
+                epsilon_tolerance=float(epsilon_tolerance))
+    except ValueError as e:
+        if "budget is too low" in str(e):
+            raise ConfigError("epsilon", f"{epsilon} at delta={delta} is unreachable with "
+                                         f"{steps} steps at sample rate {sample_rate} "
+                                         f"(sigma would exceed 1e6)") from None
+        raise
+    return float(sigma)
+
+
+def would_exceed(ledger: Ledger, sigma: float, q: float, delta: float,
+                 target_epsilon: float | None, accountant: str = "prv", count: int = 1,
+                 *, eps_error: float = DEFAULT_EPS_ERROR) -> bool:
+    """Whether ``count`` more releases ``(sigma, q)`` after ``ledger`` would spend more than
+    ``target_epsilon``. ``None`` (no budget) never exceeds. Costs one accountant call."""
+    if target_epsilon is None:
+        return False
+    after = ledger.copy()
+    after.record(sigma, q, count)
+    return epsilon(after, delta, accountant, eps_error=eps_error) > target_epsilon
+
+
+def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None) -> float:
+    """Epsilon of the planned run; raise ConfigError if it exceeds ``cfg.epsilon``.
+
+    The plan is ``cfg.steps`` releases in total at ``(sigma, cfg.sample_rate)``; with ``ledger``
+    (a resumed run) the releases already made count and only the remaining
+    ``cfg.steps - ledger.num_releases`` are added. The error names ``privacy.noise_multiplier``
+    when sigma was set by the user and ``privacy.steps`` otherwise.
+    """
+    plan = ledger.copy() if ledger is not None else Ledger()
+    remaining = cfg.steps - plan.num_releases
+    if remaining > 0:
+        plan.record(sigma, cfg.sample_rate, remaining)
+    eps = epsilon(plan, cfg.delta, cfg.accountant)
+    if cfg.epsilon is not None and eps > cfg.epsilon:
+        field_name = ("privacy.noise_multiplier" if cfg.noise_multiplier is not None
+                      else "privacy.steps")
+        raise ConfigError(
+            field_name,
+            f"the plan spends epsilon={eps:.4g} > target {cfg.epsilon:g} "
+            f"({cfg.steps} steps, noise_multiplier={sigma:g}, sample_rate={cfg.sample_rate:g}, "
+            f"delta={cfg.delta:g}, {cfg.accountant}); raise noise_multiplier, lower steps or "
+            f"sample_rate, or leave noise_multiplier null to calibrate it")
+    return eps
+
+
+class Budget:
+    """Budget checks, grouped: ``Budget.check_plan(cfg, sigma)`` before training,
+    ``Budget.would_exceed(ledger, sigma, q, delta, target_epsilon)`` before each release."""
+
+    check_plan = staticmethod(check_plan)
+    would_exceed = staticmethod(would_exceed)

@@ -1,0 +1,201 @@
+"""Counter-based Poisson sampling.
+
+Every example ``i`` is included in the logical batch of step ``t`` independently with
+probability ``q``. Inclusion is decided by a uniform number ``u(seed, t, i)`` in ``[0, 1)`` that
+is a *pure function* of ``(seed, t, i)``: it does not depend on the dataset size, on how the
+indices are chunked, on the world size, on the microbatch size, or on any state carried between
+steps. Two runs with the same seed therefore sample identical batches on 1 or N ranks, and a
+resumed run needs nothing but the step counter.
+
+Construction (all arithmetic modulo 2**64, ``mix64`` is SplitMix64's finaliser, a bijection
+of 64-bit words)::
+
+    k0   = blake2b-64("dptrain/sampling/v1", decimal(seed))   # any Python int is a valid seed
+    k1   = mix64(k0 + GAMMA * (t + 1))                          # per-step key
+    x_i  = k1 + GAMMA * (i + 1)                                 # SplitMix64 counter for i
+    h_i  = mix64(mix64(x_i) XOR k1)                             # second round decorrelates steps
+    u_i  = (h_i >> 11) * 2**-53                                 # 53 random bits -> [0, 1)
+
+``GAMMA = 0x9E3779B97F4A7C15`` is odd, so ``i -> x_i`` is injective for ``i < 2**64`` and, as
+``mix64`` is a bijection, distinct indices of one step get distinct 64-bit hashes. ``u < q``
+then holds with probability ``ceil(q * 2**53) / 2**53`` (= q up to 1.1e-16).
+
+This is a statistical pseudo-random function, not a cryptographic one: in secure mode its
+unpredictability rests on the seed (OS entropy, never written anywhere), see
+``dptrain.privacy.noise.secure_seed`` and docs/privacy.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+__all__ = [
+    "inclusion_uniforms",
+    "poisson_sample",
+    "PoissonSampler",
+    "shard_indices",
+    "DEFAULT_CHUNK",
+]
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
+_INV_2_53 = 2.0 ** -53
+
+DEFAULT_CHUNK = 1 << 20
+"""Indices processed at once: bounds temporaries to a few tens of MiB for any N."""
+
+
+def _mix64_int(z: int) -> int:
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * _M1) & _MASK64
+    z = ((z ^ (z >> 27)) * _M2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser on a uint64 array (wrap-around multiplication, in place)."""
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(_M1)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(_M2)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def _check_int(name: str, value, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _seed_key(seed: int) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an integer, got {seed!r}")
+    h = hashlib.blake2b(str(int(seed)).encode("ascii"), digest_size=8,
+                        person=b"dptrain-sample")
+    return int.from_bytes(h.digest(), "little")
+
+
+def _step_key(seed: int, step: int) -> int:
+    step = _check_int("step", step)
+    if step >= _MASK64:
+        raise ValueError(f"step must be < 2**64 - 1, got {step}")
+    return _mix64_int(_seed_key(seed) + _GAMMA * (step + 1))
+
+
+def _uniforms_for(k1: int, idx: np.ndarray) -> np.ndarray:
+    x = idx.astype(np.uint64)
+    x += np.uint64(1)
+    x *= np.uint64(_GAMMA)
+    x += np.uint64(k1)
+    _mix64(x)
+    x ^= np.uint64(k1)
+    _mix64(x)
+    x >>= np.uint64(11)
+    return x.astype(np.float64) * _INV_2_53
+
+
+def inclusion_uniforms(seed: int, step: int, indices, *, chunk_size: int = DEFAULT_CHUNK
+                       ) -> np.ndarray:
+    """Uniform numbers in [0, 1), one per entry of ``indices``, each a pure function of
+    ``(seed, step, index)``. Example ``i`` is in the batch of ``step`` iff its number is < q.
+
+    ``indices`` must be non-negative integers (any shape; the result has the same shape).
+    """
+    k1 = _step_key(seed, step)
+    idx = np.asarray(indices)
+    if idx.size and not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(f"indices must be integers, got dtype {idx.dtype}")
+    idx = idx.astype(np.int64, copy=False)
+    if idx.size and int(idx.min()) < 0:
+        raise ValueError("indices must be >= 0")
+    flat = idx.reshape(-1)
+    out = np.empty(flat.shape, dtype=np.float64)
+    chunk_size = _check_int("chunk_size", chunk_size, 1)
+    for lo in range(0, flat.size, chunk_size):
+        hi = min(lo + chunk_size, flat.size)
+        out[lo:hi] = _uniforms_for(k1, flat[lo:hi])
+    return out.reshape(idx.shape)
+
+
+def _check_rate(q) -> float:
+    q = float(q)
+    if not (0.0 <= q <= 1.0):
+        raise ValueError(f"sample rate must be in [0, 1], got {q}")
+    return q
+
+
+def poisson_sample(seed: int, step: int, dataset_size: int, q: float, *,
+                   chunk_size: int = DEFAULT_CHUNK) -> np.ndarray:
+    """Sorted int64 indices ``i < dataset_size`` with ``u(seed, step, i) < q``.
+
+    The set may be empty (it must then still be released: noise only). Works in chunks of
+    ``chunk_size`` indices, so memory stays O(chunk_size + q*N) for any N; the result does not
+    depend on ``chunk_size``.
+    """
+    n = _check_int("dataset_size", dataset_size)
+    q = _check_rate(q)
+    chunk_size = _check_int("chunk_size", chunk_size, 1)
+    k1 = _step_key(seed, step)
+    parts = []
+    for lo in range(0, n, chunk_size):
+        idx = np.arange(lo, min(lo + chunk_size, n), dtype=np.int64)
+        parts.append(idx[_uniforms_for(k1, idx) < q])
+    if not parts:
+        return np.empty(0, dtype=np.int64)
+    return np.concatenate(parts)
+
+
+class PoissonSampler:
+    """Poisson sampler over ``range(dataset_size)`` with rate ``sample_rate``.
+
+    Stateless: ``sample(step)`` can be called for any step in any order and on any rank.
+    """
+
+    def __init__(self, seed: int, sample_rate: float, dataset_size: int, *,
+                 chunk_size: int = DEFAULT_CHUNK):
+        _seed_key(seed)  # type check
+        self.seed = int(seed)
+        self.sample_rate = _check_rate(sample_rate)
+        self.dataset_size = _check_int("dataset_size", dataset_size)
+        self.chunk_size = _check_int("chunk_size", chunk_size, 1)
+
+    def sample(self, step: int) -> np.ndarray:
+        """Sorted int64 indices of the logical batch of ``step`` (possibly empty)."""
+        return poisson_sample(self.seed, step, self.dataset_size, self.sample_rate,
+                              chunk_size=self.chunk_size)
+
+    @property
+    def expected_size(self) -> float:
+        return self.sample_rate * self.dataset_size
+
+    def __repr__(self) -> str:  # the seed is deliberately not shown (secure mode)
+        return (f"PoissonSampler(sample_rate={self.sample_rate}, "
+                f"dataset_size={self.dataset_size})")
+
+
+def shard_indices(indices, rank: int, world_size: int) -> np.ndarray:
+    """The contiguous part of ``indices`` that ``rank`` processes.
+
+    Balanced: the first ``len % world_size`` ranks get one more element. Deterministic and
+    order-preserving; concatenating the shards of ranks 0..world_size-1 gives ``indices`` back.
+    A shard may be empty (a rank with nothing sampled still takes part in the release).
+    """
+    world_size = _check_int("world_size", world_size, 1)
+    rank = _check_int("rank", rank)
+    if rank >= world_size:
+        raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
+    idx = np.asarray(indices)
+    if idx.ndim != 1:
+        raise ValueError(f"indices must be 1-D, got shape {idx.shape}")
+    base, rem = divmod(idx.shape[0], world_size)
+    start = rank * base + min(rank, rem)
+    stop = start + base + (1 if rank < rem else 0)
+    return idx[start:stop]

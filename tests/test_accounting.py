@@ -1,0 +1,257 @@
+"""Accounting: equality with opacus, calibration, ledger, budget checks, PRV cross-check."""
+
+import json
+import math
+import warnings
+
+import pytest
+from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants.utils import get_noise_multiplier
+
+from dptrain.config import ConfigError
+from dptrain.privacy.accounting import (
+    AccountingWarning,
+    Budget,
+    Ledger,
+    calibrate_noise_multiplier,
+    check_plan,
+    epsilon,
+    would_exceed,
+)
+from dptrain.privacy.config import PrivacyConfig
+
+GRID = [  # (sigma, q, T, delta)
+    (1.0, 0.01, 100, 1e-5),
+    (1.2, 0.05, 40, 1e-6),
+    (2.0, 1.0, 10, 1e-5),
+    (0.7, 0.004, 1500, 1 / 84122),
+]
+
+
+def _opacus(cls, releases, delta):
+    acc = cls()
+    for sigma, q, t in releases:
+        for _ in range(t):
+            acc.step(noise_multiplier=sigma, sample_rate=q)
+    return acc.get_epsilon(delta=delta)
+
+
+@pytest.mark.parametrize("sigma,q,steps,delta", GRID)
+def test_epsilon_equals_opacus(sigma, q, steps, delta):
+    ledger = Ledger()
+    for _ in range(steps):
+        ledger.record(sigma, q)
+    prv = epsilon(ledger, delta, "prv")
+    rdp = epsilon(ledger, delta, "rdp")
+    assert prv == _opacus(PRVAccountant, [(sigma, q, steps)], delta)
+    assert rdp == _opacus(RDPAccountant, [(sigma, q, steps)], delta)
+    assert 0 < prv <= rdp  # PRV is the tighter of two valid upper bounds here
+    # default accountant is PRV; eps_error is passed through
+    assert epsilon(ledger, delta) == prv
+    assert epsilon(ledger, delta, eps_error=0.05) > prv - 0.05
+
+
+def test_heterogeneous_ledger_equals_opacus():
+    releases = [(1.0, 0.01, 30), (1.5, 0.02, 20), (1.0, 0.01, 10)]
+    ledger = Ledger()
+    for s, q, t in releases:
+        ledger.record(s, q, t)
+    assert ledger.history == releases
+    for name, cls in (("prv", PRVAccountant), ("rdp", RDPAccountant)):
+        assert epsilon(ledger, 1e-5, name) == _opacus(cls, releases, 1e-5)
+
+
+def test_epsilon_independent_of_recording_granularity():
+    sigma, q, steps = 0.9, 0.02, 60
+    one = Ledger()
+    one.record(sigma, q, steps)
+    many = Ledger()
+    for _ in range(steps):
+        many.record(sigma, q)
+    chunks = Ledger()
+    for c in (1, 7, 22, 30):
+        chunks.record(sigma, q, c)
+    assert one.history == many.history == chunks.history == [(sigma, q, steps)]
+    e = epsilon(one, 1e-5, "rdp")
+    assert epsilon(many, 1e-5, "rdp") == e == epsilon(chunks, 1e-5, "rdp")
+    assert epsilon(many, 1e-5, "prv") == epsilon(one, 1e-5, "prv")
+
+
+def test_epsilon_monotone_in_steps_and_sigma():
+    def eps(s, t, acc):
+        return epsilon(Ledger([(s, 0.02, t)]), 1e-5, acc)
+
+    assert eps(1.0, 50, "rdp") < eps(1.0, 100, "rdp") < eps(1.0, 200, "rdp")
+    assert eps(2.0, 100, "rdp") < eps(1.0, 100, "rdp") < eps(0.7, 100, "rdp")
+    assert eps(2.0, 100, "prv") < eps(1.0, 100, "prv") < eps(1.0, 200, "prv")
+
+
+def test_empty_and_noiseless():
+    assert epsilon(Ledger(), 1e-5) == 0.0
+    assert epsilon(Ledger(), 1e-5, "rdp") == 0.0
+    for acc in ("prv", "rdp"):
+        assert epsilon(Ledger([(0.0, 0.01, 10)]), 1e-5, acc) == math.inf
+        assert epsilon(Ledger([(1.0, 0.01, 10), (0.0, 0.01, 1)]), 1e-5, acc) == math.inf
+    with pytest.raises(ValueError):
+        epsilon(Ledger(), 1.5)
+    with pytest.raises(ValueError):
+        epsilon(Ledger(), 1e-5, "gdp")
+
+
+def test_prv_too_large_falls_back_to_rdp_bound():
+    ledger = Ledger([(1e-3, 0.1, 10)])  # opacus' PRV would need a ~1e10-point grid
+    with pytest.warns(AccountingWarning):
+        e = epsilon(ledger, 1e-5, "prv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert e == epsilon(ledger, 1e-5, "rdp")
+    assert math.isfinite(e) and e > 1e3
+
+
+def test_ledger_merge_and_roundtrip():
+    led = Ledger()
+    led.record(1.0, 0.01)
+    led.record(1.0, 0.01, 4)
+    led.record(2.0, 0.01)
+    led.record(1.0, 0.01)          # equal to an earlier, non-adjacent entry: not merged
+    led.record(1.0, 0.02)          # same sigma, different q: not merged
+    assert led.history == [(1.0, 0.01, 5), (2.0, 0.01, 1), (1.0, 0.01, 1), (1.0, 0.02, 1)]
+    assert led.num_releases == 8
+    # matches opacus' own merging of consecutive equal steps
+    acc = RDPAccountant()
+    for s, q, n in led.history:
+        for _ in range(n):
+            acc.step(noise_multiplier=s, sample_rate=q)
+    assert [tuple(h) for h in acc.history] == led.history
+
+    data = json.loads(json.dumps(led.to_dict()))
+    back = Ledger.from_dict(data)
+    assert back == led and back.history == led.history
+    assert epsilon(back, 1e-5, "rdp") == epsilon(led, 1e-5, "rdp")
+    # floats survive JSON exactly
+    odd = Ledger([(0.8154296875 + 1e-13, 1 / 84122, 3)])
+    assert Ledger.from_dict(json.loads(json.dumps(odd.to_dict()))).history == odd.history
+    # copies are independent
+    c = led.copy()
+    c.record(3.0, 0.5)
+    assert led.num_releases == 8 and c.num_releases == 9
+
+
+def test_ledger_rejects_bad_entries():
+    led = Ledger()
+    for args in [(-1.0, 0.01), (math.nan, 0.01), (1.0, 0.0), (1.0, 1.5), (1.0, math.inf)]:
+        with pytest.raises(ValueError):
+            led.record(*args)
+    with pytest.raises(ValueError):
+        led.record(1.0, 0.1, 0)
+    with pytest.raises(TypeError):
+        led.record(1.0, 0.1, 1.5)
+    assert led.history == []
+    with pytest.raises(ValueError):
+        Ledger.from_dict({"entries": []})
+    with pytest.raises(ValueError):
+        Ledger.from_dict({"format": 99, "history": []})
+    with pytest.raises(ValueError):
+        Ledger.from_dict({"history": [[1.0, 0.01]]})
+
+
+@pytest.mark.parametrize("eps,delta,q,steps", [(1.0, 1e-5, 0.05, 100), (2.0, 1 / 84122, 0.01, 300)])
+def test_calibration_matches_opacus_and_reaches_target(eps, delta, q, steps):
+    sigma = calibrate_noise_multiplier(eps, delta, q, steps, accountant="rdp")
+    ref = get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q,
+                               steps=steps, accountant="rdp", epsilon_tolerance=0.01)
+    assert sigma == ref
+    achieved = epsilon(Ledger([(sigma, q, steps)]), delta, "rdp")
+    assert eps - 0.01 - 1e-12 <= achieved <= eps
+    # a slightly smaller sigma would not do
+    assert epsilon(Ledger([(sigma * 0.97, q, steps)]), delta, "rdp") > achieved
+
+
+def test_prv_calibration_delegates_to_opacus(monkeypatch):
+    import opacus.accountants.utils as outils
+
+    calls = []
+
+    def spy(**kwargs):
+        result = get_noise_multiplier(**kwargs)
+        calls.append((kwargs, result))
+        return result
+
+    monkeypatch.setattr(outils, "get_noise_multiplier", spy)
+    eps, delta, q, steps = 3.0, 1e-5, 0.01, 100
+    sigma = calibrate_noise_multiplier(eps, delta, q, steps, epsilon_tolerance=0.1)
+    assert len(calls) == 1
+    kwargs, result = calls[0]
+    assert sigma == result
+    assert kwargs == dict(target_epsilon=eps, target_delta=delta, sample_rate=q, steps=steps,
+                          accountant="prv", epsilon_tolerance=0.1)
+    # the achieved epsilon, computed like PRVAccountant.get_epsilon, meets the target
+    achieved = epsilon(Ledger([(sigma, q, steps)]), delta, "prv")
+    assert eps - 0.1 - 1e-12 <= achieved <= eps
+
+
+def test_calibration_rejects_bad_input():
+    for kwargs, field in [(dict(epsilon=0), "epsilon"), (dict(delta=1.0), "delta"),
+                          (dict(sample_rate=0.0), "sample_rate"), (dict(steps=0), "steps"),
+                          (dict(accountant="gdp"), "accountant")]:
+        args = dict(epsilon=1.0, delta=1e-5, sample_rate=0.01, steps=10, accountant="rdp")
+        args.update(kwargs)
+        with pytest.raises(ConfigError) as e:
+            calibrate_noise_multiplier(**args)
+        assert e.value.field == field
+
+
+def test_cross_check_with_prv_accountant_package():
+    prv_accountant = pytest.importorskip("prv_accountant")
+    for sigma, q, steps, delta in GRID[:2]:
+        ours = epsilon(Ledger([(sigma, q, steps)]), delta, "prv")
+        acc = prv_accountant.PRVAccountant(
+            prvs=[prv_accountant.PoissonSubsampledGaussianMechanism(
+                noise_multiplier=sigma, sampling_probability=q)],
+            max_self_compositions=[steps], eps_error=0.01, delta_error=delta / 1000)
+        lo, est, hi = acc.compute_epsilon(delta=delta, num_self_compositions=[steps])
+        # both intervals contain the true epsilon; ours is the upper end of an interval of
+        # width <= 2*eps_error, so it lies in [lo, hi + 2*eps_error]
+        assert lo <= ours <= hi + 0.02
+        assert lo <= est <= hi
+
+
+def test_check_plan_and_would_exceed():
+    cfg = PrivacyConfig(epsilon=2.0, delta=1e-5, sample_rate=0.02, steps=100,
+                        noise_multiplier=0.6, accountant="rdp")
+    cfg.validate()
+    with pytest.raises(ConfigError) as e:
+        check_plan(cfg, 0.6)
+    assert e.value.field == "privacy.noise_multiplier" and "2" in e.value.message
+    sigma = calibrate_noise_multiplier(2.0, 1e-5, 0.02, 100, accountant="rdp")
+    assert check_plan(cfg, sigma) <= 2.0
+    assert Budget.check_plan(cfg, sigma) == check_plan(cfg, sigma)
+    with pytest.raises(ConfigError, match="epsilon"):
+        check_plan(cfg, 0.0)
+
+    calibrated = PrivacyConfig(epsilon=2.0, delta=1e-5, sample_rate=0.02, steps=200,
+                               accountant="rdp")
+    with pytest.raises(ConfigError) as e:
+        check_plan(calibrated, sigma)  # sigma for 100 steps, planned 200
+    assert e.value.field == "privacy.steps"
+
+    # no budget: never raises, still reports
+    nobudget = PrivacyConfig(epsilon=None, noise_multiplier=0.6, sample_rate=0.02, steps=100,
+                             accountant="rdp")
+    assert check_plan(nobudget, 0.6) > 2.0
+
+    # resume: releases already made count once
+    done = Ledger([(sigma, 0.02, 60)])
+    assert check_plan(cfg, sigma, ledger=done) == check_plan(cfg, sigma)
+    with pytest.raises(ConfigError):
+        check_plan(cfg, sigma, ledger=Ledger([(0.6, 0.02, 60)]))
+
+    # would_exceed at the boundary of the budget
+    full = epsilon(Ledger([(sigma, 0.02, 100)]), 1e-5, "rdp")
+    before_last = Ledger([(sigma, 0.02, 99)])
+    assert not would_exceed(before_last, sigma, 0.02, 1e-5, full, "rdp")
+    assert would_exceed(before_last, sigma, 0.02, 1e-5, full * 0.999, "rdp")
+    assert would_exceed(Ledger([(sigma, 0.02, 100)]), sigma, 0.02, 1e-5, full, "rdp")
+    assert not would_exceed(before_last, sigma, 0.02, 1e-5, None, "rdp")
+    assert before_last.num_releases == 99  # not modified
+    assert Budget.would_exceed(Ledger(), 0.0, 0.02, 1e-5, 100.0)

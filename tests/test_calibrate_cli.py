@@ -1,0 +1,114 @@
+"""``dptrain calibrate``: parsing, validation (one line, status 2), plain and JSON output."""
+
+import argparse
+import json
+
+import pytest
+
+from dptrain.commands import calibrate
+from dptrain.privacy.accounting import Ledger, calibrate_noise_multiplier, epsilon
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="dptrain")
+    sub = parser.add_subparsers(dest="command", required=True)
+    calibrate.add_parser(sub)
+    return parser
+
+
+def _run(argv, capsys):
+    args = _parser().parse_args(["calibrate", *argv])
+    assert args.func is calibrate.run
+    rc = calibrate.run(args)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+BASE = ["--epsilon", "2", "--sample-rate", "0.05", "--steps", "100", "--accountant", "rdp"]
+
+
+def test_json_output_fields_and_values(capsys):
+    rc, out, err = _run([*BASE, "--delta", "1/84122", "--json"], capsys)
+    assert rc == 0 and err == ""
+    lines = out.strip().splitlines()
+    assert len(lines) == 1
+    obj = json.loads(lines[0])
+    for key in ("noise_multiplier", "epsilon", "delta", "sample_rate", "steps", "accountant"):
+        assert key in obj
+    assert obj["delta"] == 1 / 84122
+    assert obj["sample_rate"] == 0.05 and obj["steps"] == 100 and obj["accountant"] == "rdp"
+    sigma = calibrate_noise_multiplier(2.0, 1 / 84122, 0.05, 100, accountant="rdp")
+    assert obj["noise_multiplier"] == sigma
+    achieved = epsilon(Ledger([(sigma, 0.05, 100)]), 1 / 84122, "rdp")
+    assert obj["epsilon"] == achieved
+    assert 2.0 - 0.01 - 1e-12 <= obj["epsilon"] <= 2.0
+
+
+def test_delta_forms_agree(capsys):
+    rc1, out1, _ = _run([*BASE, "--delta", "1.19e-5", "--json"], capsys)
+    rc2, out2, _ = _run([*BASE, "--delta", "119/10000000", "--json"], capsys)
+    assert rc1 == rc2 == 0
+    a, b = json.loads(out1), json.loads(out2)
+    assert a["delta"] == pytest.approx(1.19e-5, rel=1e-12)
+    assert a["noise_multiplier"] == b["noise_multiplier"]
+
+
+def test_plain_output_and_prv_default(capsys):
+    # full-batch (q = 1) keeps the PRV calls cheap
+    rc, out, err = _run(["--epsilon", "5", "--delta", "1e-5", "--sample-rate", "1",
+                         "--steps", "10", "--epsilon-tolerance", "0.05"], capsys)
+    assert rc == 0 and err == ""
+    assert len(out.strip().splitlines()) == 1
+    sigma = calibrate_noise_multiplier(5.0, 1e-5, 1.0, 10, accountant="prv",
+                                       epsilon_tolerance=0.05)
+    assert f"{sigma:.6g}" in out and "prv" in out
+    achieved = epsilon(Ledger([(sigma, 1.0, 10)]), 1e-5, "prv")
+    assert f"{achieved:.4f}" in out and 5.0 - 0.05 <= achieved <= 5.0
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--delta", "1.5", "--delta: must be in (0, 1), got 1.5"),
+    ("--delta", "0", "--delta: must be in (0, 1), got 0"),
+    ("--delta", "1/0", "--delta: expected a number"),
+    ("--delta", "abc", "--delta: expected a number"),
+    ("--epsilon", "0", "--epsilon: must be > 0"),
+    ("--epsilon", "-1", "--epsilon: must be > 0"),
+    ("--epsilon", "inf", "--epsilon: must be > 0"),
+    ("--epsilon", "nan", "--epsilon: expected a number"),
+    ("--sample-rate", "0", "--sample-rate: must be in (0, 1], got 0"),
+    ("--sample-rate", "1.01", "--sample-rate: must be in (0, 1], got 1.01"),
+    ("--steps", "0", "--steps: must be >= 1, got 0"),
+    ("--steps", "2.5", "--steps: expected an integer"),
+    ("--accountant", "gdp", "--accountant: must be prv or rdp"),
+])
+def test_bad_values_give_one_line_and_status_2(capsys, option, value, message):
+    argv = {"--epsilon": "2", "--delta": "1e-5", "--sample-rate": "0.01", "--steps": "10",
+            "--accountant": "rdp"}
+    argv[option] = value
+    flat = [x for kv in argv.items() for x in kv]
+    rc, out, err = _run([*flat, "--json"], capsys)
+    assert rc == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("dptrain calibrate: error: " + message)
+
+
+def test_exact_error_line(capsys):
+    rc, out, err = _run(["--epsilon", "2", "--delta", "1.5", "--sample-rate", "0.01",
+                         "--steps", "10"], capsys)
+    assert rc == 2 and out == ""
+    assert err == "dptrain calibrate: error: --delta: must be in (0, 1), got 1.5\n"
+
+
+def test_sample_rate_one_and_integral_float_steps_accepted(capsys):
+    rc, out, _ = _run(["--epsilon", "8", "--delta", "1e-5", "--sample-rate", "1",
+                       "--steps", "1e1", "--accountant", "rdp", "--json"], capsys)
+    assert rc == 0
+    obj = json.loads(out)
+    assert obj["steps"] == 10 and obj["sample_rate"] == 1.0 and obj["epsilon"] <= 8.0
+
+
+def test_missing_argument_is_argparse_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        _parser().parse_args(["calibrate", "--epsilon", "1", "--delta", "1e-5"])
+    assert e.value.code == 2

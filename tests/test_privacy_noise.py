@@ -1,0 +1,151 @@
+"""Counter-based Gaussian noise: slicing invariance, distinct streams, distribution, dtypes."""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from scipy import stats
+
+from dptrain.privacy.noise import BLOCK, block_seed, gaussian_noise, secure_seed
+
+NUMEL = 3 * BLOCK + 1234
+
+
+@pytest.fixture(scope="module")
+def full():
+    return gaussian_noise(42, 7, "layer.weight", NUMEL)
+
+
+def test_full_draw_shape_and_determinism(full):
+    assert full.shape == (NUMEL,) and full.dtype == torch.float32 and full.device.type == "cpu"
+    assert torch.equal(full, gaussian_noise(42, 7, "layer.weight", NUMEL, 0, NUMEL))
+
+
+@pytest.mark.parametrize("cuts", [
+    [BLOCK], [BLOCK - 1, BLOCK + 1], [1, 2, 3], [2 * BLOCK, 3 * BLOCK],
+    [NUMEL - 1], [10, 10, 70_000, 3 * BLOCK + 1]])
+def test_slices_concatenate_to_full_draw(full, cuts):
+    bounds = [0, *cuts, NUMEL]
+    parts = [gaussian_noise(42, 7, "layer.weight", NUMEL, a, b) for a, b in zip(bounds, bounds[1:])]
+    assert torch.equal(torch.cat(parts), full)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.integers(0, NUMEL), min_size=0, max_size=6))
+def test_any_split_concatenates_to_full_draw(full, cuts):
+    bounds = [0, *sorted(cuts), NUMEL]
+    parts = [gaussian_noise(42, 7, "layer.weight", NUMEL, a, b) for a, b in zip(bounds, bounds[1:])]
+    assert torch.equal(torch.cat(parts), full)
+
+
+def test_fsdp_like_shards_across_world_sizes(full):
+    for ws in (2, 3, 8):
+        per = math.ceil(NUMEL / ws)  # FSDP pads to equal shards; the last may be short or empty
+        shards = [gaussian_noise(42, 7, "layer.weight", NUMEL, min(r * per, NUMEL),
+                                 min((r + 1) * per, NUMEL)) for r in range(ws)]
+        assert torch.equal(torch.cat(shards), full)
+
+
+def test_small_tensor_and_empty_slice():
+    z = gaussian_noise(0, 0, "bias", 5)
+    assert z.shape == (5,)
+    assert torch.equal(gaussian_noise(0, 0, "bias", 5, 2, 4), z[2:4])
+    assert gaussian_noise(0, 0, "bias", 5, 3, 3).shape == (0,)
+    assert gaussian_noise(0, 0, "empty", 0).shape == (0,)
+
+
+def test_different_seed_step_key_block_give_different_noise(full):
+    n = BLOCK + 100
+    base = full[:n]
+    variants = {
+        "seed": gaussian_noise(43, 7, "layer.weight", NUMEL, 0, n),
+        "step": gaussian_noise(42, 8, "layer.weight", NUMEL, 0, n),
+        "key": gaussian_noise(42, 7, "layer.bias", NUMEL, 0, n),
+        "key prefix": gaussian_noise(42, 7, "layer.weigh", NUMEL, 0, n),
+    }
+    for name, z in variants.items():
+        assert not torch.equal(z, base), name
+        r = np.corrcoef(base.numpy(), z.numpy())[0, 1]
+        assert abs(r) < 6 / math.sqrt(n), name
+    # blocks of one tensor are not copies of each other
+    b0, b1 = full[:BLOCK].numpy(), full[BLOCK:2 * BLOCK].numpy()
+    assert abs(np.corrcoef(b0, b1)[0, 1]) < 6 / math.sqrt(BLOCK)
+    # the hash input is unambiguous: distinct tuples, distinct seeds
+    seeds = {block_seed(s, t, k, b) for s in (0, 1, 10) for t in (0, 1, 10)
+             for k in ("a", "a1", "1") for b in (0, 1, 11)}
+    assert len(seeds) == 3 * 3 * 3 * 3
+    assert all(0 <= s < 2 ** 63 for s in seeds)
+
+
+def test_standard_normal_statistics():
+    z = torch.cat([gaussian_noise(s, 0, "w", 4 * BLOCK) for s in range(2)]).double().numpy()
+    n = z.size
+    # mean ~ N(0, 1/n); sample std ~ N(1, 1/(2n)): 6-sd tolerances (p < 2e-9)
+    assert abs(z.mean()) < 6 / math.sqrt(n)
+    assert abs(z.std() - 1) < 6 / math.sqrt(2 * n)
+    assert stats.kstest(z, "norm").pvalue > 1e-6
+    # tails: P(|Z| > 3) = 0.0027
+    p3 = 2 * stats.norm.sf(3)
+    assert abs(np.mean(np.abs(z) > 3) - p3) < 6 * math.sqrt(p3 * (1 - p3) / n)
+
+
+def test_dtypes():
+    z32 = gaussian_noise(1, 2, "w", 1000)
+    z64 = gaussian_noise(1, 2, "w", 1000, dtype=torch.float64)
+    assert z64.dtype == torch.float64
+    assert torch.equal(gaussian_noise(1, 2, "w", 1000, 100, 900, dtype=torch.float64), z64[100:900])
+    for dt in (torch.bfloat16, torch.float16):
+        z = gaussian_noise(1, 2, "w", 1000, dtype=dt)
+        assert z.dtype == dt
+        assert torch.equal(z, z32.to(dt))  # drawn in float32, then cast
+    with pytest.raises(TypeError):
+        gaussian_noise(1, 2, "w", 10, dtype=torch.int64)
+
+
+def test_device_argument_forms():
+    a = gaussian_noise(1, 2, "w", 100, device="cpu")
+    b = gaussian_noise(1, 2, "w", 100, device=torch.device("cpu"))
+    assert torch.equal(a, b) and b.device.type == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_slices_concatenate():
+    full = gaussian_noise(3, 1, "w", NUMEL, device="cuda")
+    assert full.device.type == "cuda"
+    parts = [gaussian_noise(3, 1, "w", NUMEL, a, b, device="cuda")
+             for a, b in [(0, 1000), (1000, 2 * BLOCK + 5), (2 * BLOCK + 5, NUMEL)]]
+    assert torch.equal(torch.cat(parts), full)
+
+
+def test_bad_ranges():
+    for start, end in [(5, 4), (0, 11), (-1, 3)]:
+        with pytest.raises(ValueError):
+            gaussian_noise(0, 0, "w", 10, start, end)
+    with pytest.raises(TypeError):
+        gaussian_noise(0, 0, 3, 10)
+    with pytest.raises(TypeError):
+        gaussian_noise(0, 1.5, "w", 10)
+
+
+def test_secure_seed():
+    seeds = {secure_seed() for _ in range(8)}
+    assert len(seeds) == 8  # 63-bit draws; a collision has probability < 1e-17
+    assert all(isinstance(s, int) and 0 <= s < 2 ** 63 for s in seeds)
+    s = seeds.pop()
+    assert torch.equal(gaussian_noise(s, 0, "w", 10), gaussian_noise(s, 0, "w", 10))
+
+
+def test_same_noise_in_a_fresh_process():
+    code = ("import sys; sys.path.insert(0, sys.argv[1]);"
+            "from dptrain.privacy.noise import gaussian_noise;"
+            "print(gaussian_noise(5, 3, 'h.0.attn', 70000, 65530, 65540).tolist())")
+    env = dict(os.environ, PYTHONHASHSEED="random")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code, root], env=env, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    assert out == str(gaussian_noise(5, 3, "h.0.attn", 70000, 65530, 65540).tolist())

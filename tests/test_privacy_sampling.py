@@ -1,0 +1,178 @@
+"""Counter-based Poisson sampling: purity, rate, independence, sharding."""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from scipy import stats
+
+from dptrain.privacy.sampling import (
+    PoissonSampler,
+    inclusion_uniforms,
+    poisson_sample,
+    shard_indices,
+)
+
+
+def test_uniforms_are_pure_in_index_not_in_array_layout():
+    rng = np.random.default_rng(0)
+    full = inclusion_uniforms(7, 3, np.arange(10_000))
+    perm = rng.permutation(10_000)
+    np.testing.assert_array_equal(inclusion_uniforms(7, 3, perm), full[perm])
+    sub = np.sort(rng.choice(10_000, 500, replace=False))
+    np.testing.assert_array_equal(inclusion_uniforms(7, 3, sub), full[sub])
+    # shape is preserved, chunking does not matter
+    np.testing.assert_array_equal(inclusion_uniforms(7, 3, perm.reshape(100, 100)),
+                                  full[perm].reshape(100, 100))
+    np.testing.assert_array_equal(inclusion_uniforms(7, 3, perm, chunk_size=37), full[perm])
+    assert full.dtype == np.float64
+    assert full.min() >= 0.0 and full.max() < 1.0
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(-(2 ** 70), 2 ** 70), step=st.integers(0, 2 ** 40),
+       idx=st.lists(st.integers(0, 2 ** 62), min_size=1, max_size=20))
+def test_uniform_of_one_index_does_not_depend_on_its_neighbours(seed, step, idx):
+    arr = np.array(idx, dtype=np.int64)
+    together = inclusion_uniforms(seed, step, arr)
+    alone = np.array([inclusion_uniforms(seed, step, np.array([i]))[0] for i in idx])
+    np.testing.assert_array_equal(together, alone)
+    assert ((together >= 0) & (together < 1)).all()
+
+
+def test_inclusion_does_not_depend_on_dataset_size_or_chunking():
+    big = poisson_sample(11, 5, 100_000, 0.05)
+    for n in (1, 999, 65_536, 70_001):
+        np.testing.assert_array_equal(poisson_sample(11, 5, n, 0.05), big[big < n])
+    for chunk in (1_000, 4_096, 1 << 20):
+        np.testing.assert_array_equal(poisson_sample(11, 5, 100_000, 0.05, chunk_size=chunk),
+                                      big)
+    # same decision as thresholding the uniforms directly
+    u = inclusion_uniforms(11, 5, np.arange(100_000))
+    np.testing.assert_array_equal(np.flatnonzero(u < 0.05), big)
+
+
+def test_imagenet_sized_dataset_in_bounded_chunks():
+    n, q = 1_300_000, 0.003
+    a = poisson_sample(2, 9, n, q)
+    b = poisson_sample(2, 9, n, q, chunk_size=1 << 17)
+    np.testing.assert_array_equal(a, b)
+    assert a.dtype == np.int64 and (np.diff(a) > 0).all() and a[-1] < n
+    mean, sd = n * q, math.sqrt(n * q * (1 - q))
+    assert abs(len(a) - mean) < 6 * sd
+
+
+@pytest.mark.parametrize("q", [0.001, 0.01, 0.3])
+def test_empirical_rate_matches_q(q):
+    # over 20 steps of 50k examples the count is Binomial(1e6, q); 6 sd is a p < 2e-9 test
+    n, steps = 50_000, 20
+    total = sum(len(poisson_sample(3, t, n, q)) for t in range(steps))
+    trials = n * steps
+    assert abs(total - trials * q) < 6 * math.sqrt(trials * q * (1 - q))
+
+
+def test_uniforms_are_uniform():
+    for seed, step in [(0, 0), (1, 1), (2 ** 63 + 5, 12345)]:
+        u = inclusion_uniforms(seed, step, np.arange(200_000))
+        assert stats.kstest(u, "uniform").pvalue > 1e-6
+        # the low bits are not degenerate either: deciles are balanced
+        counts = np.bincount((u * 10).astype(int), minlength=10)
+        assert stats.chisquare(counts).pvalue > 1e-6
+
+
+def _joint_inclusion_pvalue(a: np.ndarray, b: np.ndarray) -> float:
+    table = np.array([[np.sum(a & b), np.sum(a & ~b)], [np.sum(~a & b), np.sum(~a & ~b)]])
+    return stats.chi2_contingency(table, correction=False).pvalue
+
+
+def test_independence_across_steps_and_seeds():
+    n, q = 200_000, 0.1
+    idx = np.arange(n)
+    u00 = inclusion_uniforms(0, 0, idx)
+    others = {"next step": inclusion_uniforms(0, 1, idx),
+              "far step": inclusion_uniforms(0, 10 ** 9, idx),
+              "next seed": inclusion_uniforms(1, 0, idx),
+              "neg seed": inclusion_uniforms(-1, 0, idx)}
+    for name, u in others.items():
+        r = np.corrcoef(u00, u)[0, 1]
+        assert abs(r) < 6 / math.sqrt(n), name  # ~N(0, 1/n) under independence
+        assert _joint_inclusion_pvalue(u00 < q, u < q) > 1e-6, name
+        assert not np.array_equal(u00 < q, u < q), name
+    # neighbouring indices within one step are not correlated either
+    assert abs(np.corrcoef(u00[:-1], u00[1:])[0, 1]) < 6 / math.sqrt(n)
+
+
+def test_sample_overlap_between_steps_is_like_independent_draws():
+    n, q, steps = 20_000, 0.2, 30
+    samples = [set(poisson_sample(5, t, n, q).tolist()) for t in range(steps)]
+    overlaps = [len(samples[t] & samples[t + 1]) for t in range(steps - 1)]
+    # each overlap ~ Binomial(n, q^2)
+    mean, sd = n * q * q, math.sqrt(n * q * q * (1 - q * q))
+    assert abs(np.mean(overlaps) - mean) < 6 * sd / math.sqrt(len(overlaps))
+
+
+def test_empty_and_full_samples():
+    e = poisson_sample(0, 0, 1000, 1e-9)
+    assert e.shape == (0,) and e.dtype == np.int64
+    assert poisson_sample(0, 0, 1000, 0.0).shape == (0,)
+    assert poisson_sample(0, 0, 0, 0.5).shape == (0,)
+    np.testing.assert_array_equal(poisson_sample(0, 0, 1000, 1.0), np.arange(1000))
+    # at tiny q most steps are empty
+    empties = sum(len(poisson_sample(4, t, 100, 1e-4)) == 0 for t in range(50))
+    assert empties >= 40
+
+
+def test_sampler_is_stateless_and_matches_function():
+    s = PoissonSampler(seed=9, sample_rate=0.02, dataset_size=30_000)
+    a5 = s.sample(5)
+    s.sample(6)
+    np.testing.assert_array_equal(s.sample(5), a5)
+    np.testing.assert_array_equal(a5, poisson_sample(9, 5, 30_000, 0.02))
+    assert not np.array_equal(s.sample(5), s.sample(6))
+    assert s.expected_size == pytest.approx(600)
+    assert "9" not in repr(s).replace("0.02", "").replace("30000", "")  # seed not shown
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        inclusion_uniforms(0, 0, np.array([-1]))
+    with pytest.raises(TypeError):
+        inclusion_uniforms(0, 0, np.array([0.5]))
+    with pytest.raises(ValueError):
+        inclusion_uniforms(0, -1, np.arange(3))
+    with pytest.raises(ValueError):
+        poisson_sample(0, 0, 10, 1.5)
+    with pytest.raises(TypeError):
+        poisson_sample(0.5, 0, 10, 0.5)
+    with pytest.raises(ValueError):
+        shard_indices(np.arange(3), 2, 2)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 16, 17, 1001])
+def test_shards_reassemble_and_are_balanced(n):
+    idx = poisson_sample(1, 1, 10 * n + 10, 0.5)[:n]
+    assert len(idx) == n
+    for ws in (1, 2, 3, 4, 8):
+        shards = [shard_indices(idx, r, ws) for r in range(ws)]
+        np.testing.assert_array_equal(np.concatenate(shards), idx)
+        sizes = [len(s) for s in shards]
+        assert max(sizes) - min(sizes) <= 1
+        assert sizes == sorted(sizes, reverse=True)
+        # deterministic
+        for r in range(ws):
+            np.testing.assert_array_equal(shard_indices(idx, r, ws), shards[r])
+
+
+def test_same_sample_in_a_fresh_process():
+    code = ("import sys; sys.path.insert(0, sys.argv[1]);"
+            "from dptrain.privacy.sampling import poisson_sample;"
+            "print(','.join(map(str, poisson_sample(123, 7, 5000, 0.01))))")
+    env = dict(os.environ, PYTHONHASHSEED="random")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code, root], env=env, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    assert out == ",".join(map(str, poisson_sample(123, 7, 5000, 0.01)))
