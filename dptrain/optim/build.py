@@ -1,0 +1,164 @@
+"""``build_optimizer``: config + named parameters -> one ``DPOptimizer`` the trainer drives.
+
+Per logical batch the trainer does::
+
+    plan = opt.query_plan()          # [(coef, {name: values} | None), ...] for the clipping engine
+    ... clipped sum + noise, / b, written into p.grad ...
+    opt.step()                       # filter -> per-group optimizers -> schedule
+    opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dptrain.config import ConfigError, validate_tree
+from dptrain.optim.config import OptimConfig
+from dptrain.optim.filters import Filter, QueryPlan, build_filter
+from dptrain.optim.groups import PRESETS, ParamGroupConfig, ResolvedGroup, resolve_groups
+from dptrain.optim.optimizers import Runtime, construct
+from dptrain.optim.schedules import lr_factor
+
+__all__ = ["DPOptimizer", "build_optimizer", "plan_groups"]
+
+NamedParams = list[tuple[str, torch.nn.Parameter]]
+
+
+class DPOptimizer:
+    """Filter, then one torch optimizer per parameter group, then the lr schedule.
+
+    Attributes: ``groups`` (resolved groups, in order), ``optimizers`` (one per group),
+    ``filter``, ``num_steps`` (releases applied so far).
+    """
+
+    def __init__(self, named_params: NamedParams, groups: list[ResolvedGroup],
+                 optimizers: list[torch.optim.Optimizer], filter: Filter, *, schedule: str,
+                 total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0):
+        assert len(groups) == len(optimizers)
+        self.named_params = list(named_params)
+        self.groups = groups
+        self.optimizers = optimizers
+        self.filter = filter
+        self.base_lrs = [float(g.config.lr) for g in groups]
+        self._schedule = dict(schedule=schedule, total_steps=total_steps,
+                              warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
+        self.num_steps = 0
+        self._set_lrs()
+
+    def _factor(self) -> float:
+        return lr_factor(self._schedule["schedule"], self.num_steps,
+                         total_steps=self._schedule["total_steps"],
+                         warmup_steps=self._schedule["warmup_steps"],
+                         min_lr_ratio=self._schedule["min_lr_ratio"])
+
+    def _set_lrs(self) -> None:
+        factor = self._factor()
+        for opt, base in zip(self.optimizers, self.base_lrs):
+            for group in opt.param_groups:
+                group["lr"] = base * factor
+
+    @property
+    def lr(self) -> dict[str, float]:
+        """Learning rate of each group (by label) that the next ``step()`` uses."""
+        return {g.label: opt.param_groups[0]["lr"] for g, opt in zip(self.groups, self.optimizers)}
+
+    def query_plan(self) -> QueryPlan:
+        """Each example's query as [(coefficient, {name: parameter values} or None = current)]."""
+        return self.filter.query_plan(self.named_params)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Post-process the release in ``p.grad``: filter, optimizers, then advance the schedule."""
+        self.filter.apply(self.named_params)
+        gain = self.filter.noise_gain()
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["noise_gain"] = gain
+            opt.step()
+        self.num_steps += 1
+        self._set_lrs()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue bit for bit: step count (schedule position), every
+        optimizer's state (momenta, Adam moments, power vectors, MuonBC's probe step), filter."""
+        return {
+            "num_steps": self.num_steps,
+            "groups": [[g.label, [n for n, _ in g.named_params]] for g in self.groups],
+            "optimizers": [opt.state_dict() for opt in self.optimizers],
+            "filter": self.filter.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = [[g.label, [n for n, _ in g.named_params]] for g in self.groups]
+        if [[label, list(names)] for label, names in state["groups"]] != mine:
+            raise ValueError("optimizer state has different parameter groups than this run "
+                             f"(saved: {[x[0] for x in state['groups']]}, "
+                             f"here: {[x[0] for x in mine]})")
+        for opt, sd in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(sd)
+        self.filter.load_state_dict(state["filter"])
+        self.num_steps = int(state["num_steps"])
+        self._set_lrs()
+
+
+def plan_groups(cfg: OptimConfig, named_params: NamedParams) -> list[ResolvedGroup]:
+    """Resolve ``cfg``'s explicit groups, preset and default group over ``named_params``."""
+    main = cfg.main_group()
+    specs: list[tuple[str, ParamGroupConfig, bool]] = []
+    for i, g in enumerate(cfg.groups):
+        kwargs = {**cfg.main_options(), **g.kwargs} if g.optimizer == cfg.name else dict(g.kwargs)
+        lr = g.lr if g.lr is not None else cfg.lr
+        specs.append((f"optim.groups[{i}]", dataclasses.replace(g, lr=lr, kwargs=kwargs), True))
+    default = None
+    if cfg.preset is not None:
+        aux = ParamGroupConfig(pattern="", optimizer=cfg.aux.optimizer,
+                               lr=cfg.aux.lr if cfg.aux.lr is not None else cfg.lr,
+                               kwargs=dict(cfg.aux.kwargs))
+        for g in PRESETS[cfg.preset](named_params, main, aux):
+            specs.append(("optim" if g.name == "matrices" else "optim.aux", g, False))
+    elif not cfg.groups or cfg.unmatched == "default":
+        default = ("optim", main)
+    return resolve_groups(named_params, specs, default)
+
+
+def _blame(path: str) -> str:
+    return "optim.name" if path == "optim" else f"{path}.optimizer"
+
+
+def build_optimizer(
+    cfg: OptimConfig,
+    named_params: NamedParams,
+    *,
+    total_steps: int,
+    release_noise_std: float,
+    seed: int,
+    ns_dtype: str = "float32",
+) -> DPOptimizer:
+    """Build the post-processing pipeline for the trainable ``named_params``.
+
+    ``total_steps``: T (for the schedule). ``release_noise_std``: sigma*C/b, the release's noise
+    std per coordinate (DP-MuonBC). ``seed``: seed of public post-processing randomness (MuonBC
+    probes, MuonS power vectors); derived streams never overlap the release noise. ``ns_dtype``:
+    ``performance.newton_schulz_dtype``. Raises ConfigError naming the offending field.
+    """
+    validate_tree(cfg, "optim")
+    named_params = [(n, p) for n, p in named_params if p.requires_grad]
+    runtime = Runtime(seed=int(seed), release_noise_std=float(release_noise_std),
+                      ns_dtype=ns_dtype)
+    groups = plan_groups(cfg, named_params)
+    optimizers = []
+    for g in groups:
+        try:
+            optimizers.append(construct(g.config.optimizer, g.named_params, lr=g.config.lr,
+                                        options=g.config.kwargs, runtime=runtime))
+        except ValueError as e:
+            raise ConfigError(_blame(g.path), str(e)) from None
+    return DPOptimizer(named_params, groups, optimizers, build_filter(cfg.filter),
+                       schedule=cfg.schedule, total_steps=total_steps,
+                       warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)

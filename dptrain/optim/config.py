@@ -1,0 +1,152 @@
+"""``OptimConfig``: the optimizer, its parameter groups, schedule and filter (post-processing only).
+
+Nothing here touches the mechanism: these settings act on the release after it is made. The
+Newton–Schulz dtype is a performance setting (``performance.newton_schulz_dtype``) handed to
+``build_optimizer`` by the trainer.
+
+A YAML example (the DP-Muon paper's E2E setting)::
+
+    optim:
+      name: muon            # matrices of GPT-2 ...
+      lr: 0.002
+      preset: gpt2          # ... and AdamW for embeddings, head, vectors:
+      aux: {optimizer: adamw, lr: 0.0035}
+      schedule: linear
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dptrain.config import ConfigError
+from dptrain.optim.filters import FilterConfig
+from dptrain.optim.groups import PRESETS, ParamGroupConfig
+from dptrain.optim.optimizers import OPTIMIZERS, optimizer_options
+from dptrain.optim.schedules import SCHEDULES
+
+__all__ = ["OptimConfig", "AuxGroupConfig", "ParamGroupConfig", "FilterConfig"]
+
+# Top-level fields that are options of the ``name`` optimizer (null: that optimizer's default).
+_OPTION_FIELDS = ("momentum", "nesterov", "weight_decay", "betas", "eps", "ns_steps",
+                  "ns_coefficients", "scale", "momentum_style", "bc_lambda", "bc_kappa",
+                  "bc_gamma_ns", "bc_probes", "power_iters")
+
+
+@dataclass(kw_only=True)
+class AuxGroupConfig:
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer of the preset's non-matrix parameters (embeddings, head, gains, biases)."""
+    lr: float | None = None
+    """Its base learning rate. Null: ``optim.lr``."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Its options (e.g. betas, weight_decay, momentum)."""
+
+    def validate(self) -> None:
+        if self.lr is not None and not self.lr >= 0:
+            raise ConfigError("lr", f"must be >= 0, got {self.lr}")
+        known = optimizer_options(self.optimizer)
+        for key in self.kwargs:
+            if key not in known:
+                raise ConfigError(f"kwargs.{key}", f"not an option of {self.optimizer} "
+                                                   f"(options: {', '.join(sorted(known))})")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    name: Literal["sgd", "adamw", "muon", "muon_bc", "muon_s"] = "muon"
+    """Main optimizer: of all parameters, or of the preset's matrices, or of unmatched ones."""
+    lr: float = 0.002
+    """Base learning rate of the main optimizer and of groups that set none."""
+    momentum: float | None = None
+    """Momentum mu (beta of DP-Muon-S). Null: muon/muon_bc 0.95, muon_s 0.9, sgd 0.9."""
+    nesterov: bool | None = None
+    """Nesterov lookahead. Null: muon/muon_bc true, sgd false."""
+    weight_decay: float = 0.0
+    """Weight decay of the main optimizer: decoupled (W *= 1 - lr*wd) for Muon and AdamW,
+    torch's coupled L2 term for SGD."""
+    betas: list[float] | None = None
+    """AdamW (beta1, beta2). Null: (0.9, 0.999)."""
+    eps: float | None = None
+    """AdamW's epsilon (null: 1e-8), or Newton–Schulz's normalisation epsilon (null: 1e-7)."""
+    ns_steps: int | None = None
+    """Newton–Schulz iterations J. Null: 5."""
+    ns_coefficients: Literal["muon", "polar_express"] | None = None
+    """Newton–Schulz coefficients. Null: muon (muon_s: polar_express, closer to U V^T)."""
+    scale: Literal["match_rms_adamw", "original"] | None = None
+    """Muon's shape scale s: 0.2*sqrt(max(r, c)) (null, default) or sqrt(max(1, r/c))."""
+    momentum_style: Literal["accumulate", "ema"] | None = None
+    """Muon momentum: accumulate (Eq. 7, null) or ema (seed 3; pair it with scale: original)."""
+    bc_lambda: float | None = None
+    """DP-MuonBC correction strength lambda. Null: 1.25 (the paper); 1 is exact for quadratics."""
+    bc_kappa: float | None = None
+    """DP-MuonBC probe scale kappa (probes at kappa*nu). Null: 2."""
+    bc_gamma_ns: float | None = None
+    """DP-MuonBC Smooth-NS constant gamma_ns. Null: 1e-4."""
+    bc_probes: int | None = None
+    """DP-MuonBC antithetic probe pairs per step. Null: 1."""
+    power_iters: int | None = None
+    """DP-Muon-S power iterations per step (warm-started). Null: 3."""
+    preset: Literal["gpt2", "nfresnet"] | None = None
+    """Split parameters into matrices (``name``) and the rest (``aux``) by model family."""
+    aux: AuxGroupConfig = field(default_factory=AuxGroupConfig)
+    """The optimizer of the preset's non-matrix group."""
+    groups: list[ParamGroupConfig] = field(default_factory=list)
+    """Explicit groups, matched before the preset's; first match wins."""
+    unmatched: Literal["error", "default"] = "error"
+    """With ``groups`` and no preset: parameters no group matches are an error, or go to the
+    main optimizer (``default``). Without groups and preset every parameter uses ``name``."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule over the run's steps (the DP-Muon paper: linear, no warm-up)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps (any schedule)."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of linear/cosine decay, as a fraction of the base."""
+    filter: FilterConfig = field(default_factory=FilterConfig)
+    """Filter on the release before the optimizer (DiSK, DOPPLER)."""
+
+    def main_options(self) -> dict[str, Any]:
+        """The top-level options that are set, as keyword arguments of the ``name`` optimizer."""
+        out = {k: getattr(self, k) for k in _OPTION_FIELDS if getattr(self, k) is not None}
+        if "betas" in out:
+            out["betas"] = tuple(out["betas"])
+        return out
+
+    def main_group(self) -> ParamGroupConfig:
+        """The main optimizer as a group (pattern filled in by a preset, or unused)."""
+        return ParamGroupConfig(pattern="", optimizer=self.name, lr=self.lr,
+                                kwargs=self.main_options())
+
+    def validate(self) -> None:
+        if not self.lr >= 0:
+            raise ConfigError("lr", f"must be >= 0, got {self.lr}")
+        known = optimizer_options(self.name)
+        for key in _OPTION_FIELDS:
+            if getattr(self, key) is not None and key not in known:
+                raise ConfigError(key, f"does not apply to optimizer {self.name!r}")
+        if self.momentum is not None and not 0.0 <= self.momentum < 1.0:
+            raise ConfigError("momentum", f"must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            raise ConfigError("weight_decay", f"must be >= 0, got {self.weight_decay}")
+        if self.betas is not None and (len(self.betas) != 2
+                                       or not all(0.0 <= b < 1.0 for b in self.betas)):
+            raise ConfigError("betas", f"must be two numbers in [0, 1), got {self.betas}")
+        if self.ns_steps is not None and self.ns_steps < 1:
+            raise ConfigError("ns_steps", f"must be >= 1, got {self.ns_steps}")
+        if self.bc_kappa is not None and not self.bc_kappa > 0:
+            raise ConfigError("bc_kappa", f"must be > 0, got {self.bc_kappa}")
+        if self.bc_probes is not None and self.bc_probes < 1:
+            raise ConfigError("bc_probes", f"must be >= 1, got {self.bc_probes}")
+        if self.bc_gamma_ns is not None and self.bc_gamma_ns < 0:
+            raise ConfigError("bc_gamma_ns", f"must be >= 0, got {self.bc_gamma_ns}")
+        if self.power_iters is not None and self.power_iters < 1:
+            raise ConfigError("power_iters", f"must be >= 1, got {self.power_iters}")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ConfigError("preset", f"must be one of {', '.join(PRESETS)}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError("schedule", f"must be one of {', '.join(SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ConfigError("warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        assert self.name in OPTIMIZERS

@@ -1,0 +1,231 @@
+"""Filters on the release, applied to ``p.grad`` before the optimizer: identity, DiSK, DOPPLER.
+
+A filter has two faces:
+
+- ``query_plan(named_params)``: what each example's query is, as a list of
+  ``(coefficient, parameter values or None)``; None means the current parameters. The clipping
+  engine evaluates ``sum_j coefficient_j * grad l(theta_j; x_i)`` and clips it as ONE query.
+  The coefficients are public (functions of the config), so they cost no privacy.
+- ``apply(named_params)``: after the release is in ``p.grad``, replace it by the filter's output
+  and remember what the filter needs (its state, and for DiSK the current parameters x_t).
+
+``noise_gain()`` is the coefficient of the latest release in the output (DP-MuonBC needs it).
+Everything is keyed by parameter name, so ``state_dict`` survives regrouping and resharding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dptrain.config import ConfigError
+
+__all__ = ["FilterConfig", "Filter", "IdentityFilter", "DiSKFilter", "DopplerFilter", "FILTERS",
+           "build_filter", "QueryPlan"]
+
+NamedParams = list[tuple[str, torch.nn.Parameter]]
+QueryPlan = list[tuple[float, "dict[str, Tensor] | None"]]
+
+
+@dataclass(kw_only=True)
+class FilterConfig:
+    name: Literal["none", "disk", "doppler"] = "none"
+    """Filter on the release before the optimizer: none, disk (Kalman) or doppler (low-pass)."""
+    kappa: float = 0.7
+    """DiSK: filter gain, read in ``convention``. disk_paper: weight of the NEW release,
+    g_t = (1-kappa)*g_{t-1} + kappa*g_{t+1/2}. im_paper: weight of the PREVIOUS state,
+    g_t = kappa*g_{t-1} + (1-kappa)*g_{t+1/2}. kappa = 1 (disk_paper) switches the filter off."""
+    gamma: float = 0.5
+    """DiSK: extrapolation length; the query is evaluated at x_t + gamma*(x_t - x_{t-1})."""
+    convention: Literal["disk_paper", "im_paper"] = "disk_paper"
+    """DiSK: how ``kappa`` is read (docs/optim.md has the mapping to both papers and Opacus)."""
+    a: list[float] = field(default_factory=lambda: [-0.9])
+    """DOPPLER: feedback coefficients a_1..a_p of m_t = -sum a_tau m_{t-tau} + sum b_tau g_{t-tau}.
+    Default [-0.9] with b = [0.1]: the first-order EMA m_t = 0.9 m_{t-1} + 0.1 g_t."""
+    b: list[float] = field(default_factory=lambda: [0.1])
+    """DOPPLER: feed-forward coefficients b_0..b_q (b_0 multiplies the current release)."""
+
+    def validate(self) -> None:
+        if self.name == "disk":
+            if not 0.0 < self.kappa <= 1.0 and self.convention == "disk_paper":
+                raise ConfigError("kappa", f"must be in (0, 1] (disk_paper), got {self.kappa}")
+            if not 0.0 <= self.kappa < 1.0 and self.convention == "im_paper":
+                raise ConfigError("kappa", f"must be in [0, 1) (im_paper), got {self.kappa}")
+            if not self.gamma > 0.0:
+                raise ConfigError("gamma", f"must be > 0, got {self.gamma}")
+        if self.name == "doppler":
+            if not self.b:
+                raise ConfigError("b", "needs at least b_0")
+            if sum(self.b) == 0.0:
+                raise ConfigError("b", "the coefficients sum to 0: the filter passes no signal")
+            poles = np.roots([1.0, *self.a]) if self.a else np.array([])
+            if np.any(np.abs(poles) >= 1.0):
+                raise ConfigError("a", f"unstable filter: poles {poles.tolist()} must lie "
+                                       "strictly inside the unit circle")
+
+    def disk_gain(self) -> float:
+        """kappa in the DiSK paper's convention (the weight of the new release)."""
+        return self.kappa if self.convention == "disk_paper" else 1.0 - self.kappa
+
+
+class Filter:
+    """The identity: the query is the gradient at the current parameters, the output the release."""
+
+    def query_plan(self, named_params: NamedParams) -> QueryPlan:
+        return [(1.0, None)]
+
+    def apply(self, named_params: NamedParams) -> None:
+        pass
+
+    def noise_gain(self) -> float:
+        return 1.0
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+IdentityFilter = Filter
+
+
+class DiSKFilter(Filter):
+    """DiSK (Zhang et al. 2025), DiSK-paper convention: ``kappa`` is the weight of the new release.
+
+    Query of example i at step t >= 1 (one query, clipped once):
+        c*grad l(x_t + gamma*(x_t - x_{t-1}); x_i) + (1 - c)*grad l(x_t; x_i),
+        c = (1 - kappa)/(kappa*gamma)   (public; may exceed 1, making 1 - c negative);
+    at t = 0 (no x_{-1}) the plain gradient. Filter: g_0 = release,
+    g_t = (1 - kappa)*g_{t-1} + kappa*release_t.
+    """
+
+    def __init__(self, kappa: float, gamma: float):
+        assert 0.0 < kappa <= 1.0 and gamma > 0.0
+        self.kappa = float(kappa)
+        self.gamma = float(gamma)
+        self.c = (1.0 - self.kappa) / (self.kappa * self.gamma)
+        self.num_steps = 0
+        self.g: dict[str, Tensor] = {}  # g_{t-1}, the filter state
+        self.x_prev: dict[str, Tensor] = {}  # x_{t-1}, parameters before the last step
+
+    def query_plan(self, named_params: NamedParams) -> QueryPlan:
+        if not self.x_prev or self.c == 0.0:
+            return [(1.0, None)]
+        with torch.no_grad():
+            ahead = {n: p.detach() + self.gamma * (p.detach() - self.x_prev[n])
+                     for n, p in named_params}
+        plan: QueryPlan = [(self.c, ahead)]
+        if self.c != 1.0:
+            plan.append((1.0 - self.c, None))
+        return plan
+
+    @torch.no_grad()
+    def apply(self, named_params: NamedParams) -> None:
+        for n, p in named_params:
+            if p.grad is None:
+                continue
+            if n in self.g:
+                self.g[n].lerp_(p.grad, self.kappa)  # exact at kappa = 1
+                p.grad.copy_(self.g[n])
+            else:
+                self.g[n] = p.grad.detach().clone()
+            if n in self.x_prev:
+                self.x_prev[n].copy_(p.detach())
+            else:
+                self.x_prev[n] = p.detach().clone()
+        self.num_steps += 1
+
+    def noise_gain(self) -> float:
+        return 1.0 if self.num_steps <= 1 else self.kappa
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "g": dict(self.g), "x_prev": dict(self.x_prev)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = int(state["num_steps"])
+        self.g = {n: t.clone() for n, t in state["g"].items()}
+        self.x_prev = {n: t.clone() for n, t in state["x_prev"].items()}
+
+
+class DopplerFilter(Filter):
+    """DOPPLER low-pass filter with its bias correction, on every coordinate:
+
+        m_t = -sum_{tau=1..p} a_tau m_{t-tau} + sum_{tau=0..q} b_tau g_{t-tau}
+        c_t = -sum_{tau=1..p} a_tau c_{t-tau} + sum_{tau=0..min(q,t)} b_tau
+        output m_t / c_t                 (terms before t = 0 are 0)
+    """
+
+    def __init__(self, a: list[float], b: list[float]):
+        assert len(b) >= 1
+        self.a = [float(x) for x in a]
+        self.b = [float(x) for x in b]
+        self.num_steps = 0
+        self.c_hist: list[float] = []  # c_{t-1}, c_{t-2}, ... (newest first, len <= p)
+        self.m_hist: dict[str, list[Tensor]] = {}  # m_{t-1}, ... (newest first, len <= p)
+        self.g_hist: dict[str, list[Tensor]] = {}  # g_{t-1}, ... (newest first, len <= q)
+
+    def _next_c(self) -> float:
+        t = self.num_steps
+        c = sum(self.b[: min(len(self.b), t + 1)])
+        c -= sum(a * cp for a, cp in zip(self.a, self.c_hist))
+        return c
+
+    @torch.no_grad()
+    def apply(self, named_params: NamedParams) -> None:
+        c_t = self._next_c()
+        p_len, q_len = len(self.a), len(self.b) - 1
+        for n, p in named_params:
+            if p.grad is None:
+                continue
+            g_prev = self.g_hist.setdefault(n, [])
+            m_prev = self.m_hist.setdefault(n, [])
+            m = p.grad.mul(self.b[0])
+            for b_tau, g in zip(self.b[1:], g_prev):
+                m.add_(g, alpha=b_tau)
+            for a_tau, mp in zip(self.a, m_prev):
+                m.add_(mp, alpha=-a_tau)
+            if q_len:
+                g_prev.insert(0, p.grad.detach().clone())
+                del g_prev[q_len:]
+            if p_len:
+                m_prev.insert(0, m)
+                del m_prev[p_len:]
+            p.grad.copy_(m / c_t)
+        if p_len:
+            self.c_hist.insert(0, c_t)
+            del self.c_hist[p_len:]
+        self._last_c = c_t
+        self.num_steps += 1
+
+    def noise_gain(self) -> float:
+        return self.b[0] / self._last_c if self.num_steps else 1.0
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "c_hist": list(self.c_hist),
+                "last_c": self._last_c if self.num_steps else None,
+                "m_hist": {n: list(v) for n, v in self.m_hist.items()},
+                "g_hist": {n: list(v) for n, v in self.g_hist.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = int(state["num_steps"])
+        self.c_hist = [float(c) for c in state["c_hist"]]
+        self.m_hist = {n: [t.clone() for t in v] for n, v in state["m_hist"].items()}
+        self.g_hist = {n: [t.clone() for t in v] for n, v in state["g_hist"].items()}
+        if self.num_steps:
+            self._last_c = float(state["last_c"])
+
+
+FILTERS = {
+    "none": lambda cfg: Filter(),
+    "disk": lambda cfg: DiSKFilter(cfg.disk_gain(), cfg.gamma),
+    "doppler": lambda cfg: DopplerFilter(cfg.a, cfg.b),
+}
+
+
+def build_filter(cfg: FilterConfig) -> Filter:
+    return FILTERS[cfg.name](cfg)

@@ -1,0 +1,153 @@
+"""Parameter groups by name pattern, and the GPT-2 / NF-ResNet presets.
+
+Rules:
+- a pattern is a Python regex matched with ``re.search`` against the parameter's name
+  (``bias`` matches every bias; anchor with ``^...$`` for an exact name);
+- the first group whose pattern matches a parameter takes it;
+- a configured pattern that matches no parameter is an error naming ``optim.groups[i].pattern``;
+- every trainable parameter lands in exactly one group; leftovers are an error listing them,
+  unless a default group is given (the top-level optimizer of ``OptimConfig``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from dptrain.config import ConfigError
+from dptrain.optim.optimizers import OPTIMIZERS, optimizer_options
+
+__all__ = ["ParamGroupConfig", "ResolvedGroup", "resolve_groups", "PRESETS", "gpt2_groups",
+           "nfresnet_groups"]
+
+NamedParams = list[tuple[str, torch.nn.Parameter]]
+
+
+@dataclass(kw_only=True)
+class ParamGroupConfig:
+    pattern: str
+    """Regex, matched with ``re.search`` against parameter names; first matching group wins."""
+    optimizer: str
+    """Optimizer of this group: one of sgd, adamw, muon, muon_bc, muon_s."""
+    lr: float | None = None
+    """Base learning rate of this group (the schedule multiplies it). Null: ``optim.lr``."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Options of the optimizer (e.g. momentum, betas, ns_steps); unknown names are errors.
+    A group whose optimizer is ``optim.name`` also inherits the top-level options."""
+    name: str | None = None
+    """Label in logs (``DPOptimizer.lr``). Null: the config path, e.g. ``optim.groups[0]``."""
+
+    def validate(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ConfigError("pattern", f"not a valid regex: {e}") from None
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError("optimizer", f"must be one of {', '.join(OPTIMIZERS)}, "
+                                           f"got {self.optimizer!r}")
+        if self.lr is not None and not self.lr >= 0:
+            raise ConfigError("lr", f"must be >= 0, got {self.lr}")
+        known = optimizer_options(self.optimizer)
+        for key in self.kwargs:
+            if key not in known:
+                raise ConfigError(f"kwargs.{key}", f"not an option of {self.optimizer} "
+                                                   f"(options: {', '.join(sorted(known))})")
+
+
+@dataclass
+class ResolvedGroup:
+    """A group with its parameters: what ``build_optimizer`` instantiates."""
+
+    label: str  # for logs: config.name, else its config path ("optim.groups[0]")
+    path: str  # config path to blame in errors ("optim.groups[0]", "optim", "optim.aux")
+    config: ParamGroupConfig
+    named_params: NamedParams
+
+
+def resolve_groups(
+    named_params: NamedParams,
+    groups: list[tuple[str, ParamGroupConfig, bool]],
+    default: tuple[str, ParamGroupConfig] | None = None,
+) -> list[ResolvedGroup]:
+    """Assign every parameter to the first matching group.
+
+    ``groups``: (config path, config, required) in priority order; a required group that matches
+    nothing raises ConfigError(f"{path}.pattern"). Unmatched parameters go to ``default``
+    ((path, config)) or raise a ConfigError listing them. Empty groups are dropped.
+    """
+    compiled = [(path, cfg, required, re.compile(cfg.pattern))
+                for path, cfg, required in groups]
+    members: list[NamedParams] = [[] for _ in compiled]
+    leftover: NamedParams = []
+    for name, p in named_params:
+        for k, (_, _, _, rx) in enumerate(compiled):
+            if rx.search(name):
+                members[k].append((name, p))
+                break
+        else:
+            leftover.append((name, p))
+    for (path, cfg, required, _), mem in zip(compiled, members):
+        if required and not mem:
+            raise ConfigError(f"{path}.pattern",
+                              f"{cfg.pattern!r} matches no trainable parameter")
+    resolved = [ResolvedGroup(cfg.name or path, path, cfg, mem)
+                for (path, cfg, _, _), mem in zip(compiled, members) if mem]
+    if leftover:
+        if default is None:
+            names = ", ".join(n for n, _ in leftover)
+            raise ConfigError("optim.groups", f"parameters in no group: {names} (add a group, "
+                                              "a preset, or set optim.unmatched: default)")
+        path, cfg = default
+        resolved.append(ResolvedGroup(cfg.name or "default", path, cfg, leftover))
+    return resolved
+
+
+def _exact(names: list[str]) -> str:
+    """A regex matching exactly these names."""
+    return "^(?:" + "|".join(re.escape(n) for n in names) + ")$"
+
+
+def _split(named_params: NamedParams, is_matrix: Callable[[str, torch.Tensor], bool],
+           main: ParamGroupConfig, aux: ParamGroupConfig) -> list[ParamGroupConfig]:
+    matrices = [n for n, p in named_params if is_matrix(n, p)]
+    others = [n for n, p in named_params if not is_matrix(n, p)]
+    out = []
+    if matrices:
+        out.append(dataclasses.replace(main, pattern=_exact(matrices), name="matrices"))
+    if others:
+        out.append(dataclasses.replace(aux, pattern=_exact(others), name="others"))
+    return out
+
+
+_GPT2_AUX = re.compile(r"(^|\.)(wte|wpe|lm_head)(\.|$)")
+
+
+def gpt2_groups(named_params: NamedParams, main: ParamGroupConfig,
+                aux: ParamGroupConfig) -> list[ParamGroupConfig]:
+    """GPT-2: ``main`` (Muon) for tensors with >= 2 dims except the token and position
+    embeddings (wte, wpe) and the LM head; ``aux`` (AdamW) for those and all vectors/biases."""
+    return _split(named_params, lambda n, p: p.ndim >= 2 and not _GPT2_AUX.search(n), main, aux)
+
+
+_CLASSIFIER = re.compile(r"(^|\.)(head|fc|classifier)(\.|$)")
+
+
+def nfresnet_groups(named_params: NamedParams, main: ParamGroupConfig,
+                    aux: ParamGroupConfig) -> list[ParamGroupConfig]:
+    """NF-ResNet: ``main`` (Muon) for conv weights (4-D ``*.weight``); ``aux`` (AdamW or SGD)
+    for gains (timm's ScaledStdConv2d ``gain`` is (out, 1, 1, 1)), biases and the classifier."""
+    return _split(
+        named_params,
+        lambda n, p: p.ndim == 4 and n.endswith("weight") and not _CLASSIFIER.search(n),
+        main, aux)
+
+
+PRESETS: dict[str, Callable[[NamedParams, ParamGroupConfig, ParamGroupConfig],
+                            list[ParamGroupConfig]]] = {
+    "gpt2": gpt2_groups,
+    "nfresnet": nfresnet_groups,
+}

@@ -1,0 +1,364 @@
+"""The Muon family on the private release: DP-Muon (Eq. 7), DP-MuonBC and DP-Muon-S.
+
+All three read ``p.grad`` (the release, possibly filtered) and are pure post-processing.
+
+Legend: G = p.grad, M = momentum buffer, N = what Newton–Schulz sees, O = NS(N),
+(r, c) = the parameter viewed as a matrix: a conv weight (out, in, kh, kw) is (out, in*kh*kw).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Callable, Literal
+
+import torch
+from torch import Tensor
+
+from dptrain.optim.newton_schulz import newton_schulz, smooth_newton_schulz
+
+__all__ = ["Muon", "MuonBC", "MuonS", "heat_bias_correction", "power_iteration", "probe_seed"]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def _dtype_name(dtype: str | torch.dtype) -> str:
+    if isinstance(dtype, torch.dtype):
+        for name, dt in DTYPES.items():
+            if dt == dtype:
+                return name
+        raise ValueError(f"unsupported Newton-Schulz dtype {dtype}")
+    if dtype not in DTYPES:
+        raise ValueError(f"ns_dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def as_matrix(t: Tensor) -> Tensor:
+    """(out, ...) -> (out, prod(...)): the matrix Muon orthogonalises (a view when possible)."""
+    return t.reshape(t.shape[0], -1)
+
+
+# Shape scale s(r, c) of the orthogonalised update.
+SCALES: dict[str, Callable[[int, int], float]] = {
+    # Moonshot's rule, torch.optim.Muon's adjust_lr_fn="match_rms_adamw": update RMS ~ 0.2.
+    "match_rms_adamw": lambda r, c: 0.2 * math.sqrt(max(r, c)),
+    # Keller Jordan's rule (also seed 3's sqrt(max(1, m/n))).
+    "original": lambda r, c: math.sqrt(max(1.0, r / c)),
+}
+
+
+def _accumulate(buf: Tensor, grad: Tensor, mu: float, nesterov: bool) -> Tensor:
+    """Eq. 7: M_t = mu*M_{t-1} + G_t; N_t = G_t + mu*M_t (Nesterov) or M_t."""
+    buf.mul_(mu).add_(grad)
+    return grad.add(buf, alpha=mu) if nesterov else buf
+
+
+def _ema(buf: Tensor, grad: Tensor, mu: float, nesterov: bool) -> Tensor:
+    """Seed 3 / torch.optim.Muon: M_t = mu*M + (1-mu)*G; N_t = (1-mu)*G + mu*M_t or M_t."""
+    buf.lerp_(grad, 1 - mu)
+    return grad.lerp(buf, mu) if nesterov else buf
+
+
+MOMENTUM_STYLES: dict[str, Callable[[Tensor, Tensor, float, bool], Tensor]] = {
+    "accumulate": _accumulate,
+    "ema": _ema,
+}
+
+# Coefficient of the fresh input G_t in N_t: the factor by which the release's fresh noise
+# reaches Newton–Schulz's input (DP-MuonBC's nu). Accumulate+Nesterov: N = (1+mu) G + mu^2 M_prev.
+FRESH_GAIN: dict[str, Callable[[float, bool], float]] = {
+    "accumulate": lambda mu, nesterov: (1 + mu) if nesterov else 1.0,
+    "ema": lambda mu, nesterov: (1 - mu) * ((1 + mu) if nesterov else 1.0),
+}
+
+
+def _param_names(group: dict) -> list[str]:
+    names = group.get("param_names")
+    return list(names) if names is not None else [f"param{i}" for i in range(len(group["params"]))]
+
+
+def probe_seed(*parts: object) -> int:
+    """A 63-bit torch seed from public values, e.g. ("muon_bc", seed, step, name)."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class Muon(torch.optim.Optimizer):
+    """DP-Muon (Eq. 7 of Kim and Fan): momentum, Newton–Schulz, shape-scaled step.
+
+    M_t = mu*M_{t-1} + G_t; N_t = G_t + mu*M_t (Nesterov); O_t = NS_J(N_t);
+    W <- W*(1 - lr*weight_decay) - lr*s(r, c)*O_t.
+
+    Warnings:
+    - every parameter must have >= 2 dims; conv weights are orthogonalised as (out, in*kh*kw);
+      embeddings, heads, gains and biases belong in another group (see ``groups.py`` presets);
+    - ``ns_dtype`` is a performance option (bf16 is ~2x cheaper on GPUs); ``float64`` is exact;
+    - with ``momentum_style="ema"`` N is (1-mu) times Eq. 7's; Newton–Schulz's Frobenius
+      normalisation removes that factor (up to ``eps``), so both styles give the same step;
+    - ``scale="original"`` uses sqrt(max(1, r/c)) with r = fan-out of a ``nn.Linear``; HF GPT-2's
+      ``Conv1D`` stores (in, out), for which r/c is the inverse ratio.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        *,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_coefficients: Literal["muon", "polar_express"] = "muon",
+        ns_dtype: str | torch.dtype = "float32",
+        scale: Literal["match_rms_adamw", "original"] = "match_rms_adamw",
+        momentum_style: Literal["accumulate", "ema"] = "accumulate",
+        weight_decay: float = 0.0,
+        eps: float = 1e-7,
+    ):
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if scale not in SCALES:
+            raise ValueError(f"scale must be one of {sorted(SCALES)}, got {scale!r}")
+        if momentum_style not in MOMENTUM_STYLES:
+            raise ValueError(f"momentum_style must be one of {sorted(MOMENTUM_STYLES)}")
+        if ns_steps < 1:
+            raise ValueError(f"ns_steps must be >= 1, got {ns_steps}")
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        ns_coefficients=ns_coefficients, ns_dtype=_dtype_name(ns_dtype),
+                        scale=scale, momentum_style=momentum_style, weight_decay=weight_decay,
+                        eps=eps, noise_gain=1.0)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for name, p in zip(_param_names(group), group["params"]):
+                if p.ndim < 2:
+                    raise ValueError(f"{type(self).__name__} needs parameters with >= 2 dims; "
+                                     f"{name} has shape {tuple(p.shape)}")
+
+    def _orthogonalise(self, N: Tensor, group: dict, state: dict, name: str) -> Tensor:
+        """O = NS_J(N) for the (r, c) matrix N, computed in ``ns_dtype``."""
+        X = N.to(DTYPES[group["ns_dtype"]])
+        return newton_schulz(X, group["ns_steps"], coefficients=group["ns_coefficients"],
+                             eps=group["eps"])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+            advance = MOMENTUM_STYLES[group["momentum_style"]]
+            for name, p in zip(_param_names(group), group["params"]):
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                N = advance(state["momentum_buffer"], p.grad, mu, group["nesterov"])
+                N_rc = as_matrix(N)
+                O_rc = self._orthogonalise(N_rc, group, state, name)
+                state["step"] += 1
+                s = SCALES[group["scale"]](*N_rc.shape)
+                if wd != 0:
+                    p.mul_(1 - lr * wd)
+                p.add_(O_rc.view(p.shape).to(p.dtype), alpha=-lr * s)
+        return loss
+
+
+def heat_bias_correction(
+    Q: Callable[[Tensor], Tensor],
+    A: Tensor,
+    nu: float,
+    E: Tensor,
+    *,
+    lam: float = 1.25,
+    kappa: float = 2.0,
+) -> Tensor:
+    """Q_BC(A) = Q(A) - lam * [mean_k (Q(A + h E_k) + Q(A - h E_k))/2 - Q(A)] / kappa^2, h = kappa*nu.
+
+    ``E`` has shape (num_probes, *A.shape): public probe directions, N(0, I) each. ``Q`` must
+    accept a leading batch dimension. One call evaluates Q on the 1 + 2*num_probes inputs.
+    With lam = 1 the correction is exact for every quadratic Q (see docs/optim.md).
+    """
+    h = kappa * nu
+    X = torch.cat([A.unsqueeze(0), A.unsqueeze(0) + h * E, A.unsqueeze(0) - h * E])
+    Qx = Q(X)
+    num_probes = E.shape[0]
+    Q0 = Qx[0]
+    smoothed = 0.5 * (Qx[1:1 + num_probes] + Qx[1 + num_probes:]).mean(dim=0)
+    return Q0 - (lam / (kappa * kappa)) * (smoothed - Q0)
+
+
+class MuonBC(Muon):
+    """DP-MuonBC: DP-Muon with a first-order inverse-heat correction of Newton–Schulz's bias.
+
+    O_t = Q_BC(N_t) with Q = Smooth-NS (X / sqrt(gamma_ns^2 + ||X||_F^2), then J steps) and
+    ``heat_bias_correction`` at nu = release_noise_std * noise_gain * (coefficient of G_t in N_t):
+    (1 + mu) after Nesterov with accumulated momentum, (1 - mu)(1 + mu) with EMA momentum.
+    ``noise_gain`` (a param-group entry, 1 by default) is the gain of a filter in front of the
+    optimizer on the current release; ``build_optimizer`` sets it every step.
+
+    Probes are public randomness: a fresh ``torch.Generator`` per (seed, step, parameter name),
+    independent of the release's noise stream; resuming at step t redraws the same probes.
+
+    Warnings:
+    - 1 + 2*bc_probes Newton–Schulz evaluations per matrix per step (batched in one call);
+    - with nu = 0 (no noise) the correction is skipped and the step equals Muon's with Smooth-NS.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        *,
+        release_noise_std: float,
+        seed: int,
+        bc_lambda: float = 1.25,
+        bc_kappa: float = 2.0,
+        bc_gamma_ns: float = 1e-4,
+        bc_probes: int = 1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_coefficients: Literal["muon", "polar_express"] = "muon",
+        ns_dtype: str | torch.dtype = "float32",
+        scale: Literal["match_rms_adamw", "original"] = "match_rms_adamw",
+        momentum_style: Literal["accumulate", "ema"] = "accumulate",
+        weight_decay: float = 0.0,
+        eps: float = 1e-7,
+    ):
+        if release_noise_std < 0:
+            raise ValueError(f"release_noise_std must be >= 0, got {release_noise_std}")
+        if bc_kappa <= 0 or bc_probes < 1 or bc_gamma_ns < 0:
+            raise ValueError("need bc_kappa > 0, bc_probes >= 1 and bc_gamma_ns >= 0")
+        super().__init__(params, lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                         ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, scale=scale,
+                         momentum_style=momentum_style, weight_decay=weight_decay, eps=eps)
+        self.release_noise_std = float(release_noise_std)
+        self.seed = int(seed)
+        for group in self.param_groups:
+            group.setdefault("bc_lambda", bc_lambda)
+            group.setdefault("bc_kappa", bc_kappa)
+            group.setdefault("bc_gamma_ns", bc_gamma_ns)
+            group.setdefault("bc_probes", bc_probes)
+
+    def input_noise_std(self, group: dict) -> float:
+        """nu: std of the fresh release noise per coordinate of Newton–Schulz's input."""
+        gain = FRESH_GAIN[group["momentum_style"]](group["momentum"], group["nesterov"])
+        return self.release_noise_std * group["noise_gain"] * gain
+
+    def _orthogonalise(self, N: Tensor, group: dict, state: dict, name: str) -> Tensor:
+        dtype = DTYPES[group["ns_dtype"]]
+
+        def Q(X: Tensor) -> Tensor:
+            return smooth_newton_schulz(X, group["ns_steps"], group["bc_gamma_ns"],
+                                        coefficients=group["ns_coefficients"])
+
+        A = N.to(dtype)
+        nu = self.input_noise_std(group)
+        if nu == 0.0:
+            return Q(A)
+        gen = torch.Generator(device=A.device)
+        gen.manual_seed(probe_seed("muon_bc_probe", self.seed, state["step"], name))
+        E = torch.randn((group["bc_probes"], *A.shape), generator=gen, device=A.device,
+                        dtype=torch.float32).to(dtype)
+        return heat_bias_correction(Q, A, nu, E, lam=group["bc_lambda"],
+                                    kappa=group["bc_kappa"])
+
+
+def power_iteration(M: Tensor, v: Tensor, num_iters: int) -> tuple[Tensor, Tensor]:
+    """sigma_1(M) and its right singular vector by ``num_iters`` power steps from ``v`` (unit).
+
+    Returns (sigma, v_new); a zero matrix leaves ``v`` unchanged and gives sigma = 0.
+    """
+    tiny = torch.finfo(M.dtype).tiny
+    sigma = torch.zeros((), dtype=M.dtype, device=M.device)
+    for _ in range(num_iters):
+        u = M @ v
+        u = u / (torch.linalg.vector_norm(u) + tiny)
+        w = M.mT @ u
+        sigma = torch.linalg.vector_norm(w)
+        v = torch.where(sigma > 0, w / (sigma + tiny), v)
+    return sigma, v
+
+
+class MuonS(torch.optim.Optimizer):
+    """DP-Muon-S ("Spectral Gradient Orthogonalization"): the update sigma_1(M) * U V^T.
+
+    M_t = beta*M_{t-1} + G_t (heavy ball); for a matrix, W <- W - lr * sigma_1(M_t) * NS_J(M_t),
+    sigma_1 by ``power_iters`` power iterations warm-started from the previous step's vector
+    (kept in the state); parameters with < 2 dims take the heavy-ball SGD step W <- W - lr*M_t.
+
+    Warnings:
+    - U V^T is approximated by Newton–Schulz; the default Polar Express coefficients get much
+      closer to the polar factor than Muon's at 5 steps (Muon's leave singular values in
+      ~[0.7, 1.2]);
+    - the first step's power vector is public randomness seeded from (seed, parameter name).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        *,
+        seed: int = 0,
+        momentum: float = 0.9,
+        power_iters: int = 3,
+        ns_steps: int = 5,
+        ns_coefficients: Literal["muon", "polar_express"] = "polar_express",
+        ns_dtype: str | torch.dtype = "float32",
+        weight_decay: float = 0.0,
+        eps: float = 1e-7,
+    ):
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if power_iters < 1:
+            raise ValueError(f"power_iters must be >= 1, got {power_iters}")
+        defaults = dict(lr=lr, momentum=momentum, power_iters=power_iters, ns_steps=ns_steps,
+                        ns_coefficients=ns_coefficients, ns_dtype=_dtype_name(ns_dtype),
+                        weight_decay=weight_decay, eps=eps, noise_gain=1.0)
+        super().__init__(params, defaults)
+        self.seed = int(seed)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, beta, wd = group["lr"], group["momentum"], group["weight_decay"]
+            for name, p in zip(_param_names(group), group["params"]):
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                    if p.ndim >= 2:
+                        gen = torch.Generator(device=p.device)
+                        gen.manual_seed(probe_seed("muon_s_power", self.seed, name))
+                        v = torch.randn(as_matrix(p).shape[1], generator=gen, device=p.device,
+                                        dtype=p.dtype)
+                        state["power_vector"] = v / torch.linalg.vector_norm(v)
+                        state["sigma"] = torch.zeros((), dtype=p.dtype, device=p.device)
+                M = state["momentum_buffer"].mul_(beta).add_(p.grad)
+                state["step"] += 1
+                if wd != 0:
+                    p.mul_(1 - lr * wd)
+                if p.ndim < 2:
+                    p.add_(M, alpha=-lr)
+                    continue
+                M_rc = as_matrix(M)
+                sigma, v = power_iteration(M_rc, state["power_vector"], group["power_iters"])
+                state["power_vector"].copy_(v)
+                state["sigma"].copy_(sigma)
+                O_rc = newton_schulz(M_rc.to(DTYPES[group["ns_dtype"]]), group["ns_steps"],
+                                     coefficients=group["ns_coefficients"], eps=group["eps"])
+                p.add_(O_rc.view(p.shape).to(p.dtype) * sigma, alpha=-lr)
+        return loss

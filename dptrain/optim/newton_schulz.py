@@ -1,0 +1,127 @@
+"""Newton–Schulz orthogonalisation (Eq. 13 of the DP-Muon paper) and its smooth variant.
+
+``newton_schulz(X)`` approximates the polar factor U V^T of X = U S V^T by a fixed odd matrix
+polynomial applied J times: X <- a X + b (X X^T) X + c (X X^T)^2 X. Every step maps U S V^T to
+U p(S) V^T with p(s) = a s + b s^3 + c s^5, so the singular vectors (the polar factor) are never
+touched; only the singular values are pushed towards 1 (Proposition 2 of the inner-momentum paper).
+
+Shapes: any ``(..., m, n)`` tensor; leading dims are a batch. The iteration runs on the wide
+orientation (m <= n), so the Gram matrix X X^T is the small one, (..., m, m).
+
+The result has the dtype of the input: the optimizer casts to bf16 (or fp64) before calling when a
+cheaper (or more exact) iteration is wanted; that is a performance option of the optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "MUON_COEFFICIENTS",
+    "POLAR_EXPRESS_COEFFICIENTS",
+    "newton_schulz",
+    "smooth_newton_schulz",
+]
+
+MUON_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+"""Keller Jordan's quintic (a, b, c): maximal slope at 0; singular values end in ~[0.7, 1.2]."""
+
+POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+"""Polar Express: one quintic per iteration; iterations past the fifth repeat the last one."""
+
+# Polar Express normalises by ||X||_F * 1.02 + 1e-6: its first quintic assumes sigma_max < 1
+# with a small safety margin.
+_POLAR_EXPRESS_SAFETY = 1.02
+_POLAR_EXPRESS_EPS = 1e-6
+
+Coefficients = Literal["muon", "polar_express"]
+
+
+def _schedule(coefficients: Coefficients, steps: int) -> list[tuple[float, float, float]]:
+    if coefficients == "muon":
+        return [MUON_COEFFICIENTS] * steps
+    if coefficients == "polar_express":
+        last = len(POLAR_EXPRESS_COEFFICIENTS) - 1
+        return [POLAR_EXPRESS_COEFFICIENTS[min(j, last)] for j in range(steps)]
+    raise ValueError(f"coefficients must be 'muon' or 'polar_express', got {coefficients!r}")
+
+
+def _iterate(X_wide: Tensor, schedule: list[tuple[float, float, float]]) -> Tensor:
+    """J quintic steps on an already normalised wide (..., m, n) tensor, m <= n."""
+    # Fused multiply-adds as torch.optim.Muon does, so that the bf16 setting rounds like it.
+    if X_wide.ndim == 2:
+        X = X_wide
+        for a, b, c in schedule:
+            A = X @ X.mT  # (m, m) Gram matrix
+            B = torch.addmm(A, A, A, beta=b, alpha=c)  # b*A + c*A@A
+            X = torch.addmm(X, B, X, beta=a)  # a*X + B@X
+        return X
+    batch = X_wide.shape[:-2]
+    X = X_wide.reshape(-1, *X_wide.shape[-2:])
+    for a, b, c in schedule:
+        A = X @ X.mT  # (batch, m, m)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
+    return X.reshape(*batch, *X.shape[-2:])
+
+
+def _check_matrix(X: Tensor) -> None:
+    if X.ndim < 2:
+        raise ValueError(f"Newton-Schulz needs a matrix (..., m, n), got shape {tuple(X.shape)}")
+
+
+def newton_schulz(
+    X: Tensor,
+    steps: int = 5,
+    *,
+    coefficients: Coefficients = "muon",
+    eps: float = 1e-7,
+) -> Tensor:
+    """Approximate polar factor of ``X`` by ``steps`` Newton–Schulz iterations, in X's dtype.
+
+    ``coefficients="muon"``: X / (||X||_F + eps), then the fixed quintic (3.4445, -4.7750, 2.0315).
+    ``coefficients="polar_express"``: X / (||X||_F * 1.02 + 1e-6), then the Polar Express schedule.
+    Tall inputs are transposed, iterated on the wide orientation and transposed back.
+    """
+    _check_matrix(X)
+    schedule = _schedule(coefficients, steps)
+    tall = X.shape[-2] > X.shape[-1]
+    Y = X.mT if tall else X
+    norm = torch.linalg.matrix_norm(Y, keepdim=True)  # Frobenius, (..., 1, 1)
+    if coefficients == "polar_express":
+        Y = Y / (norm * _POLAR_EXPRESS_SAFETY + _POLAR_EXPRESS_EPS)
+    else:
+        Y = Y / (norm + eps)
+    Y = _iterate(Y, schedule)
+    return Y.mT if tall else Y
+
+
+def smooth_newton_schulz(
+    X: Tensor,
+    steps: int = 5,
+    gamma_ns: float = 1e-4,
+    *,
+    coefficients: Coefficients = "muon",
+) -> Tensor:
+    """"Smooth-NS" of DP-MuonBC: X / sqrt(gamma_ns^2 + ||X||_F^2), then the same iteration.
+
+    The normalisation is a smooth function of X everywhere (also at 0), which the bias
+    correction's Taylor argument needs; for ||X||_F >> gamma_ns it equals ``newton_schulz``.
+    """
+    _check_matrix(X)
+    schedule = _schedule(coefficients, steps)
+    tall = X.shape[-2] > X.shape[-1]
+    Y = X.mT if tall else X
+    sq = torch.linalg.matrix_norm(Y, keepdim=True).square()
+    Y = Y * torch.rsqrt(sq + gamma_ns * gamma_ns)
+    Y = _iterate(Y, schedule)
+    return Y.mT if tall else Y

@@ -1,0 +1,84 @@
+"""The optimizer registry: name -> class, and how a class is built from config options.
+
+Every class reads ``p.grad`` (the release after the filters) and keeps all its state in
+``self.state``; none stashes anything on parameters. Classes take ``(params, lr, **options)``;
+options named like a runtime value (``seed``, ``release_noise_std``, ``ns_dtype``) are filled
+in by ``build_optimizer`` rather than by the config.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from dptrain.optim.muon import Muon, MuonBC, MuonS
+
+__all__ = ["SGD", "AdamW", "OPTIMIZERS", "RUNTIME_OPTIONS", "Runtime", "optimizer_options",
+           "construct"]
+
+
+class SGD(torch.optim.SGD):
+    """Heavy-ball SGD: M_t = mu*M_{t-1} + G_t; W <- W - lr*M_t (torch's SGD, no dampening).
+
+    ``weight_decay`` is torch's coupled L2 term (added to G before the momentum).
+    """
+
+    def __init__(self, params, lr: float = 0.1, *, momentum: float = 0.9,
+                 nesterov: bool = False, weight_decay: float = 0.0):
+        super().__init__(params, lr=lr, momentum=momentum, nesterov=nesterov,
+                         weight_decay=weight_decay)
+
+
+class AdamW(torch.optim.AdamW):
+    """AdamW with standard bias correction and decoupled weight decay (torch's AdamW)."""
+
+    def __init__(self, params, lr: float = 1e-3, *, betas: tuple[float, float] | list[float] =
+                 (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": SGD,
+    "adamw": AdamW,
+    "muon": Muon,
+    "muon_bc": MuonBC,
+    "muon_s": MuonS,
+}
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Values the run supplies (not the config): passed to classes whose __init__ names them."""
+
+    seed: int
+    """Seed of public post-processing randomness (MuonBC probes, MuonS power vectors)."""
+    release_noise_std: float
+    """sigma*C/b: std per coordinate of the release's Gaussian noise (MuonBC's nu before gains)."""
+    ns_dtype: str = "float32"
+    """Newton–Schulz dtype (``performance.newton_schulz_dtype``)."""
+
+
+RUNTIME_OPTIONS = frozenset(Runtime.__dataclass_fields__)
+
+
+def _init_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    params = dict(inspect.signature(cls.__init__).parameters)
+    for skip in ("self", "params", "lr"):
+        params.pop(skip, None)
+    return params
+
+
+def optimizer_options(name: str) -> set[str]:
+    """Config-settable options of optimizer ``name`` (its __init__ keywords minus runtime ones)."""
+    return set(_init_parameters(OPTIMIZERS[name])) - RUNTIME_OPTIONS
+
+
+def construct(name: str, named_params: list[tuple[str, torch.nn.Parameter]], *, lr: float,
+              options: dict, runtime: Runtime) -> torch.optim.Optimizer:
+    """Instantiate OPTIMIZERS[name] over ``named_params`` with config ``options`` and runtime."""
+    cls = OPTIMIZERS[name]
+    accepted = _init_parameters(cls)
+    extra = {k: getattr(runtime, k) for k in RUNTIME_OPTIONS if k in accepted}
+    return cls(list(named_params), lr=lr, **extra, **options)

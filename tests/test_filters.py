@@ -1,0 +1,150 @@
+"""DiSK and DOPPLER on the release: recursions, query plans, and reduction to no filter."""
+
+import numpy as np
+import pytest
+import scipy.signal
+import torch
+
+from dptrain.config import ConfigError, from_dict, validate_tree
+from dptrain.optim import OptimConfig, build_optimizer
+from dptrain.optim.filters import DiSKFilter, DopplerFilter, FilterConfig
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _data(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 6, generator=gen), torch.randn(16, 3, generator=gen)
+
+
+def _train(optim: dict, num_steps=5, seed=0):
+    """A miniature trainer: follows the query plan exactly (no clipping, no noise)."""
+    torch.manual_seed(seed)
+    net = _Net().double()
+    x, y = _data()
+    x, y = x.double(), y.double()
+    named = list(net.named_parameters())
+    cfg = from_dict(OptimConfig, optim)
+    opt = build_optimizer(cfg, named, total_steps=num_steps, release_noise_std=0.0, seed=0)
+    for _ in range(num_steps):
+        plan = opt.query_plan()
+        total = {n: torch.zeros_like(p) for n, p in named}
+        for coef, values in plan:
+            point = {n: (p.detach() if values is None else values[n]).clone().requires_grad_()
+                     for n, p in named}
+            out = torch.func.functional_call(net, point, (x,))
+            grads = torch.autograd.grad(((out - y) ** 2).mean(), list(point.values()))
+            for (n, _), g in zip(named, grads):
+                total[n] += coef * g
+        for n, p in named:
+            p.grad = total[n]
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in named}, opt
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw", "muon_s"])
+@pytest.mark.parametrize("filt", [
+    {"name": "disk", "kappa": 1.0, "gamma": 0.5},
+    {"name": "disk", "kappa": 0.0, "gamma": 0.8, "convention": "im_paper"},
+    {"name": "doppler", "a": [], "b": [1.0]},
+])
+def test_disk_kappa_1_and_doppler_b0_1_reduce_to_the_unfiltered_optimizer(name, filt):
+    base = {"name": name, "lr": 0.05}
+    plain, _ = _train(base)
+    filtered, _ = _train({**base, "filter": filt})
+    for n in plain:
+        assert torch.equal(plain[n], filtered[n]), n
+
+
+def test_disk_query_plan_coefficients_sum_to_one_and_extrapolate():
+    _, opt = _train({"name": "sgd", "lr": 0.05,
+                     "filter": {"name": "disk", "kappa": 0.7, "gamma": 0.5}}, num_steps=3)
+    f = opt.filter
+    plan = opt.query_plan()
+    assert sum(c for c, _ in plan) == pytest.approx(1.0, abs=1e-15)
+    c = (1 - 0.7) / (0.7 * 0.5)
+    assert plan[0][0] == pytest.approx(c) and plan[1] == (pytest.approx(1 - c), None)
+    for n, p in opt.named_params:
+        expected = p.detach() + 0.5 * (p.detach() - f.x_prev[n])
+        torch.testing.assert_close(plan[0][1][n], expected, rtol=0, atol=0)
+
+
+def test_disk_plan_at_the_first_step_is_the_plain_gradient():
+    f = DiSKFilter(kappa=0.5, gamma=0.8)
+    p = torch.nn.Parameter(torch.ones(3))
+    assert f.query_plan([("p", p)]) == [(1.0, None)]
+    # c = 1 (gamma = (1 - kappa)/kappa): only the extrapolated gradient
+    f = DiSKFilter(kappa=0.5, gamma=1.0)
+    p.grad = torch.zeros(3)
+    f.apply([("p", p)])
+    plan = f.query_plan([("p", p)])
+    assert len(plan) == 1 and plan[0][0] == 1.0 and plan[0][1] is not None
+
+
+def test_disk_filter_recursion_and_noise_gain():
+    f = DiSKFilter(kappa=0.3, gamma=0.5)
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(0)
+    g_ref = None
+    for t in range(4):
+        release = torch.randn(4, dtype=torch.float64, generator=gen)
+        p.grad = release.clone()
+        f.apply([("p", p)])
+        g_ref = release if g_ref is None else 0.7 * g_ref + 0.3 * release
+        torch.testing.assert_close(p.grad, g_ref, rtol=1e-14, atol=1e-14)
+        assert f.noise_gain() == (1.0 if t == 0 else 0.3)
+
+
+def test_im_paper_convention_reads_kappa_as_the_weight_of_the_previous_state():
+    im = FilterConfig(name="disk", kappa=0.5, gamma=0.8, convention="im_paper")
+    assert im.disk_gain() == 0.5
+    assert FilterConfig(name="disk", kappa=0.2, convention="im_paper").disk_gain() == 0.8
+    assert FilterConfig(name="disk", kappa=0.2).disk_gain() == 0.2
+
+
+@pytest.mark.parametrize("a,b", [([-0.9], [0.1]), ([-1.2, 0.5], [0.2, 0.1]), ([], [0.5, 0.5])])
+def test_doppler_is_the_bias_corrected_iir_filter(a, b):
+    """m = lfilter(b, [1, *a], g), c = lfilter(b, [1, *a], ones): output m_t / c_t."""
+    T = 7
+    gen = np.random.default_rng(0)
+    g = gen.standard_normal((T, 3))
+    m = scipy.signal.lfilter(b, [1.0, *a], g, axis=0)
+    c = scipy.signal.lfilter(b, [1.0, *a], np.ones(T))
+    f = DopplerFilter(a, b)
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    for t in range(T):
+        p.grad = torch.tensor(g[t])
+        f.apply([("p", p)])
+        np.testing.assert_allclose(p.grad.numpy(), m[t] / c[t], rtol=1e-12, atol=1e-12)
+        assert f.noise_gain() == pytest.approx(b[0] / c[t])
+
+
+def test_doppler_constant_input_passes_unchanged():
+    f = DopplerFilter([-0.9], [0.1])
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    for _ in range(5):
+        p.grad = torch.tensor([1.5, -2.0], dtype=torch.float64)
+        f.apply([("p", p)])
+        torch.testing.assert_close(p.grad, torch.tensor([1.5, -2.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("filt,field", [
+    ({"name": "doppler", "a": [-1.1], "b": [0.1]}, "optim.filter.a"),
+    ({"name": "doppler", "b": []}, "optim.filter.b"),
+    ({"name": "disk", "kappa": 0.0}, "optim.filter.kappa"),
+    ({"name": "disk", "gamma": -1.0}, "optim.filter.gamma"),
+])
+def test_bad_filter_settings_name_their_field(filt, field):
+    cfg = from_dict(OptimConfig, {"filter": filt})
+    with pytest.raises(ConfigError) as e:
+        validate_tree(cfg, "optim")
+    assert e.value.field == field

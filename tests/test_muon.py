@@ -1,0 +1,226 @@
+"""DP-Muon against torch.optim.Muon and Eq. 7; DP-MuonBC's bias correction; DP-Muon-S."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dptrain.optim import Muon, MuonBC, MuonS
+from dptrain.optim.muon import heat_bias_correction, power_iteration
+from dptrain.optim.newton_schulz import MUON_COEFFICIENTS, newton_schulz, smooth_newton_schulz
+
+LR, MU = 0.01, 0.95
+
+
+def _grads(shape, num_steps, seed=1, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=gen, dtype=dtype) for _ in range(num_steps)]
+
+
+# --- DP-Muon vs torch.optim.Muon (noise 0, no clipping: the release is the gradient) ---------
+
+def _run_pair(shape, grads, mine_kwargs):
+    W0 = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    Wt, Wm = torch.nn.Parameter(W0.clone()), torch.nn.Parameter(W0.clone())
+    ref = torch.optim.Muon([Wt], lr=LR, weight_decay=0.0, momentum=MU, nesterov=True,
+                           adjust_lr_fn="match_rms_adamw")
+    mine = Muon([Wm], lr=LR, momentum=MU, nesterov=True, scale="match_rms_adamw", **mine_kwargs)
+    for G in grads:
+        before_t, before_m = Wt.detach().clone(), Wm.detach().clone()
+        Wt.grad, Wm.grad = G.clone(), G.clone()
+        ref.step()
+        mine.step()
+        yield Wt.detach() - before_t, Wm.detach() - before_m, Wt.detach(), Wm.detach()
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (32, 16)])
+def test_ema_momentum_in_bf16_is_torch_muon_bit_for_bit(shape):
+    """Same momentum convention (buf.lerp_(grad, 1 - mu)) and bf16 NS: identical parameters."""
+    for _, _, Wt, Wm in _run_pair(shape, _grads(shape, 5), dict(ns_dtype="bfloat16",
+                                                               momentum_style="ema")):
+        assert torch.equal(Wt, Wm)
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (32, 16)])
+def test_eq7_momentum_in_bf16_matches_torch_muon_at_bf16_tolerance(shape):
+    """Eq. 7's accumulated momentum is torch's EMA times 1/(1-mu); NS's normalisation removes
+    the factor, so the steps agree up to bf16 rounding (~2^-8 relative)."""
+    for dWt, dWm, _, _ in _run_pair(shape, _grads(shape, 6), dict(ns_dtype="bfloat16")):
+        rel = torch.linalg.norm(dWt - dWm) / torch.linalg.norm(dWt)
+        assert rel < 3e-2, rel.item()
+
+
+def _ns_reference(X, steps=5, eps=1e-7):
+    a, b, c = MUON_COEFFICIENTS
+    tall = X.shape[0] > X.shape[1]
+    Y = X.T if tall else X
+    Y = Y / (torch.linalg.norm(Y) + eps)
+    for _ in range(steps):
+        G = Y @ Y.T
+        Y = a * Y + b * (G @ Y) + c * (G @ G @ Y)
+    return Y.T if tall else Y
+
+
+@pytest.mark.parametrize("shape,scale,nesterov,weight_decay", [
+    ((12, 20), "match_rms_adamw", True, 0.0),
+    ((20, 12), "original", True, 0.1),
+    ((6, 3, 3, 3), "match_rms_adamw", False, 0.0),  # conv weight -> (6, 27)
+    ((27, 4, 1, 1), "original", True, 0.0),  # 1x1 conv, tall -> (27, 4)
+])
+def test_float64_muon_is_eq7_exactly(shape, scale, nesterov, weight_decay):
+    """An independent transcription of Eq. 7 in float64 (accumulated momentum, Nesterov)."""
+    grads = _grads(shape, 5, dtype=torch.float64)
+    W0 = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    W = torch.nn.Parameter(W0.clone())
+    opt = Muon([W], lr=LR, momentum=MU, nesterov=nesterov, ns_dtype="float64", scale=scale,
+               weight_decay=weight_decay)
+    W_ref, M = W0.clone(), torch.zeros(shape, dtype=torch.float64)
+    r, c = shape[0], math.prod(shape[1:])
+    s = 0.2 * math.sqrt(max(r, c)) if scale == "match_rms_adamw" else math.sqrt(max(1, r / c))
+    for G in grads:
+        M = MU * M + G
+        N = G + MU * M if nesterov else M
+        O = _ns_reference(N.reshape(r, c)).reshape(shape)
+        W_ref = W_ref * (1 - LR * weight_decay) - LR * s * O
+        W.grad = G.clone()
+        opt.step()
+        torch.testing.assert_close(W.detach(), W_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_muon_refuses_vectors_and_names_them():
+    with pytest.raises(ValueError, match="bias"):
+        Muon([("w", torch.nn.Parameter(torch.ones(3, 3))),
+              ("bias", torch.nn.Parameter(torch.ones(3)))])
+
+
+# --- DP-MuonBC ------------------------------------------------------------------------------
+
+def _gauss_hermite(n=4):
+    """Nodes/weights of E f(Z), Z ~ N(0, 1): exact for polynomials of degree < 2n."""
+    z, w = np.polynomial.hermite_e.hermegauss(n)
+    return torch.tensor(z), torch.tensor(w / w.sum())
+
+
+@pytest.mark.parametrize("kappa", [0.5, 1.0, 2.0])
+def test_bias_correction_with_lambda_1_is_exact_for_quadratics(kappa):
+    """F(x) = x^2, input a + nu*Z. E F = a^2 + nu^2; the antithetic probe's second difference
+    is kappa^2 nu^2 E^2, mean kappa^2 nu^2, so Q_BC's mean is a^2 + (1 - lambda) nu^2:
+    exact at lambda = 1 for every kappa. Expectations by Gauss-Hermite quadrature (exact here)."""
+    a = torch.tensor([0.3, -1.7, 2.0], dtype=torch.float64)
+    nu = 0.8
+    z, w = _gauss_hermite()
+    F = lambda X: X.square()  # noqa: E731 - elementwise quadratic, batch-friendly
+    for lam, expected in [(1.0, a.square()), (1.25, a.square() - 0.25 * nu**2)]:
+        mean_raw = torch.zeros_like(a)
+        mean_bc = torch.zeros_like(a)
+        for zi, wi in zip(z, w):  # the release's noise
+            A = a + nu * zi
+            mean_raw += wi * F(A)
+            for ej, wj in zip(z, w):  # the public probe
+                E = torch.full((1, *a.shape), float(ej), dtype=torch.float64)
+                mean_bc += wi * wj * heat_bias_correction(F, A, nu, E, lam=lam, kappa=kappa)
+        torch.testing.assert_close(mean_raw, a.square() + nu**2, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(mean_bc, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_bias_correction_brings_the_monte_carlo_mean_of_ns_closer_to_q_of_a():
+    gen = torch.Generator().manual_seed(0)
+    r, c, n, nu = 6, 10, 2000, 0.05
+    U, _ = torch.linalg.qr(torch.randn(r, r, dtype=torch.float64, generator=gen))
+    V, _ = torch.linalg.qr(torch.randn(c, r, dtype=torch.float64, generator=gen))
+    A = U @ torch.diag(torch.tensor([3.0, 2.0, 1.5, 1.0, 0.6, 0.3], dtype=torch.float64)) @ V.T
+
+    def Q(X):
+        return smooth_newton_schulz(X, 5, 1e-4)
+
+    X = A + nu * torch.randn(n, r, c, dtype=torch.float64, generator=gen)  # noisy inputs
+    E = torch.randn(n, r, c, dtype=torch.float64, generator=gen)  # one probe pair per draw
+    raw = Q(X)
+    h, lam, kappa = 2.0 * nu, 1.25, 2.0
+    Qx = Q(torch.cat([X, X + h * E, X - h * E]))
+    bc = Qx[:n] - lam / kappa**2 * (0.5 * (Qx[n:2 * n] + Qx[2 * n:]) - Qx[:n])
+    # same formula as the optimizer's, per draw:
+    torch.testing.assert_close(bc[0], heat_bias_correction(Q, X[0], nu, E[:1], lam=lam,
+                                                           kappa=kappa))
+    err_raw = torch.linalg.norm(raw.mean(0) - Q(A))
+    err_bc = torch.linalg.norm(bc.mean(0) - Q(A))
+    assert err_bc < 0.8 * err_raw, (err_bc.item(), err_raw.item())
+
+
+def test_muon_bc_nu_follows_momentum_and_probes_are_public_and_replayable():
+    W0 = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
+    grads = _grads((8, 12), 3)
+
+    def run(global_seed, seed=7):
+        torch.manual_seed(global_seed)  # must not matter: probes have their own generator
+        W = torch.nn.Parameter(W0.clone())
+        opt = MuonBC([("w", W)], lr=LR, release_noise_std=0.1, seed=seed)
+        for G in grads:
+            W.grad = G.clone()
+            opt.step()
+        return W.detach(), opt
+
+    W_a, opt = run(0)
+    W_b, _ = run(123)
+    W_c, _ = run(0, seed=8)
+    assert torch.equal(W_a, W_b)
+    assert not torch.equal(W_a, W_c)
+    assert opt.input_noise_std(opt.param_groups[0]) == pytest.approx(0.1 * (1 + 0.95))
+    ema = MuonBC([torch.nn.Parameter(W0.clone())], release_noise_std=0.1, seed=0,
+                 momentum_style="ema")
+    assert ema.input_noise_std(ema.param_groups[0]) == pytest.approx(0.1 * 0.05 * 1.95)
+
+
+def test_muon_bc_without_noise_is_muon_with_smooth_ns():
+    W0 = torch.randn(8, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    Wa, Wb = torch.nn.Parameter(W0.clone()), torch.nn.Parameter(W0.clone())
+    bc = MuonBC([Wa], lr=LR, release_noise_std=0.0, seed=0, ns_dtype="float64", bc_gamma_ns=0.0)
+    plain = Muon([Wb], lr=LR, ns_dtype="float64", eps=0.0)
+    for G in _grads((8, 12), 3, dtype=torch.float64):
+        Wa.grad, Wb.grad = G.clone(), G.clone()
+        bc.step()
+        plain.step()
+    torch.testing.assert_close(Wa.detach(), Wb.detach(), rtol=1e-12, atol=1e-12)
+
+
+# --- DP-Muon-S ------------------------------------------------------------------------------
+
+def test_power_iteration_on_a_zero_matrix_keeps_its_vector():
+    v = torch.tensor([0.6, 0.8])
+    sigma, v_new = power_iteration(torch.zeros(3, 2), v, 3)
+    assert sigma == 0 and torch.equal(v_new, v)
+
+
+def test_muon_s_sigma1_is_within_1e_3_of_the_svd():
+    gen = torch.Generator().manual_seed(0)
+    shape = (20, 30)
+    base = torch.randn(*shape, dtype=torch.float64, generator=gen)
+    W = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64))
+    opt = MuonS([("w", W)], lr=LR, momentum=0.9, power_iters=3)
+    for _ in range(8):  # warm starts: 3 power steps per optimizer step
+        W.grad = base + 0.05 * torch.randn(*shape, dtype=torch.float64, generator=gen)
+        opt.step()
+    state = opt.state[W]
+    sigma_svd = torch.linalg.svdvals(state["momentum_buffer"])[0]
+    assert abs(state["sigma"] - sigma_svd) / sigma_svd < 1e-3
+
+
+def test_muon_s_update_is_sigma1_times_ns_and_heavy_ball_sgd_for_vectors():
+    gen = torch.Generator().manual_seed(1)
+    W0 = torch.randn(6, 9, dtype=torch.float64, generator=gen)
+    b0 = torch.randn(6, dtype=torch.float64, generator=gen)
+    W, b = torch.nn.Parameter(W0.clone()), torch.nn.Parameter(b0.clone())
+    opt = MuonS([("w", W), ("b", b)], lr=LR, momentum=0.9, power_iters=50, ns_dtype="float64")
+    M_W, M_b = torch.zeros_like(W0), torch.zeros_like(b0)
+    for _ in range(3):
+        GW = torch.randn(6, 9, dtype=torch.float64, generator=gen)
+        Gb = torch.randn(6, dtype=torch.float64, generator=gen)
+        W.grad, b.grad = GW.clone(), Gb.clone()
+        opt.step()
+        M_W, M_b = 0.9 * M_W + GW, 0.9 * M_b + Gb
+        sigma = torch.linalg.svdvals(M_W)[0]
+        W0 = W0 - LR * sigma * newton_schulz(M_W, 5, coefficients="polar_express")
+        b0 = b0 - LR * M_b
+        torch.testing.assert_close(W.detach(), W0, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(b.detach(), b0, rtol=1e-12, atol=1e-12)

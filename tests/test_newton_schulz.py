@@ -1,0 +1,110 @@
+"""Newton–Schulz (Eq. 13): dtype, orientation, the Muon band, Polar Express, Proposition 2."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dptrain.optim import newton_schulz, smooth_newton_schulz
+from dptrain.optim.newton_schulz import MUON_COEFFICIENTS
+
+
+def _polar(X: torch.Tensor) -> torch.Tensor:
+    """U V^T from an FP64 SVD."""
+    U, _, Vh = torch.linalg.svd(X.double(), full_matrices=False)
+    return U @ Vh
+
+
+def _reference_ns(X: torch.Tensor, steps: int) -> torch.Tensor:
+    """Eq. 13 written out: normalise, then X <- aX + b(XX^T)X + c(XX^T)^2 X on the wide side."""
+    a, b, c = MUON_COEFFICIENTS
+    tall = X.shape[0] > X.shape[1]
+    Y = X.T if tall else X
+    Y = Y / (torch.linalg.norm(Y) + 1e-7)
+    for _ in range(steps):
+        G = Y @ Y.T
+        Y = a * Y + b * (G @ Y) + c * (G @ G @ Y)
+    return Y.T if tall else Y
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_output_has_the_input_dtype(dtype):
+    X = torch.randn(8, 12, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert newton_schulz(X).dtype == dtype
+    assert newton_schulz(X, coefficients="polar_express").dtype == dtype
+    assert smooth_newton_schulz(X, 5, 1e-4).dtype == dtype
+
+
+def test_matches_eq13_written_out_in_float64():
+    X = torch.randn(12, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(newton_schulz(X), _reference_ns(X, 5), rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 12), n=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_tall_is_the_transpose_of_wide(m, n, seed):
+    X = torch.randn(m, n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    for coefficients in ("muon", "polar_express"):
+        torch.testing.assert_close(newton_schulz(X.T, coefficients=coefficients),
+                                   newton_schulz(X, coefficients=coefficients).T,
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_batched_equals_one_by_one():
+    X = torch.randn(3, 6, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    batched = newton_schulz(X)
+    for k in range(3):
+        torch.testing.assert_close(batched[k], newton_schulz(X[k]), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (64, 32), (16, 128)])
+def test_singular_values_land_in_the_muon_band(shape):
+    X = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    s = torch.linalg.svdvals(newton_schulz(X, 5))
+    assert s.min() > 0.68 and s.max() < 1.22, (s.min().item(), s.max().item())
+
+
+def test_polar_express_is_closer_to_the_polar_factor_at_five_steps():
+    gen = torch.Generator().manual_seed(4)
+    for shape in [(32, 64), (48, 48), (100, 20)]:
+        X = torch.randn(*shape, dtype=torch.float64, generator=gen)
+        P = _polar(X)
+        err_muon = torch.linalg.norm(newton_schulz(X, 5) - P)
+        err_pe = torch.linalg.norm(newton_schulz(X, 5, coefficients="polar_express") - P)
+        assert err_pe < 0.5 * err_muon, (shape, err_pe.item(), err_muon.item())
+
+
+def test_polar_express_repeats_its_last_quintic_beyond_five_steps():
+    X = torch.randn(20, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    err = [torch.linalg.norm(newton_schulz(X, k, coefficients="polar_express") - _polar(X))
+           for k in (5, 8)]
+    assert err[1] <= err[0]
+
+
+@settings(max_examples=15, deadline=None)
+@given(m=st.integers(2, 16), n=st.integers(2, 16), seed=st.integers(0, 2**16),
+       steps=st.integers(1, 8))
+def test_proposition_2_newton_schulz_preserves_the_polar_factor(m, n, seed, steps):
+    """NS maps U S V^T to U p(S) V^T with p > 0 on (0, 1]: polar(NS(X)) = polar(X), FP64."""
+    gen = torch.Generator().manual_seed(seed)
+    # Well-conditioned singular values in [0.2, 1] so that U, V are well defined numerically.
+    k = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(m, k, dtype=torch.float64, generator=gen))
+    V, _ = torch.linalg.qr(torch.randn(n, k, dtype=torch.float64, generator=gen))
+    s = 0.2 + 0.8 * torch.rand(k, dtype=torch.float64, generator=gen)
+    X = U @ torch.diag(s) @ V.T
+    for coefficients in ("muon", "polar_express"):
+        Y = newton_schulz(X, steps, coefficients=coefficients)
+        torch.testing.assert_close(_polar(Y), U @ V.T, rtol=0, atol=1e-9)
+
+
+def test_smooth_ns_equals_ns_away_from_zero_and_is_finite_at_zero():
+    X = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(smooth_newton_schulz(X, 5, 1e-12), newton_schulz(X, 5, eps=0.0),
+                               rtol=1e-9, atol=1e-9)
+    assert torch.equal(smooth_newton_schulz(torch.zeros(4, 6), 5, 1e-4), torch.zeros(4, 6))
+
+
+def test_rejects_vectors():
+    with pytest.raises(ValueError):
+        newton_schulz(torch.ones(5))

@@ -1,0 +1,259 @@
+"""Parameter groups, presets, schedules, config errors, and the state_dict round trip."""
+
+import io
+import math
+
+import pytest
+import torch
+
+from dptrain.config import ConfigError, from_dict, validate_tree
+from dptrain.optim import OptimConfig, build_optimizer
+from dptrain.optim.schedules import lr_factor
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _build(optim: dict, model=None, **kw):
+    model = model if model is not None else _Net()
+    cfg = from_dict(OptimConfig, optim)
+    kw = {"total_steps": 10, "release_noise_std": 0.0, "seed": 0, **kw}
+    return build_optimizer(cfg, list(model.named_parameters()), **kw)
+
+
+def _members(opt):
+    return {g.label: (g.config.optimizer, [n for n, _ in g.named_params]) for g in opt.groups}
+
+
+def test_first_matching_group_wins_and_leftovers_go_to_the_default_when_asked():
+    opt = _build({"name": "adamw", "unmatched": "default", "groups": [
+        {"pattern": "fc1", "optimizer": "sgd", "lr": 0.1},
+        {"pattern": r"weight$", "optimizer": "muon"},
+    ]})
+    assert _members(opt) == {
+        "optim.groups[0]": ("sgd", ["fc1.weight", "fc1.bias"]),
+        "optim.groups[1]": ("muon", ["fc2.weight"]),
+        "default": ("adamw", ["fc2.bias"]),
+    }
+    assert opt.lr == {"optim.groups[0]": 0.1, "optim.groups[1]": 0.002, "default": 0.002}
+
+
+def test_a_pattern_matching_nothing_is_an_error_naming_it():
+    with pytest.raises(ConfigError) as e:
+        _build({"groups": [{"pattern": ".", "optimizer": "adamw"},
+                           {"pattern": "nothing_like_this", "optimizer": "sgd"}]})
+    assert e.value.field == "optim.groups[1].pattern"
+
+
+def test_a_parameter_in_no_group_is_an_error_listing_it():
+    with pytest.raises(ConfigError) as e:
+        _build({"groups": [{"pattern": "weight", "optimizer": "muon"}]})
+    assert e.value.field == "optim.groups"
+    assert "fc1.bias" in e.value.message and "fc2.bias" in e.value.message
+    assert "fc1.weight" not in e.value.message
+
+
+def test_muon_on_a_vector_names_the_group_and_the_parameter():
+    with pytest.raises(ConfigError) as e:
+        _build({"groups": [{"pattern": "fc1", "optimizer": "muon"},
+                           {"pattern": ".", "optimizer": "adamw"}]})
+    assert e.value.field == "optim.groups[0].optimizer" and "fc1.bias" in e.value.message
+    with pytest.raises(ConfigError) as e:
+        _build({"name": "muon"})
+    assert e.value.field == "optim.name"
+
+
+@pytest.mark.parametrize("optim,field", [
+    ({"groups": [{"pattern": ".", "optimizer": "adamw", "kwargs": {"momentum": 0.9}}]},
+     "optim.groups[0].kwargs.momentum"),
+    ({"groups": [{"pattern": "(", "optimizer": "adamw"}]}, "optim.groups[0].pattern"),
+    ({"groups": [{"pattern": ".", "optimizer": "lion"}]}, "optim.groups[0].optimizer"),
+    ({"name": "muon", "betas": [0.9, 0.99]}, "optim.betas"),
+    ({"name": "adamw", "betas": [0.9]}, "optim.betas"),
+    ({"name": "sgd", "momentum": 1.5}, "optim.momentum"),
+    ({"preset": "gpt2", "aux": {"kwargs": {"ns_steps": 3}}}, "optim.aux.kwargs.ns_steps"),
+    ({"lr": -1.0}, "optim.lr"),
+])
+def test_config_mistakes_name_their_field(optim, field):
+    cfg = from_dict(OptimConfig, optim)
+    with pytest.raises(ConfigError) as e:
+        validate_tree(cfg, "optim")
+    assert e.value.field == field
+
+
+def test_unknown_config_key_is_an_error():
+    with pytest.raises(ConfigError) as e:
+        from_dict(OptimConfig, {"nesterv": True}, "optim")
+    assert e.value.field == "optim.nesterv"
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_gpt2_preset_puts_matrices_in_muon_and_embeddings_head_vectors_in_adamw(tie):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=64,
+                                     n_positions=16, tie_word_embeddings=tie)
+    model = transformers.GPT2LMHeadModel(config)
+    opt = _build({"name": "muon", "lr": 0.002, "preset": "gpt2", "aux": {"lr": 0.0035}},
+                 model=model)
+    groups = _members(opt)
+    assert set(groups) == {"matrices", "others"}
+    muon_opt, muon_names = groups["matrices"]
+    adamw_opt, adamw_names = groups["others"]
+    assert (muon_opt, adamw_opt) == ("muon", "adamw")
+    expected_muon = [f"transformer.h.{i}.{m}.weight" for i in range(2)
+                     for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert sorted(muon_names) == sorted(expected_muon)
+    assert {"transformer.wte.weight", "transformer.wpe.weight"} <= set(adamw_names)
+    assert ("lm_head.weight" in adamw_names) == (not tie)
+    every = [n for n, p in model.named_parameters()]
+    assert sorted(muon_names + adamw_names) == sorted(every)
+    assert all(model.get_parameter(n).ndim == 1 for n in adamw_names
+               if "wte" not in n and "wpe" not in n and "lm_head" not in n)
+    assert opt.lr == {"matrices": 0.002, "others": 0.0035}
+
+
+class _ScaledStdConv(torch.nn.Module):
+    """timm's ScaledStdConv2d parameters: weight (o, i, k, k), bias (o,), gain (o, 1, 1, 1)."""
+
+    def __init__(self, i, o, k):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(o, i, k, k))
+        self.bias = torch.nn.Parameter(torch.zeros(o))
+        self.gain = torch.nn.Parameter(torch.ones(o, 1, 1, 1))
+
+
+def test_nfresnet_preset_puts_conv_weights_in_muon_and_gains_biases_classifier_elsewhere():
+    model = torch.nn.Module()
+    model.stem = torch.nn.Module()
+    model.stem.conv = _ScaledStdConv(3, 8, 3)
+    model.stages = torch.nn.Sequential(torch.nn.Module())
+    model.stages[0].conv1 = _ScaledStdConv(8, 8, 1)
+    model.stages[0].skipinit_gain = torch.nn.Parameter(torch.zeros(()))
+    model.head = torch.nn.Module()
+    model.head.fc = torch.nn.Linear(8, 10)
+    opt = _build({"name": "muon", "preset": "nfresnet", "aux": {"optimizer": "sgd", "lr": 0.1}},
+                 model=model)
+    groups = _members(opt)
+    assert groups["matrices"] == ("muon", ["stem.conv.weight", "stages.0.conv1.weight"])
+    assert groups["others"][0] == "sgd"
+    assert sorted(groups["others"][1]) == sorted([
+        "stem.conv.bias", "stem.conv.gain", "stages.0.conv1.bias", "stages.0.conv1.gain",
+        "stages.0.skipinit_gain", "head.fc.weight", "head.fc.bias"])
+
+
+def test_explicit_groups_come_before_the_preset():
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+    opt = _build({"name": "muon", "preset": "gpt2", "groups": [
+        {"pattern": r"mlp\.c_fc\.weight$", "optimizer": "muon_s", "name": "fc"}]}, model=model)
+    groups = _members(opt)
+    assert groups["fc"] == ("muon_s", ["transformer.h.0.mlp.c_fc.weight"])
+    assert "transformer.h.0.mlp.c_fc.weight" not in groups["matrices"][1]
+
+
+def test_schedules():
+    T = 10
+    assert [lr_factor("constant", t, total_steps=T) for t in (0, 9)] == [1.0, 1.0]
+    assert [lr_factor("linear", t, total_steps=T) for t in (0, 5, 9)] == pytest.approx(
+        [1.0, 0.5, 0.1])
+    cos = [lr_factor("cosine", t, total_steps=T, warmup_steps=2, min_lr_ratio=0.1)
+           for t in range(T)]
+    assert cos[:2] == pytest.approx([0.5, 1.0])
+    assert cos[2] == pytest.approx(1.0) and cos[-1] > 0.1 and cos[-1] < 0.2
+    assert all(a >= b for a, b in zip(cos[1:], cos[2:]))
+    assert lr_factor("cosine", 6, total_steps=T, warmup_steps=2, min_lr_ratio=0.1) == \
+        pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def test_per_group_learning_rates_follow_the_schedule():
+    opt = _build({"name": "adamw", "lr": 0.01, "schedule": "linear", "groups": [
+        {"pattern": "fc1", "optimizer": "sgd", "lr": 0.1}, {"pattern": ".", "optimizer": "adamw"}]},
+        total_steps=4)
+    net_params = opt.named_params
+    seen = []
+    for _ in range(4):
+        seen.append(opt.lr)
+        for _, p in net_params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert [s["optim.groups[0]"] for s in seen] == pytest.approx([0.1, 0.075, 0.05, 0.025])
+    assert [s["optim.groups[1]"] for s in seen] == pytest.approx([0.01, 0.0075, 0.005, 0.0025])
+
+
+# --- state_dict round trip ------------------------------------------------------------------
+
+_ROUND_TRIP = {
+    "name": "muon_bc", "lr": 0.01, "schedule": "cosine", "warmup_steps": 2, "groups": [
+        {"pattern": r"^fc1\.weight$", "optimizer": "muon_bc"},
+        {"pattern": r"^fc2\.weight$", "optimizer": "muon_s", "lr": 0.02},
+        {"pattern": r"bias$", "optimizer": "adamw", "lr": 0.003},
+    ],
+}
+
+
+def _steps(opt, model, start, num, noise_std):
+    """Gradient of a fixed loss at the plan's points, plus seeded 'release noise'."""
+    gen = torch.Generator().manual_seed(1000 + start)
+    x = torch.randn(8, 6, generator=gen)
+    for _ in range(num):
+        plan = opt.query_plan()
+        named = opt.named_params
+        total = {n: torch.zeros_like(p) for n, p in named}
+        for coef, values in plan:
+            point = {n: (p.detach() if values is None else values[n]).clone().requires_grad_()
+                     for n, p in named}
+            loss = torch.func.functional_call(model, point, (x,)).square().mean()
+            for (n, _), g in zip(named, torch.autograd.grad(loss, list(point.values()))):
+                total[n] += coef * g
+        for n, p in named:
+            p.grad = total[n] + noise_std * torch.randn(p.shape, generator=gen)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("filt", [{"name": "disk", "kappa": 0.6, "gamma": 0.8},
+                                  {"name": "doppler", "a": [-1.0, 0.3], "b": [0.2, 0.1]},
+                                  {"name": "none"}])
+def test_state_dict_round_trip_continues_bit_for_bit(filt):
+    noise = 0.05
+    torch.manual_seed(0)
+    model = _Net()
+    cfg = {**_ROUND_TRIP, "filter": filt}
+    opt = _build(cfg, model=model, total_steps=8, release_noise_std=noise, seed=3)
+    _steps(opt, model, 0, 3, noise)
+
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+
+    model2 = _Net()
+    model2.load_state_dict(saved["model"])
+    opt2 = _build(cfg, model=model2, total_steps=8, release_noise_std=noise, seed=3)
+    opt2.load_state_dict(saved["optim"])
+    assert opt2.lr == opt.lr and opt2.num_steps == 3
+
+    _steps(opt, model, 3, 4, noise)
+    _steps(opt2, model2, 3, 4, noise)
+    for (n, p), (_, q) in zip(model.named_parameters(), model2.named_parameters()):
+        assert torch.equal(p, q), n
+    sd, sd2 = opt.state_dict(), opt2.state_dict()
+    for o, o2 in zip(sd["optimizers"], sd2["optimizers"]):
+        for k, st in o["state"].items():
+            for key, v in st.items():
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(o2["state"][k][key])), key
+
+
+def test_loading_state_from_other_groups_is_refused():
+    opt = _build({"name": "adamw"})
+    other = _build({"name": "sgd", "groups": [{"pattern": ".", "optimizer": "sgd", "name": "all"}]})
+    with pytest.raises(ValueError, match="different parameter groups"):
+        opt.load_state_dict(other.state_dict())
