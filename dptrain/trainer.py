@@ -192,13 +192,11 @@ class Trainer:
 
         return contextlib.nullcontext()
 
-    def private_step(self) -> dict:
-        """One logical batch: sample, clipped sum over microbatches, one release, optimizer."""
-        t = self.step
-        if self.ledger.num_releases >= self.plan.steps:
-            raise ConfigError("privacy.steps", f"the planned {self.plan.steps} releases are spent; "
-                                               "another would exceed the privacy budget")
-        indices = self.sample(t)
+    def release(self, step: int) -> tuple[dict[str, Tensor], dict]:
+        """The Gaussian release of logical batch ``step``: (sum_i lam_i u_i + sigma*C*Z) / b
+        for every trainable parameter, noise drawn once per coordinate even if the sample is
+        empty. Returns (name -> released tensor, aggregate stats for display)."""
+        indices = self.sample(step)
         plan = self.optimizer.query_plan()
         acc: dict[str, Tensor] = {}  # Sensitive: unnoised clipped sum; discarded after release.
         loss_sum, count = 0.0, 0
@@ -210,20 +208,32 @@ class Trainer:
                 count += stats.num_examples
         del indices
         sigma, C, b = self.plan.noise_multiplier, self.plan.clip_norm, self.plan.denominator
+        out = {}
         with torch.no_grad():
             for name, p in self.named_params:
                 s = acc.pop(name, None)
-                noisy = sigma * C * self.noise(t, name, p)
+                noisy = sigma * C * self.noise(step, name, p)
                 if s is not None:
                     noisy = noisy + s
-                p.grad = (noisy / b).to(p.dtype)
+                out[name] = (noisy / b).to(p.dtype)
         del acc
-        self.ledger.record(sigma, self.plan.sample_rate)
+        # Not covered by the guarantee: the training loss is computed without noise.
+        return out, {"train_loss": loss_sum / max(count, 1)}
+
+    def private_step(self) -> dict:
+        """One logical batch: one release, recorded in the ledger, then the optimizer."""
+        t = self.step
+        if self.ledger.num_releases >= self.plan.steps:
+            raise ConfigError("privacy.steps", f"the planned {self.plan.steps} releases are spent; "
+                                               "another would exceed the privacy budget")
+        released, stats = self.release(t)
+        for name, p in self.named_params:
+            p.grad = released.pop(name)
+        self.ledger.record(self.plan.noise_multiplier, self.plan.sample_rate)
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.step += 1
-        # Not covered by the guarantee: the training loss is computed without noise.
-        return {"step": self.step, "train_loss": loss_sum / max(count, 1)}
+        return {"step": self.step, **stats}
 
     def epsilon(self) -> float:
         if self.ledger.num_releases == 0:

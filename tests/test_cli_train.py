@@ -1,0 +1,115 @@
+"""`dptrain train` end to end, and every bad input of CONTRACT.md: exit 2, one clear line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dptrain.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    code = main(list(args))
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_train_writes_summary_and_full_model(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, stdout, _ = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                              "train.checkpoint_every=0")
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("epsilon", "delta", "steps", "noise_multiplier", "metrics"):
+        assert key in summary
+    assert summary["steps"] == 4 and 0 < summary["epsilon"] <= 8.0
+    assert summary["metrics"]["nll_per_token"] > 0
+    from safetensors.torch import load_file
+
+    state = load_file(str(out / "final" / "model.safetensors"))
+    # tied wte/lm_head stored once; together with the rest it is the whole model
+    assert any(k.endswith("wte.weight") or k == "lm_head.weight" for k in state)
+    assert sum(v.numel() for v in state.values()) > 0
+    assert all(torch.isfinite(v).all() for v in state.values())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["epsilon"] <= summary["epsilon"] + 1e-12 for r in rows)
+    assert "epsilon" in stdout
+
+
+@pytest.mark.parametrize("override, field", [
+    ("privacy.epslion=3", "privacy.epslion"),
+    ("privacy.epsilon=0", "privacy.epsilon"),
+    ("privacy.epsilon=-1", "privacy.epsilon"),
+    ("privacy.delta=1.5", "privacy.delta"),
+    ("privacy.delta=0", "privacy.delta"),
+    ("privacy.sample_rate=0", "privacy.sample_rate"),
+    ("privacy.sample_rate=1.5", "privacy.sample_rate"),
+    ("privacy.clip_norm=0", "privacy.clip_norm"),
+    ("privacy.clip_norm=-2", "privacy.clip_norm"),
+    ("privacy.steps=abc", "privacy.steps"),
+    ("privacy.adjacency=replace_one", "privacy.adjacency"),
+    ("model.n_embd=33", "model.n_embd"),
+    ("data.name=e2e", "data."),  # with a directory that does not exist:
+    ("optim.groups=[{pattern: nothing_matches, optimizer: adamw}]", "optim.groups[0].pattern"),
+])
+def test_bad_input_exits_2_with_one_line_naming_the_field(tmp_path, capsys, override, field):
+    extra = ["data.path=" + str(tmp_path / "missing")] if override.startswith("data.") else []
+    code, stdout, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
+                                str(tmp_path / "out"), override, *extra)
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1, err
+    assert field in lines[0]
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_missing_config_file_exits_2(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "train", "--config", str(tmp_path / "nope.yaml"))
+    assert code == 2 and "config" in err and "not found" in err
+
+
+def test_a_plan_over_budget_is_refused_before_anything_is_written(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(tmp_path / "o"),
+                           "privacy.noise_multiplier=0.3", "privacy.epsilon=1.0")
+    assert code == 2 and "privacy.steps" in err and "budget" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_finished_run_is_never_overwritten(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                   "train.checkpoint_every=0")[0] == 0
+    before = (out / "summary.json").read_bytes()
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out))
+    assert code == 2 and "output-dir" in err
+    assert (out / "summary.json").read_bytes() == before
+
+
+def test_resume_with_a_changed_privacy_setting_exits_2(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                   "privacy.steps=2", "train.checkpoint_every=1")[0] == 0
+    (out / "summary.json").unlink()
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                           "--resume", "auto", "privacy.steps=2", "privacy.clip_norm=2.0")
+    assert code == 2 and "privacy.clip_norm" in err
+
+
+def test_module_entry_point_runs_calibrate():
+    out = subprocess.run([sys.executable, "-m", "dptrain", "calibrate", "--epsilon", "8",
+                          "--delta", "1/84122", "--sample-rate", "0.01", "--steps", "100",
+                          "--accountant", "rdp", "--json"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout.strip().splitlines()[-1])
+    assert obj["epsilon"] <= 8.0 and obj["noise_multiplier"] > 0
+    assert abs(obj["delta"] - 1 / 84122) < 1e-15

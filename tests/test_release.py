@@ -1,0 +1,125 @@
+"""The release: one Gaussian release per logical batch, invariant to every performance setting."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dptrain.config import load
+from dptrain.trainer import RunConfig, Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def make(*overrides: str) -> Trainer:
+    return Trainer(load(RunConfig, TINY, ["train.progress=false", *overrides]))
+
+
+def released(trainer: Trainer, step: int) -> dict[str, torch.Tensor]:
+    out, _ = trainer.release(step)
+    return out
+
+
+def max_rel(a: dict, b: dict) -> float:
+    return max(float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)) for n in b)
+
+
+def test_release_is_invariant_to_the_microbatch_split():
+    # 32 sampled examples expected: microbatches of 32, 11 and 5 give 1, 3 and 7 microbatches
+    base = None
+    for mb in (64, 11, 5):
+        t = make("performance.dtype=float64", f"performance.microbatch_size={mb}")
+        n_micro = len(t.microbatches(t.sample(0)))
+        assert n_micro == math.ceil(len(t.sample(0)) / mb)
+        r = released(t, 0)
+        if base is None:
+            base = r
+        else:
+            assert max_rel(r, base) < 1e-6
+
+
+@pytest.mark.parametrize("override", [
+    "performance.microbatch_size=3",
+    "performance.ghost=ghost",
+    "performance.ghost=instantiate",
+    "performance.clipping=two_pass",
+    "performance.num_threads=2",
+])
+def test_performance_settings_leave_samples_clip_factors_and_noise_unchanged(override):
+    ref = make("performance.dtype=float64")
+    other = make("performance.dtype=float64", override)
+    for step in range(3):
+        np.testing.assert_array_equal(ref.sample(step), other.sample(step))
+        for name, p in ref.named_params[:3]:
+            torch.testing.assert_close(ref.noise(step, name, p), other.noise(step, name, p),
+                                       rtol=0, atol=0)
+    idx = ref.sample(0)
+    batch = ref.task.train.collate(idx)
+    lam_ref = ref.engine.clip_factors(ref.engine.per_example_norms(ref.task.loss_fn, batch))
+    lam_other = other.engine.clip_factors(other.engine.per_example_norms(other.task.loss_fn, batch))
+    torch.testing.assert_close(lam_ref, lam_other, rtol=1e-9, atol=1e-12)
+    assert max_rel(released(other, 0), released(ref, 0)) < 1e-6
+
+
+def test_dtype_setting_leaves_samples_and_noise_unchanged():
+    ref, other = make(), make("performance.dtype=bfloat16")
+    for step in range(3):
+        np.testing.assert_array_equal(ref.sample(step), other.sample(step))
+        name, p = ref.named_params[0]
+        assert torch.equal(ref.noise(step, name, p), other.noise(step, name, p))
+
+
+def test_noise_is_drawn_exactly_once_per_coordinate_per_logical_batch(monkeypatch):
+    t = make("performance.microbatch_size=4")
+    calls: list[tuple[int, str]] = []
+    original = t.noise
+
+    def counting(step, name, p):
+        calls.append((step, name))
+        return original(step, name, p)
+
+    monkeypatch.setattr(t, "noise", counting)
+    assert len(t.microbatches(t.sample(0))) > 1
+    t.private_step()
+    t.private_step()
+    names = [n for n, _ in t.named_params]
+    assert sorted(calls) == sorted([(s, n) for s in (0, 1) for n in names])
+    assert t.ledger.num_releases == 2
+
+
+def test_an_empty_sample_still_releases_pure_noise():
+    t = make("privacy.sample_rate=0.0001", "privacy.noise_multiplier=2.0", "privacy.epsilon=null")
+    step = next(s for s in range(50) if len(t.sample(s)) == 0)
+    out = released(t, step)
+    sigma, C, b = t.plan.noise_multiplier, t.plan.clip_norm, t.plan.denominator
+    for name, p in t.named_params:
+        expected = sigma * C * t.noise(step, name, p) / b
+        torch.testing.assert_close(out[name], expected.to(out[name].dtype))
+
+
+def test_zero_gradient_release_has_std_sigma_C_over_b():
+    # zero the loss's dependence on the parameters: every clipped sum is exactly 0
+    t = make("privacy.noise_multiplier=1.3", "privacy.epsilon=null", "privacy.clip_norm=0.7")
+    t.task.loss_fn = lambda model, batch: sum(p.sum() for p in model.parameters()) * 0.0 \
+        + torch.zeros(batch["input_ids"].shape[0])
+    out = released(t, 0)
+    z = torch.cat([v.flatten().double() for v in out.values()])
+    expected = 1.3 * 0.7 / t.plan.denominator
+    n = z.numel()
+    # std of the sample std of n normals is ~ expected / sqrt(2n): allow 6 of those
+    assert abs(float(z.std()) - expected) < 6 * expected / math.sqrt(2 * n)
+    assert abs(float(z.mean())) < 6 * expected / math.sqrt(n)
+
+
+def test_release_denominator_is_public_floor_qN():
+    t = make()
+    assert t.plan.denominator == math.floor(0.125 * len(t.task.train))
+    t2 = make("privacy.dataset_size=1000")
+    assert t2.plan.denominator == 125
+    t3 = make("privacy.expected_batch_size=40")
+    assert t3.plan.denominator == 40
