@@ -12,6 +12,14 @@ per-example gradient:
 ``Dense(g, coef)``
     the per-example gradient itself, ``g[b]`` shaped like the parameter (biases, norms' affine
     parameters, layers whose gradient passes through a Jacobian such as weight standardisation).
+``Factored`` (subclasses)
+    a layer-specific compact form that knows its own ghost squared norm (optional), how to
+    instantiate itself, and how to form its weighted sum without instantiating (convolutions:
+    one ``convolution_backward``; weight-standardised convolutions: that, then one VJP).
+    Whenever it has to be paired with another contribution it is instantiated.
+
+``Outer`` subclasses may also override ``dims``/``fast_instantiate``/``fast_weighted_sum`` (a
+lazily unfolded convolution input, instantiation and weighted sums by ``convolution_backward``).
 
 A parameter used several times (GPT-2's tied wte/lm_head, a module called twice, the same
 layer evaluated at several model states for inner momentum or DiSK) simply has several
@@ -52,6 +60,23 @@ class Outer:
     R: Tensor  # (B, T, in)
     coef: float = 1.0
 
+    # Override points for subclasses (e.g. convolutions, whose R is an unfolded input that is
+    # best never built when the instantiated form is chosen). ``None`` means "use the generic
+    # code".
+    def dims(self) -> tuple[int, int, int, int]:
+        """(B, T, out, in) without building anything."""
+        B, T = self.R.shape[:2]
+        out = self.L.num if isinstance(self.L, OneHot) else self.L.shape[-1]
+        return B, T, out, self.R.shape[-1]
+
+    def fast_instantiate(self) -> Tensor | None:
+        """(B, out, in) per-example gradient without the coefficient, or None."""
+        return None
+
+    def fast_weighted_sum(self, w: Tensor, dtype: torch.dtype) -> Tensor | None:
+        """sum_b w_b * (per-example gradient)_b, shape (out, in) or the parameter's, or None."""
+        return None
+
 
 @dataclass
 class Dense:
@@ -61,7 +86,32 @@ class Dense:
     coef: float = 1.0
 
 
-Contribution = Outer | Dense
+class Factored:
+    """Base of layer-specific contributions (see the module docstring). Subclasses set ``coef``
+    and implement ``instantiate`` and ``weighted_sum``; ``ghost_sq_norms`` when
+    ``supports_ghost``; ``cost`` for the choice by cost."""
+
+    coef: float = 1.0
+    supports_ghost: bool = False
+
+    def instantiate(self) -> Tensor:
+        """(B, *param.shape) per-example gradient, coefficient NOT applied."""
+        raise NotImplementedError
+
+    def weighted_sum(self, w: Tensor) -> Tensor:
+        """sum_b w_b * g_b, parameter-shaped (coefficient NOT applied)."""
+        raise NotImplementedError
+
+    def ghost_sq_norms(self) -> Tensor:
+        """(B,) squared norms of g_b without instantiating (coefficient NOT applied)."""
+        raise NotImplementedError
+
+    def cost(self, form: str) -> float:
+        """Estimated cost of computing the norms (and the sum) in ``form``."""
+        return 0.0 if form == "instantiate" else float("inf")
+
+
+Contribution = Outer | Dense | Factored
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,8 +136,14 @@ def _outer_inner(u: Outer, v: Outer) -> Tensor:
     return (ll.to(rr.dtype) * rr).sum(dim=(1, 2))
 
 
-def instantiate(c: Outer) -> Tensor:
-    """(B, out, in) per-example gradient of an Outer contribution, WITHOUT its coefficient."""
+def instantiate(c: Outer | Factored) -> Tensor:
+    """(B, out, in) per-example gradient of an Outer contribution (a Factored one: shaped like
+    the parameter), WITHOUT its coefficient."""
+    if isinstance(c, Factored):
+        return c.instantiate()
+    fast = c.fast_instantiate()
+    if fast is not None:
+        return fast
     if isinstance(c.L, OneHot):
         B, T = c.L.ids.shape
         g = c.R.new_zeros(B * c.L.num, c.R.shape[-1])
@@ -122,9 +178,7 @@ def inner(u: Contribution, v: Contribution) -> Tensor:
 
 
 def _dims(c: Outer) -> tuple[int, int, int, int]:
-    B, T = c.R.shape[:2]
-    out = c.L.num if isinstance(c.L, OneHot) else c.L.shape[-1]
-    return B, T, out, c.R.shape[-1]
+    return c.dims()
 
 
 def choose_form(contribs: list[Contribution],
@@ -133,10 +187,17 @@ def choose_form(contribs: list[Contribution],
 
     ghost:       sum_{u,v} B*Tu*Tv*(out+in)  (+ memory B*Tu*Tv)
     instantiate: sum_u B*Tu*out*in           (+ memory B*out*in)
-    Dense contributions are already instantiated and do not enter the choice.
+    Dense contributions are already instantiated and do not enter the choice. A lone
+    Factored contribution that supports the ghost form decides by its own ``cost``; Factored
+    contributions paired with others are instantiated in either form.
     """
     outers = [c for c in contribs if isinstance(c, Outer)]
     if not outers:
+        if len(contribs) == 1 and isinstance(contribs[0], Factored) and contribs[0].supports_ghost:
+            if policy != "auto":
+                return policy
+            c = contribs[0]
+            return "ghost" if c.cost("ghost") < c.cost("instantiate") else "instantiate"
         return "instantiate"
     B, _, out, inn = _dims(outers[0])
     too_big = B * out * inn > MAX_INSTANTIATE_NUMEL
@@ -152,6 +213,11 @@ def choose_form(contribs: list[Contribution],
 def squared_norms(contribs: list[Contribution], form: str) -> tuple[Tensor, list[Contribution]]:
     """Per-example squared norm of sum_u coef_u * c_u, and the contributions actually used
     (Outer ones replaced by Dense when instantiated, so the clipped sum can reuse them)."""
+    if form == "ghost" and len(contribs) == 1 and isinstance(contribs[0], Factored) \
+            and contribs[0].supports_ghost:
+        c = contribs[0]
+        return c.ghost_sq_norms() * (c.coef * c.coef), contribs
+    contribs = [Dense(instantiate(c), c.coef) if isinstance(c, Factored) else c for c in contribs]
     if form == "instantiate":
         contribs = [Dense(instantiate(c), c.coef) if isinstance(c, Outer) else c for c in contribs]
         if len(contribs) > 1:
@@ -173,15 +239,24 @@ def clipped_sum(contribs: list[Contribution], lam: Tensor, shape: torch.Size,
     total = None
     for c in contribs:
         w = (lam * c.coef).to(dtype)
-        if isinstance(c, Dense):
+        if isinstance(c, Factored):
+            part = c.weighted_sum(w).to(dtype)
+        elif isinstance(c, Outer) and (fast := c.fast_weighted_sum(w, dtype)) is not None:
+            part = fast.to(dtype)
+        elif isinstance(c, Dense):
             part = torch.einsum("b...,b->...", c.g.to(dtype), w)
         elif isinstance(c.L, OneHot):
             B, T = c.L.ids.shape
             part = c.R.new_zeros(c.L.num, c.R.shape[-1], dtype=dtype)
             part.index_add_(0, c.L.ids.reshape(-1), (c.R.to(dtype) * w[:, None, None]).reshape(B * T, -1))
         else:
-            L = c.L.to(dtype) * w[:, None, None]
-            part = L.reshape(-1, L.shape[-1]).T @ c.R.to(dtype).reshape(-1, c.R.shape[-1])
+            # weight the narrower factor (lm_head: R is (B, T, d), L is (B, T, vocab))
+            L, R = c.L.to(dtype), c.R.to(dtype)
+            if L.shape[-1] <= R.shape[-1]:
+                L = L * w[:, None, None]
+            else:
+                R = R * w[:, None, None]
+            part = L.reshape(-1, L.shape[-1]).T @ R.reshape(-1, R.shape[-1])
         part = part.reshape(shape)
         total = part if total is None else total + part
     return total

@@ -346,11 +346,12 @@ class ClippingEngine:
         per_param = self._contributions(records)
         del records
         norms, used = self._norms(per_param, B, device, dtype)
+        del per_param  # memory: only the forms used by the clipped sum are kept
         # Sensitive: per-example norms and clip factors; discard after use.
         lam = self.clip_factors(norms)
         del norms
         if two_pass:
-            del used, per_param
+            del used
             names = list(self.params)
             for coef, state, _, losses in graphs:
                 with self._state(state):
@@ -362,7 +363,8 @@ class ClippingEngine:
                     if g is not None and a != 0.0:
                         self._add(acc, n, g.to(dtype) * a)
         else:
-            for name, contribs in used.items():
+            for name in list(used):
+                contribs = used.pop(name)  # released as soon as it is summed
                 p = self.params[name]
                 self._add(acc, name, clipped_sum(contribs, lam, p.shape, dtype))
         return StepStats(num_examples=B, loss_sum=loss_total)

@@ -1,0 +1,486 @@
+"""Rules for convolutions, GroupNorm and timm's weight-standardised convolutions.
+
+Convolution (``nn.Conv1d/2d/3d``, timm's ``Conv2dSame``)
+    per-example weight gradient ``sum_t G[b, :, t] ⊗ U[b, :, t]`` with U the unfolded (padded)
+    input: with ``groups == 1`` (and 1-D/2-D kernels, or 1x1 kernels of any dimension) an
+    :class:`ConvOuter`, i.e. an ``Outer`` whose R is unfolded only if the ghost form is chosen;
+    its instantiation and its clipped sum go through ``aten.convolution_backward`` (the batch
+    folded into the groups for the per-example form), never through the unfolded input. With
+    ``groups > 1`` a :class:`ConvDense` (instantiated per example and per group in ONE grouped
+    ``convolution_backward``). Bias: ``Dense(sum_t G)``.
+``nn.GroupNorm``
+    ``Dense`` per-example gradients of weight/bias from the recomputed normalised input.
+timm ``StdConv2d``, ``StdConv2dSame``, ``ScaledStdConv2d``, ``ScaledStdConv2dSame``
+    effective weight ``W_eff = f(W, gain)`` (per output channel standardisation times
+    ``gain * scale``); the per-example gradient w.r.t. W_eff is a convolution's, and the
+    per-example gradients of (W, gain) are its image under the VJP of f at the weight and gain
+    VALUES captured in the forward (``torch.func.vjp`` once, ``vmap`` over the examples' cotangents:
+    the map is linear). Ghost form (``groups == 1``): the squared norm of ``J_W^T g_b`` in closed
+    form from row-wise ghost quantities (see :class:`StdConvWeight`), gain from one convolution
+    with the standardised weight; clipped sum = VJP of ONE weighted ``convolution_backward``.
+
+The inputs saved in the forward are checked for later in-place modification (the values the
+rules see must be those the layer used).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dptrain.clipping.contributions import Dense, Factored, Outer
+from dptrain.clipping.rules import FALLBACK, LayerRule, register_rule
+
+_conv_backward = torch.ops.aten.convolution_backward
+
+# Relative cost of one element written by a memory-bound pass (per-example instantiation,
+# VJP, norms, weighted sum) against one multiply-add of a compute-bound GEMM; measured on
+# CPU for NF-ResNet-50 shapes (see the commit notes): instantiation of late, small-T layers is
+# dominated by writing B*out*in floats, not by its B*T*out*in flops.
+_MEM_WEIGHT = 24.0
+
+
+# ---------------------------------------------------------------------------------------------
+# geometry
+
+
+class _Geom:
+    """Stride/padding/dilation/groups of one convolution call on an already padded input."""
+
+    __slots__ = ("nd", "kernel", "stride", "padding", "dilation", "groups")
+
+    def __init__(self, kernel, stride, padding, dilation, groups):
+        self.nd = len(kernel)
+        self.kernel = tuple(int(k) for k in kernel)
+        self.stride = tuple(int(s) for s in stride)
+        self.padding = tuple(int(p) for p in padding)
+        self.dilation = tuple(int(d) for d in dilation)
+        self.groups = int(groups)
+
+    @property
+    def pointwise(self) -> bool:
+        return all(k == 1 for k in self.kernel) and not any(self.padding)
+
+
+def _ntuple(v, nd: int) -> tuple:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * nd
+
+
+def _torch_conv_input(module: nn.Module, x: Tensor) -> tuple[Tensor, tuple]:
+    """The input and padding that ``nn.ConvNd.forward`` passes to the convolution."""
+    nd = module.weight.dim() - 2
+    if module.padding_mode != "zeros":
+        return (F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode),
+                (0,) * nd)
+    pad = module.padding
+    if isinstance(pad, str):
+        rev = list(module._reversed_padding_repeated_twice)  # (left_last, right_last, ...)
+        left, right = rev[0::2][::-1], rev[1::2][::-1]
+        if left == right:
+            return x, tuple(left)
+        return F.pad(x, rev), (0,) * nd
+    return x, _ntuple(pad, nd)
+
+
+def _timm_same_input(module: nn.Module, x: Tensor, force_zero_padding: bool) -> tuple[Tensor, tuple]:
+    from timm.layers.padding import pad_same
+
+    nd = module.weight.dim() - 2
+    x = pad_same(x, module.kernel_size, module.stride, module.dilation)
+    return x, ((0,) * nd if force_zero_padding else _ntuple(module.padding, nd))
+
+
+def _geom(module: nn.Module, padding: tuple) -> _Geom:
+    w = module.weight
+    nd = w.dim() - 2
+    return _Geom(w.shape[2:], _ntuple(module.stride, nd), padding,
+                 _ntuple(module.dilation, nd), module.groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# the three convolution kernels everything is built from
+
+
+def conv_weight_grad(G: Tensor, x: Tensor, weight_shape, geom: _Geom) -> Tensor:
+    """sum over the batch of the weight gradient (what the non-private backward computes)."""
+    dummy = G.new_empty(1).expand(tuple(weight_shape))
+    return _conv_backward(G, x, dummy, None, geom.stride, geom.padding, geom.dilation, False,
+                          [0] * geom.nd, geom.groups, (False, True, False))[1]
+
+
+def per_example_conv_weight_grad(G: Tensor, x: Tensor, weight_shape, geom: _Geom,
+                                 R: Tensor | None = None) -> Tensor:
+    """(B, *weight_shape) per-example weight gradients, without a Python loop: with one group,
+    a batched product with the unfolded input ``R`` (B, T, n) (a view for 1x1 convolutions);
+    with several, the batch folded into the groups of ONE grouped ``convolution_backward``
+    (measured on CPU: the product wins for one group, most clearly at small T)."""
+    B = G.shape[0]
+    O = weight_shape[0]
+    if B == 0:
+        return G.new_zeros(0, *weight_shape)
+    if geom.groups == 1:
+        if R is None:
+            R = unfold_input(x, geom)
+        return torch.bmm(G.reshape(B, O, -1), R).view(B, *weight_shape)
+    Gf = G.reshape(1, B * O, *G.shape[2:])
+    xf = x.reshape(1, B * x.shape[1], *x.shape[2:])
+    folded = _Geom(geom.kernel, geom.stride, geom.padding, geom.dilation, geom.groups * B)
+    g = conv_weight_grad(Gf, xf, (B * O, *weight_shape[1:]), folded)
+    return g.view(B, *weight_shape)
+
+
+def unfold_input(x: Tensor, geom: _Geom) -> Tensor:
+    """(B, T, Cin*prod(kernel)) patches, in the weight's (Cin, *kernel) order: one strided copy
+    into a (B, n, T) buffer, returned transposed (much faster than ``F.unfold`` on CPU, and any
+    number of spatial dimensions)."""
+    B, C = x.shape[:2]
+    if any(geom.padding):
+        x = F.pad(x, [p for p in reversed(geom.padding) for _ in (0, 1)])
+    if geom.pointwise and all(s == 1 for s in geom.stride):
+        return x.reshape(B, C, -1).transpose(1, 2)
+    sp, st = x.shape[2:], x.stride()
+    out = [(sp[i] - geom.dilation[i] * (geom.kernel[i] - 1) - 1) // geom.stride[i] + 1
+           for i in range(geom.nd)]
+    size = (B, C, *geom.kernel, *out)
+    strides = (st[0], st[1], *[st[2 + i] * geom.dilation[i] for i in range(geom.nd)],
+               *[st[2 + i] * geom.stride[i] for i in range(geom.nd)])
+    v = x.as_strided(size, strides, x.storage_offset())
+    return v.reshape(B, C * math.prod(geom.kernel), math.prod(out)).transpose(1, 2)
+
+
+def _scale_batch(G: Tensor, w: Tensor) -> Tensor:
+    return G * w.to(G.dtype).view(-1, *([1] * (G.dim() - 1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# contributions
+
+
+class ConvOuter(Outer):
+    """Outer(L = G as (B, T, out), R = unfolded input as (B, T, in)); R built on first use."""
+
+    def __init__(self, G: Tensor, x: Tensor, weight_shape, geom: _Geom, coef: float = 1.0):
+        self.G, self.x, self.weight_shape, self.geom, self.coef = G, x, tuple(weight_shape), geom, coef
+        self._R = None
+        self.L = G.reshape(G.shape[0], G.shape[1], -1).transpose(1, 2)
+
+    @property
+    def R(self) -> Tensor:  # type: ignore[override]
+        if self._R is None:
+            self._R = unfold_input(self.x, self.geom)
+        return self._R
+
+    def dims(self):
+        B, T, O = self.L.shape
+        return B, T, O, math.prod(self.weight_shape[1:])
+
+    def fast_instantiate(self):
+        # the unfolded input is not kept (only the instantiated gradient is needed afterwards)
+        R = self._R if self._R is not None else unfold_input(self.x, self.geom)
+        B, O = self.G.shape[:2]
+        return torch.bmm(self.G.reshape(B, O, -1), R)
+
+    def fast_weighted_sum(self, w, dtype):
+        self._R = None  # norms are done: release the unfolded input
+        return conv_weight_grad(_scale_batch(self.G, w).to(dtype), self.x.to(dtype),
+                                self.weight_shape, self.geom)
+
+    def __repr__(self) -> str:
+        return f"ConvOuter(dims={self.dims()}, coef={self.coef})"
+
+
+class ConvDense(Factored):
+    """Grouped (or 3-D) convolution: instantiated per example and group in one call."""
+
+    def __init__(self, G: Tensor, x: Tensor, weight_shape, geom: _Geom):
+        self.G, self.x, self.weight_shape, self.geom = G, x, tuple(weight_shape), geom
+        self.coef = 1.0
+
+    def instantiate(self):
+        return per_example_conv_weight_grad(self.G, self.x, self.weight_shape, self.geom)
+
+    def weighted_sum(self, w):
+        return conv_weight_grad(_scale_batch(self.G, w), self.x, self.weight_shape, self.geom)
+
+
+class _StdConvState:
+    """What a weight-standardised conv's contributions share: captured input (padded), output
+    gradient, and the raw weight/gain VALUES of the forward; derived quantities on demand."""
+
+    def __init__(self, module: nn.Module, x: Tensor, G: Tensor, geom: _Geom,
+                 weight: Tensor, gain: Tensor | None):
+        self.x, self.G, self.geom = x, G, geom
+        self.weight = weight.to(G.dtype)
+        self.gain = None if gain is None else gain.to(G.dtype)
+        self.scale = float(getattr(module, "scale", 1.0))
+        self.eps = float(module.eps)
+        self.O = weight.shape[0]
+        self.n = weight[0].numel()
+        self._pulled = None
+        self._P = None
+        self._R = None
+        self._stats = None
+
+    # f(W, gain) exactly as timm computes it
+    def standardise(self, weight: Tensor, gain: Tensor | None) -> Tensor:
+        g = None if gain is None else (gain * self.scale).view(-1)
+        return F.batch_norm(weight.reshape(1, self.O, -1), None, None, weight=g, training=True,
+                            momentum=0.0, eps=self.eps).reshape_as(weight)
+
+    def vjp(self):
+        from torch.func import vjp
+
+        if self.gain is None:
+            _, pull = vjp(lambda w: self.standardise(w, None), self.weight)
+        else:
+            _, pull = vjp(self.standardise, self.weight, self.gain)
+        return pull
+
+    def pulled(self) -> tuple[Tensor, Tensor | None]:
+        """Per-example (dW, dgain): per-example grads of W_eff mapped through f's VJP, vmapped."""
+        if self._pulled is None:
+            from torch.func import vmap
+
+            eff = per_example_conv_weight_grad(self.G, self.x, self.weight.shape, self.geom)
+            out = vmap(self.vjp())(eff)
+            del eff
+            self._pulled = (out[0], out[1] if self.gain is not None else None)
+        return self._pulled
+
+    def stats(self):
+        """Row statistics of the standardisation: what (O, n), a/s (O,), r = var/(var+eps)."""
+        if self._stats is None:
+            W = self.weight.reshape(self.O, -1)
+            var, mu = torch.var_mean(W, 1, unbiased=False, keepdim=True)
+            s = torch.sqrt(var + self.eps)
+            what = (W - mu) / s
+            a = (self.gain.reshape(self.O, 1) * self.scale) if self.gain is not None \
+                else torch.ones_like(s)
+            self._stats = (what, (a / s).view(-1), (var / (var + self.eps)).view(-1))
+        return self._stats
+
+    def R(self) -> Tensor:
+        """(B, T, n) unfolded input, centred per patch (groups == 1 only). Centring removes the
+        mean direction exactly (no cancellation in ||g - mean(g)||^2) and leaves <R_t, what_o>
+        unchanged (what_o has zero mean)."""
+        if self._R is None:
+            R = unfold_input(self.x, self.geom)
+            self._R = R - R.mean(-1, keepdim=True)
+        return self._R
+
+    def P(self) -> Tensor:
+        """(B, T, O): <patch_t, what_o>, i.e. the convolution of the input with the standardised
+        (unscaled) weight: one GEMM on the unfolded input when it exists, else a convolution."""
+        if self._P is None:
+            what = self.stats()[0]
+            if self._R is not None:
+                self._P = torch.matmul(self._R, what.t())
+            else:
+                y = torch.convolution(self.x, what.view_as(self.weight), None, self.geom.stride,
+                                      self.geom.padding, self.geom.dilation, False,
+                                      [0] * self.geom.nd, self.geom.groups)
+                self._P = y.reshape(y.shape[0], self.O, -1).transpose(1, 2)
+        return self._P
+
+    def L(self) -> Tensor:
+        return self.G.reshape(self.G.shape[0], self.O, -1).transpose(1, 2)
+
+
+class StdConvWeight(Factored):
+    """Per-example gradient of the RAW weight of a weight-standardised conv.
+
+    Row o of example b: ``dW_bo = (a_o/s_o) (g_bo - m1 1 - m2 what_o)`` with g_b the
+    per-example gradient of W_eff, m1 = mean(g_bo), m2 = mean(g_bo * what_o), so
+    ``||dW_bo||^2 = (a_o/s_o)^2 (||g_bo - m1 1||^2 - n (2 - r_o) m2^2)``. With g_bo =
+    sum_t L[b,t,o] R[b,t] (R the unfolded input, centred per patch so that the mean direction
+    is removed exactly), ``||g_bo - m1 1||^2 = sum_{t,s} L_t L_s (R~_t·R~_s)`` (ghost) and
+    ``n m2 = sum_t L[b,t,o] P[b,t,o]``.
+    """
+
+    def __init__(self, state: _StdConvState):
+        self.state = state
+        self.coef = 1.0
+        self.supports_ghost = state.geom.groups == 1
+
+    def cost(self, form):
+        st = self.state
+        B, O, n = st.G.shape[0], st.O, st.n
+        T = st.G[0, 0].numel()
+        if form == "ghost":
+            return B * (T * T * (n + O) + T * n * O + _MEM_WEIGHT * T * n)
+        return B * (T * O * n + _MEM_WEIGHT * O * n)
+
+    def instantiate(self):
+        return self.state.pulled()[0]
+
+    def ghost_sq_norms(self):
+        st = self.state
+        what, a_over_s, r = st.stats()
+        R = st.R()
+        L = st.L()
+        RR = torch.bmm(R, R.transpose(1, 2))  # (B, T, T)
+        centred = (L * torch.bmm(RR, L)).sum(1)  # (B, O): ||g_bo - m1 1||^2
+        del RR
+        nm2 = (L * st.P()).sum(1)  # (B, O): n * m2
+        st._R = None
+        rows = centred - (2.0 - r) * nm2 * nm2 / st.n
+        return (rows.clamp_min(0) * a_over_s * a_over_s).sum(1)
+
+    def weighted_sum(self, w):
+        st = self.state
+        eff = conv_weight_grad(_scale_batch(st.G, w), st.x, st.weight.shape, st.geom)
+        return st.vjp()(eff)[0]
+
+
+class StdConvGain(Factored):
+    """Per-example gradient of the gain: scale * <g_bo, what_o> (from the instantiated VJP when
+    the weight took that path, else from P without instantiating anything)."""
+
+    def __init__(self, state: _StdConvState):
+        self.state = state
+        self.coef = 1.0
+
+    def instantiate(self):
+        st = self.state
+        if st._pulled is not None:
+            return st._pulled[1]
+        g = (st.L() * st.P()).sum(1) * st.scale  # (B, O)
+        st._P = None
+        return g.view(g.shape[0], *st.gain.shape)
+
+    def weighted_sum(self, w):
+        return torch.einsum("b...,b->...", self.instantiate(), w)
+
+
+# ---------------------------------------------------------------------------------------------
+# rules
+
+
+def _check_unmodified(module: nn.Module, saved: dict) -> None:
+    if saved["x"]._version != saved["version"]:
+        raise ValueError(f"dptrain.clipping: the input of {type(module).__name__} was modified "
+                         f"in place after the forward; its per-example gradients cannot be "
+                         f"computed (use an out-of-place operation there)")
+
+
+class _ConvLikeRule(LayerRule):
+    """Shared capture: the (raw) input and its version; subclasses whose class overrides
+    ``forward`` with something this rule does not know go to the torch.func fallback."""
+
+    #: forward functions this rule understands (a subclass with another forward: fallback)
+    forwards: tuple = ()
+
+    def _known(self, module: nn.Module) -> bool:
+        return type(module).forward in self.forwards
+
+    def capture(self, module, args, output):
+        if not self._known(module):
+            warnings.warn(f"dptrain.clipping: {type(module).__name__} overrides the forward of "
+                          f"its convolution base class; using the torch.func fallback for it",
+                          stacklevel=3)
+            return {"fallback": FALLBACK.capture(module, args, output)}
+        x = args[0]
+        return {"x": x.detach(), "version": x._version, **self.capture_params(module)}
+
+    def capture_params(self, module) -> dict:
+        return {}
+
+    def conv_input(self, module, x) -> tuple[Tensor, tuple]:
+        return _torch_conv_input(module, x)
+
+    def contributions(self, module, saved, G):
+        if "fallback" in saved:
+            return FALLBACK.contributions(module, saved["fallback"], G)
+        _check_unmodified(module, saved)
+        x, padding = self.conv_input(module, saved["x"].to(G.dtype))
+        geom = _geom(module, padding)
+        out = self.weight_contributions(module, saved, x, G, geom)
+        if module.bias is not None:
+            out["bias"] = Dense(G.reshape(G.shape[0], G.shape[1], -1).sum(-1))
+        return out
+
+    def weight_contributions(self, module, saved, x, G, geom) -> dict:
+        raise NotImplementedError
+
+
+@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+class ConvRule(_ConvLikeRule):
+    forwards = (nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward)
+
+    def weight_contributions(self, module, saved, x, G, geom):
+        shape = module.weight.shape
+        if geom.groups == 1:
+            return {"weight": ConvOuter(G, x, shape, geom)}
+        return {"weight": ConvDense(G, x, shape, geom)}
+
+
+def _register_timm_rules() -> None:
+    try:
+        from timm.layers.conv2d_same import Conv2dSame
+        from timm.layers.std_conv import (ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d,
+                                          StdConv2dSame)
+    except Exception:  # pragma: no cover - timm is a dependency
+        return
+
+    @register_rule(Conv2dSame)
+    class TimmConv2dSameRule(ConvRule):
+        """timm's Conv2dSame: dynamic TF-style 'SAME' padding, then a zero-padding conv."""
+
+        forwards = (Conv2dSame.forward,)
+
+        def conv_input(self, module, x):
+            return _timm_same_input(module, x, force_zero_padding=True)
+
+    @register_rule(StdConv2d, StdConv2dSame, ScaledStdConv2d, ScaledStdConv2dSame)
+    class StdConvRule(_ConvLikeRule):
+        """Weight-standardised convolutions (NF-ResNet, BiT): see the module docstring."""
+
+        forwards = (StdConv2d.forward, StdConv2dSame.forward, ScaledStdConv2d.forward,
+                    ScaledStdConv2dSame.forward)
+
+        def capture_params(self, module):
+            # VALUES at forward time, cloned: the engine copies other model states into the
+            # parameters between forwards
+            gain = getattr(module, "gain", None)
+            return {"weight": module.weight.detach().clone(),
+                    "gain": None if gain is None else gain.detach().clone()}
+
+        def conv_input(self, module, x):
+            if getattr(module, "same_pad", False):
+                return _timm_same_input(module, x, force_zero_padding=False)
+            return _torch_conv_input(module, x)
+
+        def weight_contributions(self, module, saved, x, G, geom):
+            state = _StdConvState(module, x, G, geom, saved["weight"], saved["gain"])
+            out = {"weight": StdConvWeight(state)}
+            if saved["gain"] is not None:
+                out["gain"] = StdConvGain(state)
+            return out
+
+
+_register_timm_rules()
+
+
+@register_rule(nn.GroupNorm)
+class GroupNormRule(LayerRule):
+    """y = xhat * gamma_c + beta_c with xhat normalised per (example, group): per-example grads
+    sum_spatial G * xhat and sum_spatial G (xhat recomputed from the captured input)."""
+
+    def capture(self, module, args, output):
+        return {"x": args[0].detach(), "version": args[0]._version}
+
+    def contributions(self, module, saved, G):
+        _check_unmodified(module, saved)
+        x = saved["x"].to(G.dtype)
+        B, C = x.shape[:2]
+        out = {}
+        if module.weight is not None:
+            xhat = F.group_norm(x, module.num_groups, None, None, module.eps)
+            out["weight"] = Dense((G * xhat).reshape(B, C, -1).sum(-1))
+        if module.bias is not None:
+            out["bias"] = Dense(G.reshape(B, C, -1).sum(-1))
+        return out
