@@ -1,0 +1,193 @@
+"""Small process-group helpers shared by dptrain's distributed code and its tests.
+
+- ``init_from_env()``: join the process group described by the environment variables that
+  ``accelerate launch`` / ``torchrun`` set (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+  LOCAL_RANK); backend NCCL when CUDA is available, gloo otherwise.
+- ``get_rank`` / ``get_world_size`` / ``is_distributed``: 0 / 1 / False without a process group,
+  so single-process code paths need no special casing.
+- ``shard_bounds(dim0, rank, world)``: the rows of a dim-0 sharded tensor that ``rank`` holds,
+  with FSDP2's ``Shard(0)`` (``torch.chunk``) semantics.
+- ``find_free_port()`` and ``spawn(fn, world_size, *args)``: start ``world_size`` CPU processes
+  on gloo (tests and benchmarks), collecting each rank's return value.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "default_backend",
+    "find_free_port",
+    "get_rank",
+    "get_world_size",
+    "init_from_env",
+    "is_distributed",
+    "shard_bounds",
+    "spawn",
+]
+
+
+def default_backend() -> str:
+    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def is_distributed() -> bool:
+    """Whether a default process group exists (and so collectives are needed)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
+    """Rank in ``group`` (default group when None); 0 without a process group."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Size of ``group`` (default group when None); 1 without a process group."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def init_from_env(backend: str | None = None, *,
+                  timeout: datetime.timedelta | None = None) -> tuple[int, int]:
+    """Initialise the default process group from the launcher's environment; returns (rank, world).
+
+    Reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as ``accelerate launch`` and ``torchrun``
+    set them). Without WORLD_SIZE (a plain ``python`` run) nothing is initialised and (0, 1) is
+    returned. Idempotent: an existing group is reused. With NCCL the CUDA device is set from
+    LOCAL_RANK first, so each rank gets its own GPU.
+    """
+    if is_distributed():
+        return dist.get_rank(), dist.get_world_size()
+    if "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ.get("RANK", "0"))
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    kwargs: dict[str, Any] = {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    dist.init_process_group(backend=backend, init_method="env://", rank=rank,
+                            world_size=world, **kwargs)
+    return rank, world
+
+
+def shard_bounds(dim0: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows ``[start, end)`` of a length-``dim0`` dimension held by ``rank`` of ``world``.
+
+    ``torch.chunk`` semantics, as FSDP2's ``Shard(0)`` uses: every rank gets ceil(dim0 / world)
+    rows except at the end, where the last non-empty rank may get fewer and trailing ranks get
+    none (e.g. dim0 = 5, world = 4: 2, 2, 1, 0 rows).
+    """
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} out of range for world size {world}")
+    if dim0 < 0:
+        raise ValueError(f"dim0 must be >= 0, got {dim0}")
+    chunk = -(-dim0 // world)  # ceil
+    start = min(rank * chunk, dim0)
+    return start, min(start + chunk, dim0)
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        return int(s.getsockname()[1])
+
+
+def _spawn_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str,
+                 num_threads: int | None, results: Any, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    init_from_env(backend, timeout=datetime.timedelta(seconds=120))
+    try:
+        out = fn(rank, world_size, *args)
+        # Plain pickle copies tensors by value (no shared-memory handles that would die with
+        # this process before the parent reads them).
+        results.put((rank, pickle.dumps(out)))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+          num_threads: int | None = 1, timeout: float = 300.0,
+          start_method: str | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return their results.
+
+    Each process joins a process group (gloo by default, on a free local port) before ``fn``
+    and leaves it after; ``torch.set_num_threads(num_threads)`` keeps a shared CPU from being
+    oversubscribed. ``fn`` and its arguments must be picklable (a module-level function); its
+    return value is pickled back, and the list is ordered by rank. An exception in any rank is
+    re-raised here (``torch.multiprocessing.ProcessRaisedException``); a run longer than
+    ``timeout`` seconds is terminated and raises ``TimeoutError``.
+
+    ``start_method``: "forkserver" by default where available (the fork server imports torch
+    once and forks every rank from it, so W ranks cost one torch import instead of W: seconds
+    per test on a shared 2-core machine), else "spawn". Neither forks the calling process itself
+    (which may have running threads); ranks inherit none of its state.
+    """
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    if start_method is None:
+        start_method = ("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
+                        else "spawn")
+    if start_method == "forkserver":
+        # Only takes effect when this process starts its fork server (the first time).
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    port = find_free_port()
+    results = mp.get_context(start_method).Queue()
+    ctx = mp.start_processes(
+        _spawn_entry, args=(fn, world_size, port, backend, num_threads, results, args),
+        nprocs=world_size, join=False, start_method=start_method)
+    got: dict[int, Any] = {}
+
+    def drain() -> None:
+        while True:
+            try:
+                rank, payload = results.get_nowait()
+            except queue_mod.Empty:
+                return
+            got[rank] = pickle.loads(payload)
+
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            drain()  # before join: a child blocks on exit until its queued result is read
+            if ctx.join(timeout=0.05):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"spawned ranks did not finish within {timeout} s")
+    finally:
+        for p in ctx.processes:  # only the processes started here
+            if p.is_alive():
+                p.terminate()
+        for p in ctx.processes:
+            p.join(timeout=5)
+    drain()
+    # The queue's feeder thread may deliver the last items just after the process exits.
+    end = time.monotonic() + 10
+    while len(got) < world_size and time.monotonic() < end:
+        try:
+            rank, payload = results.get(timeout=0.1)
+            got[rank] = pickle.loads(payload)
+        except queue_mod.Empty:
+            pass
+    missing = [r for r in range(world_size) if r not in got]
+    if missing:
+        raise RuntimeError(f"no result from ranks {missing}")
+    return [got[r] for r in range(world_size)]

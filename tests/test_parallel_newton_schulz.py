@@ -1,0 +1,201 @@
+"""Distributed Newton–Schulz (issue 5): both strategies equal single-process ``newton_schulz``.
+
+Spawned gloo process groups of 2 and 4 ranks on free ports (one spawn per world size runs every
+dtype x strategy x coefficient case, to keep process start-up off the clock), plus in-process
+checks of the LPT assignment, the planner and ``shard_bounds``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dptrain.optim.newton_schulz import newton_schulz
+from dptrain.parallel.dist import shard_bounds, spawn
+from dptrain.parallel.newton_schulz import (
+    assign_owners,
+    distributed_newton_schulz,
+    plan_newton_schulz,
+)
+
+# (full shape of the shard as FSDP2 holds it, 2-D view (m, n)): tall, wide, square, a conv
+# weight, rows not divisible by 2 or 4, and matrices with fewer rows than ranks (empty shards).
+SHAPES: list[tuple[tuple[int, ...], tuple[int, int]]] = [
+    ((48, 16), (48, 16)),
+    ((16, 40), (16, 40)),
+    ((24, 24), (24, 24)),
+    ((8, 3, 3, 3), (8, 27)),
+    ((37, 11), (37, 11)),
+    ((3, 10), (3, 10)),
+    ((1, 6), (1, 6)),
+    ((64, 12), (64, 12)),
+]
+STRATEGIES = ("owner", "model_parallel", "auto")
+COEFFICIENTS = ("muon", "polar_express")
+DTYPES = (torch.float64, torch.float32)
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def _full_matrices(dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randn(full, generator=g, dtype=torch.float64).to(dtype) for full, _ in SHAPES]
+
+
+def _sq(t: torch.Tensor) -> float:
+    return float(t.double().square().sum())
+
+
+def _worker(rank: int, world: int) -> dict:
+    """On each rank, per case and matrix: (sum of squared differences to the single-process
+    result on this rank's rows, sum of squares of that result there, tolerance)."""
+    shapes = [mn for _, mn in SHAPES]
+    sums: dict[tuple, tuple[float, float, float]] = {}
+
+    def record(case: str, full: list[torch.Tensor], out: list[torch.Tensor], steps: int,
+               coeff: str, r: int = rank, w: int = world) -> None:
+        for i, (x, o) in enumerate(zip(full, out)):
+            rows = slice(*shard_bounds(x.shape[0], r, w))
+            assert o.dtype == x.dtype and o.shape == x[rows].shape, (o.dtype, o.shape)
+            ref = newton_schulz(x.reshape(x.shape[0], -1), steps, coefficients=coeff)
+            ref = ref.reshape(x.shape)[rows]
+            sums[(case, i)] = (_sq(o - ref), _sq(ref), TOL[x.dtype])
+
+    for dtype, strategy, coeff in itertools.product(DTYPES, STRATEGIES, COEFFICIENTS):
+        full = _full_matrices(dtype)
+        local = [x[slice(*shard_bounds(x.shape[0], rank, world))] for x in full]
+        # "auto" with a small limit: the big tall matrices become model-parallel, the rest owner.
+        kw = {"max_owner_numel": 500} if strategy == "auto" else {}
+        out = distributed_newton_schulz(local, shapes, steps=5, coefficients=coeff,
+                                        strategy=strategy, **kw)
+        record(f"{dtype}/{strategy}/{coeff}", full, out, 5, coeff)
+
+    # Mixed dtypes in one call (one buffer per dtype), non-default steps.
+    full = _full_matrices(torch.float64)
+    full[1] = full[1].float()
+    local = [x[slice(*shard_bounds(x.shape[0], rank, world))] for x in full]
+    for strategy in ("owner", "model_parallel"):
+        out = distributed_newton_schulz(local, shapes, steps=3, strategy=strategy)
+        record(f"mixed/{strategy}", full, out, 3, "muon")
+
+    if world == 4:
+        # A 2-rank subgroup of global ranks {3, 1} (group ranks 0, 1): shards and all-to-all
+        # splits follow the group's ranks, not the global ones.
+        sub = dist.new_group([3, 1])
+        if rank in (1, 3):
+            r, w = dist.get_rank(sub), dist.get_world_size(sub)
+            full = _full_matrices(torch.float64)
+            local = [x[slice(*shard_bounds(x.shape[0], r, w))] for x in full]
+            for strategy in ("owner", "model_parallel"):
+                out = distributed_newton_schulz(local, shapes, strategy=strategy, group=sub)
+                record(f"subgroup/{strategy}", full, out, 5, "muon", r, w)
+    return sums
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_equals_single_process(world):
+    """Relative Frobenius error of each whole matrix (summed over ranks) within tolerance.
+
+    Owner-compute runs the same code on the same matrix (0 difference here). Model-parallel
+    forms X^T X from partial sums, so in float32 it differs by float32's own rounding noise as
+    the quintics amplify it: 1-2e-6 with Muon's coefficients, up to 7e-6 with Polar Express
+    (first slope 8.2) on the tiny wide matrices, the size of single-process float32 against
+    float64 on the same matrices (up to 5e-6). float64: < 1e-14.
+    """
+    results = spawn(_worker, world, timeout=240)
+    keys = {k for r in results for k in r}
+    assert len(keys) == len(SHAPES) * (len(DTYPES) * len(STRATEGIES) * len(COEFFICIENTS) + 2
+                                       + (2 if world == 4 else 0))
+    for key in sorted(keys):
+        held = [r[key] for r in results if key in r]
+        diff = sum(h[0] for h in held)
+        ref = sum(h[1] for h in held)
+        tol = held[0][2]
+        rel = (diff / ref) ** 0.5
+        assert rel <= tol, f"world {world} {key}: relative Frobenius error {rel:.3g} > {tol}"
+
+
+def test_world_size_one_without_process_group():
+    full = _full_matrices(torch.float32)
+    shapes = [mn for _, mn in SHAPES]
+    for strategy in STRATEGIES:
+        out = distributed_newton_schulz(full, shapes, strategy=strategy,
+                                        coefficients="polar_express")
+        for x, o in zip(full, out):
+            ref = newton_schulz(x.reshape(x.shape[0], -1), coefficients="polar_express")
+            assert torch.equal(o, ref.reshape(x.shape))
+
+
+def test_bad_inputs_rejected_before_any_collective():
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="coefficients"):
+        distributed_newton_schulz([x], [(4, 3)], coefficients="nope")
+    with pytest.raises(ValueError, match="columns"):
+        distributed_newton_schulz([x], [(4, 5)])
+    with pytest.raises(ValueError, match="rows"):
+        distributed_newton_schulz([x], [(5, 3)])
+    with pytest.raises(ValueError, match="strategy"):
+        plan_newton_schulz([(4, 3)], 2, strategy="nope")
+
+
+def test_shard_bounds_matches_torch_chunk():
+    for dim0 in range(0, 23):
+        for world in range(1, 9):
+            chunks = list(torch.arange(dim0).chunk(world)) if dim0 else []
+            chunks += [torch.empty(0, dtype=torch.long)] * (world - len(chunks))
+            for r in range(world):
+                start, end = shard_bounds(dim0, r, world)
+                assert torch.equal(torch.arange(start, end), chunks[r]), (dim0, world, r)
+
+
+def _loads(costs, owners, world):
+    loads = [0.0] * world
+    for c, r in zip(costs, owners):
+        loads[r] += c
+    return loads
+
+
+def test_assign_owners_vs_brute_force_optimum():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        world = 2 + trial % 2
+        n = 3 + trial % 5  # up to 7 jobs: 3^7 assignments
+        costs = (torch.rand(n, generator=g) * 100).round().add(1).tolist()
+        owners = assign_owners(costs, world)
+        assert all(0 <= r < world for r in owners)
+        lpt = max(_loads(costs, owners, world))
+        opt = min(max(_loads(costs, a, world))
+                  for a in itertools.product(range(world), repeat=n))
+        assert lpt <= (4 / 3 - 1 / (3 * world)) * opt + 1e-9, (costs, lpt, opt)
+
+
+def test_assign_owners_balances_gpt2_like_set():
+    # 12 layers of GPT-2-small-like matrices: the makespan is within 4/3 of the lower bound
+    # max(total / W, largest job), and deterministic.
+    shapes = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12
+    costs = [float(m * n * min(m, n)) for m, n in shapes]
+    for world in (2, 3, 4, 8):
+        owners = assign_owners(costs, world)
+        assert owners == assign_owners(costs, world)
+        bound = max(sum(costs) / world, max(costs))
+        assert max(_loads(costs, owners, world)) <= 4 / 3 * bound
+    assert assign_owners([], 4) == []
+    assert assign_owners([5.0, 1.0], 1) == [0, 0]
+
+
+def test_plan_auto():
+    gpt2 = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12
+    for world in (2, 4):
+        plan = plan_newton_schulz(gpt2, world)
+        assert set(plan.methods) == {"owner"}  # many similar matrices: owner-compute
+    # One dominant tall matrix among small ones: model-parallel for it, owner for the rest.
+    plan = plan_newton_schulz([(8192, 512)] + [(64, 64)] * 6, 4)
+    assert plan.methods[0] == "model_parallel" and set(plan.methods[1:]) == {"owner"}
+    assert plan.owners[0] == -1
+    # Too big for one rank: tall -> model-parallel; wide stays owner (its n x n gram is bigger).
+    plan = plan_newton_schulz([(4096, 1024), (1024, 4096), (64, 64)], 2,
+                              max_owner_numel=1 << 20)
+    assert plan.methods == ("model_parallel", "owner", "owner")
+    assert plan_newton_schulz([(5, 3)], 1).methods == ("local",)
