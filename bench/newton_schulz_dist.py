@@ -1,7 +1,7 @@
 """Distributed Newton–Schulz time per rank against world size (issue 5, Benchmarks).
 
     python bench/newton_schulz_dist.py [--width 256] [--layers 12] [--worlds 1,2,4]
-                                       [--rounds 2] [--repeats 2] [--mp-wide]
+                                       [--rounds 1] [--repeats 2] [--mp-wide]
 
 Matrices: a GPT-2-like set, per layer the four Muon matrices in nn.Linear (out, in) layout,
 (3w, w) attention in-projection, (w, w) attention out-projection, (4w, w) MLP up, (w, 4w) MLP
@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--worlds", default="1,2,4")
-    ap.add_argument("--rounds", type=int, default=2, help="timed rounds per process group")
+    ap.add_argument("--rounds", type=int, default=1, help="timed rounds per process group")
     ap.add_argument("--repeats", type=int, default=2,
                     help="passes over the world sizes (interleaves them against outside load)")
     ap.add_argument("--mp-wide", action="store_true",
@@ -188,7 +188,12 @@ def main() -> None:
     print("# wall_s: median wall time of one call, slowest rank; cpu_s: median CPU time of the "
           "busiest rank (compute + gloo threads). On a shared machine the wall ratio depends on "
           "the CPU share the ranks get; cpu/W1 measures how the work divides.")
-    print(f"# load average after: {_load_average()} (other processes share these cores)")
+    if 1 in worlds and "single_process" in wall[1]:
+        share = cpu[1]["single_process"] / wall[1]["single_process"]
+        note = (": other processes share these cores; if they cap this run's share, more ranks "
+                "cannot cut wall time, and cpu/W1 is the scaling to read") if share < 0.9 else ""
+        print(f"# world 1 ran at {share:.0%} of one core (CPU time / wall time){note}")
+    print(f"# load average after: {_load_average()}")
 
     def rnd(table: dict, fn) -> dict:
         return {str(w): {v: (None if fn(w, v) is None else round(fn(w, v), 4))
