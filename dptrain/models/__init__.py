@@ -72,6 +72,10 @@ class ModelConfig:
     """cnn: output channels of each conv3x3 -> GroupNorm -> ReLU -> maxpool2 stage."""
     groups: int = 4
     """cnn: GroupNorm groups per stage (reduced to a divisor of the stage's channels)."""
+    pool: int = 4
+    """cnn: the features are average-pooled to pool x pool cells before the head."""
+    hidden: int = 32
+    """cnn: width of the hidden linear layer before the head (0: none)."""
 
     def validate(self) -> None:
         if self.name == "gpt2":
@@ -199,7 +203,8 @@ def build_model(cfg: ModelConfig, info: DataInfo) -> nn.Module:
                 raise ConfigError("model.timm_name", str(e)) from None
             check_no_batchnorm(model, "model.timm_name")
         elif cfg.name == "cnn":
-            model = TinyCNN(in_chans, num_classes, list(cfg.channels), cfg.groups)
+            model = TinyCNN(in_chans, num_classes, list(cfg.channels), cfg.groups, cfg.pool,
+                            cfg.hidden)
         else:  # pragma: no cover - Literal checked by from_dict
             raise ConfigError("model.name", f"unknown model {cfg.name!r}")
     check_no_batchnorm(model)

@@ -18,12 +18,13 @@ def _groups(channels: int, wanted: int) -> int:
 
 
 class TinyCNN(nn.Module):
-    """conv3x3 -> GroupNorm -> ReLU -> maxpool2, once per entry of ``channels``; then global
-    average pooling and a linear head. Input ``[B, in_chans, H, W]``, output logits
+    """conv3x3 -> GroupNorm -> ReLU -> maxpool2, once per entry of ``channels``; then average
+    pooling to ``pool`` x ``pool`` cells, a hidden linear layer of ``hidden`` units (ReLU) and
+    the linear head (``hidden=0``: the head alone). Input ``[B, in_chans, H, W]``, output logits
     ``[B, num_classes]``; any H, W >= 2**len(channels) works."""
 
     def __init__(self, in_chans: int, num_classes: int, channels: list[int] | tuple[int, ...],
-                 groups: int = 4):
+                 groups: int = 4, pool: int = 4, hidden: int = 32):
         super().__init__()
         layers: list[nn.Module] = []
         c_in = in_chans
@@ -36,10 +37,12 @@ class TinyCNN(nn.Module):
             ]
             c_in = c
         self.features = nn.Sequential(*layers)
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.head = nn.Linear(c_in, num_classes)
+        self.pool = nn.AdaptiveAvgPool2d(pool)
+        width = c_in * pool * pool
+        self.hidden = nn.Sequential(nn.Linear(width, hidden), nn.ReLU()) if hidden else nn.Identity()
+        self.head = nn.Linear(hidden or width, num_classes)
 
     def forward(self, x):
         x = self.features(x)
-        x = self.pool(x).flatten(1)
+        x = self.hidden(self.pool(x).flatten(1))
         return self.head(x)
