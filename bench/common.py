@@ -1,0 +1,246 @@
+"""Shared helpers for dptrain's benchmarks: interleaved timing, peak memory in a fresh process,
+and a description of the machine a number came from.
+
+Timing on a shared machine: every variant runs once per *round*, in a rotated order, so that
+slow phases (other processes on the same cores) hit all variants alike; a ratio is the median
+over rounds of the per-round ratio, and an absolute time is the median over rounds.
+
+Peak memory: ``measure_peak_in_subprocess`` re-runs the calling script with ``--peak-child``
+arguments in a fresh interpreter; the child builds one variant, takes a baseline, runs a few
+steps and prints one ``PEAK {...}`` line (``child_peak``). On CPU the peak is the process's
+high-water resident set (ru_maxrss; read as VmHWM on Linux, reset after the build) minus the
+resident set after the build; on CUDA it is ``torch.cuda.max_memory_allocated`` minus the
+allocation after the build.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+StepFn = Callable[[], object]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """``Type: message`` of an exception on one line (for a JSON field)."""
+    msg = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {msg[0] if msg else ''}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass
+class Timings:
+    """Per-round seconds of each variant: ``wall`` (perf_counter) and ``cpu`` (process CPU
+    time, all threads: less sensitive to other processes on a shared machine, but it counts
+    the spinning of idle worker threads)."""
+
+    wall: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+
+
+def time_interleaved(steps: dict[str, StepFn], *, rounds: int, warmup: int = 1,
+                     device: str = "cpu") -> tuple[Timings, dict[str, str]]:
+    """Seconds per call of each step function, interleaved.
+
+    Each variant is warmed up ``warmup`` times (a failure there, or later, is recorded as the
+    variant's error and the variant is dropped); then ``rounds`` rounds each call every live
+    variant once, the order rotated by one per round. Returns (times, errors): times.wall[name]
+    and times.cpu[name] are the per-round seconds (aligned across variants, rounds in order);
+    errors[name] is the one-line error of a variant that failed.
+    """
+    errors: dict[str, str] = {}
+    live = list(steps)
+    for name in list(live):
+        try:
+            for _ in range(warmup):
+                steps[name]()
+            _sync(device)
+        except Exception as e:  # a failing variant is a result, not a crash
+            errors[name] = first_line(e)
+            live.remove(name)
+    times: dict[str, list[float]] = {n: [] for n in live}
+    cpu: dict[str, list[float]] = {n: [] for n in live}
+    for r in range(rounds):
+        order = live[r % len(live):] + live[: r % len(live)] if live else []
+        for name in order:
+            if name in errors:
+                continue
+            try:
+                _sync(device)
+                t0, c0 = time.perf_counter(), time.process_time()
+                steps[name]()
+                _sync(device)
+                times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+            except Exception as e:
+                errors[name] = first_line(e)
+    for name in errors:
+        times.pop(name, None)
+        cpu.pop(name, None)
+    return Timings(times, cpu), errors
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def ratio_of_medians_per_round(num: list[float] | None, den: list[float] | None) -> float | None:
+    """Median over rounds of num[r] / den[r] (both measured in the same rounds)."""
+    if not num or not den:
+        return None
+    return statistics.median(a / b for a, b in zip(num, den))
+
+
+# ---------------------------------------------------------------------------------------------
+# peak memory
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _peak_rss_bytes() -> int:
+    """High-water resident set of this process. On Linux VmHWM of /proc/self/status: the same
+    counter as ru_maxrss, but ru_maxrss also keeps the PARENT's high-water mark when the child
+    was started by vfork/posix_spawn (as subprocess does), which VmHWM does not."""
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # macOS: bytes, Linux: KiB
+
+
+def _reset_peak_rss() -> int:
+    """Reset the high-water mark to the current RSS where the kernel allows it (Linux:
+    ``echo 5 > /proc/self/clear_refs``) and return the baseline to subtract: the current RSS
+    after a reset, else the high-water mark so far."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        rss = _status_kib("VmRSS")
+        if rss is not None:
+            return rss * 1024
+    except OSError:
+        pass
+    return _peak_rss_bytes()
+
+
+def child_peak(build: Callable[[], StepFn], *, device: str = "cpu", steps: int = 2) -> dict:
+    """In a fresh process: build a variant (model, engine or wrapper, batch), take the baseline,
+    run ``steps`` steps; return {"peak_bytes": peak - baseline, "baseline_bytes": baseline} or
+    {"error": ...}. CPU: resident set (see ``_peak_rss_bytes``); CUDA: allocated memory."""
+    try:
+        step = build()
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        else:
+            base = _reset_peak_rss()
+        for _ in range(steps):
+            step()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            peak = _peak_rss_bytes()
+        return {"peak_bytes": peak - base, "baseline_bytes": base}
+    except Exception as e:
+        return {"error": first_line(e)}
+
+
+def emit_child_result(result: dict) -> None:
+    print("PEAK " + json.dumps(result), flush=True)
+
+
+def measure_peak_in_subprocess(script: str, child_args: list[str], *,
+                               timeout_s: float = 300) -> dict:
+    """Run ``python script --peak-child *child_args`` in a fresh interpreter and return the dict
+    the child printed with :func:`emit_child_result` (or {"error": ...})."""
+    cmd = [sys.executable, script, "--peak-child", *child_args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout_s:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("PEAK "):
+            return json.loads(line[5:])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()
+    return {"error": f"child exited {proc.returncode}: {tail[-1] if tail else ''}"}
+
+
+# ---------------------------------------------------------------------------------------------
+# provenance
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _mem_gib() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def machine_description(device: str = "cpu") -> str:
+    """One line: CPU, cores, torch threads, RAM, GPU (if used), torch version."""
+    parts = [f"{_cpu_model()}", f"{os.cpu_count()} CPUs", f"torch threads {torch.get_num_threads()}"]
+    mem = _mem_gib()
+    if mem is not None:
+        parts.append(f"{mem:.0f} GiB RAM")
+    if device.startswith("cuda") and torch.cuda.is_available():
+        parts.append(torch.cuda.get_device_name())
+    parts.append(f"torch {torch.__version__}")
+    parts.append(f"python {platform.python_version()}")
+    return ", ".join(parts)
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def fmt_bytes(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f} MiB"

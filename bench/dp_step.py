@@ -1,0 +1,515 @@
+"""One private step against one non-private step, and against Opacus 1.6 (issue 2, Benchmarks).
+
+    python bench/dp_step.py [--quick] [--device cpu|cuda]
+
+Models (same weights, same batch for every variant of a model):
+
+- gpt2: transformers GPT2LMHeadModel, 4 layers, width 256, 4 heads, vocabulary 8,192, T = 64,
+  B = 32, tied embeddings, eager attention, dropout 0 (ANCHORS.md's CPU setting);
+- nfresnet: timm nf_resnet26 at 64 px, B = 16, 10 classes (nf_resnet50's shape family at half
+  the depth, to keep the run within minutes on 2 CPU cores).
+
+Variants (plain SGD everywhere; C = 1, sigma = 1; per-example loss = mean token loss for gpt2):
+
+- nonprivate: ``loss.mean().backward()`` + SGD step;
+- dptrain_bookkeeping / dptrain_two_pass: ``ClippingEngine.accumulate`` over the batch (one
+  microbatch), Gaussian noise sigma*C*Z on every coordinate (dptrain.privacy.noise, as the
+  trainer draws it), divide by b = B, SGD step;
+- opacus_ghost: ``PrivacyEngine().make_private(..., grad_sample_mode="ghost")`` with its criterion
+  wrapper (two backward passes); opacus_hooks: grad_sample_mode="hooks" (per-sample gradients).
+  Poisson sampling off so the batch is the same. For gpt2 Opacus runs on a copy with the three
+  changes it needs (ANCHORS.md): Conv1D -> Linear, untied embeddings, explicit contiguous
+  position_ids of batch size B. dptrain runs the stock model.
+
+Times: interleaved rounds (bench/common.py), medians; ratios are medians of per-round ratios.
+Peak memory: each variant in a fresh subprocess, 2 steps after the build (bench/common.py).
+The last line printed is one JSON object (keys documented in ``summarize``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import os
+import sys
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    StepFn,
+    child_peak,
+    emit_child_result,
+    first_line,
+    fmt_bytes,
+    git_commit,
+    machine_description,
+    measure_peak_in_subprocess,
+    median,
+    now_utc,
+    ratio_of_medians_per_round,
+    time_interleaved,
+)
+
+VARIANTS = ("nonprivate", "dptrain_bookkeeping", "dptrain_two_pass", "opacus_ghost",
+            "opacus_hooks")
+MODELS = ("gpt2", "nfresnet")
+
+# Targets of issue 2 (GPT-2): DP step <= 1.2x non-private; >= 1.5x faster than Opacus ghost at
+# no more peak memory.
+TARGET_DP_OVER_NONPRIVATE = 1.2
+TARGET_OPACUS_OVER_DPTRAIN = 1.5
+
+
+@dataclass
+class GPT2Shape:
+    num_layers: int = 4
+    width: int = 256
+    num_heads: int = 4
+    vocab_size: int = 8192
+    seq_len: int = 64  # T
+    batch_size: int = 32  # B
+
+
+@dataclass
+class ResNetShape:
+    name: str = "nf_resnet26"
+    image_size: int = 64
+    batch_size: int = 16
+    num_classes: int = 10
+
+
+@dataclass
+class BenchConfig:
+    gpt2: GPT2Shape = field(default_factory=GPT2Shape)
+    resnet: ResNetShape = field(default_factory=ResNetShape)
+    rounds: int = 5  # timed GPT-2 rounds (every variant once per round)
+    resnet_rounds: int = 3  # timed NF-ResNet rounds (a DP step there is ~10x a GPT-2 one)
+    warmup: int = 1  # untimed steps per variant before the rounds
+    memory: bool = True  # peak memory, one fresh subprocess per variant
+    memory_steps: int = 2
+    device: str = "cpu"
+    threads: int | None = None  # torch.set_num_threads; None keeps torch's default
+    clip_norm: float = 1.0
+    noise_multiplier: float = 1.0
+    lr: float = 1e-3
+    seed: int = 0
+
+    @classmethod
+    def from_json(cls, text: str) -> "BenchConfig":
+        d = json.loads(text)
+        return cls(gpt2=GPT2Shape(**d.pop("gpt2")), resnet=ResNetShape(**d.pop("resnet")), **d)
+
+
+def default_dptrain_mode() -> str:
+    from dptrain.clipping import ClippingEngine
+
+    return inspect.signature(ClippingEngine.__init__).parameters["mode"].default
+
+
+# ---------------------------------------------------------------------------------------------
+# models, batches, per-example losses
+
+
+def build_gpt2(s: GPT2Shape, seed: int, device: str) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=s.vocab_size, n_positions=s.seq_len, n_embd=s.width,
+                     n_layer=s.num_layers, n_head=s.num_heads, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=None,
+                     eos_token_id=None, attn_implementation="eager")
+    model = GPT2LMHeadModel(cfg).to(device)
+    model.tie_weights()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return model.train()
+
+
+def gpt2_batch(s: GPT2Shape, seed: int, device: str) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, s.vocab_size, (s.batch_size, s.seq_len), generator=g)
+    return {"input_ids": ids.to(device)}
+
+
+def gpt2_logits(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    return model(**batch).logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
+
+
+def gpt2_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """Per-example mean next-token loss, shape (B,)."""
+    logits = gpt2_logits(model, batch)
+    B, Tm1, V = logits.shape
+    tok = F.cross_entropy(logits.reshape(-1, V), batch["input_ids"][:, 1:].reshape(-1),
+                          reduction="none")
+    return tok.view(B, Tm1).mean(1)
+
+
+def opacus_gpt2(model: nn.Module, s: GPT2Shape) -> tuple[nn.Module, Tensor]:
+    """A copy Opacus accepts: Conv1D -> Linear, untied lm_head, and the position_ids to pass."""
+    from transformers.pytorch_utils import Conv1D
+
+    m = copy.deepcopy(model)
+    for parent in list(m.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Conv1D):
+                lin = nn.Linear(child.weight.shape[0], child.weight.shape[1],
+                                device=child.weight.device, dtype=child.weight.dtype)
+                with torch.no_grad():
+                    lin.weight.copy_(child.weight.T)  # Conv1D stores (in, out)
+                    lin.bias.copy_(child.bias)
+                setattr(parent, name, lin)
+    m.config.tie_word_embeddings = False
+    m.lm_head.weight = nn.Parameter(m.transformer.wte.weight.detach().clone())
+    dev = m.lm_head.weight.device
+    pos = torch.arange(s.seq_len, device=dev).expand(s.batch_size, s.seq_len).contiguous()
+    return m, pos
+
+
+def build_resnet(s: ResNetShape, seed: int, device: str) -> nn.Module:
+    import timm
+
+    torch.manual_seed(seed)
+    return timm.create_model(s.name, num_classes=s.num_classes).to(device).train()
+
+
+def resnet_batch(s: ResNetShape, seed: int, device: str) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(s.batch_size, 3, s.image_size, s.image_size, generator=g)
+    y = torch.randint(0, s.num_classes, (s.batch_size,), generator=g)
+    return x.to(device), y.to(device)
+
+
+def resnet_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+# ---------------------------------------------------------------------------------------------
+# step functions
+
+
+def nonprivate_step(model: nn.Module, loss_fn, batch, lr: float) -> StepFn:
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model, batch).mean().backward()
+        opt.step()
+
+    return step
+
+
+def dptrain_step(model: nn.Module, loss_fn, batch, batch_size: int, cfg: BenchConfig,
+                 mode: str) -> StepFn:
+    """accumulate -> + sigma*C*Z (every coordinate, dptrain's counter-based noise) -> / b -> SGD."""
+    from dptrain.clipping import ClippingEngine
+    from dptrain.privacy.noise import gaussian_noise
+
+    engine = ClippingEngine(model, clip_norm=cfg.clip_norm, mode=mode)
+    opt = torch.optim.SGD(list(engine.params.values()), lr=cfg.lr)
+    std = cfg.noise_multiplier * cfg.clip_norm
+    b = batch_size  # public release denominator
+    counter = [0]
+
+    def step():
+        acc: dict[str, Tensor] = {}  # Sensitive: unnoised clipped sum.
+        engine.accumulate(loss_fn, batch, acc)
+        t = counter[0]
+        counter[0] += 1
+        for name, p in engine.params.items():
+            s = acc.pop(name, None)
+            if s is None:
+                s = torch.zeros_like(p, dtype=torch.float32)
+            z = gaussian_noise(cfg.seed, t, name, p.numel(), device=p.device, dtype=s.dtype)
+            p.grad = s.add_(z.view_as(s), alpha=std).div_(b).to(p.dtype)
+        opt.step()
+
+    return step
+
+
+def opacus_step(model: nn.Module, batch_tensors: tuple[Tensor, ...], forward: Callable,
+                targets: Tensor, cfg: BenchConfig, mode: str,
+                criterion_shape: tuple[int, int] | None) -> StepFn:
+    """Opacus as its docs intend: make_private(...) then criterion(out, y).backward(); step().
+
+    ``forward(model)`` returns the logits, flattened to (N, classes); ``criterion_shape`` is
+    (B, T) for a sequence model (the ghost criterion's ``shape=`` argument)."""
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    loader = DataLoader(TensorDataset(*batch_tensors), batch_size=batch_tensors[0].shape[0])
+    crit = nn.CrossEntropyLoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pe = PrivacyEngine()
+        kwargs = dict(module=model, optimizer=opt, data_loader=loader,
+                      noise_multiplier=cfg.noise_multiplier, max_grad_norm=cfg.clip_norm,
+                      poisson_sampling=False, grad_sample_mode=mode)
+        if mode == "ghost":
+            model, opt, crit, _ = pe.make_private(criterion=crit, **kwargs)
+        else:
+            model, opt, _ = pe.make_private(**kwargs)
+    B = batch_tensors[0].shape[0]
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = forward(model)
+        if mode == "ghost":
+            extra = {"shape": criterion_shape} if criterion_shape else {}
+            loss = crit(logits, targets, **extra)
+        elif criterion_shape:  # per-example mean over tokens, mean over the batch
+            loss = F.cross_entropy(logits, targets, reduction="none").view(B, -1).mean(1).mean()
+        else:
+            loss = crit(logits, targets)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def build_variant(kind: str, variant: str, cfg: BenchConfig) -> StepFn:
+    """A fresh model (same seed, same weights) and the step of ``variant`` on it."""
+    dev = cfg.device
+    if kind == "gpt2":
+        s = cfg.gpt2
+        model = build_gpt2(s, cfg.seed, dev)
+        batch = gpt2_batch(s, cfg.seed, dev)
+        loss_fn, B = gpt2_loss, s.batch_size
+    else:
+        s = cfg.resnet
+        model = build_resnet(s, cfg.seed, dev)
+        batch = resnet_batch(s, cfg.seed, dev)
+        loss_fn, B = resnet_loss, s.batch_size
+    if variant == "nonprivate":
+        return nonprivate_step(model, loss_fn, batch, cfg.lr)
+    if variant.startswith("dptrain_"):
+        return dptrain_step(model, loss_fn, batch, B, cfg, variant[len("dptrain_"):])
+    mode = variant[len("opacus_"):]
+    if kind == "gpt2":
+        model, pos = opacus_gpt2(model, s)
+        ids = batch["input_ids"]
+
+        def forward(m):
+            logits = m(input_ids=ids, position_ids=pos).logits[:, :-1]
+            return logits.reshape(-1, logits.shape[-1])
+
+        return opacus_step(model, (ids,), forward, ids[:, 1:].reshape(-1), cfg, mode,
+                           (B, s.seq_len - 1))
+    x, y = batch
+    return opacus_step(model, (x, y), lambda m: m(x), y, cfg, mode, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# running and reporting
+
+
+def run_model(kind: str, cfg: BenchConfig, variants=VARIANTS) -> dict:
+    steps: dict[str, StepFn] = {}
+    errors: dict[str, str] = {}
+    for v in variants:
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                steps[v] = build_variant(kind, v, cfg)
+            fallbacks = [str(w.message) for w in caught if "fallback" in str(w.message)]
+            if fallbacks:
+                print(f"[{kind}/{v}] {len(fallbacks)} torch.func fallback warning(s), e.g. "
+                      f"{fallbacks[0]}", file=sys.stderr)
+        except Exception as e:
+            errors[v] = first_line(e)
+    rounds = cfg.rounds if kind == "gpt2" else cfg.resnet_rounds
+    times, run_errors = time_interleaved(steps, rounds=rounds, warmup=cfg.warmup,
+                                         device=cfg.device)
+    errors.update(run_errors)
+    return {"times": times.wall, "cpu_times": times.cpu, "errors": errors}
+
+
+def memory_of(kind: str, variants, cfg: BenchConfig, errors: dict[str, str]) -> dict[str, dict]:
+    out = {}
+    for v in variants:
+        if v in errors:  # already known to fail
+            out[v] = {"error": errors[v]}
+            continue
+        out[v] = measure_peak_in_subprocess(os.path.abspath(__file__),
+                                            [kind, v, json.dumps(asdict(cfg))])
+    return out
+
+
+def summarize(results: dict, cfg: BenchConfig) -> dict:
+    """The JSON summary. Keys:
+
+    dp_over_nonprivate      dptrain (default mode) GPT-2 step time / non-private
+    opacus_over_dptrain     Opacus ghost GPT-2 step time / dptrain (default mode)
+    peak_memory_ratio       dptrain (default mode) GPT-2 peak / Opacus ghost peak
+    *_cpu                   the same ratios from process CPU time instead of wall time
+    faster_mode             the faster dptrain mode on GPT-2 (and nfresnet_faster_mode)
+    gpt2 / nfresnet         per variant: median_s, over_nonprivate, peak_mib, error
+    """
+    default = default_dptrain_mode()
+    out: dict[str, Any] = {"benchmark": "dp_step", "default_mode": default}
+    for kind, res in results.items():
+        t, errs, mem = res["times"], res["errors"], res.get("memory", {})
+        c = res["cpu_times"]
+        base = t.get("nonprivate")
+        table = {}
+        for v in VARIANTS:
+            row: dict[str, Any] = {
+                "median_s": median(t.get(v, [])),
+                "over_nonprivate": ratio_of_medians_per_round(t.get(v), base),
+                "cpu_s": median(c.get(v, [])),
+                "cpu_over_nonprivate": ratio_of_medians_per_round(c.get(v), c.get("nonprivate")),
+                "peak_mib": (mem[v]["peak_bytes"] / 2**20
+                             if "peak_bytes" in mem.get(v, {}) else None),
+            }
+            if v in errs:
+                row["error"] = errs[v]
+            elif "error" in mem.get(v, {}):
+                row["memory_error"] = mem[v]["error"]
+            table[v] = row
+        out[kind] = table
+        bk = ratio_of_medians_per_round(t.get("dptrain_bookkeeping"), t.get("dptrain_two_pass"))
+        faster = None if bk is None else ("bookkeeping" if bk <= 1.0 else "two_pass")
+        dflt = t.get(f"dptrain_{default}")
+        dp_np = ratio_of_medians_per_round(dflt, base)
+        op_dp = ratio_of_medians_per_round(t.get("opacus_ghost"), dflt)
+        peak_d = table[f"dptrain_{default}"]["peak_mib"]
+        peak_o = table["opacus_ghost"]["peak_mib"]
+        mem_ratio = peak_d / peak_o if peak_d is not None and peak_o else None
+        prefix = "" if kind == "gpt2" else f"{kind}_"
+        out[f"{prefix}dp_over_nonprivate"] = dp_np
+        out[f"{prefix}dp_over_nonprivate_cpu"] = table[f"dptrain_{default}"]["cpu_over_nonprivate"]
+        out[f"{prefix}opacus_over_dptrain"] = op_dp
+        out[f"{prefix}opacus_over_dptrain_cpu"] = ratio_of_medians_per_round(
+            c.get("opacus_ghost"), c.get(f"dptrain_{default}"))
+        out[f"{prefix}peak_memory_ratio"] = mem_ratio
+        out[f"{prefix}faster_mode"] = faster
+        out[f"{prefix}bookkeeping_over_two_pass"] = bk
+        for mode in ("bookkeeping", "two_pass"):
+            out[f"{prefix}dp_over_nonprivate_{mode}"] = table[f"dptrain_{mode}"]["over_nonprivate"]
+    g = out.get("gpt2", {})
+    if "gpt2" in results:
+        out["targets_met"] = {
+            "dp_over_nonprivate<=1.2": _le(out["dp_over_nonprivate"], TARGET_DP_OVER_NONPRIVATE),
+            "opacus_over_dptrain>=1.5": _le(TARGET_OPACUS_OVER_DPTRAIN, out["opacus_over_dptrain"]),
+            "peak_memory_ratio<=1": _le(out["peak_memory_ratio"], 1.0),
+        }
+    out["opacus_ghost_s"] = g.get("opacus_ghost", {}).get("median_s")
+    out["config"] = asdict(cfg)
+    out["machine"] = machine_description(cfg.device)
+    out["git_commit"] = git_commit()
+    out["date"] = now_utc()
+    return out
+
+
+def _le(a, b):
+    return None if a is None or b is None else bool(a <= b)
+
+
+def _fmt(x, spec=".3f", suffix=""):
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def print_table(summary: dict) -> None:
+    titles = {"gpt2": "GPT-2 (transformers, stock for dptrain)", "nfresnet": "NF-ResNet (timm)"}
+    cfg = summary["config"]
+    for kind in MODELS:
+        if kind not in summary:
+            continue
+        shape = cfg["gpt2"] if kind == "gpt2" else cfg["resnet"]
+        print(f"\n{titles[kind]}: {shape}")
+        print(f"{'variant':<22}{'s/step':>9}{'x non-priv':>12}{'cpu s':>9}{'x (cpu)':>9}"
+              f"{'peak MiB':>10}  note")
+        for v, row in summary[kind].items():
+            note = row.get("error") or row.get("memory_error") or ""
+            print(f"{v:<22}{_fmt(row['median_s']):>9}{_fmt(row['over_nonprivate'], '.2f', 'x'):>12}"
+                  f"{_fmt(row['cpu_s']):>9}{_fmt(row['cpu_over_nonprivate'], '.2f', 'x'):>9}"
+                  f"{_fmt(row['peak_mib'], '.0f'):>10}  {note}")
+    print(f"\ndptrain default mode: {summary['default_mode']}; faster mode on GPT-2: "
+          f"{summary.get('faster_mode')} (bookkeeping / two_pass = "
+          f"{_fmt(summary.get('bookkeeping_over_two_pass'), '.2f')})")
+    print(f"GPT-2: dp/non-private {_fmt(summary.get('dp_over_nonprivate'), '.2f')} "
+          f"(target <= {TARGET_DP_OVER_NONPRIVATE}); Opacus ghost/dptrain "
+          f"{_fmt(summary.get('opacus_over_dptrain'), '.2f')} (target >= "
+          f"{TARGET_OPACUS_OVER_DPTRAIN}); peak memory dptrain/Opacus ghost "
+          f"{_fmt(summary.get('peak_memory_ratio'), '.2f')} (target <= 1)")
+    print(f"machine: {summary['machine']}; commit {summary['git_commit']}; {summary['date']}")
+
+
+def tiny_config() -> BenchConfig:
+    """A seconds-long smoke configuration (tests): tiny models, one round, no memory runs."""
+    return BenchConfig(gpt2=GPT2Shape(num_layers=1, width=32, num_heads=2, vocab_size=64,
+                                      seq_len=8, batch_size=4),
+                       resnet=ResNetShape(name="nf_resnet26", image_size=32, batch_size=2),
+                       rounds=1, resnet_rounds=1, warmup=1, memory=False)
+
+
+def apply_threads(cfg: BenchConfig) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+
+
+def run(cfg: BenchConfig, models=MODELS) -> dict:
+    apply_threads(cfg)
+    results = {}
+    for kind in models:
+        rounds = cfg.rounds if kind == "gpt2" else cfg.resnet_rounds
+        print(f"[dp_step] timing {kind}: {rounds} rounds x {len(VARIANTS)} variants",
+              file=sys.stderr, flush=True)
+        results[kind] = run_model(kind, cfg)
+    if cfg.memory:
+        for kind in models:
+            print(f"[dp_step] peak memory {kind}", file=sys.stderr, flush=True)
+            results[kind]["memory"] = memory_of(kind, VARIANTS, cfg, results[kind]["errors"])
+    return summarize(results, cfg)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--peak-child":
+        kind, variant, cfg_json = argv[1:4]
+        cfg = BenchConfig.from_json(cfg_json)
+        apply_threads(cfg)
+        warnings.simplefilter("ignore")
+        emit_child_result(child_peak(lambda: build_variant(kind, variant, cfg),
+                                     device=cfg.device, steps=cfg.memory_steps))
+        return None
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds (smoke run)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--tiny", action="store_true", help="tiny models, for tests")
+    ap.add_argument("--rounds", type=int, default=None, help="override the number of rounds")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: gpt2,nfresnet")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args(argv)
+    # Opacus's hooks on a model whose first layer takes integer ids
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    cfg = tiny_config() if args.tiny else BenchConfig()
+    if args.quick:
+        cfg.rounds, cfg.resnet_rounds, cfg.warmup = 2, 1, 1
+    if args.rounds is not None:
+        cfg.rounds = cfg.resnet_rounds = args.rounds
+    if args.no_memory:
+        cfg.memory = False
+    cfg.device = args.device
+    cfg.threads = args.threads
+    models = tuple(m for m in args.models.split(",") if m)
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; choose from {MODELS}")
+    summary = run(cfg, models)
+    print_table(summary)
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Smoke test of bench/dp_step.py's building blocks on tiny models: one round, no timing claims.
+
+Checks that every variant builds and steps (Opacus ghost and hooks on the converted GPT-2 copy,
+dptrain on the stock one), that the peak-memory child measurement returns a number, and that the
+last printed line is one JSON object with the keys BENCHMARKS.md and issue 2 rely on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("opacus")
+pytest.importorskip("transformers")
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_dp_step_last_line_is_json_with_required_keys(capsys):
+    dp_step = _load("dp_step")
+    dp_step.main(["--tiny", "--models", "gpt2", "--rounds", "1", "--no-memory"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    for key in ("dp_over_nonprivate", "opacus_over_dptrain", "peak_memory_ratio", "faster_mode",
+                "machine", "default_mode", "gpt2", "config", "date"):
+        assert key in summary, key
+    assert summary["faster_mode"] in ("bookkeeping", "two_pass")
+    assert summary["dp_over_nonprivate"] > 0
+    assert summary["opacus_over_dptrain"] > 0  # Opacus ran on the converted copy
+    rows = summary["gpt2"]
+    assert set(rows) == set(dp_step.VARIANTS)
+    for variant in ("nonprivate", "dptrain_bookkeeping", "dptrain_two_pass", "opacus_ghost"):
+        assert "error" not in rows[variant], rows[variant]
+        assert rows[variant]["median_s"] > 0
+
+
+def test_child_peak_measures_a_step():
+    common = _load("common")
+    dp_step = _load("dp_step")
+    cfg = dp_step.tiny_config()
+    out = common.child_peak(lambda: dp_step.build_variant("gpt2", "dptrain_bookkeeping", cfg),
+                            steps=1)
+    assert "error" not in out, out
+    assert out["peak_bytes"] >= 0 and out["baseline_bytes"] > 0
+
+
+def test_failing_variant_is_recorded_not_raised():
+    common = _load("common")
+
+    def boom():
+        raise RuntimeError("in-place view\nsecond line")
+
+    times, errors = common.time_interleaved({"ok": lambda: None, "bad": boom}, rounds=2)
+    assert errors == {"bad": "RuntimeError: in-place view"}
+    assert len(times.wall["ok"]) == 2 and "bad" not in times.wall
