@@ -28,11 +28,19 @@ class PerformanceConfig:
     """dtype of the optimizer's Newton-Schulz iteration (post-processing)."""
     device: str = "auto"
     """'auto' (cuda if available, else cpu), 'cpu' or 'cuda'."""
+    sharding: Literal["none", "fsdp"] = "none"
+    """With several ranks: ``fsdp`` shards parameters, releases and optimizer states with
+    FSDP2 (per block, then the root); ``none`` replicates the model on every rank."""
+    fsdp_mixed_precision: bool = False
+    """FSDP2 with bf16 parameters in forward/backward (norms, sums and reductions in fp32)."""
 
     def validate(self) -> None:
         if self.microbatch_size < 1:
             raise ConfigError("microbatch_size", f"must be >= 1, got {self.microbatch_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
+        if self.sharding == "fsdp" and self.clipping == "two_pass":
+            raise ConfigError("clipping", "two_pass needs parameter gradients from autograd, "
+                                          "which FSDP2 shards; use bookkeeping with sharding")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("device", f"must be auto, cpu or cuda, got {self.device!r}")

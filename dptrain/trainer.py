@@ -35,7 +35,10 @@ from dptrain.performance import PerformanceConfig
 from dptrain.privacy.accounting import Ledger, calibrate_noise_multiplier, epsilon as ledger_epsilon
 from dptrain.privacy.config import PrivacyConfig
 from dptrain.privacy.noise import gaussian_noise, secure_seed
-from dptrain.privacy.sampling import poisson_sample
+from dptrain.privacy.sampling import poisson_sample, shard_indices
+from dptrain.parallel.dist import init_from_env
+from dptrain.parallel.fsdp import (all_reduce_scalars, apply_fsdp, as_grad, flat_range,
+                                   reduce_sum)
 
 
 @dataclass(kw_only=True)
@@ -75,11 +78,11 @@ class RunConfig:
 
 
 def resolve_device(perf: PerformanceConfig) -> torch.device:
-    if perf.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if perf.device == "cuda" and not torch.cuda.is_available():
+    if perf.device == "cpu" or (perf.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
         raise ConfigError("performance.device", "cuda requested but no GPU is available")
-    return torch.device(perf.device)
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -148,6 +151,8 @@ class Trainer:
         if perf.num_threads is not None:
             torch.set_num_threads(perf.num_threads)
         self.device = resolve_device(perf)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.rank, self.world = init_from_env(backend)
         self.task = build_data(cfg.data, seed=cfg.seed)
         self.train_size = len(self.task.train)
         self.plan = plan_privacy(cfg.privacy, self.train_size)
@@ -158,6 +163,8 @@ class Trainer:
         if perf.dtype == "float64":
             self.model = self.model.double()
         self.model.train()
+        if perf.sharding == "fsdp" and self.world > 1:
+            apply_fsdp(self.model, mixed_precision=perf.fsdp_mixed_precision)
         self.engine = ClippingEngine(
             self.model, clip_norm=self.plan.clip_norm, ghost=perf.ghost,
             mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping")
@@ -175,15 +182,21 @@ class Trainer:
         """S_t: sorted indices of the examples Poisson-sampled at ``step``. Sensitive."""
         return poisson_sample(self._privacy_seed, step, self.train_size, self.plan.sample_rate)
 
+    def local_sample(self, step: int) -> np.ndarray:
+        """This rank's share of S_t (contiguous, balanced; may be empty). Sensitive."""
+        return shard_indices(self.sample(step), self.rank, self.world)
+
     def microbatches(self, indices: np.ndarray) -> list[np.ndarray]:
         mb = self.cfg.performance.microbatch_size
         return [indices[i:i + mb] for i in range(0, len(indices), mb)]
 
     def noise(self, step: int, name: str, p: Tensor) -> Tensor:
-        """Z_t for parameter ``name``: a pure function of (seed, step, name, coordinate)."""
-        z = gaussian_noise(self._privacy_seed, step, name, p.numel(), device=p.device,
-                           dtype=torch.float32 if p.dtype != torch.float64 else torch.float64)
-        return z.view_as(p)
+        """Z_t for parameter ``name`` (this rank's rows of it when sharded): a pure function of
+        (seed, step, name, global coordinate), so the same numbers on any number of ranks."""
+        numel, start, end = flat_range(p)  # this rank's coordinates (all of them unsharded)
+        z = gaussian_noise(self._privacy_seed, step, name, numel, start, end,
+                           device=self.device, dtype=self._noise_dtype(p))
+        return z.view(-1, *p.shape[1:]) if p.dim() else z.view(())
 
     def _autocast(self):
         if self.cfg.performance.dtype == "bfloat16":
@@ -196,7 +209,7 @@ class Trainer:
         """The Gaussian release of logical batch ``step``: (sum_i lam_i u_i + sigma*C*Z) / b
         for every trainable parameter, noise drawn once per coordinate even if the sample is
         empty. Returns (name -> released tensor, aggregate stats for display)."""
-        indices = self.sample(step)
+        indices = self.local_sample(step)
         plan = self.optimizer.query_plan()
         acc: dict[str, Tensor] = {}  # Sensitive: unnoised clipped sum; discarded after release.
         loss_sum, count = 0.0, 0
@@ -212,13 +225,23 @@ class Trainer:
         with torch.no_grad():
             for name, p in self.named_params:
                 s = acc.pop(name, None)
+                if self.world > 1:  # every rank joins every reduction, even with no examples
+                    if s is None:
+                        s = torch.zeros(p.shape, device=self.device,
+                                        dtype=self.engine._acc_dtype())
+                    s = reduce_sum(s, p)
                 noisy = sigma * C * self.noise(step, name, p)
                 if s is not None:
                     noisy = noisy + s
-                out[name] = (noisy / b).to(p.dtype)
+                out[name] = as_grad((noisy / b).to(p.dtype), p)
         del acc
+        loss_sum, count = all_reduce_scalars(loss_sum, count, device=self.device)
         # Not covered by the guarantee: the training loss is computed without noise.
         return out, {"train_loss": loss_sum / max(count, 1)}
+
+    @staticmethod
+    def _noise_dtype(p: Tensor) -> torch.dtype:
+        return torch.float64 if p.dtype == torch.float64 else torch.float32
 
     def private_step(self) -> dict:
         """One logical batch: one release, recorded in the ledger, then the optimizer."""
@@ -257,11 +280,17 @@ class Trainer:
 
         tc = self.cfg.train
         out = self.output_dir
+        main = self.rank == 0  # only rank 0 writes files and shows progress
+        sharded = self.world > 1 and self.cfg.performance.sharding == "fsdp"
+        if sharded and tc.checkpoint_every:
+            raise ConfigError("train.checkpoint_every",
+                              "checkpoints of FSDP-sharded runs are not supported yet; use "
+                              "performance.sharding=none or train.checkpoint_every=0")
         metrics_file = None
-        if out is not None:
+        if out is not None and main:
             out.mkdir(parents=True, exist_ok=True)
             metrics_file = open(out / "metrics.jsonl", "a")
-        bar = tqdm(total=self.plan.steps, initial=self.step, disable=not tc.progress,
+        bar = tqdm(total=self.plan.steps, initial=self.step, disable=not (tc.progress and main),
                    desc="dptrain", unit="step", dynamic_ncols=True)
         eps = self.epsilon()
         start = time.time()
@@ -279,9 +308,9 @@ class Trainer:
                         metrics_file.flush()
                 bar.set_postfix(loss=f"{row['train_loss']:.4f}", eps=f"{eps:.3f}")
                 bar.update(1)
-                if out is not None and tc.checkpoint_every and (
+                if out is not None and main and tc.checkpoint_every and (
                         self.step % tc.checkpoint_every == 0 or last):
-                    ckpt.save(self, out)
+                    ckpt.save(self, out)  # replicated states: rank 0's is everyone's
         finally:
             bar.close()
             if metrics_file:
@@ -305,18 +334,32 @@ class Trainer:
             "train_seconds": time.time() - start,
             "config": to_dict(self.cfg),
         }
-        if out is not None:
-            self.export(out / "final")
+        state = self.full_state_dict()  # collective under sharding: every rank takes part
+        if out is not None and main:
+            self.export(out / "final", state)
             tmp = out / "summary.json.tmp"
             tmp.write_text(json.dumps(summary, indent=2, default=str))
             os.replace(tmp, out / "summary.json")
         return summary
 
-    def export(self, directory: Path) -> None:
-        """The full, unsharded model: ``model.safetensors`` (tied tensors stored once)."""
-        from safetensors.torch import save_model
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The whole model's state on CPU (gathered from all ranks when sharded)."""
+        if self.world > 1 and self.cfg.performance.sharding == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                 get_model_state_dict)
 
+            return get_model_state_dict(self.model, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True))
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def export(self, directory: Path, state: dict[str, Tensor] | None = None) -> None:
+        """The full, unsharded model: ``model.safetensors`` (tied tensors stored once)."""
+        from safetensors.torch import _remove_duplicate_names, save_file
+
+        state = self.full_state_dict() if state is None else state
+        keep = _remove_duplicate_names(state)
+        tensors = {names[0]: state[names[0]].contiguous() for names in keep.values()}
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / "model.safetensors.tmp"
-        save_model(self.model, str(tmp))
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, directory / "model.safetensors")

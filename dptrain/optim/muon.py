@@ -145,6 +145,14 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Two phases per group: momentum and N_t for every matrix, then orthogonalisation
+        (batched across ranks when the parameters are FSDP2 shards), then the updates.
+
+        Sharded parameters (DTensor, rows split over ranks): momentum buffers stay sharded;
+        plain Muon orthogonalises with ``distributed_newton_schulz`` (whole matrices at owner
+        ranks, or model-parallel for matrices too large for one rank); subclasses with their own
+        ``_orthogonalise`` (MuonBC) gather each matrix, orthogonalise it on every rank and keep
+        the local rows — correct, simpler, not scalable (documented)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -152,22 +160,82 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
             advance = MOMENTUM_STYLES[group["momentum_style"]]
+            todo = []  # (name, p, local N as (rows, c), global (r, c), state)
             for name, p in zip(_param_names(group), group["params"]):
                 if p.grad is None:
                     continue
                 state = self.state[p]
+                grad = _local(p.grad)
                 if not state:
                     state["step"] = 0
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                N = advance(state["momentum_buffer"], p.grad, mu, group["nesterov"])
-                N_rc = as_matrix(N)
-                O_rc = self._orthogonalise(N_rc, group, state, name)
+                    state["momentum_buffer"] = torch.zeros_like(grad)
+                N = advance(state["momentum_buffer"], grad, mu, group["nesterov"])
+                rc = (p.shape[0], math.prod(p.shape[1:]))
+                todo.append((name, p, N.reshape(N.shape[0], -1), rc, state))
+            if not todo:
+                continue
+            sharded = isinstance(todo[0][1], _DTensor) if _DTensor is not None else False
+            if sharded and type(self)._orthogonalise is Muon._orthogonalise:
+                from dptrain.parallel.newton_schulz import distributed_newton_schulz
+
+                dtype = DTYPES[group["ns_dtype"]]
+                outs = distributed_newton_schulz(
+                    [t[2].to(dtype) for t in todo], [t[3] for t in todo],
+                    steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+                    eps=group["eps"])
+            elif sharded:
+                outs = [_rows_of(self._orthogonalise(_gather_rows(N_rc, rc), group, state, name),
+                                 N_rc.shape[0]) for name, _, N_rc, rc, state in todo]
+            else:
+                outs = [self._orthogonalise(N_rc, group, state, name)
+                        for name, _, N_rc, rc, state in todo]
+            for (name, p, N_rc, rc, state), O_rc in zip(todo, outs):
                 state["step"] += 1
-                s = SCALES[group["scale"]](*N_rc.shape)
+                s = SCALES[group["scale"]](*rc)
+                w = _local(p)
                 if wd != 0:
-                    p.mul_(1 - lr * wd)
-                p.add_(O_rc.view(p.shape).to(p.dtype), alpha=-lr * s)
+                    w.mul_(1 - lr * wd)
+                w.add_(O_rc.view(w.shape).to(w.dtype), alpha=-lr * s)
         return loss
+
+
+try:  # DTensor: FSDP2's sharded parameters
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover
+    _DTensor = None
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of an FSDP2 parameter/gradient (the tensor itself when not sharded)."""
+    return t.to_local() if _DTensor is not None and isinstance(t, _DTensor) else t
+
+
+def _gather_rows(local: Tensor, rc: tuple[int, int]) -> Tensor:
+    """All-gather the row shards (torch.chunk layout) of an (r, c) matrix on every rank."""
+    import torch.distributed as dist
+
+    from dptrain.parallel.dist import shard_bounds
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    size = -(-rc[0] // world)
+    padded = local.new_zeros(size, rc[1])
+    padded[: local.shape[0]] = local
+    out = local.new_empty(size * world, rc[1])
+    dist.all_gather_into_tensor(out, padded)
+    rows = [out[r * size: r * size + (shard_bounds(rc[0], r, world)[1]
+                                        - shard_bounds(rc[0], r, world)[0])]
+            for r in range(world)]
+    return torch.cat(rows)
+
+
+def _rows_of(full: Tensor, num_rows: int) -> Tensor:
+    import torch.distributed as dist
+
+    from dptrain.parallel.dist import shard_bounds
+
+    start, end = shard_bounds(full.shape[0], dist.get_rank(), dist.get_world_size())
+    assert end - start == num_rows
+    return full[start:end]
 
 
 def heat_bias_correction(
