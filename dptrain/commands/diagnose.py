@@ -1,0 +1,232 @@
+"""``dptrain diagnose``: geometry probes of a checkpoint on the public probe set.
+
+    dptrain diagnose --run DIR | --checkpoint PATH [--config PATH] [--probe-examples M]
+                     [--params REGEX] [--compare-im K,GAMMA[,K_OTHER,GAMMA_OTHER]]
+                     [--output FILE.json] [--plot FILE.png] [--force] [key.sub=value ...]
+
+Rebuilds the run from the checkpoint's stored config (or ``--config``), loads the checkpoint and
+reports, for each Muon matrix, how clipping changes the mean gradient of M test-split examples
+(polar and cosine error, clipping residual, eta_R, SNR against the release noise, effective rank,
+spectral gap, Wedin threshold); ``--compare-im`` adds the inner-momentum query. The computation
+lives in ``dptrain.diagnostics.probes``; docs/diagnostics.md describes the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from dptrain.config import ConfigError
+
+PROG = "dptrain diagnose"
+DEFAULT_PROBE_EXAMPLES = 64
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "diagnose", help="geometry probes of a checkpoint (polar error, clipping residual, ...)",
+        description="Probe a checkpoint's Muon matrices on M examples of the public test split: "
+                    "polar/cosine error of the clipped mean gradient against the unclipped "
+                    "one, clipping residual and eta_R, SNR against the release noise, effective "
+                    "rank, spectral gap, Wedin threshold; optionally the inner-momentum query "
+                    "(--compare-im). Diagnostics computed on private records are not covered by "
+                    "the run's privacy guarantee; the probe set here is the public test split.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", metavar="DIR", help="a run directory: its newest complete checkpoint")
+    src.add_argument("--checkpoint", metavar="PATH", help="a checkpoint directory "
+                                                          "(DIR/checkpoints/step-...)")
+    p.add_argument("--config", metavar="PATH", default=None,
+                   help="rebuild the run from this YAML instead of the checkpoint's stored config "
+                        "(privacy, model and data must match the checkpoint)")
+    p.add_argument("--probe-examples", metavar="M", default=str(DEFAULT_PROBE_EXAMPLES),
+                   help=f"test-split examples to probe, evenly spaced (default "
+                        f"{DEFAULT_PROBE_EXAMPLES}; at most the split's size)")
+    p.add_argument("--params", metavar="REGEX", default=None,
+                   help="probe only the Muon matrices whose name matches (re.search); default: "
+                        "every matrix of a muon/muon_bc/muon_s group")
+    p.add_argument("--compare-im", metavar="K,GAMMA", default=None,
+                   help="also probe the inner-momentum query over the checkpoint's last K states "
+                        "(K,GAMMA for every parameter, or K,GAMMA,K_OTHER,GAMMA_OTHER for the "
+                        "Muon and the other parameters); the checkpoint must hold K past states")
+    p.add_argument("--output", metavar="FILE.json", default=None,
+                   help="write the report as JSON (default with --run: DIR/diagnostics.json)")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="write the singular-value spectra of the unclipped and clipped means "
+                        "of the first 3 selected matrices (needs matplotlib; choose with "
+                        "--params)")
+    p.add_argument("--force", action="store_true", help="overwrite --output/--plot if they exist")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config "
+                                                "(e.g. performance.device=cpu)")
+    return p
+
+
+def _probe_examples(text) -> int:
+    try:
+        m = int(str(text).strip())
+    except ValueError:
+        raise ConfigError("--probe-examples", f"expected an integer >= 1, got {text!r}") from None
+    if m < 1:
+        raise ConfigError("--probe-examples", f"must be >= 1, got {m}")
+    return m
+
+
+def _check_new_file(option: str, path: Path, force: bool) -> None:
+    if path.is_dir():
+        raise ConfigError(option, f"{path} is a directory")
+    if path.exists() and not force:
+        raise ConfigError(option, f"{path} exists; pass --force to overwrite it")
+
+
+def _jsonable(obj):
+    """NaN and infinities as the strings "nan", "inf", "-inf" (strict JSON has no such
+    numbers); everything else as is."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def _fmt(x, width: int = 9) -> str:
+    if x is None:
+        return f"{'-':>{width}}"
+    if isinstance(x, bool):
+        return f"{str(x):>{width}}"
+    if isinstance(x, int):
+        return f"{x:>{width}d}"
+    if isinstance(x, float) and not math.isfinite(x):
+        return f"{str(x):>{width}}"
+    return f"{x:>{width}.4g}"
+
+
+def _pct(x: float, width: int = 9) -> str:
+    text = str(x) if not math.isfinite(x) else f"{100 * x:+.1f}%"
+    return f"{text:>{width}}"
+
+
+COLUMNS = [("e_pol", "polar_error"), ("e_cos", "cosine_error"), ("eta_R", "eta_R"),
+           ("|R|", "residual_norm"), ("sig_lam", "sigma_lambda"), ("sig_G", "sigma_G"),
+           ("SNR", "expected_snr"), ("r_eff", "effective_rank"), ("rel_gap", "relative_gap"),
+           ("B*", "wedin_threshold")]
+
+
+def render(report: dict) -> str:
+    """The human-readable table of a report."""
+    lines = []
+    rel = report["release"]
+    probe = report["probe"]
+    lines.append(f"dptrain diagnose: {report['checkpoint']} (step {report['step']}, config from "
+                 f"{report['config_source']})")
+    lines.append(f"probe set: {probe['num_examples']} of {probe['test_size']} examples of the "
+                 f"PUBLIC test split ({probe['selection']}; {probe['model_mode']})")
+    lines.append(f"release: sigma {rel['noise_multiplier']:.4g}, C {rel['clip_norm']:.4g}, "
+                 f"b {rel['denominator']}, noise std sigma*C/b {rel['noise_std']:.4g}")
+    for q, st in report["clip_factors"].items():
+        lines.append(f"clip factors ({q} query): mean {st['mean_lambda']:.4g}, min "
+                     f"{st['min_lambda']:.4g}, clipped {100 * st['fraction_clipped']:.1f}%")
+    im = report.get("compare_im")
+    if im:
+        lines.append(f"inner-momentum query: K {im['k_muon']}, gamma {im['gamma_muon']:g} (Muon "
+                     f"matrices), K {im['k_other']}, gamma {im['gamma_other']:g} (other "
+                     f"parameters); {im['history_states']} past states in the checkpoint")
+    lines.append("")
+    names = list(report["matrices"])
+    w = max([len("matrix")] + [len(n) for n in names])
+    head = f"{'matrix':<{w}}  {'query':<8}" + "".join(f"{h:>10}" for h, _ in COLUMNS)
+    lines.append(head)
+    lines.append("-" * len(head))
+    for n in names:
+        e = report["matrices"][n]
+        first = True
+        for q, c in e["candidates"].items():
+            label = n if first else ""
+            first = False
+            cells = "".join(" " + _fmt(c.get(k)) for _, k in COLUMNS)
+            lines.append(f"{label:<{w}}  {q:<8}" + cells)
+        if "relative_difference" in e:
+            d = e["relative_difference"]
+            lines.append(f"{'':<{w}}  {'im/cur-1':<8}" + "".join(
+                " " + (_pct(d[k]) if k in d else f"{'':>9}") for _, k in COLUMNS))
+    lines.append("")
+    lines.append("reference = unclipped mean gradient of the probe examples; e_pol/e_cos: clipped "
+                 "mean vs reference; SNR: ||clipped mean|| / (sigma*C/b*sqrt(r*c)); B*: Wedin "
+                 "threshold of the clipped mean")
+    if im:
+        parts = []
+        for k, s in im["relative_difference"].items():
+            parts.append(f"{k} {_pct(s['mean'], 0)} (mean), IM lower in {s['im_lower']}"
+                         f"/{s['matrices']}")
+        lines.append("IM vs current-only (before noise and outer momentum): " + "; ".join(parts))
+    lines.append("")
+    lines.append("privacy: " + report["privacy_note"])
+    lines.append("probe set: " + report["probe_note"])
+    return "\n".join(lines)
+
+
+def _write_json(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(_jsonable(report), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dptrain.diagnostics.probes import ImQuery, diagnose, load_run, resolve_checkpoint
+
+    # Everything that can be checked without loading the run, first.
+    m = _probe_examples(args.probe_examples)
+    query = ImQuery.parse(args.compare_im) if args.compare_im is not None else None
+    if args.params is not None:
+        import re
+
+        try:
+            re.compile(args.params)
+        except re.error as e:
+            raise ConfigError("--params", f"not a valid regex: {e}") from None
+    if args.run is not None and not Path(args.run).is_dir():
+        raise ConfigError("--run", f"no run directory at {args.run}")
+    output = Path(args.output) if args.output else (
+        Path(args.run) / "diagnostics.json" if args.run is not None else None)
+    if output is not None:
+        _check_new_file("--output", output, args.force)
+    plot = Path(args.plot) if args.plot else None
+    if plot is not None:
+        _check_new_file("--plot", plot, args.force)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--plot", "needs matplotlib (pip install 'dptrain[plot]')") from None
+    if args.config is not None and not Path(args.config).is_file():
+        raise ConfigError("--config", f"file not found: {args.config}")
+
+    path = resolve_checkpoint(run_dir=args.run, checkpoint=args.checkpoint)
+    run_ = load_run(path, config_path=args.config, overrides=args.overrides)
+    n_test = len(run_.task.test)
+    if m > n_test:
+        print(f"{PROG}: note: the test split has {n_test} examples; probing all of them",
+              file=sys.stderr)
+    report, spectra = diagnose(run_, probe_examples=m, params=args.params, compare_im=query)
+
+    print(render(report))
+    if output is not None:
+        _write_json(output, report)
+        print(f"wrote {output}")
+    if plot is not None:
+        from dptrain.diagnostics import plot_spectra
+        from dptrain.diagnostics.probes import PLOT_MAX_MATRICES, spectra_for_plot
+
+        curves, left_out = spectra_for_plot(spectra)
+        if left_out:
+            print(f"{PROG}: note: --plot shows the first {PLOT_MAX_MATRICES} of "
+                  f"{PLOT_MAX_MATRICES + left_out} matrices; choose others with --params",
+                  file=sys.stderr)
+        plot_spectra(curves, plot, title=f"Singular-value spectra, step {report['step']} "
+                                         f"(public probe set)")
+        print(f"wrote {plot}")
+    return 0
