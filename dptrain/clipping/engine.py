@@ -326,10 +326,12 @@ class ClippingEngine:
         return norms
 
     def clip_factors(self, norms: Tensor) -> Tensor:
-        """lam_b = min(1, C / ||u_b||) (1 for a zero gradient)."""
+        """lam_b = min(1, C / ||u_b||) (1 for a zero gradient, 0 for a non-finite norm: a NaN
+        norm must never leave an example unclipped)."""
         assert self.clip_norm is not None
         C = torch.as_tensor(self.clip_norm, dtype=norms.dtype, device=norms.device)
-        return torch.where(norms > C, C / norms.clamp_min(torch.finfo(norms.dtype).tiny), 1.0)
+        lam = torch.where(norms > C, C / norms.clamp_min(torch.finfo(norms.dtype).tiny), 1.0)
+        return torch.where(torch.isfinite(norms), lam, 0.0)
 
     def accumulate(self, loss_fn: LossFn, batch: Any, acc: dict[str, Tensor],
                    plan: QueryPlan | None = None) -> StepStats:

@@ -2,22 +2,25 @@
 
 Convolution (``nn.Conv1d/2d/3d``, timm's ``Conv2dSame``)
     per-example weight gradient ``sum_t G[b, :, t] ⊗ U[b, :, t]`` with U the unfolded (padded)
-    input: with ``groups == 1`` (and 1-D/2-D kernels, or 1x1 kernels of any dimension) an
-    :class:`ConvOuter`, i.e. an ``Outer`` whose R is unfolded only if the ghost form is chosen;
-    its instantiation and its clipped sum go through ``aten.convolution_backward`` (the batch
-    folded into the groups for the per-example form), never through the unfolded input. With
-    ``groups > 1`` a :class:`ConvDense` (instantiated per example and per group in ONE grouped
-    ``convolution_backward``). Bias: ``Dense(sum_t G)``.
+    input. With ``groups == 1`` a :class:`ConvOuter`: an ``Outer`` (so the engine chooses ghost
+    or instantiation by cost) whose R is unfolded (one strided copy) only when needed, whose
+    instantiation is one batched product with it, and whose clipped sum is ONE
+    ``aten.convolution_backward`` with the clip factors folded into G (what the non-private
+    backward computes; no unfolding). With ``groups > 1`` a :class:`ConvDense`: instantiated
+    per example and per group in ONE grouped ``convolution_backward`` (batch folded into the
+    groups). Bias: ``Dense(sum_t G)``.
 ``nn.GroupNorm``
     ``Dense`` per-example gradients of weight/bias from the recomputed normalised input.
 timm ``StdConv2d``, ``StdConv2dSame``, ``ScaledStdConv2d``, ``ScaledStdConv2dSame``
-    effective weight ``W_eff = f(W, gain)`` (per output channel standardisation times
-    ``gain * scale``); the per-example gradient w.r.t. W_eff is a convolution's, and the
-    per-example gradients of (W, gain) are its image under the VJP of f at the weight and gain
-    VALUES captured in the forward (``torch.func.vjp`` once, ``vmap`` over the examples' cotangents:
-    the map is linear). Ghost form (``groups == 1``): the squared norm of ``J_W^T g_b`` in closed
-    form from row-wise ghost quantities (see :class:`StdConvWeight`), gain from one convolution
-    with the standardised weight; clipped sum = VJP of ONE weighted ``convolution_backward``.
+    effective weight ``W_eff = f(W, gain)`` (per-filter standardisation times ``gain * scale``);
+    the per-example gradient w.r.t. W_eff is a convolution's, and the per-example gradients of
+    (W, gain) are its image under the VJP of f at the VALUES of the forward (its statistics are
+    captured in the forward hook: the engine may evaluate several model states). Instantiated
+    form: the VJP (the standardisation's own backward kernel) vmapped over the examples'
+    cotangents (the map is linear). Ghost form (``groups == 1``): the squared norm of
+    ``J_W^T g_b`` in closed form from row-wise ghost quantities (see :class:`StdConvWeight`),
+    the gain's from the forward's own output; clipped sum = the VJP of ONE weighted
+    ``convolution_backward``. The engine chooses per layer by cost (:data:`_MEM_WEIGHT`).
 
 The inputs saved in the forward are checked for later in-place modification (the values the
 rules see must be those the layer used).
@@ -32,16 +35,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dptrain.clipping.contributions import Dense, Factored, Outer
+from dptrain.clipping.contributions import MAX_INSTANTIATE_NUMEL, Dense, Factored, Outer
 from dptrain.clipping.rules import FALLBACK, LayerRule, register_rule
 
 _conv_backward = torch.ops.aten.convolution_backward
 
-# Relative cost of one element written by a memory-bound pass (per-example instantiation,
-# VJP, norms, weighted sum) against one multiply-add of a compute-bound GEMM; measured on
-# CPU for NF-ResNet-50 shapes (see the commit notes): instantiation of late, small-T layers is
-# dominated by writing B*out*in floats, not by its B*T*out*in flops.
-_MEM_WEIGHT = 24.0
+# Relative cost of one element written/read by the memory-bound passes of a form (unfolding
+# and centring the input for the ghost form; for instantiation the per-example gradient, its
+# vmapped VJP, norm and weighted sum) against one multiply-add of a compute-bound product.
+# Calibrated on CPU (one thread) on NF-ResNet-50 at 64 px, B = 16, per layer: with it the
+# choice matches the measured faster form on 50 of its 54 layers (the other four: ties within
+# 2.5 ms): the stem and stages.0 instantiated, stages.1 mixed, stages.2-3 ghost.
+_MEM_WEIGHT = 100.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,7 +91,8 @@ def _torch_conv_input(module: nn.Module, x: Tensor) -> tuple[Tensor, tuple]:
     return x, _ntuple(pad, nd)
 
 
-def _timm_same_input(module: nn.Module, x: Tensor, force_zero_padding: bool) -> tuple[Tensor, tuple]:
+def _timm_same_input(module: nn.Module, x: Tensor,
+                     force_zero_padding: bool) -> tuple[Tensor, tuple]:
     from timm.layers.padding import pad_same
 
     nd = module.weight.dim() - 2
@@ -164,7 +170,8 @@ class ConvOuter(Outer):
     """Outer(L = G as (B, T, out), R = unfolded input as (B, T, in)); R built on first use."""
 
     def __init__(self, G: Tensor, x: Tensor, weight_shape, geom: _Geom, coef: float = 1.0):
-        self.G, self.x, self.weight_shape, self.geom, self.coef = G, x, tuple(weight_shape), geom, coef
+        self.G, self.x, self.geom, self.coef = G, x, geom, coef
+        self.weight_shape = tuple(weight_shape)
         self._R = None
         self.L = G.reshape(G.shape[0], G.shape[1], -1).transpose(1, 2)
 
@@ -207,87 +214,134 @@ class ConvDense(Factored):
         return conv_weight_grad(_scale_batch(self.G, w), self.x, self.weight_shape, self.geom)
 
 
-class _StdConvState:
-    """What a weight-standardised conv's contributions share: captured input (padded), output
-    gradient, and the raw weight/gain VALUES of the forward; derived quantities on demand."""
+def standardisation_stats(module: nn.Module) -> dict:
+    """timm's weight standardisation at the module's CURRENT values (called in the forward hook:
+    the engine may copy other model states into the parameters before the backward half runs).
 
-    def __init__(self, module: nn.Module, x: Tensor, G: Tensor, geom: _Geom,
-                 weight: Tensor, gain: Tensor | None):
+    ``W_eff[o] = a_o * what_o`` with ``what_o = (W_o - mean_o) * invstd_o`` computed by the same
+    kernel as timm's forward (``F.batch_norm`` over each filter), ``a = gain * scale`` (timm's
+    ScaledStdConv2d) or 1 (StdConv2d). Kept: what (O, n), invstd (O,), a (O,) or None — the
+    same memory as a copy of the weight, and no second standardisation later.
+    """
+    with torch.no_grad():
+        W = module.weight.detach()
+        if W.dtype in (torch.float16, torch.bfloat16):
+            W = W.float()
+        O = W.shape[0]
+        what, _, invstd = torch.native_batch_norm(W.reshape(1, O, -1), None, None, None, None,
+                                                  True, 0.0, float(module.eps))
+        gain = getattr(module, "gain", None)
+        a = None if gain is None else (gain.detach().to(W.dtype) * float(module.scale)).reshape(O)
+    return {"what": what.view(O, -1), "invstd": invstd, "a": a}
+
+
+class _StdConvState:
+    """What a weight-standardised conv's contributions share: the captured (padded) input, the
+    output gradient, and the standardisation's statistics at forward time."""
+
+    def __init__(self, module: nn.Module, x: Tensor, G: Tensor, geom: _Geom, stats: dict):
         self.x, self.G, self.geom = x, G, geom
-        self.weight = weight.to(G.dtype)
-        self.gain = None if gain is None else gain.to(G.dtype)
+        self.what = stats["what"].to(G.dtype)
+        self.invstd = stats["invstd"].to(G.dtype)
+        self.a = None if stats["a"] is None else stats["a"].to(G.dtype)
+        self.weight_shape = tuple(module.weight.shape)
+        self.gain_shape = None if self.a is None else tuple(module.gain.shape)
         self.scale = float(getattr(module, "scale", 1.0))
         self.eps = float(module.eps)
-        self.O = weight.shape[0]
-        self.n = weight[0].numel()
+        self.O = self.weight_shape[0]
+        self.n = self.what.shape[1]
         self._pulled = None
         self._P = None
         self._R = None
-        self._stats = None
+        self.y = None  # the forward's output, when unmodified
+        self.bias = None
 
-    # f(W, gain) exactly as timm computes it
-    def standardise(self, weight: Tensor, gain: Tensor | None) -> Tensor:
-        g = None if gain is None else (gain * self.scale).view(-1)
-        return F.batch_norm(weight.reshape(1, self.O, -1), None, None, weight=g, training=True,
-                            momentum=0.0, eps=self.eps).reshape_as(weight)
-
-    def vjp(self):
-        from torch.func import vjp
-
-        if self.gain is None:
-            _, pull = vjp(lambda w: self.standardise(w, None), self.weight)
-        else:
-            _, pull = vjp(self.standardise, self.weight, self.gain)
-        return pull
+    def pull_one(self, eff: Tensor) -> tuple[Tensor, Tensor | None]:
+        """VJP of the standardisation (W, gain) -> W_eff for ONE cotangent ``eff`` of W_eff, at
+        the forward-time values: the standardisation's own backward kernel (what autograd and
+        ``torch.func.vjp`` run for timm's forward), given the normalised filters ``what`` as the
+        input with mean 0 and invstd 1 and the per-filter factor ``a * invstd`` as the affine
+        weight: ``dW_o = a_o invstd_o (e_o - mean(e_o) - what_o mean(e_o what_o))`` and
+        ``dgain_o = scale * sum(e_o what_o)``. Linear in ``eff``."""
+        O = self.O
+        w = self.invstd if self.a is None else self.a * self.invstd
+        zero = torch.zeros_like(self.invstd)
+        gi, gw, _ = torch.ops.aten.native_batch_norm_backward(
+            eff.reshape(1, O, -1), self.what.unsqueeze(0), w, None, None, zero, zero + 1.0,
+            True, self.eps, [True, self.a is not None, False])
+        dgain = None if self.a is None else (gw * self.scale).view(self.gain_shape)
+        return gi.view(self.weight_shape), dgain
 
     def pulled(self) -> tuple[Tensor, Tensor | None]:
-        """Per-example (dW, dgain): per-example grads of W_eff mapped through f's VJP, vmapped."""
+        """Per-example (dW, dgain): the per-example gradients of W_eff (one batched product or
+        grouped convolution_backward) mapped through the standardisation's VJP, vmapped over
+        the examples (torch.func.vmap; no Python loop)."""
         if self._pulled is None:
             from torch.func import vmap
 
-            eff = per_example_conv_weight_grad(self.G, self.x, self.weight.shape, self.geom)
-            out = vmap(self.vjp())(eff)
+            eff = per_example_conv_weight_grad(self.G, self.x, self.weight_shape, self.geom)
+            if self.a is None:
+                out = (vmap(lambda e: self.pull_one(e)[0])(eff), None)
+            else:
+                out = vmap(self.pull_one)(eff)
             del eff
-            self._pulled = (out[0], out[1] if self.gain is not None else None)
+            self._pulled = out
         return self._pulled
 
     def stats(self):
-        """Row statistics of the standardisation: what (O, n), a/s (O,), r = var/(var+eps)."""
-        if self._stats is None:
-            W = self.weight.reshape(self.O, -1)
-            var, mu = torch.var_mean(W, 1, unbiased=False, keepdim=True)
-            s = torch.sqrt(var + self.eps)
-            what = (W - mu) / s
-            a = (self.gain.reshape(self.O, 1) * self.scale) if self.gain is not None \
-                else torch.ones_like(s)
-            self._stats = (what, (a / s).view(-1), (var / (var + self.eps)).view(-1))
-        return self._stats
+        """what (O, n), a/s (O,), r = var/(var+eps) = 1 - eps/s^2, with 1/s = invstd."""
+        a_over_s = self.invstd if self.a is None else self.a * self.invstd
+        return self.what, a_over_s, 1.0 - self.eps * self.invstd * self.invstd
 
     def R(self) -> Tensor:
-        """(B, T, n) unfolded input, centred per patch (groups == 1 only). Centring removes the
+        """(B, n, T) unfolded input, centred per patch (groups == 1 only). Centring removes the
         mean direction exactly (no cancellation in ||g - mean(g)||^2) and leaves <R_t, what_o>
         unchanged (what_o has zero mean)."""
         if self._R is None:
-            R = unfold_input(self.x, self.geom)
-            self._R = R - R.mean(-1, keepdim=True)
+            R = unfold_input(self.x, self.geom).transpose(1, 2)
+            self._R = R - R.mean(1, keepdim=True)
         return self._R
 
     def P(self) -> Tensor:
-        """(B, T, O): <patch_t, what_o>, i.e. the convolution of the input with the standardised
-        (unscaled) weight: one GEMM on the unfolded input when it exists, else a convolution."""
+        """(B, O, T): <patch_t, what_o>, i.e. the convolution of the input with the standardised
+        (unscaled) weight: one product with the unfolded input when it exists, else a conv."""
+        if self._P is None and self.y is not None:
+            self._P = self._P_from_output()
         if self._P is None:
-            what = self.stats()[0]
+            what = self.what
             if self._R is not None:
-                self._P = torch.matmul(self._R, what.t())
+                # ONE (O, n) x (n, B*T) product: a broadcast matmul would expand ``what`` to
+                # (B, O, n) (B copies of the weight)
+                B, n, T = self._R.shape
+                RT = self._R.permute(1, 0, 2).reshape(n, B * T)
+                self._P = torch.mm(what, RT).view(self.O, B, T).transpose(0, 1)
             else:
-                y = torch.convolution(self.x, what.view_as(self.weight), None, self.geom.stride,
+                y = torch.convolution(self.x, what.view(self.weight_shape), None, self.geom.stride,
                                       self.geom.padding, self.geom.dilation, False,
                                       [0] * self.geom.nd, self.geom.groups)
-                self._P = y.reshape(y.shape[0], self.O, -1).transpose(1, 2)
+                self._P = y.reshape(y.shape[0], self.O, -1)
         return self._P
 
-    def L(self) -> Tensor:
-        return self.G.reshape(self.G.shape[0], self.O, -1).transpose(1, 2)
+    def _P_from_output(self) -> Tensor | None:
+        """P = (y - bias) / a from the forward's own output (no product at all), if that is as
+        accurate as computing it: y's rounding error is eps * (|a P| + |bias|), so a channel whose
+        bias dominates its pre-bias output (or whose a is 0) would lose digits; then None."""
+        B = self.G.shape[0]
+        aP = self.y.reshape(B, self.O, -1)
+        if self.bias is not None:
+            aP = aP - self.bias.to(aP.dtype).view(1, -1, 1)
+        a = torch.ones_like(self.invstd) if self.a is None else self.a
+        if self.bias is not None:
+            typical = aP.abs().mean((0, 2))
+            if bool((self.bias.to(aP.dtype).abs() > 10.0 * typical).any()):
+                return None
+        if bool((a.abs() < 1e-20).any()):
+            return None
+        return aP / a.view(1, -1, 1)
+
+    def Gf(self) -> Tensor:
+        """(B, O, T) output gradient."""
+        return self.G.reshape(self.G.shape[0], self.O, -1)
 
 
 class StdConvWeight(Factored):
@@ -310,6 +364,8 @@ class StdConvWeight(Factored):
         st = self.state
         B, O, n = st.G.shape[0], st.O, st.n
         T = st.G[0, 0].numel()
+        if form == "instantiate" and B * O * n > MAX_INSTANTIATE_NUMEL:
+            return float("inf")
         if form == "ghost":
             return B * (T * T * (n + O) + T * n * O + _MEM_WEIGHT * T * n)
         return B * (T * O * n + _MEM_WEIGHT * O * n)
@@ -320,20 +376,20 @@ class StdConvWeight(Factored):
     def ghost_sq_norms(self):
         st = self.state
         what, a_over_s, r = st.stats()
-        R = st.R()
-        L = st.L()
-        RR = torch.bmm(R, R.transpose(1, 2))  # (B, T, T)
-        centred = (L * torch.bmm(RR, L)).sum(1)  # (B, O): ||g_bo - m1 1||^2
+        R = st.R()  # (B, n, T), centred
+        G = st.Gf()  # (B, O, T)
+        RR = torch.bmm(R.transpose(1, 2), R)  # (B, T, T)
+        centred = (G * torch.bmm(G, RR)).sum(2)  # (B, O): ||g_bo - m1 1||^2
         del RR
-        nm2 = (L * st.P()).sum(1)  # (B, O): n * m2
+        nm2 = (G * st.P()).sum(2)  # (B, O): n * m2
         st._R = None
         rows = centred - (2.0 - r) * nm2 * nm2 / st.n
         return (rows.clamp_min(0) * a_over_s * a_over_s).sum(1)
 
     def weighted_sum(self, w):
         st = self.state
-        eff = conv_weight_grad(_scale_batch(st.G, w), st.x, st.weight.shape, st.geom)
-        return st.vjp()(eff)[0]
+        eff = conv_weight_grad(_scale_batch(st.G, w), st.x, st.weight_shape, st.geom)
+        return st.pull_one(eff)[0]
 
 
 class StdConvGain(Factored):
@@ -348,9 +404,9 @@ class StdConvGain(Factored):
         st = self.state
         if st._pulled is not None:
             return st._pulled[1]
-        g = (st.L() * st.P()).sum(1) * st.scale  # (B, O)
+        g = (st.Gf() * st.P()).sum(2) * st.scale  # (B, O)
         st._P = None
-        return g.view(g.shape[0], *st.gain.shape)
+        return g.view(g.shape[0], *st.gain_shape)
 
     def weighted_sum(self, w):
         return torch.einsum("b...,b->...", self.instantiate(), w)
@@ -384,9 +440,9 @@ class _ConvLikeRule(LayerRule):
                           stacklevel=3)
             return {"fallback": FALLBACK.capture(module, args, output)}
         x = args[0]
-        return {"x": x.detach(), "version": x._version, **self.capture_params(module)}
+        return {"x": x.detach(), "version": x._version, **self.capture_params(module, output)}
 
-    def capture_params(self, module) -> dict:
+    def capture_params(self, module, output) -> dict:
         return {}
 
     def conv_input(self, module, x) -> tuple[Tensor, tuple]:
@@ -442,12 +498,13 @@ def _register_timm_rules() -> None:
         forwards = (StdConv2d.forward, StdConv2dSame.forward, ScaledStdConv2d.forward,
                     ScaledStdConv2dSame.forward)
 
-        def capture_params(self, module):
-            # VALUES at forward time, cloned: the engine copies other model states into the
-            # parameters between forwards
-            gain = getattr(module, "gain", None)
-            return {"weight": module.weight.detach().clone(),
-                    "gain": None if gain is None else gain.detach().clone()}
+        def capture_params(self, module, output):
+            # at forward time: the engine copies other model states into the parameters
+            # between forwards. The output (a reference, no copy) gives P for free when it is
+            # not modified in place afterwards (see _StdConvState.P).
+            bias = None if module.bias is None else module.bias.detach().clone()
+            return {"std": standardisation_stats(module), "y": output.detach(),
+                    "y_version": output._version, "bias": bias}
 
         def conv_input(self, module, x):
             if getattr(module, "same_pad", False):
@@ -455,9 +512,11 @@ def _register_timm_rules() -> None:
             return _torch_conv_input(module, x)
 
         def weight_contributions(self, module, saved, x, G, geom):
-            state = _StdConvState(module, x, G, geom, saved["weight"], saved["gain"])
+            state = _StdConvState(module, x, G, geom, saved["std"])
+            if saved["y"]._version == saved["y_version"]:
+                state.y, state.bias = saved["y"].to(G.dtype), saved["bias"]
             out = {"weight": StdConvWeight(state)}
-            if saved["gain"] is not None:
+            if state.a is not None:
                 out["gain"] = StdConvGain(state)
             return out
 

@@ -1,0 +1,619 @@
+"""Per-layer rules of the clipping engine against torch.func per-example gradients.
+
+For every layer type (Linear 2-D/3-D, transformers Conv1D, Embedding with repeated ids and
+padding_idx, tied Embedding + Linear head, LayerNorm, GroupNorm, Conv1d/Conv2d/Conv3d variants,
+timm's StdConv2d/ScaledStdConv2d(+Same), and a fallback layer): per-example norms and clipped
+sums equal the reference ``vmap(grad(functional_call))`` over single examples, on
+hypothesis-drawn shapes including batches of 0 and 1, under both norm policies ('ghost',
+'instantiate', and 'auto') and both clipped-sum modes (book-keeping, two-pass).
+Also: sensitivity to one added (adversarial) example, microbatch invariance, multi-state query
+plans, unsupported modules, in-place modification of a captured input.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from dptrain.clipping import ClippingEngine
+
+SETTINGS = settings(max_examples=10, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+POLICIES = ("ghost", "instantiate", "auto")
+MODES = ("bookkeeping", "two_pass")
+RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# reference and checker
+
+
+def mse_loss(model, batch):
+    """Per-example 0.5 * ||model(x) - y||^2."""
+    x, y = batch
+    out = model(x)
+    return 0.5 * (out - y).pow(2).reshape(out.shape[0], -1).sum(1)
+
+
+def reference_grads(model: nn.Module, loss_fn, batch, state: dict | None = None) -> torch.Tensor:
+    """(B, P) per-example gradients over the trainable parameters (named_parameters order), by
+    vmap(grad) of the loss of ONE example through functional_call; ``state`` overrides values."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    if state:
+        params.update({n: v.detach() for n, v in state.items()})
+    trainable = {n: params[n] for n in names}
+    frozen = {n: v for n, v in params.items() if n not in trainable}
+    B = batch[0].shape[0]
+    if B == 0:
+        return torch.zeros(0, sum(v.numel() for v in trainable.values()),
+                           dtype=next(iter(trainable.values())).dtype)
+
+    def one(p, *example):
+        call = lambda *a, **k: functional_call(model, {**p, **frozen}, a, k)  # noqa: E731
+        return loss_fn(call, tuple(e.unsqueeze(0) for e in example))[0]
+
+    g = vmap(grad(one), in_dims=(None,) + (0,) * len(batch))(trainable, *batch)
+    return torch.cat([g[n].reshape(B, -1) for n in names], 1)
+
+
+def flat(acc: dict, model: nn.Module, B_ref: torch.Tensor) -> torch.Tensor:
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if not acc:  # empty batch: nothing accumulated
+        return torch.zeros(B_ref.shape[1], dtype=B_ref.dtype)
+    return torch.cat([acc[n].reshape(-1) for n in names])
+
+
+def assert_norms(got: torch.Tensor, ref: torch.Tensor, dtype, C: float | None = None) -> None:
+    """Relative error <= rtol per example; with ``C``, relative to max(norm, C): a ghost norm is
+    a sum of T^2 products, so in float32 an example whose gradient nearly cancels (norm far
+    below its terms) gets an error of the scale of those terms; relative to max(norm, C) the
+    error bounds that of the clip factor min(1, C/norm), which is what the norms are for."""
+    assert got.shape == ref.shape
+    if ref.numel() == 0:
+        return
+    floor = ref if C is None else ref.clamp_min(C)
+    tol = RTOL[dtype] * floor + 1e-30
+    err = (got.to(ref.dtype) - ref).abs()
+    assert bool((err <= tol).all()), f"norms {got.tolist()} vs reference {ref.tolist()}"
+
+
+def assert_sum(got: torch.Tensor, ref: torch.Tensor, dtype, scale: float | None = None) -> None:
+    """||got - ref|| <= rtol * scale; scale = sum_b ||lam_b g_b|| (the size of what is added:
+    the sum itself may cancel to nothing) or ||ref||."""
+    scale = (float(ref.norm()) if scale is None else scale) + 1e-30
+    err = float((got.to(ref.dtype) - ref).norm())
+    assert err <= RTOL[dtype] * scale, f"clipped sum rel error {err / scale:.3g}"
+
+
+def check(model: nn.Module, batch, loss_fn=mse_loss, policies=POLICIES, modes=MODES) -> None:
+    """Norms and clipped sums of ``model`` on ``batch`` equal the torch.func reference, for
+    every norm policy and clipped-sum mode; C is the median reference norm."""
+    dtype = next(model.parameters()).dtype
+    ref = reference_grads(model, loss_fn, batch)
+    ref_norms = ref.norm(dim=1)
+    C = float(ref_norms.median()) if ref.shape[0] else 1.0
+    C = C if C > 0 else 1.0
+    lam = (C / ref_norms.clamp_min(1e-30)).clamp(max=1.0)
+    ref_sum = (ref * lam[:, None]).sum(0)
+    scale = float((lam * ref_norms).sum())
+    for policy in policies:
+        engine = ClippingEngine(model, clip_norm=C, ghost=policy)
+        assert_norms(engine.per_example_norms(loss_fn, batch), ref_norms, dtype,
+                     C if dtype == torch.float32 else None)
+        for mode in modes:
+            engine = ClippingEngine(model, clip_norm=C, ghost=policy, mode=mode)
+            acc: dict = {}
+            engine.accumulate(loss_fn, batch, acc)
+            assert_sum(flat(acc, model, ref), ref_sum, dtype, scale)
+
+
+def randomise(model: nn.Module, gen: torch.Generator) -> nn.Module:
+    """Non-trivial values for norms' affine parameters and timm's gains."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("gain") or isinstance(model, (nn.LayerNorm, nn.GroupNorm)):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+    return model
+
+
+dtypes = st.sampled_from([torch.float32, torch.float64])
+batch_sizes = st.sampled_from([0, 1, 2, 3, 5])
+
+
+class I:  # noqa: E742 - an integer range to draw from
+    def __init__(self, lo, hi):
+        self.lo, self.hi = lo, hi
+
+    def strategy(self):
+        return st.integers(self.lo, self.hi)
+
+    def fixed(self):
+        return min(self.lo + 1, self.hi)
+
+
+class Ch:
+    """A choice among options."""
+
+    def __init__(self, *options):
+        self.options = list(options)
+
+    def strategy(self):
+        return st.sampled_from(self.options)
+
+    def fixed(self):
+        return self.options[min(1, len(self.options) - 1)]
+
+
+BOOL = Ch(False, True)
+
+
+class Draw:
+    """Builders draw through this: from hypothesis' ``data`` or, without it, fixed values."""
+
+    def __init__(self, data=None):
+        self.data = data
+        # the builders' random tensors come from the global RNG: seed it from the draw
+        torch.manual_seed(data.draw(st.integers(0, 2**16)) if data is not None else 0)
+
+    def __call__(self, spec):
+        return self.data.draw(spec.strategy()) if self.data is not None else spec.fixed()
+
+
+def target_for(model, x, gen):
+    with torch.no_grad():
+        out = model(x)
+    return torch.randn(out.shape, generator=gen, dtype=out.dtype)
+
+
+def make_batch(model, x, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (x, target_for(model, x, gen))
+
+
+# ---------------------------------------------------------------------------------------------
+# layer builders: (model, batch, loss_fn) from hypothesis draws
+
+
+def build_linear(d, B, dtype, three_d):
+    d_in, d_out = d(I(1, 6)), d(I(1, 6))
+    m = nn.Linear(d_in, d_out, bias=d(BOOL)).to(dtype)
+    shape = (B, d(I(1, 4)), d_in) if three_d else (B, d_in)
+    x = torch.randn(shape, dtype=dtype)
+    return m, make_batch(m, x, 1), mse_loss
+
+
+def build_hf_conv1d(d, B, dtype):
+    from transformers.pytorch_utils import Conv1D
+
+    d_in, d_out = d(I(1, 6)), d(I(1, 6))
+    m = Conv1D(d_out, d_in).to(dtype)
+    with torch.no_grad():
+        m.weight.normal_()
+        m.bias.normal_()
+    x = torch.randn(B, d(I(1, 4)), d_in, dtype=dtype)
+    return m, make_batch(m, x, 2), mse_loss
+
+
+class EmbedHead(nn.Module):
+    """Embedding -> LayerNorm -> Linear head; optionally tied (GPT-2's wte/lm_head)."""
+
+    def __init__(self, V, d, tied, padding_idx=None):
+        super().__init__()
+        self.emb = nn.Embedding(V, d, padding_idx=padding_idx)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, V, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.ln(self.emb(ids)))
+
+
+def lm_loss(model, batch):
+    (ids,) = batch
+    logits = model(ids)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1),
+                           reduction="none").view(ids.shape).sum(1)
+
+
+def build_embedding(d, B, dtype):
+    V, dim, T = d(I(2, 6)), d(I(1, 4)), d(I(1, 5))
+    pad = d(Ch(None, 0))
+    m = nn.Embedding(V, dim, padding_idx=pad).to(dtype)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (B, T), generator=gen)  # small V: repeated ids
+    if B and pad is not None:
+        ids[0, 0] = pad
+    return m, make_batch(m, ids, 4), mse_loss
+
+
+def build_tied(d, B, dtype):
+    V, dim, T = d(I(2, 7)), d(I(2, 5)), d(I(1, 5))
+    m = EmbedHead(V, dim, tied=True, padding_idx=d(Ch(None, 1))).to(dtype)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    return m, (ids,), lm_loss
+
+
+def build_layernorm(d, B, dtype):
+    T, dim = d(I(1, 4)), d(I(2, 5))
+    two = d(BOOL)
+    m = nn.LayerNorm((T, dim) if two else (dim,), bias=d(BOOL)).to(dtype)
+    randomise(m, torch.Generator().manual_seed(6))
+    x = torch.randn(B, T, dim, dtype=dtype)
+    return m, make_batch(m, x, 7), mse_loss
+
+
+def build_groupnorm(d, B, dtype):
+    groups = d(Ch(1, 2, 3))
+    C = groups * d(I(1, 3))
+    m = nn.GroupNorm(groups, C).to(dtype)
+    randomise(m, torch.Generator().manual_seed(8))
+    x = torch.randn(B, C, d(I(2, 4)), d(I(1, 4)), dtype=dtype)  # > 1 value per group
+    return m, make_batch(m, x, 9), mse_loss
+
+
+def _conv_args(d, stride_ok=True):
+    k = d(I(1, 3))
+    dil = d(I(1, 2))
+    stride = d(I(1, 2)) if stride_ok else 1
+    padding = d(Ch(0, 1, "valid", *(["same"] if stride == 1 else [])))
+    groups = d(Ch(1, 1, 2))
+    return k, dil, stride, padding, groups
+
+
+def build_conv2d(d, B, dtype):
+    k, dil, stride, padding, groups = _conv_args(d)
+    cin = groups * d(I(1, 3))
+    cout = groups * d(I(1, 3))
+    m = nn.Conv2d(cin, cout, (k, d(I(1, 3))), stride=stride, padding=padding,
+                  dilation=dil, groups=groups, bias=d(BOOL)).to(dtype)
+    size = dil * 2 + 1 + d(I(0, 3))
+    x = torch.randn(B, cin, size, size + d(I(0, 2)), dtype=dtype)
+    return m, make_batch(m, x, 10), mse_loss
+
+
+def build_conv1d(d, B, dtype):
+    k, dil, stride, padding, groups = _conv_args(d)
+    cin, cout = groups * d(I(1, 3)), groups * d(I(1, 3))
+    m = nn.Conv1d(cin, cout, k, stride=stride, padding=padding, dilation=dil,
+                  groups=groups).to(dtype)
+    x = torch.randn(B, cin, dil * 2 + 1 + d(I(0, 4)), dtype=dtype)
+    return m, make_batch(m, x, 11), mse_loss
+
+
+def build_stdconv(d, B, dtype):
+    from timm.layers import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame
+
+    cls = d(Ch(ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame))
+    groups = d(Ch(1, 1, 2))
+    cin, cout = groups * d(I(1, 3)), groups * d(I(1, 3))
+    k, stride = d(I(1, 3)), d(I(1, 2))
+    if cin == groups and k == 1:
+        k = 2  # timm needs more than one value per standardised row
+    kw = dict(stride=stride, groups=groups, bias=d(BOOL))
+    m = cls(cin, cout, k, **kw).to(dtype)
+    randomise(m, torch.Generator().manual_seed(12))
+    x = torch.randn(B, cin, 3 + d(I(0, 3)), 4, dtype=dtype)
+    return m, make_batch(m, x, 13), mse_loss
+
+
+# ---------------------------------------------------------------------------------------------
+# hypothesis tests, one per layer type
+
+
+@SETTINGS
+@given(d=st.data(), B=batch_sizes, dtype=dtypes, three_d=st.booleans())
+def test_linear(d, B, dtype, three_d):
+    check(*build_linear(Draw(d), B, dtype, three_d))
+
+
+@SETTINGS
+@given(d=st.data(), B=batch_sizes, dtype=dtypes)
+def test_transformers_conv1d(d, B, dtype):
+    check(*build_hf_conv1d(Draw(d), B, dtype))
+
+
+@SETTINGS
+@given(d=st.data(), B=batch_sizes, dtype=dtypes)
+def test_embedding_repeated_ids_and_padding_idx(d, B, dtype):
+    check(*build_embedding(Draw(d), B, dtype))
+
+
+@SETTINGS
+@given(d=st.data(), B=batch_sizes, dtype=dtypes)
+def test_tied_embedding_and_head(d, B, dtype):
+    check(*build_tied(Draw(d), B, dtype))
+
+
+@SETTINGS
+@given(d=st.data(), B=batch_sizes, dtype=dtypes)
+def test_layernorm(d, B, dtype):
+    check(*build_layernorm(Draw(d), B, dtype))
+
+
+@SETTINGS
+@given(d=st.data(), B=batch_sizes, dtype=dtypes)
+def test_groupnorm(d, B, dtype):
+    check(*build_groupnorm(Draw(d), B, dtype))
+
+
+@SETTINGS
+@given(d=st.data(), B=batch_sizes, dtype=dtypes)
+def test_conv2d_variants(d, B, dtype):
+    check(*build_conv2d(Draw(d), B, dtype))
+
+
+@SETTINGS
+@given(d=st.data(), B=batch_sizes, dtype=dtypes)
+def test_conv1d_variants(d, B, dtype):
+    check(*build_conv1d(Draw(d), B, dtype))
+
+
+@SETTINGS
+@given(d=st.data(), B=batch_sizes, dtype=dtypes)
+def test_weight_standardised_convs(d, B, dtype):
+    check(*build_stdconv(Draw(d), B, dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# fixed cases: batches of 0 and 1 for every layer type, and the less common geometries
+
+
+BUILDERS = {
+    "linear2d": lambda d, B, dt: build_linear(d, B, dt, False),
+    "linear3d": lambda d, B, dt: build_linear(d, B, dt, True),
+    "hf_conv1d": build_hf_conv1d,
+    "embedding": build_embedding,
+    "tied": build_tied,
+    "layernorm": build_layernorm,
+    "groupnorm": build_groupnorm,
+    "conv2d": build_conv2d,
+    "conv1d": build_conv1d,
+    "stdconv": build_stdconv,
+}
+
+
+@pytest.mark.parametrize("B", [0, 1])
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_every_layer_at_batch_0_and_1(name, B):
+    torch.manual_seed(0)
+    check(*BUILDERS[name](Draw(), B, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("make", [
+    lambda: nn.Conv2d(3, 4, 3, padding=2, padding_mode="reflect"),
+    lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular", stride=2),
+    lambda: nn.Conv2d(3, 4, (2, 3), padding="same", dilation=(1, 2)),  # asymmetric 'same'
+    lambda: nn.Conv2d(4, 6, 3, groups=2, stride=2, dilation=2, padding=2),
+    lambda: nn.Conv2d(4, 4, 3, groups=4, padding=1),  # depthwise
+    lambda: nn.Conv2d(6, 8, 1, stride=2),
+    lambda: nn.Conv3d(2, 3, 2, padding=1, stride=(1, 2, 1)),
+    lambda: nn.Conv1d(3, 4, 4, padding="same"),
+], ids=["reflect", "circular", "same-asym", "grouped", "depthwise", "1x1-s2", "conv3d",
+        "conv1d-same"])
+def test_conv_geometries(make, dtype):
+    torch.manual_seed(1)
+    m = make().to(dtype)
+    spatial = {nn.Conv1d: (9,), nn.Conv3d: (4, 5, 4)}.get(type(m), (7, 6))
+    x = torch.randn(3, m.in_channels, *spatial, dtype=dtype)
+    check(m, make_batch(m, x, 14))
+
+
+def test_timm_conv2d_same_and_subclass_fallback():
+    from timm.layers.conv2d_same import Conv2dSame
+
+    torch.manual_seed(2)
+    m = Conv2dSame(3, 4, 3, stride=2)
+    x = torch.randn(3, 3, 7, 6)
+    check(m, make_batch(m, x, 15))
+
+    class Doubled(nn.Conv2d):  # a subclass with a forward the Conv2d rule cannot know
+        def forward(self, x):
+            return super().forward(x) * 2.0
+
+    m = Doubled(3, 4, 3)
+    with pytest.warns(UserWarning, match="Doubled"):
+        check(m, make_batch(m, x, 16), policies=("auto",))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", ["output-inplace", "bias-dominant", "zero-gain"])
+def test_stdconv_ghost_paths(case, dtype):
+    """The ghost form reads <patch, what_o> off the forward's output when it can; when the
+    output was modified in place, a bias dominates it, or a gain is 0, it computes it."""
+    from timm.layers import ScaledStdConv2d
+
+    torch.manual_seed(9)
+    conv = ScaledStdConv2d(3, 5, 3, stride=2).to(dtype)
+    randomise(conv, torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        if case == "bias-dominant":
+            conv.bias.fill_(1e3)
+        if case == "zero-gain":
+            conv.gain[1] = 0.0
+    model = nn.Sequential(conv, nn.ReLU(inplace=(case == "output-inplace")), nn.Flatten(),
+                          nn.Linear(5 * 4 * 4, 3)).to(dtype)
+    x = torch.randn(4, 3, 8, 8, dtype=dtype)
+    check(model, make_batch(model, x, 18), policies=("ghost", "instantiate"),
+          modes=("bookkeeping",))
+
+
+class Scaler(nn.Module):
+    """A layer no rule knows: y = tanh(x * w) + b."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d))
+        self.b = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return torch.tanh(x * self.w) + self.b
+
+
+@pytest.mark.parametrize("B", [0, 1, 4])
+def test_fallback_layer_warns_with_its_name(B):
+    torch.manual_seed(3)
+    m = nn.Sequential(nn.Linear(3, 5), Scaler(5), nn.Linear(5, 2))
+    x = torch.randn(B, 3)
+    with pytest.warns(UserWarning, match=r"Scaler \(1\)"):
+        check(m, make_batch(m, x, 17))
+
+
+# ---------------------------------------------------------------------------------------------
+# a small mixed CNN for the properties below
+
+
+class MixedNet(nn.Module):
+    def __init__(self, dtype=torch.float32):
+        from timm.layers import ScaledStdConv2d
+
+        super().__init__()
+        self.conv0 = ScaledStdConv2d(3, 6, 3, stride=2)
+        self.gn = nn.GroupNorm(2, 6)
+        self.conv1 = nn.Conv2d(6, 6, 3, padding=1, groups=2)
+        self.conv2 = nn.Conv2d(6, 8, 1)
+        self.fc = nn.Linear(8, 4)
+        self.to(dtype)
+        randomise(self, torch.Generator().manual_seed(4))
+
+    def forward(self, x):
+        h = F.relu(self.conv0(x), inplace=True)  # modifies conv0's output in place (as timm)
+        h = F.relu(self.gn(h), inplace=True)
+        h = F.relu(self.conv1(h))
+        h = self.conv2(h).mean((2, 3))
+        return self.fc(h)
+
+
+def ce_loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def test_mixed_net_matches_reference():
+    torch.manual_seed(5)
+    m = MixedNet()
+    batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)))
+    check(m, batch, ce_loss)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", ["ghost", "instantiate"])
+def test_sensitivity_one_added_example_at_most_C(policy, mode):
+    torch.manual_seed(6)
+    m = MixedNet()
+    C = 0.5
+    D = (torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)))
+    engine = ClippingEngine(m, clip_norm=C, ghost=policy, mode=mode)
+    base: dict = {}
+    engine.accumulate(ce_loss, D, base)
+    extras = [torch.randn(1, 3, 8, 8), torch.randn(1, 3, 8, 8) * 1e6, -torch.ones(1, 3, 8, 8) * 1e6]
+    for x in extras:
+        for label in range(2):
+            Dx = (torch.cat([D[0], x]), torch.cat([D[1], torch.tensor([label])]))
+            acc: dict = {}
+            engine.accumulate(ce_loss, Dx, acc)
+            diff = torch.cat([(acc[n] - base[n]).reshape(-1).double() for n in base])
+            assert float(diff.norm()) <= C * (1 + 1e-5), float(diff.norm())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_microbatch_invariance(mode):
+    torch.manual_seed(7)
+    m = MixedNet()
+    N = 14
+    x, y = torch.randn(N, 3, 8, 8), torch.randint(0, 4, (N,))
+    engine = ClippingEngine(m, clip_norm=0.3, mode=mode)
+    sums = []
+    for k in (1, 3, 7):
+        acc: dict = {}
+        for idx in torch.arange(N).chunk(k):
+            engine.accumulate(ce_loss, (x[idx], y[idx]), acc)
+        sums.append(torch.cat([acc[n].reshape(-1) for n in sorted(acc)]).double())
+    for s in sums[1:]:
+        assert float((s - sums[0]).norm()) <= 1e-6 * float(sums[0].norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_multi_state_plan(policy, mode, dtype):
+    """plan = [(0.6, theta1), (0.4, None)]: u_b = 0.6 g_b(theta1) + 0.4 g_b(theta0)."""
+    torch.manual_seed(8)
+    m = MixedNet(dtype)
+    batch = (torch.randn(3, 3, 8, 8, dtype=dtype), torch.randint(0, 4, (3,)))
+    theta1 = {n: p.detach() + 0.05 * torch.randn_like(p) for n, p in m.named_parameters()}
+    u = 0.6 * reference_grads(m, ce_loss, batch, theta1) + 0.4 * reference_grads(m, ce_loss, batch)
+    un = u.norm(dim=1)
+    C = float(un.median())
+    plan = [(0.6, theta1), (0.4, None)]
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    engine = ClippingEngine(m, clip_norm=C, ghost=policy, mode=mode)
+    assert_norms(engine.per_example_norms(ce_loss, batch, plan), un, dtype)
+    acc: dict = {}
+    engine.accumulate(ce_loss, batch, acc, plan)
+    lam = (C / un).clamp(max=1)
+    assert_sum(flat(acc, m, u), (u * lam[:, None]).sum(0), dtype, float((lam * un).sum()))
+    for n, p in m.named_parameters():  # the current state is restored
+        assert torch.equal(p.detach(), before[n])
+
+
+def test_module_with_parameter_and_submodules_is_refused():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    with pytest.raises(ValueError, match=r"inner \(Odd: owns scale"):
+        ClippingEngine(_wrap(Odd()))
+
+
+def _wrap(inner):
+    m = nn.Module()
+    m.inner = inner
+    return m
+
+
+def test_inplace_modified_conv_input_is_detected():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.conv = nn.Conv1d(4, 4, 1)
+
+        def forward(self, x):
+            h = self.a(x).transpose(1, 2).contiguous()
+            y = self.conv(h)
+            h.mul_(2.0)  # modifies the conv's saved input after the forward
+            return y.sum((1, 2)) + h.sum((1, 2)) * 0.0
+
+    m = Bad()
+    # autograd itself notices when the layer saved its input; the rules check it regardless
+    with pytest.raises((ValueError, RuntimeError), match="modified (in place|by an inplace)"):
+        ClippingEngine(m).per_example_norms(lambda mm, b: mm(b[0]), (torch.randn(2, 3, 4),))
+
+
+def test_nan_norm_is_never_left_unclipped():
+    engine = ClippingEngine(nn.Linear(2, 2), clip_norm=1.0)
+    lam = engine.clip_factors(torch.tensor([0.5, 2.0, float("nan"), float("inf")]))
+    assert lam.tolist() == [1.0, 0.5, 0.0, 0.0]
