@@ -2,8 +2,9 @@
 and a description of the machine a number came from.
 
 Timing on a shared machine: every variant runs once per *round*, in a rotated order, so that
-slow phases (other processes on the same cores) hit all variants alike; a ratio is the median
-over rounds of the per-round ratio, and an absolute time is the median over rounds.
+slow phases (other processes on the same cores) hit all variants alike; an absolute time is the
+median over rounds and a ratio is a ratio of such medians. Process CPU time is recorded next to
+wall time: on a loaded machine it is the steadier of the two.
 
 Peak memory: ``measure_peak_in_subprocess`` re-runs the calling script with ``--peak-child``
 arguments in a fresh interpreter; the child builds one variant, takes a baseline, runs a few
@@ -101,11 +102,22 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def ratio_of_medians_per_round(num: list[float] | None, den: list[float] | None) -> float | None:
-    """Median over rounds of num[r] / den[r] (both measured in the same rounds)."""
+def ratio_of_medians(num: list[float] | None, den: list[float] | None) -> float | None:
+    """median(num) / median(den), both measured in the same interleaved rounds.
+
+    Ratios of medians (not medians of per-round ratios) so that a table's ratios compose
+    (a/c = a/b * b/c); interleaving already exposes every variant to the same load."""
     if not num or not den:
         return None
-    return statistics.median(a / b for a, b in zip(num, den))
+    return statistics.median(num) / statistics.median(den)
+
+
+def load_average() -> str:
+    """'1-min, 5-min, 15-min' load average (the machine may be shared), or '-'."""
+    try:
+        return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    except (OSError, AttributeError):
+        return "-"
 
 
 # ---------------------------------------------------------------------------------------------

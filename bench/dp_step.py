@@ -21,7 +21,8 @@ Variants (plain SGD everywhere; C = 1, sigma = 1; per-example loss = mean token 
   changes it needs (ANCHORS.md): Conv1D -> Linear, untied embeddings, explicit contiguous
   position_ids of batch size B. dptrain runs the stock model.
 
-Times: interleaved rounds (bench/common.py), medians; ratios are medians of per-round ratios.
+Times: interleaved rounds (bench/common.py), medians of wall time and of process CPU time;
+ratios are ratios of medians. The load average at start and end is recorded (shared machines).
 Peak memory: each variant in a fresh subprocess, 2 steps after the build (bench/common.py).
 The last line printed is one JSON object (keys documented in ``summarize``).
 """
@@ -34,6 +35,7 @@ import inspect
 import json
 import os
 import sys
+import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -50,11 +52,12 @@ from common import (  # noqa: E402
     first_line,
     fmt_bytes,
     git_commit,
+    load_average,
     machine_description,
     measure_peak_in_subprocess,
     median,
     now_utc,
-    ratio_of_medians_per_round,
+    ratio_of_medians,
     time_interleaved,
 )
 
@@ -363,9 +366,9 @@ def summarize(results: dict, cfg: BenchConfig) -> dict:
         for v in VARIANTS:
             row: dict[str, Any] = {
                 "median_s": median(t.get(v, [])),
-                "over_nonprivate": ratio_of_medians_per_round(t.get(v), base),
+                "over_nonprivate": ratio_of_medians(t.get(v), base),
                 "cpu_s": median(c.get(v, [])),
-                "cpu_over_nonprivate": ratio_of_medians_per_round(c.get(v), c.get("nonprivate")),
+                "cpu_over_nonprivate": ratio_of_medians(c.get(v), c.get("nonprivate")),
                 "peak_mib": (mem[v]["peak_bytes"] / 2**20
                              if "peak_bytes" in mem.get(v, {}) else None),
             }
@@ -375,11 +378,11 @@ def summarize(results: dict, cfg: BenchConfig) -> dict:
                 row["memory_error"] = mem[v]["error"]
             table[v] = row
         out[kind] = table
-        bk = ratio_of_medians_per_round(t.get("dptrain_bookkeeping"), t.get("dptrain_two_pass"))
+        bk = ratio_of_medians(t.get("dptrain_bookkeeping"), t.get("dptrain_two_pass"))
         faster = None if bk is None else ("bookkeeping" if bk <= 1.0 else "two_pass")
         dflt = t.get(f"dptrain_{default}")
-        dp_np = ratio_of_medians_per_round(dflt, base)
-        op_dp = ratio_of_medians_per_round(t.get("opacus_ghost"), dflt)
+        dp_np = ratio_of_medians(dflt, base)
+        op_dp = ratio_of_medians(t.get("opacus_ghost"), dflt)
         peak_d = table[f"dptrain_{default}"]["peak_mib"]
         peak_o = table["opacus_ghost"]["peak_mib"]
         mem_ratio = peak_d / peak_o if peak_d is not None and peak_o else None
@@ -387,7 +390,7 @@ def summarize(results: dict, cfg: BenchConfig) -> dict:
         out[f"{prefix}dp_over_nonprivate"] = dp_np
         out[f"{prefix}dp_over_nonprivate_cpu"] = table[f"dptrain_{default}"]["cpu_over_nonprivate"]
         out[f"{prefix}opacus_over_dptrain"] = op_dp
-        out[f"{prefix}opacus_over_dptrain_cpu"] = ratio_of_medians_per_round(
+        out[f"{prefix}opacus_over_dptrain_cpu"] = ratio_of_medians(
             c.get("opacus_ghost"), c.get(f"dptrain_{default}"))
         out[f"{prefix}peak_memory_ratio"] = mem_ratio
         out[f"{prefix}faster_mode"] = faster
@@ -404,6 +407,7 @@ def summarize(results: dict, cfg: BenchConfig) -> dict:
     out["opacus_ghost_s"] = g.get("opacus_ghost", {}).get("median_s")
     out["config"] = asdict(cfg)
     out["machine"] = machine_description(cfg.device)
+    out["load_average"] = {"start": None, "end": load_average()}
     out["git_commit"] = git_commit()
     out["date"] = now_utc()
     return out
@@ -440,7 +444,9 @@ def print_table(summary: dict) -> None:
           f"{_fmt(summary.get('opacus_over_dptrain'), '.2f')} (target >= "
           f"{TARGET_OPACUS_OVER_DPTRAIN}); peak memory dptrain/Opacus ghost "
           f"{_fmt(summary.get('peak_memory_ratio'), '.2f')} (target <= 1)")
-    print(f"machine: {summary['machine']}; commit {summary['git_commit']}; {summary['date']}")
+    print(f"machine: {summary['machine']}; load average (1, 5, 15 min) at start "
+          f"{summary['load_average']['start']}, at end {summary['load_average']['end']}; "
+          f"commit {summary['git_commit']}; {summary['date']}")
 
 
 def tiny_config() -> BenchConfig:
@@ -458,17 +464,26 @@ def apply_threads(cfg: BenchConfig) -> None:
 
 def run(cfg: BenchConfig, models=MODELS) -> dict:
     apply_threads(cfg)
-    results = {}
+    results: dict[str, Any] = {}
+    load_start = load_average()
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[dp_step {time.perf_counter() - t0:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
     for kind in models:
         rounds = cfg.rounds if kind == "gpt2" else cfg.resnet_rounds
-        print(f"[dp_step] timing {kind}: {rounds} rounds x {len(VARIANTS)} variants",
-              file=sys.stderr, flush=True)
+        log(f"timing {kind}: {rounds} rounds x {len(VARIANTS)} variants")
         results[kind] = run_model(kind, cfg)
     if cfg.memory:
         for kind in models:
-            print(f"[dp_step] peak memory {kind}", file=sys.stderr, flush=True)
+            log(f"peak memory {kind}: one fresh process per variant")
             results[kind]["memory"] = memory_of(kind, VARIANTS, cfg, results[kind]["errors"])
-    return summarize(results, cfg)
+    summary = summarize(results, cfg)
+    summary["load_average"]["start"] = load_start
+    summary["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    log("done")
+    return summary
 
 
 def main(argv: list[str] | None = None) -> dict | None:
