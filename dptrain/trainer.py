@@ -213,13 +213,22 @@ class Trainer:
         plan = self.optimizer.query_plan()
         acc: dict[str, Tensor] = {}  # Sensitive: unnoised clipped sum; discarded after release.
         loss_sum, count = 0.0, 0
+        chunks = self.microbatches(indices)
+        # Under FSDP every rank must run as many forwards as the busiest one (collectives in
+        # forward/backward). Every rank knows S_t, so the count needs no communication; the
+        # extra microbatches hold one phantom example whose clip factor is 0.
+        num_micro = max(len(self.microbatches(shard_indices(self.sample(step), r, self.world)))
+                        for r in range(self.world)) if self.world > 1 else len(chunks)
         with self._autocast():
-            for chunk in self.microbatches(indices):
+            for i in range(num_micro):
+                phantom = i >= len(chunks)
+                chunk = np.zeros(1, dtype=np.int64) if phantom else chunks[i]
                 batch = to_device(self.task.train.collate(chunk), self.device)
-                stats = self.engine.accumulate(self.task.loss_fn, batch, acc, plan)
+                active = torch.zeros(1, dtype=torch.bool) if phantom else None
+                stats = self.engine.accumulate(self.task.loss_fn, batch, acc, plan, active)
                 loss_sum += stats.loss_sum
                 count += stats.num_examples
-        del indices
+        del indices, chunks
         sigma, C, b = self.plan.noise_multiplier, self.plan.clip_norm, self.plan.denominator
         out = {}
         with torch.no_grad():

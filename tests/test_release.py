@@ -123,3 +123,18 @@ def test_release_denominator_is_public_floor_qN():
     assert t2.plan.denominator == 125
     t3 = make("privacy.expected_batch_size=40")
     assert t3.plan.denominator == 40
+
+
+def test_a_phantom_example_adds_exactly_nothing():
+    # ranks with fewer sampled examples run phantom microbatches under FSDP (clip factor 0)
+    t = make("performance.dtype=float64")
+    batch = t.task.train.collate(np.array([3, 5]))
+    one = t.task.train.collate(np.array([3]))
+    with_phantom, alone = {}, {}
+    stats = t.engine.accumulate(t.task.loss_fn, batch, with_phantom, None,
+                                torch.tensor([True, False]))
+    t.engine.accumulate(t.task.loss_fn, one, alone)
+    assert stats.num_examples == 1
+    for name in alone:
+        assert torch.equal(with_phantom[name], alone[name]) or \
+            torch.allclose(with_phantom[name], alone[name], rtol=1e-12, atol=1e-15)

@@ -247,7 +247,7 @@ class ClippingEngine:
         B = batch_size_of(batch)
         records: list[_Record] = []
         graphs = []
-        loss_total = 0.0
+        loss_total = None  # per-example losses at the current state (display only)
         for entry in plan:
             coef, state = entry[0], entry[1]
             seed = entry[2] if len(entry) > 2 else None
@@ -259,7 +259,7 @@ class ClippingEngine:
                     raise ValueError(f"loss_fn must return per-example losses of shape ({B},), "
                                      f"got {tuple(losses.shape)}")
                 if state is None:
-                    loss_total += float(losses.detach().sum())
+                    loss_total = losses.detach()
                 loss = losses.sum()
                 live = [t for t in targets if t.requires_grad]
                 grads = (torch.autograd.grad(loss, live, allow_unused=True, retain_graph=retain)
@@ -334,9 +334,13 @@ class ClippingEngine:
         return torch.where(torch.isfinite(norms), lam, 0.0)
 
     def accumulate(self, loss_fn: LossFn, batch: Any, acc: dict[str, Tensor],
-                   plan: QueryPlan | None = None) -> StepStats:
+                   plan: QueryPlan | None = None, active: Tensor | None = None) -> StepStats:
         """Add sum_b lam_b u_b of this microbatch into ``acc`` (name -> tensor shaped like the
-        parameter, created on first use). Sensitive: ``acc`` holds an unnoised sum."""
+        parameter, created on first use). Sensitive: ``acc`` holds an unnoised sum.
+
+        ``active`` (bool, [B]): False marks a phantom example — run so that a rank with fewer
+        sampled examples still takes part in FSDP's collectives — whose clip factor is 0, so
+        it adds exactly nothing to the sum."""
         plan = plan or [(1.0, None)]
         B = batch_size_of(batch)
         if B == 0:
@@ -351,6 +355,8 @@ class ClippingEngine:
         del per_param  # memory: only the forms used by the clipped sum are kept
         # Sensitive: per-example norms and clip factors; discard after use.
         lam = self.clip_factors(norms)
+        if active is not None:
+            lam = torch.where(active.to(lam.device), lam, torch.zeros_like(lam))
         del norms
         if two_pass:
             del used
@@ -369,7 +375,10 @@ class ClippingEngine:
                 contribs = used.pop(name)  # released as soon as it is summed
                 p = self.params[name]
                 self._add(acc, name, clipped_sum(contribs, lam, p.shape, dtype))
-        return StepStats(num_examples=B, loss_sum=loss_total)
+        keep = active.to(loss_total.device) if active is not None else None
+        n = int(keep.sum()) if keep is not None else B
+        loss_sum = float(loss_total[keep].sum() if keep is not None else loss_total.sum())
+        return StepStats(num_examples=n, loss_sum=loss_sum)
 
     @staticmethod
     def _add(acc: dict[str, Tensor], name: str, value: Tensor) -> None:

@@ -196,6 +196,8 @@ def build_model(cfg: ModelConfig, info: DataInfo) -> nn.Module:
         if cfg.name == "timm":
             import timm
 
+            import dptrain.models.nf_tiny  # noqa: F401  (registers nf_resnet_tiny)
+
             try:
                 model = timm.create_model(cfg.timm_name, pretrained=False,
                                           num_classes=num_classes, in_chans=in_chans)

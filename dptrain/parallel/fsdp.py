@@ -88,7 +88,8 @@ def reduce_sum(full: Tensor, p: Tensor) -> Tensor:
     padded[:rows] = full
     out = full.new_empty(chunk, *full.shape[1:])
     try:
-        dist.reduce_scatter_tensor(out, padded)
+        # torch >= 2.14 names it reduce_scatter_single; 2.11 has reduce_scatter_tensor
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, padded)
     except (RuntimeError, NotImplementedError):  # backends without reduce_scatter (old gloo)
         dist.all_reduce(padded)
         out = padded[rank * chunk:(rank + 1) * chunk]

@@ -1,0 +1,100 @@
+"""The same run on 1, 2 and 4 ranks (gloo, CPU), sharded with FSDP2 or replicated.
+
+Sampling and noise are pure functions of (seed, step, example / coordinate), every rank sums
+the clipped queries of its share of the sample, the sums are reduced across ranks, and each rank
+draws the noise of its own shard: so the parameters after several steps, and the release itself,
+do not depend on the world size (up to float summation order).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dptrain.parallel.dist import spawn
+
+pytestmark = pytest.mark.distributed
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+NF = ["model.name=timm", "model.timm_name=nf_resnet_tiny", "data.name=synthetic_images",
+      "data.image_size=16", "data.synthetic_train_size=96", "data.synthetic_test_size=16",
+      "optim.preset=nfresnet", "privacy.sample_rate=0.1", "privacy.steps=3",
+      "performance.microbatch_size=8"]
+SGD = ["optim.name=sgd", "optim.preset=null", "optim.lr=0.5"]
+IM = ["optim.inner_momentum.k_muon=2", "optim.inner_momentum.k_other=2",
+      "optim.inner_momentum.gamma_muon=0.9"]
+
+
+def _train(rank: int, world: int, overrides: list[str]) -> dict:
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    t = Trainer(load(RunConfig, TINY, ["train.progress=false", "train.checkpoint_every=0",
+                                       "privacy.accountant=rdp", *overrides]))
+    first, _ = t.release(0)
+    first = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+             for k, v in first.items()}
+    while t.step < t.plan.steps:
+        t.private_step()
+    return {"params": {k: v.clone() for k, v in t.full_state_dict().items()},
+            "release0": first, "sizes": [len(t.local_sample(s)) for s in range(t.plan.steps)]}
+
+
+def _rel(a: dict, b: dict) -> float:
+    # a gathered FSDP state lists GPT-2's tied wte/lm_head weight once
+    common = set(a) & set(b)
+    assert len(common) >= max(len(a), len(b)) - 1
+    return max(float((a[k].double() - b[k].double()).norm()
+                     / b[k].double().norm().clamp_min(1e-12)) for k in common)
+
+
+def _check(overrides: list[str], worlds: list[tuple[int, str]]) -> list[dict]:
+    ref = spawn(_train, 1, overrides)[0]
+    outs = []
+    for world, sharding in worlds:
+        results = spawn(_train, world, overrides + [f"performance.sharding={sharding}"])
+        for r in results:  # a gathered FSDP state lands on rank 0 only (cpu_offload)
+            if r["params"]:
+                assert _rel(r["params"], ref["params"]) <= 1e-5, (world, sharding)
+        assert results[0]["params"]
+        assert _rel(results[0]["release0"], ref["release0"]) <= 1e-5
+        assert [sum(s) for s in zip(*(r["sizes"] for r in results))] == ref["sizes"]
+        outs.append(results)
+    return outs
+
+
+def test_dp_muon_gpt2_same_on_1_2_4_ranks_and_any_microbatch():
+    _check([], [(2, "fsdp"), (4, "fsdp")])
+    _check(["performance.microbatch_size=3"], [(2, "none")])
+
+
+def test_dp_sgd_gpt2_same_on_1_and_2_ranks():
+    _check(SGD, [(2, "none"), (2, "fsdp")])
+
+
+def test_dp_muon_im_k2_gpt2_same_on_1_and_2_ranks():
+    _check(IM, [(2, "fsdp")])
+
+
+def test_dp_muon_nf_resnet_same_on_1_and_2_ranks():
+    _check(NF, [(2, "fsdp")])
+
+
+def test_ranks_with_an_empty_share_neither_hang_nor_skip_the_release():
+    # 256 examples at q = 0.01: about 2.5 sampled per step, so most of 4 ranks get none
+    outs = _check(["privacy.sample_rate=0.01", "privacy.noise_multiplier=1.0",
+                   "privacy.epsilon=null"], [(4, "fsdp")])
+    sizes = [r["sizes"] for r in outs[0]]
+    assert any(0 in s for s in sizes)
+
+
+def test_zero_gradient_release_std_is_sigma_C_over_b_on_2_ranks():
+    out = spawn(_train, 2, ["privacy.noise_multiplier=2.0", "privacy.epsilon=null",
+                            "privacy.clip_norm=1e-12", "performance.sharding=fsdp"])[0]
+    # clip norm ~0: the clipped sum is ~0, the release is the noise alone
+    z = torch.cat([v.flatten().double() for v in out["release0"].values()])
+    b = 32  # floor(0.125 * 256)
+    expected = 2.0 * 1e-12 / b
+    assert abs(float(z.std()) / expected - 1) < 6 / (2 * z.numel()) ** 0.5
