@@ -1,0 +1,190 @@
+"""DP-Muon-IM: each example's query averaged over the current and K past models, clipped once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.func import functional_call, grad, vmap
+
+from dptrain.clipping import ClippingEngine
+from dptrain.config import load
+from dptrain.optim.inner_momentum import InnerMomentumConfig, InnerMomentumHistory, im_weights
+from dptrain.trainer import RunConfig, Trainer
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+
+
+def trainer(*overrides: str) -> Trainer:
+    return Trainer(load(RunConfig, TINY, ["train.progress=false", "train.checkpoint_every=0",
+                                          "privacy.accountant=rdp", *overrides]))
+
+
+def run_params(*overrides: str) -> dict[str, torch.Tensor]:
+    t = trainer(*overrides)
+    while t.step < t.plan.steps:
+        t.private_step()
+    return {n: p.detach().clone() for n, p in t.model.named_parameters()}
+
+
+def test_weights_are_normalised_geometric():
+    w = im_weights(3, 0.5)
+    assert abs(sum(w) - 1) < 1e-15
+    assert all(abs(w[j + 1] / w[j] - 0.5) < 1e-15 for j in range(3))
+    assert im_weights(4, 0.0) == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("im", [
+    ["optim.inner_momentum.k_muon=0", "optim.inner_momentum.k_other=0"],
+    ["optim.inner_momentum.k_muon=3", "optim.inner_momentum.gamma_muon=0",
+     "optim.inner_momentum.k_other=2", "optim.inner_momentum.gamma_other=0"],
+])
+def test_k0_or_gamma0_is_bit_for_bit_dp_muon(im):
+    base = run_params()
+    other = run_params(*im)
+    for n in base:
+        assert torch.equal(base[n], other[n]), n
+
+
+def test_epsilon_does_not_depend_on_k_or_gamma():
+    eps = set()
+    for im in ([], ["optim.inner_momentum.k_muon=4", "optim.inner_momentum.gamma_muon=0.9",
+                    "optim.inner_momentum.k_other=2"]):
+        t = trainer(*im)
+        while t.step < t.plan.steps:
+            t.private_step()
+        eps.add((t.plan.noise_multiplier, t.epsilon(), t.ledger.num_releases))
+    assert len(eps) == 1
+
+
+def test_im_run_differs_from_dp_muon_once_history_exists():
+    base = run_params()
+    other = run_params("optim.inner_momentum.k_muon=2", "optim.inner_momentum.gamma_muon=0.9")
+    assert any(not torch.equal(base[n], other[n]) for n in base)
+
+
+def materialised(per_example_grads):
+    """Reference: materialise every example's gradient at every state,
+    u_i = sum_j a_j(p) g_i(theta_j), then norms and sum_i min(1, C/||u_i||) u_i."""
+
+    def reference(states, coefs, C):
+        total = None
+        for state, coef in zip(states, coefs):
+            g = {n: v * coef[n] for n, v in per_example_grads(state).items()}
+            total = g if total is None else {n: total[n] + g[n] for n in g}
+        norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in total.values()))
+        lam = torch.clamp(C / norms, max=1.0)
+        return norms, {n: torch.einsum("b...,b->...", v, lam) for n, v in total.items()}
+
+    return reference
+
+
+def _check_model(model, loss_batch, batch, reference, muon_names, k_muon, k_other):
+    named = [(n, p) for n, p in model.named_parameters()]
+    params = {n: p.detach().clone() for n, p in named}
+    cfg = InnerMomentumConfig(k_muon=k_muon, gamma_muon=0.7, k_other=k_other, gamma_other=0.5)
+    hist = InnerMomentumHistory(cfg, named, muon_names, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    past = []
+    for j in range(max(k_muon, k_other)):  # push K distinct past states, oldest first
+        state = {n: v + 0.05 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
+                 for n, v in params.items()}
+        past.insert(0, state)
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(state[n])
+        hist.push()
+    with torch.no_grad():
+        for n, p in named:
+            p.copy_(params[n])
+    plan = hist.plan(step=len(past))
+    assert len(plan) == 1 + max(k_muon, k_other)
+    states = [params] + past[: len(plan) - 1]
+    coefs = [entry[0] for entry in plan]
+    am, ao = im_weights(k_muon, 0.7), im_weights(k_other, 0.5)
+    for j, c in enumerate(coefs):  # separate Muon / other histories, as the method says
+        for n in params:
+            expect = (am[j] if j <= k_muon else 0.0) if n in muon_names else \
+                (ao[j] if j <= k_other else 0.0)
+            assert abs(c[n] - expect) < 1e-15
+    ref_norms, _ = reference(states, coefs, 1.0)
+    C = float(ref_norms.median())  # some examples clipped, some not
+    ref_norms, ref_sums = reference(states, coefs, C)
+    for ghost in ("ghost", "instantiate"):
+        eng = ClippingEngine(model, clip_norm=C, ghost=ghost)
+        norms = eng.per_example_norms(loss_batch, batch, plan)
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=1e-12)
+        acc: dict = {}
+        eng.accumulate(loss_batch, batch, acc, plan)
+        for n in ref_sums:
+            torch.testing.assert_close(acc[n], ref_sums[n], rtol=1e-8, atol=1e-11)
+    for n, p in named:  # the engine restores the current parameters
+        assert torch.equal(p.detach(), params[n])
+
+
+@pytest.mark.parametrize("k_muon, k_other", [(1, 1), (2, 1), (4, 3)])
+def test_norms_and_clipped_sum_equal_materialised_reference_gpt2_tied(k_muon, k_other):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=23, n_positions=8, attn_implementation="eager",
+        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).double()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(0, 23, (3, 6))
+
+    def nll(logits, ids):
+        lp = torch.log_softmax(logits[:, :-1], -1)
+        return -lp.gather(-1, ids[:, 1:, None]).squeeze(-1).mean(-1)
+
+    def loss_batch(m, batch):
+        return nll(m(input_ids=batch["input_ids"]).logits, batch["input_ids"])
+
+    def one(p, x):
+        return nll(functional_call(model, p, (), {"input_ids": x[None]}).logits, x[None]).sum()
+
+    reference = materialised(lambda state: vmap(grad(one), in_dims=(None, 0))(state, ids))
+    muon = {n for n, p in model.named_parameters() if p.ndim == 2 and ".h." in n}
+    _check_model(model, loss_batch, {"input_ids": ids}, reference, muon, k_muon, k_other)
+
+
+@pytest.mark.parametrize("k_muon, k_other", [(1, 1), (3, 2)])
+def test_norms_and_clipped_sum_equal_materialised_reference_nf_resnet(k_muon, k_other):
+    import timm
+
+    import dptrain.models.nf_tiny  # noqa: F401
+
+    torch.manual_seed(0)
+    model = timm.create_model("nf_resnet_tiny", num_classes=5, in_chans=3).double()
+    xs = torch.randn(3, 3, 16, 16, dtype=torch.float64)
+    ys = torch.tensor([0, 3, 1])
+
+    def loss_batch(m, batch):
+        return torch.nn.functional.cross_entropy(m(batch[0]), batch[1], reduction="none")
+
+    def one(p, x, y):
+        return torch.nn.functional.cross_entropy(functional_call(model, p, (x[None],)), y[None])
+
+    reference = materialised(lambda state: vmap(grad(one), in_dims=(None, 0, 0))(state, xs, ys))
+    muon = {n for n, p in model.named_parameters() if p.ndim == 4 and n.endswith("weight")}
+    _check_model(model, loss_batch, (xs, ys), reference, muon, k_muon, k_other)
+
+
+def test_sensitivity_of_the_im_release_is_at_most_C():
+    # adding one (adversarially scaled) example changes the clipped sum by at most C
+    t = trainer("performance.dtype=float64", "optim.inner_momentum.k_muon=2",
+                "optim.inner_momentum.k_other=2", "optim.inner_momentum.gamma_muon=0.9")
+    t.private_step()
+    t.private_step()
+    plan = t.optimizer.query_plan()
+    assert len(plan) == 3
+    import numpy as np
+
+    base = t.task.train.collate(np.arange(8))
+    plus = t.task.train.collate(np.arange(9))
+    a, b = {}, {}
+    t.engine.accumulate(t.task.loss_fn, base, a, plan)
+    t.engine.accumulate(t.task.loss_fn, plus, b, plan)
+    diff = torch.sqrt(sum((b[n] - a.get(n, 0)).pow(2).sum() for n in b))
+    assert float(diff) <= t.plan.clip_norm * (1 + 1e-9)
