@@ -173,6 +173,11 @@ class Trainer:
             cfg.optim, self.named_params, total_steps=self.plan.steps,
             release_noise_std=self.plan.noise_multiplier * self.plan.clip_norm / self.plan.denominator,
             seed=cfg.seed, ns_dtype=perf.newton_schulz_dtype)
+        if self.world > 1 and perf.sharding == "fsdp" and any(
+                g.config.optimizer == "muon_s" for g in self.optimizer.groups):
+            raise ConfigError("optim.name", "muon_s does not support FSDP sharding yet (its "
+                                            "power iteration needs whole matrices); use "
+                                            "performance.sharding=none")
         self.ledger = Ledger()
         self.step = 0
 
@@ -357,8 +362,18 @@ class Trainer:
             from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                                  get_model_state_dict)
 
-            return get_model_state_dict(self.model, options=StateDictOptions(
+            state = get_model_state_dict(self.model, options=StateDictOptions(
                 full_state_dict=True, cpu_offload=True))
+            # The gathered tensors are views of FSDP's padded all-gather buffers (a 33-row
+            # weight on 2 ranks lives in a 34-row storage), which safetensors refuses: compact
+            # them, and give tied names (GPT-2's wte/lm_head) one tensor again.
+            state = {k: v.clone() for k, v in state.items()}
+            first: dict[int, str] = {}
+            for n, p in self.model.named_parameters(remove_duplicate=False):
+                if n in state and id(p) in first and first[id(p)] in state:
+                    state[n] = state[first[id(p)]]
+                first.setdefault(id(p), n)
+            return state
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     def export(self, directory: Path, state: dict[str, Tensor] | None = None) -> None:
