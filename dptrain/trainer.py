@@ -381,8 +381,14 @@ class Trainer:
         from safetensors.torch import _remove_duplicate_names, save_file
 
         state = self.full_state_dict() if state is None else state
-        keep = _remove_duplicate_names(state)
-        tensors = {names[0]: state[names[0]].contiguous() for names in keep.values()}
+        # _remove_duplicate_names maps a kept name to the names sharing its storage; of each
+        # such group only the first name in state order is written (GPT-2: transformer.wte,
+        # the name transformers' from_pretrained expects), every other tensor as it is.
+        order = {k: i for i, k in enumerate(state)}
+        drop: set[str] = set()
+        for kept, removed in _remove_duplicate_names(state).items():
+            drop.update(sorted([kept, *removed], key=order.__getitem__)[1:])
+        tensors = {k: v.contiguous() for k, v in state.items() if k not in drop}
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / "model.safetensors.tmp"
         save_file(tensors, str(tmp), metadata={"format": "pt"})
