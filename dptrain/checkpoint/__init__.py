@@ -41,43 +41,101 @@ def _root(output_dir: Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def save(trainer, output_dir: Path) -> Path:
-    root = _root(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{trainer.step:08d}"
-    final = root / name
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    state = {
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _clean_stale(root: Path) -> None:
+    """Temporary directories of writers that died mid-write (one writer per output dir)."""
+    mine = f"-{os.getpid()}"
+    for p in root.glob(".tmp-*"):
+        if not p.name.endswith(mine):
+            shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".old-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _test_pause() -> None:
+    """Test hook: DPTRAIN_TEST_CHECKPOINT_PAUSE seconds between the data and the marker, so a
+    test can SIGKILL the writer in the middle of a checkpoint write."""
+    pause = os.environ.get("DPTRAIN_TEST_CHECKPOINT_PAUSE")
+    if pause:
+        import time
+
+        time.sleep(float(pause))
+
+
+def capture(trainer) -> dict[str, Any]:
+    """Everything a run is, as one picklable dict (replicated, unsharded states)."""
+    assert trainer.ledger.num_releases == trainer.step, "ledger and step disagree"
+    return {
+        "format": 1,
         "step": trainer.step,
         "model": trainer.model.state_dict(),
         "optimizer": trainer.optimizer.state_dict(),
         "ledger": trainer.ledger.to_dict(),
         "plan": vars(trainer.plan),
         "config": to_dict(trainer.cfg),
+        "world_size": trainer.world,
         "rng": {"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         # Secure mode: the seed is never written (exact replay impossible by design).
         "privacy_seed": None if trainer.cfg.privacy.secure_mode else trainer._privacy_seed,
     }
-    torch.save(state, tmp / "state.pt")
-    sums = {p.name: _sha256(p) for p in tmp.iterdir()}
-    with open(tmp / MARKER, "w") as f:
-        json.dump({"sha256": sums, "step": trainer.step}, f)
+
+
+def write(state: dict[str, Any], output_dir: Path, step: int, keep: int) -> Path:
+    """Write ``state`` atomically as ``checkpoints/step-NNNNNNNN`` and prune to ``keep``."""
+    root = _root(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    _clean_stale(root)
+    name = f"step-{step:08d}"
+    final = root / name
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    with open(tmp / "state.pt", "wb") as f:
+        torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _prune(root, trainer.cfg.train.keep_checkpoints)
+    _test_pause()
+    sums = {p.name: _sha256(p) for p in tmp.iterdir()}
+    with open(tmp / MARKER, "w") as f:  # the marker last: it vouches for every file above
+        json.dump({"sha256": sums, "step": step}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # a damaged checkpoint at this step (skipped on resume): move it aside
+        old = root / f".old-{name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+    _prune(root, keep)
     return final
 
 
+def save(trainer, output_dir: Path) -> Path:
+    return write(capture(trainer), output_dir, trainer.step, trainer.cfg.train.keep_checkpoints)
+
+
 def _prune(root: Path, keep: int) -> None:
+    """Keep the newest ``keep`` intact checkpoints; the newest intact one is never deleted.
+    Damaged ones older than the newest intact one are removed too."""
     complete = [p for p in sorted(root.glob("step-*")) if (p / MARKER).exists()]
-    for old in complete[:-keep]:
+    for old in complete[:-max(keep, 1)]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -95,7 +153,8 @@ def verify(path: Path) -> str | None:
         if not f.is_file():
             return f"missing file {fname}"
         if _sha256(f) != digest:
-            return f"checksum mismatch in {fname}"
+            return (f"checksum mismatch in {fname} ({f.stat().st_size} bytes): the file is "
+                    "truncated or corrupted")
     return None
 
 
@@ -106,7 +165,8 @@ def find_latest(output_dir: Path) -> Path | None:
         problem = verify(path)
         if problem is None:
             return path
-        print(f"dptrain: skipping checkpoint {path}: {problem}", file=sys.stderr)
+        print(f"dptrain: skipping damaged checkpoint {path}: {problem}; trying the previous "
+              "one", file=sys.stderr)
     return None
 
 
@@ -129,23 +189,56 @@ def check_compatible(saved_cfg: dict, cfg) -> None:
                                        f"{section} settings")
 
 
-def load(trainer, path: Path) -> None:
-    from dptrain.privacy.accounting import Ledger
-
+def read(path: Path) -> dict[str, Any]:
+    """The verified state of the checkpoint at ``path``; ConfigError("resume") if unusable."""
+    path = Path(path)
     problem = verify(path)
     if problem is not None:
         raise ConfigError("resume", f"checkpoint {path} is unusable: {problem}")
-    state: dict[str, Any] = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    except Exception as e:  # intact checksums but unreadable: written by something else
+        raise ConfigError("resume", f"checkpoint {path} is unusable: cannot read state.pt "
+                                    f"({type(e).__name__}: {e})") from None
+
+
+def load(trainer, path: Path) -> None:
+    from dptrain.privacy.accounting import Ledger
+
+    state = read(path)
     check_compatible(state["config"], trainer.cfg)
+    ledger = Ledger.from_dict(state["ledger"])
+    if ledger.num_releases != state["step"]:
+        raise ConfigError("resume", f"checkpoint {path} is inconsistent: its ledger counts "
+                                    f"{ledger.num_releases} releases at step {state['step']}")
     trainer.model.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.ledger = Ledger.from_dict(state["ledger"])
+    trainer.ledger = ledger
     trainer.step = state["step"]
     torch.set_rng_state(state["rng"]["torch"])
     if state["rng"].get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     if trainer.cfg.privacy.secure_mode:
-        print("dptrain: secure mode: resuming with fresh randomness (exact replay is impossible "
-              "by design)", file=sys.stderr)
+        print("dptrain: secure mode: resuming with fresh randomness (a new privacy seed from OS "
+              "entropy; exact replay is impossible by design)", file=sys.stderr)
     else:
         assert state["privacy_seed"] == trainer._privacy_seed
+
+
+def export_hf(trainer, directory: Path) -> Path | None:
+    """For GPT-2: ``DIR/hf/`` (config.json + model.safetensors) loadable by transformers'
+    ``GPT2LMHeadModel.from_pretrained``; copied from ``DIR/model.safetensors``. None otherwise."""
+    model = trainer.model
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "gpt2" or not (directory / "model.safetensors").exists():
+        return None
+    hf = Path(directory) / "hf"
+    tmp = Path(directory) / f".tmp-hf-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config.save_pretrained(str(tmp))
+    shutil.copyfile(directory / "model.safetensors", tmp / "model.safetensors")
+    if hf.exists():
+        shutil.rmtree(hf)
+    os.replace(tmp, hf)
+    return hf

@@ -43,13 +43,37 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("output-dir", f"{out} already holds a finished run; choose another "
                                         f"directory or pass --resume auto")
     trainer = Trainer(cfg, out)
+    if args.resume is not None and resume_path is None and trainer.rank == 0:
+        _drop_metrics_after(out / "metrics.jsonl", 0)  # rows of a run killed before step 1's checkpoint
     if resume_path is not None:
         ckpt.load(trainer, resume_path)
         print(f"dptrain train: resumed from {resume_path} at step {trainer.step}",
               file=sys.stderr)
+        if trainer.rank == 0:
+            _drop_metrics_after(out / "metrics.jsonl", trainer.step)
     summary = trainer.run()
+    if trainer.rank == 0:
+        ckpt.export_hf(trainer, out / "final")
     metrics = ", ".join(f"{k} {v:.4g}" for k, v in summary["metrics"].items()
                         if isinstance(v, (int, float)))
     print(f"done: {summary['steps']} steps, epsilon {summary['epsilon']:.3f} "
           f"(delta {summary['delta']:.3g}), {metrics}; wrote {out}/summary.json")
     return 0
+
+
+def _drop_metrics_after(path: Path, step: int) -> None:
+    """Rows logged after the checkpoint belong to releases that were lost with the crash (and
+    are recomputed now): drop them, so metrics.jsonl holds each step once."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by the kill
+            continue
+        if row.get("step", 0) <= step:
+            keep.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)

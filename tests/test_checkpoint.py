@@ -1,0 +1,168 @@
+"""Checkpoints (issue 6), in process: exact continuation (RNG/dropout, filters, inner-momentum
+history, MuonBC probes, LR schedule), corruption detection, damaged --resume PATH, secure mode,
+HF export. The SIGKILL trials are in test_checkpoint_kill.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dptrain import checkpoint as ckpt
+from dptrain.cli import main
+from dptrain.config import ConfigError, load
+from dptrain.privacy.accounting import Ledger
+from dptrain.trainer import RunConfig, Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+FAST = ["train.progress=false", "privacy.steps=4"]
+
+
+def _params(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def _cfg(overrides):
+    return load(RunConfig, TINY, [*FAST, *overrides])
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.dropout=0.1", "optim.schedule=linear"],
+    ["optim.inner_momentum.k_muon=2", "optim.inner_momentum.k_other=2",
+     "optim.inner_momentum.gamma_muon=0.9", "optim.filter.name=doppler"],
+    ["optim.name=muon_bc", "optim.filter.name=disk", "optim.schedule=cosine"],
+], ids=["dropout+linear_lr", "im_k2+doppler", "muon_bc+disk+cosine"])
+def test_resume_continues_bit_for_bit(tmp_path, overrides):
+    ref = Trainer(_cfg(["train.checkpoint_every=0", *overrides]), tmp_path / "ref")
+    for _ in range(4):
+        ref.private_step()
+    want = _params(ref)
+    # interrupted: 2 steps, checkpoint, a fresh process-like Trainer loads it and finishes
+    cfg = _cfg(["train.checkpoint_every=2", *overrides])
+    first = Trainer(cfg, tmp_path / "run")
+    for _ in range(2):
+        first.private_step()
+    ckpt.save(first, tmp_path / "run")
+    torch.manual_seed(12345)  # the resumed process's global RNG must not matter
+    second = Trainer(cfg, tmp_path / "run")
+    ckpt.load(second, ckpt.find_latest(tmp_path / "run"))
+    assert second.step == 2 and second.ledger.num_releases == 2
+    assert second.optimizer.num_steps == 2 and second.optimizer.lr == first.optimizer.lr
+    for _ in range(2):
+        second.private_step()
+    got = _params(second)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def _finished_run(tmp_path, capsys, *extra) -> Path:
+    out = tmp_path / "run"
+    assert main(["train", "--config", TINY, "--output-dir", str(out), *FAST,
+                 "train.checkpoint_every=1", "train.keep_checkpoints=3", *extra]) == 0
+    capsys.readouterr()
+    return out
+
+
+def test_damaged_checkpoints_are_detected_and_skipped(tmp_path, capsys):
+    out = _finished_run(tmp_path, capsys)
+    root = out / "checkpoints"
+    assert [p.name for p in sorted(root.glob("step-*"))] == [
+        "step-00000002", "step-00000003", "step-00000004"]
+    for p in root.glob("step-*"):  # every checkpoint: intact, ledger == step
+        state = ckpt.read(p)
+        assert Ledger.from_dict(state["ledger"]).num_releases == state["step"] == int(p.name[5:])
+    final_params = torch.load(root / "step-00000004" / "state.pt", weights_only=False)["model"]
+    # bit-flip the newest, truncate the next: auto resume reports both and takes step 2
+    f4 = root / "step-00000004" / "state.pt"
+    data = bytearray(f4.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f4.write_bytes(bytes(data))
+    f3 = root / "step-00000003" / "state.pt"
+    f3.write_bytes(f3.read_bytes()[:1000])
+    assert ckpt.verify(root / "step-00000002") is None
+    (out / "summary.json").unlink()
+    assert main(["train", "--config", TINY, "--output-dir", str(out), "--resume", "auto",
+                 *FAST, "train.checkpoint_every=1", "train.keep_checkpoints=3"]) == 0
+    err = capsys.readouterr().err
+    assert "step-00000004" in err and "step-00000003" in err and "checksum mismatch" in err
+    assert "resumed from" in err and "step-00000002" in err
+    # recomputed from step 2: the same final parameters, damaged checkpoints replaced
+    state = torch.load(root / "step-00000004" / "state.pt", weights_only=False)["model"]
+    for k in final_params:
+        assert torch.equal(state[k], final_params[k]), k
+    for p in root.glob("step-*"):
+        assert ckpt.verify(p) is None
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # each step once
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "no_marker"])
+def test_resume_path_to_a_damaged_checkpoint_exits_2(tmp_path, capsys, damage):
+    out = tmp_path / "run"
+    cfg = _cfg(["train.checkpoint_every=1"])
+    t = Trainer(cfg, out)
+    t.private_step()
+    path = ckpt.save(t, out)
+    f = path / "state.pt"
+    if damage == "truncate":
+        f.write_bytes(f.read_bytes()[:-10])
+    elif damage == "bitflip":
+        data = bytearray(f.read_bytes())
+        data[100] ^= 0x80
+        f.write_bytes(bytes(data))
+    else:
+        (path / ckpt.MARKER).unlink()
+    code = main(["train", "--config", TINY, "--output-dir", str(out), "--resume", str(path),
+                 *FAST, "train.checkpoint_every=1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "resume" in err and str(path) in err and "unusable" in err
+    assert ("incomplete" if damage == "no_marker" else "checksum mismatch") in err
+    assert not (out / "summary.json").exists()
+
+
+def test_secure_mode_resume_says_it_draws_fresh_randomness(tmp_path, capsys):
+    cfg = _cfg(["privacy.secure_mode=true", "privacy.seed=null", "train.checkpoint_every=1"])
+    t = Trainer(cfg, tmp_path)
+    t.private_step()
+    path = ckpt.save(t, tmp_path)
+    state = ckpt.read(path)
+    assert state["privacy_seed"] is None  # never stored
+    t2 = Trainer(cfg, tmp_path)
+    ckpt.load(t2, path)
+    err = capsys.readouterr().err
+    assert "secure mode" in err and "fresh randomness" in err
+    assert t2._privacy_seed != t._privacy_seed
+    assert t2.step == 1 and t2.ledger.num_releases == 1
+
+
+def test_inconsistent_ledger_is_refused(tmp_path):
+    t = Trainer(_cfg([]), tmp_path)
+    t.private_step()
+    state = ckpt.capture(t)
+    state["step"] = 2  # parameters claimed after 2 releases, ledger counts 1
+    path = ckpt.write(state, tmp_path, 2, keep=2)
+    with pytest.raises(ConfigError, match="ledger counts 1 releases at step 2"):
+        ckpt.load(Trainer(_cfg([]), tmp_path), path)
+
+
+def test_gpt2_hf_export_loads_with_transformers_and_gives_the_same_logits(tmp_path, capsys):
+    from transformers import GPT2LMHeadModel
+
+    out = _finished_run(tmp_path, capsys, "model.dropout=0.1")
+    hf = out / "final" / "hf"
+    assert (hf / "config.json").exists() and (hf / "model.safetensors").exists()
+    model = GPT2LMHeadModel.from_pretrained(str(hf), local_files_only=True).eval()
+    ours = Trainer(_cfg(["model.dropout=0.1"]), tmp_path / "x")
+    ours.model.load_state_dict(torch.load(out / "checkpoints" / "step-00000004" / "state.pt",
+                                          weights_only=False)["model"])
+    ours.model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = model(ids).logits
+        b = ours.model(ids).logits
+    assert torch.allclose(a, b, atol=1e-6, rtol=0)
