@@ -295,11 +295,6 @@ class Trainer:
         tc = self.cfg.train
         out = self.output_dir
         main = self.rank == 0  # only rank 0 writes files and shows progress
-        sharded = self.world > 1 and self.cfg.performance.sharding == "fsdp"
-        if sharded and tc.checkpoint_every:
-            raise ConfigError("train.checkpoint_every",
-                              "checkpoints of FSDP-sharded runs are not supported yet; use "
-                              "performance.sharding=none or train.checkpoint_every=0")
         metrics_file = None
         if out is not None and main:
             out.mkdir(parents=True, exist_ok=True)
@@ -322,9 +317,10 @@ class Trainer:
                         metrics_file.flush()
                 bar.set_postfix(loss=f"{row['train_loss']:.4f}", eps=f"{eps:.3f}")
                 bar.update(1)
-                if out is not None and main and tc.checkpoint_every and (
+                if out is not None and tc.checkpoint_every and (
                         self.step % tc.checkpoint_every == 0 or last):
-                    ckpt.save(self, out)  # replicated states: rank 0's is everyone's
+                    # every rank calls: sharded states are gathered to rank 0, which writes
+                    ckpt.save(self, out)
         finally:
             bar.close()
             if metrics_file:

@@ -127,8 +127,149 @@ def write(state: dict[str, Any], output_dir: Path, step: int, keep: int) -> Path
     return final
 
 
-def save(trainer, output_dir: Path) -> Path:
-    return write(capture(trainer), output_dir, trainer.step, trainer.cfg.train.keep_checkpoints)
+def _sharded(trainer) -> bool:
+    return trainer.world > 1 and trainer.cfg.performance.sharding == "fsdp"
+
+
+def save(trainer, output_dir: Path) -> Path | None:
+    """Checkpoint ``trainer``; call on every rank. Unsharded (one rank, or replicated states):
+    rank 0 writes. FSDP-sharded: every rank takes part in gathering the full (unsharded) model and
+    optimizer tensors to rank 0, which writes them like a one-rank checkpoint (so any world size
+    can load and re-shard); then a barrier. Returns the path on rank 0, None elsewhere."""
+    if not _sharded(trainer):
+        if trainer.rank != 0:
+            return None
+        return write(capture(trainer), output_dir, trainer.step,
+                     trainer.cfg.train.keep_checkpoints)
+    import torch.distributed as dist
+
+    state = _capture_sharded(trainer)
+    path = None
+    if trainer.rank == 0:
+        path = write(state, output_dir, trainer.step, trainer.cfg.train.keep_checkpoints)
+    dist.barrier()
+    return path
+
+
+# ------------------------------------------------------------------ FSDP: gather / re-shard
+
+def _param_maps(trainer):
+    by_name = dict(trainer.named_params)
+    opt_params = [[p for g in opt.param_groups for p in g["params"]]
+                  for opt in trainer.optimizer.optimizers]
+    return by_name, opt_params
+
+
+def _is_local_rows(v, p) -> bool:
+    """A plain tensor holding this rank's rows of sharded parameter ``p`` (Muon's buffers)."""
+    from dptrain.parallel.fsdp import is_sharded
+
+    return (is_sharded(p) and isinstance(v, torch.Tensor) and not is_sharded(v) and v.dim() >= 1
+            and tuple(v.shape[1:]) == tuple(p.shape[1:]))
+
+
+def _to_full(v, p):
+    """Full CPU tensor of a state tensor (collective: every rank calls in the same order)."""
+    from dptrain.parallel.fsdp import is_sharded
+
+    if not isinstance(v, torch.Tensor):
+        return v
+    if is_sharded(v):
+        return v.full_tensor().detach().cpu().clone()
+    if p is not None and _is_local_rows(v, p):
+        import math
+
+        from dptrain.optim.muon import _gather_rows
+
+        rc = (p.shape[0], math.prod(p.shape[1:]))
+        return _gather_rows(v.reshape(v.shape[0], -1).contiguous(), rc).view(p.shape).cpu().clone()
+    return v.detach().cpu().clone()
+
+
+def _to_shard(v, p, local: bool):
+    """Inverse of _to_full for this rank: a DTensor like ``p`` or (``local``) plain rows."""
+    from torch.distributed.tensor import DTensor
+
+    from dptrain.parallel.dist import shard_bounds
+    from dptrain.parallel.fsdp import is_sharded
+
+    if not (isinstance(v, torch.Tensor) and p is not None and is_sharded(p)
+            and tuple(v.shape) == tuple(p.shape) and v.dim() >= 1):
+        return v
+    import torch.distributed as dist
+
+    start, end = shard_bounds(p.shape[0], dist.get_rank(), dist.get_world_size())
+    rows = v[start:end].to(device=p.to_local().device).contiguous()
+    if local:
+        return rows
+    return DTensor.from_local(rows, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def _walk(obj, p, fn, by_name):
+    if isinstance(obj, dict):
+        return {k: _walk(v, by_name.get(k, p) if isinstance(k, str) else p, fn, by_name)
+                for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_walk(v, p, fn, by_name) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        return fn(obj, p)
+    return obj
+
+
+def _map_optimizer(trainer, sd: dict, fn_opt, fn_other) -> dict:
+    """Apply ``fn_opt(i_opt, v, p)`` to torch-optimizer state tensors and ``fn_other(v, p)`` to
+    filter and history tensors (p: the parameter the tensor belongs to, found by name/index)."""
+    by_name, opt_params = _param_maps(trainer)
+    out = dict(sd)
+    out["optimizers"] = []
+    for i, osd in enumerate(sd["optimizers"]):
+        params = opt_params[i]
+        state = {idx: {k: (fn_opt(i, v, params[idx]) if isinstance(v, torch.Tensor) else v)
+                       for k, v in sorted(st.items())}
+                 for idx, st in sorted(osd["state"].items())}
+        out["optimizers"].append({**osd, "state": state})
+    for key in ("filter", "history"):
+        if sd.get(key) is not None:
+            out[key] = _walk(sd[key], None, fn_other, by_name)
+    return out
+
+
+def _capture_sharded(trainer) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    assert trainer.ledger.num_releases == trainer.step, "ledger and step disagree"
+    model = trainer.full_state_dict()  # collective; the full tensors land on rank 0
+    optim = _map_optimizer(trainer, trainer.optimizer.state_dict(),
+                           lambda i, v, p: _to_full(v, p), _to_full)
+    rngs = [None] * trainer.world
+    dist.all_gather_object(rngs, torch.get_rng_state())
+    return {
+        "format": 1,
+        "step": trainer.step,
+        "model": model,
+        "optimizer": optim,
+        "ledger": trainer.ledger.to_dict(),
+        "plan": vars(trainer.plan),
+        "config": to_dict(trainer.cfg),
+        "world_size": trainer.world,
+        "rng": {"torch": rngs[0], "torch_ranks": rngs, "cuda": None},
+        "privacy_seed": None if trainer.cfg.privacy.secure_mode else trainer._privacy_seed,
+    }
+
+
+def _load_sharded(trainer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from dptrain.optim.muon import Muon
+
+    set_model_state_dict(trainer.model, state["model"],
+                         options=StateDictOptions(full_state_dict=True, strict=False))
+    local = [isinstance(opt, Muon) for opt in trainer.optimizer.optimizers]
+    optim = _map_optimizer(trainer, state["optimizer"],
+                           lambda i, v, p: _to_shard(v, p, local[i]),
+                           lambda v, p: _to_shard(v, p, False))
+    trainer.optimizer.load_state_dict(optim)
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -211,11 +352,16 @@ def load(trainer, path: Path) -> None:
     if ledger.num_releases != state["step"]:
         raise ConfigError("resume", f"checkpoint {path} is inconsistent: its ledger counts "
                                     f"{ledger.num_releases} releases at step {state['step']}")
-    trainer.model.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
+    if _sharded(trainer):
+        _load_sharded(trainer, state)
+    else:
+        trainer.model.load_state_dict(state["model"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.ledger = ledger
     trainer.step = state["step"]
-    torch.set_rng_state(state["rng"]["torch"])
+    ranks = state["rng"].get("torch_ranks")
+    same_world = ranks is not None and len(ranks) == trainer.world
+    torch.set_rng_state(ranks[trainer.rank] if same_world else state["rng"]["torch"])
     if state["rng"].get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     if trainer.cfg.privacy.secure_mode:
