@@ -1,0 +1,103 @@
+"""Checkpoint save/load time and size (issue 6).
+
+    python bench/checkpoint.py [--gpt2 small|tiny] [--repeats 3]
+
+For a GPT-2-shaped model (DP-Muon matrices + AdamW aux, the `gpt2` preset) and an NF-ResNet-shaped
+one (`nf_resnet26`, `nfresnet` preset), with and without the inner-momentum history (K = 4):
+fill every optimizer state with one fake release, then time `checkpoint.write` (torch.save,
+fsync, SHA-256, marker, rename) and `checkpoint.read` (checksum verification + torch.load), and
+report the size of state.pt. Prints a Markdown table (medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dptrain import checkpoint as ckpt  # noqa: E402
+from dptrain.data.info import DataInfo  # noqa: E402
+from dptrain.models import ModelConfig, build_model  # noqa: E402
+from dptrain.optim import OptimConfig, build_optimizer  # noqa: E402
+
+
+def _optim_cfg(preset: str, k: int) -> OptimConfig:
+    from dptrain.optim.config import AuxGroupConfig
+    from dptrain.optim.inner_momentum import InnerMomentumConfig
+
+    cfg = OptimConfig(name="muon", lr=0.02, preset=preset,
+                      aux=AuxGroupConfig(optimizer="adamw", lr=0.01))
+    if k:
+        cfg.inner_momentum = InnerMomentumConfig(k_muon=k, k_other=k, gamma_muon=0.9)
+    return cfg
+
+
+def build(kind: str, gpt2: str, k: int):
+    if kind == "gpt2":
+        shape = dict(n_layer=12, n_embd=768, n_head=12) if gpt2 == "small" else \
+            dict(n_layer=4, n_embd=256, n_head=4)
+        model = build_model(ModelConfig(name="gpt2", n_positions=128, **shape),
+                            DataInfo(kind="lm", vocab_size=50257, pad_id=0, max_length=128))
+        preset = "gpt2"
+    else:
+        model = build_model(ModelConfig(name="timm", timm_name="nf_resnet26"),
+                            DataInfo(kind="classification", num_classes=10, in_chans=3,
+                                     image_size=32))
+        preset = "nfresnet"
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = build_optimizer(_optim_cfg(preset, k), named, total_steps=100, release_noise_std=1e-3,
+                          seed=0)
+    for _ in range(max(k, 1)):  # fill momenta / moments / the whole history
+        for _, p in named:
+            p.grad = torch.randn_like(p) * 1e-3
+        opt.step()
+        opt.zero_grad()
+    n_params = sum(p.numel() for _, p in named)
+    return {"step": max(k, 1), "model": model.state_dict(), "optimizer": opt.state_dict(),
+            "ledger": {}}, n_params
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--gpt2", choices=["small", "tiny"], default="small")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    base = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-"))
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f}, writing to {base}")
+    print("| model | params | K | state.pt MiB | save s | load s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for kind in ("gpt2", "nf_resnet26"):
+        for k in (0, 4):
+            state, n = build(kind, args.gpt2, k)
+            saves, loads = [], []
+            for r in range(args.repeats):
+                out = base / f"{kind}-{k}-{r}"
+                t0 = time.perf_counter()
+                path = ckpt.write(state, out, state["step"], keep=1)
+                saves.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                ckpt.read(path)
+                loads.append(time.perf_counter() - t0)
+                size = (path / "state.pt").stat().st_size / 2**20
+                shutil.rmtree(out)
+            name = f"GPT-2 {args.gpt2}" if kind == "gpt2" else kind
+            print(f"| {name} | {n / 1e6:.1f}M | {k} | {size:.0f} | "
+                  f"{statistics.median(saves):.2f} | {statistics.median(loads):.2f} |", flush=True)
+    if args.dir is None:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
