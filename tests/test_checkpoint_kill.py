@@ -14,11 +14,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from dptrain import checkpoint as ckpt
 from dptrain.cli import main
 from dptrain.privacy.accounting import Ledger
+
+pytestmark = pytest.mark.slow  # three process starts (~60-200 s on a loaded 2-core machine)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
