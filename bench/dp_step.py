@@ -50,7 +50,6 @@ from common import (  # noqa: E402
     child_peak,
     emit_child_result,
     first_line,
-    fmt_bytes,
     git_commit,
     load_average,
     machine_description,
