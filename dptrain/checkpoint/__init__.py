@@ -356,7 +356,10 @@ def load(trainer, path: Path) -> None:
         _load_sharded(trainer, state)
     else:
         trainer.model.load_state_dict(state["model"])
-        trainer.optimizer.load_state_dict(state["optimizer"])
+        # filter/history states onto their parameters' device (torch optimizers do it themselves)
+        trainer.optimizer.load_state_dict(_map_optimizer(
+            trainer, state["optimizer"], lambda i, v, p: v,
+            lambda v, p: v.to(p.device) if p is not None else v))
     trainer.ledger = ledger
     trainer.step = state["step"]
     ranks = state["rng"].get("torch_ranks")
