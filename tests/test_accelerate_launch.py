@@ -1,0 +1,114 @@
+"""`accelerate launch` on a CPU-only machine: 2 ranks on gloo, FSDP2-sharded, same model as 1 rank.
+
+The command users run (README, docs/distributed.md):
+
+    accelerate launch --multi_gpu --num_processes 2 -m dptrain train --config configs/tiny.yaml \
+        --output-dir DIR train.checkpoint_every=0 performance.sharding=fsdp
+
+On a machine without GPUs ``--multi_gpu`` still starts torchrun with 2 ranks; they see no CUDA
+and join the process group on gloo (dptrain.parallel.dist.init_from_env). ``--cpu`` must not be
+added (accelerate refuses it together with --multi_gpu, and alone it starts one process).
+
+The test runs that command in a subprocess and compares final/model.safetensors with an
+in-process 1-rank run of the same config (GPT-2's tied wte/lm_head is stored once in both).
+Its time is mostly interpreter start-up and imports (accelerate's launcher, then two ranks
+importing torch, transformers and timm): about 25 s on an idle 2-core machine, 60-90 s when the
+cores are shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+OVERRIDES = ["train.checkpoint_every=0", "train.progress=false", "performance.sharding=fsdp"]
+
+
+def _launcher() -> list[str]:
+    script = Path(sys.executable).parent / "accelerate"
+    if script.exists():
+        return [str(script), "launch"]
+    return [sys.executable, "-m", "accelerate.commands.launch"]
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def test_accelerate_launch_two_cpu_ranks_equal_one(tmp_path):
+    pytest.importorskip("accelerate")
+    from dptrain.cli import main
+
+    two = tmp_path / "two"
+    env = dict(os.environ)
+    # A user's default accelerate config (HF_HOME/accelerate/default_config.yaml) would fill in
+    # values the flags leave open; an empty HF_HOME keeps the test to the flags below.
+    env.update(HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               TOKENIZERS_PARALLELISM="false")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = [*_launcher(), "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", "0",  # 0: a free port (other jobs may hold 29500)
+           "-m", "dptrain", "train", "--config", TINY, "--output-dir", str(two), *OVERRIDES]
+    log = open(tmp_path / "launch.log", "w+")
+    # its own session: on a failure the launcher and its ranks go together (killpg)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        # the 1-rank reference, in this process, while the 2 ranks import and start
+        one = tmp_path / "one"
+        assert main(["train", "--config", TINY, "--output-dir", str(one), *OVERRIDES]) == 0
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log.seek(0)
+    assert code == 0, log.read()[-6000:]
+
+    s1 = json.loads((one / "summary.json").read_text())
+    s2 = json.loads((two / "summary.json").read_text())
+    assert s2["steps"] == s1["steps"] == 4
+    assert s2["epsilon"] == pytest.approx(s1["epsilon"], rel=1e-12)
+    a, b = _load(two / "final" / "model.safetensors"), _load(one / "final" / "model.safetensors")
+    # both store GPT-2's tied wte/lm_head once, under transformer.wte.weight
+    assert sorted(a) == sorted(b) and "transformer.wte.weight" in a
+    for k in b:
+        rel = float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-12))
+        assert rel <= 1e-5, (k, rel)
+    assert s2["metrics"]["nll_per_token"] == pytest.approx(s1["metrics"]["nll_per_token"],
+                                                           rel=1e-4)
+
+
+def test_launch_files_parse_and_pass_the_per_job_values_as_flags():
+    pytest.importorskip("accelerate")
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    for name in ("accelerate_single_node.yaml", "accelerate_multinode.yaml"):
+        cfg = ClusterConfig.from_yaml_file(str(ROOT / "launch" / name))  # unknown keys raise
+        assert cfg.distributed_type.value == "MULTI_GPU"  # never FSDP: dptrain shards itself
+        assert cfg.num_processes == -1  # accelerate insists on --num_processes
+        assert cfg.mixed_precision == "no" and not cfg.use_cpu
+    multi = ClusterConfig.from_yaml_file(str(ROOT / "launch" / "accelerate_multinode.yaml"))
+    assert multi.main_process_ip is None and multi.same_network
+    sbatch = ROOT / "launch" / "slurm.sbatch"
+    subprocess.run(["bash", "-n", str(sbatch)], check=True)
+    text = sbatch.read_text()
+    for flag in ("--config_file \"$ROOT/launch/accelerate_multinode.yaml\"",
+                 "--num_machines \"$NNODES\"", "--machine_rank \"$SLURM_NODEID\"",
+                 "--main_process_ip \"$MASTER_ADDR\"", "--main_process_port \"$MASTER_PORT\"",
+                 "--ntasks-per-node=1", "-m dptrain train"):
+        assert flag in text, flag
