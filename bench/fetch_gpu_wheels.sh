@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Download, HERE (a machine with registry access), the wheels that the H200 machine lacks, into
+# bench/wheels/ (gitignored). The H200 machine cannot reach any registry; bench/gpu_check.sh
+# installs these with `pip install --no-index --no-deps` from the carried folder.
+#
+#   bash bench/fetch_gpu_wheels.sh            # then carry bench/wheels to the GPU machine
+#
+# What its image already has (Python 3.12, torch, transformers, timm, accelerate, numpy, scipy,
+# safetensors, pyyaml, tqdm, nvidia-ml-py, sacrebleu, pytest) is not fetched. Missing there and
+# needed by dptrain's train path and tests: opacus (accountants), prv-accountant, webdataset and
+# its braceexpand. All four are pure-Python wheels (py3-none-any), so the Python version here
+# does not matter; the versions are those of launch/constraints.txt's environment.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+DEST="$ROOT/bench/wheels"
+mkdir -p "$DEST"
+"$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+  --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
+  --platform any -d "$DEST" \
+  opacus==1.6.0 prv-accountant==0.2.0 webdataset==1.0.2 braceexpand==0.1.7
+ls -l "$DEST"

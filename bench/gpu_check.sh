@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# ONE prepared GPU check for an H200 session (issue 5, item 8). Finishes in under 8 minutes:
+# every part has its own `timeout` (they add up to 450 s) and a failing part does not stop the
+# others. Run it from the repository root on the GPU machine:
+#
+#   here:            bash bench/fetch_gpu_wheels.sh        # bench/wheels/ (gitignored)
+#   on the machine:  bash bench/gpu_check.sh                # carry: bench/wheels
+#   (device tool:    run(command="bash bench/gpu_check.sh", carry=["bench/wheels"],
+#                        timeout_s=540))
+#
+# Parts (seconds of timeout):
+#   0. install (60): `pip install --no-deps --no-build-isolation -e .` (the machine has no
+#      registry: its image already holds torch, transformers, timm, accelerate, numpy, scipy,
+#      nvidia-ml-py, ...) plus the wheels it lacks from bench/wheels with --no-index --no-deps
+#      (opacus, prv-accountant, webdataset, braceexpand); falls back to PYTHONPATH=. if the
+#      editable install fails. Prints the GPU (nvidia-smi) and torch/CUDA versions.
+#   1. `pytest -m gpu` (70): tests/test_gpu.py's CUDA checks (engine norms vs CPU float64,
+#      counter-based noise across shard slices, bf16 autocast steps, CUDA == CPU without noise).
+#   2. GPT-2 small, random init, T = 128, DP-Muon-IM K = 2 (100): `dptrain train` for 5
+#      releases of b = 256, then private vs non-private steps: bench/gpu_check.py.
+#   3. NF-ResNet-50 at 224 px, DP-Muon + AdamW (100): the same for nf_resnet50, b = 256.
+#   4. bench/dp_step.py --device cuda --quick --no-memory (70): DP step vs non-private vs
+#      Opacus (issue 2); its per-variant memory subprocesses are skipped to fit the budget.
+#   5. bench/inner_momentum.py --device cuda --quick --no-memory (50), if it takes --device.
+# Each part prints examples/s, peak memory (torch.cuda.max_memory_allocated and NVML) and the
+# DP/non-private ratio where it has one; each part's log (its last line one JSON object) lands
+# in $OUT (or bench/gpu_out/): 6 files.
+#
+# `bash bench/gpu_check.sh --dry-run` runs the same parts on CPU with tiny shapes (no install;
+# CUDA tests skip): it checks the plumbing on a machine without a GPU.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+PY="${PYTHON:-python3}"
+RES="${OUT:-bench/gpu_out}"
+mkdir -p "$RES"
+START=$(date +%s)
+declare -A STATUS
+DRY=0 SCALE=1
+[ "${1:-}" = "--dry-run" ] && DRY=1
+if [ $DRY = 1 ]; then
+  PY="${PYTHON:-.venv/bin/python}"
+  SCALE=4  # a shared CPU is slower to start Python than the H200 machine
+  CHECK_ARGS=(--device cpu --tiny --steps 3 --rounds 1)
+  BENCH_ARGS=(--device cpu --tiny --quick --no-memory)
+else
+  CHECK_ARGS=(--device cuda --steps 5 --rounds 3)
+  BENCH_ARGS=(--device cuda --quick --no-memory)
+fi
+
+part() {  # part NAME SECONDS COMMAND...: run with a timeout, log to $RES/NAME.log, keep going
+  local name="$1" secs=$(( $2 * SCALE )); shift 2
+  local t0=$(date +%s)
+  echo "=== [$name] (timeout ${secs}s): $*"
+  timeout --signal=TERM --kill-after=10 "$secs" "$@" 2>&1 | tee "$RES/$name.log"
+  local rc=${PIPESTATUS[0]}
+  STATUS[$name]="rc=$rc $(( $(date +%s) - t0 ))s"
+  echo "=== [$name] rc=$rc in $(( $(date +%s) - t0 )) s (total $(( $(date +%s) - START )) s)"
+}
+
+install_deps() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'available', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
+  if ls bench/wheels/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+      bench/wheels/*.whl || echo "warning: wheel install failed"
+  else
+    echo "warning: no bench/wheels (run bench/fetch_gpu_wheels.sh here and carry bench/wheels)"
+  fi
+  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps \
+    --no-build-isolation -e . || echo "warning: editable install failed; using PYTHONPATH"
+  "$PY" - <<'EOF'
+import importlib
+missing = [m for m in ("dptrain.trainer", "opacus", "prv_accountant", "webdataset", "timm",
+                       "transformers", "pynvml", "safetensors", "yaml") if
+           importlib.util.find_spec(m.split(".")[0]) is None]
+print("missing modules:", missing or "none")
+import dptrain.trainer  # noqa: F401  (fails loudly here rather than in every part)
+print("dptrain imports")
+EOF
+}
+
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PY
+export -f install_deps
+if [ $DRY = 1 ]; then STATUS[install]="skipped (dry run)"; else part install 60 bash -c install_deps; fi
+part pytest_gpu 70 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+rm -rf /tmp/gpu_check_gpt2 /tmp/gpu_check_nf
+part gpt2_small 100 "$PY" bench/gpu_check.py --model gpt2_small "${CHECK_ARGS[@]}" \
+  --out /tmp/gpu_check_gpt2
+part nf_resnet50 100 "$PY" bench/gpu_check.py --model nf_resnet50 "${CHECK_ARGS[@]}" \
+  --out /tmp/gpu_check_nf
+# (the option checks read the source: a --help would import torch, seconds each)
+if grep -q -- '"--device"' bench/dp_step.py; then
+  part dp_step 70 "$PY" bench/dp_step.py "${BENCH_ARGS[@]}"
+else
+  STATUS[dp_step]="skipped (no --device)"
+fi
+if [ -f bench/inner_momentum.py ] && grep -q -- '"--device"' bench/inner_momentum.py; then
+  part inner_momentum 50 "$PY" bench/inner_momentum.py "${BENCH_ARGS[@]}"
+else
+  STATUS[inner_momentum]="skipped (missing or no --device)"
+fi
+nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader 2>/dev/null || true
+
+echo
+echo "=== summary (total $(( $(date +%s) - START )) s)"
+for k in install pytest_gpu gpt2_small nf_resnet50 dp_step inner_momentum; do
+  printf '%-16s %s\n' "$k" "${STATUS[$k]:-not run}"
+done
+# the last JSON line of each benchmark part: throughput, peak memory, DP/non-private
+for k in gpt2_small nf_resnet50 dp_step inner_momentum; do
+  [ -f "$RES/$k.log" ] && { printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1500; }
+done
+exit 0

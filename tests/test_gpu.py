@@ -1,0 +1,203 @@
+"""CUDA checks (``pytest -m gpu``; run by bench/gpu_check.sh on an H200), skipped without CUDA,
+and CPU smoke tests of the GPU script's Python parts (bench/gpu_check.py --tiny --device cpu).
+
+- per-example norms of the clipping engine on CUDA (float32, TF32 off) equal a CPU float64
+  reference: tiny GPT-2 (tied wte/lm_head, padded batch) and nf_resnet_tiny (ScaledStdConv2d);
+- the counter-based noise on CUDA: any split of a parameter's coordinates into shard slices
+  gives exactly the numbers of one full draw (what makes a release world-size invariant); CUDA's
+  numbers differ from CPU's (different generators), both standard normal;
+- a bf16 autocast private step (performance.dtype=bfloat16) runs on CUDA and stays finite;
+- the whole trainer on CUDA in float32 and the same run on CPU agree up to the noise, which
+  differs by device: with sigma = 0 the parameters match.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture()
+def no_tf32():
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _lm_loss_same_dtype(model, batch):
+    """dptrain's LM loss without the float32 cast of the logits (so float64 stays float64)."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    logits = out.logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    b, t = labels.shape
+    nll = F.cross_entropy(logits.reshape(b * t, -1), labels.reshape(-1), ignore_index=-100,
+                          reduction="none").view(b, t)
+    return nll.sum(1) / (labels != -100).sum(1).clamp(min=1)
+
+
+def _ce_loss(model, batch):
+    return F.cross_entropy(model(batch["images"]), batch["labels"], reduction="none")
+
+
+def _task_and_model(kind: str):
+    from dptrain.data import DataConfig, build_data
+    from dptrain.models import ModelConfig, build_model
+
+    if kind == "gpt2":
+        task = build_data(DataConfig(name="synthetic_lm", max_length=16, synthetic_train_size=16,
+                                     synthetic_test_size=4), seed=0)
+        cfg = ModelConfig(name="gpt2", n_layer=2, n_embd=32, n_head=2, n_positions=16)
+    else:
+        task = build_data(DataConfig(name="synthetic_images", image_size=16,
+                                     synthetic_train_size=16, synthetic_test_size=4), seed=0)
+        cfg = ModelConfig(name="timm", timm_name="nf_resnet_tiny")
+    torch.manual_seed(0)
+    return task, build_model(cfg, task.info).train()
+
+
+def _to(batch, device, dtype=None):
+    out = {}
+    for k, v in batch.items():
+        v = v.to(device)
+        out[k] = v.to(dtype) if (dtype is not None and v.is_floating_point()) else v
+    return out
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("kind, rtol", [("gpt2", 1e-4), ("nf", 1e-3)])
+def test_engine_norms_on_cuda_equal_cpu_float64(kind, rtol, no_tf32):
+    from dptrain.clipping import per_example_grad_norms
+
+    task, model = _task_and_model(kind)
+    loss = _lm_loss_same_dtype if kind == "gpt2" else _ce_loss
+    batch = task.train.collate(np.arange(8))
+    ref_model = copy.deepcopy(model).double()
+    ref = per_example_grad_norms(ref_model, loss, _to(batch, "cpu", torch.float64))
+    got = per_example_grad_norms(model.cuda(), loss, _to(batch, "cuda")).double().cpu()
+    assert ref.shape == got.shape == (8,) and bool((ref > 0).all())
+    assert torch.allclose(got, ref, rtol=rtol, atol=0), (got / ref - 1).abs().max()
+
+
+@pytest.mark.gpu
+@cuda
+def test_noise_on_cuda_is_the_same_numbers_for_any_shard_split():
+    from dptrain.parallel.dist import shard_bounds
+    from dptrain.privacy.noise import BLOCK, gaussian_noise
+
+    rows, cols = 3 * BLOCK // 64 + 7, 64  # crosses block boundaries mid-row
+    numel = rows * cols
+    full = gaussian_noise(11, 3, "transformer.h.0.attn.c_attn.weight", numel, device="cuda")
+    assert full.device.type == "cuda" and full.shape == (numel,)
+    for world in (2, 3, 4, 8):
+        parts = []
+        for r in range(world):
+            a, b = shard_bounds(rows, r, world)
+            parts.append(gaussian_noise(11, 3, "transformer.h.0.attn.c_attn.weight", numel,
+                                        a * cols, b * cols, device="cuda"))
+        assert torch.equal(torch.cat(parts), full), world
+    # another step / key / seed: other numbers; every draw standard normal
+    other = gaussian_noise(11, 4, "transformer.h.0.attn.c_attn.weight", numel, device="cuda")
+    assert not torch.equal(other, full)
+    for z in (full, other):
+        assert abs(float(z.mean())) < 5 / numel ** 0.5
+        assert abs(float(z.std()) - 1) < 5 / (2 * numel) ** 0.5
+    # float64 is drawn in float64; repeated draws are bit-identical
+    z64 = gaussian_noise(11, 3, "k", 1000, device="cuda", dtype=torch.float64)
+    assert z64.dtype == torch.float64
+    assert torch.equal(z64, gaussian_noise(11, 3, "k", 1000, device="cuda", dtype=torch.float64))
+
+
+def _trainer(*overrides: str):
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    return Trainer(load(RunConfig, TINY, ["train.checkpoint_every=0", "train.progress=false",
+                                          *overrides]))
+
+
+@pytest.mark.gpu
+@cuda
+def test_bf16_autocast_private_steps_run_on_cuda():
+    t = _trainer("performance.device=cuda", "performance.dtype=bfloat16", "privacy.steps=3")
+    before = {n: p.detach().clone() for n, p in t.named_params}
+    rows = [t.private_step() for _ in range(3)]
+    assert all(np.isfinite(r["train_loss"]) for r in rows)
+    for n, p in t.named_params:
+        assert p.device.type == "cuda" and p.dtype == torch.float32  # autocast: fp32 master
+        assert torch.isfinite(p).all(), n
+    assert any(not torch.equal(p, before[n]) for n, p in t.named_params)
+    assert np.isfinite(t.evaluate()["nll_per_token"])
+
+
+@pytest.mark.gpu
+@cuda
+def test_trainer_on_cuda_equals_cpu_without_noise(no_tf32):
+    common = ("privacy.noise_multiplier=0.0", "privacy.epsilon=null", "privacy.steps=3")
+    runs = {}
+    for device in ("cpu", "cuda"):
+        t = _trainer(f"performance.device={device}", *common)
+        while t.step < t.plan.steps:
+            t.private_step()
+        runs[device] = {n: p.detach().double().cpu() for n, p in t.named_params}
+    for n, ref in runs["cpu"].items():
+        rel = float((runs["cuda"][n] - ref).norm() / ref.norm().clamp_min(1e-12))
+        assert rel < 1e-3, (n, rel)
+
+
+# ------------------------------------------------------------------------------------------
+# CPU: the GPU script's Python parts in their tiny mode, and the script's syntax
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("model", ["gpt2_small", "nf_resnet50"])
+def test_gpu_check_tiny_on_cpu(model, tmp_path):
+    gc = _gpu_check_module()
+    before = torch.get_num_threads()
+    try:
+        res = gc.main(["--model", model, "--tiny", "--device", "cpu", "--steps", "3",
+                       "--rounds", "1", "--out", str(tmp_path), "--json-out",
+                       str(tmp_path / "r.json")])
+    finally:
+        torch.set_num_threads(before)
+    tr, c = res["train"], res["compare"]
+    assert tr["exit_code"] == 0 and tr["steps"] == 3
+    assert tr["examples_per_s"] > 0 and len(tr["logical_batches"]) == 3
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+    assert c["dp_over_nonprivate"] > 0 and c["private_examples_per_s"] > 0
+    assert (tmp_path / "r.json").read_text().startswith("{")
+    if model == "gpt2_small":  # DP-Muon-IM K = 2
+        assert "optim.inner_momentum.k_muon=2" in res["overrides"]
+
+
+def test_gpu_check_script_is_valid_bash_with_a_timeout_per_part():
+    script = ROOT / "bench" / "gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    for part in ("pytest", "gpu_check.py --model gpt2_small", "gpu_check.py --model nf_resnet50",
+                 "dp_step.py", "inner_momentum.py"):
+        assert part in text, part
+    # every part runs through part(), which wraps it in `timeout`
+    assert "timeout --signal=TERM" in text
+    assert sum(line.lstrip().startswith("part ") for line in text.splitlines()) >= 5
+    assert "--no-deps" in text and "bench/wheels" in text
