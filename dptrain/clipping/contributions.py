@@ -153,6 +153,59 @@ def instantiate(c: Outer | Factored) -> Tensor:
     return torch.bmm(c.L.transpose(1, 2), c.R)
 
 
+def add_instantiated(buf: Tensor | None, c: Contribution, alpha: float,
+                     out: Tensor | None = None) -> Tensor:
+    """``buf + alpha * g`` with g the per-example gradient of ``c`` (coefficient NOT applied),
+    flattened to (B, numel). ``buf`` None: the first term, written into ``out`` (B, numel) when
+    given (its previous contents are overwritten, never read), else into a new tensor. In place
+    where possible: a dense Outer goes through one ``bmm``/``baddbmm_``, a one-hot one through
+    ``index_add_`` (no (B, out, in) temporary), so summing the states' contributions of a
+    parameter costs their products and no extra pass over the instantiated gradient."""
+    if isinstance(c, Outer) and not isinstance(c.L, OneHot):
+        fast = c.fast_instantiate()
+        if fast is None:
+            L, R = c.L, c.R
+            B, o = L.shape[0], L.shape[-1]
+            if buf is None:
+                # scale the narrower factor (lm_head: L is (B, T, vocab), R is (B, T, d))
+                if o <= R.shape[-1]:
+                    L = L * alpha
+                else:
+                    R = R * alpha
+                if out is None:
+                    return torch.bmm(L.transpose(1, 2), R).reshape(B, -1)
+                torch.bmm(L.transpose(1, 2), R, out=out.view(B, o, R.shape[-1]))
+                return out
+            buf.view(B, o, R.shape[-1]).baddbmm_(L.transpose(1, 2), R, alpha=alpha)
+            return buf
+        g = fast
+    elif isinstance(c, Outer):  # one-hot left factor (embeddings)
+        B, T = c.L.ids.shape
+        if buf is None:
+            buf = (out.zero_() if out is not None
+                   else c.R.new_zeros(B, c.L.num * c.R.shape[-1]))
+        rows = (c.L.ids + torch.arange(B, device=c.R.device)[:, None] * c.L.num).reshape(-1)
+        buf.view(B * c.L.num, -1).index_add_(0, rows, c.R.reshape(B * T, -1), alpha=alpha)
+        return buf
+    elif isinstance(c, Dense):
+        g = c.g
+    else:
+        g = c.instantiate()
+    g = g.reshape(g.shape[0], -1)
+    if buf is None:
+        if out is None:
+            return g * alpha
+        return torch.mul(g.to(out.dtype), alpha, out=out)
+    return buf.add_(g.to(buf.dtype), alpha=alpha)
+
+
+def first_write_order(contribs: list[Contribution]) -> list[Contribution]:
+    """The contributions with a dense Outer first: it starts an instantiated buffer with a plain
+    product, where a one-hot one would need the buffer zeroed first."""
+    return sorted(contribs, key=lambda c: 0 if isinstance(c, Outer)
+                  and not isinstance(c.L, OneHot) else 1)
+
+
 def _dense_outer_inner(d: Tensor, v: Outer) -> Tensor:
     """<d_b, sum_t L_t ⊗ R_t> with d viewed (B, out, in)."""
     d = d.reshape(d.shape[0], -1, v.R.shape[-1])
@@ -210,6 +263,56 @@ def choose_form(contribs: list[Contribution],
     return "ghost" if ghost < inst else "instantiate"
 
 
+#: Multi-state cost model: cost of one element of an instantiated per-example gradient (the
+#: first write into the reused (B, out, in) buffer, the pass for its norm, the pass for the
+#: clipped sum; memory-bound) in units of one multiply-add of the products. Measured on CPU
+#: (1 thread, float32, GPT-2 shapes at T = 64, B = 16; issue 4, bench/inner_momentum.py):
+#: these passes take about 25 multiply-add times per element, and with that the model picks
+#: the faster form for the blocks' linears, the tied embedding/head and wpe at 2, 3 and 5
+#: states (instantiate at every one of them; ghost would win with short T and wide layers).
+INSTANTIATED_ELEMENT_COST = 24
+
+
+def choose_form_states(contribs: list[Contribution], n_states: int,
+                       policy: Literal["auto", "ghost", "instantiate"] = "auto") -> str:
+    """'ghost' or 'instantiate' for one parameter evaluated at ``n_states`` model states of a
+    query plan, ``contribs`` being its contributions at ONE state (the others are alike).
+
+    One state: :func:`choose_form`. Several: a cost model that also counts the clipped sum,
+    which is what grows with the states: per example,
+
+    ghost:       sum over pairs u <= v of Tu*Tv*(l(u,v) + in)   (cross terms, each pair once;
+                 l = 1 when a left factor is one-hot, a gather, else out)
+                 + sum_u Tu*out*in                               (book-keeping products)
+    instantiate: sum_u Tu*out*in                                 (baddbmm_ into one buffer;
+                                                                  one-hot: Tu*in, index_add_)
+                 + INSTANTIATED_ELEMENT_COST * out*in            (the buffer's passes)
+
+    where a one-hot contribution's products cost Tu*in instead of Tu*out*in.
+    """
+    if n_states <= 1:
+        return choose_form(contribs, policy)
+    allc = list(contribs) * n_states
+    outers = [c for c in allc if isinstance(c, Outer)]
+    if policy != "auto" or not outers:
+        return choose_form(allc, policy)
+    B, _, out, inn = _dims(outers[0])
+    if B * out * inn > MAX_INSTANTIATE_NUMEL:
+        return "ghost"
+    ghost = inst = 0
+    for i, u in enumerate(outers):
+        tu = _dims(u)[1]
+        hot_u = isinstance(u.L, OneHot)
+        prod = tu * inn * (1 if hot_u else out)
+        ghost += prod
+        inst += prod
+        for v in outers[i:]:
+            ll = 1 if hot_u or isinstance(v.L, OneHot) else out
+            ghost += tu * _dims(v)[1] * (ll + inn)
+    inst += INSTANTIATED_ELEMENT_COST * out * inn
+    return "ghost" if ghost < inst else "instantiate"
+
+
 def squared_norms(contribs: list[Contribution], form: str) -> tuple[Tensor, list[Contribution]]:
     """Per-example squared norm of sum_u coef_u * c_u, and the contributions actually used
     (Outer ones replaced by Dense when instantiated, so the clipped sum can reuse them)."""
@@ -217,13 +320,15 @@ def squared_norms(contribs: list[Contribution], form: str) -> tuple[Tensor, list
             and contribs[0].supports_ghost:
         c = contribs[0]
         return c.ghost_sq_norms() * (c.coef * c.coef), contribs
+    if form == "instantiate" and len(contribs) > 1:
+        # sum first, in place: no cross terms to pair up
+        total = None
+        for c in contribs:
+            total = add_instantiated(total, c, c.coef)
+        return sq_rows(total), [Dense(total, 1.0)]
     contribs = [Dense(instantiate(c), c.coef) if isinstance(c, Factored) else c for c in contribs]
     if form == "instantiate":
         contribs = [Dense(instantiate(c), c.coef) if isinstance(c, Outer) else c for c in contribs]
-        if len(contribs) > 1:
-            # sum first: one pass, no cross terms to pair up
-            total = sum(c.coef * c.g.reshape(c.g.shape[0], -1) for c in contribs)
-            return total.pow(2).sum(1), [Dense(total, 1.0)]
     sq = None
     for i, u in enumerate(contribs):
         for j in range(i, len(contribs)):
@@ -231,6 +336,12 @@ def squared_norms(contribs: list[Contribution], form: str) -> tuple[Tensor, list
             term = inner(u, v) * (u.coef * v.coef * (1.0 if i == j else 2.0))
             sq = term if sq is None else sq + term
     return sq, contribs
+
+
+def sq_rows(g: Tensor) -> Tensor:
+    """(B,) squared norms of the rows of g (B, ...), without a squared copy of g."""
+    g = g.reshape(g.shape[0], -1)
+    return torch.linalg.vector_norm(g, dim=1).square()
 
 
 def clipped_sum(contribs: list[Contribution], lam: Tensor, shape: torch.Size,

@@ -37,8 +37,11 @@ from dptrain.clipping.contributions import (
     Dense,
     OneHot,
     Outer,
-    choose_form,
+    add_instantiated,
+    choose_form_states,
     clipped_sum,
+    first_write_order,
+    sq_rows,
     squared_norms,
 )
 from dptrain.clipping.rules import FALLBACK, LayerRule, find_rule
@@ -142,6 +145,9 @@ class ClippingEngine:
                              + "; ".join(unsupported))
         missing = [n for i, n in self.names.items() if i not in owned]
         assert not missing, f"trainable parameters not owned by any module: {missing}"
+        # Sensitive: per-example gradients of the last multi-state query stay here until
+        # overwritten by the next one (or release_workspace()).
+        self._workspace: dict[str, Tensor] = {}
 
     # -----------------------------------------------------------------------------------------
     # capture
@@ -243,16 +249,20 @@ class ClippingEngine:
     # -----------------------------------------------------------------------------------------
     # the private query of one microbatch
 
-    def _forward_backward(self, loss_fn: LossFn, batch: Any, plan: QueryPlan, retain: bool):
+    def _forward_backward(self, loss_fn: LossFn, batch: Any, plan: QueryPlan, retain: bool,
+                          query: "_Query"):
+        """Evaluate every state of the plan; each state's captured tensors are turned into
+        contributions and handed to ``query`` as soon as that state's backward is done (so a
+        parameter whose contributions are instantiated keeps one per-example buffer, not every
+        state's activations)."""
         B = batch_size_of(batch)
-        records: list[_Record] = []
         graphs = []
         loss_total = None  # per-example losses at the current state (display only)
         for entry in plan:
             coef, state = entry[0], entry[1]
             seed = entry[2] if len(entry) > 2 else None
             targets: list[Tensor] = []
-            start = len(records)
+            records: list[_Record] = []
             with self._state(state, seed), self._capture(B, coef, records, targets):
                 losses = loss_fn(self.model, batch)
                 if losses.shape != (B,):
@@ -265,7 +275,8 @@ class ClippingEngine:
                 grads = (torch.autograd.grad(loss, live, allow_unused=True, retain_graph=retain)
                          if loss.requires_grad and live else [None] * len(live))
             index = {id(t): g for t, g in zip(live, grads)}
-            for rec in records[start:]:
+            del grads, live, targets
+            for rec in records:
                 if rec.target_index is not None:
                     if rec.output._version != rec.version:
                         raise ValueError(
@@ -273,9 +284,12 @@ class ClippingEngine:
                             f"modified in place; its gradient cannot be captured")
                     rec.G = index.get(id(rec.output))
                     rec.output = None
+            del index
+            query.add(self._contributions(records))
+            del records
             if retain:
                 graphs.append((coef, state, seed, losses))
-        return records, graphs, loss_total
+        return graphs, loss_total
 
     def _contributions(self, records: list[_Record]) -> dict[str, list[Contribution]]:
         per_param: dict[str, list[Contribution]] = {}
@@ -301,14 +315,48 @@ class ClippingEngine:
             rec.G = None
         return per_param
 
-    def _norms(self, per_param: dict[str, list[Contribution]], B: int, device, dtype):
+    def _norms(self, query: "_Query", B: int, device, dtype):
+        """Per-example norms of the query; returns (norms, forms kept for the clipped sum). The
+        query's entries are released as they are consumed."""
         sq = torch.zeros(B, device=device, dtype=dtype)
         used = {}
-        for name, contribs in per_param.items():
-            form = choose_form(contribs, self.ghost)
-            s, used[name] = squared_norms(contribs, form)
+        for name in list(query.forms):
+            total = query.dense.pop(name, None)
+            if total is not None:  # instantiated, states already summed
+                s = sq_rows(total)
+                used[name] = [Dense(total, 1.0)]
+            else:
+                s, used[name] = squared_norms(query.lists.pop(name), query.forms[name])
             sq = sq + s.to(dtype)
         return sq.clamp_min(0).sqrt(), used
+
+    def _query(self, plan: QueryPlan) -> "_Query":
+        """A query with reusable instantiated buffers when the plan has several states: their
+        size (B x the parameter's) is the same at every step, and a fresh allocation of that
+        size costs page faults (CPU) or allocator churn every step. One state: no reuse (the
+        buffers would otherwise stay allocated during the next forward, raising the peak)."""
+        return _Query(plan, self.ghost, self._workspace_view if len(plan) > 1 else None)
+
+    def _workspace_view(self, name: str, c: Contribution) -> Tensor | None:
+        """(B, numel) storage for parameter ``name``'s instantiated query, reused across calls
+        (grown when B grows); None for a Factored contribution (it allocates its own)."""
+        if isinstance(c, Outer):
+            ref = c.L if isinstance(c.L, Tensor) else c.R
+        elif isinstance(c, Dense):
+            ref = c.g
+        else:
+            return None
+        B, need = ref.shape[0], ref.shape[0] * self.params[name].numel()
+        buf = self._workspace.get(name)
+        if buf is None or buf.numel() < need or buf.dtype != ref.dtype or buf.device != ref.device:
+            self._workspace.pop(name, None)  # free the old one first
+            buf = torch.empty(need, dtype=ref.dtype, device=ref.device)
+            self._workspace[name] = buf
+        return buf[:need].view(B, -1)
+
+    def release_workspace(self) -> None:
+        """Free the reusable per-example buffers of multi-state queries."""
+        self._workspace.clear()
 
     def _acc_dtype(self) -> torch.dtype:
         p = next(iter(self.params.values()))
@@ -321,8 +369,10 @@ class ClippingEngine:
         device = next(iter(self.params.values())).device
         if B == 0:
             return torch.zeros(0, device=device, dtype=dtype)
-        records, _, _ = self._forward_backward(loss_fn, batch, plan or [(1.0, None)], False)
-        norms, _ = self._norms(self._contributions(records), B, device, dtype)
+        plan = plan or [(1.0, None)]
+        query = self._query(plan)
+        self._forward_backward(loss_fn, batch, plan, False, query)
+        norms, _ = self._norms(query, B, device, dtype)
         return norms
 
     def clip_factors(self, norms: Tensor) -> Tensor:
@@ -348,11 +398,10 @@ class ClippingEngine:
         dtype = self._acc_dtype()
         device = next(iter(self.params.values())).device
         two_pass = self.mode == "two_pass"
-        records, graphs, loss_total = self._forward_backward(loss_fn, batch, plan, two_pass)
-        per_param = self._contributions(records)
-        del records
-        norms, used = self._norms(per_param, B, device, dtype)
-        del per_param  # memory: only the forms used by the clipped sum are kept
+        query = self._query(plan)
+        graphs, loss_total = self._forward_backward(loss_fn, batch, plan, two_pass, query)
+        norms, used = self._norms(query, B, device, dtype)
+        del query  # memory: only the forms used by the clipped sum are kept
         # Sensitive: per-example norms and clip factors; discard after use.
         lam = self.clip_factors(norms)
         if active is not None:
@@ -386,6 +435,65 @@ class ClippingEngine:
             acc[name].add_(value)
         else:
             acc[name] = value.clone() if value.requires_grad else value
+
+
+class _Query:
+    """The per-example query u_b = sum_j a_j grad l(theta_j; x_b), parameter by parameter, as
+    the plan's states are evaluated one after the other.
+
+    A parameter's norm form is chosen when its first contributions arrive, from that state's
+    contributions and the number of states of the plan whose coefficient for the parameter is
+    non-zero (``choose_form_states``; one state: the single-state ``choose_form``). Then
+
+    - "instantiate": each state's contributions are added, with their coefficients, into ONE
+      per-example buffer (B, numel) right away (``add_instantiated``) and the state's captured
+      input and output gradient are released: memory B x the parameter's size whatever the
+      number of states, and no separate pass to sum the states' gradients;
+    - "ghost": the contributions are kept (the cross terms between states need every state's
+      factors) and paired up by ``squared_norms`` once all states are in.
+
+    The result is the same as collecting every contribution first (only the summation order of
+    the instantiated gradient differs).
+    """
+
+    def __init__(self, plan: QueryPlan, policy: str, buffer=None):
+        self.plan = plan
+        self.policy = policy
+        self.buffer = buffer  # (name, first contribution) -> reusable (B, numel) storage
+        self.forms: dict[str, str] = {}
+        self.lists: dict[str, list[Contribution]] = {}
+        self.dense: dict[str, Tensor] = {}
+
+    def _states_using(self, name: str) -> int:
+        n = 0
+        for entry in self.plan:
+            a = entry[0].get(name, 0.0) if isinstance(entry[0], dict) else entry[0]
+            n += a != 0.0
+        return max(n, 1)
+
+    def add(self, per_param: dict[str, list[Contribution]]) -> None:
+        for name, contribs in per_param.items():
+            form = self.forms.get(name)
+            if form is None:
+                form = choose_form_states(contribs, self._states_using(name), self.policy)
+                self.forms[name] = form
+                if form == "instantiate":
+                    self.dense[name] = None  # type: ignore[assignment]
+                else:
+                    self.lists[name] = []
+            if name in self.dense:
+                total = self.dense[name]
+                out = None
+                if total is None:
+                    contribs = first_write_order(contribs)
+                    if self.buffer is not None:
+                        out = self.buffer(name, contribs[0])
+                for c in contribs:
+                    total = add_instantiated(total, c, c.coef, out)
+                self.dense[name] = total
+            else:
+                self.lists[name].extend(contribs)
+        per_param.clear()
 
 
 def per_example_grad_norms(model: nn.Module, loss_fn: LossFn, batch: Any) -> Tensor:

@@ -1,0 +1,83 @@
+"""Smoke test of bench/inner_momentum.py (issue 4) on a tiny GPT-2: one round, no timing claims.
+
+Checks that every variant (non-private, DP-IM at K = 0 and 1, the split microbatch, the Opacus
+and torch.func naive IMs) builds and steps, that the last printed line is one JSON object with
+the keys BENCHMARKS.md and issue 4 rely on, and that the naive IMs and dptrain compute the same
+update (same query, same clipping: the speed comparison is between equal computations).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("opacus")
+pytest.importorskip("transformers")
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load("inner_momentum")
+
+
+def test_last_line_is_json_with_required_keys(bench, capsys):
+    bench.main(["--tiny", "--ks", "0,1", "--naive-k", "1", "--rounds", "1", "--no-memory"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("time_over_nonprivate", "memory_over_k0", "marginal_over_nonprivate",
+                "naive_over_dptrain", "naive_over_dptrain_vmap", "naive_baseline", "split",
+                "targets_met", "machine", "config", "date", "variants"):
+        assert key in summary, key
+    assert set(summary["time_over_nonprivate"]) == {"0", "1"}
+    assert set(summary["memory_over_k0"]) == {"0", "1"}
+    assert all(summary["time_over_nonprivate"][k] > 0 for k in ("0", "1"))
+    assert "1" in summary["marginal_over_nonprivate"]
+    assert summary["naive_over_dptrain"]["1"] > 0
+    assert summary["naive_over_dptrain_vmap"]["1"] > 0
+    for row in summary["variants"].values():
+        assert "error" not in row, row
+        assert row["median_s"] > 0
+
+
+def test_naive_ims_and_dptrain_take_the_same_step(bench):
+    cfg = bench.tiny_config()
+    cfg.noise_multiplier, cfg.lr, cfg.clip_norm, cfg.perturb = 0.0, 1.0, 0.05, 0.05
+    updates = {}
+    for v in ("k2", "k2_split2", "naive_k2", "naive_vmap_k2"):
+        step = bench.build_variant(v, cfg)
+        before = {n: x.clone() for n, x in step.params().items()}
+        step()
+        updates[v] = {n: before[n] - x for n, x in step.params().items()}
+    ref = updates["k2"]
+    scale = max(float(d.abs().max()) for d in ref.values())
+    assert scale > 0
+    for v, upd in updates.items():
+        assert set(upd) == set(ref), v
+        for n in ref:
+            torch.testing.assert_close(upd[n], ref[n], rtol=0, atol=1e-5 * scale, msg=v)
+
+
+def test_peak_child_measures_history_and_step(bench):
+    common = _load("common")
+    cfg = bench.tiny_config()
+    out = common.child_peak(lambda: bench.build_variant("k1", cfg), steps=1)
+    assert "error" not in out, out
+    assert out["peak_bytes"] >= 0 and out["baseline_bytes"] > 0
