@@ -1,12 +1,20 @@
 """Checkpoint save/load time and size (issue 6).
 
     python bench/checkpoint.py [--gpt2 small|tiny] [--repeats 3]
+    python bench/checkpoint.py --sharded [--repeats 3]
+
 
 For a GPT-2-shaped model (DP-Muon matrices + AdamW aux, the `gpt2` preset) and an NF-ResNet-shaped
 one (`nf_resnet26`, `nfresnet` preset), with and without the inner-momentum history (K = 4):
 fill every optimizer state with one fake release, then time `checkpoint.write` (torch.save,
 fsync, SHA-256, marker, rename) and `checkpoint.read` (checksum verification + torch.load), and
 report the size of state.pt. Prints a Markdown table (medians).
+
+``--sharded``: real ``Trainer`` runs (GPT-2 4 x 256, vocabulary 50,257, DP-Muon + AdamW aux,
+K = 0 and 4, states filled by K + 1 private steps) on 1 process (whole ``state.pt``) and on 2
+gloo ranks under FSDP (torch.distributed.checkpoint, each rank writing its own shards): time of
+``checkpoint.save`` (all ranks, to the rename) and ``checkpoint.load`` into the running trainer
+(verification + each rank reading its rows), and the largest file any one rank wrote.
 """
 
 from __future__ import annotations
@@ -66,8 +74,70 @@ def build(kind: str, gpt2: str, k: int):
             "ledger": {}}, n_params
 
 
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+
+
+def _sharded_case(rank: int, world: int, out: str, k: int, repeats: int) -> dict | None:
+    import torch.distributed as dist
+
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    args = ["train.progress=false", f"privacy.steps={k + 1}", "privacy.sample_rate=0.03",
+            "model.n_layer=4", "model.n_embd=256", "model.n_head=4",
+            "data.synthetic_vocab_size=50257", "train.keep_checkpoints=1",
+            "performance.sharding=" + ("fsdp" if world > 1 else "none")]
+    if k:
+        args += [f"optim.inner_momentum.k_muon={k}", f"optim.inner_momentum.k_other={k}",
+                 "optim.inner_momentum.gamma_muon=0.9"]
+    t = Trainer(load(RunConfig, TINY, args), out)
+    for _ in range(k + 1):
+        t.private_step()
+    saves, loads = [], []
+    for _ in range(repeats):
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        path = ckpt.save(t, Path(out))
+        saves.append(time.perf_counter() - t0)
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        ckpt.load(t, ckpt.find_latest(Path(out)))
+        loads.append(time.perf_counter() - t0)
+    if rank != 0:
+        return None
+    files = {p.name: p.stat().st_size for p in path.iterdir()}
+    biggest = max(v for n, v in files.items() if n.endswith((".pt", ".distcp")))
+    n = sum(p.numel() for _, p in t.named_params) if world == 1 else None
+    return {"save": statistics.median(saves), "load": statistics.median(loads),
+            "total_mib": sum(files.values()) / 2**20, "biggest_mib": biggest / 2**20,
+            "files": sorted(files), "params": n}
+
+
+def main_sharded(repeats: int, base: Path) -> None:
+    from dptrain.parallel.dist import spawn
+
+    print("| model | K | ranks | written as | checkpoint MiB | largest file MiB | save s | "
+          "load s |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|")
+    for k in (0, 4):
+        for world in (1, 2):
+            out = str(base / f"sharded-{k}-{world}")
+            if world == 1:
+                r = _sharded_case(0, 1, out, k, repeats)
+            else:
+                r = spawn(_sharded_case, world, out, k, repeats)[0]
+            how = "state.pt (rank 0)" if world == 1 else "DCP, a file per rank"
+            print(f"| GPT-2 4x256 | {k} | {world} | {how} | {r['total_mib']:.0f} | "
+                  f"{r['biggest_mib']:.0f} | {r['save']:.2f} | {r['load']:.2f} |", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sharded", action="store_true",
+                    help="1 process vs 2 FSDP ranks (DCP), real trainer states")
     ap.add_argument("--gpt2", choices=["small", "tiny"], default="small")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
@@ -76,6 +146,11 @@ def main() -> None:
     base = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-"))
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}, writing to {base}")
+    if args.sharded:
+        main_sharded(args.repeats, base)
+        if args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+        return
     print("| model | params | K | state.pt MiB | save s | load s |")
     print("|---|---:|---:|---:|---:|---:|")
     for kind in ("gpt2", "nf_resnet26"):

@@ -60,9 +60,11 @@ def test_accelerate_launch_two_cpu_ranks_equal_one(tmp_path):
                TOKENIZERS_PARALLELISM="false")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
+    # the 2 ranks also write sharded (DCP) checkpoints at steps 2 and 4, through the CLI
     cmd = [*_launcher(), "--multi_gpu", "--num_processes", "2",
            "--main_process_port", "0",  # 0: a free port (other jobs may hold 29500)
-           "-m", "dptrain", "train", "--config", TINY, "--output-dir", str(two), *OVERRIDES]
+           "-m", "dptrain", "train", "--config", TINY, "--output-dir", str(two), *OVERRIDES,
+           "train.checkpoint_every=2"]
     log = open(tmp_path / "launch.log", "w+")
     # its own session: on a failure the launcher and its ranks go together (killpg)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -91,6 +93,26 @@ def test_accelerate_launch_two_cpu_ranks_equal_one(tmp_path):
         assert rel <= 1e-5, (k, rel)
     assert s2["metrics"]["nll_per_token"] == pytest.approx(s1["metrics"]["nll_per_token"],
                                                            rel=1e-4)
+
+    # issue 6 through the CLI: each rank wrote its own shards; the step-4 checkpoint holds the
+    # final model exactly; `--resume` of the step-2 one on 1 rank ends at the same model (1e-5)
+    from dptrain import checkpoint as ckpt
+
+    names = sorted(p.name for p in (two / "checkpoints").iterdir())
+    assert names == ["step-00000002", "step-00000004"], names
+    last = two / "checkpoints" / "step-00000004"
+    assert {"__0_0.distcp", "__1_0.distcp", "meta.pt"} <= {p.name for p in last.iterdir()}
+    state = ckpt.read(last)
+    assert state["world_size"] == 2 and state["step"] == 4
+    for k in a:
+        assert torch.equal(state["model"][k], a[k]), k
+    resumed = tmp_path / "resumed"
+    assert main(["train", "--config", TINY, "--output-dir", str(resumed), *OVERRIDES,
+                 "--resume", str(two / "checkpoints" / "step-00000002")]) == 0
+    c = _load(resumed / "final" / "model.safetensors")
+    for k in b:
+        rel = float((c[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-12))
+        assert rel <= 1e-5, (k, rel)
 
 
 def test_launch_files_parse_and_pass_the_per_job_values_as_flags():

@@ -1,6 +1,7 @@
-"""FSDP-sharded checkpoints (issue 6): every rank gathers its shards of the model, optimizer
-(Muon momenta, AdamW moments), inner-momentum history to rank 0, which writes a full checkpoint;
-loading re-shards onto any world size. Resume 2 ranks -> 1 and 1 -> 2: same parameters to 1e-5."""
+"""FSDP-sharded checkpoints (issue 6): written with torch.distributed.checkpoint, every rank its
+own shards of the model, the optimizer (Muon momenta as DTensors, AdamW moments) and the
+inner-momentum history; rank 0 the rest (meta.pt). Resume on 2 ranks is bit for bit; 2 ranks -> 1
+and 1 -> 2 give the same parameters to 1e-5; a damaged shard file is detected."""
 
 from __future__ import annotations
 
@@ -26,16 +27,24 @@ def _trainer(out: str):
     return Trainer(load(RunConfig, TINY, ARGS), out)
 
 
-def _first_half(rank: int, world: int, out: str) -> None:
+def _full(t) -> dict:
+    return {k: v.clone() for k, v in t.full_state_dict().items()}
+
+
+def _save_at_2_then_finish(rank: int, world: int, out: str) -> dict:
+    """Two steps, a checkpoint, two more steps: the parameters of the run that never stopped."""
     from dptrain import checkpoint as ckpt
 
     t = _trainer(out)
     t.private_step()
     t.private_step()
     ckpt.save(t, Path(out))
+    t.private_step()
+    t.private_step()
+    return _full(t)
 
 
-def _second_half(rank: int, world: int, out: str) -> dict:
+def _resume_and_finish(rank: int, world: int, out: str) -> dict:
     from dptrain import checkpoint as ckpt
 
     t = _trainer(out)
@@ -43,7 +52,7 @@ def _second_half(rank: int, world: int, out: str) -> dict:
     assert t.step == 2 and t.ledger.num_releases == 2
     t.private_step()
     t.private_step()
-    return {k: v.clone() for k, v in t.full_state_dict().items()}
+    return _full(t)
 
 
 def _rel(a: dict, b: dict) -> float:
@@ -53,29 +62,65 @@ def _rel(a: dict, b: dict) -> float:
                      / b[k].double().norm().clamp_min(1e-12)) for k in common)
 
 
-def test_resume_across_world_sizes(tmp_path):
+def test_dcp_checkpoint_each_rank_writes_its_part_and_reshards(tmp_path):
     from dptrain import checkpoint as ckpt
 
     ref = _trainer(str(tmp_path / "ref"))
     for _ in range(4):
         ref.private_step()
     want = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
-    # 2 ranks -> 1 rank
-    spawn(_first_half, 2, str(tmp_path / "a"))
+
+    # 2 ranks write a DCP checkpoint at step 2 and run on to step 4
+    two = spawn(_save_at_2_then_finish, 2, str(tmp_path / "a"))[0]
     path = ckpt.find_latest(tmp_path / "a")
     assert path is not None and path.name == "step-00000002"
+    files = {p.name: p.stat().st_size for p in path.iterdir()}
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt", ckpt.MARKER} <= set(files)
+    assert "state.pt" not in files  # no rank gathered the whole state
+    # each rank wrote its own rows: the two shard files are of comparable size
+    assert 0.5 < files["__0_0.distcp"] / files["__1_0.distcp"] < 2.0
+    meta = ckpt.read_meta(path)
+    assert meta["format"] == 2 and meta["world_size"] == 2 and meta["step"] == 2
+    assert len(meta["rng"]["torch_ranks"]) == 2
+    # assembled in one process: full, plain tensors, the history included
     state = ckpt.read(path)
-    assert state["world_size"] == 2
-    assert state["optimizer"]["history"]["states"]  # the history travelled, unsharded
+    assert state["optimizer"]["history"]["states"]
+    n_muon = 0
     for osd in state["optimizer"]["optimizers"]:
-        for st in osd["state"].values():
-            for v in st.values():
-                assert not hasattr(v, "to_local")  # plain full tensors
-    got = _second_half(0, 1, str(tmp_path / "a"))
-    assert _rel(got, want) <= 1e-5
-    # 1 rank -> 2 ranks
-    _first_half(0, 1, str(tmp_path / "b"))
-    results = spawn(_second_half, 2, str(tmp_path / "b"))
-    got2 = next(r for r in results if r)
+        for idx, st in osd["state"].items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    assert not hasattr(v, "to_local")
+                if k == "momentum_buffer" and v.dim() == 2:
+                    n_muon += 1
+    assert n_muon > 0
+    for k, v in state["model"].items():
+        assert tuple(v.shape) == tuple(want[k].shape), k
+
+    # 2 -> 2: bit for bit; 2 -> 1: to 1e-5 of the one-process run (and of the 2-rank one)
+    again = spawn(_resume_and_finish, 2, str(tmp_path / "a"))[0]
+    assert two.keys() == again.keys()
+    for k in two:
+        assert torch.equal(two[k], again[k]), k
+    one = _resume_and_finish(0, 1, str(tmp_path / "a"))
+    assert _rel(one, want) <= 1e-5 and _rel(two, want) <= 1e-5
+
+    # 1 rank -> 2 ranks (a whole checkpoint re-sharded on load)
+    _save_at_2_then_finish(0, 1, str(tmp_path / "b"))
+    assert (ckpt.find_latest(tmp_path / "b") / "state.pt").is_file()
+    got2 = spawn(_resume_and_finish, 2, str(tmp_path / "b"))[0]
     assert _rel(got2, want) <= 1e-5
     assert torch.isfinite(torch.cat([v.flatten() for v in got2.values()])).all()
+
+    # a bit flipped in one rank's shard: detected, named, skipped
+    shard = path / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    problem = ckpt.verify(path)
+    assert problem is not None and "__1_0.distcp" in problem
+    assert ckpt.find_latest(tmp_path / "a") is None  # the only checkpoint is damaged
+    from dptrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="__1_0.distcp"):
+        ckpt.read(path)

@@ -1,10 +1,14 @@
-"""Whole, atomic checkpoints (single process).
+"""Atomic, checksummed checkpoints: whole (one process) or sharded (FSDP, DCP).
 
-A checkpoint is a directory ``DIR/checkpoints/step-00000012/`` holding ``state.pt`` (model,
-optimizer and filter states, the privacy ledger, the step, RNG states, the resolved config) and,
-written last, ``COMPLETE`` with the SHA-256 of every file. It is written under a temporary name
-and renamed into place, so a reader never sees a partial checkpoint; a checkpoint whose marker is
-missing or whose checksums do not match is reported and skipped in favour of the previous one.
+A checkpoint is a directory ``DIR/checkpoints/step-00000012/``. Unsharded runs write
+``state.pt`` (model, optimizer and filter states, the inner-momentum history, the privacy ledger,
+the step, RNG states, the resolved config). FSDP-sharded runs write with
+torch.distributed.checkpoint, each rank its own shards (``__R_0.distcp``, ``.metadata``) and
+rank 0 ``meta.pt`` (everything but the tensors). Either way ``COMPLETE``, with the SHA-256 of
+every file, is written last, under a temporary name that is then renamed into place, so a reader
+never sees a partial checkpoint; a checkpoint whose marker is missing or whose checksums do not
+match is reported and skipped in favour of the previous one. Any world size loads any
+checkpoint (DCP re-shards; ``read`` assembles full tensors in one process).
 
 The ledger in a checkpoint counts exactly the releases that produced its parameters. In secure
 mode the privacy seed is not stored (resume then draws fresh randomness and says so).
@@ -17,6 +21,7 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,13 +113,22 @@ def write(state: dict[str, Any], output_dir: Path, step: int, keep: int) -> Path
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+    return _seal(tmp, root, name, step, {}, keep)
+
+
+def _seal(tmp: Path, root: Path, name: str, step: int, sums: dict[str, str], keep: int) -> Path:
+    """Finish a checkpoint written into ``tmp``: the SHA-256 of every file (``sums``: digests
+    computed by the ranks that wrote those files), the marker last, rename into place, prune."""
     _test_pause()
-    sums = {p.name: _sha256(p) for p in tmp.iterdir()}
+    for p in sorted(tmp.iterdir()):
+        if p.name not in sums:
+            sums[p.name] = _sha256(p)
     with open(tmp / MARKER, "w") as f:  # the marker last: it vouches for every file above
         json.dump({"sha256": sums, "step": step}, f)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
+    final = root / name
     if final.exists():  # a damaged checkpoint at this step (skipped on resume): move it aside
         old = root / f".old-{name}-{os.getpid()}"
         os.replace(final, old)
@@ -133,25 +147,17 @@ def _sharded(trainer) -> bool:
 
 def save(trainer, output_dir: Path) -> Path | None:
     """Checkpoint ``trainer``; call on every rank. Unsharded (one rank, or replicated states):
-    rank 0 writes. FSDP-sharded: every rank takes part in gathering the full (unsharded) model and
-    optimizer tensors to rank 0, which writes them like a one-rank checkpoint (so any world size
-    can load and re-shard); then a barrier. Returns the path on rank 0, None elsewhere."""
+    rank 0 writes ``state.pt``. FSDP-sharded: torch.distributed.checkpoint, every rank writing
+    its own shards (see ``_save_dcp``). Returns the path on rank 0, None elsewhere."""
     if not _sharded(trainer):
         if trainer.rank != 0:
             return None
         return write(capture(trainer), output_dir, trainer.step,
                      trainer.cfg.train.keep_checkpoints)
-    import torch.distributed as dist
-
-    state = _capture_sharded(trainer)
-    path = None
-    if trainer.rank == 0:
-        path = write(state, output_dir, trainer.step, trainer.cfg.train.keep_checkpoints)
-    dist.barrier()
-    return path
+    return _save_dcp(trainer, Path(output_dir))
 
 
-# ------------------------------------------------------------------ FSDP: gather / re-shard
+# ------------------------------------------------------------------ FSDP: re-shard full states
 
 def _param_maps(trainer):
     by_name = dict(trainer.named_params)
@@ -168,26 +174,9 @@ def _is_local_rows(v, p) -> bool:
             and tuple(v.shape[1:]) == tuple(p.shape[1:]))
 
 
-def _to_full(v, p):
-    """Full CPU tensor of a state tensor (collective: every rank calls in the same order)."""
-    from dptrain.parallel.fsdp import is_sharded
-
-    if not isinstance(v, torch.Tensor):
-        return v
-    if is_sharded(v):
-        return v.full_tensor().detach().cpu().clone()
-    if p is not None and _is_local_rows(v, p):
-        import math
-
-        from dptrain.optim.muon import _gather_rows
-
-        rc = (p.shape[0], math.prod(p.shape[1:]))
-        return _gather_rows(v.reshape(v.shape[0], -1).contiguous(), rc).view(p.shape).cpu().clone()
-    return v.detach().cpu().clone()
-
-
 def _to_shard(v, p, local: bool):
-    """Inverse of _to_full for this rank: a DTensor like ``p`` or (``local``) plain rows."""
+    """This rank's part of full state tensor ``v`` of ``p``: a DTensor like ``p`` or (``local``,
+    Muon's buffers) plain rows."""
     from torch.distributed.tensor import DTensor
 
     from dptrain.parallel.dist import shard_bounds
@@ -212,7 +201,7 @@ def _walk(obj, p, fn, by_name):
                 for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_walk(v, p, fn, by_name) for v in obj)
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, (torch.Tensor, _Ref)):
         return fn(obj, p)
     return obj
 
@@ -225,7 +214,8 @@ def _map_optimizer(trainer, sd: dict, fn_opt, fn_other) -> dict:
     out["optimizers"] = []
     for i, osd in enumerate(sd["optimizers"]):
         params = opt_params[i]
-        state = {idx: {k: (fn_opt(i, v, params[idx]) if isinstance(v, torch.Tensor) else v)
+        state = {idx: {k: (fn_opt(i, v, params[idx]) if isinstance(v, (torch.Tensor, _Ref))
+                           else v)
                        for k, v in sorted(st.items())}
                  for idx, st in sorted(osd["state"].items())}
         out["optimizers"].append({**osd, "state": state})
@@ -233,29 +223,6 @@ def _map_optimizer(trainer, sd: dict, fn_opt, fn_other) -> dict:
         if sd.get(key) is not None:
             out[key] = _walk(sd[key], None, fn_other, by_name)
     return out
-
-
-def _capture_sharded(trainer) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    assert trainer.ledger.num_releases == trainer.step, "ledger and step disagree"
-    model = trainer.full_state_dict()  # collective; the full tensors land on rank 0
-    optim = _map_optimizer(trainer, trainer.optimizer.state_dict(),
-                           lambda i, v, p: _to_full(v, p), _to_full)
-    rngs = [None] * trainer.world
-    dist.all_gather_object(rngs, torch.get_rng_state())
-    return {
-        "format": 1,
-        "step": trainer.step,
-        "model": model,
-        "optimizer": optim,
-        "ledger": trainer.ledger.to_dict(),
-        "plan": vars(trainer.plan),
-        "config": to_dict(trainer.cfg),
-        "world_size": trainer.world,
-        "rng": {"torch": rngs[0], "torch_ranks": rngs, "cuda": None},
-        "privacy_seed": None if trainer.cfg.privacy.secure_mode else trainer._privacy_seed,
-    }
 
 
 def _load_sharded(trainer, state: dict) -> None:
@@ -269,6 +236,165 @@ def _load_sharded(trainer, state: dict) -> None:
     optim = _map_optimizer(trainer, state["optimizer"],
                            lambda i, v, p: _to_shard(v, p, local[i]),
                            lambda v, p: _to_shard(v, p, False))
+    trainer.optimizer.load_state_dict(optim)
+
+
+# ------------------------------------------------------------------ FSDP: DCP, one part per rank
+
+@dataclass(frozen=True)
+class _Ref:
+    """Stands in ``meta.pt`` for an optimizer/filter/history tensor stored by DCP under ``key``
+    (``shape``: the global shape)."""
+    key: str
+    shape: tuple
+    dtype: torch.dtype
+
+
+def _dcp_tensor(v, p):
+    """What DCP stores for state tensor ``v`` of parameter ``p``: DTensors as they are; Muon's
+    local row shards wrapped as the DTensor they are a shard of; anything else (replicated:
+    scalars, states of unsharded parameters) as it is (DCP writes one copy)."""
+    from torch.distributed.tensor import DTensor
+
+    from dptrain.parallel.fsdp import is_sharded
+
+    if is_sharded(v):
+        return v
+    if p is not None and _is_local_rows(v, p):
+        return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+    return v
+
+
+def _save_dcp(trainer, output_dir: Path) -> Path | None:
+    """Sharded checkpoint with torch.distributed.checkpoint: every rank writes its own shards
+    (``__RANK_0.distcp``; DCP's planner writes replicated tensors once), rank 0 the rest of the
+    run (``meta.pt``: step, ledger, plan, config, per-rank RNG states, the optimizer's structure
+    with ``_Ref`` placeholders). Same atomicity as ``write``: a temporary directory, each rank's
+    SHA-256 of its own files gathered to rank 0, which writes ``COMPLETE`` last and renames."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    assert trainer.ledger.num_releases == trainer.step, "ledger and step disagree"
+    rank, step = trainer.rank, trainer.step
+    root = _root(output_dir)
+    name = f"step-{step:08d}"
+    tag = [os.getpid()]
+    dist.broadcast_object_list(tag, src=0)  # the temporary name: rank 0's pid (as ``write``)
+    tmp = root / f".tmp-{name}-{tag[0]}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _clean_stale(root)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    dist.barrier()
+
+    tensors: dict[str, Any] = {}
+
+    def put(v, p):
+        key = f"t{len(tensors):05d}"  # same traversal order on every rank
+        tensors[key] = _dcp_tensor(v, p)
+        return _Ref(key, tuple(tensors[key].shape), v.dtype)  # a DTensor's shape is global
+
+    optim = _map_optimizer(trainer, trainer.optimizer.state_dict(),
+                           lambda i, v, p: put(v, p), put)
+    model = {k: v for k, v in trainer.model.state_dict().items()}
+    dcp.save({"model": model, "optim": tensors}, checkpoint_id=str(tmp))
+    rngs = [None] * trainer.world
+    dist.all_gather_object(rngs, torch.get_rng_state())
+    mine = {f.name: _sha256(f) for f in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+    sums = [None] * trainer.world
+    dist.all_gather_object(sums, mine)
+    path = None
+    if rank == 0:
+        meta = {
+            "format": 2,
+            "step": step,
+            "optimizer": optim,
+            "model_keys": list(model),
+            "ledger": trainer.ledger.to_dict(),
+            "plan": vars(trainer.plan),
+            "config": to_dict(trainer.cfg),
+            "world_size": trainer.world,
+            "rng": {"torch": rngs[0], "torch_ranks": rngs, "cuda": None},
+            "privacy_seed": None if trainer.cfg.privacy.secure_mode else trainer._privacy_seed,
+        }
+        with open(tmp / "meta.pt", "wb") as f:
+            torch.save(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        path = _seal(tmp, root, name, step, {k: v for s in sums for k, v in s.items()},
+                     trainer.cfg.train.keep_checkpoints)
+    dist.barrier()
+    return path
+
+
+def _dcp_full(path: Path) -> dict[str, Any]:
+    """Every tensor of a DCP checkpoint as a full (unsharded) CPU tensor, in this process only
+    (no collectives): ``{"model": {...}, "optim": {...}}``."""
+    # As DCP's own converter (format_utils.dcp_to_torch_save) does it, without the file.
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    out: dict[str, Any] = {}
+    _load_state_dict(out, storage_reader=FileSystemReader(str(path)),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return out
+
+
+def _fill_refs(obj, tensors: dict):
+    if isinstance(obj, _Ref):
+        return tensors[obj.key]
+    if isinstance(obj, dict):
+        return {k: _fill_refs(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill_refs(v, tensors) for v in obj)
+    return obj
+
+
+def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
+    """Load a DCP checkpoint into a sharded run of any world size: DCP reads each rank's rows
+    of every tensor from whichever files hold them (re-sharding)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         set_model_state_dict)
+    from torch.distributed.tensor import DTensor
+
+    from dptrain.optim.muon import Muon
+    from dptrain.parallel.dist import shard_bounds
+    from dptrain.parallel.fsdp import is_sharded
+
+    model = get_model_state_dict(trainer.model)
+    targets: dict[str, Any] = {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def target(ref, p):
+        if p is not None and is_sharded(p) and tuple(ref.shape) == tuple(p.shape):
+            start, end = shard_bounds(p.shape[0], rank, world)
+            local = torch.empty((end - start, *p.shape[1:]), dtype=ref.dtype,
+                                device=p.to_local().device)
+            t = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                   shape=p.shape, stride=p.stride())
+        else:
+            dev = p.to_local().device if p is not None and is_sharded(p) else (
+                p.device if p is not None else "cpu")
+            t = torch.empty(ref.shape, dtype=ref.dtype, device=dev)
+        targets[ref.key] = t
+        return ref
+
+    _map_optimizer(trainer, meta["optimizer"], lambda i, v, p: target(v, p), target)
+    dcp.load({"model": model, "optim": targets}, checkpoint_id=str(path))
+    set_model_state_dict(trainer.model, model)
+    local = [isinstance(opt, Muon) for opt in trainer.optimizer.optimizers]
+
+    def fill(i, ref, p):
+        t = targets[ref.key]
+        return t.to_local() if local[i] and is_sharded(t) else t
+
+    optim = _map_optimizer(trainer, meta["optimizer"], fill, lambda ref, p: targets[ref.key])
     trainer.optimizer.load_state_dict(optim)
 
 
@@ -330,36 +456,61 @@ def check_compatible(saved_cfg: dict, cfg) -> None:
                                        f"{section} settings")
 
 
-def read(path: Path) -> dict[str, Any]:
-    """The verified state of the checkpoint at ``path``; ConfigError("resume") if unusable."""
+def read_meta(path: Path) -> dict[str, Any]:
+    """The verified checkpoint at ``path`` without the tensors DCP holds: ``state.pt`` (whole
+    checkpoints) or ``meta.pt`` (sharded ones, ``format`` 2, optimizer tensors as ``_Ref``).
+    ConfigError("resume") if unusable."""
     path = Path(path)
     problem = verify(path)
     if problem is not None:
         raise ConfigError("resume", f"checkpoint {path} is unusable: {problem}")
+    name = "meta.pt" if (path / "meta.pt").is_file() else "state.pt"
     try:
-        return torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+        return torch.load(path / name, map_location="cpu", weights_only=False)
     except Exception as e:  # intact checksums but unreadable: written by something else
-        raise ConfigError("resume", f"checkpoint {path} is unusable: cannot read state.pt "
+        raise ConfigError("resume", f"checkpoint {path} is unusable: cannot read {name} "
                                     f"({type(e).__name__}: {e})") from None
+
+
+def read(path: Path) -> dict[str, Any]:
+    """The verified checkpoint at ``path`` as one dict of full (unsharded) CPU tensors, whatever
+    its format: a sharded checkpoint is assembled in this process (no collectives)."""
+    state = read_meta(path)
+    if state.get("format") == 2:
+        try:
+            tensors = _dcp_full(Path(path))
+        except Exception as e:
+            raise ConfigError("resume", f"checkpoint {path} is unusable: cannot read its "
+                                        f"shards ({type(e).__name__}: {e})") from None
+        state["model"] = {k: tensors["model"][k] for k in state.pop("model_keys")}
+        state["optimizer"] = _fill_refs(state["optimizer"], tensors["optim"])
+        state["format"] = 1
+    return state
 
 
 def load(trainer, path: Path) -> None:
     from dptrain.privacy.accounting import Ledger
 
-    state = read(path)
+    path = Path(path)
+    state = read_meta(path)
     check_compatible(state["config"], trainer.cfg)
     ledger = Ledger.from_dict(state["ledger"])
     if ledger.num_releases != state["step"]:
         raise ConfigError("resume", f"checkpoint {path} is inconsistent: its ledger counts "
                                     f"{ledger.num_releases} releases at step {state['step']}")
-    if _sharded(trainer):
-        _load_sharded(trainer, state)
+    if _sharded(trainer) and state.get("format") == 2:
+        _load_dcp_sharded(trainer, state, path)  # each rank reads its own rows
     else:
-        trainer.model.load_state_dict(state["model"])
-        # filter/history states onto their parameters' device (torch optimizers do it themselves)
-        trainer.optimizer.load_state_dict(_map_optimizer(
-            trainer, state["optimizer"], lambda i, v, p: v,
-            lambda v, p: v.to(p.device) if p is not None else v))
+        if state.get("format") == 2:
+            state = read(path)
+        if _sharded(trainer):
+            _load_sharded(trainer, state)
+        else:
+            trainer.model.load_state_dict(state["model"])
+            # filter/history states onto their parameters' device (torch optimizers do it)
+            trainer.optimizer.load_state_dict(_map_optimizer(
+                trainer, state["optimizer"], lambda i, v, p: v,
+                lambda v, p: v.to(p.device) if p is not None else v))
     trainer.ledger = ledger
     trainer.step = state["step"]
     ranks = state["rng"].get("torch_ranks")

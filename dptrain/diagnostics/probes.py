@@ -192,7 +192,7 @@ def resolve_checkpoint(run_dir: str | Path | None = None,
     path = Path(checkpoint)
     if not path.is_dir():
         raise ConfigError("--checkpoint", f"no checkpoint directory at {path}")
-    if not (path / "state.pt").is_file() and (path / "checkpoints").is_dir():
+    if not (path / ckpt.MARKER).is_file() and (path / "checkpoints").is_dir():
         raise ConfigError("--checkpoint", f"{path} is a run directory, not a checkpoint; use "
                                           f"--run {path}, or --checkpoint {path}/checkpoints/"
                                           f"step-...")
@@ -233,7 +233,10 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     problem = ckpt.verify(path)
     if problem is not None:
         raise ConfigError("--checkpoint", f"checkpoint {path} is unusable: {problem}")
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    try:
+        state = ckpt.read(path)  # full tensors, also of a sharded (DCP) checkpoint
+    except ConfigError as e:
+        raise ConfigError("--checkpoint", e.message) from None
     cfg = _build_config(state["config"], config_path, overrides)
     ckpt.check_compatible(state["config"], cfg)
     plan = state["plan"]
