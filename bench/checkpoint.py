@@ -10,7 +10,7 @@ fill every optimizer state with one fake release, then time `checkpoint.write` (
 fsync, SHA-256, marker, rename) and `checkpoint.read` (checksum verification + torch.load), and
 report the size of state.pt. Prints a Markdown table (medians).
 
-``--sharded``: real ``Trainer`` runs (GPT-2 4 x 256, vocabulary 50,257, DP-Muon + AdamW aux,
+``--sharded``: real ``Trainer`` runs (GPT-2 4 x 512, vocabulary 8,192 (the synthetic Markov text keeps a V x V table), DP-Muon + AdamW aux,
 K = 0 and 4, states filled by K + 1 private steps) on 1 process (whole ``state.pt``) and on 2
 gloo ranks under FSDP (torch.distributed.checkpoint, each rank writing its own shards): time of
 ``checkpoint.save`` (all ranks, to the rename) and ``checkpoint.load`` into the running trainer
@@ -84,8 +84,8 @@ def _sharded_case(rank: int, world: int, out: str, k: int, repeats: int) -> dict
     from dptrain.trainer import RunConfig, Trainer
 
     args = ["train.progress=false", f"privacy.steps={k + 1}", "privacy.sample_rate=0.03",
-            "model.n_layer=4", "model.n_embd=256", "model.n_head=4",
-            "data.synthetic_vocab_size=50257", "train.keep_checkpoints=1",
+            "model.n_layer=4", "model.n_embd=512", "model.n_head=8",
+            "data.synthetic_vocab_size=8192", "train.keep_checkpoints=1",
             "performance.sharding=" + ("fsdp" if world > 1 else "none")]
     if k:
         args += [f"optim.inner_momentum.k_muon={k}", f"optim.inner_momentum.k_other={k}",
@@ -129,7 +129,7 @@ def main_sharded(repeats: int, base: Path) -> None:
             else:
                 r = spawn(_sharded_case, world, out, k, repeats)[0]
             how = "state.pt (rank 0)" if world == 1 else "DCP, a file per rank"
-            print(f"| GPT-2 4x256 | {k} | {world} | {how} | {r['total_mib']:.0f} | "
+            print(f"| GPT-2 4x512, vocab 8192 | {k} | {world} | {how} | {r['total_mib']:.0f} | "
                   f"{r['biggest_mib']:.0f} | {r['save']:.2f} | {r['load']:.2f} |", flush=True)
             shutil.rmtree(out, ignore_errors=True)
 

@@ -82,6 +82,9 @@ def test_dcp_checkpoint_each_rank_writes_its_part_and_reshards(tmp_path):
     meta = ckpt.read_meta(path)
     assert meta["format"] == 2 and meta["world_size"] == 2 and meta["step"] == 2
     assert len(meta["rng"]["torch_ranks"]) == 2
+    # GPT-2's tied lm_head is written once, under wte's name, and restored by read()
+    assert meta["model_aliases"] == {"lm_head.weight": "transformer.wte.weight"}
+    assert "lm_head.weight" not in meta["model_keys"]
     # assembled in one process: full, plain tensors, the history included
     state = ckpt.read(path)
     assert state["optimizer"]["history"]["states"]
@@ -94,8 +97,10 @@ def test_dcp_checkpoint_each_rank_writes_its_part_and_reshards(tmp_path):
                 if k == "momentum_buffer" and v.dim() == 2:
                     n_muon += 1
     assert n_muon > 0
+    assert state["model"].keys() == want.keys()
     for k, v in state["model"].items():
         assert tuple(v.shape) == tuple(want[k].shape), k
+    assert torch.equal(state["model"]["lm_head.weight"], state["model"]["transformer.wte.weight"])
 
     # 2 -> 2: bit for bit; 2 -> 1: to 1e-5 of the one-process run (and of the 2-rank one)
     again = spawn(_resume_and_finish, 2, str(tmp_path / "a"))[0]

@@ -299,7 +299,7 @@ def _save_dcp(trainer, output_dir: Path) -> Path | None:
 
     optim = _map_optimizer(trainer, trainer.optimizer.state_dict(),
                            lambda i, v, p: put(v, p), put)
-    model = {k: v for k, v in trainer.model.state_dict().items()}
+    model, aliases = _dedup(trainer.model)
     dcp.save({"model": model, "optim": tensors}, checkpoint_id=str(tmp))
     rngs = [None] * trainer.world
     dist.all_gather_object(rngs, torch.get_rng_state())
@@ -313,6 +313,7 @@ def _save_dcp(trainer, output_dir: Path) -> Path | None:
             "step": step,
             "optimizer": optim,
             "model_keys": list(model),
+            "model_aliases": aliases,  # tied names (GPT-2's lm_head.weight -> wte's), stored once
             "ledger": trainer.ledger.to_dict(),
             "plan": vars(trainer.plan),
             "config": to_dict(trainer.cfg),
@@ -328,6 +329,19 @@ def _save_dcp(trainer, output_dir: Path) -> Path | None:
                      trainer.cfg.train.keep_checkpoints)
     dist.barrier()
     return path
+
+
+def _dedup(model) -> tuple[dict, dict[str, str]]:
+    """``model``'s state dict with each tied parameter once (under its first name) and
+    {dropped name: kept name} (GPT-2: lm_head.weight -> transformer.wte.weight)."""
+    sd = model.state_dict()
+    first: dict[int, str] = {}
+    aliases = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first and n in sd:
+            aliases[n] = first[id(p)]
+        first.setdefault(id(p), n)
+    return {k: v for k, v in sd.items() if k not in aliases}, aliases
 
 
 def _dcp_full(path: Path) -> dict[str, Any]:
@@ -359,7 +373,8 @@ def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
     of every tensor from whichever files hold them (re-sharding)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_model_state_dict,
                                                          set_model_state_dict)
     from torch.distributed.tensor import DTensor
 
@@ -368,6 +383,7 @@ def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
     from dptrain.parallel.fsdp import is_sharded
 
     model = get_model_state_dict(trainer.model)
+    model = {k: v for k, v in model.items() if k not in meta.get("model_aliases", {})}
     targets: dict[str, Any] = {}
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -387,7 +403,7 @@ def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
 
     _map_optimizer(trainer, meta["optimizer"], lambda i, v, p: target(v, p), target)
     dcp.load({"model": model, "optim": targets}, checkpoint_id=str(path))
-    set_model_state_dict(trainer.model, model)
+    set_model_state_dict(trainer.model, model, options=StateDictOptions(strict=False))
     local = [isinstance(opt, Muon) for opt in trainer.optimizer.optimizers]
 
     def fill(i, ref, p):
@@ -482,7 +498,10 @@ def read(path: Path) -> dict[str, Any]:
         except Exception as e:
             raise ConfigError("resume", f"checkpoint {path} is unusable: cannot read its "
                                         f"shards ({type(e).__name__}: {e})") from None
-        state["model"] = {k: tensors["model"][k] for k in state.pop("model_keys")}
+        model = {k: tensors["model"][k] for k in state.pop("model_keys")}
+        for dropped, kept in state.pop("model_aliases", {}).items():
+            model[dropped] = model[kept]
+        state["model"] = model
         state["optimizer"] = _fill_refs(state["optimizer"], tensors["optim"])
         state["format"] = 1
     return state
