@@ -14,7 +14,6 @@ Everything before the release touches private data; everything after it is post-
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import time
@@ -32,7 +31,8 @@ from dptrain.data import DataConfig, build_data
 from dptrain.models import ModelConfig, build_model
 from dptrain.optim import OptimConfig, build_optimizer
 from dptrain.performance import PerformanceConfig
-from dptrain.privacy.accounting import Ledger, calibrate_noise_multiplier, epsilon as ledger_epsilon
+from dptrain.privacy.accounting import (Ledger, calibrate_noise_multiplier, check_plan,
+                                        epsilon as ledger_epsilon)
 from dptrain.privacy.config import PrivacyConfig
 from dptrain.privacy.noise import gaussian_noise, secure_seed
 from dptrain.privacy.sampling import poisson_sample, shard_indices
@@ -128,15 +128,7 @@ def plan_privacy(cfg: PrivacyConfig, train_size: int) -> PrivacyPlan:
                                            accountant=cfg.accountant)
     else:
         sigma = cfg.noise_multiplier
-    plan_ledger = Ledger()
-    plan_ledger.record(sigma, cfg.sample_rate, cfg.steps)
-    eps = ledger_epsilon(plan_ledger, cfg.delta, cfg.accountant) if sigma > 0 else math.inf
-    if cfg.epsilon is not None and eps > cfg.epsilon * (1 + 1e-9):
-        raise ConfigError(
-            "privacy.steps",
-            f"{cfg.steps} releases at noise_multiplier {sigma:.4g} and sample_rate "
-            f"{cfg.sample_rate:.4g} spend epsilon {eps:.4g} > the budget {cfg.epsilon:.4g}; "
-            f"lower privacy.steps or raise privacy.noise_multiplier (or leave it null to calibrate)")
+    eps = check_plan(cfg, sigma)  # ConfigError naming the field if over the budget
     return PrivacyPlan(cfg.sample_rate, sigma, cfg.clip_norm, b, cfg.steps, cfg.delta,
                        cfg.accountant, eps, n)
 

@@ -189,6 +189,30 @@ def test_compare_im_with_k0_or_gamma0_equals_current(im_run, tmp_path, capsys, s
         assert entry["relative_difference"] == {"polar_error": 0.0, "cosine_error": 0.0,
                                                 "eta_R": 0.0}
     assert "im/cur-1" in stdout
+    assert "undef" not in stdout  # every difference is defined here
+
+
+def test_undefined_relative_differences_are_named_not_printed_as_inf(im_run, tmp_path, capsys):
+    """When the current-only value is 0 (nothing clipped: eta_R = 0) the IM/current ratio is
+    undefined: the table says so instead of printing inf or nan."""
+    import math
+
+    from dptrain.commands.diagnose import UNDEFINED_NOTE, render
+
+    out = tmp_path / "d.json"
+    code, _, err = run_cli(capsys, "diagnose", "--run", im_run, "--probe-examples", "6",
+                           "--compare-im", "2,0.9", "--output", out)
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    assert UNDEFINED_NOTE not in render(report)
+    first = next(iter(report["matrices"].values()))
+    first["relative_difference"]["eta_R"] = math.inf
+    report["compare_im"]["relative_difference"]["eta_R"]["mean"] = math.nan
+    text = render(report)
+    assert UNDEFINED_NOTE in text
+    rows = [line for line in text.splitlines() if "im/cur-1" in line or "IM vs current" in line]
+    assert rows and not any(" inf" in r or "nan" in r for r in rows)
+    assert any("undef" in r for r in rows)
 
 
 def test_compare_im_matches_explicit_inner_momentum_query(im_run, tmp_path, capsys):

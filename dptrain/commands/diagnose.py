@@ -105,8 +105,15 @@ def _fmt(x, width: int = 9) -> str:
     return f"{x:>{width}.4g}"
 
 
+UNDEFINED = "undef"
+UNDEFINED_NOTE = (f"{UNDEFINED}: the current-only value is 0 (e.g. nothing clipped, so no "
+                  "clipping residual) or not finite, and a relative difference is undefined")
+
+
 def _pct(x: float, width: int = 9) -> str:
-    text = str(x) if not math.isfinite(x) else f"{100 * x:+.1f}%"
+    """A relative difference as a percentage; ``undef`` where it is not a number (the
+    current-only value is 0 or not finite)."""
+    text = UNDEFINED if not math.isfinite(x) else f"{100 * x:+.1f}%"
     return f"{text:>{width}}"
 
 
@@ -163,6 +170,11 @@ def render(report: dict) -> str:
             parts.append(f"{k} {_pct(s['mean'], 0)} (mean), IM lower in {s['im_lower']}"
                          f"/{s['matrices']}")
         lines.append("IM vs current-only (before noise and outer momentum): " + "; ".join(parts))
+        undefined = any(not math.isfinite(v) for e in report["matrices"].values()
+                        for v in e.get("relative_difference", {}).values())
+        undefined |= any(not math.isfinite(s["mean"]) for s in im["relative_difference"].values())
+        if undefined:
+            lines.append(UNDEFINED_NOTE)
     lines.append("")
     lines.append("privacy: " + report["privacy_note"])
     lines.append("probe set: " + report["probe_note"])

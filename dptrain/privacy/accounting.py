@@ -276,12 +276,13 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None) -> float:
     if remaining > 0:
         plan.record(sigma, cfg.sample_rate, remaining)
     eps = epsilon(plan, cfg.delta, cfg.accountant)
-    if cfg.epsilon is not None and eps > cfg.epsilon:
+    # 1e-9 relative: a calibrated sigma meets the target up to the search's float rounding
+    if cfg.epsilon is not None and eps > cfg.epsilon * (1 + 1e-9):
         field_name = ("privacy.noise_multiplier" if cfg.noise_multiplier is not None
                       else "privacy.steps")
         raise ConfigError(
             field_name,
-            f"the plan spends epsilon={eps:.4g} > target {cfg.epsilon:g} "
+            f"the plan spends epsilon={eps:.4g} > the budget (target epsilon) {cfg.epsilon:g} "
             f"({cfg.steps} steps, noise_multiplier={sigma:g}, sample_rate={cfg.sample_rate:g}, "
             f"delta={cfg.delta:g}, {cfg.accountant}); raise noise_multiplier, lower steps or "
             f"sample_rate, or leave noise_multiplier null to calibrate it")
