@@ -1,7 +1,8 @@
 """SIGKILL a real `dptrain train` process at seeded random moments (one kill lands inside a
 checkpoint write), resume with --resume auto until done: the final parameters equal the
 uninterrupted run's bit for bit, and after every kill the output directory holds only complete,
-loadable checkpoints whose ledgers count exactly the releases behind their parameters."""
+loadable checkpoints whose ledgers count exactly the releases behind their parameters. The same
+for a 2-rank FSDP run killed inside a sharded (DCP) checkpoint write."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -111,3 +113,65 @@ def test_sigkill_at_random_moments_then_resume_is_bit_for_bit(tmp_path, capsys):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
+
+
+def _cli_rank(rank: int, world: int, argv: list[str], pid_dir: str, pause: str) -> int:
+    """One rank of `dptrain train` (spawn has joined the process group already)."""
+    Path(pid_dir, f"{rank}.pid").write_text(str(os.getpid()))
+    os.environ["DPTRAIN_TEST_CHECKPOINT_PAUSE"] = pause
+    return main(argv)
+
+
+@pytest.mark.distributed
+def test_two_ranks_killed_inside_a_sharded_checkpoint_write_resume_bit_for_bit(tmp_path):
+    from safetensors.torch import load_file
+
+    from dptrain.parallel.dist import spawn
+
+    args = [*ARGS, "performance.sharding=fsdp"]
+    ref = tmp_path / "ref"
+    assert spawn(_cli_rank, 2, ["train", "--config", TINY, "--output-dir", str(ref), *args,
+                                "train.checkpoint_every=0"], str(tmp_path), "0") == [0, 0]
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    argv = ["train", "--config", TINY, "--output-dir", str(out), "--resume", "auto", *args,
+            "train.checkpoint_every=1", "train.keep_checkpoints=2"]
+    errors: list[BaseException] = []
+
+    def run_killed():
+        try:
+            spawn(_cli_rank, 2, argv, str(tmp_path), "3")
+        except BaseException as e:  # the ranks die by SIGKILL: spawn raises
+            errors.append(e)
+
+    th = threading.Thread(target=run_killed)
+    th.start()
+    # rank 0 pauses after every rank wrote its shards and before the marker: kill both there,
+    # in the write of the step-2 checkpoint
+    end = time.time() + 300
+    target = ".tmp-step-00000002-"
+    while time.time() < end:
+        tmps = [p for p in root.glob(".tmp-*") if p.name.startswith(target)] if root.exists() else []
+        if tmps and (tmps[0] / "meta.pt").exists() and not (tmps[0] / ckpt.MARKER).exists():
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError("the run never reached the step-2 checkpoint write")
+    for rank in (0, 1):
+        os.kill(int((tmp_path / f"{rank}.pid").read_text()), signal.SIGKILL)
+    th.join(timeout=120)
+    assert errors and not th.is_alive()
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in tmps[0].iterdir()}
+    assert _check_invariants(out) == 1  # step 1's checkpoint only; the partial one unseen
+    assert spawn(_cli_rank, 2, argv, str(tmp_path), "0") == [0, 0]
+    assert _check_invariants(out) == 4
+    assert not list(root.glob(".tmp-*"))
+    newest = ckpt.find_latest(out)
+    assert (newest / "__1_0.distcp").is_file() and not (newest / "state.pt").exists()
+    want = load_file(str(ref / "final" / "model.safetensors"))
+    got = load_file(str(out / "final" / "model.safetensors"))
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]

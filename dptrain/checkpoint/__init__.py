@@ -472,12 +472,13 @@ def check_compatible(saved_cfg: dict, cfg) -> None:
                                        f"{section} settings")
 
 
-def read_meta(path: Path) -> dict[str, Any]:
+def read_meta(path: Path, verified: bool = False) -> dict[str, Any]:
     """The verified checkpoint at ``path`` without the tensors DCP holds: ``state.pt`` (whole
     checkpoints) or ``meta.pt`` (sharded ones, ``format`` 2, optimizer tensors as ``_Ref``).
-    ConfigError("resume") if unusable."""
+    ConfigError("resume") if unusable. ``verified``: the caller has just verified the
+    checksums (``find_latest``); skip the second pass."""
     path = Path(path)
-    problem = verify(path)
+    problem = None if verified else verify(path)
     if problem is not None:
         raise ConfigError("resume", f"checkpoint {path} is unusable: {problem}")
     name = "meta.pt" if (path / "meta.pt").is_file() else "state.pt"
@@ -488,10 +489,10 @@ def read_meta(path: Path) -> dict[str, Any]:
                                     f"({type(e).__name__}: {e})") from None
 
 
-def read(path: Path) -> dict[str, Any]:
+def read(path: Path, verified: bool = False) -> dict[str, Any]:
     """The verified checkpoint at ``path`` as one dict of full (unsharded) CPU tensors, whatever
     its format: a sharded checkpoint is assembled in this process (no collectives)."""
-    state = read_meta(path)
+    state = read_meta(path, verified)
     if state.get("format") == 2:
         try:
             tensors = _dcp_full(Path(path))
@@ -507,11 +508,13 @@ def read(path: Path) -> dict[str, Any]:
     return state
 
 
-def load(trainer, path: Path) -> None:
+def load(trainer, path: Path, verified: bool = False) -> None:
+    """Continue ``trainer`` from the checkpoint at ``path`` (any format, any world size);
+    ``verified``: ``path`` comes from ``find_latest`` just now (checksums not hashed again)."""
     from dptrain.privacy.accounting import Ledger
 
     path = Path(path)
-    state = read_meta(path)
+    state = read_meta(path, verified)
     check_compatible(state["config"], trainer.cfg)
     ledger = Ledger.from_dict(state["ledger"])
     if ledger.num_releases != state["step"]:
@@ -521,7 +524,7 @@ def load(trainer, path: Path) -> None:
         _load_dcp_sharded(trainer, state, path)  # each rank reads its own rows
     else:
         if state.get("format") == 2:
-            state = read(path)
+            state = read(path, verified=True)
         if _sharded(trainer):
             _load_sharded(trainer, state)
         else:

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None and resume_path is None and trainer.rank == 0:
         _drop_metrics_after(out / "metrics.jsonl", 0)  # rows of a run killed before step 1's checkpoint
     if resume_path is not None:
-        ckpt.load(trainer, resume_path)
+        ckpt.load(trainer, resume_path, verified=args.resume == "auto")
         print(f"dptrain train: resumed from {resume_path} at step {trainer.step}",
               file=sys.stderr)
         if trainer.rank == 0:
