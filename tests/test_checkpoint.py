@@ -89,6 +89,7 @@ def test_damaged_checkpoints_are_detected_and_skipped(tmp_path, capsys):
                  *FAST, "train.checkpoint_every=1", "train.keep_checkpoints=3"]) == 0
     err = capsys.readouterr().err
     assert "step-00000004" in err and "step-00000003" in err and "checksum mismatch" in err
+    assert "state.pt has 1000 bytes" in err and "truncated" in err  # the size check, no hashing
     assert "resumed from" in err and "step-00000002" in err
     # recomputed from step 2: the same final parameters, damaged checkpoints replaced
     state = torch.load(root / "step-00000004" / "state.pt", weights_only=False)["model"]
@@ -121,7 +122,8 @@ def test_resume_path_to_a_damaged_checkpoint_exits_2(tmp_path, capsys, damage):
     err = capsys.readouterr().err
     assert code == 2
     assert "resume" in err and str(path) in err and "unusable" in err
-    assert ("incomplete" if damage == "no_marker" else "checksum mismatch") in err
+    assert {"truncate": "truncated", "bitflip": "checksum mismatch",
+            "no_marker": "incomplete"}[damage] in err
     assert not (out / "summary.json").exists()
 
 

@@ -1,7 +1,8 @@
 """FSDP-sharded checkpoints (issue 6): written with torch.distributed.checkpoint, every rank its
 own shards of the model, the optimizer (Muon momenta as DTensors, AdamW moments) and the
 inner-momentum history; rank 0 the rest (meta.pt). Resume on 2 ranks is bit for bit; 2 ranks -> 1
-and 1 -> 2 give the same parameters to 1e-5; a damaged shard file is detected."""
+and 1 -> 2 give the same parameters to 1e-5; the ranks verify the checksums in turn and a damaged
+shard file is detected by all of them."""
 
 from __future__ import annotations
 
@@ -53,6 +54,32 @@ def _resume_and_finish(rank: int, world: int, out: str) -> dict:
     t.private_step()
     t.private_step()
     return _full(t)
+
+
+def _verify_collectively(rank: int, world: int, path: str):
+    import torch.distributed as dist
+
+    from dptrain import checkpoint as ckpt
+
+    hashed: list[str] = []
+    plain = ckpt._sha256
+
+    def recording(f):
+        hashed.append(Path(f).name)
+        return plain(f)
+
+    ckpt._sha256 = recording
+    ok = ckpt.verify(Path(path), collective=True)
+    seen = list(hashed)
+    dist.barrier()
+    if rank == 0:  # flip one bit in the middle of rank 1's shard file (same size)
+        shard = Path(path) / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    bad = ckpt.verify(Path(path), collective=True)
+    return ok, seen, bad
 
 
 def _rel(a: dict, b: dict) -> float:
@@ -117,11 +144,14 @@ def test_dcp_checkpoint_each_rank_writes_its_part_and_reshards(tmp_path):
     assert _rel(got2, want) <= 1e-5
     assert torch.isfinite(torch.cat([v.flatten() for v in got2.values()])).all()
 
-    # a bit flipped in one rank's shard: detected, named, skipped
-    shard = path / "__1_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    shard.write_bytes(bytes(data))
+    # collective verification: the 2 ranks hash the files in turn (each file once in all);
+    # then a bit flipped in rank 1's shard, hashed by rank 0 only: both ranks reject it
+    (ok0, hashed0, bad0), (ok1, hashed1, bad1) = spawn(_verify_collectively, 2, str(path))
+    assert ok0 is None and ok1 is None
+    names = sorted(p.name for p in path.iterdir() if p.name != ckpt.MARKER)
+    assert sorted(hashed0 + hashed1) == names and not set(hashed0) & set(hashed1)
+    assert "__1_0.distcp" in hashed0 and "__1_0.distcp" not in hashed1
+    assert bad0 == bad1 and "__1_0.distcp" in bad0 and "checksum mismatch" in bad0
     problem = ckpt.verify(path)
     assert problem is not None and "__1_0.distcp" in problem
     assert ckpt.find_latest(tmp_path / "a") is None  # the only checkpoint is damaged

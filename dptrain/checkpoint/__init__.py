@@ -124,7 +124,8 @@ def _seal(tmp: Path, root: Path, name: str, step: int, sums: dict[str, str], kee
         if p.name not in sums:
             sums[p.name] = _sha256(p)
     with open(tmp / MARKER, "w") as f:  # the marker last: it vouches for every file above
-        json.dump({"sha256": sums, "step": step}, f)
+        sizes = {n: (tmp / n).stat().st_size for n in sums}  # a cheap check for truncation
+        json.dump({"sha256": sums, "bytes": sizes, "step": step}, f)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
@@ -422,34 +423,66 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def verify(path: Path) -> str | None:
-    """None if the checkpoint at ``path`` is complete and intact, else the reason."""
+def verify(path: Path, *, shallow: bool = False, collective: bool = False) -> str | None:
+    """None if the checkpoint at ``path`` is complete and intact, else the reason.
+
+    ``shallow``: only the marker, the files' presence and sizes (no hashing). ``collective``
+    (every rank of the default process group calls it): the files are hashed by the ranks in
+    turn, file i by rank i mod W, and the verdict is shared, so N ranks read the checkpoint
+    once between them instead of N times. Without a process group, the same as the default."""
+    path = Path(path)
     marker = path / MARKER
     if not marker.is_file():
         return "incomplete (no COMPLETE marker)"
     try:
-        sums = json.loads(marker.read_text())["sha256"]
+        info = json.loads(marker.read_text())
+        sums, sizes = info["sha256"], info.get("bytes", {})
     except Exception:
         return "corrupt COMPLETE marker"
-    for fname, digest in sums.items():
+    names = sorted(sums)
+    for fname in names:
         f = path / fname
         if not f.is_file():
             return f"missing file {fname}"
-        if _sha256(f) != digest:
-            return (f"checksum mismatch in {fname} ({f.stat().st_size} bytes): the file is "
-                    "truncated or corrupted")
-    return None
+        if fname in sizes and f.stat().st_size != sizes[fname]:
+            return (f"{fname} has {f.stat().st_size} bytes, the marker says {sizes[fname]}: "
+                    "the file is truncated or was overwritten")
+    if shallow:
+        return None
+    from dptrain.parallel.dist import get_rank, get_world_size
+
+    rank, world = (get_rank(), get_world_size()) if collective else (0, 1)
+    problem = None
+    for fname in names[rank::world]:
+        f = path / fname
+        if _sha256(f) != sums[fname]:
+            problem = (f"checksum mismatch in {fname} ({f.stat().st_size} bytes): the file is "
+                       "truncated or corrupted")
+            break
+    if world > 1:
+        import torch.distributed as dist
+
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p is not None), None)
+    return problem
 
 
-def find_latest(output_dir: Path) -> Path | None:
-    """Newest complete, intact checkpoint; damaged ones are reported on stderr and skipped."""
+def find_latest(output_dir: Path, *, shallow: bool = False, collective: bool = False,
+                quiet: bool = False) -> Path | None:
+    """Newest complete, intact checkpoint; damaged ones are reported on stderr (unless
+    ``quiet``; by rank 0 only when ``collective``) and skipped. ``shallow``, ``collective``:
+    see ``verify``."""
+    from dptrain.parallel.dist import get_rank
+
     root = _root(output_dir)
     for path in sorted(root.glob("step-*"), reverse=True):
-        problem = verify(path)
+        problem = verify(path, shallow=shallow, collective=collective)
         if problem is None:
             return path
-        print(f"dptrain: skipping damaged checkpoint {path}: {problem}; trying the previous "
-              "one", file=sys.stderr)
+        if not quiet and (not collective or get_rank() == 0):
+            print(f"dptrain: skipping damaged checkpoint {path}: {problem}; trying the "
+                  "previous one", file=sys.stderr)
     return None
 
 
@@ -514,7 +547,11 @@ def load(trainer, path: Path, verified: bool = False) -> None:
     from dptrain.privacy.accounting import Ledger
 
     path = Path(path)
-    state = read_meta(path, verified)
+    if not verified:  # the ranks hash the files in turn
+        problem = verify(path, collective=trainer.world > 1)
+        if problem is not None:
+            raise ConfigError("resume", f"checkpoint {path} is unusable: {problem}")
+    state = read_meta(path, verified=True)
     check_compatible(state["config"], trainer.cfg)
     ledger = Ledger.from_dict(state["ledger"])
     if ledger.num_releases != state["step"]:

@@ -31,10 +31,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output_dir) if args.output_dir else Path("runs") / Path(args.config).stem
     resume_path = None
     if args.resume == "auto":
-        resume_path = ckpt.find_latest(out)
-        if resume_path is None:
-            print(f"dptrain train: no complete checkpoint in {out}; starting afresh",
-                  file=sys.stderr)
+        # before the process group exists: marker, files and sizes only (no hashing)
+        resume_path = ckpt.find_latest(out, shallow=True, quiet=True)
     elif args.resume is not None:
         resume_path = Path(args.resume)
         if not resume_path.is_dir():
@@ -43,6 +41,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("output-dir", f"{out} already holds a finished run; choose another "
                                         f"directory or pass --resume auto")
     trainer = Trainer(cfg, out)
+    if args.resume == "auto" and resume_path is not None:
+        # the checksums, hashed by the ranks in turn (each file read once in all)
+        resume_path = ckpt.find_latest(out, collective=True)
+        if resume_path is None and (out / "summary.json").exists():
+            raise ConfigError("output-dir", f"{out} holds a finished run whose checkpoints "
+                                            "are all damaged; choose another directory")
+    if args.resume == "auto" and resume_path is None and trainer.rank == 0:
+        print(f"dptrain train: no complete checkpoint in {out}; starting afresh",
+              file=sys.stderr)
     if args.resume is not None and resume_path is None and trainer.rank == 0:
         _drop_metrics_after(out / "metrics.jsonl", 0)  # rows of a run killed before step 1's checkpoint
     if resume_path is not None:
