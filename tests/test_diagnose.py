@@ -192,6 +192,18 @@ def test_compare_im_with_k0_or_gamma0_equals_current(im_run, tmp_path, capsys, s
     assert "undef" not in stdout  # every difference is defined here
 
 
+def test_relative_difference_against_a_rounding_level_zero_is_undefined():
+    import math
+
+    from dptrain.diagnostics.probes import _ratio_minus_one
+
+    assert _ratio_minus_one(0.5, 0.25) == pytest.approx(1.0)
+    assert _ratio_minus_one(0.2, 0.25) == pytest.approx(-0.2)
+    assert _ratio_minus_one(0.44, 1.1e-8) == math.inf  # nothing clipped: cosine error ~1e-8
+    assert _ratio_minus_one(3e-9, 1e-8) == 0.0
+    assert math.isnan(_ratio_minus_one(math.nan, 0.3))
+
+
 def test_undefined_relative_differences_are_named_not_printed_as_inf(im_run, tmp_path, capsys):
     """When the current-only value is 0 (nothing clipped: eta_R = 0) the IM/current ratio is
     undefined: the table says so instead of printing inf or nan."""

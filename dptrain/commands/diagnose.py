@@ -106,8 +106,9 @@ def _fmt(x, width: int = 9) -> str:
 
 
 UNDEFINED = "undef"
-UNDEFINED_NOTE = (f"{UNDEFINED}: the current-only value is 0 (e.g. nothing clipped, so no "
-                  "clipping residual) or not finite, and a relative difference is undefined")
+UNDEFINED_NOTE = (f"{UNDEFINED}: the current-only value is 0 up to float rounding (<= 1e-6; "
+                  "e.g. nothing clipped, so the clipped mean is the reference) or not finite, "
+                  "and a relative difference is undefined")
 
 
 def _pct(x: float, width: int = 9) -> str:

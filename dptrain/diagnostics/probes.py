@@ -436,11 +436,18 @@ def _chunks(names: Sequence[str], sizes: dict[str, int], budget: int) -> list[li
     return out
 
 
+ZERO_ERROR = 1e-6
+"""Polar/cosine errors and eta_R (dimensionless, O(1) scale) at or below this are zero up to
+float rounding (e.g. 1e-8 when nothing is clipped): a ratio against them is undefined."""
+
+
 def _ratio_minus_one(new: float, old: float) -> float:
+    """new / old - 1; 0 when both are (rounding-level) zero, inf when only ``old`` is, nan when
+    either is not finite."""
     if not (math.isfinite(new) and math.isfinite(old)):
         return math.nan
-    if old == 0.0:
-        return 0.0 if new == 0.0 else math.inf
+    if abs(old) <= ZERO_ERROR:
+        return 0.0 if abs(new) <= ZERO_ERROR else math.inf
     return new / old - 1.0
 
 
