@@ -96,6 +96,13 @@ class _Hooked:
     params: dict[str, nn.Parameter] = field(default_factory=dict)
 
 
+def _swappable(p: Tensor, v: Tensor) -> bool:
+    """Whether ``p.data`` may be pointed at ``v`` for a while: plain tensors of the same shape,
+    dtype, device and strides (sharded FSDP2 parameters are copied into instead)."""
+    return (type(p) is nn.Parameter and type(v) is Tensor and v.shape == p.shape
+            and v.dtype == p.dtype and v.device == p.device and v.stride() == p.stride())
+
+
 class ClippingEngine:
     """Per-example norms and clipped sums for ``model``'s trainable parameters.
 
@@ -233,16 +240,24 @@ class ClippingEngine:
             if not state:
                 yield
                 return
-            saved = {}
+            saved, swapped = {}, {}
             try:
                 with torch.no_grad():
                     for n, v in state.items():
                         p = self.params[n]
-                        saved[n] = p.data.clone()
-                        p.data.copy_(v)
+                        if _swappable(p, v):
+                            # point the parameter at the state's tensor (no copy of the
+                            # current values): the state is only read while it is in place
+                            swapped[n] = p.data
+                            p.data = v
+                        else:  # FSDP2 gathers from the parameter's own storage: copy into it
+                            saved[n] = p.data.clone()
+                            p.data.copy_(v)
                 yield
             finally:
                 with torch.no_grad():
+                    for n, v in swapped.items():
+                        self.params[n].data = v
                     for n, v in saved.items():
                         self.params[n].data.copy_(v)
 

@@ -106,7 +106,13 @@ class InnerMomentumHistory:
         """Record the current (pre-update) parameters as theta_{t}; call before the update."""
         if self.depth == 0:
             return
-        self.states.appendleft({n: self.params[n].detach().clone() for n in self.names})
+        if len(self.states) == self.depth:  # full: theta_{t-K} leaves; reuse its storage
+            state = self.states.pop()
+            for n in self.names:
+                state[n].copy_(self.params[n].detach())
+        else:
+            state = {n: self.params[n].detach().clone() for n in self.names}
+        self.states.appendleft(state)
 
     def state_dict(self) -> dict:
         return {"states": [dict(s) for s in self.states]}
