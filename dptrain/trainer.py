@@ -311,10 +311,12 @@ class Trainer:
                 bar.update(1)
                 if out is not None and tc.checkpoint_every and (
                         self.step % tc.checkpoint_every == 0 or last):
-                    # every rank calls: sharded states are gathered to rank 0, which writes
+                    # every rank calls: sharded runs write their shards (DCP)
                     ckpt.save(self, out)
         finally:
             bar.close()
+            # the per-example buffers of multi-state queries (private data): not needed now
+            self.engine.release_workspace()
             if metrics_file:
                 metrics_file.close()
         final = self.evaluate()

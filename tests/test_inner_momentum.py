@@ -188,3 +188,18 @@ def test_sensitivity_of_the_im_release_is_at_most_C():
     t.engine.accumulate(t.task.loss_fn, plus, b, plan)
     diff = torch.sqrt(sum((b[n] - a.get(n, 0)).pow(2).sum() for n in b))
     assert float(diff) <= t.plan.clip_norm * (1 + 1e-9)
+
+
+def test_run_frees_the_per_example_query_buffers_at_the_end(tmp_path):
+    """Multi-state queries keep per-example buffers across steps (reused); ``Trainer.run``
+    releases them when training ends (they hold per-example gradients of private records)."""
+    t = Trainer(load(RunConfig, TINY, ["train.progress=false", "train.checkpoint_every=0",
+                                       "privacy.accountant=rdp", "privacy.steps=3",
+                                       "optim.inner_momentum.k_muon=1",
+                                       "optim.inner_momentum.gamma_muon=0.5",
+                                       "performance.ghost=instantiate"]), tmp_path)
+    t.private_step()  # step 0: no past state yet (K_t = 0)
+    t.private_step()  # step 1: a two-state query
+    assert t.engine._workspace  # kept for reuse between steps
+    t.run()
+    assert t.step == 3 and not t.engine._workspace
