@@ -133,6 +133,21 @@ def plan_privacy(cfg: PrivacyConfig, train_size: int) -> PrivacyPlan:
                        cfg.accountant, eps, n)
 
 
+def _shared_secure_seed(world: int) -> int:
+    """Secure mode: rank 0's seed from OS entropy, sent to every rank over the process group
+    (never written). All ranks must draw the same Poisson sample (each takes its share of it:
+    with per-rank seeds an example could be in two ranks' shares, doubling its sensitivity) and,
+    when replicated, the same noise."""
+    seed = secure_seed()
+    if world > 1:
+        import torch.distributed as dist
+
+        box = [seed]
+        dist.broadcast_object_list(box, src=0)
+        seed = box[0]
+    return seed
+
+
 class Trainer:
     """Builds everything from a RunConfig and runs the private loop on one process."""
 
@@ -149,7 +164,8 @@ class Trainer:
         self.train_size = len(self.task.train)
         self.plan = plan_privacy(cfg.privacy, self.train_size)
         # Sensitive in secure mode: the seed is never written anywhere.
-        self._privacy_seed = secure_seed() if cfg.privacy.secure_mode else cfg.privacy.seed
+        self._privacy_seed = (_shared_secure_seed(self.world) if cfg.privacy.secure_mode
+                              else cfg.privacy.seed)
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg.model, self.task.info).to(self.device)
         if perf.dtype == "float64":

@@ -103,3 +103,36 @@ def test_zero_gradient_release_std_is_sigma_C_over_b_on_2_ranks():
     b = 32  # floor(0.125 * 256)
     expected = 2.0 * 1e-12 / b
     assert abs(float(z.std()) / expected - 1) < 6 / (2 * z.numel()) ** 0.5
+
+
+def _train_secure(rank: int, world: int) -> list[dict]:
+    import hashlib
+
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    runs = []
+    for _ in range(2):  # two runs, one after the other
+        t = Trainer(load(RunConfig, TINY, ["train.progress=false", "train.checkpoint_every=0",
+                                           "privacy.accountant=rdp", "privacy.steps=2",
+                                           "privacy.secure_mode=true", "privacy.seed=null"]))
+        shares = [sorted(int(i) for i in t.local_sample(s)) for s in range(t.plan.steps)]
+        while t.step < t.plan.steps:
+            t.private_step()
+        runs.append({"seed": hashlib.sha256(str(t._privacy_seed).encode()).hexdigest(),
+                     "shares": shares,
+                     "params": {k: v.clone() for k, v in t.full_state_dict().items()}})
+    return runs
+
+
+def test_secure_mode_ranks_share_one_seed_from_os_entropy():
+    """Secure mode on 2 replicated ranks: rank 0's OS-entropy seed reaches every rank (never
+    written), so the ranks split one Poisson sample (disjoint shares) and add the same noise
+    (identical replicas); the next run draws a different seed."""
+    (a0, b0), (a1, b1) = spawn(_train_secure, 2)
+    assert a0["seed"] == a1["seed"] and b0["seed"] == b1["seed"]
+    assert a0["seed"] != b0["seed"]
+    for s0, s1 in zip(a0["shares"], a1["shares"]):
+        assert not set(s0) & set(s1)
+    for k in a0["params"]:
+        assert torch.equal(a0["params"][k], a1["params"][k]), k
