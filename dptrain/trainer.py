@@ -181,11 +181,6 @@ class Trainer:
             cfg.optim, self.named_params, total_steps=self.plan.steps,
             release_noise_std=self.plan.noise_multiplier * self.plan.clip_norm / self.plan.denominator,
             seed=cfg.seed, ns_dtype=perf.newton_schulz_dtype)
-        if self.world > 1 and perf.sharding == "fsdp" and any(
-                g.config.optimizer == "muon_s" for g in self.optimizer.groups):
-            raise ConfigError("optim.name", "muon_s does not support FSDP sharding yet (its "
-                                            "power iteration needs whole matrices); use "
-                                            "performance.sharding=none")
         self.ledger = Ledger()
         self.step = 0
 

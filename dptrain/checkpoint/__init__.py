@@ -229,11 +229,9 @@ def _map_optimizer(trainer, sd: dict, fn_opt, fn_other) -> dict:
 def _load_sharded(trainer, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from dptrain.optim.muon import Muon
-
     set_model_state_dict(trainer.model, state["model"],
                          options=StateDictOptions(full_state_dict=True, strict=False))
-    local = [isinstance(opt, Muon) for opt in trainer.optimizer.optimizers]
+    local = [getattr(opt, "local_state_rows", False) for opt in trainer.optimizer.optimizers]
     optim = _map_optimizer(trainer, state["optimizer"],
                            lambda i, v, p: _to_shard(v, p, local[i]),
                            lambda v, p: _to_shard(v, p, False))
@@ -379,7 +377,6 @@ def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
                                                          set_model_state_dict)
     from torch.distributed.tensor import DTensor
 
-    from dptrain.optim.muon import Muon
     from dptrain.parallel.dist import shard_bounds
     from dptrain.parallel.fsdp import is_sharded
 
@@ -405,7 +402,7 @@ def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
     _map_optimizer(trainer, meta["optimizer"], lambda i, v, p: target(v, p), target)
     dcp.load({"model": model, "optim": targets}, checkpoint_id=str(path))
     set_model_state_dict(trainer.model, model, options=StateDictOptions(strict=False))
-    local = [isinstance(opt, Muon) for opt in trainer.optimizer.optimizers]
+    local = [getattr(opt, "local_state_rows", False) for opt in trainer.optimizer.optimizers]
 
     def fill(i, ref, p):
         t = targets[ref.key]

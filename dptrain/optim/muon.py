@@ -137,6 +137,10 @@ class Muon(torch.optim.Optimizer):
                     raise ValueError(f"{type(self).__name__} needs parameters with >= 2 dims; "
                                      f"{name} has shape {tuple(p.shape)}")
 
+    local_state_rows = True
+    """Under FSDP the momentum buffers are this rank's rows (plain tensors): checkpoints wrap
+    them as DTensors to save and unwrap them on load."""
+
     def _orthogonalise(self, N: Tensor, group: dict, state: dict, name: str) -> Tensor:
         """O = NS_J(N) for the (r, c) matrix N, computed in ``ns_dtype``."""
         X = N.to(DTYPES[group["ns_dtype"]])
@@ -393,40 +397,90 @@ class MuonS(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.seed = int(seed)
 
+    local_state_rows = True
+    """Under FSDP the momentum buffers are this rank's rows (plain tensors), as in Muon."""
+
     @torch.no_grad()
     def step(self, closure=None):
+        """Sharded parameters (FSDP2 DTensors, rows split over ranks): the momentum buffers stay
+        this rank's rows; sigma_1 by the same power iteration with its two products reduced
+        across ranks (``_sharded_power_iteration``: one all-reduce of a c-vector and one of a
+        scalar per iteration, the c-vector replicated); U V^T by ``distributed_newton_schulz``."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
             lr, beta, wd = group["lr"], group["momentum"], group["weight_decay"]
+            todo = []  # (p, local M as (rows, c), global (r, c), state)
             for name, p in zip(_param_names(group), group["params"]):
                 if p.grad is None:
                     continue
                 state = self.state[p]
+                grad = _local(p.grad)
+                w = _local(p)
                 if not state:
                     state["step"] = 0
-                    state["momentum_buffer"] = torch.zeros_like(p)
+                    state["momentum_buffer"] = torch.zeros_like(grad)
                     if p.ndim >= 2:
-                        gen = torch.Generator(device=p.device)
+                        gen = torch.Generator(device=w.device)
                         gen.manual_seed(probe_seed("muon_s_power", self.seed, name))
-                        v = torch.randn(as_matrix(p).shape[1], generator=gen, device=p.device,
-                                        dtype=p.dtype)
+                        v = torch.randn(math.prod(p.shape[1:]), generator=gen, device=w.device,
+                                        dtype=w.dtype)
                         state["power_vector"] = v / torch.linalg.vector_norm(v)
-                        state["sigma"] = torch.zeros((), dtype=p.dtype, device=p.device)
-                M = state["momentum_buffer"].mul_(beta).add_(p.grad)
+                        state["sigma"] = torch.zeros((), dtype=w.dtype, device=w.device)
+                M = state["momentum_buffer"].mul_(beta).add_(grad)
                 state["step"] += 1
                 if wd != 0:
-                    p.mul_(1 - lr * wd)
+                    w.mul_(1 - lr * wd)
                 if p.ndim < 2:
-                    p.add_(M, alpha=-lr)
+                    w.add_(M, alpha=-lr)
                     continue
-                M_rc = as_matrix(M)
-                sigma, v = power_iteration(M_rc, state["power_vector"], group["power_iters"])
+                rc = (p.shape[0], math.prod(p.shape[1:]))
+                todo.append((p, M.reshape(M.shape[0], -1), rc, state))
+            if not todo:
+                continue
+            sharded = _DTensor is not None and isinstance(todo[0][0], _DTensor)
+            for p, M_rc, rc, state in todo:
+                power = _sharded_power_iteration if sharded else power_iteration
+                sigma, v = power(M_rc, state["power_vector"], group["power_iters"])
                 state["power_vector"].copy_(v)
                 state["sigma"].copy_(sigma)
-                O_rc = newton_schulz(M_rc.to(DTYPES[group["ns_dtype"]]), group["ns_steps"],
-                                     coefficients=group["ns_coefficients"], eps=group["eps"])
-                p.add_(O_rc.view(p.shape).to(p.dtype) * sigma, alpha=-lr)
+            dtype = DTYPES[group["ns_dtype"]]
+            if sharded:
+                from dptrain.parallel.newton_schulz import distributed_newton_schulz
+
+                outs = distributed_newton_schulz(
+                    [t[1].to(dtype) for t in todo], [t[2] for t in todo],
+                    steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+                    eps=group["eps"])
+            else:
+                outs = [newton_schulz(M_rc.to(dtype), group["ns_steps"],
+                                      coefficients=group["ns_coefficients"], eps=group["eps"])
+                        for _, M_rc, _, _ in todo]
+            for (p, _, _, state), O_rc in zip(todo, outs):
+                w = _local(p)
+                w.add_(O_rc.view(w.shape).to(w.dtype) * state["sigma"], alpha=-lr)
         return loss
+
+
+def _sharded_power_iteration(M_local: Tensor, v: Tensor, num_iters: int
+                             ) -> tuple[Tensor, Tensor]:
+    """``power_iteration`` on the (r, c) matrix whose rows are split over the ranks (each holds
+    ``M_local``, its rows; ``v`` replicated): u = M v stays sharded, its norm and M^T u are
+    summed across ranks. Same steps as the single-process function, so the same sigma_1 and
+    vector up to float summation order."""
+    import torch.distributed as dist
+
+    tiny = torch.finfo(M_local.dtype).tiny
+    sigma = torch.zeros((), dtype=M_local.dtype, device=M_local.device)
+    for _ in range(num_iters):
+        u = M_local @ v
+        sq = torch.linalg.vector_norm(u).square().reshape(1)
+        dist.all_reduce(sq)
+        u = u / (sq.sqrt()[0] + tiny)
+        w = M_local.mT @ u
+        dist.all_reduce(w)
+        sigma = torch.linalg.vector_norm(w)
+        v = torch.where(sigma > 0, w / (sigma + tiny), v)
+    return sigma, v
