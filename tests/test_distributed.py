@@ -138,10 +138,10 @@ def test_secure_mode_ranks_share_one_seed_from_os_entropy():
         assert torch.equal(a0["params"][k], a1["params"][k]), k
 
 
-def _muon_s_train_save_load(rank: int, world: int, out: str) -> dict:
-    """Train with DP-Muon-S (MuonS for the block matrices, AdamW aux), write a checkpoint, load
-    it into a fresh trainer: the optimizer state comes back the same (sharded momenta, the
-    replicated power vectors and sigma)."""
+def _variant_train_save_load(rank: int, world: int, out: str, name: str) -> dict:
+    """Train with DP-Muon-S or DP-MuonBC on the block matrices (AdamW aux), write a checkpoint,
+    load it into a fresh trainer: the optimizer state comes back the same (sharded momenta;
+    MuonS's replicated power vectors and sigma; MuonBC's step counters)."""
     from pathlib import Path
 
     from dptrain import checkpoint as ckpt
@@ -149,15 +149,17 @@ def _muon_s_train_save_load(rank: int, world: int, out: str) -> dict:
     from dptrain.trainer import RunConfig, Trainer
 
     args = ["train.progress=false", "train.checkpoint_every=0", "privacy.accountant=rdp",
-            "privacy.steps=2", "optim.name=muon_s", f"performance.sharding={'fsdp' if world > 1 else 'none'}"]
+            "privacy.steps=2", f"optim.name={name}",
+            f"performance.sharding={'fsdp' if world > 1 else 'none'}"]
     t = Trainer(load(RunConfig, TINY, args))
     while t.step < t.plan.steps:
         t.private_step()
     sigmas = {}
-    muon_s = t.optimizer.optimizers[0]
-    for g in muon_s.param_groups:
+    matrices = t.optimizer.optimizers[0]
+    assert type(matrices).__name__ == {"muon_s": "MuonS", "muon_bc": "MuonBC"}[name]
+    for g in matrices.param_groups:
         for p in g["params"]:
-            st = muon_s.state[p]
+            st = matrices.state[p]
             if "sigma" in st:
                 sigmas[len(sigmas)] = float(st["sigma"])
     ckpt.save(t, Path(out))
@@ -175,12 +177,16 @@ def _muon_s_train_save_load(rank: int, world: int, out: str) -> dict:
             "sigmas": sigmas, "state_round_trip": same}
 
 
-def test_dp_muon_s_same_on_1_and_2_fsdp_ranks_and_its_checkpoint_round_trips(tmp_path):
+@pytest.mark.parametrize("name", ["muon_s", "muon_bc"])
+def test_muon_s_and_bc_same_on_1_and_2_fsdp_ranks_and_their_checkpoints_round_trip(tmp_path, name):
     """DP-Muon-S under FSDP: the sharded power iteration gives sigma_1 of the whole momentum
-    matrix (as on one rank, 1e-5) and the same parameters; its sharded checkpoint loads back."""
-    ref = _muon_s_train_save_load(0, 1, str(tmp_path / "one"))
-    two = spawn(_muon_s_train_save_load, 2, str(tmp_path / "two"))
-    assert ref["sigmas"] and all(r["sigmas"].keys() == ref["sigmas"].keys() for r in two)
+    matrix (as on one rank, 1e-5); DP-MuonBC: its bias-corrected Smooth-NS runs at each
+    matrix's owner rank. Both: the same parameters as one rank (1e-5), and the sharded
+    checkpoint loads back."""
+    ref = _variant_train_save_load(0, 1, str(tmp_path / "one"), name)
+    two = spawn(_variant_train_save_load, 2, str(tmp_path / "two"), name)
+    assert all(r["sigmas"].keys() == ref["sigmas"].keys() for r in two)
+    assert bool(ref["sigmas"]) == (name == "muon_s")
     for r in two:
         for i, s in ref["sigmas"].items():
             assert r["sigmas"][i] == pytest.approx(s, rel=1e-5)

@@ -155,8 +155,8 @@ class Muon(torch.optim.Optimizer):
         Sharded parameters (DTensor, rows split over ranks): momentum buffers stay sharded;
         plain Muon orthogonalises with ``distributed_newton_schulz`` (whole matrices at owner
         ranks, or model-parallel for matrices too large for one rank); subclasses with their own
-        ``_orthogonalise`` (MuonBC) gather each matrix, orthogonalise it on every rank and keep
-        the local rows — correct, simpler, not scalable (documented)."""
+        ``_orthogonalise`` (MuonBC) run it at each matrix's owner rank (owner-compute: each
+        matrix is gathered once, on one rank, and its rows sent back)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -179,17 +179,19 @@ class Muon(torch.optim.Optimizer):
             if not todo:
                 continue
             sharded = isinstance(todo[0][1], _DTensor) if _DTensor is not None else False
-            if sharded and type(self)._orthogonalise is Muon._orthogonalise:
+            if sharded:
                 from dptrain.parallel.newton_schulz import distributed_newton_schulz
 
                 dtype = DTYPES[group["ns_dtype"]]
+                fn = None
+                if type(self)._orthogonalise is not Muon._orthogonalise:  # MuonBC: at the owner
+                    def fn(i: int, X: Tensor) -> Tensor:
+                        name, _, _, _, state = todo[i]
+                        return self._orthogonalise(X, group, state, name)
                 outs = distributed_newton_schulz(
                     [t[2].to(dtype) for t in todo], [t[3] for t in todo],
                     steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                    eps=group["eps"])
-            elif sharded:
-                outs = [_rows_of(self._orthogonalise(_gather_rows(N_rc, rc), group, state, name),
-                                 N_rc.shape[0]) for name, _, N_rc, rc, state in todo]
+                    eps=group["eps"], fn=fn)
             else:
                 outs = [self._orthogonalise(N_rc, group, state, name)
                         for name, _, N_rc, rc, state in todo]
@@ -212,34 +214,6 @@ except Exception:  # pragma: no cover
 def _local(t: Tensor) -> Tensor:
     """The local shard of an FSDP2 parameter/gradient (the tensor itself when not sharded)."""
     return t.to_local() if _DTensor is not None and isinstance(t, _DTensor) else t
-
-
-def _gather_rows(local: Tensor, rc: tuple[int, int]) -> Tensor:
-    """All-gather the row shards (torch.chunk layout) of an (r, c) matrix on every rank."""
-    import torch.distributed as dist
-
-    from dptrain.parallel.dist import shard_bounds
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    size = -(-rc[0] // world)
-    padded = local.new_zeros(size, rc[1])
-    padded[: local.shape[0]] = local
-    out = local.new_empty(size * world, rc[1])
-    dist.all_gather_into_tensor(out, padded)
-    rows = [out[r * size: r * size + (shard_bounds(rc[0], r, world)[1]
-                                        - shard_bounds(rc[0], r, world)[0])]
-            for r in range(world)]
-    return torch.cat(rows)
-
-
-def _rows_of(full: Tensor, num_rows: int) -> Tensor:
-    import torch.distributed as dist
-
-    from dptrain.parallel.dist import shard_bounds
-
-    start, end = shard_bounds(full.shape[0], dist.get_rank(), dist.get_world_size())
-    assert end - start == num_rows
-    return full[start:end]
 
 
 def heat_bias_correction(

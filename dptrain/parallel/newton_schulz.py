@@ -47,7 +47,7 @@ import functools
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -223,7 +223,7 @@ def _by_dtype(idx: Sequence[int], mats: Sequence[Tensor]) -> list[list[int]]:
 def _owner_compute(mats: list[Tensor], idx: list[int], shapes: Sequence[tuple[int, int]],
                    owners: Sequence[int], out: list[Tensor | None], *, rank: int, world: int,
                    group: dist.ProcessGroup | None, steps: int, coefficients: Coefficients,
-                   eps: float) -> None:
+                   eps: float, fn: Callable[[int, Tensor], Tensor] | None = None) -> None:
     for ids in _by_dtype(idx, mats):
         dtype, device = mats[ids[0]].dtype, mats[ids[0]].device
         by_owner: list[list[int]] = [[] for _ in range(world)]
@@ -248,8 +248,9 @@ def _owner_compute(mats: list[Tensor], idx: list[int], shapes: Sequence[tuple[in
                 k = _rows(shapes[i][0], s, world) * shapes[i][1]
                 pieces[i].append(recv[off:off + k].view(-1, shapes[i][1]))
                 off += k
-        results = {i: newton_schulz(torch.cat(pieces[i]), steps, coefficients=coefficients,
-                                    eps=eps) for i in mine}
+        results = {i: (fn(i, torch.cat(pieces[i])).to(dtype) if fn is not None
+                       else newton_schulz(torch.cat(pieces[i]), steps, coefficients=coefficients,
+                                          eps=eps)) for i in mine}
         del recv, pieces
 
         # Phase 2: rows of each result -> the rank that holds them. Split sizes are phase 1's,
@@ -316,8 +317,12 @@ def distributed_newton_schulz(
     group: dist.ProcessGroup | None = None,
     max_owner_numel: int | None = DEFAULT_MAX_OWNER_NUMEL,
     eps: float = 1e-7,
+    fn: Callable[[int, Tensor], Tensor] | None = None,
 ) -> list[Tensor]:
     """This rank's rows of ``newton_schulz(X_i)`` for every row-sharded matrix X_i.
+
+    ``fn(i, X_i)``: another whole-matrix map instead of ``newton_schulz`` (MuonBC's
+    bias-corrected Smooth-NS), run by each matrix's owner; it forces ``strategy="owner"``.
 
     ``shards[i]``: this rank's rows ``shard_bounds(m_i, rank, W)`` of matrix i (possibly 0
     rows), of shape (rows, n_i) or (rows, *rest) with prod(rest) = n_i (conv weights);
@@ -344,18 +349,21 @@ def distributed_newton_schulz(
                              f"(shard_bounds), got {x.shape[0]}")
         mats.append(x.reshape(rows, n))
 
+    if fn is not None:
+        strategy, max_owner_numel = "owner", None
     plan = plan_newton_schulz(shapes, world, steps=steps, strategy=strategy,
                               max_owner_numel=max_owner_numel)
     out: list[Tensor | None] = [None] * len(mats)
     if world == 1:
         for i, x in enumerate(mats):
-            out[i] = newton_schulz(x, steps, coefficients=coefficients, eps=eps)
+            out[i] = (fn(i, x) if fn is not None
+                      else newton_schulz(x, steps, coefficients=coefficients, eps=eps))
     else:
         owner_idx = [i for i, k in enumerate(plan.methods) if k == "owner"]
         mp_idx = [i for i, k in enumerate(plan.methods) if k == "model_parallel"]
         if owner_idx:
             _owner_compute(mats, owner_idx, shapes, plan.owners, out, rank=rank, world=world,
-                           group=group, steps=steps, coefficients=coefficients, eps=eps)
+                           group=group, steps=steps, coefficients=coefficients, eps=eps, fn=fn)
         if mp_idx:
             _model_parallel(mats, mp_idx, shapes, out, group=group, steps=steps,
                             coefficients=coefficients, eps=eps)
