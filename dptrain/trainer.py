@@ -34,6 +34,7 @@ from dptrain.performance import PerformanceConfig
 from dptrain.privacy.accounting import (Ledger, calibrate_noise_multiplier, check_plan,
                                         epsilon as ledger_epsilon)
 from dptrain.privacy.config import PrivacyConfig
+from dptrain.models.dropout import example_dropout
 from dptrain.privacy.noise import gaussian_noise, secure_seed
 from dptrain.privacy.sampling import poisson_sample, shard_indices
 from dptrain.parallel.dist import init_from_env
@@ -233,7 +234,9 @@ class Trainer:
                 chunk = np.zeros(1, dtype=np.int64) if phantom else chunks[i]
                 batch = to_device(self.task.train.collate(chunk), self.device)
                 active = torch.zeros(1, dtype=torch.bool) if phantom else None
-                stats = self.engine.accumulate(self.task.loss_fn, batch, acc, plan, active)
+                # dropout masks: a function of (seed, step, state, example), not of the rank
+                with example_dropout(self.model, self.cfg.seed, step, chunk):
+                    stats = self.engine.accumulate(self.task.loss_fn, batch, acc, plan, active)
                 loss_sum += stats.loss_sum
                 count += stats.num_examples
         del indices, chunks

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.distributed
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 ARGS = ["train.progress=false", "privacy.steps=4", "train.checkpoint_every=2",
         "optim.inner_momentum.k_muon=2", "optim.inner_momentum.k_other=2",
-        "optim.inner_momentum.gamma_muon=0.9", "performance.sharding=fsdp"]
+        "optim.inner_momentum.gamma_muon=0.9", "performance.sharding=fsdp",
+        "model.dropout=0.1"]  # per-example dropout masks: world-size invariant
 
 
 def _trainer(out: str):

@@ -65,11 +65,13 @@ def _check(overrides: list[str], worlds: list[tuple[int, str]]) -> list[dict]:
     return outs
 
 
-def test_dp_muon_gpt2_same_on_1_2_4_ranks_and_any_microbatch():
-    # 4 ranks also with another microbatch size: the release depends on neither
-    ref = spawn(_train, 1, [])[0]
+def test_dp_muon_gpt2_with_dropout_same_on_1_2_4_ranks_and_any_microbatch():
+    # 4 ranks also with another microbatch size: the release depends on neither, dropout
+    # included (per-example counter-based masks, dptrain/models/dropout.py)
+    drop = ["model.dropout=0.1"]
+    ref = spawn(_train, 1, drop)[0]
     for world, extra in ((2, []), (4, ["performance.microbatch_size=3"])):
-        results = spawn(_train, world, ["performance.sharding=fsdp", *extra])
+        results = spawn(_train, world, ["performance.sharding=fsdp", *drop, *extra])
         assert _rel(results[0]["params"], ref["params"]) <= 1e-5
         assert _rel(results[0]["release0"], ref["release0"]) <= 1e-5
         assert [sum(s) for s in zip(*(r["sizes"] for r in results))] == ref["sizes"]
@@ -79,8 +81,9 @@ def test_dp_sgd_gpt2_same_on_1_and_2_replicated_ranks():
     _check(SGD, [(2, "none")])
 
 
-def test_dp_muon_im_k2_gpt2_same_on_1_and_2_ranks():
-    _check(IM, [(2, "fsdp")])
+def test_dp_muon_im_k2_gpt2_with_dropout_same_on_1_and_2_ranks():
+    # the historical states' dropout comes from their own streams, also per example
+    _check(IM + ["model.dropout=0.1"], [(2, "fsdp")])
 
 
 def test_dp_muon_nf_resnet_same_on_1_and_2_ranks():

@@ -45,6 +45,7 @@ from dptrain.clipping.contributions import (
     squared_norms,
 )
 from dptrain.clipping.rules import FALLBACK, LayerRule, find_rule
+from dptrain.models.dropout import set_stream as set_dropout_stream
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 #: [(coefficient, state), ...]: example b's query is u_b = sum_j a_j * grad l(state_j; x_b).
@@ -273,9 +274,10 @@ class ClippingEngine:
         B = batch_size_of(batch)
         graphs = []
         loss_total = None  # per-example losses at the current state (display only)
-        for entry in plan:
+        for j, entry in enumerate(plan):
             coef, state = entry[0], entry[1]
             seed = entry[2] if len(entry) > 2 else None
+            set_dropout_stream(j)  # per-example dropout masks: state j's own stream
             targets: list[Tensor] = []
             records: list[_Record] = []
             with self._state(state, seed), self._capture(B, coef, records, targets):

@@ -1,0 +1,163 @@
+"""Dropout masks that are a pure function of (seed, step, query state, call, example, position).
+
+Torch's dropout draws from the process's RNG, so the masks an example gets depend on which rank
+processes it, in which microbatch, after how many other forwards: a run on W ranks, or resumed
+on another world size, takes different masks than on one rank. During the private forwards the
+trainer makes ``torch.nn.functional.dropout`` (GPT-2's ``nn.Dropout`` modules and its eager
+attention's dropout, timm's ``drop_rate``) draw its mask from a counter-based hash instead:
+
+    k_step  = mix64(seed_key(seed) + GAMMA * (step + 1))
+    k_call  = mix64(mix64(k_step + GAMMA * (stream + 1)) + GAMMA * (call + 1))
+    h       = mix64(k_call + GAMMA * (index_b + 1))            # index_b: the example's dataset index
+    h       = mix64(h + GAMMA * (c_i + 1))  for each coordinate c_i of the element in the example
+    drop    <=> (h >> 40) < ceil(p * 2**24)                     # 24 bits: P(drop) = p up to 6e-8
+
+(SplitMix64, as ``dptrain.privacy.sampling``; ``stream``: the index of the evaluated state in the
+query plan — 0 the current model, j the j-th past state of inner momentum or DiSK's
+extrapolated point — so historical evaluations have their own masks; ``call``: the dropout call's
+rank within that forward). So the same example at the same step gets the same masks on any
+number of ranks, in any microbatch (padded to any length: coordinates are hashed one at a
+time), after any resume: dropout no longer breaks the 1-vs-N-rank
+identity. Dropout is not part of the privacy mechanism (masks are per example, public
+randomness); the seed is the run's ``seed``, not the privacy seed.
+
+Only ``F.dropout`` calls on batch-first tensors (first dimension = the microbatch) are replaced;
+other random layers (timm's stochastic depth, ``drop_path_rate``) keep torch's RNG. The mode
+intercepts every torch call of the forward, so it is only entered when the model has a dropout
+with p > 0.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from dptrain.privacy.sampling import _GAMMA, _M1, _M2, _mix64_int, _seed_key
+
+__all__ = ["ExampleDropout", "has_dropout", "hash_uniform_bits", "mix64"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(c: int) -> int:
+    """A 64-bit word as the int64 with the same bits."""
+    c &= _MASK64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_S_GAMMA, _S_M1, _S_M2 = _signed(_GAMMA), _signed(_M1), _signed(_M2)
+
+
+def _lshr(z: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 words (torch's ``>>`` is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def mix64(z: Tensor) -> Tensor:
+    """SplitMix64's finaliser on int64 tensors (wrap-around multiplication: the bits of the
+    uint64 computation; ``tests/test_dropout.py`` checks it against the integer version)."""
+    z = (z ^ _lshr(z, 30)) * _S_M1
+    z = (z ^ _lshr(z, 27)) * _S_M2
+    return z ^ _lshr(z, 31)
+
+
+def hash_uniform_bits(k_call: int, indices: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """(B, *shape) int64 in [0, 2**24): the top 24 bits of h(k_call, index_b, coordinates),
+    hashed one coordinate at a time (h <- mix64(h + GAMMA * (c_i + 1))), so an element's bits
+    depend on its coordinates, not on the sizes of the dimensions: padding a sequence to
+    another length leaves the masks of the real positions unchanged."""
+    dev = indices.device
+    h = mix64(indices.to(torch.int64).add(1).mul(_S_GAMMA).add(_signed(k_call)))
+    for n in shape:
+        c = torch.arange(1, n + 1, device=dev, dtype=torch.int64).mul_(_S_GAMMA)
+        h = mix64(h.unsqueeze(-1) + c)
+    return _lshr(h, 40)
+
+
+def has_dropout(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+
+
+class ExampleDropout(TorchFunctionMode):
+    """Within this mode, ``F.dropout(x, p, training=True)`` on a tensor whose first dimension
+    is the microbatch uses the per-example counter-based masks above. ``indices``: the dataset
+    indices of the microbatch's examples, in order. ``set_stream(j)`` before evaluating the
+    j-th state of a query plan."""
+
+    def __init__(self, seed: int, step: int, indices):
+        super().__init__()
+        self.k_step = _mix64_int(_seed_key(int(seed)) + _GAMMA * (int(step) + 1))
+        self.indices = torch.as_tensor(indices, dtype=torch.int64)
+        self.stream = 0
+        self.calls = 0
+        self._warned = False
+
+    def set_stream(self, stream: int) -> None:
+        self.stream, self.calls = int(stream), 0
+
+    def _mask(self, x: Tensor, p: float) -> Tensor:
+        k = _mix64_int(_mix64_int(self.k_step + _GAMMA * (self.stream + 1))
+                       + _GAMMA * (self.calls + 1))
+        self.calls += 1
+        B = x.shape[0]
+        bits = hash_uniform_bits(k, self.indices.to(x.device), tuple(x.shape[1:]))
+        threshold = min(math.ceil(p * (1 << 24)), 1 << 24)  # P(drop) = threshold / 2**24
+        return (bits >= threshold).view(x.shape)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            return self._dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _dropout(self, input: Tensor, p: float = 0.5, training: bool = True,
+                 inplace: bool = False) -> Tensor:
+        with torch._C.DisableTorchFunction():
+            if not training or p == 0.0:
+                return input
+            if input.dim() == 0 or input.shape[0] != len(self.indices):
+                if not self._warned:
+                    warnings.warn(f"dptrain: a dropout input of shape {tuple(input.shape)} is not "
+                                  f"batch-first (microbatch {len(self.indices)}): its mask comes "
+                                  f"from torch's RNG", stacklevel=3)
+                    self._warned = True
+                return F.dropout(input, p, training, inplace)
+            if p >= 1.0:
+                return input.mul_(0) if inplace else input * 0
+            keep = self._mask(input, p).to(input.dtype).mul_(1.0 / (1.0 - p))
+            return input.mul_(keep) if inplace else input * keep
+
+
+_ACTIVE: list[ExampleDropout] = []
+
+
+def set_stream(stream: int) -> None:
+    """Tell the active ExampleDropout (if any) that the j-th state of a plan is evaluated."""
+    if _ACTIVE:
+        _ACTIVE[-1].set_stream(stream)
+
+
+class example_dropout:
+    """``with example_dropout(model, seed, step, indices):`` the per-example masks, entered only
+    when ``model`` has a dropout with p > 0 (else nothing is intercepted)."""
+
+    def __init__(self, model: nn.Module, seed: int, step: int, indices: Any):
+        self.mode = ExampleDropout(seed, step, indices) if has_dropout(model) else None
+
+    def __enter__(self):
+        if self.mode is not None:
+            self.mode.__enter__()
+            _ACTIVE.append(self.mode)
+        return self.mode
+
+    def __exit__(self, *exc):
+        if self.mode is not None:
+            _ACTIVE.pop()
+            return self.mode.__exit__(*exc)
+        return False

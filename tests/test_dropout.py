@@ -1,0 +1,84 @@
+"""Per-example counter-based dropout masks (dptrain/models/dropout.py): the hash equals the
+integer SplitMix64, the drop rate is p, an example's mask does not depend on its microbatch, and
+a run with dropout is the same with any microbatch size."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dptrain.models.dropout import ExampleDropout, example_dropout, mix64
+from dptrain.privacy.sampling import _mix64_int
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+
+
+def test_torch_mix64_equals_the_integer_splitmix64():
+    rng = random.Random(0)
+    words = [rng.getrandbits(64) for _ in range(2000)] + [0, 1, (1 << 63), (1 << 64) - 1]
+    signed = torch.tensor([w - (1 << 64) if w >= 1 << 63 else w for w in words],
+                          dtype=torch.int64)
+    got = [int(v) & ((1 << 64) - 1) for v in mix64(signed)]
+    assert got == [_mix64_int(w) for w in words]
+
+
+def test_mask_rate_scale_and_independence_of_the_microbatch():
+    x = torch.ones(3, 50_000)
+    with ExampleDropout(seed=1, step=7, indices=[11, 4, 250]):
+        y = F.dropout(x, 0.3, training=True)
+    kept = y != 0
+    assert abs(float(kept.float().mean()) - 0.7) < 0.01
+    assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / 0.7))
+    # example 4 alone, or with others in another order: the same mask
+    with ExampleDropout(seed=1, step=7, indices=[4]):
+        alone = F.dropout(torch.ones(1, 50_000), 0.3, training=True)
+    with ExampleDropout(seed=1, step=7, indices=[250, 99, 4]):
+        other = F.dropout(torch.ones(3, 50_000), 0.3, training=True)
+    assert torch.equal(alone[0], y[1]) and torch.equal(other[2], y[1]) and torch.equal(other[0], y[2])
+    # another step, another stream, another call, another seed: other masks
+    for kw, stream, calls in (({"seed": 1, "step": 8}, 0, 0), ({"seed": 1, "step": 7}, 1, 0),
+                              ({"seed": 2, "step": 7}, 0, 0), ({"seed": 1, "step": 7}, 0, 1)):
+        mode = ExampleDropout(indices=[4], **kw)
+        with mode:
+            mode.set_stream(stream)
+            for _ in range(calls):
+                F.dropout(torch.ones(1, 8), 0.3, training=True)
+            z = F.dropout(torch.ones(1, 50_000), 0.3, training=True)
+        assert not torch.equal(z[0], y[1])
+    # not training, or p = 0: untouched; nn.Dropout goes through the same path
+    with ExampleDropout(seed=1, step=7, indices=[4]):
+        assert torch.equal(F.dropout(torch.ones(1, 5), 0.3, training=False), torch.ones(1, 5))
+        m = torch.nn.Dropout(0.3)
+        assert torch.equal(m(torch.ones(1, 50_000)), alone)
+
+
+def test_example_dropout_is_inert_without_dropout_layers():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.0))
+    with example_dropout(model, 0, 0, [1, 2]) as mode:
+        assert mode is None
+
+
+def test_a_run_with_dropout_does_not_depend_on_the_microbatch_size():
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    def params(mb: int, dropout: float = 0.2) -> dict:
+        t = Trainer(load(RunConfig, TINY, ["train.progress=false", "train.checkpoint_every=0",
+                                           "privacy.accountant=rdp", "privacy.steps=2",
+                                           f"model.dropout={dropout}",
+                                           "optim.inner_momentum.k_muon=1",
+                                           "optim.inner_momentum.gamma_muon=0.5",
+                                           f"performance.microbatch_size={mb}"]))
+        while t.step < t.plan.steps:
+            t.private_step()
+        return {n: p.detach().clone() for n, p in t.model.named_parameters()}
+
+    a, b = params(16), params(5)
+    for n in a:
+        assert torch.allclose(a[n], b[n], rtol=1e-5, atol=1e-7), n
+    # and dropout is really on: without it the run differs
+    c = params(16, dropout=0.0)
+    assert not all(torch.allclose(c[n], a[n], rtol=1e-3) for n in a)
