@@ -3,6 +3,7 @@ and CPU smoke tests of the GPU script's Python parts (bench/gpu_check.py --tiny 
 
 - per-example norms of the clipping engine on CUDA (float32, TF32 off) equal a CPU float64
   reference: tiny GPT-2 (tied wte/lm_head, padded batch) and nf_resnet_tiny (ScaledStdConv2d);
+- the per-example dropout hash on CUDA gives the CPU's masks (int64 wrap-around arithmetic);
 - the counter-based noise on CUDA: any split of a parameter's coordinates into shard slices
   gives exactly the numbers of one full draw (what makes a release world-size invariant); CUDA's
   numbers differ from CPU's (different generators), both standard normal;
@@ -91,6 +92,30 @@ def test_engine_norms_on_cuda_equal_cpu_float64(kind, rtol, no_tf32):
     got = per_example_grad_norms(model.cuda(), loss, _to(batch, "cuda")).double().cpu()
     assert ref.shape == got.shape == (8,) and bool((ref > 0).all())
     assert torch.allclose(got, ref, rtol=rtol, atol=0), (got / ref - 1).abs().max()
+
+
+@pytest.mark.gpu
+@cuda
+def test_dropout_masks_on_cuda_equal_cpu():
+    """The per-example dropout hash in int64 on CUDA gives the CPU's (and the integer
+    SplitMix64's) bits: the same masks on any device, so runs stay comparable across them."""
+    import random
+
+    from dptrain.models.dropout import ExampleDropout, mix64
+    from dptrain.privacy.sampling import _mix64_int
+
+    rng = random.Random(1)
+    words = [rng.getrandbits(64) for _ in range(1000)]
+    signed = torch.tensor([w - (1 << 64) if w >= 1 << 63 else w for w in words],
+                          dtype=torch.int64, device="cuda")
+    assert [int(v) & ((1 << 64) - 1) for v in mix64(signed).cpu()] == [_mix64_int(w)
+                                                                        for w in words]
+    masks = []
+    for dev in ("cpu", "cuda"):
+        with ExampleDropout(seed=3, step=5, indices=[7, 1, 40]):
+            masks.append(F.dropout(torch.ones(3, 4, 16, 16, device=dev), 0.1,
+                                   training=True).cpu())
+    assert torch.equal(masks[0], masks[1])
 
 
 @pytest.mark.gpu
