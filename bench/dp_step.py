@@ -30,7 +30,6 @@ The last line printed is one JSON object (keys documented in ``summarize``).
 from __future__ import annotations
 
 import argparse
-import copy
 import inspect
 import json
 import os
@@ -59,6 +58,7 @@ from common import (  # noqa: E402
     ratio_of_medians,
     time_interleaved,
 )
+from gpt2_bench import _fmt, _le, build_gpt2, gpt2_batch, opacus_gpt2  # noqa: E402
 
 VARIANTS = ("nonprivate", "dptrain_bookkeeping", "dptrain_two_pass", "opacus_ghost",
             "opacus_hooks")
@@ -120,26 +120,6 @@ def default_dptrain_mode() -> str:
 # models, batches, per-example losses
 
 
-def build_gpt2(s: GPT2Shape, seed: int, device: str) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=s.vocab_size, n_positions=s.seq_len, n_embd=s.width,
-                     n_layer=s.num_layers, n_head=s.num_heads, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=None,
-                     eos_token_id=None, attn_implementation="eager")
-    model = GPT2LMHeadModel(cfg).to(device)
-    model.tie_weights()
-    assert model.lm_head.weight is model.transformer.wte.weight
-    return model.train()
-
-
-def gpt2_batch(s: GPT2Shape, seed: int, device: str) -> dict[str, Tensor]:
-    g = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, s.vocab_size, (s.batch_size, s.seq_len), generator=g)
-    return {"input_ids": ids.to(device)}
-
-
 def gpt2_logits(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     return model(**batch).logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
 
@@ -151,27 +131,6 @@ def gpt2_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     tok = F.cross_entropy(logits.reshape(-1, V), batch["input_ids"][:, 1:].reshape(-1),
                           reduction="none")
     return tok.view(B, Tm1).mean(1)
-
-
-def opacus_gpt2(model: nn.Module, s: GPT2Shape) -> tuple[nn.Module, Tensor]:
-    """A copy Opacus accepts: Conv1D -> Linear, untied lm_head, and the position_ids to pass."""
-    from transformers.pytorch_utils import Conv1D
-
-    m = copy.deepcopy(model)
-    for parent in list(m.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Conv1D):
-                lin = nn.Linear(child.weight.shape[0], child.weight.shape[1],
-                                device=child.weight.device, dtype=child.weight.dtype)
-                with torch.no_grad():
-                    lin.weight.copy_(child.weight.T)  # Conv1D stores (in, out)
-                    lin.bias.copy_(child.bias)
-                setattr(parent, name, lin)
-    m.config.tie_word_embeddings = False
-    m.lm_head.weight = nn.Parameter(m.transformer.wte.weight.detach().clone())
-    dev = m.lm_head.weight.device
-    pos = torch.arange(s.seq_len, device=dev).expand(s.batch_size, s.seq_len).contiguous()
-    return m, pos
 
 
 def build_resnet(s: ResNetShape, seed: int, device: str) -> nn.Module:
@@ -417,14 +376,6 @@ def summarize(results: dict, cfg: BenchConfig) -> dict:
     out["git_commit"] = git_commit()
     out["date"] = now_utc()
     return out
-
-
-def _le(a, b):
-    return None if a is None or b is None else bool(a <= b)
-
-
-def _fmt(x, spec=".3f", suffix=""):
-    return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
 def print_table(summary: dict) -> None:

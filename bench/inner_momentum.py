@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import os
 import re
@@ -80,6 +79,7 @@ from common import (  # noqa: E402
     ratio_of_medians,
     time_interleaved,
 )
+from gpt2_bench import _fmt, _le, build_gpt2, gpt2_batch, opacus_gpt2  # noqa: E402
 
 # Targets of issue 4.
 TARGET_MARGINAL = 1.0  # (t_K - t_0) / K over the non-private step
@@ -144,26 +144,6 @@ def naive_variant(kind: str, K: int) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # model, batch, loss
-
-
-def build_gpt2(s: GPT2Shape, seed: int, device: str) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=s.vocab_size, n_positions=s.seq_len, n_embd=s.width,
-                     n_layer=s.num_layers, n_head=s.num_heads, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=None,
-                     eos_token_id=None, attn_implementation="eager")
-    model = GPT2LMHeadModel(cfg).to(device)
-    model.tie_weights()
-    assert model.lm_head.weight is model.transformer.wte.weight
-    return model.train()
-
-
-def gpt2_batch(s: GPT2Shape, seed: int, device: str) -> dict[str, Tensor]:
-    g = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, s.vocab_size, (s.batch_size, s.seq_len), generator=g)
-    return {"input_ids": ids.to(device)}
 
 
 def token_losses(logits: Tensor, ids: Tensor) -> Tensor:
@@ -432,29 +412,6 @@ def _conv1d_params(m: nn.Module):
             yield f"{mname}.weight", mod
 
 
-def opacus_gpt2(model: nn.Module, s: GPT2Shape) -> tuple[nn.Module, Tensor]:
-    """A copy Opacus accepts: Conv1D -> Linear, untied lm_head, and the position_ids to pass
-    (ANCHORS.md; the same conversion as bench/dp_step.py)."""
-    from transformers.pytorch_utils import Conv1D
-
-    m = copy.deepcopy(model)
-    for parent in list(m.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Conv1D):
-                lin = nn.Linear(child.weight.shape[0], child.weight.shape[1],
-                                device=child.weight.device, dtype=child.weight.dtype)
-                with torch.no_grad():
-                    lin.weight.copy_(child.weight.T)  # Conv1D stores (in, out)
-                    lin.bias.copy_(child.bias)
-                lin._from_conv1d = True
-                setattr(parent, name, lin)
-    m.config.tie_word_embeddings = False
-    m.lm_head.weight = nn.Parameter(m.transformer.wte.weight.detach().clone())
-    dev = m.lm_head.weight.device
-    pos = torch.arange(s.seq_len, device=dev).expand(s.batch_size, s.seq_len).contiguous()
-    return m, pos
-
-
 def build_variant(variant: str, cfg: BenchConfig) -> StepFn:
     """A fresh model (same seed, same weights), the batch, and the step of ``variant``."""
     s = cfg.gpt2
@@ -669,17 +626,9 @@ NAIVE_DESCRIPTION = {
 }
 
 
-def _le(a, b):
-    return None if a is None or b is None else bool(a <= b)
-
-
 def _all_le(xs, b):
     xs = [x for x in xs if x is not None]
     return None if not xs else all(x <= b for x in xs)
-
-
-def _fmt(x, spec=".3f", suffix=""):
-    return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
 def print_table(summary: dict) -> None:

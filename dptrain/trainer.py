@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from dptrain.clipping import ClippingEngine
 from dptrain.config import ConfigError, to_dict

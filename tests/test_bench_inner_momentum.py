@@ -8,10 +8,7 @@ update (same query, same clipping: the speed comparison is between equal computa
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,19 +16,7 @@ import torch
 pytest.importorskip("opacus")
 pytest.importorskip("transformers")
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses look their module up
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
+from _bench import load_bench as _load  # noqa: E402
 
 
 @pytest.fixture(scope="module")

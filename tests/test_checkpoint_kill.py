@@ -46,6 +46,20 @@ def _check_invariants(out: Path) -> int:
     return newest
 
 
+def _assert_same_final_model_and_each_step_logged_once(ref: Path, out: Path) -> None:
+    """final/model.safetensors of ``out`` equals ``ref``'s bit for bit; metrics.jsonl of ``out``
+    lists steps 1..4 once each."""
+    from safetensors.torch import load_file
+
+    want = load_file(str(ref / "final" / "model.safetensors"))
+    got = load_file(str(out / "final" / "model.safetensors"))
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
 def _wait_for(pred, proc, timeout=300.0) -> bool:
     end = time.time() + timeout
     while time.time() < end:
@@ -103,15 +117,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_for_bit(tmp_path, capsys):
     assert done.returncode == 0, done.stderr
     assert _check_invariants(out) == 4
     assert not list(root.glob(".tmp-*"))  # the dead writers' leftovers are cleaned up
-    from safetensors.torch import load_file
-
-    want = load_file(str(ref / "final" / "model.safetensors"))
-    got = load_file(str(out / "final" / "model.safetensors"))
-    assert want.keys() == got.keys()
-    for k in want:
-        assert torch.equal(want[k], got[k]), k
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    _assert_same_final_model_and_each_step_logged_once(ref, out)
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
 
 
@@ -124,8 +130,6 @@ def _cli_rank(rank: int, world: int, argv: list[str], pid_dir: str, pause: str) 
 
 @pytest.mark.distributed
 def test_two_ranks_killed_inside_a_sharded_checkpoint_write_resume_bit_for_bit(tmp_path):
-    from safetensors.torch import load_file
-
     from dptrain.parallel.dist import spawn
 
     args = [*ARGS, "performance.sharding=fsdp"]
@@ -168,10 +172,4 @@ def test_two_ranks_killed_inside_a_sharded_checkpoint_write_resume_bit_for_bit(t
     assert not list(root.glob(".tmp-*"))
     newest = ckpt.find_latest(out)
     assert (newest / "__1_0.distcp").is_file() and not (newest / "state.pt").exists()
-    want = load_file(str(ref / "final" / "model.safetensors"))
-    got = load_file(str(out / "final" / "model.safetensors"))
-    assert want.keys() == got.keys()
-    for k in want:
-        assert torch.equal(want[k], got[k]), k
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    _assert_same_final_model_and_each_step_logged_once(ref, out)

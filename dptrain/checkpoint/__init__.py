@@ -104,7 +104,6 @@ def write(state: dict[str, Any], output_dir: Path, step: int, keep: int) -> Path
     root.mkdir(parents=True, exist_ok=True)
     _clean_stale(root)
     name = f"step-{step:08d}"
-    final = root / name
     tmp = root / f".tmp-{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -522,19 +521,24 @@ def read_meta(path: Path, verified: bool = False) -> dict[str, Any]:
 def read(path: Path, verified: bool = False) -> dict[str, Any]:
     """The verified checkpoint at ``path`` as one dict of full (unsharded) CPU tensors, whatever
     its format: a sharded checkpoint is assembled in this process (no collectives)."""
-    state = read_meta(path, verified)
-    if state.get("format") == 2:
-        try:
-            tensors = _dcp_full(Path(path))
-        except Exception as e:
-            raise ConfigError("resume", f"checkpoint {path} is unusable: cannot read its "
-                                        f"shards ({type(e).__name__}: {e})") from None
-        model = {k: tensors["model"][k] for k in state.pop("model_keys")}
-        for dropped, kept in state.pop("model_aliases", {}).items():
-            model[dropped] = model[kept]
-        state["model"] = model
-        state["optimizer"] = _fill_refs(state["optimizer"], tensors["optim"])
-        state["format"] = 1
+    return _whole(Path(path), read_meta(path, verified))
+
+
+def _whole(path: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (from ``read_meta``) with the tensors of a sharded checkpoint filled in."""
+    if state.get("format") != 2:
+        return state
+    try:
+        tensors = _dcp_full(path)
+    except Exception as e:
+        raise ConfigError("resume", f"checkpoint {path} is unusable: cannot read its "
+                                    f"shards ({type(e).__name__}: {e})") from None
+    model = {k: tensors["model"][k] for k in state.pop("model_keys")}
+    for dropped, kept in state.pop("model_aliases", {}).items():
+        model[dropped] = model[kept]
+    state["model"] = model
+    state["optimizer"] = _fill_refs(state["optimizer"], tensors["optim"])
+    state["format"] = 1
     return state
 
 
@@ -557,8 +561,7 @@ def load(trainer, path: Path, verified: bool = False) -> None:
     if _sharded(trainer) and state.get("format") == 2:
         _load_dcp_sharded(trainer, state, path)  # each rank reads its own rows
     else:
-        if state.get("format") == 2:
-            state = read(path, verified=True)
+        state = _whole(path, state)
         if _sharded(trainer):
             _load_sharded(trainer, state)
         else:

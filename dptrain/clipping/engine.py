@@ -35,7 +35,6 @@ from torch import Tensor, nn
 from dptrain.clipping.contributions import (
     Contribution,
     Dense,
-    OneHot,
     Outer,
     add_instantiated,
     choose_form_states,

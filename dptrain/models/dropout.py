@@ -105,7 +105,6 @@ class ExampleDropout(TorchFunctionMode):
         k = _mix64_int(_mix64_int(self.k_step + _GAMMA * (self.stream + 1))
                        + _GAMMA * (self.calls + 1))
         self.calls += 1
-        B = x.shape[0]
         bits = hash_uniform_bits(k, self.indices.to(x.device), tuple(x.shape[1:]))
         threshold = min(math.ceil(p * (1 << 24)), 1 << 24)  # P(drop) = threshold / 2**24
         return (bits >= threshold).view(x.shape)

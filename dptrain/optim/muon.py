@@ -183,15 +183,15 @@ class Muon(torch.optim.Optimizer):
                 from dptrain.parallel.newton_schulz import distributed_newton_schulz
 
                 dtype = DTYPES[group["ns_dtype"]]
-                fn = None
-                if type(self)._orthogonalise is not Muon._orthogonalise:  # MuonBC: at the owner
-                    def fn(i: int, X: Tensor) -> Tensor:
-                        name, _, _, _, state = todo[i]
-                        return self._orthogonalise(X, group, state, name)
+                def at_owner(i: int, X: Tensor) -> Tensor:  # MuonBC's own map
+                    name, _, _, _, state = todo[i]
+                    return self._orthogonalise(X, group, state, name)
+
+                custom = type(self)._orthogonalise is not Muon._orthogonalise
                 outs = distributed_newton_schulz(
                     [t[2].to(dtype) for t in todo], [t[3] for t in todo],
                     steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                    eps=group["eps"], fn=fn)
+                    eps=group["eps"], fn=at_owner if custom else None)
             else:
                 outs = [self._orthogonalise(N_rc, group, state, name)
                         for name, _, N_rc, rc, state in todo]
