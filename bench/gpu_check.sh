@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ONE prepared GPU check for an H200 session (issue 5, item 8). Finishes in under 8 minutes:
-# every part has its own `timeout` (they add up to 450 s) and a failing part does not stop the
+# every part has its own `timeout` (they add up to 475 s) and a failing part does not stop the
 # others. Run it from the repository root on the GPU machine:
 #
 #   here:            bash bench/fetch_gpu_wheels.sh        # bench/wheels/ (gitignored)
@@ -22,9 +22,11 @@
 #   4. bench/dp_step.py --device cuda --quick --no-memory (70): DP step vs non-private vs
 #      Opacus (issue 2); its per-variant memory subprocesses are skipped to fit the budget.
 #   5. bench/inner_momentum.py --device cuda --quick --no-memory (50), if it takes --device.
+#   6. bench/per_example_products.py --device cuda --rounds 5 (25): per-example products vs
+#      the non-private weight gradients, i.e. the floor of IM's marginal cost on the GPU.
 # Each part prints examples/s, peak memory (torch.cuda.max_memory_allocated and NVML) and the
 # DP/non-private ratio where it has one; each part's log (its last line one JSON object) lands
-# in $OUT (or bench/gpu_out/): 6 files.
+# in $OUT (or bench/gpu_out/): 7 files. Timeouts add up to 475 s.
 #
 # `bash bench/gpu_check.sh --dry-run` runs the same parts on CPU with tiny shapes (no install;
 # CUDA tests skip): it checks the plumbing on a machine without a GPU.
@@ -102,15 +104,18 @@ if [ -f bench/inner_momentum.py ] && grep -q -- '"--device"' bench/inner_momentu
 else
   STATUS[inner_momentum]="skipped (missing or no --device)"
 fi
+if [ $DRY = 1 ]; then PRODUCTS_ARGS=(--device cpu --tiny --rounds 1)
+else PRODUCTS_ARGS=(--device cuda --rounds 5); fi
+part products 25 "$PY" bench/per_example_products.py "${PRODUCTS_ARGS[@]}"
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 
 echo
 echo "=== summary (total $(( $(date +%s) - START )) s)"
-for k in install pytest_gpu gpt2_small nf_resnet50 dp_step inner_momentum; do
+for k in install pytest_gpu gpt2_small nf_resnet50 dp_step inner_momentum products; do
   printf '%-16s %s\n' "$k" "${STATUS[$k]:-not run}"
 done
 # the last JSON line of each benchmark part: throughput, peak memory, DP/non-private
-for k in gpt2_small nf_resnet50 dp_step inner_momentum; do
+for k in gpt2_small nf_resnet50 dp_step inner_momentum products; do
   [ -f "$RES/$k.log" ] && { printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1500; }
 done
 exit 0
