@@ -29,12 +29,12 @@ from dptrain.clipping import ClippingEngine
 from dptrain.config import ConfigError, to_dict
 from dptrain.data import DataConfig, build_data
 from dptrain.models import ModelConfig, build_model
+from dptrain.models.dropout import example_dropout
 from dptrain.optim import OptimConfig, build_optimizer
 from dptrain.performance import PerformanceConfig
 from dptrain.privacy.accounting import (Ledger, calibrate_noise_multiplier, check_plan,
                                         epsilon as ledger_epsilon)
 from dptrain.privacy.config import PrivacyConfig
-from dptrain.models.dropout import example_dropout
 from dptrain.privacy.noise import gaussian_noise, secure_seed
 from dptrain.privacy.sampling import poisson_sample, shard_indices
 from dptrain.parallel.dist import init_from_env
