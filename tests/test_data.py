@@ -233,6 +233,100 @@ def test_lm_loss_per_example_matches_alone_and_direct(synth_lm):
     empty.sum().backward()  # an empty batch still has a graph
 
 
+def test_token_nll_matches_cross_entropy_values_and_gradients():
+    """The LM loss's own cross-entropy (two logit-sized tensors in backward instead of three):
+    the same per-row values as F.cross_entropy(ignore_index=-100), and gradients equal to it up
+    to float32 rounding and to a float64 reference, zero on ignored rows."""
+    from dptrain.data.lm import token_nll
+
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(64, 37, generator=g)).requires_grad_()
+    target = torch.randint(0, 37, (64,), generator=g)
+    target[::5] = -100
+    up = torch.randn(64, generator=g)  # every row gets an upstream gradient, ignored ones too
+
+    ours = token_nll(logits, target)
+    (gr_ours,) = torch.autograd.grad(ours, logits, up)
+    ref = F.cross_entropy(logits, target, ignore_index=-100, reduction="none")
+    (gr_ref,) = torch.autograd.grad(ref, logits, up)
+    assert torch.allclose(ours, ref, rtol=0, atol=1e-6) and (ours[::5] == 0).all()
+    assert torch.allclose(gr_ours, gr_ref, rtol=1e-6, atol=1e-7)
+    assert (gr_ours[::5] == 0).all()
+
+    x = logits.detach().double().requires_grad_()
+    valid = target != -100
+    nll64 = -torch.log_softmax(x, -1).gather(1, target.clamp(min=0)[:, None]).squeeze(1) * valid
+    (gr64,) = torch.autograd.grad(nll64, x, up.double())
+    assert torch.allclose(gr_ours.double(), gr64, rtol=1e-5, atol=1e-7)
+    # the backward saves log-probabilities only: a second backward of the same graph agrees
+    loss = token_nll(logits, target)
+    (a,) = torch.autograd.grad(loss, logits, up, retain_graph=True)
+    (b,) = torch.autograd.grad(loss, logits, up)
+    assert torch.equal(a, b)
+
+
+def test_token_nll_under_torch_func_grad_and_vmap():
+    """torch.func.grad and vmap(grad) (per-example gradients, as diagnostics and reference
+    checks compute them) go through the LM loss's cross-entropy and agree with
+    F.cross_entropy's."""
+    from torch.func import grad, vmap
+
+    from dptrain.data.lm import token_nll
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(7, 11, generator=g)
+    x = torch.randn(5, 3, 7, generator=g)  # 5 examples, 3 tokens each
+    y = torch.randint(0, 11, (5, 3), generator=g)
+    y[1, 2] = y[4, 0] = -100
+
+    def loss(ce, w, xb, yb):
+        return ce(xb @ w, yb).sum()
+
+    ref_ce = lambda z, t: F.cross_entropy(z, t, ignore_index=-100, reduction="none")  # noqa: E731
+    for ce_a, ce_b in ((token_nll, ref_ce),):
+        full_a = grad(lambda w: loss(ce_a, w, x.reshape(15, 7), y.reshape(15)))(w)
+        full_b = grad(lambda w: loss(ce_b, w, x.reshape(15, 7), y.reshape(15)))(w)
+        assert torch.allclose(full_a, full_b, rtol=1e-5, atol=1e-6)
+        per_a = vmap(grad(lambda w, xb, yb: loss(ce_a, w, xb, yb)), in_dims=(None, 0, 0))(w, x, y)
+        per_b = vmap(grad(lambda w, xb, yb: loss(ce_b, w, xb, yb)), in_dims=(None, 0, 0))(w, x, y)
+        assert per_a.shape == (5, 7, 11)
+        assert torch.allclose(per_a, per_b, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(per_a.sum(0), full_a, rtol=1e-5, atol=1e-5)
+
+
+def test_lm_loss_equals_the_sliced_logits_form(synth_lm):
+    """lm_token_nll shifts the labels instead of slicing the logits (no (B, L-1, V) copy): the
+    per-token NLL equals the sliced F.cross_entropy form, and every parameter gradient agrees
+    to float rounding, with padding and prompt positions in the batch."""
+    from dptrain.data.lm import lm_token_nll
+
+    task = synth_lm
+    batch = task.train.collate(np.array([3, 0, 11, 6]))
+    assert (batch["labels"] == -100).any() and (batch["attention_mask"] == 0).any()
+
+    def sliced(model):  # the former implementation
+        logits = model(input_ids=batch["input_ids"],
+                       attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+        labels = batch["labels"][:, 1:]
+        b, t = labels.shape
+        return F.cross_entropy(logits.reshape(b * t, -1), labels.reshape(-1), ignore_index=-100,
+                               reduction="none").view(b, t), labels != -100
+
+    res = []
+    for fn in (sliced, lambda m: lm_token_nll(m, batch)):
+        model = tiny_gpt2(task.info)
+        nll, mask = fn(model)
+        (nll.sum(1) / mask.sum(1)).sum().backward()
+        res.append((nll.detach(), mask, {n: p.grad for n, p in model.named_parameters()}))
+    (nll_a, mask_a, g_a), (nll_b, mask_b, g_b) = res
+    assert nll_b.shape == nll_a.shape and torch.equal(mask_b, mask_a)
+    assert torch.allclose(nll_b, nll_a, rtol=0, atol=1e-6)
+    assert (nll_b[~mask_b] == 0).all() and (nll_b[mask_b] > 0).all()
+    assert g_a.keys() == g_b.keys()
+    for n in g_a:
+        assert torch.allclose(g_b[n], g_a[n], rtol=1e-5, atol=1e-7), n
+
+
 def test_lm_evaluate_is_token_weighted(synth_lm):
     task = synth_lm
     model = tiny_gpt2(task.info).train()

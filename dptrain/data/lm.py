@@ -200,15 +200,66 @@ def _empty_loss(model) -> torch.Tensor:
     return torch.zeros(0, device=_model_device(model), requires_grad=True)
 
 
+class _TokenNLL(torch.autograd.Function):
+    """Per-row ``-log_softmax(logits)[target]`` (0 where the target is -100) with a backward
+    that holds two logit-sized tensors instead of three.
+
+    ``F.cross_entropy`` keeps the log-probabilities for backward, where ``nll_loss_backward``
+    writes a dense (N, V) gradient and ``log_softmax_backward`` a second one: with the saved
+    log-probabilities that is three (N, V) tensors at once, and with GPT-2's 50,257-token
+    vocabulary the logits are the largest activation of the model. Here the backward writes
+    ``(softmax - onehot(target)) * grad`` into one new tensor. Values equal F.cross_entropy's
+    with ``ignore_index=-100`` bit for bit; gradients agree to float rounding (tests/test_data.py)."""
+
+    generate_vmap_rule = True  # torch.func (grad, vmap) works through it
+
+    @staticmethod
+    def forward(logits: torch.Tensor, target: torch.Tensor):
+        logp = torch.log_softmax(logits, dim=-1)
+        valid = target != -100
+        idx = torch.where(valid, target, 0).unsqueeze(-1)
+        nll = torch.where(valid, -logp.gather(-1, idx).squeeze(-1), 0.0)
+        return nll, logp  # logp: an output only so that backward may keep it (torch.func)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, target = inputs
+        _, logp = output
+        valid = target != -100
+        ctx.mark_non_differentiable(logp)
+        ctx.set_materialize_grads(False)  # no zero-filled (N, V) gradient for logp
+        ctx.save_for_backward(logp, torch.where(valid, target, 0).unsqueeze(-1), valid)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor, _grad_logp):
+        logp, idx, valid = ctx.saved_tensors
+        if grad is None:
+            return None, None
+        g = torch.where(valid, grad, 0.0).unsqueeze(-1)  # ignored rows: zero gradient
+        out = logp.exp().mul_(g)  # in place: one new logit-sized tensor
+        out.scatter_add_(-1, idx, -g)
+        return out, None
+
+
+def token_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``F.cross_entropy(logits, target, ignore_index=-100, reduction="none")`` for (N, V)
+    logits, with one logit-sized tensor less at the backward's peak (``_TokenNLL``)."""
+    return _TokenNLL.apply(logits, target)[0]
+
+
 def lm_token_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token NLL ``[B, L-1]`` (0 where not a target) and the target mask ``[B, L-1]``."""
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    logits = _logits(out)[:, :-1].float()
+    logits = _logits(out).float()  # (B, L, V); no copy in float32
+    b, length, v = logits.shape
+    # Position l predicts token l + 1. The labels are shifted, not the logits: flattening a
+    # (B, L-1, V) slice would copy the logits (a third logit-sized tensor in the forward). The
+    # last position gets label -100: no loss and a zero gradient, as if it were cut off.
     labels = batch["labels"][:, 1:]
-    b, t = labels.shape
-    nll = F.cross_entropy(logits.reshape(b * t, -1), labels.reshape(-1),
-                          ignore_index=-100, reduction="none").view(b, t)
-    return nll, labels != -100
+    nxt = F.pad(labels, (0, 1), value=-100)
+    nll = token_nll(logits.reshape(b * length, v), nxt.reshape(-1))
+    return nll.view(b, length)[:, :-1], labels != -100
 
 
 def lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
