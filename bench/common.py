@@ -206,6 +206,66 @@ def measure_peak_in_subprocess(script: str, child_args: list[str], *,
     return {"error": f"child exited {proc.returncode}: {tail[-1] if tail else ''}"}
 
 
+class LiveTensorPeak:
+    """Context manager: the high-water mark of bytes held by tensor storages that operators
+    create inside it (on CPU, the counterpart of CUDA's allocated-memory peak, without the
+    allocator slack a resident set includes). Storages that exist on entry (weights, gradients
+    of an earlier step) are the baseline and not counted. Every operator that goes through
+    torch's dispatcher is seen, backward included. On exit: ``peak_bytes`` and ``top``, the
+    largest storages live at the peak as (bytes, "operator shape")."""
+
+    def __init__(self, top: int = 8):
+        self.ntop = top
+        self.peak_bytes = 0
+        self.top: list[tuple[int, str]] = []
+
+    def __enter__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        import warnings
+
+        with warnings.catch_warnings():  # isinstance() on some torch objects warns
+            warnings.simplefilter("ignore")
+            pre = {o.untyped_storage().data_ptr() for o in gc.get_objects()
+                   if isinstance(o, torch.Tensor) and o.device.type != "meta"}
+        live: dict[int, tuple[int, str]] = {}
+        cur = [0]
+        tracker = self
+
+        def release(ptr: int, n: int) -> None:
+            if live.pop(ptr, None) is not None:
+                cur[0] -= n
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    st = t.untyped_storage()
+                    ptr, n = st.data_ptr(), st.nbytes()
+                    if n == 0 or ptr in live or ptr in pre:
+                        continue
+                    live[ptr] = (n, f"{func.__name__} {tuple(t.shape)}")
+                    cur[0] += n
+                    weakref.finalize(st, release, ptr, n)
+                    if cur[0] > tracker.peak_bytes:
+                        tracker.peak_bytes = cur[0]
+                        tracker.top = sorted(live.values(), reverse=True)[:tracker.ntop]
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        return False
+
+
 # ---------------------------------------------------------------------------------------------
 # provenance
 
