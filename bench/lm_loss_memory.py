@@ -37,6 +37,7 @@ from common import (  # noqa: E402
     fmt_bytes,
     git_commit,
     machine_description,
+    median,
     now_utc,
     ratio_of_medians,
     time_interleaved,
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         tim = ratio_of_medians(times.wall["dptrain"], times.wall["sliced"])
         logit_bytes = s.batch_size * s.seq_len * s.vocab_size * 4
         rows.append({"shape": asdict(s), "logits_bytes": logit_bytes, "peak_bytes": peaks,
-                     "seconds": {k: sorted(v)[len(v) // 2] for k, v in times.wall.items()},
+                     "seconds": {k: median(v) for k, v in times.wall.items()},
                      "memory_dptrain_over_sliced": round(mem, 4),
                      "time_dptrain_over_sliced": round(tim, 4)})
         print(f"{s.name:<28} {f'{s.batch_size} x {s.seq_len} x {s.vocab_size}':<18} "

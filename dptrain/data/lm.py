@@ -223,19 +223,18 @@ class _TokenNLL(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, target = inputs
-        _, logp = output
-        valid = target != -100
-        ctx.mark_non_differentiable(logp)
+        ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)  # no zero-filled (N, V) gradient for logp
-        ctx.save_for_backward(logp, torch.where(valid, target, 0).unsqueeze(-1), valid)
+        ctx.save_for_backward(output[1], inputs[1])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor, _grad_logp):
-        logp, idx, valid = ctx.saved_tensors
+        logp, target = ctx.saved_tensors
         if grad is None:
             return None, None
+        valid = target != -100
+        idx = torch.where(valid, target, 0).unsqueeze(-1)
         g = torch.where(valid, grad, 0.0).unsqueeze(-1)  # ignored rows: zero gradient
         out = logp.exp().mul_(g)  # in place: one new logit-sized tensor
         out.scatter_add_(-1, idx, -g)
