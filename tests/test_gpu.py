@@ -135,6 +135,9 @@ def test_noise_on_cuda_is_the_same_numbers_for_any_shard_split():
             parts.append(gaussian_noise(11, 3, "transformer.h.0.attn.c_attn.weight", numel,
                                         a * cols, b * cols, device="cuda"))
         assert torch.equal(torch.cat(parts), full), world
+    # drawn on the CPU and copied: the CPU's numbers exactly
+    assert torch.equal(full.cpu(), gaussian_noise(11, 3, "transformer.h.0.attn.c_attn.weight",
+                                                  numel))
     # another step / key / seed: other numbers; every draw standard normal
     other = gaussian_noise(11, 4, "transformer.h.0.attn.c_attn.weight", numel, device="cuda")
     assert not torch.equal(other, full)

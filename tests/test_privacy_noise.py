@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from scipy import stats
 
-from dptrain.privacy.noise import BLOCK, block_seed, gaussian_noise, secure_seed
+from dptrain.privacy.noise import BLOCK, block_key, gaussian_noise, secure_seed
 
 NUMEL = 3 * BLOCK + 1234
 
@@ -76,10 +76,53 @@ def test_different_seed_step_key_block_give_different_noise(full):
     b0, b1 = full[:BLOCK].numpy(), full[BLOCK:2 * BLOCK].numpy()
     assert abs(np.corrcoef(b0, b1)[0, 1]) < 6 / math.sqrt(BLOCK)
     # the hash input is unambiguous: distinct tuples, distinct seeds
-    seeds = {block_seed(s, t, k, b) for s in (0, 1, 10) for t in (0, 1, 10)
-             for k in ("a", "a1", "1") for b in (0, 1, 11)}
-    assert len(seeds) == 3 * 3 * 3 * 3
-    assert all(0 <= s < 2 ** 63 for s in seeds)
+    keys = {block_key(s, t, k, b) for s in (0, 1, 10) for t in (0, 1, 10)
+            for k in ("a", "a1", "1") for b in (0, 1, 11)}
+    assert len(keys) == 3 * 3 * 3 * 3
+    assert all(0 <= k < 2 ** 128 for k in keys)
+    assert max(keys) >= 2 ** 120  # the whole 128 bits are used
+
+
+def test_seeds_that_differ_only_above_bit_32_or_64_give_different_noise():
+    # torch's CPU generator keeps only the low 32 bits of its seed; the noise must not.
+    n = 1000
+    base = gaussian_noise(12345, 0, "w", n)
+    for other in (12345 + (7 << 32), 12345 + (1 << 64), 12345 + (1 << 100)):
+        z = gaussian_noise(other, 0, "w", n)
+        assert abs(np.corrcoef(base.numpy(), z.numpy())[0, 1]) < 6 / math.sqrt(n), other
+
+
+def test_former_colliding_blocks_differ():
+    # With 32-bit generator seeds, block 0 of this key at steps 31768 and 59665 (seed 0) was
+    # the same noise (found by a birthday search): two releases that revealed the difference
+    # of their clipped sums on 65,536 coordinates.
+    key = "transformer.h.0.mlp.c_fc.weight"
+    a = gaussian_noise(0, 31768, key, BLOCK)
+    b = gaussian_noise(0, 59665, key, BLOCK)
+    assert abs(np.corrcoef(a.numpy(), b.numpy())[0, 1]) < 6 / math.sqrt(BLOCK)
+
+
+def test_thread_count_does_not_change_the_noise():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gaussian_noise(9, 4, "w", 5 * BLOCK + 17, 100, 5 * BLOCK)
+        torch.set_num_threads(2)
+        two = gaussian_noise(9, 4, "w", 5 * BLOCK + 17, 100, 5 * BLOCK)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_philox_reference():
+    # Block k is numpy's Philox4x64 keyed by block_key, drawn whole: an independent re-derivation.
+    z = gaussian_noise(3, 2, "w", 2 * BLOCK + 10, BLOCK - 5, BLOCK + 5)
+    ref = np.concatenate([
+        np.random.Generator(np.random.Philox(key=block_key(3, 2, "w", 0)))
+        .standard_normal(BLOCK, dtype=np.float32)[-5:],
+        np.random.Generator(np.random.Philox(key=block_key(3, 2, "w", 1)))
+        .standard_normal(BLOCK, dtype=np.float32)[:5]])
+    assert np.array_equal(z.numpy(), ref)
 
 
 def test_standard_normal_statistics():
@@ -120,6 +163,8 @@ def test_cuda_slices_concatenate():
     parts = [gaussian_noise(3, 1, "w", NUMEL, a, b, device="cuda")
              for a, b in [(0, 1000), (1000, 2 * BLOCK + 5), (2 * BLOCK + 5, NUMEL)]]
     assert torch.equal(torch.cat(parts), full)
+    # drawn on the CPU and copied: the same numbers on every device type
+    assert torch.equal(full.cpu(), gaussian_noise(3, 1, "w", NUMEL))
 
 
 def test_bad_ranges():
@@ -134,8 +179,8 @@ def test_bad_ranges():
 
 def test_secure_seed():
     seeds = {secure_seed() for _ in range(8)}
-    assert len(seeds) == 8  # 63-bit draws; a collision has probability < 1e-17
-    assert all(isinstance(s, int) and 0 <= s < 2 ** 63 for s in seeds)
+    assert len(seeds) == 8  # 128-bit draws; a collision has probability < 1e-36
+    assert all(isinstance(s, int) and 0 <= s < 2 ** 128 for s in seeds)
     s = seeds.pop()
     assert torch.equal(gaussian_noise(s, 0, "w", 10), gaussian_noise(s, 0, "w", 10))
 

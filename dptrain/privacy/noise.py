@@ -7,24 +7,30 @@ the global flat coordinates ``[start, end)`` of the noise tensor ``Z`` for the p
 
 - the global coordinates are split into fixed blocks of ``BLOCK = 2**16`` elements; block ``k``
   covers ``[k*BLOCK, min((k+1)*BLOCK, numel))``;
-- block ``k`` is ``torch.randn(block_len, generator=g)`` with ``g`` a ``torch.Generator`` on the
-  target device seeded by ``blake2b-63(seed, step, key, k)`` (blake2b, unlike Python's
-  ``hash()``, is the same in every process);
+- block ``k`` is ``standard_normal(block_len)`` of numpy's counter-based Philox4x64-10 generator
+  keyed with the 128-bit ``block_key(seed, step, key, k)`` = blake2b-128 of an unambiguous
+  encoding of the four (blake2b, unlike Python's ``hash()``, is the same in every process);
 - the blocks that overlap ``[start, end)`` are drawn whole and sliced.
 
 Hence any split of ``[0, numel)`` across ranks (FSDP shards) or slices gives exactly the same
-numbers as one full draw: 1, 2 or 8 ranks produce the same release. This holds for one *device
-type*: the CPU and CUDA generators are different algorithms and give different numbers for the
-same seed (both are standard normal). The values also depend on the drawing dtype (float64 is
-drawn in float64; every other floating dtype is drawn in float32 and cast).
+numbers as one full draw: 1, 2 or 8 ranks produce the same release. The numbers are drawn on the
+CPU and copied to the target device, so they are also the same on every device type (CPU or
+CUDA) and independent of the number of threads that draw them. They depend on the drawing dtype
+(float64 is drawn in float64; every other floating dtype is drawn in float32 and cast).
 
-Secure mode: :func:`secure_seed` returns a seed from the OS entropy pool. torch's generators
-(Mersenne Twister on CPU, Philox on CUDA) are *not* cryptographically secure PRNGs; what secure
-mode promises here is only that the seed is unpredictable and never written to logs, metrics or
-checkpoints, so an adversary without access to the training process's memory cannot reproduce
-or predict the noise. It does not protect against an adversary who recovers generator state
-from outputs, nor against floating-point attacks on the Gaussian sampler (e.g. Mironov's
-least-significant-bit attack on textbook samplers); see docs/privacy.md.
+Why not ``torch.Generator``: the CPU generator seeds its Mersenne Twister from the low 32 bits of
+the seed only, so the blocks of a run drew from 2**32 streams at most, and two blocks of one run
+could get identical noise (a birthday collision is expected after ~65,000 blocks; GPT-2 small
+has ~1,900 blocks per release). Two releases with a shared noise block reveal the difference of
+their clipped sums on it exactly. With 128-bit keys a collision has probability ~n^2 / 2^129.
+
+Secure mode: :func:`secure_seed` returns a 128-bit seed from the OS entropy pool. Philox is a
+counter-based generator built for statistical quality, not a cryptographically secure PRNG; what
+secure mode promises here is only that the seed is unpredictable and never written to logs,
+metrics or checkpoints, so an adversary without access to the training process's memory cannot
+reproduce or predict the noise. It does not protect against floating-point attacks on the
+Gaussian sampler (e.g. Mironov's least-significant-bit attack on textbook samplers); see
+docs/privacy.md.
 """
 
 from __future__ import annotations
@@ -32,13 +38,14 @@ from __future__ import annotations
 import hashlib
 import numbers
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
-__all__ = ["BLOCK", "gaussian_noise", "block_seed", "secure_seed"]
+__all__ = ["BLOCK", "gaussian_noise", "block_key", "secure_seed"]
 
 BLOCK = 1 << 16
-_MASK63 = (1 << 63) - 1
 
 
 def _check_int(name: str, value, minimum: int | None = 0) -> int:
@@ -50,11 +57,11 @@ def _check_int(name: str, value, minimum: int | None = 0) -> int:
     return value
 
 
-def block_seed(seed: int, step: int, key: str, block: int) -> int:
-    """63-bit seed of noise block ``block`` of parameter ``key`` at ``step``.
+def block_key(seed: int, step: int, key: str, block: int) -> int:
+    """128-bit Philox key of noise block ``block`` of parameter ``key`` at ``step``.
 
     The encoding is unambiguous (decimal integers and a length-prefixed UTF-8 key, separated),
-    so distinct ``(seed, step, key, block)`` give distinct hash inputs.
+    so distinct ``(seed, step, key, block)`` give distinct hash inputs; any Python int is a seed.
     """
     seed = _check_int("seed", seed, minimum=None)
     step = _check_int("step", step)
@@ -63,8 +70,25 @@ def block_seed(seed: int, step: int, key: str, block: int) -> int:
         raise TypeError(f"key must be a str (a parameter name), got {key!r}")
     kb = key.encode("utf-8")
     msg = b"%d\x00%d\x00%d\x00%d:" % (seed, step, block, len(kb)) + kb
-    digest = hashlib.blake2b(msg, digest_size=8, person=b"dptrain-noise").digest()
-    return int.from_bytes(digest, "little") & _MASK63
+    digest = hashlib.blake2b(msg, digest_size=16, person=b"dptrain-noise-v2").digest()
+    return int.from_bytes(digest, "little")
+
+
+def _draw_block(k: int, length: int, dtype) -> np.ndarray:
+    return np.random.Generator(np.random.Philox(key=k)).standard_normal(length, dtype=dtype)
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL, _POOL_SIZE
+    if _POOL is None or _POOL_SIZE != workers:
+        if _POOL is not None:
+            _POOL.shutdown(wait=True)
+        _POOL, _POOL_SIZE = ThreadPoolExecutor(workers, thread_name_prefix="dptrain-noise"), workers
+    return _POOL
 
 
 def gaussian_noise(seed: int, step: int, key: str, numel: int, start: int = 0,
@@ -73,7 +97,9 @@ def gaussian_noise(seed: int, step: int, key: str, numel: int, start: int = 0,
     """Standard normal values of global coordinates ``[start, end)`` of ``key``'s noise.
 
     Returns a 1-D tensor of ``end - start`` elements on ``device`` in ``dtype``. ``end`` defaults
-    to ``numel``; ``start == end`` gives an empty tensor.
+    to ``numel``; ``start == end`` gives an empty tensor. Blocks are drawn on up to
+    ``torch.get_num_threads()`` threads (numpy releases the GIL while drawing); the values do
+    not depend on how many.
     """
     step = _check_int("step", step)
     numel = _check_int("numel", numel)
@@ -85,26 +111,34 @@ def gaussian_noise(seed: int, step: int, key: str, numel: int, start: int = 0,
     if not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating dtype, got {dtype}")
     device = torch.device(device)
-    draw_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    out = torch.empty(end - start, dtype=dtype, device=device)
+    np_dtype = np.float64 if dtype == torch.float64 else np.float32
     if end == start:
-        return out
-    g = torch.Generator(device=device)
-    for k in range(start // BLOCK, (end - 1) // BLOCK + 1):
+        return torch.empty(0, dtype=dtype, device=device)
+    out = np.empty(end - start, dtype=np_dtype)
+    blocks = range(start // BLOCK, (end - 1) // BLOCK + 1)
+
+    def fill(k: int) -> None:
         b0 = k * BLOCK
         block_len = min(BLOCK, numel - b0)
-        g.manual_seed(block_seed(seed, step, key, k))
-        z = torch.randn(block_len, generator=g, device=device, dtype=draw_dtype)
+        z = _draw_block(block_key(seed, step, key, k), block_len, np_dtype)
         lo, hi = max(start, b0), min(end, b0 + block_len)
-        out[lo - start:hi - start].copy_(z[lo - b0:hi - b0])
-    return out
+        out[lo - start:hi - start] = z[lo - b0:hi - b0]
+
+    workers = min(len(blocks), torch.get_num_threads())
+    if workers > 1:
+        list(_pool(workers).map(fill, blocks))
+    else:
+        for k in blocks:
+            fill(k)
+    z = torch.from_numpy(out)
+    return z.to(device=device, dtype=dtype) if (device.type != "cpu" or z.dtype != dtype) else z
 
 
 def secure_seed() -> int:
-    """A 63-bit seed from the OS entropy pool (``secrets``), for secure mode.
+    """A 128-bit seed from the OS entropy pool (``secrets``), for secure mode.
 
-    Keep it in memory only; never log, print or checkpoint it. torch's generator seeded with it
+    Keep it in memory only; never log, print or checkpoint it. The noise generator keyed with it
     is still not a CSPRNG (see the module docstring): the guarantee is unpredictability of the
     seed, not cryptographic strength of the stream.
     """
-    return secrets.randbits(63)
+    return secrets.randbits(128)
