@@ -617,3 +617,67 @@ def test_nan_norm_is_never_left_unclipped():
     engine = ClippingEngine(nn.Linear(2, 2), clip_norm=1.0)
     lam = engine.clip_factors(torch.tensor([0.5, 2.0, float("nan"), float("inf")]))
     assert lam.tolist() == [1.0, 0.5, 0.0, 0.0]
+
+
+def _poison(batch, row: int, how: str):
+    """A copy of ``batch`` whose example ``row`` has a non-finite input (NaN) or target (inf)."""
+    x, *rest = batch
+    x = x.clone()
+    if how == "input":
+        x[row] = float("nan")
+        return (x, *rest)
+    y = rest[0].clone()
+    y[row] = float("inf")
+    return (x, y)
+
+
+@pytest.mark.parametrize("how", ["input", "target"])
+@pytest.mark.parametrize("name", ["linear3d", "hf_conv1d", "layernorm", "groupnorm", "conv2d",
+                                  "stdconv", "embedding"])
+def test_a_non_finite_example_adds_nothing(name, how):
+    """An example with a NaN input or an infinite loss gets clip factor 0 and must add exactly
+    nothing: its captured tensors hold inf/NaN, and 0 * inf would make the whole sum NaN (and
+    the release with it). The sum equals the reference over the other examples."""
+    if name == "embedding" and how == "input":
+        pytest.skip("token ids cannot be NaN")
+    model, batch, loss_fn = BUILDERS[name](Draw(), 4, torch.float64)
+    bad = 2
+    poisoned = _poison(batch, bad, how)
+    keep = torch.arange(4) != bad
+    ref = reference_grads(model, loss_fn, tuple(t[keep] for t in batch))
+    C = float(ref.norm(dim=1).median())
+    lam = (C / ref.norm(dim=1).clamp_min(1e-30)).clamp(max=1.0)
+    want = (ref * lam[:, None]).sum(0)
+    for policy in POLICIES:
+        for mode in MODES:
+            engine = ClippingEngine(model, clip_norm=C, ghost=policy, mode=mode)
+            norms = engine.per_example_norms(loss_fn, poisoned)
+            assert not bool(torch.isfinite(norms[bad])), (policy, mode)
+            acc: dict = {}
+            engine.accumulate(loss_fn, poisoned, acc)
+            got = flat(acc, model, ref)
+            assert bool(torch.isfinite(got).all()), (policy, mode)
+            assert_sum(got, want, torch.float64, float((lam * ref.norm(dim=1)).sum()))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_non_finite_example_adds_nothing_to_a_multi_state_query(policy, mode):
+    torch.manual_seed(9)
+    m = MixedNet(torch.float64)
+    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randint(0, 4, (4,))
+    theta1 = {n: p.detach() + 0.05 * torch.randn_like(p) for n, p in m.named_parameters()}
+    keep = torch.tensor([True, False, True, True])
+    good = (x[keep], y[keep])
+    u = 0.6 * reference_grads(m, ce_loss, good, theta1) + 0.4 * reference_grads(m, ce_loss, good)
+    un = u.norm(dim=1)
+    C = float(un.median())
+    lam = (C / un).clamp(max=1)
+    x = x.clone()
+    x[1, 0, 0, 0] = float("inf")
+    engine = ClippingEngine(m, clip_norm=C, ghost=policy, mode=mode)
+    acc: dict = {}
+    engine.accumulate(ce_loss, (x, y), acc, [(0.6, theta1), (0.4, None)])
+    got = flat(acc, m, u)
+    assert bool(torch.isfinite(got).all())
+    assert_sum(got, (u * lam[:, None]).sum(0), torch.float64, float((lam * un).sum()))

@@ -344,6 +344,29 @@ def sq_rows(g: Tensor) -> Tensor:
     return torch.linalg.vector_norm(g, dim=1).square()
 
 
+def drop_examples(c: Contribution, keep: Tensor) -> Contribution:
+    """``c`` with the per-example gradient of every example where ``keep`` (bool, (B,)) is False
+    set to exactly 0, whatever its captured tensors hold.
+
+    An example whose loss or gradient is not finite gets clip factor 0, but weighting does not
+    remove it: ``0 * inf`` and ``0 * nan`` are NaN, so one such example would turn the whole
+    clipped sum, and the release, into NaN. Its rows are therefore selected away
+    (``torch.where``) rather than multiplied by 0. Plain ``Outer`` and ``Dense`` forms keep their
+    shape; other forms (convolutions, weight standardisation) are instantiated per example
+    first, which keeps every other example's row exact: their per-example gradients are
+    computed row by row. Used only for microbatches that hold such an example."""
+    def rows(t: Tensor) -> Tensor:
+        k = keep.to(t.device).view(-1, *([1] * (t.dim() - 1)))
+        return torch.where(k, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+    if isinstance(c, Dense):
+        return Dense(rows(c.g), c.coef)
+    if type(c) is Outer:
+        L = c.L if isinstance(c.L, OneHot) else rows(c.L)
+        return Outer(L, rows(c.R), c.coef)
+    return Dense(rows(instantiate(c)), c.coef)
+
+
 def clipped_sum(contribs: list[Contribution], lam: Tensor, shape: torch.Size,
                 dtype: torch.dtype) -> Tensor:
     """sum_b lam_b * sum_u coef_u * c_u[b], reshaped to the parameter's shape."""

@@ -39,6 +39,7 @@ from dptrain.clipping.contributions import (
     add_instantiated,
     choose_form_states,
     clipped_sum,
+    drop_examples,
     first_write_order,
     sq_rows,
     squared_norms,
@@ -422,7 +423,16 @@ class ClippingEngine:
         lam = self.clip_factors(norms)
         if active is not None:
             lam = torch.where(active.to(lam.device), lam, torch.zeros_like(lam))
+        finite = torch.isfinite(norms)
         del norms
+        if not bool(finite.all()):
+            # An example with a non-finite loss or gradient (lam = 0): its captured tensors may
+            # hold inf/NaN, and 0 * inf = NaN would poison the whole sum. Its rows are selected
+            # away; the second backward of two_pass would mix them in again, so this microbatch
+            # takes the book-keeping sum (the same values: mode is a performance setting).
+            used = {n: [drop_examples(c, finite) for c in cs] for n, cs in used.items()}
+            two_pass = False
+            graphs = None
         if two_pass:
             del used
             names = list(self.params)
