@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,6 +133,23 @@ def plan_privacy(cfg: PrivacyConfig, train_size: int) -> PrivacyPlan:
     eps = check_plan(cfg, sigma)  # ConfigError naming the field if over the budget
     return PrivacyPlan(cfg.sample_rate, sigma, cfg.clip_norm, b, cfg.steps, cfg.delta,
                        cfg.accountant, eps, n)
+
+
+PUBLIC_SEED_WARNING = (
+    "privacy.seed is set, and it determines the Poisson samples and the noise: anyone who knows "
+    "it (it is in the config, summary.json and the checkpoints) can remove the noise, so epsilon "
+    "holds only against an adversary without it. For a release, train with "
+    "privacy.secure_mode=true privacy.seed=null (see docs/privacy.md).")
+
+
+def guarantee(cfg) -> str:
+    """What the reported epsilon means for this run's seed handling (written to summary.json)."""
+    if cfg.secure_mode:
+        return ("(epsilon, delta)-DP of every release against an adversary who sees everything "
+                "the run writes: the noise seed came from OS entropy and was never written")
+    return ("experiment: privacy.seed (in this summary's config and in the checkpoints) "
+            "determines the sampling and the noise; epsilon holds only against an adversary "
+            "who does not know it (secure_mode: false)")
 
 
 def _shared_secure_seed(world: int) -> int:
@@ -305,6 +323,8 @@ class Trainer:
         if out is not None and main:
             out.mkdir(parents=True, exist_ok=True)
             metrics_file = open(out / "metrics.jsonl", "a")
+        if main and not self.cfg.privacy.secure_mode:
+            print(f"dptrain: {PUBLIC_SEED_WARNING}", file=sys.stderr)
         bar = tqdm(total=self.plan.steps, initial=self.step, disable=not (tc.progress and main),
                    desc="dptrain", unit="step", dynamic_ncols=True)
         eps = self.epsilon()
@@ -348,6 +368,7 @@ class Trainer:
             **{f"test_{k}": v for k, v in final.items()},
             "seed": self.cfg.seed,
             "secure_mode": self.cfg.privacy.secure_mode,
+            "guarantee": guarantee(self.cfg.privacy),
             "git_commit": git_commit(),
             "train_seconds": time.time() - start,
             "config": to_dict(self.cfg),

@@ -114,3 +114,22 @@ def test_module_entry_point_runs_calibrate():
     obj = json.loads(out.stdout.strip().splitlines()[-1])
     assert obj["epsilon"] <= 8.0 and obj["noise_multiplier"] > 0
     assert abs(obj["delta"] - 1 / 84122) < 1e-15
+
+
+def test_the_summary_says_what_epsilon_means_for_the_seed(tmp_path, capsys):
+    # A recorded seed determines the samples and the noise: epsilon is then an experiment's
+    # number, not a guarantee against whoever holds the files. The run says so, once.
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(tmp_path / "a"),
+                           "privacy.steps=1", "train.checkpoint_every=0")
+    assert code == 0
+    assert err.count("privacy.seed is set") == 1 and "secure_mode=true" in err
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["guarantee"].startswith("experiment")
+    assert summary["config"]["privacy"]["seed"] == 0
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(tmp_path / "b"),
+                           "privacy.steps=1", "train.checkpoint_every=0",
+                           "privacy.secure_mode=true", "privacy.seed=null")
+    assert code == 0 and "privacy.seed is set" not in err
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert "never written" in summary["guarantee"]
+    assert summary["config"]["privacy"]["seed"] is None
