@@ -14,6 +14,7 @@ knows how to turn nested dicts into those dataclasses and back, strictly:
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -181,6 +182,79 @@ def validate_tree(obj: Any, path: str = "") -> None:
             raise
 
 
+_INT_TAG = "tag:yaml.org,2002:int"
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+# YAML 1.1 reads these as base-8 and base-60 numbers: ``010`` is 8 and ``1:30`` is 90
+_OCTAL = re.compile(r"[-+]?0[0-9_]+$")
+_SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?$")
+
+
+def _yaml_error_line(e: yaml.YAMLError) -> str:
+    """PyYAML's multi-line message as one line: the problem and where it is."""
+    problem = getattr(e, "problem", None) or getattr(e, "context", None) or str(e)
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    text = " ".join(str(problem).split())
+    if mark is not None:
+        text += f" (line {mark.line + 1}, column {mark.column + 1})"
+    return text
+
+
+def _check_nodes(loader: yaml.SafeLoader, node: yaml.Node, path: str, seen: set,
+                 where: bool) -> None:
+    """Refuse what YAML accepts silently: a key given twice in one mapping (the last would
+    win) and integers written with a leading zero or colons (read as base 8 or base 60)."""
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    at = f" (line {node.start_mark.line + 1})" if where else ""
+    if isinstance(node, yaml.ScalarNode):
+        if node.tag in (_INT_TAG, _FLOAT_TAG) and node.style is None and (
+                _OCTAL.match(node.value) or _SEXAGESIMAL.match(node.value)):
+            raise ConfigError(path or "config",
+                              f"ambiguous number {node.value!r}{at}: YAML reads a "
+                              f"leading 0 as octal and colons as base 60; write it without "
+                              f"the leading zeros, or quote it for a string")
+        return
+    if isinstance(node, yaml.SequenceNode):
+        for i, child in enumerate(node.value):
+            _check_nodes(loader, child, f"{path}[{i}]", seen, where)
+        return
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:
+                _check_nodes(loader, value_node, path, seen, where)
+                continue
+            key = loader.construct_object(key_node, deep=True)
+            sub = f"{path}.{key}" if path else str(key)
+            try:
+                if key in first_line:
+                    lines = (f" (lines {first_line[key]} and {key_node.start_mark.line + 1})"
+                             if where else "")
+                    raise ConfigError(sub, f"duplicate key{lines}: YAML would silently keep "
+                                           f"the last one; remove one of them")
+                first_line[key] = key_node.start_mark.line + 1
+            except TypeError:  # an unhashable key: the constructor reports it
+                pass
+            _check_nodes(loader, value_node, sub, seen, where)
+
+
+def safe_load(text: str, path: str = "") -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys and octal/base-60 looking numbers with a
+    ConfigError naming the dotted path (prefixed by ``path``: an override's key, whose value
+    is one line, so no line numbers are given then)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_nodes(loader, node, path, set(), where=not path)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``privacy.epsilon=3`` -> (["privacy", "epsilon"], 3); the value is parsed as YAML."""
     if "=" not in text:
@@ -190,7 +264,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(key or text, "an override must look like key.sub=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = safe_load(raw, key) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -213,9 +287,16 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError("config", f"file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError("config", f"{path} is not UTF-8 text (byte {e.start}: "
+                                    f"{e.reason})") from None
+    except OSError as e:
+        raise ConfigError("config", f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        data = safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError("config", f"{path} is not valid YAML: {e}") from None
+        raise ConfigError("config", f"{path} is not valid YAML: {_yaml_error_line(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping at the top level")
     return data

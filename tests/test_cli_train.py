@@ -60,6 +60,9 @@ def test_train_writes_summary_and_full_model(tmp_path, capsys):
     ("model.n_embd=33", "model.n_embd"),
     ("data.name=e2e", "data."),  # with a directory that does not exist:
     ("optim.groups=[{pattern: nothing_matches, optimizer: adamw}]", "optim.groups[0].pattern"),
+    ("privacy.steps=010", "privacy.steps"),  # YAML 1.1 would read 8
+    ("optim.groups=[{pattern: wte, pattern: wpe, optimizer: adamw}]",
+     "optim.groups[0].pattern"),  # duplicate key
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_field(tmp_path, capsys, override, field):
     extra = ["data.path=" + str(tmp_path / "missing")] if override.startswith("data.") else []
@@ -70,6 +73,29 @@ def test_bad_input_exits_2_with_one_line_naming_the_field(tmp_path, capsys, over
     assert len(lines) == 1, err
     assert field in lines[0]
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+_TINY_TEXT = Path(TINY).read_text()
+
+
+@pytest.mark.parametrize("content, field, words", [
+    (b"\xff\xfe", "config", "UTF-8"),
+    (b"seed: 0\nprivacy:\n  epsilon: [1\n", "config", "line 4"),
+    # a second epsilon must not silently replace the first privacy target
+    (_TINY_TEXT.replace("  epsilon: 8.0\n", "  epsilon: 1.0\n  epsilon: 8.0\n").encode(),
+     "privacy.epsilon", "duplicate"),
+    (_TINY_TEXT.replace("  steps: 4\n", "  steps: 04\n").encode(), "privacy.steps", "octal"),
+])
+def test_a_bad_config_file_exits_2_with_one_line(tmp_path, capsys, content, field, words):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_bytes(content)
+    code, _, err = run_cli(capsys, "train", "--config", str(cfg), "--output-dir",
+                           str(tmp_path / "out"))
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1, err
+    assert field in lines[0] and words in lines[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_config_file_exits_2(tmp_path, capsys):

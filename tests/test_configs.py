@@ -80,3 +80,21 @@ def test_paper_settings():
     assert (im.k_muon, im.gamma_muon, im.k_other, im.gamma_other) == (4, 0.5, 2, 0.5)
     im = by["dart_paper_gpt2_im.yaml"].optim.inner_momentum
     assert (im.k_muon, im.gamma_muon, im.k_other, im.gamma_other) == (3, 0.7, 3, 0.5)
+
+
+def test_yaml_refuses_duplicate_keys_and_octal_but_keeps_merges_and_quotes():
+    from dptrain.config import parse_override, safe_load
+
+    with pytest.raises(ConfigError) as e:
+        safe_load("privacy:\n  epsilon: 1.0\n  epsilon: 8.0\n")
+    assert e.value.field == "privacy.epsilon" and "lines 2 and 3" in e.value.message
+    for text, field in (("steps: 010", "steps"), ("a: [1, 0_7]", "a[1]"), ("t: 1:30", "t")):
+        with pytest.raises(ConfigError) as e:
+            safe_load(text)
+        assert e.value.field == field
+    assert safe_load("a: '010'\nb: 0\nc: 0x10\nd: 0.5") == {"a": "010", "b": 0, "c": 16, "d": 0.5}
+    assert safe_load("x: &b {a: 1}\ny:\n  <<: *b\n  a: 2") == {"x": {"a": 1}, "y": {"a": 2}}
+    assert parse_override("privacy.steps=10") == (["privacy", "steps"], 10)
+    with pytest.raises(ConfigError) as e:
+        parse_override("privacy.steps=010")
+    assert e.value.field == "privacy.steps"
