@@ -327,6 +327,19 @@ class Trainer:
             print(f"dptrain: {PUBLIC_SEED_WARNING}", file=sys.stderr)
         bar = tqdm(total=self.plan.steps, initial=self.step, disable=not (tc.progress and main),
                    desc="dptrain", unit="step", dynamic_ncols=True)
+        # Secure mode: metrics rows are written only once a checkpoint covers their step. A
+        # resume there draws the releases after the checkpoint again with fresh noise, which
+        # is free only if nothing derived from the lost ones was written (a crash drops the
+        # held rows with them).
+        held = self.cfg.privacy.secure_mode and bool(tc.checkpoint_every)
+        pending: list[str] = []
+
+        def flush() -> None:
+            if metrics_file and pending:
+                metrics_file.write("".join(pending))
+                metrics_file.flush()
+            pending.clear()
+
         eps = self.epsilon()
         start = time.time()
         try:
@@ -339,14 +352,17 @@ class Trainer:
                     if tc.eval_every and self.step % tc.eval_every == 0 and not last:
                         row.update({f"test_{k}": v for k, v in self.evaluate().items()})
                     if metrics_file:
-                        metrics_file.write(json.dumps(row) + "\n")
-                        metrics_file.flush()
+                        pending.append(json.dumps(row) + "\n")
+                        if not held:
+                            flush()
                 bar.set_postfix(loss=f"{row['train_loss']:.4f}", eps=f"{eps:.3f}")
                 bar.update(1)
                 if out is not None and tc.checkpoint_every and (
                         self.step % tc.checkpoint_every == 0 or last):
                     # every rank calls: sharded runs write their shards (DCP)
                     ckpt.save(self, out)
+                    flush()
+            flush()
         finally:
             bar.close()
             # the per-example buffers of multi-state queries (private data): not needed now

@@ -558,18 +558,25 @@ def load(trainer, path: Path, verified: bool = False) -> None:
     if ledger.num_releases != state["step"]:
         raise ConfigError("resume", f"checkpoint {path} is inconsistent: its ledger counts "
                                     f"{ledger.num_releases} releases at step {state['step']}")
-    if _sharded(trainer) and state.get("format") == 2:
-        _load_dcp_sharded(trainer, state, path)  # each rank reads its own rows
-    else:
-        state = _whole(path, state)
-        if _sharded(trainer):
-            _load_sharded(trainer, state)
+    try:
+        if _sharded(trainer) and state.get("format") == 2:
+            _load_dcp_sharded(trainer, state, path)  # each rank reads its own rows
         else:
-            trainer.model.load_state_dict(state["model"])
-            # filter/history states onto their parameters' device (torch optimizers do it)
-            trainer.optimizer.load_state_dict(_map_optimizer(
-                trainer, state["optimizer"], lambda i, v, p: v,
-                lambda v, p: v.to(p.device) if p is not None else v))
+            state = _whole(path, state)
+            if _sharded(trainer):
+                _load_sharded(trainer, state)
+            else:
+                trainer.model.load_state_dict(state["model"])
+                # filter/history states onto their parameters' device (torch optimizers do it)
+                trainer.optimizer.load_state_dict(_map_optimizer(
+                    trainer, state["optimizer"], lambda i, v, p: v,
+                    lambda v, p: v.to(p.device) if p is not None else v))
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        # model and data settings are compared above: what is left is the optimizer's
+        # structure (another optimizer, other groups, inner momentum or a filter on or off)
+        raise ConfigError("optim", f"the checkpoint's optimizer state does not fit this config "
+                                   f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                                   "resume needs the same optim settings") from None
     trainer.ledger = ledger
     trainer.step = state["step"]
     ranks = state["rng"].get("torch_ranks")

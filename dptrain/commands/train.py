@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -29,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load(RunConfig, args.config, args.overrides)
     out = Path(args.output_dir) if args.output_dir else Path("runs") / Path(args.config).stem
+    if out.exists() and not out.is_dir():
+        raise ConfigError("output-dir", f"{out} exists and is not a directory")
     resume_path = None
     if args.resume == "auto":
         # before the process group exists: marker, files and sizes only (no hashing)
@@ -37,9 +40,19 @@ def run(args: argparse.Namespace) -> int:
         resume_path = Path(args.resume)
         if not resume_path.is_dir():
             raise ConfigError("resume", f"no checkpoint directory at {resume_path}")
+        _check_explicit_resume(out, resume_path)
     if resume_path is None and (out / "summary.json").exists():
+        if args.resume == "auto":
+            raise ConfigError("output-dir", f"{out} holds a finished run and no complete "
+                                            "checkpoint to resume; choose another directory")
         raise ConfigError("output-dir", f"{out} already holds a finished run; choose another "
                                         f"directory or pass --resume auto")
+    if args.resume is None and _holds_a_run(out):
+        raise ConfigError("output-dir", f"{out} holds an unfinished run (checkpoints or "
+                                        "metrics.jsonl); pass --resume auto to continue it, or "
+                                        "choose another directory")
+    if cfg.privacy.secure_mode and resume_path is not None:
+        _check_secure_resume(resume_path)
     trainer = Trainer(cfg, out)
     if args.resume == "auto" and resume_path is not None:
         # the checksums, hashed by the ranks in turn (each file read once in all)
@@ -66,6 +79,76 @@ def run(args: argparse.Namespace) -> int:
     print(f"done: {summary['steps']} steps, epsilon {summary['epsilon']:.3f} "
           f"(delta {summary['delta']:.3g}), {metrics}; wrote {out}/summary.json")
     return 0
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    """The step of a checkpoint directory named ``step-NNNNNNNN`` (None for another name)."""
+    m = re.fullmatch(r"step-(\d+)", Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def _complete_checkpoint_steps(run_dir: Path) -> list[int]:
+    from dptrain.checkpoint import MARKER
+
+    steps = []
+    for p in (Path(run_dir) / "checkpoints").glob("step-*"):
+        step = _checkpoint_step(p)
+        if step is not None and (p / MARKER).exists():
+            steps.append(step)
+    return sorted(steps)
+
+
+def _metrics_steps(path: Path) -> list[int]:
+    if not path.is_file():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            steps.append(int(json.loads(line).get("step", 0)))
+        except (ValueError, AttributeError, TypeError):
+            continue
+    return steps
+
+
+def _holds_a_run(out: Path) -> bool:
+    """``out`` has a checkpoint or logged steps of an earlier run (a fresh run would mix in)."""
+    return (any((out / "checkpoints").glob("step-*")) or bool(_metrics_steps(out / "metrics.jsonl")))
+
+
+def _check_explicit_resume(out: Path, path: Path) -> None:
+    """``--resume PATH`` continues from PATH and writes into ``out``: never over a finished run
+    or over checkpoints of later steps (nothing written before is lost)."""
+    if (out / "summary.json").exists():
+        raise ConfigError("output-dir", f"{out} already holds a finished run; resume into "
+                                        "another --output-dir")
+    step = _checkpoint_step(path)
+    later = [s for s in _complete_checkpoint_steps(out) if step is not None and s > step]
+    if later:
+        raise ConfigError("output-dir", f"{out} holds checkpoints after step {step} (step "
+                                        f"{later[-1]}), which resuming from {path} would "
+                                        "overwrite; resume into another --output-dir")
+
+
+def _check_secure_resume(path: Path) -> None:
+    """Secure mode resumes with fresh noise (the old seed was never written), so the releases
+    after the checkpoint are drawn again. That is free only if nothing derived from the lost
+    ones was written: a later checkpoint, a summary or logged metrics of the run the checkpoint
+    belongs to would count as releases that no ledger covers. (Metrics rows are written only
+    with checkpoints in secure mode, so a crash leaves none behind.)"""
+    step = _checkpoint_step(path)
+    if step is None:
+        return
+    run_dir = Path(path).parent.parent
+    later = [s for s in _complete_checkpoint_steps(run_dir) if s > step]
+    logged = [s for s in _metrics_steps(run_dir / "metrics.jsonl") if s > step]
+    finished = (run_dir / "summary.json").exists()
+    if later or logged or finished:
+        what = (f"checkpoint step {later[-1]}" if later else
+                f"metrics of step {max(logged)}" if logged else "summary.json")
+        raise ConfigError("resume", f"secure mode: {run_dir} already holds outputs of releases "
+                                    f"after step {step} ({what}); resuming from {path} would "
+                                    "draw those releases again with fresh noise, uncounted by "
+                                    "the ledger. Resume from the run's latest checkpoint")
 
 
 def _drop_metrics_after(path: Path, step: int) -> None:

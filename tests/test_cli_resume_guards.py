@@ -1,0 +1,157 @@
+"""`dptrain train` never loses or mixes what an earlier run wrote, and secure mode never draws
+a release again once something derived from it was written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dptrain import trainer as trainer_mod
+from dptrain.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+SECURE = ("privacy.secure_mode=true", "privacy.seed=null")
+
+
+def train(capsys, out, *args) -> tuple[int, str]:
+    code = main(["train", "--config", TINY, "--output-dir", str(out), *args])
+    return code, capsys.readouterr().err
+
+
+def snapshot(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def one_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line and not line.startswith("dptrain: privacy.seed")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 4-step run with a checkpoint after every step (kept: the last 2)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["train", "--config", TINY, "--output-dir", str(out),
+                 "train.checkpoint_every=1", "train.keep_checkpoints=4"]) == 0
+    return out
+
+
+def test_output_dir_that_is_a_file(tmp_path, capsys):
+    f = tmp_path / "afile"
+    f.write_text("mine")
+    code, err = train(capsys, f)
+    assert code == 2 and "output-dir" in one_line(err) and "not a directory" in err
+    assert f.read_text() == "mine"
+
+
+def test_a_fresh_run_into_an_unfinished_run_is_refused(tmp_path, capsys, finished):
+    import shutil
+
+    out = tmp_path / "unfinished"
+    shutil.copytree(finished, out)
+    (out / "summary.json").unlink()
+    shutil.rmtree(out / "final")
+    before = snapshot(out)
+    code, err = train(capsys, out, "privacy.steps=2")
+    assert code == 2 and "output-dir" in one_line(err) and "--resume auto" in err
+    assert snapshot(out) == before
+
+
+def test_resume_path_into_a_finished_run_is_refused(tmp_path, capsys, finished):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    before = snapshot(out)
+    code, err = train(capsys, out, "--resume", str(finished / "checkpoints" / "step-00000003"))
+    assert code == 2 and "finished run" in one_line(err)
+    assert snapshot(out) == before
+
+
+def test_resume_path_over_later_checkpoints_is_refused_but_another_dir_works(tmp_path, capsys,
+                                                                             finished):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    (out / "summary.json").unlink()
+    before = snapshot(out)
+    code, err = train(capsys, out, "--resume", str(out / "checkpoints" / "step-00000002"))
+    assert code == 2 and "step 4" in one_line(err) and "overwrite" in err
+    assert snapshot(out) == before
+    other = tmp_path / "branch"
+    code, _ = train(capsys, other, "--resume", str(finished / "checkpoints" / "step-00000002"))
+    assert code == 0
+    assert json.loads((other / "summary.json").read_text())["steps"] == 4
+
+
+def test_auto_resume_with_every_checkpoint_damaged_says_so(tmp_path, capsys, finished):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    for marker in (out / "checkpoints").glob("step-*/COMPLETE"):
+        marker.unlink()
+    code, err = train(capsys, out, "--resume", "auto")
+    line = one_line(err)
+    assert code == 2 and "no complete checkpoint" in line and "pass --resume auto" not in line
+
+
+@pytest.mark.parametrize("override", ["optim.name=adamw", "optim.inner_momentum.k_muon=2"])
+def test_resume_with_another_optimizer_structure_exits_2(tmp_path, capsys, finished, override):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    (out / "summary.json").unlink()
+    extra = ["optim.preset=null"] if override == "optim.name=adamw" else []
+    before = snapshot(out)
+    code, err = train(capsys, out, "--resume", "auto", override, *extra)
+    assert code == 2 and "optim" in one_line(err)
+    assert snapshot(out) == before
+
+
+def _crash_at(monkeypatch, step: int):
+    """Make the run die (as a preempted node would) just before release ``step``."""
+    real = trainer_mod.Trainer.private_step
+
+    def private_step(self):
+        if self.step + 1 == step:
+            raise KeyboardInterrupt("preempted")
+        return real(self)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "private_step", private_step)
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_secure_mode_writes_metrics_only_with_checkpoints(tmp_path, capsys, monkeypatch, secure):
+    out = tmp_path / "run"
+    extra = SECURE if secure else ()
+    _crash_at(monkeypatch, 4)
+    code = main(["train", "--config", TINY, "--output-dir", str(out), "train.checkpoint_every=2",
+                 *extra])
+    assert code != 0 and "interrupted" in capsys.readouterr().err
+    logged = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # release 3 was made, but only secure mode keeps its row back until a checkpoint covers it
+    assert logged == ([1, 2] if secure else [1, 2, 3])
+    monkeypatch.undo()
+    code, _ = train(capsys, out, "--resume", "auto", *extra)
+    assert code == 0
+    logged = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4]
+
+
+def test_secure_resume_from_a_checkpoint_with_later_outputs_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _ = train(capsys, out, "train.checkpoint_every=1", "train.keep_checkpoints=4",
+                    "privacy.steps=3", *SECURE)
+    assert code == 0
+    code, err = train(capsys, tmp_path / "branch", "--resume",
+                      str(out / "checkpoints" / "step-00000001"), "privacy.steps=3", *SECURE)
+    line = one_line(err)
+    assert code == 2 and "secure mode" in line and "step 3" in line
+    assert not (tmp_path / "branch").exists()
