@@ -201,6 +201,44 @@ def test_calibration_rejects_bad_input():
         assert e.value.field == field
 
 
+def test_calibration_names_steps_when_the_accountant_breaks_down(monkeypatch):
+    import opacus.accountants.utils as outils
+
+    with pytest.raises(ConfigError) as e:
+        calibrate_noise_multiplier(8.0, 1e-5, 0.01, 10**9 + 1, accountant="rdp")
+    assert e.value.field == "steps"
+    for exc in (MemoryError("Unable to allocate 34.2 GiB"),
+                ValueError("Maximum allowed size exceeded")):
+        def broken(**kwargs):
+            raise exc
+
+        monkeypatch.setattr(outils, "get_noise_multiplier", broken)
+        with pytest.raises(ConfigError) as e:
+            calibrate_noise_multiplier(8.0, 1e-5, 0.01, 10**9, accountant="prv")
+        assert e.value.field == "steps" and str(exc) in e.value.message
+        assert "\n" not in str(e.value)
+
+
+def test_check_plan_is_quiet_and_names_steps_when_the_accountant_breaks_down(monkeypatch):
+    import dptrain.privacy.accounting as acc
+
+    cfg = PrivacyConfig(epsilon=8.0, delta=1e-5, sample_rate=0.125, steps=4,
+                        noise_multiplier=0.1, accountant="rdp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # opacus' "Optimal order is the smallest alpha" notes
+        with pytest.raises(ConfigError) as e:
+            check_plan(cfg, 0.1)
+    assert e.value.field == "privacy.noise_multiplier"
+
+    def broken(*args, **kwargs):
+        raise MemoryError("Unable to allocate 3.23 TiB")
+
+    monkeypatch.setattr(acc, "_rdp_epsilon", broken)
+    with pytest.raises(ConfigError) as e:
+        check_plan(cfg, 0.1)
+    assert e.value.field == "privacy.steps" and "3.23 TiB" in e.value.message
+
+
 def test_cross_check_with_prv_accountant_package():
     prv_accountant = pytest.importorskip("prv_accountant")
     for sigma, q, steps, delta in GRID[:2]:

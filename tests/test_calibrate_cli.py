@@ -80,6 +80,13 @@ def test_plain_output_and_prv_default(capsys):
     ("--steps", "0", "--steps: must be >= 1, got 0"),
     ("--steps", "2.5", "--steps: expected an integer"),
     ("--accountant", "gdp", "--accountant: must be prv or rdp"),
+    # negative-looking values reach the range check (not argparse's "expected one argument")
+    ("--delta", "-1/84122", "--delta: must be in (0, 1), got -1/84122"),
+    ("--delta", "-1e-5", "--delta: must be in (0, 1), got -1e-5"),
+    ("--sample-rate", "-0.5e-1", "--sample-rate: must be in (0, 1], got -0.5e-1"),
+    # more releases than the accountants can handle: one line, not opacus' ValueError
+    ("--steps", "1e30", "--steps: must be <= 1e+09"),
+    ("--steps", "1000000001", "--steps: must be <= 1e+09"),
 ])
 def test_bad_values_give_one_line_and_status_2(capsys, option, value, message):
     argv = {"--epsilon": "2", "--delta": "1e-5", "--sample-rate": "0.01", "--steps": "10",

@@ -38,6 +38,7 @@ from dptrain.config import ConfigError
 __all__ = [
     "ACCOUNTANTS",
     "AccountingWarning",
+    "MAX_STEPS",
     "Budget",
     "Ledger",
     "PRV_MAX_DOMAIN",
@@ -52,7 +53,15 @@ DEFAULT_EPS_ERROR = 0.01
 PRV_MAX_DOMAIN = 1 << 24
 """Largest PRV grid (points) computed; ~5M points already take seconds and ~0.5 GB."""
 
+MAX_STEPS = 10**9
+"""Most releases a plan may have. Far beyond any training run; opacus' accountants break down
+numerically on larger counts (PRV cannot allocate its grid, RDP's bound turns negative near
+1e30 and its calibration then never ends), so larger ``steps`` are refused up front."""
+
 _LEDGER_FORMAT = 1
+
+# opacus' notes that the best RDP order is at the edge of its list: not results, just noise
+_OPACUS_NOTES = "Optimal order is the"
 
 
 class AccountingWarning(UserWarning):
@@ -227,6 +236,9 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
         raise ConfigError("sample_rate", f"must be in (0, 1], got {sample_rate}")
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ConfigError("steps", f"must be an integer >= 1, got {steps}")
+    if steps > MAX_STEPS:
+        raise ConfigError("steps", f"must be <= {MAX_STEPS:.0e} (the accountants cannot "
+                                   f"handle more releases), got {steps}")
     if accountant not in ACCOUNTANTS:
         raise ConfigError("accountant", f"must be one of {', '.join(ACCOUNTANTS)}, "
                                         f"got {accountant!r}")
@@ -236,8 +248,7 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
         # the bisection's probes are not results: silence opacus' notes about its RDP orders
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"), \
                 warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Optimal order is the",
-                                    category=UserWarning)
+            warnings.filterwarnings("ignore", message=_OPACUS_NOTES, category=UserWarning)
             sigma = get_noise_multiplier(
                 target_epsilon=float(epsilon), target_delta=float(delta),
                 sample_rate=float(sample_rate), steps=int(steps), accountant=accountant,
@@ -247,8 +258,16 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
             raise ConfigError("epsilon", f"{epsilon} at delta={delta} is unreachable with "
                                          f"{steps} steps at sample rate {sample_rate} "
                                          f"(sigma would exceed 1e6)") from None
-        raise
+        raise ConfigError("steps", _accountant_failed(accountant, steps, e)) from None
+    except (MemoryError, OverflowError) as e:
+        raise ConfigError("steps", _accountant_failed(accountant, steps, e)) from None
     return float(sigma)
+
+
+def _accountant_failed(accountant: str, steps: int, e: BaseException) -> str:
+    hint = "; try accountant rdp or fewer steps" if accountant == "prv" else "; use fewer steps"
+    reason = " ".join(str(e).split()) or type(e).__name__
+    return f"the {accountant} accountant failed on {steps} releases ({reason}){hint}"
 
 
 def would_exceed(ledger: Ledger, sigma: float, q: float, delta: float,
@@ -275,7 +294,14 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None) -> float:
     remaining = cfg.steps - plan.num_releases
     if remaining > 0:
         plan.record(sigma, cfg.sample_rate, remaining)
-    eps = epsilon(plan, cfg.delta, cfg.accountant)
+    try:
+        # a refused plan is one line: opacus' notes on its RDP orders would come before it
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_OPACUS_NOTES, category=UserWarning)
+            eps = epsilon(plan, cfg.delta, cfg.accountant)
+    except (MemoryError, OverflowError, ValueError) as e:
+        raise ConfigError("privacy.steps",
+                          _accountant_failed(cfg.accountant, cfg.steps, e)) from None
     # 1e-9 relative: a calibrated sigma meets the target up to the search's float rounding
     if cfg.epsilon is not None and eps > cfg.epsilon * (1 + 1e-9):
         field_name = ("privacy.noise_multiplier" if cfg.noise_multiplier is not None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dptrain.config import ConfigError
+from dptrain.privacy.accounting import MAX_STEPS
 
 
 @dataclass(kw_only=True)
@@ -53,10 +54,15 @@ class PrivacyConfig:
             raise ConfigError("sample_rate", f"must be in (0, 1], got {self.sample_rate}")
         if self.steps < 1:
             raise ConfigError("steps", f"must be >= 1, got {self.steps}")
+        if self.steps > MAX_STEPS:
+            raise ConfigError("steps", f"must be <= {MAX_STEPS:.0e} (the accountants cannot "
+                                       f"handle more releases), got {self.steps}")
         if not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
             raise ConfigError("clip_norm", f"must be > 0, got {self.clip_norm}")
-        if self.noise_multiplier is not None and not (self.noise_multiplier >= 0):
-            raise ConfigError("noise_multiplier", f"must be >= 0, got {self.noise_multiplier}")
+        if self.noise_multiplier is not None and not (self.noise_multiplier >= 0
+                                                      and math.isfinite(self.noise_multiplier)):
+            raise ConfigError("noise_multiplier",
+                              f"must be finite and >= 0, got {self.noise_multiplier}")
         if self.noise_multiplier is None and self.epsilon is None:
             raise ConfigError("noise_multiplier", "set noise_multiplier or a target epsilon")
         if self.adjacency == "replace_one":
