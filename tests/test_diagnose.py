@@ -31,6 +31,7 @@ M = "12"
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()  # drop what a module fixture's training run printed (its seed note)
     code = main([str(a) for a in args])
     cap = capsys.readouterr()
     return code, cap.out, cap.err
@@ -332,6 +333,7 @@ def test_plot_and_overwrite_protection(plain_run, tmp_path, capsys):
     ("plain", ["--run", "{run}", "--compare-im", "a,0.9"], "--compare-im"),
     ("plain", ["--run", "{run}", "--compare-im", "2,1.5"], "--compare-im"),
     ("plain", ["--run", "{run}", "--compare-im=-1,0.5"], "--compare-im"),
+    ("plain", ["--run", "{run}", "--compare-im", "-1,0.5"], "--compare-im"),
     ("plain", ["--run", "{run}", "--compare-im", "2,0.9,1"], "--compare-im"),
     ("plain", ["--run", "{run}", "--compare-im", "1,0.9"], "--compare-im"),  # no history
     ("im", ["--run", "{run}", "--compare-im", "3,0.9"], "--compare-im"),  # 2 states < 3

@@ -41,7 +41,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="bisection tolerance on epsilon (default: 0.01)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
+    accept_negative_values(p)
     return p
+
+
+def accept_negative_values(parser: argparse.ArgumentParser) -> None:
+    """Let ``--delta -1/84122`` reach the range check (one line, exit 2) instead of argparse's
+    usage and "expected one argument": argparse takes an argument starting with '-' for an
+    option unless it looks like a plain negative number (``-1``, ``-.5``). Widened here to
+    anything starting with '-' and a digit or '.digit' (no option of these commands does)."""
+    import re
+
+    parser._negative_number_matcher = re.compile(r"^-\.?\d")
 
 
 def _number(option: str, text) -> float:
@@ -91,6 +102,11 @@ def _validate(args) -> dict:
     steps = _integer("--steps", args.steps)
     if steps < 1:
         raise _ArgError("--steps", f"must be >= 1, got {args.steps}")
+    from dptrain.privacy.accounting import MAX_STEPS
+
+    if steps > MAX_STEPS:
+        raise _ArgError("--steps", f"must be <= {MAX_STEPS:.0e} (the accountants cannot "
+                                   f"handle more releases), got {args.steps}")
     accountant = str(args.accountant).strip().lower()
     if accountant not in ("prv", "rdp"):
         raise _ArgError("--accountant", f"must be prv or rdp, got {args.accountant!r}")

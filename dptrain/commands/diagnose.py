@@ -61,6 +61,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite --output/--plot if they exist")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config "
                                                 "(e.g. performance.device=cpu)")
+    from dptrain.commands.calibrate import accept_negative_values
+
+    accept_negative_values(p)  # --compare-im -1,0.5 and --probe-examples -3: a range error
     return p
 
 
