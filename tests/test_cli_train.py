@@ -61,6 +61,11 @@ def test_train_writes_summary_and_full_model(tmp_path, capsys):
     ("data.name=e2e", "data."),  # with a directory that does not exist:
     ("optim.groups=[{pattern: nothing_matches, optimizer: adamw}]", "optim.groups[0].pattern"),
     ("privacy.steps=010", "privacy.steps"),  # YAML 1.1 would read 8
+    ("privacy.noise_multiplier=inf", "privacy.noise_multiplier"),
+    ("privacy.noise_multiplier=nan", "privacy.noise_multiplier"),
+    # over budget: one line, without opacus' notes about its RDP orders before it
+    ("privacy.noise_multiplier=0.1", "privacy.noise_multiplier"),
+    ("privacy.steps=1000000001", "privacy.steps"),  # more than the accountants can handle
     ("optim.groups=[{pattern: wte, pattern: wpe, optimizer: adamw}]",
      "optim.groups[0].pattern"),  # duplicate key
 ])
