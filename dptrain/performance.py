@@ -42,5 +42,10 @@ class PerformanceConfig:
         if self.sharding == "fsdp" and self.clipping == "two_pass":
             raise ConfigError("clipping", "two_pass needs parameter gradients from autograd, "
                                           "which FSDP2 shards; use bookkeeping with sharding")
+        if self.dtype == "bfloat16" and self.clipping == "two_pass":
+            raise ConfigError("clipping", "two_pass adds the gradients of a second backward, "
+                                          "which bfloat16 autocast computes in bf16 while the "
+                                          "norms are float32 (a clipped example could add "
+                                          "more than C); use bookkeeping with bfloat16")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("device", f"must be auto, cpu or cuda, got {self.device!r}")

@@ -168,3 +168,36 @@ def test_nf_resnet50_as_is_norms_and_clipped_sums(nf_resnet50):
     # every example clipped. Every (policy, mode) pair is covered per layer in
     # test_clipping_rules.py.
     compare(model, ce_loss, batch, ref, 1e-4, ("ghost",), [("auto", "bookkeeping")])
+
+
+@pytest.mark.parametrize("policy", ["ghost", "instantiate"])
+@pytest.mark.parametrize("states", [1, 2])
+def test_bf16_autocast_clips_what_it_adds_to_exactly_c(policy, states, one_thread):
+    """Under ``performance.dtype=bfloat16`` the forward runs in bf16, but the norms and the
+    clipped sum must be computed from the same float32 factors: a clipped example then adds a
+    vector of norm exactly C (to float32 rounding). Norms from Gram products that autocast
+    rounds to bf16 miss by ~1e-3 relative, and a clipped example would add more than C."""
+    from dptrain.clipping import ClippingEngine
+
+    model = tiny_gpt2(torch.float32)
+    ids, mask = gpt2_batch(B=4)
+    theta1 = {n: p.detach() + 0.02 * torch.randn_like(p) for n, p in model.named_parameters()}
+    plan = [(1.0, None)] if states == 1 else [(0.5, None), (0.5, theta1, 7)]
+    C = 1e-3  # far below every example's norm: every example is clipped
+    for b in range(4):
+        one = (ids[b:b + 1], mask[b:b + 1])
+        engine = ClippingEngine(model, clip_norm=C, ghost=policy)
+        acc: dict = {}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            engine.accumulate(gpt2_loss, one, acc, plan)
+        added = torch.cat([v.reshape(-1).double() for v in acc.values()]).norm()
+        assert abs(float(added) / C - 1) < 1e-5, (b, float(added) / C)
+
+
+def test_two_pass_with_bf16_autocast_is_refused():
+    from dptrain.config import ConfigError
+    from dptrain.performance import PerformanceConfig
+
+    with pytest.raises(ConfigError, match="bookkeeping"):
+        PerformanceConfig(dtype="bfloat16", clipping="two_pass").validate()
+    PerformanceConfig(dtype="bfloat16", clipping="bookkeeping").validate()

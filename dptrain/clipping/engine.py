@@ -58,6 +58,9 @@ Coef = "float | dict[str, float]"
 QueryPlan = list[tuple]
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def batch_size_of(batch: Any) -> int:
     if isinstance(batch, Tensor):
         return batch.shape[0]
@@ -302,7 +305,8 @@ class ClippingEngine:
                     rec.G = index.get(id(rec.output))
                     rec.output = None
             del index
-            query.add(self._contributions(records))
+            with self._exact():
+                query.add(self._contributions(records))
             del records
             if retain:
                 graphs.append((coef, state, seed, losses))
@@ -316,8 +320,8 @@ class ClippingEngine:
             G = rec.G
             if G.dtype in (torch.float16, torch.bfloat16):
                 G = G.float()
-                rec.saved = {k: (v.float() if isinstance(v, Tensor) and v.is_floating_point() else v)
-                             for k, v in rec.saved.items()}
+            rec.saved = {k: (v.float() if isinstance(v, Tensor) and v.dtype in _HALF else v)
+                         for k, v in rec.saved.items()}
             for attr, c in rec.rule.contributions(rec.module, rec.saved, G).items():
                 p = rec.module._parameters[attr]
                 if p is None or not p.requires_grad:
@@ -346,6 +350,14 @@ class ClippingEngine:
                 s, used[name] = squared_norms(query.lists.pop(name), query.forms[name])
             sq = sq + s.to(dtype)
         return sq.clamp_min(0).sqrt(), used
+
+    def _exact(self):
+        """The engine's own arithmetic (contributions, norms, clipped sums) in float32 or float64
+        even inside a caller's autocast (``performance.dtype=bfloat16``): a norm whose Gram
+        products autocast rounded to bf16 can be ~0.4% short of the norm of what the clipped
+        sum adds, and then a clipped example would add more than C."""
+        device = next(iter(self.params.values())).device
+        return torch.autocast(device.type, enabled=False)
 
     def _query(self, plan: QueryPlan) -> "_Query":
         """A query with reusable instantiated buffers when the plan has several states: their
@@ -389,7 +401,8 @@ class ClippingEngine:
         plan = plan or [(1.0, None)]
         query = self._query(plan)
         self._forward_backward(loss_fn, batch, plan, False, query)
-        norms, _ = self._norms(query, B, device, dtype)
+        with self._exact():
+            norms, _ = self._norms(query, B, device, dtype)
         return norms
 
     def clip_factors(self, norms: Tensor) -> Tensor:
@@ -417,43 +430,45 @@ class ClippingEngine:
         two_pass = self.mode == "two_pass"
         query = self._query(plan)
         graphs, loss_total = self._forward_backward(loss_fn, batch, plan, two_pass, query)
-        norms, used = self._norms(query, B, device, dtype)
-        del query  # memory: only the forms used by the clipped sum are kept
-        # Sensitive: per-example norms and clip factors; discard after use.
-        lam = self.clip_factors(norms)
-        if active is not None:
-            lam = torch.where(active.to(lam.device), lam, torch.zeros_like(lam))
-        finite = torch.isfinite(norms)
-        del norms
-        if not bool(finite.all()):
-            # An example with a non-finite loss or gradient (lam = 0): its captured tensors may
-            # hold inf/NaN, and 0 * inf = NaN would poison the whole sum. Its rows are selected
-            # away; the second backward of two_pass would mix them in again, so this microbatch
-            # takes the book-keeping sum (the same values: mode is a performance setting).
-            used = {n: [drop_examples(c, finite) for c in cs] for n, cs in used.items()}
-            two_pass = False
-            graphs = None
-        if two_pass:
-            del used
-            names = list(self.params)
-            for coef, state, _, losses in graphs:
-                with self._state(state):
-                    weighted = (losses * lam.to(losses.dtype)).sum()
-                    grads = torch.autograd.grad(weighted, [self.params[n] for n in names],
-                                                allow_unused=True)
-                for n, g in zip(names, grads):
-                    a = coef.get(n, 0.0) if isinstance(coef, dict) else coef
-                    if g is not None and a != 0.0:
-                        self._add(acc, n, g.to(dtype) * a)
-        else:
-            for name in list(used):
-                contribs = used.pop(name)  # released as soon as it is summed
-                p = self.params[name]
-                self._add(acc, name, clipped_sum(contribs, lam, p.shape, dtype))
-        keep = active.to(loss_total.device) if active is not None else None
-        n = int(keep.sum()) if keep is not None else B
-        loss_sum = float(loss_total[keep].sum() if keep is not None else loss_total.sum())
-        return StepStats(num_examples=n, loss_sum=loss_sum)
+        # the engine's own arithmetic in float32/64, whatever the caller's autocast
+        with self._exact():
+            norms, used = self._norms(query, B, device, dtype)
+            del query  # memory: only the forms used by the clipped sum are kept
+            # Sensitive: per-example norms and clip factors; discard after use.
+            lam = self.clip_factors(norms)
+            if active is not None:
+                lam = torch.where(active.to(lam.device), lam, torch.zeros_like(lam))
+            finite = torch.isfinite(norms)
+            del norms
+            if not bool(finite.all()):
+                # An example with a non-finite loss or gradient (lam = 0): its captured tensors may
+                # hold inf/NaN, and 0 * inf = NaN would poison the whole sum. Its rows are selected
+                # away; the second backward of two_pass would mix them in again, so this microbatch
+                # takes the book-keeping sum (the same values: mode is a performance setting).
+                used = {n: [drop_examples(c, finite) for c in cs] for n, cs in used.items()}
+                two_pass = False
+                graphs = None
+            if two_pass:
+                del used
+                names = list(self.params)
+                for coef, state, _, losses in graphs:
+                    with self._state(state):
+                        weighted = (losses * lam.to(losses.dtype)).sum()
+                        grads = torch.autograd.grad(weighted, [self.params[n] for n in names],
+                                                    allow_unused=True)
+                    for n, g in zip(names, grads):
+                        a = coef.get(n, 0.0) if isinstance(coef, dict) else coef
+                        if g is not None and a != 0.0:
+                            self._add(acc, n, g.to(dtype) * a)
+            else:
+                for name in list(used):
+                    contribs = used.pop(name)  # released as soon as it is summed
+                    p = self.params[name]
+                    self._add(acc, name, clipped_sum(contribs, lam, p.shape, dtype))
+            keep = active.to(loss_total.device) if active is not None else None
+            n = int(keep.sum()) if keep is not None else B
+            loss_sum = float(loss_total[keep].sum() if keep is not None else loss_total.sum())
+            return StepStats(num_examples=n, loss_sum=loss_sum)
 
     @staticmethod
     def _add(acc: dict[str, Tensor], name: str, value: Tensor) -> None:
