@@ -203,3 +203,31 @@ def test_run_frees_the_per_example_query_buffers_at_the_end(tmp_path):
     assert t.engine._workspace  # kept for reuse between steps
     t.run()
     assert t.step == 3 and not t.engine._workspace
+
+
+def _history(k: int, w: torch.nn.Parameter) -> InnerMomentumHistory:
+    return InnerMomentumHistory(InnerMomentumConfig(k_muon=k, gamma_muon=0.5), [("w", w)],
+                                {"w"}, seed=0)
+
+
+def test_a_resume_with_another_k_keeps_the_newest_states():
+    w = torch.nn.Parameter(torch.zeros(2))
+    saved = _history(3, w)
+    for t in range(3):  # theta_0, theta_1, theta_2 pushed in turn
+        with torch.no_grad():
+            w.fill_(float(t))
+        saved.push()
+    state = saved.state_dict()
+    smaller = _history(2, w)
+    smaller.load_state_dict(state)
+    assert [float(s["w"][0]) for s in smaller.states] == [2.0, 1.0]  # theta_{t-1}, theta_{t-2}
+    larger = _history(5, w)
+    larger.load_state_dict(state)
+    assert [float(s["w"][0]) for s in larger.states] == [2.0, 1.0, 0.0]
+    assert len(larger.plan(3)) == 4  # K_t = min(have, K) = 3 until more states are pushed
+    fresh = _history(2, w)
+    fresh.load_state_dict(None)  # a checkpoint of a run without inner momentum
+    assert len(fresh.states) == 0 and fresh.plan(5) == [(1.0, None)]
+    other = InnerMomentumHistory(InnerMomentumConfig(k_muon=2), [("v", w)], {"v"}, seed=0)
+    with pytest.raises(ValueError, match="other parameters"):
+        other.load_state_dict(state)

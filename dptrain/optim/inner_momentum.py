@@ -117,7 +117,15 @@ class InnerMomentumHistory:
     def state_dict(self) -> dict:
         return {"states": [dict(s) for s in self.states]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore the saved states, newest first. A resume may change K (an optimizer setting,
+        free of privacy cost): the newest ``depth`` states are kept, so theta_{t-j} stays the
+        j-th; a checkpoint without a history (inner momentum off) gives an empty one, and K_t
+        grows from 0 again. A state must hold exactly this run's trainable parameters."""
         self.states.clear()
-        for s in state["states"]:
+        saved = [] if state is None else list(state["states"])
+        for s in saved[:self.depth]:
+            if set(s) != set(self.names):
+                raise ValueError("inner-momentum history of other parameters than this run's "
+                                 f"(saved {len(s)}, here {len(self.names)})")
             self.states.append({n: v.to(self.params[n].device) for n, v in s.items()})
