@@ -34,7 +34,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser, commands = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    # ``key=value`` overrides may come before and after options (``train a=1 --config X b=2``):
+    # argparse stops collecting a positional list at the first option
+    if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
+        args.overrides = list(args.overrides or []) + rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return int(commands[args.command].run(args) or 0)
     except ConfigError as e:

@@ -162,3 +162,15 @@ def test_secure_resume_from_a_checkpoint_with_later_outputs_is_refused(tmp_path,
     line = one_line(err)
     assert code == 2 and "secure mode" in line and "step 3" in line
     assert not (tmp_path / "branch").exists()
+
+
+def test_overrides_before_and_after_options_all_apply(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "privacy.steps=1", "--config", TINY, "--output-dir", str(out),
+                 "train.checkpoint_every=0"])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["config"]["train"]["checkpoint_every"] == 0
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", TINY, "--output-dir", str(tmp_path / "x"), "--bogus"])
+    assert e.value.code == 2 and "--bogus" in capsys.readouterr().err
