@@ -68,11 +68,34 @@ def test_train_writes_summary_and_full_model(tmp_path, capsys):
     ("privacy.steps=1000000001", "privacy.steps"),  # more than the accountants can handle
     ("optim.groups=[{pattern: wte, pattern: wpe, optimizer: adamw}]",
      "optim.groups[0].pattern"),  # duplicate key
+    # optimizer options of the wrong type or out of range name their own field
+    ("optim.aux.kwargs.betas=abc", "optim.aux.kwargs.betas"),
+    ("optim.aux.kwargs.eps=nan", "optim.aux.kwargs.eps"),
+    ("optim.aux.kwargs.weight_decay=-1", "optim.aux.kwargs.weight_decay"),
+    ("optim.groups=[{pattern: wte, optimizer: sgd, kwargs: {momentum: abc}}]",
+     "optim.groups[0].kwargs.momentum"),
+    # non-finite optimizer values (a NaN model otherwise)
+    ("optim.lr=inf", "optim.lr"),
+    ("optim.aux.lr=inf", "optim.aux.lr"),
+    ("optim.groups=[{pattern: wte, optimizer: adamw, lr: .inf}]", "optim.groups[0].lr"),
+    ("optim.weight_decay=nan", "optim.weight_decay"),
+    ("optim.weight_decay=inf", "optim.weight_decay"),
+    ("optim.eps=-1", "optim.eps"),
+    ("optim.eps=nan", "optim.eps"),
+    (("optim.name=muon_bc", "optim.bc_lambda=nan"), "optim.bc_lambda"),
+    (("optim.name=muon_bc", "optim.bc_gamma_ns=nan"), "optim.bc_gamma_ns"),
+    (("optim.name=muon_bc", "optim.bc_kappa=inf"), "optim.bc_kappa"),
+    (("optim.filter.name=doppler", "optim.filter.b=[nan]"), "optim.filter.b"),
+    (("optim.filter.name=disk", "optim.filter.gamma=inf"), "optim.filter.gamma"),
+    # a history length for a part of the query without parameters would do nothing
+    (("optim.inner_momentum.k_muon=2", "optim.name=sgd", "optim.preset=null"),
+     "optim.inner_momentum.k_muon"),
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_field(tmp_path, capsys, override, field):
-    extra = ["data.path=" + str(tmp_path / "missing")] if override.startswith("data.") else []
+    overrides = override if isinstance(override, tuple) else (override,)
+    extra = ["data.path=" + str(tmp_path / "missing")] if override == "data.name=e2e" else []
     code, stdout, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
-                                str(tmp_path / "out"), override, *extra)
+                                str(tmp_path / "out"), *overrides, *extra)
     assert code == 2
     lines = [line for line in err.strip().splitlines() if line]
     assert len(lines) == 1, err

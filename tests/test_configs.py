@@ -98,3 +98,18 @@ def test_yaml_refuses_duplicate_keys_and_octal_but_keeps_merges_and_quotes():
     with pytest.raises(ConfigError) as e:
         parse_override("privacy.steps=010")
     assert e.value.field == "privacy.steps"
+
+
+def test_optimizer_kwargs_are_typed_and_checked_like_the_top_level_options():
+    cfg = load(RunConfig, None, ["optim.aux.kwargs.eps=1e-8", "optim.aux.kwargs.betas=[0.8, 0.9]",
+                                 "optim.groups=[{pattern: wpe, optimizer: sgd, "
+                                 "kwargs: {momentum: '0.5', nesterov: true}}]"])
+    assert cfg.optim.aux.kwargs == {"eps": 1e-8, "betas": [0.8, 0.9]}  # '1e-8' is a YAML string
+    assert cfg.optim.groups[0].kwargs == {"momentum": 0.5, "nesterov": True}
+    for override, field in (("optim.aux.kwargs.nesterov=maybe", "optim.aux.kwargs.nesterov"),
+                            ("optim.aux.kwargs.betas=[0.9]", "optim.aux.kwargs.betas"),
+                            ("optim.momentum=1.0", "optim.momentum"),
+                            ("optim.ns_steps=0", "optim.ns_steps")):
+        with pytest.raises(ConfigError) as e:
+            load(RunConfig, None, [override])
+        assert e.value.field == field, override

@@ -169,12 +169,28 @@ def build_optimizer(
         try:
             optimizers.append(construct(g.config.optimizer, g.named_params, lr=g.config.lr,
                                         options=g.config.kwargs, runtime=runtime))
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             raise ConfigError(_blame(g.path), str(e)) from None
     opt = DPOptimizer(named_params, groups, optimizers, build_filter(cfg.filter),
                       schedule=cfg.schedule, total_steps=total_steps,
                       warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
     if cfg.inner_momentum.enabled:
         muon = {n for g in groups if g.config.optimizer in MUON_FAMILY for n, _ in g.named_params}
+        _check_im_has_parameters(cfg, muon, len(named_params) - len(muon))
         opt.history = InnerMomentumHistory(cfg.inner_momentum, named_params, muon, seed)
     return opt
+
+
+def _check_im_has_parameters(cfg: OptimConfig, muon: set[str], num_other: int) -> None:
+    """A history length for a part of the query that has no parameters does nothing: refuse it
+    rather than let the user believe DP-Muon-IM is on."""
+    im = cfg.inner_momentum
+    if im.k_muon > 0 and im.gamma_muon > 0 and not muon:
+        raise ConfigError("optim.inner_momentum.k_muon",
+                          f"is {im.k_muon} but no parameter uses a Muon-family optimizer "
+                          f"({', '.join(MUON_FAMILY)}), so it would do nothing; set it to 0 "
+                          f"(k_other averages the other parameters)")
+    if im.k_other > 0 and im.gamma_other > 0 and num_other == 0:
+        raise ConfigError("optim.inner_momentum.k_other",
+                          f"is {im.k_other} but every parameter uses a Muon-family optimizer, "
+                          f"so it would do nothing; set it to 0 (k_muon averages those)")

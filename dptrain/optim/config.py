@@ -16,6 +16,7 @@ A YAML example (the DP-Muon paper's E2E setting)::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,7 +24,7 @@ from dptrain.config import ConfigError
 from dptrain.optim.filters import FilterConfig
 from dptrain.optim.groups import PRESETS, ParamGroupConfig
 from dptrain.optim.inner_momentum import InnerMomentumConfig
-from dptrain.optim.optimizers import OPTIMIZERS, optimizer_options
+from dptrain.optim.optimizers import OPTIMIZERS, check_options, optimizer_options
 from dptrain.optim.schedules import SCHEDULES
 
 __all__ = ["OptimConfig", "AuxGroupConfig", "ParamGroupConfig", "FilterConfig"]
@@ -44,13 +45,14 @@ class AuxGroupConfig:
     """Its options (e.g. betas, weight_decay, momentum)."""
 
     def validate(self) -> None:
-        if self.lr is not None and not self.lr >= 0:
-            raise ConfigError("lr", f"must be >= 0, got {self.lr}")
+        if self.lr is not None and not (self.lr >= 0 and math.isfinite(self.lr)):
+            raise ConfigError("lr", f"must be finite and >= 0, got {self.lr}")
         known = optimizer_options(self.optimizer)
         for key in self.kwargs:
             if key not in known:
                 raise ConfigError(f"kwargs.{key}", f"not an option of {self.optimizer} "
                                                    f"(options: {', '.join(sorted(known))})")
+        self.kwargs = check_options(self.kwargs, "kwargs.")
 
 
 @dataclass(kw_only=True)
@@ -122,29 +124,14 @@ class OptimConfig:
                                 kwargs=self.main_options())
 
     def validate(self) -> None:
-        if not self.lr >= 0:
-            raise ConfigError("lr", f"must be >= 0, got {self.lr}")
+        if not (self.lr >= 0 and math.isfinite(self.lr)):
+            raise ConfigError("lr", f"must be finite and >= 0, got {self.lr}")
         known = optimizer_options(self.name)
         for key in _OPTION_FIELDS:
             if getattr(self, key) is not None and key not in known:
                 raise ConfigError(key, f"does not apply to optimizer {self.name!r}")
-        if self.momentum is not None and not 0.0 <= self.momentum < 1.0:
-            raise ConfigError("momentum", f"must be in [0, 1), got {self.momentum}")
-        if self.weight_decay < 0:
-            raise ConfigError("weight_decay", f"must be >= 0, got {self.weight_decay}")
-        if self.betas is not None and (len(self.betas) != 2
-                                       or not all(0.0 <= b < 1.0 for b in self.betas)):
-            raise ConfigError("betas", f"must be two numbers in [0, 1), got {self.betas}")
-        if self.ns_steps is not None and self.ns_steps < 1:
-            raise ConfigError("ns_steps", f"must be >= 1, got {self.ns_steps}")
-        if self.bc_kappa is not None and not self.bc_kappa > 0:
-            raise ConfigError("bc_kappa", f"must be > 0, got {self.bc_kappa}")
-        if self.bc_probes is not None and self.bc_probes < 1:
-            raise ConfigError("bc_probes", f"must be >= 1, got {self.bc_probes}")
-        if self.bc_gamma_ns is not None and self.bc_gamma_ns < 0:
-            raise ConfigError("bc_gamma_ns", f"must be >= 0, got {self.bc_gamma_ns}")
-        if self.power_iters is not None and self.power_iters < 1:
-            raise ConfigError("power_iters", f"must be >= 1, got {self.power_iters}")
+        # the same types and ranges as a group's kwargs (weight_decay always, even 0.0)
+        check_options({k: getattr(self, k) for k in _OPTION_FIELDS if getattr(self, k) is not None})
         if self.preset is not None and self.preset not in PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(PRESETS)}")
         if self.schedule not in SCHEDULES:

@@ -15,6 +15,7 @@ Everything is keyed by parameter name, so ``state_dict`` survives regrouping and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -55,11 +56,15 @@ class FilterConfig:
                 raise ConfigError("kappa", f"must be in (0, 1] (disk_paper), got {self.kappa}")
             if not 0.0 <= self.kappa < 1.0 and self.convention == "im_paper":
                 raise ConfigError("kappa", f"must be in [0, 1) (im_paper), got {self.kappa}")
-            if not self.gamma > 0.0:
-                raise ConfigError("gamma", f"must be > 0, got {self.gamma}")
+            if not (self.gamma > 0.0 and math.isfinite(self.gamma)):
+                raise ConfigError("gamma", f"must be finite and > 0, got {self.gamma}")
         if self.name == "doppler":
             if not self.b:
                 raise ConfigError("b", "needs at least b_0")
+            for name in ("a", "b"):
+                coefs = getattr(self, name)
+                if not all(math.isfinite(c) for c in coefs):
+                    raise ConfigError(name, f"must be finite numbers, got {coefs}")
             if sum(self.b) == 0.0:
                 raise ConfigError("b", "the coefficients sum to 0: the filter passes no signal")
             poles = np.roots([1.0, *self.a]) if self.a else np.array([])

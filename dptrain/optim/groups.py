@@ -12,6 +12,7 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from dptrain.config import ConfigError
-from dptrain.optim.optimizers import OPTIMIZERS, optimizer_options
+from dptrain.optim.optimizers import OPTIMIZERS, check_options, optimizer_options
 
 __all__ = ["ParamGroupConfig", "ResolvedGroup", "resolve_groups", "PRESETS", "gpt2_groups",
            "nfresnet_groups"]
@@ -49,13 +50,14 @@ class ParamGroupConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError("optimizer", f"must be one of {', '.join(OPTIMIZERS)}, "
                                            f"got {self.optimizer!r}")
-        if self.lr is not None and not self.lr >= 0:
-            raise ConfigError("lr", f"must be >= 0, got {self.lr}")
+        if self.lr is not None and not (self.lr >= 0 and math.isfinite(self.lr)):
+            raise ConfigError("lr", f"must be finite and >= 0, got {self.lr}")
         known = optimizer_options(self.optimizer)
         for key in self.kwargs:
             if key not in known:
                 raise ConfigError(f"kwargs.{key}", f"not an option of {self.optimizer} "
                                                    f"(options: {', '.join(sorted(known))})")
+        self.kwargs = check_options(self.kwargs, "kwargs.")
 
 
 @dataclass

@@ -9,14 +9,17 @@ in by ``build_optimizer`` rather than by the config.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
+from dptrain.config import ConfigError, _convert
 from dptrain.optim.muon import Muon, MuonBC, MuonS
 
 __all__ = ["SGD", "AdamW", "OPTIMIZERS", "RUNTIME_OPTIONS", "Runtime", "optimizer_options",
-           "construct"]
+           "check_options", "construct"]
 
 
 class SGD(torch.optim.SGD):
@@ -73,6 +76,52 @@ def _init_parameters(cls: type) -> dict[str, inspect.Parameter]:
 def optimizer_options(name: str) -> set[str]:
     """Config-settable options of optimizer ``name`` (its __init__ keywords minus runtime ones)."""
     return set(_init_parameters(OPTIMIZERS[name])) - RUNTIME_OPTIONS
+
+
+# Type and range of every config-settable option, whichever optimizer takes it.
+OPTION_TYPES: dict[str, Any] = {
+    "momentum": float, "nesterov": bool, "weight_decay": float, "betas": list[float],
+    "eps": float, "ns_steps": int, "ns_coefficients": Literal["muon", "polar_express"],
+    "scale": Literal["match_rms_adamw", "original"],
+    "momentum_style": Literal["accumulate", "ema"], "bc_lambda": float, "bc_kappa": float,
+    "bc_gamma_ns": float, "bc_probes": int, "power_iters": int,
+}
+
+
+def _finite(x: float) -> bool:
+    return math.isfinite(x)
+
+
+_OPTION_RANGES: dict[str, tuple[Any, str]] = {
+    "momentum": (lambda x: 0.0 <= x < 1.0, "must be in [0, 1)"),
+    "weight_decay": (lambda x: _finite(x) and x >= 0, "must be finite and >= 0"),
+    "betas": (lambda b: len(b) == 2 and all(0.0 <= x < 1.0 for x in b),
+              "must be two numbers in [0, 1)"),
+    "eps": (lambda x: _finite(x) and x >= 0, "must be finite and >= 0"),
+    "ns_steps": (lambda x: x >= 1, "must be >= 1"),
+    "bc_lambda": (lambda x: _finite(x) and x >= 0, "must be finite and >= 0"),
+    "bc_kappa": (lambda x: _finite(x) and x > 0, "must be finite and > 0"),
+    "bc_gamma_ns": (lambda x: _finite(x) and x >= 0, "must be finite and >= 0"),
+    "bc_probes": (lambda x: x >= 1, "must be >= 1"),
+    "power_iters": (lambda x: x >= 1, "must be >= 1"),
+}
+
+
+def check_options(options: dict, prefix: str = "") -> dict:
+    """``options`` converted to their types (``1e-8`` is a string in YAML) and range-checked;
+    a ConfigError names ``prefix + key``. Unknown names are left to the caller."""
+    out = {}
+    for key, value in options.items():
+        field = f"{prefix}{key}"
+        if key not in OPTION_TYPES:
+            out[key] = value
+            continue
+        value = _convert(value, OPTION_TYPES[key], field)
+        check, rule = _OPTION_RANGES.get(key, (None, ""))
+        if check is not None and not check(value):
+            raise ConfigError(field, f"{rule}, got {value}")
+        out[key] = value
+    return out
 
 
 def construct(name: str, named_params: list[tuple[str, torch.nn.Parameter]], *, lr: float,
