@@ -338,6 +338,7 @@ def test_plot_and_overwrite_protection(plain_run, tmp_path, capsys):
     ("plain", ["--run", "{run}", "--compare-im", "1,0.9"], "--compare-im"),  # no history
     ("im", ["--run", "{run}", "--compare-im", "3,0.9"], "--compare-im"),  # 2 states < 3
     ("im", ["--run", "{run}", "--compare-im", "1,0.5,3,0.5"], "--compare-im"),
+    ("im", ["--run", "{run}", "--compare-im", "1,0.5,3,0.5"], "k_other"),  # K_A is short
     ("plain", ["--run", "{run}", "--probe-examples", "0"], "--probe-examples"),
     ("plain", ["--run", "{run}", "--probe-examples", "many"], "--probe-examples"),
     ("plain", ["--run", "{run}", "--config", "{missing}"], "--config"),

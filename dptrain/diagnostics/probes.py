@@ -403,8 +403,8 @@ def im_plan(run: LoadedRun, query: ImQuery) -> tuple[list, list[float], list[flo
             "--compare-im",
             f"needs {need} past states but the checkpoint's inner-momentum history holds "
             f"{len(run.history)} (diagnose never replays training; train with "
-            f"optim.inner_momentum.k_muon >= {need} and diagnose a checkpoint after at least "
-            f"{need} steps, or lower K)")
+            f"optim.inner_momentum.{'k_muon' if km >= ka else 'k_other'} >= {need} and diagnose "
+            f"a checkpoint after at least {need} steps, or lower K)")
     am, aa = im_weights(km, query.gamma_muon), im_weights(ka, query.go)
     if need == 0:
         return [(1.0, None)], am, aa
