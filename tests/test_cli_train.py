@@ -126,6 +126,32 @@ def test_a_bad_config_file_exits_2_with_one_line(tmp_path, capsys, content, fiel
     assert not (tmp_path / "out").exists()
 
 
+_OK_CSV = b'mr,ref\n"name[Aromi], food[Chinese]","Aromi serves Chinese food."\n'
+
+
+@pytest.mark.parametrize("train_csv, extra, field", [
+    (b'mr,ref\n"name[A]","A is"\n"name[B]"\n', (), "data.train_file"),  # a short row
+    (b"mr,ref\n\xff\xfe,x\n", (), "data.train_file"),  # not UTF-8
+    (b"mr,ref\n", (), "data.train_file"),  # only a header: nothing to train on
+    (_OK_CSV, ("data.tokenizer=gpt2", "data.tokenizer_path={empty}"), "data.tokenizer_path"),
+])
+def test_bad_e2e_data_exits_2_with_one_line(tmp_path, capsys, train_csv, extra, field):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "data" / "train.csv").write_bytes(train_csv)
+    (tmp_path / "data" / "test.csv").write_bytes(_OK_CSV)
+    overrides = ["data.name=e2e", "data.tokenizer=bytes", f"data.path={tmp_path / 'data'}",
+                 "data.train_file=train.csv", "data.test_file=test.csv",
+                 *(e.format(empty=tmp_path / "empty") for e in extra)]
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
+                           str(tmp_path / "out"), *overrides)
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1, err
+    assert field in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_config_file_exits_2(tmp_path, capsys):
     code, _, err = run_cli(capsys, "train", "--config", str(tmp_path / "nope.yaml"))
     assert code == 2 and "config" in err and "not found" in err

@@ -150,7 +150,16 @@ def _data_file(directory: Path, name: str, field: str) -> Path:
 
 def build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
     """Load or generate the data of ``cfg``. ``seed`` only drives the synthetic generators
-    (null -> 0: in secure mode the data must not depend on the secret seed)."""
+    (null -> 0: in secure mode the data must not depend on the secret seed). An empty
+    training set is a ConfigError naming ``data.train_file``."""
+    task = _build_data(cfg, seed)
+    if len(task.train) == 0:
+        raise ConfigError("data.train_file", f"the training set of {cfg.name} is empty "
+                                             f"(a file with only a header?): nothing to train on")
+    return task
+
+
+def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
     seed = 0 if seed is None else int(seed)
     default_train, default_test = _DEFAULT_FILES.get(cfg.name, (None, None))
     train_name = cfg.train_file or default_train

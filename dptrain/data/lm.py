@@ -16,6 +16,7 @@ them, so an example's loss does not depend on the rest of its batch.
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections import OrderedDict
 from pathlib import Path
@@ -110,23 +111,34 @@ def read_e2e_csv(path: Path, field: str) -> tuple[list[str], list[str] | None]:
     """Rows of an official E2E CSV: (mrs, refs); refs is None when the file has only MR."""
     if not path.is_file():
         raise ConfigError(field, f"file not found: {path}")
-    with open(path, newline="", encoding="utf-8-sig") as fh:
-        reader = csv.reader(fh)
-        try:
-            header = [h.strip().lower() for h in next(reader)]
-        except StopIteration:
-            raise ConfigError(field, f"{path} is empty") from None
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(field, f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise ConfigError(field, f"cannot read {path}: {e.strerror or e}") from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = [h.strip().lower() for h in next(reader)]
         if "mr" not in header:
             raise ConfigError(field, f"{path} has no 'mr' column (columns: {header})")
         i_mr = header.index("mr")
         i_ref = header.index("ref") if "ref" in header else None
+        need = max(i_mr, i_ref if i_ref is not None else 0) + 1
         mrs, refs = [], []
         for row in reader:
             if not row:
                 continue
+            if len(row) < need:
+                raise ConfigError(field, f"{path}, line {reader.line_num}: {len(row)} "
+                                         f"field(s), the header has {len(header)}")
             mrs.append(row[i_mr].strip())
             if i_ref is not None:
                 refs.append(row[i_ref].strip())
+    except StopIteration:
+        raise ConfigError(field, f"{path} is empty") from None
+    except csv.Error as e:
+        raise ConfigError(field, f"{path}, line {reader.line_num}: not valid CSV ({e})") from None
     return mrs, (refs if i_ref is not None else None)
 
 

@@ -147,6 +147,18 @@ def build_tokenizer(kind: str, path: str | None = None):
             folder = Path(path)
             if not folder.is_dir():
                 raise ConfigError("data.tokenizer_path", f"directory not found: {folder}")
-            return GPT2Tokenizer(folder)
+            if not ((folder / "tokenizer.json").is_file()
+                    or all((folder / f).is_file() for f in ("vocab.json", "merges.txt"))):
+                raise ConfigError("data.tokenizer_path",
+                                  f"{folder} holds no GPT-2 tokenizer (needs tokenizer.json, "
+                                  f"or vocab.json and merges.txt)")
+            try:
+                return GPT2Tokenizer(folder)
+            except (OSError, ValueError) as e:
+                if isinstance(e, ConfigError):
+                    raise
+                reason = " ".join(str(e).split())
+                raise ConfigError("data.tokenizer_path",
+                                  f"{folder}: cannot load a GPT-2 tokenizer ({reason})") from None
         return GPT2Tokenizer(gpt2_bpe_folder())
     raise ConfigError("data.tokenizer", f"unknown tokenizer {kind!r} (gpt2 or bytes)")
