@@ -59,10 +59,10 @@ class TrainConfig:
     """Show a progress bar on stderr."""
 
     def validate(self) -> None:
-        for name in ("log_every", "keep_checkpoints"):
+        for name in ("log_every", "keep_checkpoints", "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("eval_every", "checkpoint_every", "eval_batch_size"):
+        for name in ("eval_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
 
@@ -77,6 +77,10 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> None:
+        if not 0 <= self.seed < 2**63:  # torch.manual_seed and numpy take these
+            raise ConfigError("seed", f"must be in [0, 2**63), got {self.seed}")
 
 
 def resolve_device(perf: PerformanceConfig) -> torch.device:

@@ -87,6 +87,9 @@ def test_train_writes_summary_and_full_model(tmp_path, capsys):
     (("optim.name=muon_bc", "optim.bc_kappa=inf"), "optim.bc_kappa"),
     (("optim.filter.name=doppler", "optim.filter.b=[nan]"), "optim.filter.b"),
     (("optim.filter.name=disk", "optim.filter.gamma=inf"), "optim.filter.gamma"),
+    ("seed=-1", "seed"),
+    ("seed=9223372036854775808", "seed"),  # 2**63: beyond torch.manual_seed
+    ("train.eval_batch_size=0", "train.eval_batch_size"),  # crashed after training
     # a history length for a part of the query without parameters would do nothing
     (("optim.inner_momentum.k_muon=2", "optim.name=sgd", "optim.preset=null"),
      "optim.inner_momentum.k_muon"),

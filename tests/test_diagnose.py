@@ -343,6 +343,7 @@ def test_plot_and_overwrite_protection(plain_run, tmp_path, capsys):
     ("plain", ["--run", "{run}", "--probe-examples", "many"], "--probe-examples"),
     ("plain", ["--run", "{run}", "--config", "{missing}"], "--config"),
     ("plain", ["--run", "{run}", "privacy.clip_norm=2"], "privacy.clip_norm"),
+    ("plain", ["--run", "{run}", "seed=-1"], "seed"),
 ])
 def test_mistakes_exit_2_with_one_line_naming_the_option(request, tmp_path, capsys, which, args,
                                                          option):
