@@ -130,8 +130,13 @@ def plan_privacy(cfg: PrivacyConfig, train_size: int) -> PrivacyPlan:
     n = cfg.dataset_size if cfg.dataset_size is not None else train_size
     b = cfg.release_denominator(train_size)
     if cfg.noise_multiplier is None:
-        sigma = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, cfg.sample_rate, cfg.steps,
-                                           accountant=cfg.accountant)
+        try:
+            sigma = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, cfg.sample_rate,
+                                               cfg.steps, accountant=cfg.accountant)
+        except ConfigError as e:  # calibration names its own arguments (steps, epsilon)
+            if e.field.startswith("privacy."):
+                raise
+            raise ConfigError(f"privacy.{e.field}", e.message) from None
     else:
         sigma = cfg.noise_multiplier
     eps = check_plan(cfg, sigma)  # ConfigError naming the field if over the budget

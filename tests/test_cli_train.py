@@ -66,6 +66,7 @@ def test_train_writes_summary_and_full_model(tmp_path, capsys):
     # over budget: one line, without opacus' notes about its RDP orders before it
     ("privacy.noise_multiplier=0.1", "privacy.noise_multiplier"),
     ("privacy.steps=1000000001", "privacy.steps"),  # more than the accountants can handle
+    ("privacy.epsilon=1e-9", "privacy.epsilon"),  # calibration: unreachable
     ("optim.groups=[{pattern: wte, pattern: wpe, optimizer: adamw}]",
      "optim.groups[0].pattern"),  # duplicate key
     # optimizer options of the wrong type or out of range name their own field
