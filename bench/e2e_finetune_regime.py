@@ -96,7 +96,7 @@ def main() -> None:
     pre = out / "pretrain"
     if not args.report_only and not (pre / "summary.json").exists():
         cmd = [sys.executable, "-m", "dptrain", "train", "--config", str(BASE),
-               "--output-dir", str(pre), *common,
+               "--output-dir", str(pre), "--resume", "auto", *common,
                f"data.train_file={out / 'data' / 'public.csv'}",
                "privacy.noise_multiplier=0", "privacy.epsilon=null", "privacy.clip_norm=1e6",
                f"privacy.sample_rate={sample_rate_for(counts['public'], args.batch)}",

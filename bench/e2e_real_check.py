@@ -96,7 +96,8 @@ def train(args, label: str, method: str, lr: float | None, seed: int) -> dict:
     if not summ.exists():
         d.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "dptrain", "train", "--config", str(args.config),
-               "--output-dir", str(d), f"seed={seed}", f"privacy.seed={seed}",
+               "--output-dir", str(d), "--resume", "auto",  # continue a killed run
+               f"seed={seed}", f"privacy.seed={seed}",
                *method_overrides(method, lr), *args.override]
         (d / "command.txt").write_text(" ".join(cmd) + "\n")
         t0 = time.time()
