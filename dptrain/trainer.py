@@ -354,6 +354,10 @@ class Trainer:
         try:
             while self.step < self.plan.steps:
                 row = self.private_step()
+                if self.cfg.privacy.secure_mode:
+                    # computed from the private batch without noise: outside the guarantee, so
+                    # a run meant for release neither writes nor shows it
+                    row.pop("train_loss", None)
                 last = self.step == self.plan.steps
                 if self.step % tc.log_every == 0 or last:
                     eps = self.epsilon()
@@ -364,7 +368,10 @@ class Trainer:
                         pending.append(json.dumps(row) + "\n")
                         if not held:
                             flush()
-                bar.set_postfix(loss=f"{row['train_loss']:.4f}", eps=f"{eps:.3f}")
+                if "train_loss" in row:
+                    bar.set_postfix(loss=f"{row['train_loss']:.4f}", eps=f"{eps:.3f}")
+                else:
+                    bar.set_postfix(eps=f"{eps:.3f}")
                 bar.update(1)
                 if out is not None and tc.checkpoint_every and (
                         self.step % tc.checkpoint_every == 0 or last):
