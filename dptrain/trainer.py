@@ -32,6 +32,7 @@ from dptrain.data import DataConfig, build_data
 from dptrain.models import ModelConfig, build_model
 from dptrain.models.dropout import example_dropout
 from dptrain.optim import OptimConfig, build_optimizer
+from dptrain.optim.build import transposed_weights
 from dptrain.performance import PerformanceConfig
 from dptrain.privacy.accounting import (Ledger, calibrate_noise_multiplier, check_plan,
                                         epsilon as ledger_epsilon)
@@ -208,7 +209,8 @@ class Trainer:
         self.optimizer = build_optimizer(
             cfg.optim, self.named_params, total_steps=self.plan.steps,
             release_noise_std=self.plan.noise_multiplier * self.plan.clip_norm / self.plan.denominator,
-            seed=cfg.seed, ns_dtype=perf.newton_schulz_dtype)
+            seed=cfg.seed, ns_dtype=perf.newton_schulz_dtype,
+            transposed=transposed_weights(self.model))
         self.ledger = Ledger()
         self.step = 0
 

@@ -224,3 +224,33 @@ def test_muon_s_update_is_sigma1_times_ns_and_heavy_ball_sgd_for_vectors():
         b0 = b0 - LR * M_b
         torch.testing.assert_close(W.detach(), W0, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(b.detach(), b0, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", ["Muon", "MuonBC"])
+def test_original_scale_treats_a_conv1d_weight_like_the_equivalent_linear(cls):
+    """transformers' Conv1D stores (in, out); the shape scale sqrt(max(1, fan_out / fan_in)) must
+    be the Linear's. Same gradient (transposed), same step (transposed)."""
+    from transformers.pytorch_utils import Conv1D
+
+    from dptrain.optim.build import transposed_weights
+    from dptrain.optim.muon import MuonBC
+
+    torch.manual_seed(0)
+    conv, lin = Conv1D(16, 4), torch.nn.Linear(4, 16, bias=False)  # fan_in 4, fan_out 16
+    with torch.no_grad():
+        lin.weight.copy_(conv.weight.T)
+    assert transposed_weights(torch.nn.ModuleDict({"c": conv, "l": lin})) == {"c.weight"}
+    g = torch.randn(16, 4, dtype=torch.float64)
+    kw = dict(lr=0.1, scale="original", ns_dtype="float64")
+    extra = dict(release_noise_std=0.0, seed=0) if cls == "MuonBC" else {}
+    make = MuonBC if cls == "MuonBC" else Muon
+    conv.weight.data, lin.weight.data = conv.weight.data.double(), lin.weight.data.double()
+    before = lin.weight.detach().clone()
+    for m, grad, t in ((conv, g.T, frozenset({"w"})), (lin, g, frozenset())):
+        opt = make([("w", m.weight)], **kw, **extra, transposed=t)
+        m.weight.grad = grad.clone()
+        opt.step()
+    step = lin.weight.detach() - before
+    assert float(step.abs().max()) > 0
+    torch.testing.assert_close(conv.weight.detach().T - before, step, rtol=1e-10, atol=1e-12)
+    # the scale is 2 = sqrt(16 / 4): the step's RMS is lr * 2 * RMS(NS(g))

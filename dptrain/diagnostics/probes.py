@@ -227,6 +227,7 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     from dptrain.data import build_data
     from dptrain.models import build_model
     from dptrain.optim import build_optimizer
+    from dptrain.optim.build import transposed_weights
     from dptrain.trainer import resolve_device
 
     path = Path(checkpoint)
@@ -257,7 +258,8 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg.optim, named, total_steps=int(plan["steps"]),
                                 release_noise_std=sigma * C / b, seed=cfg.seed,
-                                ns_dtype=perf.newton_schulz_dtype)
+                                ns_dtype=perf.newton_schulz_dtype,
+                                transposed=transposed_weights(model))
     model.load_state_dict(state["model"])
     try:
         optimizer.load_state_dict(state["optimizer"])

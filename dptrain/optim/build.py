@@ -151,18 +151,21 @@ def build_optimizer(
     release_noise_std: float,
     seed: int,
     ns_dtype: str = "float32",
+    transposed: frozenset[str] | set[str] = frozenset(),
 ) -> DPOptimizer:
     """Build the post-processing pipeline for the trainable ``named_params``.
 
     ``total_steps``: T (for the schedule). ``release_noise_std``: sigma*C/b, the release's noise
     std per coordinate (DP-MuonBC). ``seed``: seed of public post-processing randomness (MuonBC
     probes, MuonS power vectors); derived streams never overlap the release noise. ``ns_dtype``:
-    ``performance.newton_schulz_dtype``. Raises ConfigError naming the offending field.
+    ``performance.newton_schulz_dtype``. ``transposed``: names of weights stored (in, out)
+    (transformers' Conv1D; see :func:`transposed_weights`). Raises ConfigError naming the
+    offending field.
     """
     validate_tree(cfg, "optim")
     named_params = [(n, p) for n, p in named_params if p.requires_grad]
     runtime = Runtime(seed=int(seed), release_noise_std=float(release_noise_std),
-                      ns_dtype=ns_dtype)
+                      ns_dtype=ns_dtype, transposed=frozenset(transposed))
     groups = plan_groups(cfg, named_params)
     optimizers = []
     for g in groups:
@@ -194,3 +197,15 @@ def _check_im_has_parameters(cfg: OptimConfig, muon: set[str], num_other: int) -
         raise ConfigError("optim.inner_momentum.k_other",
                           f"is {im.k_other} but every parameter uses a Muon-family optimizer, "
                           f"so it would do nothing; set it to 0 (k_muon averages those)")
+
+
+def transposed_weights(model: torch.nn.Module) -> frozenset[str]:
+    """Names of the weights that ``model`` stores as (in, out): transformers' ``Conv1D`` (GPT-2's
+    attention and MLP matrices). Muon's ``scale: original`` uses fan_out/fan_in, which for these
+    is shape[1]/shape[0]."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # no transformers: no Conv1D
+        return frozenset()
+    return frozenset(f"{prefix}.weight" if prefix else "weight"
+                     for prefix, m in model.named_modules() if isinstance(m, Conv1D))

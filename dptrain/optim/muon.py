@@ -117,6 +117,7 @@ class Muon(torch.optim.Optimizer):
         momentum_style: Literal["accumulate", "ema"] = "accumulate",
         weight_decay: float = 0.0,
         eps: float = 1e-7,
+        transposed: frozenset[str] = frozenset(),
     ):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
@@ -131,6 +132,9 @@ class Muon(torch.optim.Optimizer):
                         scale=scale, momentum_style=momentum_style, weight_decay=weight_decay,
                         eps=eps, noise_gain=1.0)
         super().__init__(params, defaults)
+        # names of weights stored (in, out), as transformers' Conv1D: their (r, c) for the
+        # shape scale is the reverse of the storage shape (the orthogonalisation is symmetric)
+        self.transposed = frozenset(transposed)
         for group in self.param_groups:
             for name, p in zip(_param_names(group), group["params"]):
                 if p.ndim < 2:
@@ -175,6 +179,8 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(grad)
                 N = advance(state["momentum_buffer"], grad, mu, group["nesterov"])
                 rc = (p.shape[0], math.prod(p.shape[1:]))
+                if name in self.transposed:
+                    rc = rc[::-1]
                 todo.append((name, p, N.reshape(N.shape[0], -1), rc, state))
             if not todo:
                 continue
@@ -277,6 +283,7 @@ class MuonBC(Muon):
         momentum_style: Literal["accumulate", "ema"] = "accumulate",
         weight_decay: float = 0.0,
         eps: float = 1e-7,
+        transposed: frozenset[str] = frozenset(),
     ):
         if release_noise_std < 0:
             raise ValueError(f"release_noise_std must be >= 0, got {release_noise_std}")
@@ -284,7 +291,8 @@ class MuonBC(Muon):
             raise ValueError("need bc_kappa > 0, bc_probes >= 1 and bc_gamma_ns >= 0")
         super().__init__(params, lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                          ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, scale=scale,
-                         momentum_style=momentum_style, weight_decay=weight_decay, eps=eps)
+                         momentum_style=momentum_style, weight_decay=weight_decay, eps=eps,
+                         transposed=transposed)
         self.release_noise_std = float(release_noise_std)
         self.seed = int(seed)
         for group in self.param_groups:

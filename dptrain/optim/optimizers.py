@@ -61,6 +61,8 @@ class Runtime:
     """sigma*C/b: std per coordinate of the release's Gaussian noise (MuonBC's nu before gains)."""
     ns_dtype: str = "float32"
     """Newton–Schulz dtype (``performance.newton_schulz_dtype``)."""
+    transposed: frozenset = frozenset()
+    """Names of weight matrices stored (in, out), as transformers' Conv1D (Muon's shape scale)."""
 
 
 RUNTIME_OPTIONS = frozenset(Runtime.__dataclass_fields__)
