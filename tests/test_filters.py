@@ -140,6 +140,8 @@ def test_doppler_constant_input_passes_unchanged():
 @pytest.mark.parametrize("filt,field", [
     ({"name": "doppler", "a": [-1.1], "b": [0.1]}, "optim.filter.a"),
     ({"name": "doppler", "b": []}, "optim.filter.b"),
+    ({"name": "doppler", "a": [], "b": [0.0, 1.0]}, "optim.filter.b"),  # c_0 = b_0 = 0
+    ({"name": "doppler", "a": [], "b": [1.0, -1.0, 0.5]}, "optim.filter.b"),  # c_1 = 0
     ({"name": "disk", "kappa": 0.0}, "optim.filter.kappa"),
     ({"name": "disk", "gamma": -1.0}, "optim.filter.gamma"),
 ])

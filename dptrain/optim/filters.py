@@ -71,6 +71,19 @@ class FilterConfig:
             if np.any(np.abs(poles) >= 1.0):
                 raise ConfigError("a", f"unstable filter: poles {poles.tolist()} must lie "
                                        "strictly inside the unit circle")
+            # the output is m_t / c_t: c_t (public, from a and b only) must never be 0. A
+            # stable filter's c_t converges to sum(b) / (1 + sum(a)) != 0, so a long enough
+            # prefix decides it.
+            tol = 1e-9 * sum(abs(x) for x in self.b)
+            c_hist: list[float] = []
+            for t in range(max(1000, 10 * (len(self.a) + len(self.b)))):
+                c = sum(self.b[: t + 1]) - sum(a * cp for a, cp in zip(self.a, c_hist))
+                if abs(c) <= tol:
+                    raise ConfigError("b", f"the normaliser c_t is 0 at step {t} (b_0 = 0 or "
+                                           "a cancellation): the filter's output m_t / c_t is "
+                                           "undefined there")
+                c_hist.insert(0, c)
+                del c_hist[len(self.a):]
 
     def disk_gain(self) -> float:
         """kappa in the DiSK paper's convention (the weight of the new release)."""

@@ -100,7 +100,8 @@ class Muon(torch.optim.Optimizer):
     - with ``momentum_style="ema"`` N is (1-mu) times Eq. 7's; Newton–Schulz's Frobenius
       normalisation removes that factor (up to ``eps``), so both styles give the same step;
     - ``scale="original"`` uses sqrt(max(1, r/c)) with r = fan-out of a ``nn.Linear``; HF GPT-2's
-      ``Conv1D`` stores (in, out), for which r/c is the inverse ratio.
+      ``Conv1D`` stores (in, out): pass its weights' names as ``transposed`` (the trainer does,
+      ``dptrain.optim.build.transposed_weights``) so that r/c is fan-out / fan-in.
     """
 
     def __init__(
