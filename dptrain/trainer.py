@@ -162,6 +162,21 @@ def guarantee(cfg) -> str:
             "who does not know it (secure_mode: false)")
 
 
+def _check_ranks_agree_on_n(n: int, device: torch.device) -> None:
+    """Every rank samples S_t over its own copy of the training set and takes its share by
+    position: ranks that see different N (node-local copies of the data that differ) would
+    process some sampled examples twice (sensitivity 2C) and drop others. Refuse to start."""
+    import torch.distributed as dist
+
+    t = torch.tensor([n, -n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    hi, lo = int(t[0]), -int(t[1])
+    if hi != lo:
+        raise ConfigError("data", f"the ranks see training sets of different sizes (from {lo} "
+                                  f"to {hi} examples; this rank {n}): every rank must read the "
+                                  "same data")
+
+
 def _shared_secure_seed(world: int) -> int:
     """Secure mode: rank 0's seed from OS entropy, sent to every rank over the process group
     (never written). All ranks must draw the same Poisson sample (each takes its share of it:
@@ -191,6 +206,8 @@ class Trainer:
         self.rank, self.world = init_from_env(backend)
         self.task = build_data(cfg.data, seed=cfg.seed)
         self.train_size = len(self.task.train)
+        if self.world > 1:
+            _check_ranks_agree_on_n(self.train_size, self.device)
         self.plan = plan_privacy(cfg.privacy, self.train_size)
         # Sensitive in secure mode: the seed is never written anywhere.
         self._privacy_seed = (_shared_secure_seed(self.world) if cfg.privacy.secure_mode

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dptrain import trainer as trainer_mod
 from dptrain.cli import main
@@ -176,3 +177,50 @@ def test_overrides_before_and_after_options_all_apply(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--config", TINY, "--output-dir", str(tmp_path / "x"), "--bogus"])
     assert e.value.code == 2 and "--bogus" in capsys.readouterr().err
+
+
+def _e2e_rows(n: int) -> str:
+    return "mr,ref\n" + "".join(f'"name[R{i}], food[F{i % 3}]","R{i} serves F{i % 3}."\n'
+                                for i in range(n))
+
+
+def test_a_resume_over_changed_data_files_is_refused(tmp_path, capsys):
+    # same config, but rows were added to the training CSV since the checkpoint: Poisson
+    # sampling, b and the calibration were for the old N
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.csv").write_text(_e2e_rows(40))
+    (data / "test.csv").write_text(_e2e_rows(5))
+    args = ["data.name=e2e", "data.tokenizer=bytes", f"data.path={data}", "model.n_positions=64",
+            "data.train_file=train.csv", "data.test_file=test.csv", "data.max_length=64",
+            "privacy.steps=3", "train.checkpoint_every=1", "train.keep_checkpoints=3"]
+    out = tmp_path / "run"
+    assert train(capsys, out, *args)[0] == 0
+    (out / "summary.json").unlink()
+    (data / "train.csv").write_text(_e2e_rows(60))
+    before = snapshot(out)
+    code, err = train(capsys, out, "--resume", "auto", *args)
+    line = one_line(err)
+    assert code == 2 and "data" in line and "60" in line and "40" in line
+    assert snapshot(out) == before
+
+
+def _n_on_each_rank(rank: int, world: int, sizes: list[int]):
+    from dptrain.config import ConfigError
+    from dptrain.trainer import _check_ranks_agree_on_n
+
+    try:
+        _check_ranks_agree_on_n(sizes[rank], torch.device("cpu"))
+        return None
+    except ConfigError as e:
+        return str(e)
+
+
+def test_ranks_that_see_different_training_set_sizes_refuse_to_start():
+    from dptrain.parallel.dist import spawn
+
+    # 10,500 vs 10,000 examples: sharding S_t by position would process some examples on both
+    # ranks (sensitivity 2C) and drop others
+    errors = spawn(_n_on_each_rank, 2, [10_500, 10_000])
+    assert all(e is not None and "data" in e and "10000" in e and "10500" in e for e in errors)
+    assert spawn(_n_on_each_rank, 2, [7, 7]) == [None, None]

@@ -89,6 +89,7 @@ def capture(trainer) -> dict[str, Any]:
         "optimizer": trainer.optimizer.state_dict(),
         "ledger": trainer.ledger.to_dict(),
         "plan": vars(trainer.plan),
+        "train_size": trainer.train_size,  # N of Poisson sampling (a resume must see the same N)
         "config": to_dict(trainer.cfg),
         "world_size": trainer.world,
         "rng": {"torch": torch.get_rng_state(),
@@ -314,6 +315,7 @@ def _save_dcp(trainer, output_dir: Path) -> Path | None:
             "model_aliases": aliases,  # tied names (GPT-2's lm_head.weight -> wte's), stored once
             "ledger": trainer.ledger.to_dict(),
             "plan": vars(trainer.plan),
+            "train_size": trainer.train_size,
             "config": to_dict(trainer.cfg),
             "world_size": trainer.world,
             "rng": {"torch": rngs[0], "torch_ranks": rngs, "cuda": None},
@@ -501,6 +503,24 @@ def check_compatible(saved_cfg: dict, cfg) -> None:
                                        f"{section} settings")
 
 
+def check_same_data(state: dict, trainer) -> None:
+    """The same data settings can name files whose contents changed (rows added to a CSV, a
+    shard added to a folder). Poisson sampling is over N = the training set's size, and b and
+    the calibration were derived from it: a resume over another N would sample another
+    population with another mechanism."""
+    saved_n = state.get("train_size")  # absent in checkpoints written before 2026-11-30
+    plan = state.get("plan") or {}
+    for what, was, now in (("training set size", saved_n, trainer.train_size),
+                           ("release denominator b", plan.get("denominator"),
+                            trainer.plan.denominator),
+                           ("dataset size N", plan.get("dataset_size"),
+                            trainer.plan.dataset_size)):
+        if was is not None and was != now:
+            raise ConfigError("data", f"the {what} is {now} now but {was} in the checkpoint "
+                                      "(the data files changed since): a resume must sample "
+                                      "the same training set")
+
+
 def read_meta(path: Path, verified: bool = False) -> dict[str, Any]:
     """The verified checkpoint at ``path`` without the tensors DCP holds: ``state.pt`` (whole
     checkpoints) or ``meta.pt`` (sharded ones, ``format`` 2, optimizer tensors as ``_Ref``).
@@ -554,6 +574,7 @@ def load(trainer, path: Path, verified: bool = False) -> None:
             raise ConfigError("resume", f"checkpoint {path} is unusable: {problem}")
     state = read_meta(path, verified=True)
     check_compatible(state["config"], trainer.cfg)
+    check_same_data(state, trainer)
     ledger = Ledger.from_dict(state["ledger"])
     if ledger.num_releases != state["step"]:
         raise ConfigError("resume", f"checkpoint {path} is inconsistent: its ledger counts "
