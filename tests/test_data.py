@@ -446,3 +446,17 @@ def test_webdataset_random_access_matches_webdataset_stream(tmp_path):
                                train_file="imagenet-train-{000000..000001}.tar",
                                test_file=str(tmp_path / "imagenet-val-000000.tar")))
     assert len(t2.train) == 10 and len(t2.test) == 4
+
+
+def test_webdataset_shard_with_a_repeated_key_is_refused(tmp_path):
+    # keys x, y, x: merging the two x's would make one example of two samples' files
+    import webdataset as wds
+
+    from dptrain.config import ConfigError
+
+    with wds.TarWriter(str(tmp_path / "imagenet-train-000000.tar")) as w:
+        for key, label in (("x", 0), ("y", 1), ("x", 2)):
+            w.write({"__key__": key, "jpg": b"\xff\xd8not-decoded-here", "cls": str(label).encode()})
+    _write_shards(tmp_path, "imagenet-val", 1, 2, np.random.default_rng(1))
+    with pytest.raises(ConfigError, match="'x' appears twice"):
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))

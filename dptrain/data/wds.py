@@ -81,7 +81,13 @@ def index_shards(shards: list[Path]) -> dict[str, np.ndarray]:
                     continue
                 ext = ext.lower()
                 rec = samples.setdefault(prefix, {})
-                if ext in IMAGE_EXTS and "img" not in rec:
+                part = "img" if ext in IMAGE_EXTS else "cls" if ext in LABEL_EXTS else None
+                if part is not None and part in rec:
+                    # one example must be one sample: a key seen twice in a shard would merge
+                    # two samples' files (webdataset itself would yield both)
+                    raise ConfigError("data.path", f"{path}: sample key {prefix!r} appears "
+                                                   f"twice (a second {m.name})")
+                if ext in IMAGE_EXTS:
                     rec["img"] = (m.offset_data, m.size)
                 elif ext in LABEL_EXTS:
                     raw = tf.extractfile(m).read().decode("utf-8").strip()
