@@ -179,9 +179,7 @@ class Muon(torch.optim.Optimizer):
                     state["step"] = 0
                     state["momentum_buffer"] = torch.zeros_like(grad)
                 N = advance(state["momentum_buffer"], grad, mu, group["nesterov"])
-                rc = (p.shape[0], math.prod(p.shape[1:]))
-                if name in self.transposed:
-                    rc = rc[::-1]
+                rc = (p.shape[0], math.prod(p.shape[1:]))  # the stored matrix (global)
                 todo.append((name, p, N.reshape(N.shape[0], -1), rc, state))
             if not todo:
                 continue
@@ -204,7 +202,8 @@ class Muon(torch.optim.Optimizer):
                         for name, _, N_rc, rc, state in todo]
             for (name, p, N_rc, rc, state), O_rc in zip(todo, outs):
                 state["step"] += 1
-                s = SCALES[group["scale"]](*rc)
+                # (fan-out, fan-in): a Conv1D weight is stored (in, out)
+                s = SCALES[group["scale"]](*(rc[::-1] if name in self.transposed else rc))
                 w = _local(p)
                 if wd != 0:
                     w.mul_(1 - lr * wd)
