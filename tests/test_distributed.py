@@ -77,6 +77,12 @@ def test_dp_muon_gpt2_with_dropout_same_on_1_2_4_ranks_and_any_microbatch():
         assert [sum(s) for s in zip(*(r["sizes"] for r in results))] == ref["sizes"]
 
 
+def test_dp_muon_original_scale_same_on_1_and_2_fsdp_ranks():
+    # GPT-2's Conv1D weights are stored (in, out): only Muon's shape scale reads them as
+    # (out, in); the distributed Newton-Schulz works on the stored (sharded) matrix
+    _check(["optim.scale=original"], [(2, "fsdp")])
+
+
 def test_dp_sgd_gpt2_same_on_1_and_2_replicated_ranks():
     _check(SGD, [(2, "none")])
 
