@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -413,11 +414,26 @@ def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
     trainer.optimizer.load_state_dict(optim)
 
 
+def _marked(root: Path) -> list[Path]:
+    """``root``'s checkpoint directories that carry a COMPLETE marker, oldest first."""
+    return [p for p in sorted(Path(root).glob("step-*")) if (p / MARKER).exists()]
+
+
+def step_of(path: Path) -> int | None:
+    """The step of a checkpoint directory named ``step-NNNNNNNN`` (None for another name)."""
+    m = re.fullmatch(r"step-(\d+)", Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def complete_steps(run_dir: Path) -> list[int]:
+    """Steps of the run's checkpoints that carry a COMPLETE marker (checksums not verified)."""
+    return sorted(s for s in map(step_of, _marked(Path(run_dir) / "checkpoints")) if s is not None)
+
+
 def _prune(root: Path, keep: int) -> None:
     """Keep the newest ``keep`` intact checkpoints; the newest intact one is never deleted.
     Damaged ones older than the newest intact one are removed too."""
-    complete = [p for p in sorted(root.glob("step-*")) if (p / MARKER).exists()]
-    for old in complete[:-max(keep, 1)]:
+    for old in _marked(root)[:-max(keep, 1)]:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -81,33 +80,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checkpoint_step(path: Path) -> int | None:
-    """The step of a checkpoint directory named ``step-NNNNNNNN`` (None for another name)."""
-    m = re.fullmatch(r"step-(\d+)", Path(path).name)
-    return int(m.group(1)) if m else None
-
-
-def _complete_checkpoint_steps(run_dir: Path) -> list[int]:
-    from dptrain.checkpoint import MARKER
-
-    steps = []
-    for p in (Path(run_dir) / "checkpoints").glob("step-*"):
-        step = _checkpoint_step(p)
-        if step is not None and (p / MARKER).exists():
-            steps.append(step)
-    return sorted(steps)
+def _metrics_rows(path: Path) -> list[tuple[str, dict]]:
+    """(line, row) of every readable row of ``metrics.jsonl`` (a line cut short by a kill is
+    skipped); [] when there is no file."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append((line, row))
+    return rows
 
 
 def _metrics_steps(path: Path) -> list[int]:
-    if not path.is_file():
-        return []
-    steps = []
-    for line in path.read_text().splitlines():
-        try:
-            steps.append(int(json.loads(line).get("step", 0)))
-        except (ValueError, AttributeError, TypeError):
-            continue
-    return steps
+    return [int(row.get("step", 0)) for _, row in _metrics_rows(path)]
 
 
 def _holds_a_run(out: Path) -> bool:
@@ -118,11 +108,13 @@ def _holds_a_run(out: Path) -> bool:
 def _check_explicit_resume(out: Path, path: Path) -> None:
     """``--resume PATH`` continues from PATH and writes into ``out``: never over a finished run
     or over checkpoints of later steps (nothing written before is lost)."""
+    from dptrain import checkpoint as ckpt
+
     if (out / "summary.json").exists():
         raise ConfigError("output-dir", f"{out} already holds a finished run; resume into "
                                         "another --output-dir")
-    step = _checkpoint_step(path)
-    later = [s for s in _complete_checkpoint_steps(out) if step is not None and s > step]
+    step = ckpt.step_of(path)
+    later = [s for s in ckpt.complete_steps(out) if step is not None and s > step]
     if later:
         raise ConfigError("output-dir", f"{out} holds checkpoints after step {step} (step "
                                         f"{later[-1]}), which resuming from {path} would "
@@ -135,11 +127,13 @@ def _check_secure_resume(path: Path) -> None:
     ones was written: a later checkpoint, a summary or logged metrics of the run the checkpoint
     belongs to would count as releases that no ledger covers. (Metrics rows are written only
     with checkpoints in secure mode, so a crash leaves none behind.)"""
-    step = _checkpoint_step(path)
+    from dptrain import checkpoint as ckpt
+
+    step = ckpt.step_of(path)
     if step is None:
         return
     run_dir = Path(path).parent.parent
-    later = [s for s in _complete_checkpoint_steps(run_dir) if s > step]
+    later = [s for s in ckpt.complete_steps(run_dir) if s > step]
     logged = [s for s in _metrics_steps(run_dir / "metrics.jsonl") if s > step]
     finished = (run_dir / "summary.json").exists()
     if later or logged or finished:
@@ -156,14 +150,7 @@ def _drop_metrics_after(path: Path, step: int) -> None:
     are recomputed now): drop them, so metrics.jsonl holds each step once."""
     if not path.exists():
         return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:  # a line cut short by the kill
-            continue
-        if row.get("step", 0) <= step:
-            keep.append(line)
+    keep = [line for line, row in _metrics_rows(path) if row.get("step", 0) <= step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)
