@@ -108,6 +108,17 @@ def test_prv_too_large_falls_back_to_rdp_bound():
     assert math.isfinite(e) and e > 1e3
 
 
+def test_prv_infinite_result_falls_back_to_rdp_bound():
+    # opacus' PRV returns inf here (no error), although RDP has a finite bound
+    ledger = Ledger([(0.05, 0.5, 10)])
+    with pytest.warns(AccountingWarning, match="returned inf"):
+        e = epsilon(ledger, 1e-5, "prv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert e == epsilon(ledger, 1e-5, "rdp")
+    assert math.isfinite(e)
+
+
 def test_ledger_merge_and_roundtrip():
     led = Ledger()
     led.record(1.0, 0.01)

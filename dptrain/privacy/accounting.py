@@ -20,7 +20,8 @@ Two deviations from calling opacus directly, both conservative:
 - When PRV's discretisation would need more than :data:`PRV_MAX_DOMAIN` grid points (this only
   happens for epsilons in the hundreds or more, e.g. sigma=0.001) or PRV fails numerically,
   the RDP bound is returned instead with a :class:`AccountingWarning`; it is a valid, looser
-  upper bound.
+  upper bound. The same holds when PRV returns a non-finite epsilon for releases with sigma > 0
+  (it gives inf for very large privacy losses, e.g. sigma=0.05 at q=0.5).
 """
 
 from __future__ import annotations
@@ -188,7 +189,12 @@ def _prv_epsilon(history, delta: float, eps_error: float) -> float:
             if size is not None and size > PRV_MAX_DOMAIN:
                 reason = f"its grid would need {size} points (> {PRV_MAX_DOMAIN})"
             else:
-                return float(acc.get_epsilon(delta=delta, eps_error=eps_error))
+                eps = float(acc.get_epsilon(delta=delta, eps_error=eps_error))
+                if math.isfinite(eps):
+                    return eps
+                # opacus' PRV gives inf (not an error) when the privacy loss is too large for
+                # its grid, e.g. sigma 0.05 at q 0.5, where RDP still has a finite bound
+                reason = f"it returned {eps}"
         except (MemoryError, ValueError, RuntimeError, OverflowError) as e:
             reason = f"it failed ({type(e).__name__}: {e})"
     warnings.warn(f"PRV accountant not used because {reason}; reporting the (looser, valid) "
