@@ -133,17 +133,21 @@ def test_a_bad_config_file_exits_2_with_one_line(tmp_path, capsys, content, fiel
 _OK_CSV = b'mr,ref\n"name[Aromi], food[Chinese]","Aromi serves Chinese food."\n'
 
 
-@pytest.mark.parametrize("train_csv, extra, field", [
-    (b'mr,ref\n"name[A]","A is"\n"name[B]"\n', (), "data.train_file"),  # a short row
-    (b"mr,ref\n\xff\xfe,x\n", (), "data.train_file"),  # not UTF-8
-    (b"mr,ref\n", (), "data.train_file"),  # only a header: nothing to train on
-    (_OK_CSV, ("data.tokenizer=gpt2", "data.tokenizer_path={empty}"), "data.tokenizer_path"),
+@pytest.mark.parametrize("train_csv, test_csv, extra, field", [
+    (b'mr,ref\n"name[A]","A is"\n"name[B]"\n', _OK_CSV, (), "data.train_file"),  # a short row
+    (b"mr,ref\n\xff\xfe,x\n", _OK_CSV, (), "data.train_file"),  # not UTF-8
+    (b"mr,ref\n", _OK_CSV, (), "data.train_file"),  # only a header: nothing to train on
+    # only a header: the test metrics would be NaN after the whole run
+    (_OK_CSV, b"mr,ref\n\n", (), "data.test_file"),
+    (_OK_CSV, _OK_CSV, ("data.tokenizer=gpt2", "data.tokenizer_path={empty}"),
+     "data.tokenizer_path"),
 ])
-def test_bad_e2e_data_exits_2_with_one_line(tmp_path, capsys, train_csv, extra, field):
+def test_bad_e2e_data_exits_2_with_one_line(tmp_path, capsys, train_csv, test_csv, extra,
+                                            field):
     (tmp_path / "data").mkdir()
     (tmp_path / "empty").mkdir()
     (tmp_path / "data" / "train.csv").write_bytes(train_csv)
-    (tmp_path / "data" / "test.csv").write_bytes(_OK_CSV)
+    (tmp_path / "data" / "test.csv").write_bytes(test_csv)
     overrides = ["data.name=e2e", "data.tokenizer=bytes", f"data.path={tmp_path / 'data'}",
                  "data.train_file=train.csv", "data.test_file=test.csv",
                  *(e.format(empty=tmp_path / "empty") for e in extra)]

@@ -139,6 +139,8 @@ def read_e2e_csv(path: Path, field: str) -> tuple[list[str], list[str] | None]:
         raise ConfigError(field, f"{path} is empty") from None
     except csv.Error as e:
         raise ConfigError(field, f"{path}, line {reader.line_num}: not valid CSV ({e})") from None
+    if not mrs:  # a header only: the metrics of an empty split would be NaN
+        raise ConfigError(field, f"{path} has a header but no examples")
     return mrs, (refs if i_ref is not None else None)
 
 
