@@ -81,7 +81,16 @@ def test_batched_greedy_equals_one_by_one_and_uncached():
     # capped by n_positions (64)
     long = [list(range(1, 61)), [3] * 62]
     assert [len(g) for g in greedy_generate(model, long, 500, eos_id=256, batch_size=1)] == [4, 2]
-    assert all(len(g) <= 2 for g in greedy_generate(model, long, 500, eos_id=256))
+    # each row has its own cap, whatever it is batched with (short rows beside a long one
+    # continue in later rounds), with and without the KV cache
+    mixed = [[5], [10, 20, 30], list(range(1, 58)), [3] * 62, [9] * 40, []]
+    alone = [greedy_generate(model, [p], 30, eos_id=256, batch_size=1)[0] for p in mixed]
+    assert [len(g) for g in alone[2:4]] == [7, 2]
+    assert max(len(g) for g in alone) > 7  # short prompts get more than the long one's cap
+    for bs, cache in [(6, True), (4, True), (6, False)]:
+        assert greedy_generate(model, mixed, 30, eos_id=256, batch_size=bs,
+                               use_cache=cache) == alone
+    assert [len(g) for g in greedy_generate(model, long, 500, eos_id=256)] == [4, 2]
 
 
 def test_greedy_stops_at_eos():

@@ -52,63 +52,97 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
                     pad_id: int | None = None, batch_size: int = 16,
                     use_cache: bool = True) -> list[list[int]]:
     """Greedy continuation of each prompt (token ids), up to ``max_new_tokens`` or EOS (not
-    included), capped by the model's ``n_positions`` minus the longest prompt of the batch.
-    Prompts are batched with LEFT padding
-    and explicit ``position_ids`` (= position within the prompt), so every prompt is decoded
-    exactly as it would be alone."""
+    included), and up to the model's ``n_positions`` minus that prompt's length.
+
+    Prompts are batched with LEFT padding and explicit ``position_ids`` (= position within the
+    prompt), so every prompt is decoded exactly as it would be alone, whatever the batch. A
+    batch's sequence never exceeds ``n_positions``: rows that reach that length before their own
+    limit (shorter prompts batched with a longer one) are continued in later rounds from their
+    prompt plus what they generated, which greedy decoding continues identically."""
     pad = eos_id if pad_id is None else pad_id
-    device = _model_device(model)
     n_pos = getattr(getattr(model, "config", None), "n_positions", None)
-    cache_kw = _cache_kwarg(model)
+    # an empty prompt starts from EOS
+    seqs = [list(p) or [eos_id] for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    left = [max(0, max_new_tokens if n_pos is None else min(max_new_tokens, n_pos - len(q)))
+            for q in seqs]
+    pending = [i for i in range(len(seqs)) if left[i] > 0]
     was_training = model.training
     model.eval()
-    results: list[list[int] | None] = [None] * len(prompts)
-    order = np.argsort([len(p) for p in prompts], kind="stable")
     try:
-        for s in range(0, len(order), batch_size):
-            chunk = order[s:s + batch_size]
-            lens = [max(1, len(prompts[i])) for i in chunk]
-            width = max(lens)
-            steps = max_new_tokens if n_pos is None else min(max_new_tokens, n_pos - width)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for r, i in enumerate(chunk):
-                p = list(prompts[i]) or [eos_id]  # an empty prompt starts from EOS
-                ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-                mask[r, width - len(p):] = 1
-            ids, mask = ids.to(device), mask.to(device)
-            out_tokens = [[] for _ in chunk]
-            done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
-            cache = None
-            cur_ids, cur_pos = ids, (mask.cumsum(-1) - 1).clamp(min=0)
-            for step in range(max(0, steps)):
-                kw = {"input_ids": cur_ids, "attention_mask": mask, "position_ids": cur_pos}
-                if use_cache:
-                    kw["use_cache"] = True
-                    if cache is not None:
-                        kw[cache_kw] = cache
-                out = model(**kw)
-                nxt = _logits(out)[:, -1].float().argmax(-1)
-                nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-                for r, t in enumerate(nxt.tolist()):
-                    if not done[r] and t != eos_id:
-                        out_tokens[r].append(t)
-                done |= nxt == eos_id
-                if bool(done.all()):
-                    break
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                new_pos = cur_pos[:, -1:] + 1
-                cache = _out_cache(out) if use_cache else None
-                if cache is not None:
-                    cur_ids, cur_pos = nxt[:, None], new_pos
-                else:  # no cache: run the whole sequence again
-                    cur_ids = torch.cat([cur_ids, nxt[:, None]], dim=1)
-                    cur_pos = torch.cat([cur_pos, new_pos], dim=1)
-            for r, i in enumerate(chunk):
-                results[i] = out_tokens[r]
+        while pending:
+            new, finished = _greedy_batches(model, [seqs[i] for i in pending],
+                                            [left[i] for i in pending], eos_id, pad, n_pos,
+                                            batch_size, use_cache)
+            still = []
+            for i, toks, fin in zip(pending, new, finished):
+                out[i] += toks
+                seqs[i] = seqs[i] + toks
+                left[i] -= len(toks)
+                if not fin and left[i] > 0:
+                    still.append(i)
+            pending = still
     finally:
         model.train(was_training)
-    return results  # type: ignore[return-value]
+    return out
+
+
+def _greedy_batches(model, prompts: list[list[int]], limits: list[int], eos_id: int, pad: int,
+                    n_pos: int | None, batch_size: int,
+                    use_cache: bool) -> tuple[list[list[int]], list[bool]]:
+    """One round of batched greedy decoding: row r generates at most ``limits[r]`` tokens and
+    stops at EOS; a batch stops when its sequence reaches ``n_positions``. Returns the tokens
+    and, per row, whether it finished (EOS or its limit) rather than being stopped by the
+    batch's length."""
+    device = _model_device(model)
+    cache_kw = _cache_kwarg(model)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * len(prompts)
+    order = np.argsort([len(p) for p in prompts], kind="stable")
+    for s in range(0, len(order), batch_size):
+        chunk = order[s:s + batch_size]
+        width = max(len(prompts[i]) for i in chunk)
+        lim = torch.tensor([limits[i] for i in chunk], device=device)
+        steps = int(lim.max())
+        if n_pos is not None:
+            steps = min(steps, n_pos - width)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for r, i in enumerate(chunk):
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
+            mask[r, width - len(prompts[i]):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        out_tokens = [[] for _ in chunk]
+        done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
+        cache = None
+        cur_ids, cur_pos = ids, (mask.cumsum(-1) - 1).clamp(min=0)
+        for step in range(max(0, steps)):
+            kw = {"input_ids": cur_ids, "attention_mask": mask, "position_ids": cur_pos}
+            if use_cache:
+                kw["use_cache"] = True
+                if cache is not None:
+                    kw[cache_kw] = cache
+            out = model(**kw)
+            nxt = _logits(out)[:, -1].float().argmax(-1)
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            for r, t in enumerate(nxt.tolist()):
+                if not done[r] and t != eos_id:
+                    out_tokens[r].append(t)
+            done |= (nxt == eos_id) | (step + 1 >= lim)
+            if bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            new_pos = cur_pos[:, -1:] + 1
+            cache = _out_cache(out) if use_cache else None
+            if cache is not None:
+                cur_ids, cur_pos = nxt[:, None], new_pos
+            else:  # no cache: run the whole sequence again
+                cur_ids = torch.cat([cur_ids, nxt[:, None]], dim=1)
+                cur_pos = torch.cat([cur_pos, new_pos], dim=1)
+        for r, i in enumerate(chunk):
+            tokens[i] = out_tokens[r]
+            finished[i] = bool(done[r])
+    return tokens, finished
 
 
 def score_texts(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> dict:
