@@ -134,3 +134,77 @@ def test_launch_files_parse_and_pass_the_per_job_values_as_flags():
                  "--main_process_ip \"$MASTER_ADDR\"", "--main_process_port \"$MASTER_PORT\"",
                  "--ntasks-per-node=1", "-m dptrain train"):
         assert flag in text, flag
+
+
+def _sbatch(tmp_path: Path, args: list[str], **env_extra: str) -> tuple[int, str, list[str], list[str]]:
+    """Run launch/slurm.sbatch as Slurm would on the first node, with stub ``scontrol``/``srun``
+    and a stub ``$VENV/bin/accelerate`` that records its arguments. Returns (exit status,
+    stderr, srun's arguments, accelerate's arguments)."""
+    stubs = tmp_path / "stubs"
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    stubs.mkdir(exist_ok=True)
+    (stubs / "scontrol").write_text("#!/usr/bin/env bash\necho node-a\necho node-b\n")
+    # srun: record its options, then run the per-node command once (as node 0)
+    (stubs / "srun").write_text(
+        "#!/usr/bin/env bash\n"
+        "while [ \"${1#--}\" != \"$1\" ]; do echo \"$1\" >> \"$LOG_DIR/srun.args\"; shift; done\n"
+        "SLURM_NODEID=0 exec \"$@\"\n")
+    (venv / "bin" / "accelerate").write_text(
+        "#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" > \"$LOG_DIR/accelerate.args\"\n")
+    for f in (stubs / "scontrol", stubs / "srun", venv / "bin" / "accelerate"):
+        f.chmod(0o755)
+    logs = tmp_path / "logs"
+    logs.mkdir(exist_ok=True)
+    for f in logs.iterdir():
+        f.unlink()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.pop("OUTPUT_DIR", None)
+    env.update(PATH=f"{stubs}:{env['PATH']}", VENV=str(venv), LOG_DIR=str(logs),
+               SLURM_JOB_NODELIST="node-[a-b]", SLURM_NNODES="2", SLURM_JOB_ID="4242",
+               SLURM_SUBMIT_DIR=str(ROOT), GPUS_PER_NODE="2", **env_extra)
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+    read = lambda name: ((logs / name).read_text().splitlines()  # noqa: E731
+                         if (logs / name).exists() else [])
+    return proc.returncode, proc.stderr, read("srun.args"), read("accelerate.args")
+
+
+def test_slurm_script_resumes_a_requeued_job_and_refuses_a_resume_without_its_directory(tmp_path):
+    """A preempted job that Slurm requeues runs the script again (same job id, SLURM_RESTART_COUNT
+    > 0): it must continue its run (--resume auto), not start a fresh one that train refuses.
+    A new submission has a new job id, so the default output directory (runs/CONFIG-JOBID) would
+    be a new, empty one: `--resume` without OUTPUT_DIR would silently start afresh; refused."""
+    code, err, srun, acc = _sbatch(tmp_path, [TINY, "performance.sharding=fsdp"])
+    assert code == 0, err
+    assert acc[acc.index("--output-dir") + 1] == "runs/tiny-4242"
+    assert "--resume" not in acc  # a first start: no resume
+    assert acc[acc.index("--machine_rank") + 1] == "0"
+    assert acc[acc.index("--num_processes") + 1] == "4"
+    assert acc[acc.index("--main_process_ip") + 1] == "node-a"
+
+    code, err, srun, acc = _sbatch(tmp_path, [TINY, "performance.sharding=fsdp"],
+                                   SLURM_RESTART_COUNT="1")
+    assert code == 0, err
+    assert acc[acc.index("--output-dir") + 1] == "runs/tiny-4242"
+    assert acc[acc.index("--resume") + 1] == "auto"
+    assert "performance.sharding=fsdp" in acc
+
+    # an explicit --resume is kept as given (not doubled)
+    code, err, srun, acc = _sbatch(tmp_path, [TINY, "--resume", "auto"],
+                                   SLURM_RESTART_COUNT="1", OUTPUT_DIR="runs/mine")
+    assert code == 0, err
+    assert acc.count("--resume") == 1 and acc[acc.index("--output-dir") + 1] == "runs/mine"
+
+    # a new job resuming needs the old job's directory: refused, one line, nothing launched
+    code, err, srun, acc = _sbatch(tmp_path, [TINY, "--resume", "auto"])
+    assert code == 2 and not acc
+    assert len(err.strip().splitlines()) == 1 and "OUTPUT_DIR" in err
+
+
+def test_slurm_script_gives_the_per_node_task_the_allocations_cpus(tmp_path):
+    """Since Slurm 22.05 srun does not take --cpus-per-task from the batch allocation: the
+    per-node launcher (and every rank it starts) would be confined to one CPU."""
+    code, err, srun, _ = _sbatch(tmp_path, [TINY], SLURM_CPUS_PER_TASK="32")
+    assert code == 0, err
+    assert "--cpus-per-task=32" in srun
