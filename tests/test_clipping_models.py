@@ -201,3 +201,30 @@ def test_two_pass_with_bf16_autocast_is_refused():
     with pytest.raises(ConfigError, match="bookkeeping"):
         PerformanceConfig(dtype="bfloat16", clipping="two_pass").validate()
     PerformanceConfig(dtype="bfloat16", clipping="bookkeeping").validate()
+
+
+@pytest.mark.parametrize("policy", ["ghost", "instantiate"])
+@pytest.mark.parametrize("states", [1, 2])
+def test_nf_resnet_bf16_autocast_clips_what_it_adds_to_exactly_c(policy, states, one_thread):
+    """NF-ResNet under ``performance.dtype=bfloat16``: its convs' inputs are bf16 tensors made
+    by timm's in-place ReLU, and the engine hands the rules float32 copies of half tensors (a
+    copy has a fresh version counter). The rules must neither refuse them as 'modified in
+    place' (they did: every bottleneck's conv2) nor read P off a bf16 output (bf16 rounding in
+    the norm only: a clipped example added C * (1 + 1e-5))."""
+    import timm
+
+    import dptrain.models.nf_tiny  # noqa: F401  (registers nf_resnet_tiny)
+
+    torch.manual_seed(0)
+    model = timm.create_model("nf_resnet_tiny", num_classes=5).train()
+    x, y = torch.randn(3, 3, 32, 32), torch.tensor([0, 3, 4])
+    theta1 = {n: p.detach() + 0.02 * torch.randn_like(p) for n, p in model.named_parameters()}
+    plan = [(1.0, None)] if states == 1 else [(0.5, None), (0.5, theta1)]
+    C = 1e-4  # far below every example's norm: every example is clipped
+    for b in range(3):
+        engine = ClippingEngine(model, clip_norm=C, ghost=policy)
+        acc: dict = {}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            engine.accumulate(ce_loss, (x[b:b + 1], y[b:b + 1]), acc, plan)
+        added = torch.cat([v.reshape(-1).double() for v in acc.values()]).norm()
+        assert abs(float(added) / C - 1) < 1e-6, (b, float(added) / C)

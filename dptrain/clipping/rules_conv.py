@@ -416,8 +416,26 @@ class StdConvGain(Factored):
 # rules
 
 
+class _Watched:
+    """A captured tensor and its version counter at capture time, held in an object the engine
+    leaves as it is. The engine replaces each half-precision TENSOR of the saved dict by a
+    float32 copy (bf16 autocast), and a copy has a fresh counter: it would flag an in-place
+    modification made before the capture (timm's in-place ReLU producing a conv's input) and
+    hide one made after it (an in-place activation on a conv's output)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: Tensor):
+        self.tensor = t.detach()
+        self.version = t._version
+
+    @property
+    def modified(self) -> bool:
+        return self.tensor._version != self.version
+
+
 def _check_unmodified(module: nn.Module, saved: dict) -> None:
-    if saved["x"]._version != saved["version"]:
+    if saved["x"].modified:
         raise ValueError(f"dptrain.clipping: the input of {type(module).__name__} was modified "
                          f"in place after the forward; its per-example gradients cannot be "
                          f"computed (use an out-of-place operation there)")
@@ -439,8 +457,7 @@ class _ConvLikeRule(LayerRule):
                           f"its convolution base class; using the torch.func fallback for it",
                           stacklevel=3)
             return {"fallback": FALLBACK.capture(module, args, output)}
-        x = args[0]
-        return {"x": x.detach(), "version": x._version, **self.capture_params(module, output)}
+        return {"x": _Watched(args[0]), **self.capture_params(module, output)}
 
     def capture_params(self, module, output) -> dict:
         return {}
@@ -452,7 +469,7 @@ class _ConvLikeRule(LayerRule):
         if "fallback" in saved:
             return FALLBACK.contributions(module, saved["fallback"], G)
         _check_unmodified(module, saved)
-        x, padding = self.conv_input(module, saved["x"].to(G.dtype))
+        x, padding = self.conv_input(module, saved["x"].tensor.to(G.dtype))
         geom = _geom(module, padding)
         out = self.weight_contributions(module, saved, x, G, geom)
         if module.bias is not None:
@@ -503,8 +520,7 @@ def _register_timm_rules() -> None:
             # between forwards. The output (a reference, no copy) gives P for free when it is
             # not modified in place afterwards (see _StdConvState.P).
             bias = None if module.bias is None else module.bias.detach().clone()
-            return {"std": standardisation_stats(module), "y": output.detach(),
-                    "y_version": output._version, "bias": bias}
+            return {"std": standardisation_stats(module), "y": _Watched(output), "bias": bias}
 
         def conv_input(self, module, x):
             if getattr(module, "same_pad", False):
@@ -513,8 +529,11 @@ def _register_timm_rules() -> None:
 
         def weight_contributions(self, module, saved, x, G, geom):
             state = _StdConvState(module, x, G, geom, saved["std"])
-            if saved["y"]._version == saved["y_version"]:
-                state.y, state.bias = saved["y"].to(G.dtype), saved["bias"]
+            y = saved["y"]
+            # P read off the output only from an unmodified output at the engine's precision
+            # (a bf16 output under autocast would put bf16 rounding into the norms only)
+            if not y.modified and y.tensor.dtype == G.dtype:
+                state.y, state.bias = y.tensor, saved["bias"]
             out = {"weight": StdConvWeight(state)}
             if state.a is not None:
                 out["gain"] = StdConvGain(state)
@@ -530,11 +549,11 @@ class GroupNormRule(LayerRule):
     sum_spatial G * xhat and sum_spatial G (xhat recomputed from the captured input)."""
 
     def capture(self, module, args, output):
-        return {"x": args[0].detach(), "version": args[0]._version}
+        return {"x": _Watched(args[0])}
 
     def contributions(self, module, saved, G):
         _check_unmodified(module, saved)
-        x = saved["x"].to(G.dtype)
+        x = saved["x"].tensor.to(G.dtype)
         B, C = x.shape[:2]
         out = {}
         if module.weight is not None:
