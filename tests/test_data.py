@@ -460,3 +460,70 @@ def test_webdataset_shard_with_a_repeated_key_is_refused(tmp_path):
     _write_shards(tmp_path, "imagenet-val", 1, 2, np.random.default_rng(1))
     with pytest.raises(ConfigError, match="'x' appears twice"):
         build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+
+
+def test_webdataset_damaged_shards_are_config_errors_naming_data_path(tmp_path):
+    """A damaged shard is one line naming data.path, not a traceback: tarfile reads headers
+    lazily, so a truncated shard failed while its members were iterated (ReadError); a shard
+    cut inside its last image was indexed and failed only when read; a non-UTF-8 label raised
+    UnicodeDecodeError; a directory matching the shard pattern raised IsADirectoryError."""
+    import tarfile
+
+    import webdataset as wds
+
+    rng = np.random.default_rng(2)
+    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
+    train = tmp_path / "imagenet-train-000000.tar"
+
+    def build():
+        return build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+
+    _write_shards(tmp_path, "imagenet-train", 1, 3, rng)
+    whole = train.read_bytes()
+    with tarfile.open(train) as tf:
+        members = tf.getmembers()
+    images = [m for m in members if m.name.endswith(".jpg")]
+    cuts = ((members[2].offset + 100, "not a readable uncompressed tar shard"),  # in a header
+            (images[-1].offset_data + images[-1].size - 10, "truncated shard"))  # in the data
+    for cut, match in cuts:
+        train.write_bytes(whole[:cut])
+        with pytest.raises(ConfigError, match=match) as e:
+            build()
+        assert e.value.field == "data.path"
+    with wds.TarWriter(str(train)) as w:
+        w.write({"__key__": "a", "jpg": b"\xff\xd8", "cls": b"\xff\xfe"})
+    with pytest.raises(ConfigError, match="a.cls is not an integer label"):
+        build()
+    train.unlink()
+    (tmp_path / "imagenet-train-000001.tar").mkdir()  # matches *train*.tar, not a shard
+    with pytest.raises(ConfigError, match="no shard matches") as e:
+        build()
+    assert e.value.field == "data.train_file"
+
+
+def test_webdataset_undecodable_or_vanished_image_is_a_config_error(tmp_path):
+    """An image PIL cannot decode (or a shard removed after indexing) stops the run with one
+    line naming data.path and the tar member, not a traceback in the middle of training."""
+    import webdataset as wds
+
+    rng = np.random.default_rng(3)
+    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
+    good = io.BytesIO()
+    from PIL import Image
+
+    Image.fromarray(rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)).save(good, format="JPEG")
+    with wds.TarWriter(str(tmp_path / "imagenet-train-000000.tar")) as w:
+        w.write({"__key__": "ok", "jpg": good.getvalue(), "cls": b"1"})
+        w.write({"__key__": "bad", "jpg": b"not an image", "cls": b"2"})
+        w.write({"__key__": "cut", "jpg": good.getvalue()[:300], "cls": b"0"})
+    ds = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8)).train
+    assert ds.collate(np.array([0]))["images"].shape == (1, 3, 8, 8)
+    for i, name in ((1, "bad.jpg"), (2, "cut.jpg")):
+        with pytest.raises(ConfigError, match=f"imagenet-train-000000.tar: {name} cannot be "
+                                              f"decoded") as e:
+            ds.collate(np.array([0, i]))
+        assert e.value.field == "data.path"
+    (tmp_path / "imagenet-train-000000.tar").unlink()
+    with pytest.raises(ConfigError, match="cannot read") as e:
+        ds.collate(np.array([0]))
+    assert e.value.field == "data.path"

@@ -50,7 +50,8 @@ def expand_shards(directory: Path | None, pattern: str, field: str) -> list[Path
         if not p.is_absolute() and directory is not None:
             p = directory / p
         if any(ch in str(p) for ch in "*?["):
-            out.extend(Path(x) for x in sorted(glob.glob(str(p))))
+            # files only: a directory named like a shard is not one
+            out.extend(Path(x) for x in sorted(glob.glob(str(p))) if Path(x).is_file())
         elif p.is_file():
             out.append(p)
         else:
@@ -68,34 +69,12 @@ def index_shards(shards: list[Path]) -> dict[str, np.ndarray]:
     shard_ids, offsets, sizes, labels = [], [], [], []
     for s, path in enumerate(shards):
         try:
-            tf = tarfile.open(path, mode="r:")
-        except tarfile.TarError as e:
-            raise ConfigError("data.path", f"{path} is not an uncompressed tar shard: {e}") from None
-        samples: dict[str, dict] = {}
-        with tf:
-            for m in tf:
-                if not m.isfile():
-                    continue
-                prefix, ext = base_plus_ext(m.name)
-                if prefix is None or Path(prefix).name.startswith("__"):
-                    continue
-                ext = ext.lower()
-                rec = samples.setdefault(prefix, {})
-                part = "img" if ext in IMAGE_EXTS else "cls" if ext in LABEL_EXTS else None
-                if part is not None and part in rec:
-                    # one example must be one sample: a key seen twice in a shard would merge
-                    # two samples' files (webdataset itself would yield both)
-                    raise ConfigError("data.path", f"{path}: sample key {prefix!r} appears "
-                                                   f"twice (a second {m.name})")
-                if ext in IMAGE_EXTS:
-                    rec["img"] = (m.offset_data, m.size)
-                elif ext in LABEL_EXTS:
-                    raw = tf.extractfile(m).read().decode("utf-8").strip()
-                    try:
-                        rec["cls"] = int(raw)
-                    except ValueError:
-                        raise ConfigError("data.path",
-                                          f"{path}: {m.name} is not an integer label") from None
+            samples = _scan_shard(path, base_plus_ext)
+        except (tarfile.TarError, OSError, EOFError) as e:
+            # tarfile reads member headers lazily: a truncated or damaged shard fails while
+            # the members are iterated, not when it is opened
+            raise ConfigError("data.path", f"{path} is not a readable uncompressed tar shard: "
+                                           f"{e}") from None
         for key, rec in samples.items():
             if "img" not in rec or "cls" not in rec:
                 missing = "image" if "img" not in rec else "cls label"
@@ -110,6 +89,51 @@ def index_shards(shards: list[Path]) -> dict[str, np.ndarray]:
         "size": np.asarray(sizes, dtype=np.int64),
         "label": np.asarray(labels, dtype=np.int64),
     }
+
+
+def _scan_shard(path: Path, base_plus_ext) -> dict[str, dict]:
+    """``{key: {"img": (offset, size), "cls": label}}`` of one shard, in member order."""
+    samples: dict[str, dict] = {}
+    end = path.stat().st_size
+    with tarfile.open(path, mode="r:") as tf:
+        for m in tf:
+            if not m.isfile():
+                continue
+            prefix, ext = base_plus_ext(m.name)
+            if prefix is None or Path(prefix).name.startswith("__"):
+                continue
+            ext = ext.lower()
+            rec = samples.setdefault(prefix, {})
+            part = "img" if ext in IMAGE_EXTS else "cls" if ext in LABEL_EXTS else None
+            if part is not None and part in rec:
+                # one example must be one sample: a key seen twice in a shard would merge
+                # two samples' files (webdataset itself would yield both)
+                raise ConfigError("data.path", f"{path}: sample key {prefix!r} appears "
+                                               f"twice (a second {m.name})")
+            if ext in IMAGE_EXTS:
+                if m.offset_data + m.size > end:  # cut off: the last member's data is short
+                    raise tarfile.ReadError(f"{m.name} ends past the end of the file "
+                                            f"(truncated shard)")
+                rec["img"] = (m.offset_data, m.size)
+            elif ext in LABEL_EXTS:
+                raw = tf.extractfile(m).read()
+                try:  # a non-UTF-8 label is a ValueError too (UnicodeDecodeError)
+                    rec["cls"] = int(raw.decode("utf-8").strip())
+                except ValueError:
+                    raise ConfigError("data.path",
+                                      f"{path}: {m.name} is not an integer label") from None
+        # tarfile ends the iteration SILENTLY at a damaged or cut-off header after the first
+        # one (the rest of the shard would be dropped): the archive must end at a zero block
+        # (the end-of-archive marker) or exactly at the end of the file
+        stop = tf.offset
+    if stop < end:
+        with open(path, "rb") as fh:
+            fh.seek(stop)
+            block = fh.read(tarfile.BLOCKSIZE)
+        if len(block) < tarfile.BLOCKSIZE or block.count(0) != tarfile.BLOCKSIZE:
+            raise tarfile.ReadError(f"damaged or truncated tar header at byte {stop} "
+                                    f"(truncated shard?)")
+    return samples
 
 
 def center_crop_transform(img, image_size: int, in_chans: int) -> np.ndarray:
@@ -162,12 +186,33 @@ class WebDatasetImages:
         out: list[bytes | None] = [None] * len(idx)
         shard = self.index["shard"][idx]
         for s in np.unique(shard):
-            with open(self.shards[int(s)], "rb") as fh:
-                for pos in np.flatnonzero(shard == s):
-                    i = idx[pos]
-                    fh.seek(int(self.index["offset"][i]))
-                    out[pos] = fh.read(int(self.index["size"][i]))
+            path = self.shards[int(s)]
+            try:
+                with open(path, "rb") as fh:
+                    for pos in np.flatnonzero(shard == s):
+                        i = idx[pos]
+                        fh.seek(int(self.index["offset"][i]))
+                        out[pos] = fh.read(int(self.index["size"][i]))
+                        if len(out[pos]) != int(self.index["size"][i]):
+                            raise OSError(f"{self._where(int(i))} is cut off (the shard "
+                                          f"changed after it was indexed)")
+            except OSError as e:  # a shard removed, replaced or unreadable since indexing
+                raise ConfigError("data.path", f"cannot read {path}: {e}") from None
         return out  # type: ignore[return-value]
+
+    def _where(self, i: int) -> str:
+        """'SHARD: MEMBER' of example i's image, for error messages (the member's name is read
+        back from its tar header block, just before its data)."""
+        path, offset = self.shards[int(self.index["shard"][i])], int(self.index["offset"][i])
+        name = f"the image at byte {offset}"
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(offset - tarfile.BLOCKSIZE)
+                name = tarfile.TarInfo.frombuf(fh.read(tarfile.BLOCKSIZE), "utf-8",
+                                               "surrogateescape").name
+        except (OSError, ValueError, tarfile.TarError):
+            pass
+        return f"{path}: {name}"
 
     def collate(self, indices) -> dict[str, torch.Tensor]:
         from PIL import Image
@@ -176,8 +221,14 @@ class WebDatasetImages:
         s = self.image_size
         arr = np.zeros((len(idx), self.in_chans, s, s), dtype=np.uint8)
         for row, raw in enumerate(self.read_bytes(idx)):
-            with Image.open(io.BytesIO(raw)) as img:
-                arr[row] = center_crop_transform(img, s, self.in_chans)
+            try:
+                with Image.open(io.BytesIO(raw)) as img:
+                    arr[row] = center_crop_transform(img, s, self.in_chans)
+            except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+                # PIL: UnidentifiedImageError / "image file is truncated" (OSError), a broken
+                # PNG (SyntaxError), ...: one line naming the file, not a traceback mid-run
+                raise ConfigError("data.path", f"{self._where(int(idx[row]))} cannot be decoded "
+                                               f"as an image: {e}") from None
         x = torch.from_numpy(arr).float().div_(255.0)
         x = (x - self.mean) / self.std
         return {"images": x.contiguous(), "labels": self.labels[torch.from_numpy(idx)].clone()}
