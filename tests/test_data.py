@@ -527,3 +527,32 @@ def test_webdataset_undecodable_or_vanished_image_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read") as e:
         ds.collate(np.array([0]))
     assert e.value.field == "data.path"
+
+
+def test_mnist_file_that_is_not_mnist_is_a_config_error(tmp_path):
+    """data.path naming a file that is not the MNIST CSV (not gzip, not UTF-8, wrong column
+    count, labels outside 0..9) is one line naming data.path; it was a traceback (BadGzipFile,
+    UnicodeDecodeError, IndexError). A plain (uncompressed) CSV of the same rows is read."""
+    import gzip
+
+    rng = np.random.default_rng(0)
+    n = 102  # per class: 100 test + 2 train
+    rows = np.concatenate([rng.integers(0, 256, (10 * n, 784)),
+                           np.repeat(np.arange(10), n)[:, None]], 1)
+    text = "\n".join(",".join(str(v) for v in r) for r in rows) + "\n"
+    bad = {"not-gzip.csv.gz": b"hello", "latin1.csv.gz": gzip.compress(b"\xff\xfe,1\n"),
+           "short.csv.gz": gzip.compress(b"1,2,3\n4,5,6\n"),
+           "label.csv.gz": gzip.compress(text.replace(",9\n", ",11\n").encode()),
+           "cut.csv.gz": gzip.compress(text.encode())[:200]}
+    for name, data in bad.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConfigError, match="is not an MNIST CSV|labels must be") as e:
+            build_data(DataConfig(name="mnist", path=str(tmp_path / name)))
+        assert e.value.field == "data.path", name
+    (tmp_path / "plain.csv").write_text(text)
+    task = build_data(DataConfig(name="mnist", path=str(tmp_path / "plain.csv")))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "mnist_5k.csv.gz").write_bytes(gzip.compress(text.encode()))
+    again = build_data(DataConfig(name="mnist", path=str(tmp_path / "d")))
+    assert torch.equal(task.train.images, again.train.images)
+    assert len(task.train) == 20 and len(task.test) == 1000

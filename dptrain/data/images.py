@@ -75,10 +75,25 @@ def load_mnist(path: str | None, test_per_class: int = 100):
     """The 5,000 digits (500 per class) split per class into 400 train / 100 test by a fixed
     permutation (independent of any seed), so both splits are exactly balanced."""
     f = mnist_file(path)
-    with gzip.open(f, "rt") as fh:
-        arr = np.loadtxt(fh, delimiter=",", dtype=np.float32)
+    try:
+        with open(f, "rb") as raw:
+            gz = raw.read(2) == b"\x1f\x8b"  # gzip magic; a plain CSV is read as it is
+        with (gzip.open(f, "rt", encoding="utf-8") if gz
+              else open(f, encoding="utf-8")) as fh:
+            arr = np.loadtxt(fh, delimiter=",", dtype=np.float64, ndmin=2)
+    except (OSError, EOFError, ValueError) as e:  # not gzip, not UTF-8, not numbers, ...
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError("data.path", f"{f} is not an MNIST CSV (784 pixels and a label per "
+                                       f"row): {why}") from None
+    if arr.shape[1] != 28 * 28 + 1 or len(arr) == 0:
+        raise ConfigError("data.path", f"{f} is not an MNIST CSV: {arr.shape[1]} columns per "
+                                       f"row, expected 785 (784 pixels and a label)")
+    y = arr[:, -1]
+    if not (np.isfinite(arr).all() and (y == np.round(y)).all() and y.min() >= 0
+            and y.max() <= 9):
+        raise ConfigError("data.path", f"{f}: labels must be integers 0..9 and pixels finite")
     x = arr[:, :-1].round().clip(0, 255).astype(np.uint8).reshape(-1, 1, 28, 28)
-    y = arr[:, -1].astype(np.int64)
+    y = y.astype(np.int64)
     rng = np.random.default_rng(20170801)
     train_idx, test_idx = [], []
     for c in np.unique(y):
