@@ -160,3 +160,27 @@ def test_dcp_checkpoint_each_rank_writes_its_part_and_reshards(tmp_path):
 
     with pytest.raises(ConfigError, match="__1_0.distcp"):
         ckpt.read(path)
+
+
+def _rng_round_trip(rank: int, world: int, out: str, sharding: str) -> bool:
+    """Ranks whose torch RNGs differ (anything in the model that still draws from it, e.g.
+    timm's stochastic depth, draws per rank): a checkpoint and a resume on the same world size
+    give every rank its own RNG state back."""
+    from dptrain import checkpoint as ckpt
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    args = ["train.progress=false", "privacy.steps=2", f"performance.sharding={sharding}"]
+    t = Trainer(load(RunConfig, TINY, args), out)
+    torch.manual_seed(1000 + rank)
+    t.private_step()
+    ckpt.save(t, Path(out))
+    want = torch.get_rng_state()
+    fresh = Trainer(load(RunConfig, TINY, args), out)
+    ckpt.load(fresh, ckpt.find_latest(Path(out)))
+    return torch.equal(torch.get_rng_state(), want)
+
+
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_each_rank_gets_its_own_rng_state_back(tmp_path, sharding):
+    assert spawn(_rng_round_trip, 2, str(tmp_path / "run"), sharding) == [True, True]

@@ -147,15 +147,35 @@ def _sharded(trainer) -> bool:
     return trainer.world > 1 and trainer.cfg.performance.sharding == "fsdp"
 
 
+def _rank_rngs(trainer) -> dict[str, list | None]:
+    """Every rank's torch RNG states, gathered (a collective when several ranks): anything in
+    the model that still draws from torch's RNG (timm's stochastic depth) draws per rank, so
+    the states differ between ranks, replicated or sharded. CUDA: the current device's."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    mine = (torch.get_rng_state(), cuda)
+    if trainer.world == 1:
+        rngs = [mine]
+    else:
+        import torch.distributed as dist
+
+        rngs = [None] * trainer.world
+        dist.all_gather_object(rngs, mine)
+    return {"torch_ranks": [r[0] for r in rngs],
+            "cuda_ranks": [r[1] for r in rngs] if cuda is not None else None}
+
+
 def save(trainer, output_dir: Path) -> Path | None:
     """Checkpoint ``trainer``; call on every rank. Unsharded (one rank, or replicated states):
     rank 0 writes ``state.pt``. FSDP-sharded: torch.distributed.checkpoint, every rank writing
     its own shards (see ``_save_dcp``). Returns the path on rank 0, None elsewhere."""
     if not _sharded(trainer):
+        rngs = _rank_rngs(trainer) if trainer.world > 1 else None  # every rank takes part
         if trainer.rank != 0:
             return None
-        return write(capture(trainer), output_dir, trainer.step,
-                     trainer.cfg.train.keep_checkpoints)
+        state = capture(trainer)
+        if rngs is not None:
+            state["rng"].update(rngs)
+        return write(state, output_dir, trainer.step, trainer.cfg.train.keep_checkpoints)
     return _save_dcp(trainer, Path(output_dir))
 
 
@@ -301,8 +321,7 @@ def _save_dcp(trainer, output_dir: Path) -> Path | None:
                            lambda i, v, p: put(v, p), put)
     model, aliases = _dedup(trainer.model)
     dcp.save({"model": model, "optim": tensors}, checkpoint_id=str(tmp))
-    rngs = [None] * trainer.world
-    dist.all_gather_object(rngs, torch.get_rng_state())
+    rngs = _rank_rngs(trainer)
     mine = {f.name: _sha256(f) for f in sorted(tmp.glob(f"__{rank}_*.distcp"))}
     sums = [None] * trainer.world
     dist.all_gather_object(sums, mine)
@@ -319,7 +338,7 @@ def _save_dcp(trainer, output_dir: Path) -> Path | None:
             "train_size": trainer.train_size,
             "config": to_dict(trainer.cfg),
             "world_size": trainer.world,
-            "rng": {"torch": rngs[0], "torch_ranks": rngs, "cuda": None},
+            "rng": {"torch": rngs["torch_ranks"][0], "cuda": None, **rngs},
             "privacy_seed": None if trainer.cfg.privacy.secure_mode else trainer._privacy_seed,
         }
         with open(tmp / "meta.pt", "wb") as f:
@@ -619,8 +638,12 @@ def load(trainer, path: Path, verified: bool = False) -> None:
     ranks = state["rng"].get("torch_ranks")
     same_world = ranks is not None and len(ranks) == trainer.world
     torch.set_rng_state(ranks[trainer.rank] if same_world else state["rng"]["torch"])
-    if state["rng"].get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    cuda_ranks = state["rng"].get("cuda_ranks")
+    if torch.cuda.is_available():
+        if same_world and cuda_ranks is not None:  # this rank's device, as it was
+            torch.cuda.set_rng_state(cuda_ranks[trainer.rank])
+        elif state["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     if trainer.cfg.privacy.secure_mode:
         print("dptrain: secure mode: resuming with fresh randomness (a new privacy seed from OS "
               "entropy; exact replay is impossible by design)", file=sys.stderr)
