@@ -230,6 +230,31 @@ def test_calibration_names_steps_when_the_accountant_breaks_down(monkeypatch):
         assert "\n" not in str(e.value)
 
 
+def test_calibration_names_delta_when_it_is_too_small_for_prv():
+    with pytest.raises(ConfigError) as e:
+        calibrate_noise_multiplier(1.0, 1e-30, 0.01, 100, accountant="prv")
+    assert e.value.field == "delta" and "rdp" in e.value.message
+
+
+def test_prv_calibration_meets_the_target_where_prv_falls_back_to_rdp(monkeypatch):
+    import dptrain.privacy.accounting as acc
+
+    # every PRV evaluation falls back to RDP's looser bound (as for a huge PRV grid)
+    monkeypatch.setattr(acc, "PRV_MAX_DOMAIN", 1)
+    eps, delta, q, steps = 2.0, 1e-5, 0.01, 100
+    prv_sigma = get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q,
+                                     steps=steps, accountant="prv", epsilon_tolerance=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert epsilon(Ledger([(prv_sigma, q, steps)]), delta, "prv") > eps  # the failure
+    with pytest.warns(AccountingWarning, match="RDP"):
+        sigma = calibrate_noise_multiplier(eps, delta, q, steps, accountant="prv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        achieved = epsilon(Ledger([(sigma, q, steps)]), delta, "prv")
+    assert eps - 0.01 - 1e-12 <= achieved <= eps
+
+
 def test_check_plan_is_quiet_and_names_steps_when_the_accountant_breaks_down(monkeypatch):
     import dptrain.privacy.accounting as acc
 

@@ -230,7 +230,9 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
 
     Delegates to ``opacus.accountants.utils.get_noise_multiplier`` (its doubling then bisection
     search); the returned sigma's epsilon, computed by :func:`epsilon`, is <= the target and
-    within ``epsilon_tolerance`` of it. Raises ConfigError (a ValueError) naming the bad argument.
+    within ``epsilon_tolerance`` of it. Where PRV cannot be used at the sigma found (epsilon()
+    then reports RDP's looser bound), the search is redone with the RDP accountant, with an
+    :class:`AccountingWarning`. Raises ConfigError (a ValueError) naming the bad argument.
     """
     from opacus.accountants.utils import get_noise_multiplier
 
@@ -264,10 +266,33 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
             raise ConfigError("epsilon", f"{epsilon} at delta={delta} is unreachable with "
                                          f"{steps} steps at sample rate {sample_rate} "
                                          f"(sigma would exceed 1e6)") from None
+        if "small values of delta" in str(e):  # opacus' PRV: float error would dominate
+            hint = "; use accountant rdp or a larger delta" if accountant == "prv" else ""
+            raise ConfigError("delta", f"{delta} is too small for the {accountant} accountant "
+                                       f"(floating-point errors would dominate){hint}") from None
         raise ConfigError("steps", _accountant_failed(accountant, steps, e)) from None
     except (MemoryError, OverflowError) as e:
         raise ConfigError("steps", _accountant_failed(accountant, steps, e)) from None
+    if accountant == "prv":
+        # epsilon() reports RDP's looser bound where PRV cannot be used (see the module
+        # docstring); the calibrated sigma must meet the target as epsilon() reports it
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=AccountingWarning)
+            warnings.filterwarnings("ignore", message=_OPACUS_NOTES, category=UserWarning)
+            achieved = _epsilon_of(sigma, sample_rate, steps, delta, "prv")
+        if achieved > epsilon * (1 + 1e-9):
+            warnings.warn(f"the PRV accountant cannot be used at the calibrated sigma "
+                          f"{float(sigma):.6g}; calibrating to the RDP bound instead",
+                          AccountingWarning, stacklevel=2)
+            return calibrate_noise_multiplier(epsilon, delta, sample_rate, steps, "rdp",
+                                              epsilon_tolerance)
     return float(sigma)
+
+
+def _epsilon_of(sigma: float, q: float, steps: int, delta: float, accountant: str) -> float:
+    """:func:`epsilon` of ``steps`` releases (sigma, q) (calibrate_noise_multiplier's own
+    ``epsilon`` argument hides the function there)."""
+    return epsilon(Ledger([(float(sigma), float(q), int(steps))]), delta, accountant)
 
 
 def _accountant_failed(accountant: str, steps: int, e: BaseException) -> str:
