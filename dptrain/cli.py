@@ -21,8 +21,16 @@ def _commands():
             if importlib.util.find_spec(f"dptrain.commands.{n}") is not None}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's usage errors as one line (argparse prints the usage block first), exit 2;
+    subcommand parsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dptrain",
         description="Differentially private training with the Muon family of optimizers.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,6 +1,6 @@
 """Performance settings: how fast and in what memory a step runs, never what it computes.
 
-Nothing here may change the sampled sets, the clip factors or the noise (tests/test_invariance.py).
+Nothing here may change the sampled sets, the clip factors or the noise (tests/test_release.py).
 """
 
 from __future__ import annotations

@@ -160,6 +160,21 @@ def test_bad_e2e_data_exits_2_with_one_line(tmp_path, capsys, train_csv, test_cs
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("args, words", [
+    (("train", "--config", TINY, "--bogus"), ["--bogus"]),
+    (("calibrate", "--epsilon", "1"), ["--delta", "--sample-rate", "--steps"]),
+    (("frobnicate",), ["frobnicate"]),
+])
+def test_usage_errors_are_one_line_with_status_2(capsys, args, words):
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1, err
+    assert "error" in lines[0] and all(w in lines[0] for w in words)
+
+
 def test_missing_config_file_exits_2(tmp_path, capsys):
     code, _, err = run_cli(capsys, "train", "--config", str(tmp_path / "nope.yaml"))
     assert code == 2 and "config" in err and "not found" in err
