@@ -99,6 +99,22 @@ def test_gpt2_size_mismatches_name_the_field():
     assert e.value.field == "model.name"
 
 
+def test_image_model_mismatches_with_the_data_name_the_field():
+    mnist = DataInfo(kind="classification", num_classes=10, in_chans=1, image_size=28)
+    for kw, field in [(dict(name="cnn", num_classes=5), "model.num_classes"),
+                      (dict(name="cnn", in_chans=3), "model.in_chans"),
+                      (dict(name="cnn", channels=[8, 8, 8, 8, 8]), "model.channels"),
+                      (dict(name="timm", timm_name="nf_resnet_tiny", num_classes=9),
+                       "model.num_classes")]:
+        with pytest.raises(ConfigError) as e:
+            build_model(from_dict(ModelConfig, kw, "model"), mnist)
+        assert e.value.field == field, kw
+    # what fits is built: more classes than labels, 4 stages on 28 px
+    m = build_model(from_dict(ModelConfig, dict(name="cnn", num_classes=12,
+                                                channels=[4, 4, 4, 4]), "model"), mnist)
+    assert m(torch.zeros(2, 1, 28, 28)).shape == (2, 12)
+
+
 def test_model_config_validate():
     for bad, field in [({"n_embd": 30, "n_head": 4}, "model.n_embd"),
                        ({"dropout": 1.0}, "model.dropout"),
@@ -118,7 +134,8 @@ def test_cnn_groupnorm_shapes():
     assert isinstance(model, TinyCNN)
     assert any(isinstance(m, nn.GroupNorm) for m in model.modules())
     assert model(torch.randn(5, 1, 28, 28)).shape == (5, 7)
-    m3 = build_model(ModelConfig(name="cnn", in_chans=3, num_classes=4), IMG)
+    rgb = DataInfo(kind="classification", num_classes=3, in_chans=3, image_size=16)
+    m3 = build_model(ModelConfig(name="cnn", in_chans=3, num_classes=4), rgb)
     assert m3(torch.randn(2, 3, 16, 16)).shape == (2, 4)
 
 

@@ -193,6 +193,20 @@ def build_model(cfg: ModelConfig, info: DataInfo) -> nn.Module:
             raise ConfigError("model.num_classes", "unknown; set model.num_classes")
         if in_chans is None:
             raise ConfigError("model.in_chans", "unknown; set model.in_chans")
+        # a smaller head or other input channels would fail mid-training with a traceback
+        if info.num_classes is not None and num_classes < info.num_classes:
+            raise ConfigError("model.num_classes",
+                              f"{num_classes} is fewer than the data's {info.num_classes} "
+                              f"classes (labels 0..{info.num_classes - 1})")
+        if info.in_chans is not None and in_chans != info.in_chans:
+            raise ConfigError("model.in_chans", f"{in_chans}, but the data's images have "
+                                                f"{info.in_chans} channels")
+        if (cfg.name == "cnn" and info.image_size is not None
+                and info.image_size < 2 ** len(cfg.channels)):
+            raise ConfigError("model.channels",
+                              f"{len(cfg.channels)} stages halve {info.image_size}-pixel images "
+                              f"below 1 pixel (at most {info.image_size.bit_length() - 1} "
+                              f"stages for this image size)")
         if cfg.name == "timm":
             import timm
 
