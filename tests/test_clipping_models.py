@@ -228,3 +228,32 @@ def test_nf_resnet_bf16_autocast_clips_what_it_adds_to_exactly_c(policy, states,
             engine.accumulate(ce_loss, (x[b:b + 1], y[b:b + 1]), acc, plan)
         added = torch.cat([v.reshape(-1).double() for v in acc.values()]).norm()
         assert abs(float(added) / C - 1) < 1e-6, (b, float(added) / C)
+
+
+class _DoubledConv(nn.Conv2d):
+    """A Conv2d subclass whose forward the conv rule does not recognise: torch.func fallback."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("states", [1, 2])
+def test_func_fallback_under_bf16_autocast_clips_to_exactly_c(states, one_thread):
+    """The torch.func fallback gets bf16 inputs under autocast and float32 parameters; it
+    failed with a dtype mismatch. A clipped example must add exactly C, as for every rule."""
+    torch.manual_seed(0)
+    # the fallback layer's input is the first conv's output: bf16 under autocast
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), _DoubledConv(4, 4, 3), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 4 * 4, 5))
+    x, y = torch.randn(3, 3, 8, 8), torch.tensor([0, 3, 4])
+    theta1 = {n: p.detach() + 0.02 * torch.randn_like(p) for n, p in model.named_parameters()}
+    plan = [(1.0, None)] if states == 1 else [(0.5, None), (0.5, theta1)]
+    C = 1e-4
+    for b in range(3):
+        engine = ClippingEngine(model, clip_norm=C, ghost="instantiate")
+        acc: dict = {}
+        with torch.autocast("cpu", dtype=torch.bfloat16), \
+                pytest.warns(UserWarning, match="fallback"):
+            engine.accumulate(ce_loss, (x[b:b + 1], y[b:b + 1]), acc, plan)
+        added = torch.cat([v.reshape(-1).double() for v in acc.values()]).norm()
+        assert abs(float(added) / C - 1) < 1e-6, (b, float(added) / C)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import warnings
 from typing import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -149,6 +150,9 @@ class LayerNormRule(LayerRule):
 # torch.func fallback for any other layer with direct parameters
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 class FuncFallbackRule(LayerRule):
     """Per-example gradients of an unsupported layer's own parameters with torch.func: one
     vmapped VJP of the layer's forward per example, from the captured input and output grad.
@@ -164,7 +168,10 @@ class FuncFallbackRule(LayerRule):
         from torch.func import functional_call, vjp, vmap
 
         params = saved["params"]
-        args = saved["args"]
+        # under bf16/fp16 autocast the captured inputs are half; the engine's own arithmetic
+        # runs without autocast at G's precision (the layer's parameters are not half)
+        args = tuple(a.to(G.dtype) if isinstance(a, Tensor) and a.dtype in _HALF else a
+                     for a in saved["args"])
         batched = [isinstance(a, Tensor) for a in args]
 
         def one(g, *example_args):
