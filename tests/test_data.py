@@ -462,6 +462,22 @@ def test_webdataset_shard_with_a_repeated_key_is_refused(tmp_path):
         build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
 
 
+def test_webdataset_shards_matching_both_splits_are_refused(tmp_path):
+    # *train*.tar and *val*.tar both match a trainval shard: test examples would be trained on
+    from dptrain.config import ConfigError
+
+    rng = np.random.default_rng(2)
+    _write_shards(tmp_path, "imagenet-train", 1, 2, rng)
+    _write_shards(tmp_path, "imagenet-trainval", 1, 2, rng)
+    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert e.value.field == "data.test_file" and "trainval" in e.value.message
+    task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                                 test_file="imagenet-val-*.tar"))
+    assert len(task.train) == 4 and len(task.test) == 2
+
+
 def test_webdataset_damaged_shards_are_config_errors_naming_data_path(tmp_path):
     """A damaged shard is one line naming data.path, not a traceback: tarfile reads headers
     lazily, so a truncated shard failed while its members were iterated (ReadError); a shard

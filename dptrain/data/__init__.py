@@ -236,10 +236,16 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
         if directory is not None and not directory.is_dir():
             raise ConfigError("data.path", f"file not found: no directory {directory}")
         size, c = cfg.image_size or 224, cfg.in_chans or 3
-        train = WebDatasetImages(expand_shards(directory, train_name, "data.train_file"),
-                                 size, c, cfg.max_train_examples)
-        test = WebDatasetImages(expand_shards(directory, test_name, "data.test_file"),
-                                size, c, cfg.max_test_examples)
+        train_shards = expand_shards(directory, train_name, "data.train_file")
+        test_shards = expand_shards(directory, test_name, "data.test_file")
+        shared = sorted({p.resolve() for p in train_shards} & {p.resolve() for p in test_shards})
+        if shared:  # e.g. *train*.tar and *val*.tar both matching imagenet-trainval-*.tar
+            raise ConfigError("data.test_file",
+                              f"{len(shared)} shard(s) match both the training and the test "
+                              f"pattern ({train_name!r}, {test_name!r}), e.g. {shared[0]}: "
+                              f"the test split would hold training examples")
+        train = WebDatasetImages(train_shards, size, c, cfg.max_train_examples)
+        test = WebDatasetImages(test_shards, size, c, cfg.max_test_examples)
         labels = np.concatenate([train.index["label"], test.index["label"]])
         k = cfg.num_classes or (int(labels.max()) + 1 if len(labels) else 0)
         if len(labels) and (labels.min() < 0 or labels.max() >= k):
