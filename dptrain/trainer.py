@@ -219,9 +219,13 @@ class Trainer:
         self.model.train()
         if perf.sharding == "fsdp" and self.world > 1:
             apply_fsdp(self.model, mixed_precision=perf.fsdp_mixed_precision)
-        self.engine = ClippingEngine(
-            self.model, clip_norm=self.plan.clip_norm, ghost=perf.ghost,
-            mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping")
+        try:
+            self.engine = ClippingEngine(
+                self.model, clip_norm=self.plan.clip_norm, ghost=perf.ghost,
+                mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping")
+        except ValueError as e:  # a model with parameters no layer rule can clip
+            field = "model.timm_name" if cfg.model.name == "timm" else "model.name"
+            raise ConfigError(field, str(e)) from None
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = build_optimizer(
             cfg.optim, self.named_params, total_steps=self.plan.steps,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -159,3 +161,29 @@ def test_batchnorm_refused():
     with pytest.raises(ConfigError) as e:
         build_model(ModelConfig(name="timm", timm_name="no_such_model_xyz"), info)
     assert e.value.field == "model.timm_name"
+
+
+def test_a_model_no_rule_can_clip_is_a_config_error_naming_the_model(monkeypatch, tmp_path):
+    """dm_nfnet's NormFreeBlock owns ``skipinit_gain`` and has submodules: no layer rule can
+    give its per-example gradient. The trainer said so with a ValueError traceback."""
+    import dptrain.trainer as trainer_mod
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    class GainedBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3 * 8 * 8, 10)
+            self.skipinit_gain = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return self.lin(x.flatten(1)) * self.skipinit_gain
+
+    monkeypatch.setattr(trainer_mod, "build_model", lambda cfg, info: GainedBlock())
+    for name, field in (("timm", "model.timm_name"), ("cnn", "model.name")):
+        cfg = load(RunConfig, Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
+                   ["data.name=synthetic_images", "data.image_size=8", f"model.name={name}",
+                    "optim.preset=null"])
+        with pytest.raises(ConfigError) as e:
+            Trainer(cfg, tmp_path / name)
+        assert e.value.field == field and "skipinit_gain" in e.value.message
