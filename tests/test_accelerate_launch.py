@@ -79,7 +79,9 @@ def test_accelerate_launch_two_cpu_ranks_equal_one(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     log.seek(0)
-    assert code == 0, log.read()[-6000:]
+    text = log.read()
+    assert code == 0, text[-6000:]
+    assert text.count("done: 4 steps") == 1, text[-6000:]  # rank 0 speaks for the run
 
     s1 = json.loads((one / "summary.json").read_text())
     s2 = json.loads((two / "summary.json").read_text())

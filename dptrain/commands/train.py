@@ -66,17 +66,18 @@ def run(args: argparse.Namespace) -> int:
         _drop_metrics_after(out / "metrics.jsonl", 0)  # rows of a run killed before step 1's checkpoint
     if resume_path is not None:
         ckpt.load(trainer, resume_path, verified=args.resume == "auto")
-        print(f"dptrain train: resumed from {resume_path} at step {trainer.step}",
-              file=sys.stderr)
+        if trainer.rank == 0:
+            print(f"dptrain train: resumed from {resume_path} at step {trainer.step}",
+                  file=sys.stderr)
         if trainer.rank == 0:
             _drop_metrics_after(out / "metrics.jsonl", trainer.step)
     summary = trainer.run()
-    if trainer.rank == 0:
+    if trainer.rank == 0:  # only rank 0 writes the files, and says so once
         ckpt.export_hf(trainer, out / "final")
-    metrics = ", ".join(f"{k} {v:.4g}" for k, v in summary["metrics"].items()
-                        if isinstance(v, (int, float)))
-    print(f"done: {summary['steps']} steps, epsilon {summary['epsilon']:.3f} "
-          f"(delta {summary['delta']:.3g}), {metrics}; wrote {out}/summary.json")
+        metrics = ", ".join(f"{k} {v:.4g}" for k, v in summary["metrics"].items()
+                            if isinstance(v, (int, float)))
+        print(f"done: {summary['steps']} steps, epsilon {summary['epsilon']:.3f} "
+              f"(delta {summary['delta']:.3g}), {metrics}; wrote {out}/summary.json")
     return 0
 
 
