@@ -168,3 +168,20 @@ def test_gpt2_hf_export_loads_with_transformers_and_gives_the_same_logits(tmp_pa
         a = model(ids).logits
         b = ours.model(ids).logits
     assert torch.allclose(a, b, atol=1e-6, rtol=0)
+
+
+def test_checkpoints_are_ordered_by_step_number_and_stale_writes_removed(tmp_path):
+    """Past 10^8 steps the 8-digit names no longer sort as text (step-100000000 <
+    step-99999999); a temporary directory left by a dead writer whose pid this process reuses
+    (a restarted container) is stale too."""
+    import os
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    stale = root / f".tmp-step-00000009-{os.getpid()}"
+    stale.mkdir()
+    for step in (99_999_998, 99_999_999, 100_000_000):
+        ckpt.write({"step": step}, tmp_path, step, keep=2)
+    assert not stale.exists()
+    assert ckpt.complete_steps(tmp_path) == [99_999_999, 100_000_000]  # pruned the oldest
+    assert ckpt.step_of(ckpt.find_latest(tmp_path)) == 100_000_000

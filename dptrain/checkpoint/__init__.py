@@ -61,11 +61,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _clean_stale(root: Path) -> None:
-    """Temporary directories of writers that died mid-write (one writer per output dir)."""
-    mine = f"-{os.getpid()}"
+    """Temporary directories of writers that died mid-write. There is one writer per output
+    directory and it calls this before it creates its own, so every one is stale, including
+    one named with this process's pid (a restarted container often reuses the pid)."""
     for p in root.glob(".tmp-*"):
-        if not p.name.endswith(mine):
-            shutil.rmtree(p, ignore_errors=True)
+        shutil.rmtree(p, ignore_errors=True)
     for p in root.glob(".old-*"):
         shutil.rmtree(p, ignore_errors=True)
 
@@ -435,7 +435,14 @@ def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
 
 def _marked(root: Path) -> list[Path]:
     """``root``'s checkpoint directories that carry a COMPLETE marker, oldest first."""
-    return [p for p in sorted(Path(root).glob("step-*")) if (p / MARKER).exists()]
+    return [p for p in _step_dirs(root) if (p / MARKER).exists()]
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """``root``'s ``step-*`` directories by step number, oldest first (the 8-digit names sort
+    as text only below 10^8 steps)."""
+    return sorted(Path(root).glob("step-*"),
+                  key=lambda p: (-1 if step_of(p) is None else step_of(p), p.name))
 
 
 def step_of(path: Path) -> int | None:
@@ -509,7 +516,7 @@ def find_latest(output_dir: Path, *, shallow: bool = False, collective: bool = F
     from dptrain.parallel.dist import get_rank
 
     root = _root(output_dir)
-    for path in sorted(root.glob("step-*"), reverse=True):
+    for path in reversed(_step_dirs(root)):
         problem = verify(path, shallow=shallow, collective=collective)
         if problem is None:
             return path
