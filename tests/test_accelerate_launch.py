@@ -164,7 +164,8 @@ def _sbatch(tmp_path: Path, args: list[str], **env_extra: str) -> tuple[int, str
     env.pop("OUTPUT_DIR", None)
     env.update(PATH=f"{stubs}:{env['PATH']}", VENV=str(venv), LOG_DIR=str(logs),
                SLURM_JOB_NODELIST="node-[a-b]", SLURM_NNODES="2", SLURM_JOB_ID="4242",
-               SLURM_SUBMIT_DIR=str(ROOT), GPUS_PER_NODE="2", **env_extra)
+               SLURM_SUBMIT_DIR=str(ROOT), GPUS_PER_NODE="2")
+    env.update(env_extra)
     proc = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), *args], env=env,
                           capture_output=True, text=True, timeout=60)
     read = lambda name: ((logs / name).read_text().splitlines()  # noqa: E731
@@ -210,3 +211,18 @@ def test_slurm_script_gives_the_per_node_task_the_allocations_cpus(tmp_path):
     code, err, srun, _ = _sbatch(tmp_path, [TINY], SLURM_CPUS_PER_TASK="32")
     assert code == 0, err
     assert "--cpus-per-task=32" in srun
+
+
+def test_slurm_script_submitted_outside_the_checkout(tmp_path):
+    """sbatch from another directory: SLURM_SUBMIT_DIR is not the checkout, and Slurm runs a
+    spool copy of the script, so the venv and launch files would be looked up in the wrong place.
+    Refused in one line naming DPTRAIN_ROOT; with DPTRAIN_ROOT set, it launches."""
+    elsewhere = tmp_path / "home"
+    elsewhere.mkdir()
+    code, err, _, acc = _sbatch(tmp_path, [TINY], SLURM_SUBMIT_DIR=str(elsewhere))
+    assert code == 2 and not acc
+    assert len(err.strip().splitlines()) == 1 and "DPTRAIN_ROOT" in err
+    code, err, _, acc = _sbatch(tmp_path, [TINY], SLURM_SUBMIT_DIR=str(elsewhere),
+                                DPTRAIN_ROOT=str(ROOT))
+    assert code == 0, err
+    assert acc[acc.index("--config_file") + 1].startswith(str(ROOT))
