@@ -37,11 +37,11 @@ from dptrain.performance import PerformanceConfig
 from dptrain.privacy.accounting import (Ledger, calibrate_noise_multiplier, check_plan,
                                         epsilon as ledger_epsilon)
 from dptrain.privacy.config import PrivacyConfig
-from dptrain.privacy.noise import gaussian_noise, secure_seed
+from dptrain.privacy.noise import BLOCK, gaussian_noise, secure_seed
 from dptrain.privacy.sampling import poisson_sample, shard_indices
-from dptrain.parallel.dist import init_from_env
+from dptrain.parallel.dist import init_from_env, shard_bounds
 from dptrain.parallel.fsdp import (all_reduce_scalars, apply_fsdp, as_grad, flat_range,
-                                   reduce_sum)
+                                   is_sharded, reduce_sum)
 
 
 @dataclass(kw_only=True)
@@ -257,6 +257,16 @@ class Trainer:
                            device=self.device, dtype=self._noise_dtype(p))
         return z.view(-1, *p.shape[1:]) if p.dim() else z.view(())
 
+    def noise_share(self, numel: int, index: int) -> tuple[int, int]:
+        """Flat coordinates ``[lo, hi)`` of a replicated parameter's noise that this rank draws:
+        whole noise blocks, split over the ranks (rotated by the parameter's ``index``, so that
+        one-block parameters do not all land on rank 0). The shares partition ``[0, numel)``,
+        and the all-reduce of the clipped sums adds them up: every coordinate's noise is drawn
+        once in all, by one rank, instead of W times."""
+        blocks = -(-numel // BLOCK)
+        b0, b1 = shard_bounds(blocks, (self.rank + index) % self.world, self.world)
+        return min(b0 * BLOCK, numel), min(b1 * BLOCK, numel)
+
     def _autocast(self):
         if self.cfg.performance.dtype == "bfloat16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -293,12 +303,25 @@ class Trainer:
         sigma, C, b = self.plan.noise_multiplier, self.plan.clip_norm, self.plan.denominator
         out = {}
         with torch.no_grad():
-            for name, p in self.named_params:
+            for index, (name, p) in enumerate(self.named_params):
                 s = acc.pop(name, None)
                 if self.world > 1:  # every rank joins every reduction, even with no examples
                     if s is None:
                         s = torch.zeros(p.shape, device=self.device,
                                         dtype=self.engine._acc_dtype())
+                    if not is_sharded(p):
+                        # replicated: each rank adds its share of Z before the all-reduce,
+                        # which sums the shares into sigma*C*Z once (not drawn W times)
+                        s = s.contiguous()
+                        lo, hi = self.noise_share(s.numel(), index)
+                        if hi > lo:
+                            z = gaussian_noise(self._privacy_seed, step, name, s.numel(), lo,
+                                               hi, device=self.device,
+                                               dtype=self._noise_dtype(p))
+                            s.view(-1)[lo:hi] += (sigma * C * z).to(s.dtype)
+                        noisy = reduce_sum(s, p)
+                        out[name] = as_grad((noisy / b).to(p.dtype), p)
+                        continue
                     s = reduce_sum(s, p)
                 noisy = sigma * C * self.noise(step, name, p)
                 if s is not None:
