@@ -37,9 +37,9 @@ from dptrain.performance import PerformanceConfig
 from dptrain.privacy.accounting import (Ledger, calibrate_noise_multiplier, check_plan,
                                         epsilon as ledger_epsilon)
 from dptrain.privacy.config import PrivacyConfig
-from dptrain.privacy.noise import BLOCK, gaussian_noise, secure_seed
+from dptrain.privacy.noise import block_share, gaussian_noise, secure_seed
 from dptrain.privacy.sampling import poisson_sample, shard_indices
-from dptrain.parallel.dist import init_from_env, shard_bounds
+from dptrain.parallel.dist import init_from_env
 from dptrain.parallel.fsdp import (all_reduce_scalars, apply_fsdp, as_grad, flat_range,
                                    is_sharded, reduce_sum)
 
@@ -257,16 +257,6 @@ class Trainer:
                            device=self.device, dtype=self._noise_dtype(p))
         return z.view(-1, *p.shape[1:]) if p.dim() else z.view(())
 
-    def noise_share(self, numel: int, index: int) -> tuple[int, int]:
-        """Flat coordinates ``[lo, hi)`` of a replicated parameter's noise that this rank draws:
-        whole noise blocks, split over the ranks (rotated by the parameter's ``index``, so that
-        one-block parameters do not all land on rank 0). The shares partition ``[0, numel)``,
-        and the all-reduce of the clipped sums adds them up: every coordinate's noise is drawn
-        once in all, by one rank, instead of W times."""
-        blocks = -(-numel // BLOCK)
-        b0, b1 = shard_bounds(blocks, (self.rank + index) % self.world, self.world)
-        return min(b0 * BLOCK, numel), min(b1 * BLOCK, numel)
-
     def _autocast(self):
         if self.cfg.performance.dtype == "bfloat16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -313,7 +303,7 @@ class Trainer:
                         # replicated: each rank adds its share of Z before the all-reduce,
                         # which sums the shares into sigma*C*Z once (not drawn W times)
                         s = s.contiguous()
-                        lo, hi = self.noise_share(s.numel(), index)
+                        lo, hi = block_share(s.numel(), index, self.rank, self.world)
                         if hi > lo:
                             z = gaussian_noise(self._privacy_seed, step, name, s.numel(), lo,
                                                hi, device=self.device,

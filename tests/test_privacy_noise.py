@@ -194,3 +194,26 @@ def test_same_noise_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", code, root], env=env, check=True,
                          capture_output=True, text=True).stdout.strip()
     assert out == str(gaussian_noise(5, 3, "h.0.attn", 70000, 65530, 65540).tolist())
+
+
+def test_block_share_partitions_whole_blocks_over_the_ranks():
+    from dptrain.privacy.noise import BLOCK, block_share
+
+    rng = np.random.default_rng(0)
+    cases = [(0, 3), (1, 4), (BLOCK, 2), (BLOCK + 1, 2), (5 * BLOCK - 7, 3), (38_597_376, 8)]
+    cases += [(int(rng.integers(1, 40 * BLOCK)), int(rng.integers(1, 9))) for _ in range(40)]
+    for numel, world in cases:
+        blocks = -(-numel // BLOCK)
+        for index in range(3):
+            shares = sorted(block_share(numel, index, r, world) for r in range(world))
+            nonempty = [(lo, hi) for lo, hi in shares if hi > lo]
+            assert sum(hi - lo for lo, hi in shares) == numel
+            if numel:
+                assert nonempty[0][0] == 0 and nonempty[-1][1] == numel
+                assert all(a[1] == b[0] for a, b in zip(nonempty, nonempty[1:]))
+            assert all(lo % BLOCK == 0 for lo, _ in nonempty)  # whole blocks only
+            assert max(-(-(hi - lo) // BLOCK) for lo, hi in shares) == -(-blocks // world)
+        # one-block parameters are spread over the ranks by their index
+        owners = {next(r for r in range(world) if block_share(100, i, r, world) == (0, 100))
+                  for i in range(world)}
+        assert len(owners) == world

@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-__all__ = ["BLOCK", "gaussian_noise", "block_key", "secure_seed"]
+__all__ = ["BLOCK", "gaussian_noise", "block_key", "block_share", "secure_seed"]
 
 BLOCK = 1 << 16
 
@@ -132,6 +132,20 @@ def gaussian_noise(seed: int, step: int, key: str, numel: int, start: int = 0,
             fill(k)
     z = torch.from_numpy(out)
     return z.to(device=device, dtype=dtype) if (device.type != "cpu" or z.dtype != dtype) else z
+
+
+def block_share(numel: int, index: int, rank: int, world: int) -> tuple[int, int]:
+    """Flat coordinates ``[lo, hi)`` of a replicated tensor's noise that ``rank`` of ``world``
+    draws: whole blocks, split as ``torch.chunk`` splits rows, with the ranks rotated by
+    ``index`` (the parameter's position) so that one-block parameters do not all land on rank 0.
+    For fixed ``numel`` and ``index`` the shares of the ``world`` ranks partition ``[0, numel)``."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} out of range for world size {world}")
+    blocks = -(-numel // BLOCK)
+    chunk = -(-blocks // world)
+    b0 = min(((rank + index) % world) * chunk, blocks)
+    b1 = min(b0 + chunk, blocks)
+    return min(b0 * BLOCK, numel), min(b1 * BLOCK, numel)
 
 
 def secure_seed() -> int:

@@ -1,0 +1,124 @@
+"""Noise draw per release and per rank for replicated ranks (``performance.sharding=none``).
+
+    python bench/noise_draw.py [--model gpt2|gpt2-medium] [--worlds 1,2,4,8] [--rounds 3]
+                               [--threads 1]
+
+Every release draws sigma*C*Z for every trainable coordinate (dptrain.privacy.noise: numpy
+Philox blocks of 65,536 values, drawn on the CPU). With replicated ranks, each rank used to draw
+all of Z; since ed004a3 the ranks split it (``block_share``: whole blocks, rotated by parameter)
+and the all-reduce of the clipped sums adds the shares. This measures, on the parameter shapes of
+GPT-2 small (124 M) or medium (355 M), the seconds one rank spends drawing noise per release:
+
+- ``all``: the whole of Z (every rank, before);
+- ``share W``: the slowest rank's share for W ranks (after), each rank's share drawn in turn.
+
+The ranks of one node share its cores, so the node's CPU seconds per release are W x ``all``
+before and about ``all`` after. Interleaved rounds (bench/common.py); the last line printed is
+one JSON object with the medians and ``all_over_share`` per W.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import git_commit, load_average, machine_description, median, now_utc, time_interleaved  # noqa: E402
+
+from dptrain.privacy.noise import block_share, gaussian_noise  # noqa: E402
+
+SHAPES = {"gpt2": (12, 768, 50257, 1024), "gpt2-medium": (24, 1024, 50257, 1024)}
+
+
+def gpt2_numels(layers: int, d: int, vocab: int, positions: int) -> list[tuple[str, int]]:
+    """(name, numel) of GPT-2's trainable tensors (tied head), in named_parameters order."""
+    out = [("transformer.wte.weight", vocab * d), ("transformer.wpe.weight", positions * d)]
+    for i in range(layers):
+        h = f"transformer.h.{i}."
+        out += [(h + "ln_1.weight", d), (h + "ln_1.bias", d),
+                (h + "attn.c_attn.weight", d * 3 * d), (h + "attn.c_attn.bias", 3 * d),
+                (h + "attn.c_proj.weight", d * d), (h + "attn.c_proj.bias", d),
+                (h + "ln_2.weight", d), (h + "ln_2.bias", d),
+                (h + "mlp.c_fc.weight", d * 4 * d), (h + "mlp.c_fc.bias", 4 * d),
+                (h + "mlp.c_proj.weight", 4 * d * d), (h + "mlp.c_proj.bias", d)]
+    return out + [("transformer.ln_f.weight", d), ("transformer.ln_f.bias", d)]
+
+
+def draw(params: list[tuple[str, int]], rank: int, world: int) -> int:
+    drawn = 0
+    for index, (name, numel) in enumerate(params):
+        lo, hi = block_share(numel, index, rank, world) if world > 1 else (0, numel)
+        if hi > lo:
+            drawn += gaussian_noise(1234, 7, name, numel, lo, hi).numel()
+    return drawn
+
+
+def slowest_rank(params, world: int) -> float:
+    import time
+
+    times = []
+    for rank in range(world):
+        t0 = time.perf_counter()
+        draw(params, rank, world)
+        times.append(time.perf_counter() - t0)
+    return max(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(SHAPES), default="gpt2")
+    ap.add_argument("--worlds", default="2,4,8")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    params = gpt2_numels(*SHAPES[args.model])
+    total = sum(n for _, n in params)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    # each rank's shares, and every coordinate once in all (what the trainer relies on)
+    for w in worlds:
+        assert sum(draw_count(params, r, w) for r in range(w)) == total
+    shares: dict[int, list[float]] = {w: [] for w in worlds}
+
+    def share_step(w):
+        def run():
+            shares[w].append(slowest_rank(params, w))
+        return run
+
+    steps = {"all": lambda: draw(params, 0, 1), **{f"share {w}": share_step(w) for w in worlds}}
+    print(f"{args.model}: {total / 1e6:.1f} M coordinates, {len(params)} tensors; "
+          f"{args.threads} thread(s); {machine_description()}; load {load_average()}", flush=True)
+    times, errors = time_interleaved(steps, rounds=args.rounds, warmup=1)
+    if errors:
+        raise SystemExit(f"failed: {errors}")
+    t_all = median(times.wall["all"])
+    result = {"model": args.model, "coordinates": total, "threads": args.threads,
+              "all_s": t_all, "commit": git_commit(), "date": now_utc(), "share_s": {},
+              "all_over_share": {}}
+    print(f"| W | s per release per rank, before (all) | after (slowest share) | before / after |")
+    print("|---|---|---|---|")
+    for w in worlds:
+        t_share = median(shares[w][-args.rounds:])
+        result["share_s"][w] = t_share
+        result["all_over_share"][w] = t_all / t_share
+        print(f"| {w} | {t_all:.3f} | {t_share:.3f} | {t_all / t_share:.2f} |")
+    print(json.dumps(result))
+
+
+def draw_count(params, rank: int, world: int) -> int:
+    """Coordinates ``rank`` draws (no drawing)."""
+    n = 0
+    for index, (_, numel) in enumerate(params):
+        lo, hi = block_share(numel, index, rank, world) if world > 1 else (0, numel)
+        n += hi - lo
+    return n
+
+
+if __name__ == "__main__":
+    main()
