@@ -385,7 +385,7 @@ class Trainer:
                 metrics_file.flush()
             pending.clear()
 
-        eps = self.epsilon()
+        eps, eps_step = self.epsilon(), self.step  # shown with its step: computed every log_every
         start = time.time()
         try:
             while self.step < self.plan.steps:
@@ -396,7 +396,7 @@ class Trainer:
                     row.pop("train_loss", None)
                 last = self.step == self.plan.steps
                 if self.step % tc.log_every == 0 or last:
-                    eps = self.epsilon()
+                    eps, eps_step = self.epsilon(), self.step
                     row.update(epsilon=eps, lr=self.optimizer.lr, time=time.time() - start)
                     if tc.eval_every and self.step % tc.eval_every == 0 and not last:
                         row.update({f"test_{k}": v for k, v in self.evaluate().items()})
@@ -404,10 +404,11 @@ class Trainer:
                         pending.append(json.dumps(row) + "\n")
                         if not held:
                             flush()
+                shown = f"{eps:.3f}" if eps_step == self.step else f"{eps:.3f} at step {eps_step}"
                 if "train_loss" in row:
-                    bar.set_postfix(loss=f"{row['train_loss']:.4f}", eps=f"{eps:.3f}")
+                    bar.set_postfix(loss=f"{row['train_loss']:.4f}", eps=shown)
                 else:
-                    bar.set_postfix(eps=f"{eps:.3f}")
+                    bar.set_postfix(eps=shown)
                 bar.update(1)
                 if out is not None and tc.checkpoint_every and (
                         self.step % tc.checkpoint_every == 0 or last):
