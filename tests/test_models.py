@@ -183,7 +183,8 @@ def test_a_model_no_rule_can_clip_is_a_config_error_naming_the_model(monkeypatch
     for name, field in (("timm", "model.timm_name"), ("cnn", "model.name")):
         cfg = load(RunConfig, Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
                    ["data.name=synthetic_images", "data.image_size=8", f"model.name={name}",
-                    "optim.preset=null"])
+                    "optim.preset=null", "privacy.noise_multiplier=1.0", "privacy.epsilon=null",
+                    "privacy.accountant=rdp"])
         with pytest.raises(ConfigError) as e:
             Trainer(cfg, tmp_path / name)
         assert e.value.field == field and "skipinit_gain" in e.value.message
