@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dptrain.models.dropout import ExampleDropout, example_dropout, mix64
+from dptrain.models.dropout import ExampleDropout, example_dropout, has_dropout, mix64
 from dptrain.privacy.sampling import _mix64_int
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -82,3 +82,90 @@ def test_a_run_with_dropout_does_not_depend_on_the_microbatch_size():
     # and dropout is really on: without it the run differs
     c = params(16, dropout=0.0)
     assert not all(torch.allclose(c[n], a[n], rtol=1e-3) for n in a)
+
+
+def test_stochastic_depth_masks_are_per_example_and_counter_based():
+    """timm's drop_path draws its (B, 1, 1, 1) keep mask with Tensor.bernoulli_: within the
+    mode it comes from the per-example hash (rate p), so an example's mask does not depend on
+    its microbatch, and another step or stream gives other masks. Other bernoulli_ calls keep
+    torch's RNG."""
+    import timm
+
+    import dptrain.models.nf_tiny  # noqa: F401  (registers nf_resnet_tiny)
+
+    with ExampleDropout(seed=3, step=5, indices=list(range(40_000))):
+        keep = torch.empty(40_000, 1, 1, 1).bernoulli_(0.7)
+        torch.manual_seed(0)
+        dense = torch.empty(4, 6).bernoulli_(0.5)  # not a per-example scalar mask
+    assert set(keep.unique().tolist()) == {0.0, 1.0}
+    assert abs(float(keep.mean()) - 0.7) < 0.01
+    torch.manual_seed(0)
+    assert torch.equal(dense, torch.empty(4, 6).bernoulli_(0.5))
+
+    torch.manual_seed(0)
+    model = timm.create_model("nf_resnet_tiny", num_classes=5, drop_path_rate=0.5).train()
+    with torch.no_grad():  # zero-initialised residual gains would hide every drop
+        for n, p in model.named_parameters():
+            if n.endswith("gain"):
+                p.fill_(1.0)
+    assert has_dropout(model)
+    x = torch.randn(4, 3, 16, 16)
+
+    def run(step, indices, rows, stream=0):
+        mode = ExampleDropout(seed=1, step=step, indices=indices)
+        with mode, torch.no_grad():
+            mode.set_stream(stream)
+            return model(x[rows])
+
+    a = run(3, [5, 6, 7, 8], [0, 1, 2, 3])
+    assert torch.allclose(run(3, [7], [2])[0], a[2], atol=1e-6)
+    assert torch.allclose(run(3, [8, 5], [3, 0]), a[[3, 0]], atol=1e-6)
+    assert not torch.allclose(run(4, [5, 6, 7, 8], [0, 1, 2, 3]), a, atol=1e-3)
+    assert not torch.allclose(run(3, [5, 6, 7, 8], [0, 1, 2, 3], stream=1), a, atol=1e-3)
+
+
+def test_drop_path_rate_config():
+    import pytest
+
+    from dptrain.config import ConfigError, from_dict, validate_tree
+    from dptrain.models import ModelConfig
+
+    for bad in ({"name": "timm", "drop_path_rate": 1.0}, {"name": "cnn", "drop_path_rate": 0.1}):
+        with pytest.raises(ConfigError) as e:
+            validate_tree(from_dict(ModelConfig, bad, "model"), "model")
+        assert e.value.field == "model.drop_path_rate"
+
+
+def test_per_example_norms_with_stochastic_depth_equal_one_example_at_a_time():
+    """The clipping engine's norms under the per-example drop_path masks equal each example's
+    gradient norm computed alone with the same mask (its dataset index)."""
+    import timm
+
+    import dptrain.models.nf_tiny  # noqa: F401
+    from dptrain.clipping import per_example_grad_norms
+
+    torch.manual_seed(0)
+    model = timm.create_model("nf_resnet_tiny", num_classes=5, drop_path_rate=0.5).train()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("gain"):
+                p.fill_(1.0)
+    x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3])
+    indices = [10, 11, 12, 13]
+
+    def loss_fn(m, batch):
+        return F.cross_entropy(m(batch[0]), batch[1], reduction="none")
+
+    with ExampleDropout(seed=2, step=1, indices=indices):
+        norms = per_example_grad_norms(model, loss_fn, (x, y))
+    ref = []
+    for i in range(4):
+        model.zero_grad()
+        with ExampleDropout(seed=2, step=1, indices=[indices[i]]):
+            loss_fn(model, (x[i:i + 1], y[i:i + 1])).sum().backward()
+        ref.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+    assert torch.allclose(norms, torch.stack(ref), rtol=1e-4)
+    # the masks matter: without them (another step) the norms differ
+    with ExampleDropout(seed=2, step=2, indices=indices):
+        assert not torch.allclose(per_example_grad_norms(model, loss_fn, (x, y)), norms,
+                                  rtol=1e-3)

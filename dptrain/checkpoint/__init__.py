@@ -149,8 +149,9 @@ def _sharded(trainer) -> bool:
 
 def _rank_rngs(trainer) -> dict[str, list | None]:
     """Every rank's torch RNG states, gathered (a collective when several ranks): anything in
-    the model that still draws from torch's RNG (timm's stochastic depth) draws per rank, so
-    the states differ between ranks, replicated or sharded. CUDA: the current device's."""
+    the model that still draws from torch's RNG (a random layer outside the counter-based
+    masks) draws per rank, so the states differ between ranks, replicated or sharded. CUDA: the
+    current device's."""
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     mine = (torch.get_rng_state(), cuda)
     if trainer.world == 1:

@@ -66,6 +66,9 @@ class ModelConfig:
     """timm/cnn: output classes. Null: the data's number of classes."""
     in_chans: int | None = None
     """timm/cnn: input channels. Null: the data's channels."""
+    drop_path_rate: float = 0.0
+    """timm: stochastic depth (timm's ``drop_path_rate``; per-example masks from the counter-based
+    stream of dptrain/models/dropout.py, like dropout). 0: off."""
 
     # --- cnn ---
     channels: list[int] = field(default_factory=lambda: [16, 32])
@@ -97,6 +100,11 @@ class ModelConfig:
                 raise ConfigError("num_classes", f"must be >= 1, got {self.num_classes}")
             if self.in_chans is not None and self.in_chans < 1:
                 raise ConfigError("in_chans", f"must be >= 1, got {self.in_chans}")
+            if not (0.0 <= self.drop_path_rate < 1.0):
+                raise ConfigError("drop_path_rate", f"must be in [0, 1), got {self.drop_path_rate}")
+            if self.drop_path_rate and self.name != "timm":
+                raise ConfigError("drop_path_rate", f"only timm models have stochastic depth "
+                                                    f"(model.name is {self.name})")
         if self.name == "timm" and not self.timm_name:
             raise ConfigError("timm_name", "must name a timm model, e.g. nf_resnet50")
         if self.name == "cnn":
@@ -213,8 +221,9 @@ def build_model(cfg: ModelConfig, info: DataInfo) -> nn.Module:
             import dptrain.models.nf_tiny  # noqa: F401  (registers nf_resnet_tiny)
 
             try:
+                extra = {"drop_path_rate": cfg.drop_path_rate} if cfg.drop_path_rate else {}
                 model = timm.create_model(cfg.timm_name, pretrained=False,
-                                          num_classes=num_classes, in_chans=in_chans)
+                                          num_classes=num_classes, in_chans=in_chans, **extra)
             except RuntimeError as e:  # timm: "Unknown model (...)"
                 raise ConfigError("model.timm_name", str(e)) from None
             check_no_batchnorm(model, "model.timm_name")

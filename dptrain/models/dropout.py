@@ -21,10 +21,12 @@ time), after any resume: dropout no longer breaks the 1-vs-N-rank
 identity. Dropout is not part of the privacy mechanism (masks are per example, public
 randomness); the seed is the run's ``seed``, not the privacy seed.
 
-Only ``F.dropout`` calls on batch-first tensors (first dimension = the microbatch) are replaced;
-other random layers (timm's stochastic depth, ``drop_path_rate``) keep torch's RNG. The mode
-intercepts every torch call of the forward, so it is only entered when the model has a dropout
-with p > 0.
+Only ``F.dropout`` calls on batch-first tensors (first dimension = the microbatch) are replaced,
+and ``Tensor.bernoulli_(p)`` on a per-example scalar mask, shape ``(B, 1, ..., 1)``: timm's
+stochastic depth (``drop_path``, ``model.drop_path_rate``) draws its per-example keep mask that
+way, and gets ``keep <=> (h >> 40) < ceil(p * 2**24)`` with the same hash (no coordinates).
+The mode intercepts every torch call of the forward, so it is only entered when the model has
+a dropout or a stochastic-depth layer with p > 0.
 """
 
 from __future__ import annotations
@@ -81,7 +83,10 @@ def hash_uniform_bits(k_call: int, indices: Tensor, shape: tuple[int, ...]) -> T
 
 
 def has_dropout(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+    """A dropout with p > 0, or timm's stochastic depth (``DropPath``) with drop_prob > 0."""
+    return any((isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0)
+               or (type(m).__name__ == "DropPath" and getattr(m, "drop_prob", 0) > 0)
+               for m in model.modules())
 
 
 class ExampleDropout(TorchFunctionMode):
@@ -101,11 +106,14 @@ class ExampleDropout(TorchFunctionMode):
     def set_stream(self, stream: int) -> None:
         self.stream, self.calls = int(stream), 0
 
-    def _mask(self, x: Tensor, p: float) -> Tensor:
+    def _bits(self, x: Tensor, shape: tuple[int, ...]) -> Tensor:
         k = _mix64_int(_mix64_int(self.k_step + _GAMMA * (self.stream + 1))
                        + _GAMMA * (self.calls + 1))
         self.calls += 1
-        bits = hash_uniform_bits(k, self.indices.to(x.device), tuple(x.shape[1:]))
+        return hash_uniform_bits(k, self.indices.to(x.device), shape)
+
+    def _mask(self, x: Tensor, p: float) -> Tensor:
+        bits = self._bits(x, tuple(x.shape[1:]))
         threshold = min(math.ceil(p * (1 << 24)), 1 << 24)  # P(drop) = threshold / 2**24
         return (bits >= threshold).view(x.shape)
 
@@ -113,7 +121,24 @@ class ExampleDropout(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.dropout:
             return self._dropout(*args, **kwargs)
+        if func is Tensor.bernoulli_ and self._per_example_scalar(args, kwargs):
+            return self._bernoulli_(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def _per_example_scalar(self, args, kwargs) -> bool:
+        """``mask.bernoulli_(p)`` with a float p on a (B, 1, ..., 1) tensor (timm's drop_path)."""
+        if not args or not isinstance(args[0], Tensor) or kwargs.get("generator") is not None:
+            return False
+        t = args[0]
+        p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        return (isinstance(p, float) and t.dim() >= 1 and t.shape[0] == len(self.indices)
+                and t.numel() == t.shape[0])
+
+    def _bernoulli_(self, t: Tensor, p: float = 0.5, **_) -> Tensor:
+        with torch._C.DisableTorchFunction():
+            bits = self._bits(t, ())
+            threshold = min(math.ceil(p * (1 << 24)), 1 << 24)  # P(1) = threshold / 2**24
+            return t.copy_((bits < threshold).view(t.shape))
 
     def _dropout(self, input: Tensor, p: float = 0.5, training: bool = True,
                  inplace: bool = False) -> Tensor:
