@@ -50,13 +50,16 @@ def gpt2_numels(layers: int, d: int, vocab: int, positions: int) -> list[tuple[s
     return out + [("transformer.ln_f.weight", d), ("transformer.ln_f.bias", d)]
 
 
-def draw(params: list[tuple[str, int]], rank: int, world: int) -> int:
-    drawn = 0
+def shares(params: list[tuple[str, int]], rank: int, world: int):
+    """(name, numel, lo, hi) of each tensor's noise that ``rank`` draws, as the trainer splits it."""
     for index, (name, numel) in enumerate(params):
         lo, hi = block_share(numel, index, rank, world) if world > 1 else (0, numel)
-        if hi > lo:
-            drawn += gaussian_noise(1234, 7, name, numel, lo, hi).numel()
-    return drawn
+        yield name, numel, lo, hi
+
+
+def draw(params: list[tuple[str, int]], rank: int, world: int) -> int:
+    return sum(gaussian_noise(1234, 7, name, numel, lo, hi).numel()
+               for name, numel, lo, hi in shares(params, rank, world))
 
 
 def slowest_rank(params, world: int) -> float:
@@ -83,12 +86,12 @@ def main() -> None:
     worlds = [int(w) for w in args.worlds.split(",")]
     # each rank's shares, and every coordinate once in all (what the trainer relies on)
     for w in worlds:
-        assert sum(draw_count(params, r, w) for r in range(w)) == total
-    shares: dict[int, list[float]] = {w: [] for w in worlds}
+        assert sum(hi - lo for r in range(w) for _, _, lo, hi in shares(params, r, w)) == total
+    share_times: dict[int, list[float]] = {w: [] for w in worlds}
 
     def share_step(w):
         def run():
-            shares[w].append(slowest_rank(params, w))
+            share_times[w].append(slowest_rank(params, w))
         return run
 
     steps = {"all": lambda: draw(params, 0, 1), **{f"share {w}": share_step(w) for w in worlds}}
@@ -101,23 +104,14 @@ def main() -> None:
     result = {"model": args.model, "coordinates": total, "threads": args.threads,
               "all_s": t_all, "commit": git_commit(), "date": now_utc(), "share_s": {},
               "all_over_share": {}}
-    print(f"| W | s per release per rank, before (all) | after (slowest share) | before / after |")
+    print("| W | s per release per rank, before (all) | after (slowest share) | before / after |")
     print("|---|---|---|---|")
     for w in worlds:
-        t_share = median(shares[w][-args.rounds:])
+        t_share = median(share_times[w][-args.rounds:])
         result["share_s"][w] = t_share
         result["all_over_share"][w] = t_all / t_share
         print(f"| {w} | {t_all:.3f} | {t_share:.3f} | {t_all / t_share:.2f} |")
     print(json.dumps(result))
-
-
-def draw_count(params, rank: int, world: int) -> int:
-    """Coordinates ``rank`` draws (no drawing)."""
-    n = 0
-    for index, (_, numel) in enumerate(params):
-        lo, hi = block_share(numel, index, rank, world) if world > 1 else (0, numel)
-        n += hi - lo
-    return n
 
 
 if __name__ == "__main__":

@@ -253,9 +253,14 @@ class Trainer:
         """Z_t for parameter ``name`` (this rank's rows of it when sharded): a pure function of
         (seed, step, name, global coordinate), so the same numbers on any number of ranks."""
         numel, start, end = flat_range(p)  # this rank's coordinates (all of them unsharded)
-        z = gaussian_noise(self._privacy_seed, step, name, numel, start, end,
-                           device=self.device, dtype=self._noise_dtype(p))
+        z = self._noise_flat(step, name, p, numel, start, end)
         return z.view(-1, *p.shape[1:]) if p.dim() else z.view(())
+
+    def _noise_flat(self, step: int, name: str, p: Tensor, numel: int, start: int,
+                    end: int) -> Tensor:
+        """Global flat coordinates ``[start, end)`` of Z_t for parameter ``name``."""
+        return gaussian_noise(self._privacy_seed, step, name, numel, start, end,
+                              device=self.device, dtype=self._noise_dtype(p))
 
     def _autocast(self):
         if self.cfg.performance.dtype == "bfloat16":
@@ -295,27 +300,22 @@ class Trainer:
         with torch.no_grad():
             for index, (name, p) in enumerate(self.named_params):
                 s = acc.pop(name, None)
-                if self.world > 1:  # every rank joins every reduction, even with no examples
-                    if s is None:
-                        s = torch.zeros(p.shape, device=self.device,
-                                        dtype=self.engine._acc_dtype())
-                    if not is_sharded(p):
-                        # replicated: each rank adds its share of Z before the all-reduce,
-                        # which sums the shares into sigma*C*Z once (not drawn W times)
-                        s = s.contiguous()
-                        lo, hi = block_share(s.numel(), index, self.rank, self.world)
-                        if hi > lo:
-                            z = gaussian_noise(self._privacy_seed, step, name, s.numel(), lo,
-                                               hi, device=self.device,
-                                               dtype=self._noise_dtype(p))
-                            s.view(-1)[lo:hi] += (sigma * C * z).to(s.dtype)
-                        noisy = reduce_sum(s, p)
-                        out[name] = as_grad((noisy / b).to(p.dtype), p)
-                        continue
-                    s = reduce_sum(s, p)
-                noisy = sigma * C * self.noise(step, name, p)
-                if s is not None:
-                    noisy = noisy + s
+                if self.world > 1 and s is None:  # every rank joins every reduction
+                    s = torch.zeros(p.shape, device=self.device, dtype=self.engine._acc_dtype())
+                if self.world > 1 and not is_sharded(p):
+                    # replicated: each rank adds its share of Z before the all-reduce, which
+                    # sums the shares into sigma*C*Z once (not drawn W times)
+                    s = s.contiguous()
+                    lo, hi = block_share(s.numel(), index, self.rank, self.world)
+                    z = self._noise_flat(step, name, p, s.numel(), lo, hi)
+                    s.view(-1)[lo:hi] += (sigma * C * z).to(s.dtype)
+                    noisy = reduce_sum(s, p)
+                else:
+                    if self.world > 1:
+                        s = reduce_sum(s, p)
+                    noisy = sigma * C * self.noise(step, name, p)
+                    if s is not None:
+                        noisy = noisy + s
                 out[name] = as_grad((noisy / b).to(p.dtype), p)
         del acc
         loss_sum, count = all_reduce_scalars(loss_sum, count, device=self.device)

@@ -69,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
         if trainer.rank == 0:
             print(f"dptrain train: resumed from {resume_path} at step {trainer.step}",
                   file=sys.stderr)
-        if trainer.rank == 0:
             _drop_metrics_after(out / "metrics.jsonl", trainer.step)
     summary = trainer.run()
     if trainer.rank == 0:  # only rank 0 writes the files, and says so once

@@ -139,12 +139,11 @@ def block_share(numel: int, index: int, rank: int, world: int) -> tuple[int, int
     draws: whole blocks, split as ``torch.chunk`` splits rows, with the ranks rotated by
     ``index`` (the parameter's position) so that one-block parameters do not all land on rank 0.
     For fixed ``numel`` and ``index`` the shares of the ``world`` ranks partition ``[0, numel)``."""
+    from dptrain.parallel.dist import shard_bounds
+
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} out of range for world size {world}")
-    blocks = -(-numel // BLOCK)
-    chunk = -(-blocks // world)
-    b0 = min(((rank + index) % world) * chunk, blocks)
-    b1 = min(b0 + chunk, blocks)
+    b0, b1 = shard_bounds(-(-numel // BLOCK), (rank + index) % world, world)
     return min(b0 * BLOCK, numel), min(b1 * BLOCK, numel)
 
 
