@@ -13,6 +13,7 @@ Everything before the release touches private data; everything after it is post-
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -249,6 +250,24 @@ class Trainer:
         mb = self.cfg.performance.microbatch_size
         return [indices[i:i + mb] for i in range(0, len(indices), mb)]
 
+    def with_views(self, plan: list, step: int, indices: np.ndarray) -> list:
+        """Augmentation multiplicity: every entry of the query plan evaluated at each of the
+        microbatch's K views, with its coefficient divided by K, so that example b's query is
+        the mean over views of what it was (``dptrain.data.augment``). Without augmult, the plan
+        itself."""
+        K = self.task.augmult
+        if not K:
+            return plan
+        views = [functools.partial(self.task.augment, seed=self.cfg.seed, step=step,
+                                   indices=indices, view=k) for k in range(K)]
+        out = []
+        for entry in plan:
+            coef = entry[0]
+            coef = ({n: a / K for n, a in coef.items()} if isinstance(coef, dict) else coef / K)
+            seed = entry[2] if len(entry) > 2 else None
+            out.extend((coef, entry[1], seed, view) for view in views)
+        return out
+
     def noise(self, step: int, name: str, p: Tensor) -> Tensor:
         """Z_t for parameter ``name`` (this rank's rows of it when sharded): a pure function of
         (seed, step, name, global coordinate), so the same numbers on any number of ranks."""
@@ -291,7 +310,8 @@ class Trainer:
                 active = torch.zeros(1, dtype=torch.bool) if phantom else None
                 # dropout masks: a function of (seed, step, state, example), not of the rank
                 with example_dropout(self.model, self.cfg.seed, step, chunk):
-                    stats = self.engine.accumulate(self.task.loss_fn, batch, acc, plan, active)
+                    stats = self.engine.accumulate(self.task.loss_fn, batch, acc,
+                                                   self.with_views(plan, step, chunk), active)
                 loss_sum += stats.loss_sum
                 count += stats.num_examples
         del indices, chunks

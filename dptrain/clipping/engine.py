@@ -53,7 +53,9 @@ LossFn = Callable[[nn.Module, Any], Tensor]
 #: coefficient is a float, or a dict name -> float for per-parameter coefficients (inner
 #: momentum's separate Muon/AdamW histories; a missing name means 0). An optional third element
 #: is a seed for the forward randomness (dropout) of that evaluation, drawn from its own stream
-#: so that the current state's forward consumes the global RNG exactly as without the plan.
+#: so that the current state's forward consumes the global RNG exactly as without the plan. An
+#: optional fourth element is a view, ``view(batch) -> batch`` (same examples, same order): the
+#: entry is evaluated on the views (augmentation multiplicity, ``dptrain.data.augment``).
 Coef = "float | dict[str, float]"
 QueryPlan = list[tuple]
 
@@ -277,19 +279,25 @@ class ClippingEngine:
         B = batch_size_of(batch)
         graphs = []
         loss_total = None  # per-example losses at the current state (display only)
+        current = 0  # entries at the current state (several views: their losses are averaged)
         for j, entry in enumerate(plan):
             coef, state = entry[0], entry[1]
             seed = entry[2] if len(entry) > 2 else None
-            set_dropout_stream(j)  # per-example dropout masks: state j's own stream
+            view = entry[3] if len(entry) > 3 else None
+            inputs = view(batch) if view is not None else batch
+            set_dropout_stream(j)  # per-example dropout masks: entry j's own stream
             targets: list[Tensor] = []
             records: list[_Record] = []
             with self._state(state, seed), self._capture(B, coef, records, targets):
-                losses = loss_fn(self.model, batch)
+                losses = loss_fn(self.model, inputs)
                 if losses.shape != (B,):
                     raise ValueError(f"loss_fn must return per-example losses of shape ({B},), "
                                      f"got {tuple(losses.shape)}")
                 if state is None:
-                    loss_total = losses.detach()
+                    d = losses.detach()
+                    loss_total = d if loss_total is None else loss_total + (d - loss_total) / (
+                        current + 1)
+                    current += 1
                 loss = losses.sum()
                 live = [t for t in targets if t.requires_grad]
                 grads = (torch.autograd.grad(loss, live, allow_unused=True, retain_graph=retain)

@@ -79,6 +79,17 @@ class DataConfig:
     image_size: int | None = None
     """Images are resized to ``image_size`` squared (null: mnist 28, synthetic_images 16,
     webdataset 224)."""
+    augmult: int = 0
+    """Augmentation multiplicity (image datasets; De et al. 2022): each sampled example's query
+    is the mean of its gradients over this many random views (reflect-pad, random crop,
+    horizontal flip), clipped once as ONE query, so epsilon does not change. 0: no
+    augmentation. Each view costs one more forward/backward of the example (see
+    ``dptrain.data.augment``)."""
+    augment_pad: int | None = None
+    """augmult: reflect padding in pixels on each side before the random crop (null:
+    ``image_size // 8``, jax_privacy's 4 at 32 pixels); 0: flips only."""
+    augment_flip: bool = True
+    """augmult: mirror each view horizontally with probability 1/2 (false for digits)."""
 
     def validate(self) -> None:
         if self.max_length is not None and self.max_length < 4:
@@ -102,6 +113,10 @@ class DataConfig:
                                           f"got {self.in_chans}")
         if self.image_size is not None and self.image_size < 4:
             raise ConfigError("image_size", f"must be >= 4, got {self.image_size}")
+        if self.augmult < 0:
+            raise ConfigError("augmult", f"must be >= 0, got {self.augmult}")
+        if self.augment_pad is not None and self.augment_pad < 0:
+            raise ConfigError("augment_pad", f"must be >= 0 or null, got {self.augment_pad}")
 
 
 @dataclass
@@ -116,6 +131,11 @@ class Task:
     loss_fn: Callable
     tokenizer: Any = None
     """LM data: the tokenizer (``encode``, ``decode``, ``encode_pair``, ``eos_id``, ...)."""
+    augmult: int = 0
+    """Views per example of the training query (``data.augmult``; 0: none)."""
+    augment: Callable | None = None
+    """With augmult: ``augment(batch, seed=, step=, indices=, view=)`` -> the batch's
+    ``view``-th views (same examples, same order)."""
 
     def evaluate(self, model, dataset=None, batch_size: int = 32) -> dict:
         from dptrain.data.images import classification_evaluate
@@ -156,7 +176,26 @@ def build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
     if len(task.train) == 0:
         raise ConfigError("data.train_file", f"the training set of {cfg.name} is empty "
                                              f"(a file with only a header?): nothing to train on")
+    if cfg.augmult:
+        _attach_augmult(task, cfg)
     return task
+
+
+def _attach_augmult(task: Task, cfg: DataConfig) -> None:
+    from functools import partial
+
+    from dptrain.data.augment import augment_batch, default_pad
+
+    if task.info.kind != "classification":
+        raise ConfigError("data.augmult", f"augmentation multiplicity is for image datasets; "
+                                          f"{cfg.name} is {task.info.kind} data (set 0)")
+    size = task.info.image_size
+    pad = default_pad(size) if cfg.augment_pad is None else cfg.augment_pad
+    if pad >= size:
+        raise ConfigError("data.augment_pad", f"must be smaller than the image size {size} "
+                                              f"(reflect padding), got {pad}")
+    task.augmult = cfg.augmult
+    task.augment = partial(augment_batch, pad=pad, flip=cfg.augment_flip)
 
 
 def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:

@@ -126,6 +126,9 @@ def classification_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         from dptrain.data.lm import _empty_loss
 
         return _empty_loss(model)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), x.dtype)
+    if dtype == torch.float64:  # performance.dtype=float64: the model is double, images float
+        x = x.to(dtype)
     out = model(x)
     logits = out.logits if hasattr(out, "logits") else out
     return F.cross_entropy(logits.float(), batch["labels"], reduction="none")

@@ -1,0 +1,192 @@
+"""Augmentation multiplicity: each example's query is the mean of its gradients over K views,
+clipped once (De et al. 2022); views are a pure function of (seed, step, view, example)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+
+from dptrain.clipping import ClippingEngine
+from dptrain.config import ConfigError, load
+from dptrain.data import DataConfig, build_data
+from dptrain.data.augment import augment_batch, augment_images, view_offsets
+from dptrain.trainer import RunConfig, Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = ["data.name=synthetic_images", "data.image_size=8", "data.synthetic_train_size=64",
+          "model.name=cnn", "model.channels=[4,8]", "optim.preset=nfresnet",
+          "privacy.accountant=rdp", "privacy.sample_rate=0.25", "privacy.steps=3",
+          "train.progress=false", "train.checkpoint_every=0", "performance.dtype=float64"]
+
+
+def trainer(*overrides: str) -> Trainer:
+    return Trainer(load(RunConfig, ROOT / "configs" / "tiny.yaml", [*IMAGES, *overrides]))
+
+
+def test_views_crop_the_reflect_padded_image_and_flip():
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, 6, 7, dtype=torch.float64)
+    pad = 3
+    dy, dx, flip = view_offsets(1, 2, 0, torch.arange(5), pad)
+    out = augment_images(x, dy, dx, flip, pad)
+    for b in range(5):  # one example at a time, by slicing
+        xp = F.pad(x[b:b + 1], (pad,) * 4, mode="reflect")[0]
+        ref = xp[:, int(dy[b]):int(dy[b]) + 6, int(dx[b]):int(dx[b]) + 7]
+        if flip[b]:
+            ref = ref.flip(-1)
+        assert torch.equal(out[b], ref)
+    # pad 0 without flips is the identity; with flips only mirrored examples change
+    z = torch.zeros(5, dtype=torch.int64)
+    assert torch.equal(augment_images(x, z, z, flip, 0, do_flip=False), x)
+    mirrored = augment_images(x, z, z, flip, 0)
+    for b in range(5):
+        assert torch.equal(mirrored[b], x[b].flip(-1) if flip[b] else x[b])
+
+
+def test_view_draws_are_uniform_and_depend_only_on_seed_step_view_and_example():
+    idx = torch.arange(20000)
+    dy, dx, flip = view_offsets(7, 3, 1, idx, pad=2)
+    for v in (dy, dx):
+        counts = torch.bincount(v, minlength=5)
+        assert len(counts) == 5 and int(counts.min()) > 3700  # 4000 expected each
+    assert 0.48 < float(flip.double().mean()) < 0.52
+    # the same example gets the same view in any batch, in any order
+    some = torch.tensor([19999, 5, 123])
+    got = view_offsets(7, 3, 1, some, pad=2)
+    for a, b in zip(got, (dy, dx, flip)):
+        assert torch.equal(a, b[some])
+    # and other views / steps / seeds differ
+    for other in (view_offsets(7, 3, 2, idx, 2), view_offsets(7, 4, 1, idx, 2),
+                  view_offsets(8, 3, 1, idx, 2)):
+        assert float((other[0] != dy).double().mean()) > 0.7
+
+
+def test_augmult_query_equals_the_clipped_mean_over_views_of_single_example_gradients():
+    """The engine's per-example norms and clipped sum against an explicit reference: every
+    example's gradient at every view (torch.func), averaged, clipped at C, summed; with inner
+    momentum's per-parameter coefficients too (2 states x 3 views)."""
+    import timm
+
+    import dptrain.models.nf_tiny  # noqa: F401
+
+    torch.manual_seed(0)
+    model = timm.create_model("nf_resnet_tiny", num_classes=5, in_chans=3).double()
+    xs = torch.randn(4, 3, 16, 16, dtype=torch.float64)
+    ys = torch.tensor([0, 3, 1, 4])
+    batch = {"images": xs, "labels": ys}
+    indices = np.array([11, 2, 40, 7])
+    K = 3
+    views = [augment_batch(batch, seed=0, step=5, indices=indices, view=k, pad=2)
+             for k in range(K)]
+
+    def loss_batch(m, b):
+        return F.cross_entropy(m(b["images"]), b["labels"], reduction="none")
+
+    def one(p, x, y):
+        return F.cross_entropy(functional_call(model, p, (x[None],)), y[None])
+
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    past = {n: v + 0.05 * torch.randn_like(v) for n, v in params.items()}
+    names = list(params)
+    coef_now = {n: (0.6 if i % 2 else 0.7) for i, n in enumerate(names)}
+    coef_past = {n: 1 - coef_now[n] for n in names}
+
+    def reference(states_coefs, C):
+        total = None
+        for state, coef in states_coefs:
+            for v in views:
+                g = vmap(grad(one), in_dims=(None, 0, 0))(state, v["images"], v["labels"])
+                g = {n: t * (coef[n] / K) for n, t in g.items()}
+                total = g if total is None else {n: total[n] + g[n] for n in g}
+        norms = torch.sqrt(sum(t.flatten(1).pow(2).sum(1) for t in total.values()))
+        lam = torch.clamp(C / norms, max=1.0)
+        return norms, {n: torch.einsum("b...,b->...", t, lam) for n, t in total.items()}
+
+    for plan, ref_states in (
+            ([(1.0, None)], [(params, {n: 1.0 for n in names})]),
+            ([(coef_now, None), (coef_past, past)], [(params, coef_now), (past, coef_past)])):
+        expanded = []
+        for coef, state in plan:
+            c = {n: a / K for n, a in coef.items()} if isinstance(coef, dict) else coef / K
+            expanded += [(c, state, None, (lambda b, k=k: views[k])) for k in range(K)]
+        ref_norms, _ = reference(ref_states, 1.0)
+        C = float(ref_norms.median())  # some examples clipped, some not
+        ref_norms, ref_sums = reference(ref_states, C)
+        for form in ("ghost", "instantiate"):
+            eng = ClippingEngine(model, clip_norm=C, ghost=form)
+            torch.testing.assert_close(eng.per_example_norms(loss_batch, batch, expanded),
+                                       ref_norms, rtol=1e-9, atol=1e-12)
+            acc: dict = {}
+            eng.accumulate(loss_batch, batch, acc, expanded)
+            for n in ref_sums:
+                torch.testing.assert_close(acc[n], ref_sums[n], rtol=1e-8, atol=1e-11)
+        # the un-augmented query differs: the views are really used
+        plain = ClippingEngine(model).per_example_norms(loss_batch, batch, plan)
+        assert not torch.allclose(plain, ref_norms)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), params[n])
+
+
+def test_trainer_plan_has_k_views_per_state_with_coefficients_over_k():
+    t = trainer("data.augmult=3")
+    plan = t.with_views([(1.0, None), ({"a": 0.3}, {"a": torch.zeros(1)}, 17)], 4, np.arange(2))
+    assert len(plan) == 6
+    assert [e[0] for e in plan[:3]] == [1 / 3] * 3 and plan[3][0] == {"a": 0.3 / 3}
+    assert [e[2] for e in plan] == [None] * 3 + [17] * 3
+    batch = t.task.train.collate(np.arange(2))
+    imgs = [e[3](batch)["images"] for e in plan[:3]]
+    assert not torch.equal(imgs[0], imgs[1])
+    assert torch.equal(plan[3][3](batch)["images"], imgs[0])  # same views at every state
+    assert trainer().with_views([(1.0, None)], 0, np.arange(2)) == [(1.0, None)]
+
+
+def test_augmult_release_is_the_same_in_any_microbatching_and_has_sensitivity_c():
+    a, b = trainer("data.augmult=2", "performance.microbatch_size=64"), \
+        trainer("data.augmult=2", "performance.microbatch_size=5")
+    ra, _ = a.release(0)
+    rb, _ = b.release(0)
+    for n in ra:
+        torch.testing.assert_close(ra[n], rb[n], rtol=1e-10, atol=1e-12)
+    # adding one example changes the clipped sum of the augmult query by at most C
+    t = trainer("data.augmult=4", "privacy.clip_norm=0.01")
+    plan = t.optimizer.query_plan()
+    s0, s1 = {}, {}
+    for n, acc in ((8, s0), (9, s1)):
+        idx = np.arange(n)
+        t.engine.accumulate(t.task.loss_fn, t.task.train.collate(idx), acc,
+                            t.with_views(plan, 0, idx))
+    diff = torch.sqrt(sum((s1[n] - s0[n]).pow(2).sum() for n in s1))
+    assert 0.01 * 0.5 < float(diff) <= 0.01 * (1 + 1e-9)
+
+
+def test_augmult_run_trains_and_epsilon_does_not_depend_on_k(tmp_path):
+    runs = {}
+    for k in (0, 2):
+        t = Trainer(load(RunConfig, ROOT / "configs" / "tiny.yaml",
+                         [*IMAGES, f"data.augmult={k}"]), tmp_path / str(k))
+        runs[k] = t.run()
+    assert runs[0]["epsilon"] == runs[2]["epsilon"]
+    assert runs[0]["noise_multiplier"] == runs[2]["noise_multiplier"]
+    assert runs[0]["test_loss"] != runs[2]["test_loss"]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["data.augmult=-1"], "data.augmult"),
+    (["data.augment_pad=-2"], "data.augment_pad"),
+    (["data.augmult=2", "data.augment_pad=8"], "data.augment_pad"),
+])
+def test_bad_augmult_settings_name_the_field(overrides, field):
+    with pytest.raises(ConfigError) as e:
+        trainer(*overrides)
+    assert e.value.field == field
+
+
+def test_augmult_on_text_is_refused():
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="synthetic_lm", augmult=2))
+    assert e.value.field == "data.augmult"
