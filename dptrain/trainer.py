@@ -85,6 +85,19 @@ class RunConfig:
             raise ConfigError("seed", f"must be in [0, 2**63), got {self.seed}")
 
 
+def _copy_tied(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A copy of a state dict in which names sharing one tensor (tied weights) still do."""
+    copies: dict[tuple, Tensor] = {}
+    out = {}
+    for k, v in state.items():  # detach() makes a new tensor per name: key by the memory
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape),
+               tuple(v.stride()), v.dtype)
+        if key not in copies:
+            copies[key] = v.clone()
+        out[k] = copies[key]
+    return out
+
+
 def resolve_device(perf: PerformanceConfig) -> torch.device:
     if perf.device == "cpu" or (perf.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -367,6 +380,17 @@ class Trainer:
         return ledger_epsilon(self.ledger, self.plan.delta, self.plan.accountant)
 
     def evaluate(self) -> dict:
+        """Test metrics of the model; with a parameter EMA (``optim.ema_decay``), of the average,
+        and of the last iterate as ``last_iterate_*``."""
+        ema = self.optimizer.ema
+        metrics = self._evaluate()
+        if ema is None:
+            return metrics
+        with ema.swapped_in():
+            averaged = self._evaluate()
+        return {**averaged, **{f"last_iterate_{k}": v for k, v in metrics.items()}}
+
+    def _evaluate(self) -> dict:
         self.model.eval()
         try:
             metrics = self.task.evaluate(self.model, self.task.test, self.cfg.train.eval_batch_size)
@@ -463,8 +487,16 @@ class Trainer:
             "config": to_dict(self.cfg),
         }
         state = self.full_state_dict()  # collective under sharding: every rank takes part
+        averaged = None
+        if self.optimizer.ema is not None:
+            with self.optimizer.ema.swapped_in():  # copies: on CPU the dict holds the params
+                averaged = _copy_tied(self.full_state_dict())
         if out is not None and main:
-            self.export(out / "final", state)
+            if averaged is not None:  # the evaluated model is the average
+                self.export(out / "final", averaged)
+                self.export(out / "final", state, "last_iterate.safetensors")
+            else:
+                self.export(out / "final", state)
             tmp = out / "summary.json.tmp"
             tmp.write_text(json.dumps(summary, indent=2, default=str))
             os.replace(tmp, out / "summary.json")
@@ -490,7 +522,8 @@ class Trainer:
             return state
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
-    def export(self, directory: Path, state: dict[str, Tensor] | None = None) -> None:
+    def export(self, directory: Path, state: dict[str, Tensor] | None = None,
+               filename: str = "model.safetensors") -> None:
         """The full, unsharded model: ``model.safetensors`` (tied tensors stored once)."""
         from safetensors.torch import _remove_duplicate_names, save_file
 
@@ -504,6 +537,6 @@ class Trainer:
             drop.update(sorted([kept, *removed], key=order.__getitem__)[1:])
         tensors = {k: v.contiguous() for k, v in state.items() if k not in drop}
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / "model.safetensors.tmp"
+        tmp = directory / f"{filename}.tmp"
         save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, directory / "model.safetensors")
+        os.replace(tmp, directory / filename)

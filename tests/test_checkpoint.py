@@ -30,11 +30,11 @@ def _cfg(overrides):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["model.dropout=0.1", "optim.schedule=linear"],
+    ["model.dropout=0.1", "optim.schedule=linear", "optim.ema_decay=0.8"],
     ["optim.inner_momentum.k_muon=2", "optim.inner_momentum.k_other=2",
      "optim.inner_momentum.gamma_muon=0.9", "optim.filter.name=doppler"],
     ["optim.name=muon_bc", "optim.filter.name=disk", "optim.schedule=cosine"],
-], ids=["dropout+linear_lr", "im_k2+doppler", "muon_bc+disk+cosine"])
+], ids=["dropout+linear_lr+ema", "im_k2+doppler", "muon_bc+disk+cosine"])
 def test_resume_continues_bit_for_bit(tmp_path, overrides):
     ref = Trainer(_cfg(["train.checkpoint_every=0", *overrides]), tmp_path / "ref")
     for _ in range(4):
@@ -57,6 +57,10 @@ def test_resume_continues_bit_for_bit(tmp_path, overrides):
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+    if ref.optimizer.ema is not None:  # the parameter average continues as well
+        assert second.optimizer.ema.count == ref.optimizer.ema.count == 4
+        for k, v in ref.optimizer.ema.values.items():
+            assert torch.equal(second.optimizer.ema.values[k], v), k
 
 
 def _finished_run(tmp_path, capsys, *extra) -> Path:

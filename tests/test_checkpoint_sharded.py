@@ -19,7 +19,8 @@ TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 ARGS = ["train.progress=false", "privacy.steps=4", "train.checkpoint_every=2",
         "optim.inner_momentum.k_muon=2", "optim.inner_momentum.k_other=2",
         "optim.inner_momentum.gamma_muon=0.9", "performance.sharding=fsdp",
-        "model.dropout=0.1"]  # per-example dropout masks: world-size invariant
+        "model.dropout=0.1",  # per-example dropout masks: world-size invariant
+        "optim.ema_decay=0.8"]
 
 
 def _trainer(out: str):
@@ -30,7 +31,11 @@ def _trainer(out: str):
 
 
 def _full(t) -> dict:
-    return {k: v.clone() for k, v in t.full_state_dict().items()}
+    """The whole model, and the parameter EMA (gathered the same way) under ``ema/``."""
+    out = {k: v.clone() for k, v in t.full_state_dict().items()}
+    with t.optimizer.ema.swapped_in():
+        out.update({f"ema/{k}": v.clone() for k, v in t.full_state_dict().items()})
+    return out
 
 
 def _save_at_2_then_finish(rank: int, world: int, out: str) -> dict:
@@ -96,7 +101,7 @@ def test_dcp_checkpoint_each_rank_writes_its_part_and_reshards(tmp_path):
     ref = _trainer(str(tmp_path / "ref"))
     for _ in range(4):
         ref.private_step()
-    want = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+    want = _full(ref)
 
     # 2 ranks write a DCP checkpoint at step 2 and run on to step 4
     two = spawn(_save_at_2_then_finish, 2, str(tmp_path / "a"))[0]
@@ -116,6 +121,8 @@ def test_dcp_checkpoint_each_rank_writes_its_part_and_reshards(tmp_path):
     # assembled in one process: full, plain tensors, the history included
     state = ckpt.read(path)
     assert state["optimizer"]["history"]["states"]
+    assert state["optimizer"]["ema"]["count"] == 2
+    assert state["optimizer"]["ema"]["values"].keys() == {n for n, _ in ref.named_params}
     n_muon = 0
     for osd in state["optimizer"]["optimizers"]:
         for idx, st in osd["state"].items():
@@ -125,7 +132,7 @@ def test_dcp_checkpoint_each_rank_writes_its_part_and_reshards(tmp_path):
                 if k == "momentum_buffer" and v.dim() == 2:
                     n_muon += 1
     assert n_muon > 0
-    assert state["model"].keys() == want.keys()
+    assert state["model"].keys() == {k for k in want if not k.startswith("ema/")}
     for k, v in state["model"].items():
         assert tuple(v.shape) == tuple(want[k].shape), k
     assert torch.equal(state["model"]["lm_head.weight"], state["model"]["transformer.wte.weight"])

@@ -231,7 +231,8 @@ def _walk(obj, p, fn, by_name):
 
 def _map_optimizer(trainer, sd: dict, fn_opt, fn_other) -> dict:
     """Apply ``fn_opt(i_opt, v, p)`` to torch-optimizer state tensors and ``fn_other(v, p)`` to
-    filter and history tensors (p: the parameter the tensor belongs to, found by name/index)."""
+    filter, history and EMA tensors (p: the parameter the tensor belongs to, found by name or
+    index)."""
     by_name, opt_params = _param_maps(trainer)
     out = dict(sd)
     out["optimizers"] = []
@@ -242,7 +243,7 @@ def _map_optimizer(trainer, sd: dict, fn_opt, fn_other) -> dict:
                        for k, v in sorted(st.items())}
                  for idx, st in sorted(osd["state"].items())}
         out["optimizers"].append({**osd, "state": state})
-    for key in ("filter", "history"):
+    for key in ("filter", "history", "ema"):
         if sd.get(key) is not None:
             out[key] = _walk(sd[key], None, fn_other, by_name)
     return out

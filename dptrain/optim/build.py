@@ -18,6 +18,7 @@ from dptrain.config import ConfigError, validate_tree
 from dptrain.optim.config import OptimConfig
 from dptrain.optim.filters import Filter, QueryPlan, build_filter
 from dptrain.optim.groups import PRESETS, ParamGroupConfig, ResolvedGroup, resolve_groups
+from dptrain.optim.ema import ParameterEMA
 from dptrain.optim.inner_momentum import InnerMomentumHistory
 from dptrain.optim.optimizers import Runtime, construct
 from dptrain.optim.schedules import lr_factor
@@ -50,6 +51,7 @@ class DPOptimizer:
                               warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
         self.num_steps = 0
         self.history: InnerMomentumHistory | None = None
+        self.ema: ParameterEMA | None = None
         self._set_lrs()
 
     def _factor(self) -> float:
@@ -87,6 +89,8 @@ class DPOptimizer:
                 group["noise_gain"] = gain
             opt.step()
         self.num_steps += 1
+        if self.ema is not None:
+            self.ema.update(self.num_steps)
         self._set_lrs()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -95,13 +99,15 @@ class DPOptimizer:
 
     def state_dict(self) -> dict:
         """Everything needed to continue bit for bit: step count (schedule position), every
-        optimizer's state (momenta, Adam moments, power vectors, MuonBC's probe step), filter."""
+        optimizer's state (momenta, Adam moments, power vectors, MuonBC's probe step), filter,
+        inner momentum's history, the parameter EMA."""
         return {
             "num_steps": self.num_steps,
             "groups": [[g.label, [n for n, _ in g.named_params]] for g in self.groups],
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "filter": self.filter.state_dict(),
             "history": self.history.state_dict() if self.history is not None else None,
+            "ema": self.ema.state_dict() if self.ema is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -115,6 +121,8 @@ class DPOptimizer:
         self.filter.load_state_dict(state["filter"])
         if self.history is not None:
             self.history.load_state_dict(state["history"])
+        if self.ema is not None:  # a checkpoint from before EMA existed or was on: restart
+            self.ema.load_state_dict(state.get("ema"))
         self.num_steps = int(state["num_steps"])
         self._set_lrs()
 
@@ -181,6 +189,8 @@ def build_optimizer(
         muon = {n for g in groups if g.config.optimizer in MUON_FAMILY for n, _ in g.named_params}
         _check_im_has_parameters(cfg, muon, len(named_params) - len(muon))
         opt.history = InnerMomentumHistory(cfg.inner_momentum, named_params, muon, seed)
+    if cfg.ema_decay > 0:
+        opt.ema = ParameterEMA(named_params, cfg.ema_decay, cfg.ema_start_step)
     return opt
 
 

@@ -110,6 +110,13 @@ class OptimConfig:
     inner_momentum: InnerMomentumConfig = field(default_factory=InnerMomentumConfig)
     """DP-Muon-IM: each example's query averages its gradient over the current and up to K
     past models before clipping (separate histories for Muon and other parameters)."""
+    ema_decay: float = 0.0
+    """Exponential moving average of the parameters (bias-corrected, ``dptrain.optim.ema``):
+    evaluation and the exported ``final/model.safetensors`` use the average; the last iterate
+    is evaluated too (``last_iterate_*``) and exported as ``final/last_iterate.safetensors``.
+    0: off. De et al. 2022 use 0.9999 and up. Post-processing: no privacy cost."""
+    ema_start_step: int = 0
+    """Steps before the average starts (until then it equals the parameters)."""
 
     def main_options(self) -> dict[str, Any]:
         """The top-level options that are set, as keyword arguments of the ``name`` optimizer."""
@@ -140,6 +147,10 @@ class OptimConfig:
             raise ConfigError("warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError("ema_decay", f"must be in [0, 1), got {self.ema_decay}")
+        if self.ema_start_step < 0:
+            raise ConfigError("ema_start_step", f"must be >= 0, got {self.ema_start_step}")
         if self.inner_momentum.enabled and self.filter.name == "disk":
             raise ConfigError("inner_momentum", "cannot be combined with the DiSK filter (both "
                                                 "define the query's evaluation points)")

@@ -1,0 +1,82 @@
+"""Parameter EMA (optim.ema_decay): bias-corrected average of the iterates, post-processing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dptrain.config import ConfigError, load
+from dptrain.optim.ema import ParameterEMA
+from dptrain.trainer import RunConfig, Trainer
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+FAST = ["train.progress=false", "train.checkpoint_every=0", "privacy.steps=5"]
+
+
+def test_average_is_the_decay_weighted_mean_of_the_iterates_after_the_start():
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    ema = ParameterEMA([("w", p)], decay=0.7, start_step=2)
+    thetas = [torch.randn(3, dtype=torch.float64) for _ in range(6)]
+    for step, th in enumerate(thetas, start=1):
+        with torch.no_grad():
+            p.copy_(th)
+        ema.update(step)
+        if step <= 2:  # before the start it follows the parameters
+            assert torch.equal(ema.values["w"], th)
+            continue
+        used = thetas[2:step]  # iterates after the start step
+        w = torch.tensor([0.7 ** (len(used) - 1 - s) for s in range(len(used))],
+                         dtype=torch.float64)
+        want = sum(wi * t for wi, t in zip(w, used)) / w.sum()
+        torch.testing.assert_close(ema.values["w"], want, rtol=1e-12, atol=1e-14)
+    # swapped in for a block, restored afterwards
+    with ema.swapped_in():
+        assert torch.equal(p.detach(), ema.values["w"])
+    assert torch.equal(p.detach(), thetas[-1])
+
+
+def test_ema_is_post_processing_and_the_run_reports_and_exports_both_models(tmp_path):
+    plain = Trainer(load(RunConfig, TINY, FAST), tmp_path / "plain")
+    s0 = plain.run()
+    t = Trainer(load(RunConfig, TINY, [*FAST, "optim.ema_decay=0.6"]), tmp_path / "ema")
+    s1 = t.run()
+    # the iterates (and so the privacy mechanism, epsilon, the last iterate's metrics) are
+    # those of the run without EMA
+    for (n, a), (_, b) in zip(plain.model.named_parameters(), t.model.named_parameters()):
+        assert torch.equal(a, b), n
+    assert s0["epsilon"] == s1["epsilon"]
+    assert s1["test_last_iterate_nll_per_token"] == pytest.approx(s0["test_nll_per_token"],
+                                                                  rel=1e-12)
+    assert s1["test_nll_per_token"] != s0["test_nll_per_token"]  # the average: another model
+    final = tmp_path / "ema" / "final"
+    averaged = load_file(str(final / "model.safetensors"))
+    last = load_file(str(final / "last_iterate.safetensors"))
+    for n, p in t.model.named_parameters():
+        assert torch.equal(last[n], p.detach()), n
+        assert torch.equal(averaged[n], t.optimizer.ema.values[n]), n
+    assert t.optimizer.ema.count == 5
+    assert not (tmp_path / "plain" / "final" / "last_iterate.safetensors").exists()
+
+
+@pytest.mark.parametrize("override, field", [("optim.ema_decay=1.0", "optim.ema_decay"),
+                                             ("optim.ema_decay=-0.1", "optim.ema_decay"),
+                                             ("optim.ema_start_step=-1", "optim.ema_start_step")])
+def test_bad_ema_settings_name_the_field(override, field):
+    with pytest.raises(ConfigError) as e:
+        Trainer(load(RunConfig, TINY, [*FAST, override]))
+    assert e.value.field == field
+
+
+def test_exported_average_keeps_gpt2_tied_weights_stored_once(tmp_path):
+    from safetensors import safe_open
+
+    t = Trainer(load(RunConfig, TINY, [*FAST, "privacy.steps=2", "optim.ema_decay=0.5"]),
+                tmp_path)
+    t.run()
+    for name in ("model.safetensors", "last_iterate.safetensors"):
+        with safe_open(str(tmp_path / "final" / name), "pt") as f:
+            keys = set(f.keys())
+        assert "transformer.wte.weight" in keys and "lm_head.weight" not in keys, name
