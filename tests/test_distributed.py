@@ -92,8 +92,10 @@ def test_dp_muon_im_k2_gpt2_with_dropout_same_on_1_and_2_ranks():
     _check(IM + ["model.dropout=0.1"], [(2, "fsdp")])
 
 
-def test_dp_muon_nf_resnet_same_on_1_and_2_ranks():
-    _check(NF, [(2, "fsdp")])
+def test_dp_muon_nf_resnet_with_augmult_same_on_1_and_2_ranks():
+    # augmentation multiplicity: each example's views are a function of (seed, step, view,
+    # example), not of the rank that processes it
+    _check(NF + ["data.augmult=2"], [(2, "fsdp")])
 
 
 def test_ranks_with_an_empty_share_neither_hang_nor_skip_the_release():
