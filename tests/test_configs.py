@@ -115,9 +115,12 @@ def test_optimizer_kwargs_are_typed_and_checked_like_the_top_level_options():
         assert e.value.field == field, override
 
 
-def test_imagenet_config_trains_on_webdataset_shards(tmp_path):
-    """The ImageNet config's data, model and optimizer path end to end, on 12 generated JPEG
-    shards at 32 px (ImageNet itself is not on these machines): one private step, then top-1."""
+@pytest.mark.parametrize("name", ["imagenet_nf_resnet50.yaml",
+                                  "imagenet_nf_resnet50_de2022.yaml"])
+def test_imagenet_config_trains_on_webdataset_shards(tmp_path, name):
+    """The ImageNet configs' data, model, augmult, optimizer and EMA path end to end, on 12
+    generated JPEG shards at 32 px (ImageNet itself is not on these machines): one private
+    step, then top-1 of the average and of the last iterate."""
     import io
     import json
 
@@ -138,7 +141,7 @@ def test_imagenet_config_trains_on_webdataset_shards(tmp_path):
                          "cls": str(int(rng.integers(0, 1000))).encode()})
     out = tmp_path / "run"
     code = main(["train", "--config", str(Path(__file__).resolve().parents[1] / "configs" /
-                                          "imagenet_nf_resnet50.yaml"),
+                                          name),
                  "--output-dir", str(out), f"data.path={tmp_path}", "data.image_size=32",
                  "privacy.sample_rate=0.5", "privacy.steps=1", "performance.dtype=float32",
                  "performance.microbatch_size=4", "performance.num_threads=1",
@@ -148,3 +151,7 @@ def test_imagenet_config_trains_on_webdataset_shards(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 1 and 0 < summary["epsilon"] <= 8.0
     assert 0.0 <= summary["metrics"]["accuracy"] <= 1.0
+    assert 0.0 <= summary["metrics"]["last_iterate_accuracy"] <= 1.0
+    cfg = summary["config"]
+    assert cfg["data"]["augmult"] == 4 and cfg["optim"]["ema_decay"] > 0.99
+    assert (out / "final" / "last_iterate.safetensors").is_file()
