@@ -8,6 +8,7 @@ and CPU smoke tests of the GPU script's Python parts (bench/gpu_check.py --tiny 
   gives exactly the numbers of one full draw (what makes a release world-size invariant); CUDA's
   numbers differ from CPU's (different generators), both standard normal;
 - a bf16 autocast private step (performance.dtype=bfloat16) runs on CUDA and stays finite;
+- augmentation views on CUDA equal CPU's; an NF-ResNet run with augmult and EMA on CUDA;
 - the whole trainer on CUDA in float32 and the same run on CPU agree up to the noise, which
   differs by device: with sigma = 0 the parameters match.
 """
@@ -116,6 +117,30 @@ def test_dropout_masks_on_cuda_equal_cpu():
             masks.append(F.dropout(torch.ones(3, 4, 16, 16, device=dev), 0.1,
                                    training=True).cpu())
     assert torch.equal(masks[0], masks[1])
+
+
+@pytest.mark.gpu
+@cuda
+def test_augmult_views_on_cuda_equal_cpu_and_an_image_run_with_views_and_ema_trains():
+    """The views' hash and crop/flip indexing on CUDA give the CPU's images; an NF-ResNet run
+    with augmult 2 and a parameter EMA takes its steps on CUDA and evaluates both models."""
+    from dptrain.data.augment import augment_images, view_offsets
+
+    x = torch.randn(6, 3, 16, 16)
+    views = []
+    for dev in ("cpu", "cuda"):
+        dy, dx, flip = view_offsets(3, 9, 1, torch.arange(10, 16), 2, device=dev)
+        views.append(augment_images(x.to(dev), dy, dx, flip, 2).cpu())
+    assert torch.equal(views[0], views[1])
+    t = _trainer("performance.device=cuda", "privacy.steps=2", "model.name=timm",
+                 "model.timm_name=nf_resnet_tiny", "data.name=synthetic_images",
+                 "data.image_size=16", "optim.preset=nfresnet", "data.augmult=2",
+                 "optim.ema_decay=0.9")
+    while t.step < t.plan.steps:
+        t.private_step()
+    metrics = t.evaluate()
+    assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["last_iterate_loss"])
+    assert t.optimizer.ema.count == 2
 
 
 @pytest.mark.gpu
