@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if trainer.rank == 0:  # only rank 0 writes the files, and says so once
         ckpt.export_hf(trainer, out / "final")
         metrics = ", ".join(f"{k} {v:.4g}" for k, v in summary["metrics"].items()
-                            if isinstance(v, (int, float)))
+                            if isinstance(v, (int, float)) and k != "last_iterate_examples")
         print(f"done: {summary['steps']} steps, epsilon {summary['epsilon']:.3f} "
               f"(delta {summary['delta']:.3g}), {metrics}; wrote {out}/summary.json")
     return 0
