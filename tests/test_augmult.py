@@ -190,3 +190,14 @@ def test_augmult_on_text_is_refused():
     with pytest.raises(ConfigError) as e:
         build_data(DataConfig(name="synthetic_lm", augmult=2))
     assert e.value.field == "data.augmult"
+
+
+def test_reported_training_loss_is_the_mean_over_views():
+    t = trainer("data.augmult=3")
+    idx = np.arange(5)
+    batch = t.task.train.collate(idx)
+    plan = t.with_views(t.optimizer.query_plan(), 2, idx)
+    stats = t.engine.accumulate(t.task.loss_fn, batch, {}, plan)
+    with torch.no_grad():
+        want = sum(float(t.task.loss_fn(t.model, e[3](batch)).sum()) for e in plan) / 3
+    assert stats.loss_sum == pytest.approx(want, rel=1e-6)  # float32 losses

@@ -295,8 +295,7 @@ class ClippingEngine:
                                      f"got {tuple(losses.shape)}")
                 if state is None:
                     d = losses.detach()
-                    loss_total = d if loss_total is None else loss_total + (d - loss_total) / (
-                        current + 1)
+                    loss_total = d if loss_total is None else loss_total + d
                     current += 1
                 loss = losses.sum()
                 live = [t for t in targets if t.requires_grad]
@@ -318,6 +317,8 @@ class ClippingEngine:
             del records
             if retain:
                 graphs.append((coef, state, seed, losses))
+        if current > 1:
+            loss_total = loss_total / current
         return graphs, loss_total
 
     def _contributions(self, records: list[_Record]) -> dict[str, list[Contribution]]:
