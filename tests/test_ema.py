@@ -80,3 +80,22 @@ def test_exported_average_keeps_gpt2_tied_weights_stored_once(tmp_path):
         with safe_open(str(tmp_path / "final" / name), "pt") as f:
             keys = set(f.keys())
         assert "transformer.wte.weight" in keys and "lm_head.weight" not in keys, name
+
+
+def test_resume_that_turns_ema_on_starts_the_average_at_the_resumed_parameters(tmp_path):
+    from dptrain import checkpoint as ckpt
+
+    first = Trainer(load(RunConfig, TINY, FAST), tmp_path)
+    first.private_step()
+    first.private_step()
+    ckpt.save(first, tmp_path)
+    second = Trainer(load(RunConfig, TINY, [*FAST, "optim.ema_decay=0.5"]), tmp_path)
+    ckpt.load(second, ckpt.find_latest(tmp_path))
+    ema = second.optimizer.ema
+    assert ema.count == 0
+    for n, p in second.named_params:
+        assert torch.equal(ema.values[n], p.detach()), n
+    second.private_step()  # the first averaged step: w_1 = 1, the average is the iterate
+    assert ema.count == 1
+    for n, p in second.named_params:
+        assert torch.equal(ema.values[n], p.detach()), n
