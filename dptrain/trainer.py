@@ -85,19 +85,6 @@ class RunConfig:
             raise ConfigError("seed", f"must be in [0, 2**63), got {self.seed}")
 
 
-def _copy_tied(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A copy of a state dict in which names sharing one tensor (tied weights) still do."""
-    copies: dict[tuple, Tensor] = {}
-    out = {}
-    for k, v in state.items():  # detach() makes a new tensor per name: key by the memory
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape),
-               tuple(v.stride()), v.dtype)
-        if key not in copies:
-            copies[key] = v.clone()
-        out[k] = copies[key]
-    return out
-
-
 def resolve_device(perf: PerformanceConfig) -> torch.device:
     if perf.device == "cpu" or (perf.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -486,17 +473,16 @@ class Trainer:
             "train_seconds": time.time() - start,
             "config": to_dict(self.cfg),
         }
+        ema = self.optimizer.ema
+        if ema is not None:  # the evaluated model, the average, is the exported one
+            with ema.swapped_in():  # written inside: on CPU the state dict holds the parameters
+                averaged = self.full_state_dict()  # collective under sharding
+                if out is not None and main:
+                    self.export(out / "final", averaged)
         state = self.full_state_dict()  # collective under sharding: every rank takes part
-        averaged = None
-        if self.optimizer.ema is not None:
-            with self.optimizer.ema.swapped_in():  # copies: on CPU the dict holds the params
-                averaged = _copy_tied(self.full_state_dict())
         if out is not None and main:
-            if averaged is not None:  # the evaluated model is the average
-                self.export(out / "final", averaged)
-                self.export(out / "final", state, "last_iterate.safetensors")
-            else:
-                self.export(out / "final", state)
+            self.export(out / "final", state,
+                        "model.safetensors" if ema is None else "last_iterate.safetensors")
             tmp = out / "summary.json.tmp"
             tmp.write_text(json.dumps(summary, indent=2, default=str))
             os.replace(tmp, out / "summary.json")

@@ -63,6 +63,19 @@ QueryPlan = list[tuple]
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _to_float(v: Any) -> Any:
+    """Half tensors (autocast's captures) as float32, inside dicts and tuples too (the torch.func
+    fallback keeps its layer's inputs as a tuple, the conv rules nest the fallback's dict): the
+    engine's arithmetic runs at float32 whatever the forward's precision."""
+    if isinstance(v, Tensor):
+        return v.float() if v.dtype in _HALF else v
+    if isinstance(v, dict):
+        return {k: _to_float(x) for k, x in v.items()}
+    if isinstance(v, tuple):
+        return tuple(_to_float(x) for x in v)
+    return v
+
+
 def batch_size_of(batch: Any) -> int:
     if isinstance(batch, Tensor):
         return batch.shape[0]
@@ -326,11 +339,8 @@ class ClippingEngine:
         for rec in records:
             if rec.G is None:  # the layer's output did not reach the loss
                 continue
-            G = rec.G
-            if G.dtype in (torch.float16, torch.bfloat16):
-                G = G.float()
-            rec.saved = {k: (v.float() if isinstance(v, Tensor) and v.dtype in _HALF else v)
-                         for k, v in rec.saved.items()}
+            G = _to_float(rec.G)
+            rec.saved = _to_float(rec.saved)
             for attr, c in rec.rule.contributions(rec.module, rec.saved, G).items():
                 p = rec.module._parameters[attr]
                 if p is None or not p.requires_grad:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import warnings
 from typing import Callable
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -150,9 +149,6 @@ class LayerNormRule(LayerRule):
 # torch.func fallback for any other layer with direct parameters
 
 
-_HALF = (torch.float16, torch.bfloat16)
-
-
 class FuncFallbackRule(LayerRule):
     """Per-example gradients of an unsupported layer's own parameters with torch.func: one
     vmapped VJP of the layer's forward per example, from the captured input and output grad.
@@ -168,10 +164,7 @@ class FuncFallbackRule(LayerRule):
         from torch.func import functional_call, vjp, vmap
 
         params = saved["params"]
-        # under bf16/fp16 autocast the captured inputs are half; the engine's own arithmetic
-        # runs without autocast at G's precision (the layer's parameters are not half)
-        args = tuple(a.to(G.dtype) if isinstance(a, Tensor) and a.dtype in _HALF else a
-                     for a in saved["args"])
+        args = saved["args"]  # half captures arrive as float32 (the engine's _to_float)
         batched = [isinstance(a, Tensor) for a in args]
 
         def one(g, *example_args):
