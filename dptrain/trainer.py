@@ -235,6 +235,8 @@ class Trainer:
             transposed=transposed_weights(self.model))
         self.ledger = Ledger()
         self.step = 0
+        #: gradient canaries of an empirical audit (``dptrain audit``); None in a normal run
+        self.audit = None
 
     # ---------------------------------------------------------------------------------- mechanism
 
@@ -315,6 +317,9 @@ class Trainer:
                 loss_sum += stats.loss_sum
                 count += stats.num_examples
         del indices, chunks
+        if self.audit is not None and self.rank == 0:  # once in all: the sums are reduced below
+            self.audit.insert(acc, step, {n: p.shape for n, p in self.named_params},
+                              dtype=self.engine._acc_dtype(), device=self.device)
         sigma, C, b = self.plan.noise_multiplier, self.plan.clip_norm, self.plan.denominator
         out = {}
         with torch.no_grad():
@@ -336,6 +341,9 @@ class Trainer:
                     noisy = sigma * C * self.noise(step, name, p)
                     if s is not None:
                         noisy = noisy + s
+                if self.audit is not None and (self.rank == 0 or is_sharded(p)):
+                    _, lo, hi = flat_range(p)  # a replicated release is read on rank 0 only
+                    self.audit.observe(name, noisy, lo, hi)
                 out[name] = as_grad((noisy / b).to(p.dtype), p)
         del acc
         loss_sum, count = all_reduce_scalars(loss_sum, count, device=self.device)

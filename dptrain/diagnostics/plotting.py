@@ -9,7 +9,7 @@ from torch import Tensor
 
 from dptrain.diagnostics.geometry import singular_values
 
-__all__ = ["plot_spectra"]
+__all__ = ["plot_audit_scores", "plot_spectra"]
 
 
 def plot_spectra(
@@ -42,6 +42,30 @@ def plot_spectra(
     ax.set_ylabel("sigma_i / sigma_1" if normalize else "sigma_i")
     ax.set_title(title or "Singular-value spectra")
     ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+def plot_audit_scores(scores, included, path: str | Path, *, title: str | None = None) -> Path:
+    """Write a PNG with the histograms of the included and the excluded canaries' scores
+    (``dptrain audit``): the further apart, the more the releases reveal about a canary."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    scores = np.asarray(scores, dtype=np.float64)
+    included = np.asarray(included, dtype=bool)
+    fig = Figure(figsize=(6.4, 4.4), dpi=100)
+    ax = fig.add_subplot(1, 1, 1)
+    bins = np.histogram_bin_edges(scores, bins=min(60, max(10, scores.size // 20)))
+    ax.hist(scores[~included], bins=bins, alpha=0.6, label=f"excluded ({int((~included).sum())})")
+    ax.hist(scores[included], bins=bins, alpha=0.6, label=f"included ({int(included.sum())})")
+    ax.set_xlabel("score / (sigma C sqrt(T))")
+    ax.set_ylabel("canaries")
+    ax.set_title(title or "Canary scores")
     ax.legend()
     fig.tight_layout()
     path = Path(path)

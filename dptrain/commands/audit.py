@@ -1,0 +1,140 @@
+"""``dptrain audit``: an empirical lower bound on a run's epsilon, from one training run with
+gradient canaries (``dptrain.privacy.audit``).
+
+    dptrain audit --config PATH [--canaries M] [--confidence P] [--audit-seed S]
+                  [--output FILE.json] [--plot FILE.png] [--force] [key.sub=value ...]
+
+Trains the config's run (every planned release, the same mechanism, on any number of ranks)
+with M Dirac gradient canaries in its sums, scores each canary from the releases, and prints the
+measured lower bound next to the accountant's epsilon. Exit status 0 when the bound is at most
+the claim, 1 when it exceeds it (the mechanism or its accounting is wrong), 2 on bad input. The
+trained model is not written: it holds canaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dptrain.config import ConfigError
+
+PROG = "dptrain audit"
+DEFAULT_CANARIES = 1000
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "audit", help="empirical epsilon lower bound of a config's run (gradient canaries)",
+        description="Train the config's run with M gradient canaries (each included with "
+                    "probability 1/2, Poisson-sampled like an example, a clipped query of norm "
+                    "C at one coordinate) and bound its epsilon from below from the releases "
+                    "(Steinke, Nasr & Jagielski 2023). Exit 1 if the bound exceeds the "
+                    "accountant's epsilon. The model is not saved.")
+    p.add_argument("--config", required=True, help="YAML run config (see configs/)")
+    p.add_argument("--canaries", metavar="M", default=str(DEFAULT_CANARIES),
+                   help=f"number of canaries (default {DEFAULT_CANARIES})")
+    p.add_argument("--confidence", metavar="P", default="0.95",
+                   help="confidence of the lower bound (default 0.95)")
+    p.add_argument("--audit-seed", metavar="S", default="0",
+                   help="seed of the canaries' coordinates, inclusion and sampling (default 0; "
+                        "never the privacy seed)")
+    p.add_argument("--output", metavar="FILE.json", default=None, help="write the result as JSON")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="histogram of the included and excluded canaries' scores (matplotlib)")
+    p.add_argument("--force", action="store_true", help="overwrite --output/--plot")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
+    return p
+
+
+def _parse(args: argparse.Namespace) -> tuple[int, float, int]:
+    try:
+        m = int(args.canaries)
+    except ValueError:
+        raise ConfigError("canaries", f"must be an integer, got {args.canaries!r}") from None
+    if m < 2:
+        raise ConfigError("canaries", f"must be at least 2, got {m}")
+    try:
+        confidence = float(args.confidence)
+    except ValueError:
+        raise ConfigError("confidence", f"must be a number, got {args.confidence!r}") from None
+    if not 0 < confidence < 1:
+        raise ConfigError("confidence", f"must be in (0, 1), got {confidence}")
+    try:
+        seed = int(args.audit_seed)
+    except ValueError:
+        raise ConfigError("audit-seed", f"must be an integer, got {args.audit_seed!r}") from None
+    if seed < 0:
+        raise ConfigError("audit-seed", f"must be >= 0, got {seed}")
+    for flag, path in (("output", args.output), ("plot", args.plot)):
+        if path is not None and Path(path).exists() and not args.force:
+            raise ConfigError(flag, f"{path} exists; pass --force to overwrite it")
+    return m, confidence, seed
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from dptrain.config import load
+    from dptrain.privacy.audit import GradientCanaries, audit_scores
+    from dptrain.trainer import RunConfig, Trainer
+
+    m, confidence, seed = _parse(args)
+    cfg = load(RunConfig, args.config, args.overrides)
+    trainer = Trainer(cfg)
+    shapes = [(n, tuple(p.shape)) for n, p in trainer.named_params]
+    total = sum(torch.Size(s).numel() for _, s in shapes)
+    if m > total:
+        raise ConfigError("canaries", f"at most the model's {total} trainable coordinates, "
+                                      f"got {m}")
+    plan = trainer.plan
+    trainer.audit = canaries = GradientCanaries(shapes, m, plan.clip_norm, plan.sample_rate, seed)
+    main = trainer.rank == 0
+    bar = tqdm(total=plan.steps, disable=not (cfg.train.progress and main), desc=PROG,
+               unit="step", dynamic_ncols=True)
+    while trainer.step < plan.steps:
+        trainer.private_step()
+        bar.update(1)
+    bar.close()
+    scores = torch.as_tensor(canaries.scores, dtype=torch.float64)
+    if trainer.world > 1:  # each canary's coordinate is observed on one rank
+        import torch.distributed as dist
+
+        scores = scores.to(trainer.device)
+        dist.all_reduce(scores)
+    scores = scores.cpu().numpy()
+    result = audit_scores(scores, canaries.included, plan.delta, 1 - confidence)
+    claimed = trainer.epsilon()
+    consistent = result.epsilon_lower_bound <= claimed
+    if not main:
+        return 0 if consistent else 1
+    report = {
+        "config": str(args.config), "claimed_epsilon": claimed, "delta": plan.delta,
+        "accountant": plan.accountant, "noise_multiplier": plan.noise_multiplier,
+        "sample_rate": plan.sample_rate, "steps": plan.steps, "clip_norm": plan.clip_norm,
+        "confidence": confidence, "audit_seed": seed, "world_size": trainer.world,
+        **result.as_dict(), "consistent": consistent,
+    }
+    if args.output:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        from dptrain.diagnostics.plotting import plot_audit_scores
+
+        norm = plan.noise_multiplier * plan.clip_norm * plan.steps ** 0.5
+        plot_audit_scores(scores / norm if norm > 0 else scores, canaries.included, args.plot,
+                          title=f"{m} canaries: epsilon >= {result.epsilon_lower_bound:.3f} "
+                                f"(claimed {claimed:.3f})")
+    line = (f"{m} canaries ({result.included} included), {result.correct} of "
+            f"{result.guesses} guesses correct: epsilon >= {result.epsilon_lower_bound:.3f} "
+            f"with {confidence:.0%} confidence; the accountant's epsilon is {claimed:.3f} "
+            f"(delta {plan.delta:.3g}, {plan.accountant})")
+    if consistent:
+        print(f"{PROG}: {line}: consistent")
+        return 0
+    print(f"{PROG}: {line}: the measured bound EXCEEDS the claim, so the mechanism or its "
+          "accounting is wrong", file=sys.stderr)
+    return 1

@@ -1,0 +1,206 @@
+"""Empirical privacy auditing in one training run, with gradient canaries.
+
+A lower bound on the epsilon a run actually has, measured, to set against the accountant's
+upper bound: if the measured lower bound exceeds the claim, the mechanism or the accounting is
+wrong. The method is Steinke, Nasr & Jagielski, "Privacy Auditing with One (1) Training Run"
+(NeurIPS 2023), in its white-box gradient-space form:
+
+- m canaries are added to the training set, each included independently with probability 1/2
+  (``S_i``). Canary i is a Dirac gradient: C at one coordinate ``k_i`` of the trainable
+  parameters (distinct coordinates), i.e. a clipped query of the largest norm the mechanism
+  admits. An included canary is Poisson-sampled at every step with the run's rate q, like any
+  example, and when sampled its query joins the clipped sum before the noise.
+- The auditor sees every release (what the accountant covers) and scores canary i by the sum
+  over steps of the noisy sum at ``k_i``; it guesses "included" for the k highest scores and
+  "excluded" for the k lowest, and counts its correct guesses v out of r = 2k.
+- If the run is (eps, delta)-DP, v is stochastically dominated as in the paper's Theorem 5.2:
+  P[v correct] <= P[Binomial(r, e^eps / (1 + e^eps)) >= v] + 2 m delta alpha
+  (:func:`one_run_p_value`), so the largest eps that this p-value rejects at the chosen
+  significance is a lower bound on the run's epsilon, with that confidence.
+
+Several k are tried, with a Bonferroni correction over them (the bound stays valid). A one-run
+audit of a subsampled mechanism is loose: it finds a gross fault (noise missing on a shard, a
+sigma far below the calibrated one) rather than a small miscalibration. jax_privacy ships the
+same p-value (``jax_privacy.auditing``), but only for JAX; the formula is a few lines, written
+here from the paper on scipy's binomial.
+
+The canaries' inclusion bits and sampling come from an audit seed, never from the privacy seed.
+A model trained with canaries is a test artefact, not a model to publish.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: numbers of "included" guesses tried, as fractions of m (and the same number of "excluded"
+#: guesses): from confident extremes to guessing every canary.
+GUESS_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+
+
+def one_run_p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
+    """P[at least v of r guesses correct] for an (eps, delta)-DP run with m canaries, each
+    included with probability 1/2 (Steinke, Nasr & Jagielski 2023, Theorem 5.2 and its
+    Algorithm 2's p-value): beta + 2 m delta alpha with q = e^eps / (1 + e^eps),
+    beta = P[Binomial(r, q) >= v], alpha = max_{1<=i<=v} P[v - i <= Binomial(r, q) < v] / i."""
+    from scipy.stats import binom
+
+    if not (0 <= v <= r <= m):
+        raise ValueError(f"need 0 <= v <= r <= m, got m={m}, r={r}, v={v}")
+    if eps < 0 or not (0 <= delta <= 1):
+        raise ValueError(f"need eps >= 0 and 0 <= delta <= 1, got eps={eps}, delta={delta}")
+    q = 1.0 / (1.0 + math.exp(-eps))
+    beta = float(binom.sf(v - 1, r, q))
+    if delta == 0 or v == 0:
+        return min(beta, 1.0)
+    i = np.arange(1, v + 1)
+    below = binom.sf(v - i - 1, r, q) - beta  # P[v - i <= Binomial(r, q) < v]
+    alpha = float(np.max(below / i))
+    return min(beta + alpha * delta * 2 * m, 1.0)
+
+
+def epsilon_lower_bound(m: int, r: int, v: int, delta: float, significance: float) -> float:
+    """The largest eps whose (eps, delta) claim v correct guesses of r reject at
+    ``significance`` (0 if even eps = 0 is not rejected): a lower bound on the run's epsilon
+    with confidence 1 - significance."""
+    from scipy.optimize import brentq
+
+    def excess(eps: float) -> float:  # > 0: the claim is rejected
+        return significance - one_run_p_value(m, r, v, eps, delta)
+
+    if r == 0 or excess(0.0) <= 0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while excess(hi) > 0:  # p grows with eps; all r correct and delta = 0 rejects any eps
+        lo, hi = hi, 2 * hi
+        if hi > 1e3:
+            return lo
+    return float(brentq(excess, lo, hi, xtol=1e-6))
+
+
+@dataclass
+class AuditResult:
+    """What one audit found. ``epsilon_lower_bound``: with confidence ``1 - significance`` the
+    run's epsilon is at least this; ``guesses``/``correct``: the k that gave it (2k guesses)."""
+
+    canaries: int
+    included: int
+    delta: float
+    significance: float
+    epsilon_lower_bound: float
+    guesses: int
+    correct: int
+    tried: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def audit_scores(scores, included, delta: float, significance: float = 0.05,
+                 fractions=GUESS_FRACTIONS) -> AuditResult:
+    """Epsilon lower bound from canary ``scores`` (higher: more likely included) and the
+    truth ``included`` (bool). For each k in ``fractions`` * m, guess the top k included and
+    the bottom k excluded; each k is tested at significance / (number of k), and the largest
+    bound is reported."""
+    scores = np.asarray(scores, dtype=np.float64)
+    included = np.asarray(included, dtype=bool)
+    m = scores.size
+    if included.shape != scores.shape or m < 2:
+        raise ValueError("need one inclusion bit per score and at least 2 canaries")
+    if not np.all(np.isfinite(scores)):
+        raise ValueError("canary scores must be finite")
+    # ties broken by a fixed random order, not by index (the canaries' order is not random)
+    tiebreak = np.random.default_rng(0).permutation(m)
+    order = np.lexsort((tiebreak, scores))  # ascending
+    ks = sorted({max(1, min(m // 2, int(round(f * m)))) for f in fractions})
+    each = significance / len(ks)
+    best = AuditResult(m, int(included.sum()), delta, significance, 0.0, 0, 0)
+    for k in ks:
+        v = int(included[order[-k:]].sum() + (~included[order[:k]]).sum())
+        eps = epsilon_lower_bound(m, 2 * k, v, delta, each)
+        best.tried.append({"guesses": 2 * k, "correct": v, "epsilon_lower_bound": eps})
+        if eps > best.epsilon_lower_bound or best.guesses == 0:
+            best.epsilon_lower_bound, best.guesses, best.correct = eps, 2 * k, v
+    return best
+
+
+def _derived_seed(seed: int, domain: int) -> int:
+    return int(np.random.SeedSequence([int(seed), domain]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class GradientCanaries:
+    """m Dirac gradient canaries over a model's trainable coordinates, for one run.
+
+    ``shapes``: (name, global shape) of every trainable parameter, in a fixed order (the same
+    on every rank). Coordinates, inclusion bits and the per-step sampling are functions of
+    ``seed`` alone, so every rank agrees on them without communication."""
+
+    _COORDS, _SAMPLING = 0xA0D1, 0xA0D2
+
+    def __init__(self, shapes: list[tuple[str, tuple]], m: int, clip_norm: float,
+                 sample_rate: float, seed: int):
+        sizes = [math.prod(s) for _, s in shapes]
+        total = sum(sizes)
+        if not (2 <= m <= total):
+            raise ValueError(f"the number of canaries must be between 2 and the model's "
+                             f"{total} trainable coordinates, got {m}")
+        rng = np.random.default_rng(_derived_seed(seed, self._COORDS))
+        flat = rng.choice(total, size=m, replace=False)  # distinct, in random order
+        self.included = rng.random(m) < 0.5
+        offsets = np.cumsum([0] + sizes)
+        which = np.searchsorted(offsets, flat, side="right") - 1
+        self.names = [shapes[j][0] for j in which]
+        self.index = (flat - offsets[which]).astype(np.int64)  # flat index in the parameter
+        self.by_name: dict[str, np.ndarray] = {}
+        for i, n in enumerate(self.names):
+            self.by_name.setdefault(n, []).append(i)  # type: ignore[arg-type]
+        self.by_name = {n: np.asarray(ix, dtype=np.int64) for n, ix in self.by_name.items()}
+        self.m = m
+        self.clip_norm = float(clip_norm)
+        self.sample_rate = float(sample_rate)
+        self._sampling_seed = _derived_seed(seed, self._SAMPLING)
+        self.scores = np.zeros(m, dtype=np.float64)  # this rank's part of each score
+
+    def sampled(self, step: int) -> np.ndarray:
+        """Bool [m]: the canaries Poisson-sampled at ``step`` (included or not)."""
+        from dptrain.privacy.sampling import poisson_sample
+
+        mask = np.zeros(self.m, dtype=bool)
+        mask[poisson_sample(self._sampling_seed, step, self.m, self.sample_rate)] = True
+        return mask
+
+    def insert(self, acc: dict, step: int, shapes: dict, *, dtype, device) -> None:
+        """Add the queries of the included canaries sampled at ``step`` to the clipped sums
+        ``acc`` (name -> tensor shaped like the whole parameter). Call on ONE rank: the sums
+        are reduced across ranks afterwards."""
+        import torch
+
+        present = self.included & self.sampled(step)
+        for name, ix in self.by_name.items():
+            ix = ix[present[ix]]
+            if ix.size == 0:
+                continue
+            if name not in acc:
+                acc[name] = torch.zeros(shapes[name], dtype=dtype, device=device)
+            flat = acc[name].view(-1)
+            at = torch.as_tensor(self.index[ix], device=flat.device)
+            flat.index_add_(0, at, torch.full((ix.size,), self.clip_norm, dtype=flat.dtype,
+                                              device=flat.device))
+
+    def observe(self, name: str, noisy, start: int, end: int) -> None:
+        """Add to the scores the released noisy sum of parameter ``name``, of which ``noisy``
+        holds global flat coordinates ``[start, end)`` (a shard, or all of it)."""
+        ix = self.by_name.get(name)
+        if ix is None:
+            return
+        k = self.index[ix]
+        mine = (k >= start) & (k < end)
+        if not mine.any():
+            return
+        import torch
+
+        flat = noisy.reshape(-1)
+        at = torch.as_tensor(k[mine] - start, device=flat.device)
+        self.scores[ix[mine]] += flat.index_select(0, at).double().cpu().numpy()

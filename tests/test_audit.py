@@ -1,0 +1,202 @@
+"""The one-run privacy audit (dptrain.privacy.audit, ``dptrain audit``): its p-value against a
+direct evaluation of the theorem, its bound valid and near-tight on mechanisms of known epsilon,
+canaries that enter the release exactly once as a query of norm C, and a run whose noise is
+missing caught while the real mechanism passes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import brentq
+from scipy.stats import norm
+
+from dptrain.privacy.audit import (GradientCanaries, audit_scores, epsilon_lower_bound,
+                                   one_run_p_value)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+# q = 0.5, 8 steps, sigma 3.4: epsilon 1.99 by RDP at delta 1e-5 (sigma fixed: no calibration)
+RUN = ["privacy.sample_rate=0.5", "privacy.steps=8", "privacy.epsilon=null",
+       "privacy.noise_multiplier=3.4", "data.synthetic_train_size=64", "train.checkpoint_every=0"]
+
+
+def _p_value_reference(m, r, v, eps, delta):
+    """Theorem 5.2's p-value term by term, in exact binomial coefficients."""
+    q = 1 / (1 + math.exp(-eps))
+    pmf = [math.comb(r, j) * q ** j * (1 - q) ** (r - j) for j in range(r + 1)]
+    beta = sum(pmf[v:])
+    alpha = max([sum(pmf[v - i:v]) / i for i in range(1, v + 1)], default=0.0)
+    return min(beta + 2 * m * delta * alpha, 1.0)
+
+
+@pytest.mark.parametrize("m,r,v", [(50, 20, 15), (100, 40, 40), (30, 10, 3), (10, 6, 0)])
+@pytest.mark.parametrize("eps,delta", [(0.0, 0.0), (0.7, 0.0), (1.5, 1e-3), (3.0, 1e-5)])
+def test_p_value_against_the_theorem_term_by_term(m, r, v, eps, delta):
+    assert one_run_p_value(m, r, v, eps, delta) == pytest.approx(
+        _p_value_reference(m, r, v, eps, delta), rel=1e-9, abs=1e-15)
+
+
+def test_lower_bound_is_where_the_p_value_reaches_the_significance():
+    m, r, v, delta, sig = 1000, 200, 170, 1e-5, 0.05
+    eps = epsilon_lower_bound(m, r, v, delta, sig)
+    assert eps > 1
+    assert one_run_p_value(m, r, v, eps, delta) == pytest.approx(sig, abs=1e-6)
+    assert one_run_p_value(m, r, v, eps * 1.01, delta) > sig
+    assert one_run_p_value(m, r, v, eps * 0.99, delta) < sig
+    assert epsilon_lower_bound(m, r, r // 2, delta, sig) == 0.0  # chance level proves nothing
+
+
+def test_bound_on_randomized_response_is_valid_and_nearly_tight():
+    # eps-DP randomized response per canary: every canary guessed right w.p. e^eps/(1+e^eps)
+    eps, m = 1.0, 20000
+    rng = np.random.default_rng(1)
+    included = rng.random(m) < 0.5
+    right = rng.random(m) < math.exp(eps) / (1 + math.exp(eps))
+    result = audit_scores(np.where(right, included, ~included).astype(float), included, 0.0)
+    assert 0.85 * eps < result.epsilon_lower_bound <= eps
+
+
+def _gdp_epsilon(mu: float, delta: float) -> float:
+    """epsilon of mu-GDP at delta (Dong, Roth & Su 2019, Corollary 2.13)."""
+    return brentq(lambda e: norm.cdf(-e / mu + mu / 2) - math.exp(e) * norm.cdf(-e / mu - mu / 2)
+                  - delta, 0, 100)
+
+
+@pytest.mark.parametrize("mu", [1.0, 2.0])
+def test_bound_on_the_gaussian_mechanism_stays_below_its_epsilon(mu):
+    delta, m = 1e-5, 5000
+    bounds = []
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        included = rng.random(m) < 0.5
+        bounds.append(audit_scores(mu * included + rng.standard_normal(m), included,
+                                   delta).epsilon_lower_bound)
+    assert max(bounds) <= _gdp_epsilon(mu, delta)
+    assert min(bounds) > 0.3 * _gdp_epsilon(mu, delta)  # and it has power
+
+
+def test_canaries_are_distinct_coordinates_half_included_sampled_at_q():
+    shapes = [("a", (7, 5)), ("b", (3,)), ("c", (40, 20))]
+    can = GradientCanaries(shapes, 600, 1.0, 0.25, seed=3)
+    flat = {(n, int(i)) for n, i in zip(can.names, can.index)}
+    assert len(flat) == 600  # distinct
+    sizes = dict((n, math.prod(s)) for n, s in shapes)
+    assert all(0 <= i < sizes[n] for n, i in flat)
+    assert 0.4 < can.included.mean() < 0.6
+    rate = np.mean([can.sampled(t).mean() for t in range(20)])
+    assert abs(rate - 0.25) < 0.02
+    same = GradientCanaries(shapes, 600, 1.0, 0.25, seed=3)
+    other = GradientCanaries(shapes, 600, 1.0, 0.25, seed=4)
+    assert np.array_equal(same.index, can.index) and np.array_equal(same.sampled(5), can.sampled(5))
+    assert not np.array_equal(other.included, can.included)
+    with pytest.raises(ValueError, match="canaries"):
+        GradientCanaries(shapes, 1000, 1.0, 0.25, seed=0)
+
+
+def _trainer(extra=()):
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    return Trainer(load(RunConfig, TINY, ["train.progress=false", *RUN, *extra]))
+
+
+def test_a_canary_adds_exactly_C_to_the_release_and_is_scored_from_it():
+    t = _trainer()
+    shapes = [(n, tuple(p.shape)) for n, p in t.named_params]
+    plain, _ = t.release(0)
+    t.audit = can = GradientCanaries(shapes, 300, t.plan.clip_norm, t.plan.sample_rate, seed=0)
+    audited, _ = t.release(0)
+    b, C = t.plan.denominator, t.plan.clip_norm
+    present = can.included & can.sampled(0)
+    assert 0 < present.sum() < 300
+    expected = {n: torch.zeros_like(v) for n, v in plain.items()}
+    for i in np.flatnonzero(present):
+        expected[can.names[i]].view(-1)[can.index[i]] += C / b
+    for n in plain:
+        torch.testing.assert_close(audited[n] - plain[n], expected[n], atol=1e-6, rtol=0)
+    # scores: the noisy sum at each canary's coordinate
+    read = np.array([float(audited[n].reshape(-1)[k]) * b for n, k in zip(can.names, can.index)])
+    np.testing.assert_allclose(can.scores, read, rtol=1e-6, atol=1e-6)
+
+
+def _audit(capsys, tmp_path, *extra):
+    from dptrain.cli import main
+
+    out = tmp_path / "audit.json"
+    code = main(["audit", "--config", TINY, "--canaries", "400", "--output", str(out),
+                 "--plot", str(tmp_path / "scores.png"), *RUN, *extra])
+    return code, json.loads(out.read_text()), capsys.readouterr()
+
+
+def test_the_real_mechanism_passes_and_a_run_without_noise_is_caught(tmp_path, capsys,
+                                                                      monkeypatch):
+    from dptrain.trainer import Trainer
+
+    code, report, out = _audit(capsys, tmp_path / "ok")
+    assert code == 0 and report["consistent"] and "consistent" in out.out
+    assert report["claimed_epsilon"] == pytest.approx(1.99, abs=0.02)
+    assert report["epsilon_lower_bound"] <= report["claimed_epsilon"]
+    assert (tmp_path / "ok" / "scores.png").stat().st_size > 0
+
+    real = Trainer._noise_flat
+    monkeypatch.setattr(Trainer, "_noise_flat", lambda self, *a, **k: 0 * real(self, *a, **k))
+    code, report, out = _audit(capsys, tmp_path / "broken")
+    assert code == 1 and not report["consistent"] and "EXCEEDS" in out.err
+    assert report["epsilon_lower_bound"] > report["claimed_epsilon"] + 0.5
+
+
+@pytest.mark.parametrize("args,field", [(["--canaries", "1"], "canaries"),
+                                        (["--canaries", "many"], "canaries"),
+                                        (["--canaries", "10000000"], "canaries"),
+                                        (["--confidence", "1.5"], "confidence"),
+                                        (["--audit-seed", "-1"], "audit-seed")])
+def test_bad_audit_arguments_exit_2_naming_the_field(tmp_path, capsys, args, field):
+    from dptrain.cli import main
+
+    code = main(["audit", "--config", TINY, *args, *RUN])
+    err = capsys.readouterr().err.strip().splitlines()
+    lines = [x for x in err if not x.startswith("dptrain: privacy.seed")]
+    assert code == 2 and len(lines) == 1 and field in lines[0]
+
+
+def test_an_existing_output_is_kept_without_force(tmp_path, capsys):
+    from dptrain.cli import main
+
+    out = tmp_path / "audit.json"
+    out.write_text("earlier")
+    code = main(["audit", "--config", TINY, "--output", str(out), *RUN])
+    assert code == 2 and "output" in capsys.readouterr().err
+    assert out.read_text() == "earlier"
+
+
+def _scores(rank: int, world: int, overrides: list[str]) -> np.ndarray:
+    """The canary scores of a 2-step audited run (summed over ranks, as ``dptrain audit``)."""
+    import torch.distributed as dist
+
+    t = _trainer(["privacy.steps=2", *overrides])
+    shapes = [(n, tuple(p.shape)) for n, p in t.named_params]
+    t.audit = can = GradientCanaries(shapes, 300, t.plan.clip_norm, t.plan.sample_rate, seed=1)
+    while t.step < 2:
+        t.private_step()
+    scores = torch.as_tensor(can.scores)
+    if world > 1:
+        dist.all_reduce(scores)
+    return scores.numpy()
+
+
+@pytest.mark.distributed
+def test_canaries_enter_once_and_are_read_once_on_2_ranks():
+    # the release does not depend on the world size, so neither may the scores: a canary
+    # inserted on every rank, or a replicated release read on every rank, would double them
+    from dptrain.parallel.dist import spawn
+
+    ref = _scores(0, 1, [])
+    assert np.abs(ref).max() > 1
+    for sharding in ("fsdp", "none"):
+        for s in spawn(_scores, 2, [f"performance.sharding={sharding}"]):
+            np.testing.assert_allclose(s, ref, rtol=1e-4, atol=1e-4, err_msg=sharding)
