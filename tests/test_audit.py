@@ -80,6 +80,35 @@ def test_bound_on_the_gaussian_mechanism_stays_below_its_epsilon(mu):
     assert min(bounds) > 0.3 * _gdp_epsilon(mu, delta)  # and it has power
 
 
+def test_the_score_is_the_likelihood_ratio_of_the_subsampled_gaussian():
+    can = GradientCanaries([("w", (10,))], 2, clip_norm=1.5, sample_rate=0.2, seed=0,
+                           noise_multiplier=0.8)
+    s, C, q = 0.8 * 1.5, 1.5, 0.2
+    x = np.linspace(-4, 6, 41)
+    ratio = ((1 - q) * norm.pdf(x, 0, s) + q * norm.pdf(x, C, s)) / norm.pdf(x, 0, s)
+    np.testing.assert_allclose(can.log_likelihood_ratio(x), np.log(ratio), rtol=1e-10)
+    assert np.all(np.diff(can.log_likelihood_ratio(x)) > 0)  # larger sums: more likely in
+    no_noise = GradientCanaries([("w", (10,))], 2, 1.5, 0.2, seed=0, noise_multiplier=0.0)
+    np.testing.assert_array_equal(no_noise.log_likelihood_ratio(x), x)
+
+
+def test_bound_on_the_subsampled_gaussian_stays_below_the_accountants_epsilon():
+    # the mechanism itself, simulated: T steps, a canary in the sum w.p. q when included
+    from dptrain.privacy.accounting import Ledger
+
+    q, T, sigma, m, delta = 0.064, 80, 1.174, 2000, 1e-5
+    claimed = Ledger([(sigma, q, T)]).epsilon(delta, "prv")
+    bounds = []
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        can = GradientCanaries([("w", (m,))], m, 1.0, q, seed=seed, noise_multiplier=sigma)
+        x = (rng.random((m, T)) < q) * can.included[:, None] + sigma * rng.standard_normal((m, T))
+        bounds.append(audit_scores(can.log_likelihood_ratio(x).sum(1), can.included,
+                                   delta).epsilon_lower_bound)
+    assert claimed == pytest.approx(2.99, abs=0.01)
+    assert max(bounds) <= claimed and min(bounds) > 0.1 * claimed
+
+
 def test_canaries_are_distinct_coordinates_half_included_sampled_at_q():
     shapes = [("a", (7, 5)), ("b", (3,)), ("c", (40, 20))]
     can = GradientCanaries(shapes, 600, 1.0, 0.25, seed=3)
@@ -119,7 +148,8 @@ def test_a_canary_adds_exactly_C_to_the_release_and_is_scored_from_it():
         expected[can.names[i]].view(-1)[can.index[i]] += C / b
     for n in plain:
         torch.testing.assert_close(audited[n] - plain[n], expected[n], atol=1e-6, rtol=0)
-    # scores: the noisy sum at each canary's coordinate
+    # scores: the noisy sum at each canary's coordinate (sigma = 0 in the canaries' model:
+    # the score is the sum itself, not the likelihood ratio)
     read = np.array([float(audited[n].reshape(-1)[k]) * b for n, k in zip(can.names, can.index)])
     np.testing.assert_allclose(can.scores, read, rtol=1e-6, atol=1e-6)
 
@@ -180,7 +210,8 @@ def _scores(rank: int, world: int, overrides: list[str]) -> np.ndarray:
 
     t = _trainer(["privacy.steps=2", *overrides])
     shapes = [(n, tuple(p.shape)) for n, p in t.named_params]
-    t.audit = can = GradientCanaries(shapes, 300, t.plan.clip_norm, t.plan.sample_rate, seed=1)
+    t.audit = can = GradientCanaries(shapes, 300, t.plan.clip_norm, t.plan.sample_rate, seed=1,
+                                     noise_multiplier=t.plan.noise_multiplier)
     while t.step < 2:
         t.private_step()
     scores = torch.as_tensor(can.scores)
@@ -196,7 +227,7 @@ def test_canaries_enter_once_and_are_read_once_on_2_ranks():
     from dptrain.parallel.dist import spawn
 
     ref = _scores(0, 1, [])
-    assert np.abs(ref).max() > 1
+    assert np.abs(ref).max() > 0.1
     for sharding in ("fsdp", "none"):
         for s in spawn(_scores, 2, [f"performance.sharding={sharding}"]):
             np.testing.assert_allclose(s, ref, rtol=1e-4, atol=1e-4, err_msg=sharding)

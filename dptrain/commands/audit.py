@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("canaries", f"at most the model's {total} trainable coordinates, "
                                       f"got {m}")
     plan = trainer.plan
-    trainer.audit = canaries = GradientCanaries(shapes, m, plan.clip_norm, plan.sample_rate, seed)
+    trainer.audit = canaries = GradientCanaries(shapes, m, plan.clip_norm, plan.sample_rate, seed,
+                                                plan.noise_multiplier)
     main = trainer.rank == 0
     bar = tqdm(total=plan.steps, disable=not (cfg.train.progress and main), desc=PROG,
                unit="step", dynamic_ncols=True)
@@ -124,8 +125,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from dptrain.diagnostics.plotting import plot_audit_scores
 
-        norm = plan.noise_multiplier * plan.clip_norm * plan.steps ** 0.5
-        plot_audit_scores(scores / norm if norm > 0 else scores, canaries.included, args.plot,
+        plot_audit_scores(scores, canaries.included, args.plot,
                           title=f"{m} canaries: epsilon >= {result.epsilon_lower_bound:.3f} "
                                 f"(claimed {claimed:.3f})")
     line = (f"{m} canaries ({result.included} included), {result.correct} of "

@@ -63,7 +63,7 @@ def plot_audit_scores(scores, included, path: str | Path, *, title: str | None =
     bins = np.histogram_bin_edges(scores, bins=min(60, max(10, scores.size // 20)))
     ax.hist(scores[~included], bins=bins, alpha=0.6, label=f"excluded ({int((~included).sum())})")
     ax.hist(scores[included], bins=bins, alpha=0.6, label=f"included ({int(included.sum())})")
-    ax.set_xlabel("score / (sigma C sqrt(T))")
+    ax.set_xlabel("score: log-likelihood ratio, summed over steps")
     ax.set_ylabel("canaries")
     ax.set_title(title or "Canary scores")
     ax.legend()
