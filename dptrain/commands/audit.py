@@ -48,23 +48,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _parse(args: argparse.Namespace) -> tuple[int, float, int]:
+def _number(flag: str, text: str, kind: type):
     try:
-        m = int(args.canaries)
+        return kind(text)
     except ValueError:
-        raise ConfigError("canaries", f"must be an integer, got {args.canaries!r}") from None
+        what = "an integer" if kind is int else "a number"
+        raise ConfigError(flag, f"must be {what}, got {text!r}") from None
+
+
+def _parse(args: argparse.Namespace) -> tuple[int, float, int]:
+    m = _number("canaries", args.canaries, int)
     if m < 2:
         raise ConfigError("canaries", f"must be at least 2, got {m}")
-    try:
-        confidence = float(args.confidence)
-    except ValueError:
-        raise ConfigError("confidence", f"must be a number, got {args.confidence!r}") from None
+    confidence = _number("confidence", args.confidence, float)
     if not 0 < confidence < 1:
         raise ConfigError("confidence", f"must be in (0, 1), got {confidence}")
-    try:
-        seed = int(args.audit_seed)
-    except ValueError:
-        raise ConfigError("audit-seed", f"must be an integer, got {args.audit_seed!r}") from None
+    seed = _number("audit-seed", args.audit_seed, int)
     if seed < 0:
         raise ConfigError("audit-seed", f"must be >= 0, got {seed}")
     for flag, path in (("output", args.output), ("plot", args.plot)):

@@ -43,11 +43,7 @@ def plot_spectra(
     ax.set_title(title or "Singular-value spectra")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
+    return _save(fig, path)
 
 
 def plot_audit_scores(scores, included, path: str | Path, *, title: str | None = None) -> Path:
@@ -67,6 +63,11 @@ def plot_audit_scores(scores, included, path: str | Path, *, title: str | None =
     ax.set_ylabel("canaries")
     ax.set_title(title or "Canary scores")
     ax.legend()
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    """Lay out ``fig`` and write it as a PNG at ``path`` (parent directories created)."""
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
