@@ -134,7 +134,12 @@ def _trainer(extra=()):
     return Trainer(load(RunConfig, TINY, ["train.progress=false", *RUN, *extra]))
 
 
-def test_a_canary_adds_exactly_C_to_the_release_and_is_scored_from_it():
+@pytest.mark.parametrize("noise", [0.0, 1.0])
+def test_a_canary_coordinate_releases_exactly_C_when_present_plus_the_noise(monkeypatch, noise):
+    from dptrain.trainer import Trainer
+
+    real = Trainer._noise_flat
+    monkeypatch.setattr(Trainer, "_noise_flat", lambda self, *a, **k: noise * real(self, *a, **k))
     t = _trainer()
     shapes = [(n, tuple(p.shape)) for n, p in t.named_params]
     plain, _ = t.release(0)
@@ -143,11 +148,19 @@ def test_a_canary_adds_exactly_C_to_the_release_and_is_scored_from_it():
     b, C = t.plan.denominator, t.plan.clip_norm
     present = can.included & can.sampled(0)
     assert 0 < present.sum() < 300
-    expected = {n: torch.zeros_like(v) for n, v in plain.items()}
-    for i in np.flatnonzero(present):
-        expected[can.names[i]].view(-1)[can.index[i]] += C / b
+    # everywhere else the release is the plain one; at a canary's coordinate it is the canary
+    # (C when present) plus the noise, the model's own gradient removed
+    expected = {n: v.clone() for n, v in plain.items()}
+    t.audit = None
+    monkeypatch.setattr(Trainer, "_noise_flat", lambda self, *a, **k: 0 * real(self, *a, **k))
+    noiseless, _ = t.release(0)  # the model's gradient alone, divided by b
+    for i in range(300):
+        expected[can.names[i]].view(-1)[can.index[i]] += (C * present[i] / b
+                                                          - noiseless[can.names[i]].view(-1)[can.index[i]])
+    moved = sum(float(noiseless[n].view(-1)[k].abs()) for n, k in zip(can.names, can.index))
+    assert moved > 0.01  # the removed gradient was there to remove
     for n in plain:
-        torch.testing.assert_close(audited[n] - plain[n], expected[n], atol=1e-6, rtol=0)
+        torch.testing.assert_close(audited[n], expected[n], atol=1e-6, rtol=0)
     # scores: the noisy sum at each canary's coordinate (sigma = 0 in the canaries' model:
     # the score is the sum itself, not the likelihood ratio)
     read = np.array([float(audited[n].reshape(-1)[k]) * b for n, k in zip(can.names, can.index)])

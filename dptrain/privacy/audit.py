@@ -9,7 +9,9 @@ wrong. The method is Steinke, Nasr & Jagielski, "Privacy Auditing with One (1) T
   (``S_i``). Canary i is a Dirac gradient: C at one coordinate ``k_i`` of the trainable
   parameters (distinct coordinates), i.e. a clipped query of the largest norm the mechanism
   admits. An included canary is Poisson-sampled at every step with the run's rate q, like any
-  example, and when sampled its query joins the clipped sum before the noise.
+  example, and when sampled its query joins the clipped sum before the noise. The model's own
+  clipped gradients are zeroed at the canaries' coordinates (a contraction after the clipping,
+  which the guarantee covers), so a canary's coordinate carries only the canary and the noise.
 - The auditor sees every release (what the accountant covers). At each step the noisy sum at
   ``k_i`` is x ~ N(0, s^2) (s = sigma C) without the canary and (1-q) N(0, s^2) + q N(C, s^2)
   with it; canary i's score is the sum over steps of the log-likelihood ratio of the two,
@@ -177,14 +179,24 @@ class GradientCanaries:
         mask[poisson_sample(self._sampling_seed, step, self.m, self.sample_rate)] = True
         return mask
 
-    def insert(self, acc: dict, step: int, shapes: dict, *, dtype, device) -> None:
-        """Add the queries of the included canaries sampled at ``step`` to the clipped sums
-        ``acc`` (name -> tensor shaped like the whole parameter). Call on ONE rank: the sums
-        are reduced across ranks afterwards."""
+    def insert(self, acc: dict, step: int, shapes: dict, *, dtype, device,
+               add: bool = True) -> None:
+        """Prepare this rank's clipped sums ``acc`` (name -> tensor shaped like the whole
+        parameter) for step ``step``'s reduction and noise: the model's own gradient is removed
+        at the canaries' coordinates (so that a canary's coordinate carries only the canary and
+        the noise), and, with ``add`` (on ONE rank: the sums are reduced across ranks
+        afterwards), the queries of the included canaries sampled at ``step`` are added.
+
+        Removing coordinates after the clipping is a contraction (no example's query grows),
+        so the accountant's guarantee still holds for the audited run; the audit's power no
+        longer depends on how large the model's gradients are at those coordinates."""
         import torch
 
-        present = self.included & self.sampled(step)
+        present = self.included & self.sampled(step) if add else np.zeros(self.m, dtype=bool)
         for name, ix in self.by_name.items():
+            if name in acc:
+                flat = acc[name].view(-1)
+                flat.index_fill_(0, torch.as_tensor(self.index[ix], device=flat.device), 0.0)
             ix = ix[present[ix]]
             if ix.size == 0:
                 continue
