@@ -10,7 +10,8 @@ and CPU smoke tests of the GPU script's Python parts (bench/gpu_check.py --tiny 
 - a bf16 autocast private step (performance.dtype=bfloat16) runs on CUDA and stays finite;
 - augmentation views on CUDA equal CPU's; an NF-ResNet run with augmult and EMA on CUDA;
 - the whole trainer on CUDA in float32 and the same run on CPU agree up to the noise, which
-  differs by device: with sigma = 0 the parameters match.
+  differs by device: with sigma = 0 the parameters match;
+- the audit's canaries on CUDA release exactly C/b at their coordinates when present.
 """
 
 from __future__ import annotations
@@ -210,6 +211,24 @@ def test_trainer_on_cuda_equals_cpu_without_noise(no_tf32):
     for n, ref in runs["cpu"].items():
         rel = float((runs["cuda"][n] - ref).norm() / ref.norm().clamp_min(1e-12))
         assert rel < 1e-3, (n, rel)
+
+
+@pytest.mark.gpu
+@cuda
+def test_audit_canaries_on_cuda_release_exactly_C_at_their_coordinates(no_tf32):
+    # sigma = 0: a canary's coordinate releases C/b when the canary is present, 0 otherwise
+    # (the model's gradient is removed there); the scores are those releases times b
+    from dptrain.privacy.audit import GradientCanaries
+
+    t = _trainer("performance.device=cuda", "privacy.noise_multiplier=0.0",
+                 "privacy.epsilon=null", "privacy.steps=2", "privacy.sample_rate=0.5")
+    shapes = [(n, tuple(p.shape)) for n, p in t.named_params]
+    t.audit = can = GradientCanaries(shapes, 200, t.plan.clip_norm, t.plan.sample_rate, seed=0)
+    released, _ = t.release(0)
+    present = can.included & can.sampled(0)
+    got = np.array([float(released[n].reshape(-1)[k]) for n, k in zip(can.names, can.index)])
+    np.testing.assert_allclose(got * t.plan.denominator, present * t.plan.clip_norm, atol=1e-5)
+    np.testing.assert_allclose(can.scores, present * t.plan.clip_norm, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------
