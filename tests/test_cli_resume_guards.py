@@ -123,6 +123,22 @@ def test_inner_momentum_may_be_turned_on_at_a_resume(tmp_path, capsys, finished)
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
 
 
+def test_turning_inner_momentum_filter_and_ema_off_at_a_resume_says_what_is_left(tmp_path,
+                                                                                capsys):
+    on = ["optim.inner_momentum.k_muon=2", "optim.filter.name=doppler", "optim.ema_decay=0.9"]
+    first = tmp_path / "on"
+    assert train(capsys, first, "train.checkpoint_every=2", *on)[0] == 0
+    code, err = train(capsys, tmp_path / "off", "--resume",
+                      str(first / "checkpoints" / "step-00000002"))
+    assert code == 0
+    line = [x for x in err.splitlines() if "not used by this run" in x]
+    assert len(line) == 1
+    assert all(w in line[0] for w in ("2 past states", "filter state", "parameter EMA"))
+    code, err = train(capsys, tmp_path / "still-on", "--resume",
+                      str(first / "checkpoints" / "step-00000002"), *on)
+    assert code == 0 and "not used" not in err
+
+
 def _crash_at(monkeypatch, step: int):
     """Make the run die (as a preempted node would) just before release ``step``."""
     real = trainer_mod.Trainer.private_step

@@ -642,6 +642,10 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         raise ConfigError("optim", f"the checkpoint's optimizer state does not fit this config "
                                    f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                                    "resume needs the same optim settings") from None
+    unused = unused_state(state["optimizer"], trainer.optimizer)
+    if unused and trainer.rank == 0:
+        print(f"dptrain train: the checkpoint's {'; '.join(unused)}: not used by this run",
+              file=sys.stderr)
     trainer.ledger = ledger
     trainer.step = state["step"]
     ranks = state["rng"].get("torch_ranks")
@@ -658,6 +662,23 @@ def load(trainer, path: Path, verified: bool = False) -> None:
               "entropy; exact replay is impossible by design)", file=sys.stderr)
     else:
         assert state["privacy_seed"] == trainer._privacy_seed
+
+
+def unused_state(saved: dict, optimizer) -> list[str]:
+    """What of a checkpoint's optimizer state a resume that turned a feature off leaves
+    behind (allowed: these are optimizer settings, free of privacy cost), said once so that it
+    is not dropped silently."""
+    from dptrain.optim.filters import Filter
+
+    out = []
+    past = len((saved.get("history") or {}).get("states") or [])
+    if past and optimizer.history is None:
+        out.append(f"inner-momentum history ({past} past states; optim.inner_momentum is off)")
+    if saved.get("filter") and type(optimizer.filter) is Filter:
+        out.append("filter state (optim.filter.name is none)")
+    if saved.get("ema") is not None and optimizer.ema is None:
+        out.append("parameter EMA (optim.ema_decay is 0)")
+    return out
 
 
 def export_hf(trainer, directory: Path) -> Path | None:
