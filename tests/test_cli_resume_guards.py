@@ -139,6 +139,16 @@ def test_turning_inner_momentum_filter_and_ema_off_at_a_resume_says_what_is_left
     assert code == 0 and "not used" not in err
 
 
+def test_a_filter_may_be_turned_on_at_a_resume_but_not_swapped(tmp_path, capsys, finished):
+    start = str(finished / "checkpoints" / "step-00000003")
+    assert train(capsys, tmp_path / "on", "--resume", start, "optim.filter.name=doppler")[0] == 0
+    first = tmp_path / "disk"
+    assert train(capsys, first, "optim.filter.name=disk", "train.checkpoint_every=2")[0] == 0
+    code, err = train(capsys, tmp_path / "swap", "--resume",
+                      str(first / "checkpoints" / "step-00000002"), "optim.filter.name=doppler")
+    assert code == 2 and "optim" in one_line(err)
+
+
 def _crash_at(monkeypatch, step: int):
     """Make the run die (as a preempted node would) just before release ``step``."""
     real = trainer_mod.Trainer.private_step

@@ -118,7 +118,8 @@ class DPOptimizer:
                              f"here: {[x[0] for x in mine]})")
         for opt, sd in zip(self.optimizers, state["optimizers"]):
             opt.load_state_dict(sd)
-        self.filter.load_state_dict(state["filter"])
+        if state["filter"]:  # a checkpoint without a filter: this run's starts empty
+            self.filter.load_state_dict(state["filter"])
         if self.history is not None:
             self.history.load_state_dict(state["history"])
         if self.ema is not None:  # a checkpoint from before EMA existed or was on: restart
