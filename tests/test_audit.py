@@ -217,30 +217,26 @@ def test_an_existing_output_is_kept_without_force(tmp_path, capsys):
     assert out.read_text() == "earlier"
 
 
-def _scores(rank: int, world: int, overrides: list[str]) -> np.ndarray:
-    """The canary scores of a 2-step audited run (summed over ranks, as ``dptrain audit``)."""
-    import torch.distributed as dist
+def _cli_audit(rank: int, world: int, out: str, overrides: list[str]) -> int:
+    from dptrain.cli import main
 
-    t = _trainer(["privacy.steps=2", *overrides])
-    shapes = [(n, tuple(p.shape)) for n, p in t.named_params]
-    t.audit = can = GradientCanaries(shapes, 300, t.plan.clip_norm, t.plan.sample_rate, seed=1,
-                                     noise_multiplier=t.plan.noise_multiplier)
-    while t.step < 2:
-        t.private_step()
-    scores = torch.as_tensor(can.scores)
-    if world > 1:
-        dist.all_reduce(scores)
-    return scores.numpy()
+    return main(["audit", "--config", TINY, "--canaries", "300", "--audit-seed", "1",
+                 "--output", out, *RUN, "privacy.steps=2", *overrides])
 
 
 @pytest.mark.distributed
-def test_canaries_enter_once_and_are_read_once_on_2_ranks():
+def test_canaries_enter_once_and_are_read_once_on_2_ranks(tmp_path, capsys):
     # the release does not depend on the world size, so neither may the scores: a canary
     # inserted on every rank, or a replicated release read on every rank, would double them
     from dptrain.parallel.dist import spawn
 
-    ref = _scores(0, 1, [])
-    assert np.abs(ref).max() > 0.1
+    assert _cli_audit(0, 1, str(tmp_path / "one.json"), []) == 0
+    ref = json.loads((tmp_path / "one.json").read_text())
+    assert len(ref["scores"]) == 300 and np.abs(ref["scores"]).max() > 0.1
     for sharding in ("fsdp", "none"):
-        for s in spawn(_scores, 2, [f"performance.sharding={sharding}"]):
-            np.testing.assert_allclose(s, ref, rtol=1e-4, atol=1e-4, err_msg=sharding)
+        out = tmp_path / f"{sharding}.json"
+        assert spawn(_cli_audit, 2, str(out), [f"performance.sharding={sharding}"]) == [0, 0]
+        two = json.loads(out.read_text())
+        assert two["world_size"] == 2 and two["included"] == ref["included"]
+        np.testing.assert_allclose(two["scores"], ref["scores"], rtol=1e-4, atol=1e-4,
+                                   err_msg=sharding)

@@ -116,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         "sample_rate": plan.sample_rate, "steps": plan.steps, "clip_norm": plan.clip_norm,
         "confidence": confidence, "audit_seed": seed, "world_size": trainer.world,
         **result.as_dict(), "consistent": consistent,
+        # per canary, for other analyses of the same run (ROC, TPR at low FPR, ...)
+        "scores": scores.tolist(), "included": canaries.included.tolist(),
     }
     if args.output:
         out = Path(args.output)

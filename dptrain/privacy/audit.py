@@ -118,7 +118,7 @@ def audit_scores(scores, included, delta: float, significance: float = 0.05,
         raise ValueError("need one inclusion bit per score and at least 2 canaries")
     if not np.all(np.isfinite(scores)):
         raise ValueError("canary scores must be finite")
-    # ties broken by a fixed random order, not by index (the canaries' order is not random)
+    # ties broken in a fixed random order that does not depend on the inclusion bits
     tiebreak = np.random.default_rng(0).permutation(m)
     order = np.lexsort((tiebreak, scores))  # ascending
     ks = sorted({max(1, min(m // 2, int(round(f * m)))) for f in fractions})
