@@ -66,6 +66,22 @@ def test_dart_without_data_names_data_path():
         assert "data.path" in str(e.value)
 
 
+def test_dart_configs_read_the_official_release_layout(tmp_path):
+    import json
+
+    record = {"tripleset": [["The Vaults", "eatType", "restaurant"]],
+              "annotations": [{"source": "e2e", "text": "The Vaults is a restaurant."},
+                              {"source": "e2e", "text": "A restaurant: The Vaults."}]}
+    for split in ("train", "test"):
+        (tmp_path / f"dart-v1.1.1-full-{split}.json").write_text(json.dumps([record] * 3))
+    for name in ("dart_paper_gpt2.yaml", "dart_paper_gpt2_im.yaml"):
+        cfg = load(RunConfig, next(p for p in CONFIGS if p.name == name),
+                   [f"data.path={tmp_path}"])
+        task = build_data(cfg.data, seed=cfg.seed)
+        assert len(task.train) == 6
+        assert list(task.test.references_by_mr()) == ["The Vaults : eattype : restaurant"]
+
+
 def test_paper_settings():
     by = {p.name: load(RunConfig, p) for p in CONFIGS}
     e2e, dart = by["e2e_paper_gpt2.yaml"], by["dart_paper_gpt2.yaml"]

@@ -120,6 +120,56 @@ def test_e2e_max_examples_and_truncation():
     assert task.info.max_length == 64 and len(task.test.references_by_mr()) == 630
 
 
+DART_RECORDS = [  # the official release's layout (dart-v1.1.1-full-*.json)
+    {"tripleset": [["Mars Hill College", "JOINED", "1973"],
+                   ["Mars Hill College", "LOCATION", "Mars Hill, North Carolina"]],
+     "subtree_was_extended": False,
+     "annotations": [{"source": "WikiSQL_decl_sents",
+                      "text": "A school from Mars Hill, North Carolina, joined in 1973."},
+                     {"source": "WikiSQL_decl_sents",
+                      "text": " Mars Hill College joined in 1973. "}]},
+    {"tripleset": [["The Vaults", "eatType", "restaurant"]], "subtree_was_extended": True,
+     "annotations": [{"source": "e2e", "text": "The Vaults is a restaurant."}]},
+]
+
+
+def test_dart_json_gives_one_example_per_annotation_with_linearised_triples(tmp_path):
+    import json
+
+    for split in ("train", "test"):
+        (tmp_path / f"dart-v1.1.1-full-{split}.json").write_text(json.dumps(DART_RECORDS))
+    task = build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
+                                 train_file="dart-v1.1.1-full-train.json",
+                                 test_file="dart-v1.1.1-full-test.json"))
+    assert len(task.train) == 3
+    first = "Mars Hill College : joined : 1973 | Mars Hill College : location : Mars Hill, North Carolina"
+    refs = task.test.references_by_mr()
+    assert list(refs) == [first, "The Vaults : eattype : restaurant"]
+    assert refs[first] == ["A school from Mars Hill, North Carolina, joined in 1973.",
+                           "Mars Hill College joined in 1973."]
+    # the sequence is the E2E layout: prompt "mr || ", then the reference and EOS
+    tok = ByteTokenizer()
+    seq = task.train.sequences[2].tolist()
+    assert seq[:-1] == tok.encode(e2e_prompt("The Vaults : eattype : restaurant")) + tok.encode(
+        "The Vaults is a restaurant.")
+
+
+@pytest.mark.parametrize("text,problem", [("{}", "list of records"), ("[{]", "not DART JSON"),
+                                          ('[{"tripleset": [["a", "b"]], "annotations": []}]',
+                                           "record 0"),
+                                          ('[{"tripleset": [["a", "b", "c"]]}]', "record 0"),
+                                          ('[{"tripleset": [["a", "b", "c"]], '
+                                           '"annotations": []}]', "no annotated examples")])
+def test_damaged_dart_json_names_the_field(tmp_path, text, problem):
+    (tmp_path / "train.json").write_text(text)
+    (tmp_path / "test.json").write_text('[{"tripleset": [["a", "b", "c"]], '
+                                        '"annotations": [{"text": "x"}]}]')
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
+                              train_file="train.json", test_file="test.json"))
+    assert e.value.field == "data.train_file" and problem in str(e.value)
+
+
 def test_missing_files_name_the_field(tmp_path):
     with pytest.raises(ConfigError) as e:
         build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path / "nope")))

@@ -56,11 +56,12 @@ class DataConfig:
     synthetic_lm: the longest generated sequence (null: 16)."""
     train_file: str | None = None
     """e2e: training CSV in ``path`` (null: devset.csv, the E2E-small protocol; trainset.csv
-    with the full release). webdataset: shard pattern, glob and/or braces (null: *train*.tar).
-    An absolute path ignores ``path``."""
+    with the full release), or an official DART JSON file (``*.json``: one example per
+    annotation, mr = the linearised triples). webdataset: shard pattern, glob and/or braces
+    (null: *train*.tar). An absolute path ignores ``path``."""
     test_file: str | None = None
     """e2e: test CSV (null: testset_w_refs.csv; columns mr, ref; testset.csv with only MR is
-    accepted, then there is nothing to score). webdataset: shard pattern (null: *val*.tar)."""
+    accepted, then there is nothing to score) or DART JSON. webdataset: shard pattern (null: *val*.tar)."""
     max_train_examples: int | None = None
     """Keep at most this many training examples, spread evenly over the file (deterministic,
     independent of the seed); null: all."""

@@ -1,4 +1,4 @@
-"""Language-model data: E2E (prompt ``mr || `` + target ``ref``), synthetic Markov text.
+"""Language-model data: E2E and DART (prompt ``mr || `` + target ``ref``), synthetic Markov text.
 
 Every example is a token sequence ``prompt + target + [EOS]`` and the number of prompt tokens.
 A batch (``collate``) is right-padded to its longest example:
@@ -144,6 +144,47 @@ def read_e2e_csv(path: Path, field: str) -> tuple[list[str], list[str] | None]:
     return mrs, (refs if i_ref is not None else None)
 
 
+def dart_mr(tripleset) -> str:
+    """DART's triples as one meaning representation, ``s1 : p1 : o1 | s2 : p2 : o2``, relations
+    lower-cased: the linearisation of Li et al. (2022, private-transformers), which the DART
+    results of the inner-momentum paper follow."""
+    return " | ".join(f"{s} : {p.lower()} : {o}" for s, p, o in tripleset)
+
+
+def read_dart_json(path: Path, field: str) -> tuple[list[str], list[str]]:
+    """The official DART release (``dart-v1.1.1-full-{train,dev,test}.json``): a JSON list of
+    records ``{"tripleset": [[s, p, o], ...], "annotations": [{"source", "text"}, ...]}``, one
+    example (mr, ref) per annotation, mr = :func:`dart_mr`."""
+    import json
+
+    if not path.is_file():
+        raise ConfigError(field, f"file not found: {path}")
+    try:
+        records = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(field, f"{path} is not DART JSON ({type(e).__name__}: {e})") from None
+    except OSError as e:
+        raise ConfigError(field, f"cannot read {path}: {e.strerror or e}") from None
+    if not isinstance(records, list):
+        raise ConfigError(field, f"{path} is not DART JSON: expected a list of records")
+    mrs, refs = [], []
+    for i, rec in enumerate(records):
+        try:
+            triples = rec["tripleset"]
+            if not triples or any(len(t) != 3 for t in triples):
+                raise ValueError("every triple needs subject, relation and object")
+            mr = dart_mr(triples)
+            for ann in rec["annotations"]:
+                mrs.append(mr)
+                refs.append(str(ann["text"]).strip())
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(field, f"{path}, record {i}: not a DART record "
+                                     f"({type(e).__name__}: {e})") from None
+    if not mrs:
+        raise ConfigError(field, f"{path} holds no annotated examples")
+    return mrs, refs
+
+
 def _encode_examples(tokenizer, prompts: list[str], targets: list[str] | None,
                      max_length: int | None) -> tuple[list[np.ndarray], np.ndarray]:
     eos = tokenizer.eos_id
@@ -164,7 +205,8 @@ def _encode_examples(tokenizer, prompts: list[str], targets: list[str] | None,
 
 def load_e2e_split(path: Path, field: str, tokenizer, max_length: int | None,
                    max_examples: int | None) -> E2EDataset:
-    mrs, refs = read_e2e_csv(path, field)
+    reader = read_dart_json if path.suffix.lower() == ".json" else read_e2e_csv
+    mrs, refs = reader(path, field)
     groups: OrderedDict[str, list[str]] = OrderedDict()
     for j, mr in enumerate(mrs):
         groups.setdefault(mr, [])
