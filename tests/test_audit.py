@@ -15,8 +15,8 @@ import torch
 from scipy.optimize import brentq
 from scipy.stats import norm
 
-from dptrain.privacy.audit import (GradientCanaries, audit_scores, epsilon_lower_bound,
-                                   one_run_p_value)
+from dptrain.privacy.audit import (GradientCanaries, audit_scores, canaries_needed,
+                                   epsilon_lower_bound, largest_lower_bound, one_run_p_value)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -59,6 +59,30 @@ def test_bound_on_randomized_response_is_valid_and_nearly_tight():
     right = rng.random(m) < math.exp(eps) / (1 + math.exp(eps))
     result = audit_scores(np.where(right, included, ~included).astype(float), included, 0.0)
     assert 0.85 * eps < result.epsilon_lower_bound <= eps
+
+
+def test_guessing_the_top_alone_finds_canaries_that_were_mostly_never_sampled():
+    # a quarter of the included canaries show a spike (sampled); the rest look excluded
+    m = 2000
+    rng = np.random.default_rng(0)
+    included = rng.random(m) < 0.5
+    spiked = included & (rng.random(m) < 0.25)
+    result = audit_scores(10.0 * spiked + rng.standard_normal(m), included, 1e-5)
+    best = max(result.tried, key=lambda t: t["epsilon_lower_bound"])
+    both = max(t["epsilon_lower_bound"] for t in result.tried if t["guessed_excluded"])
+    assert best["guessed_excluded"] == 0 and result.epsilon_lower_bound > both + 1
+
+
+def test_largest_lower_bound_is_the_bound_of_a_perfect_audit():
+    m, delta = 1000, 1e-5
+    rng = np.random.default_rng(0)
+    included = rng.permutation(np.arange(m) < m // 2)  # exactly half: every plan can be right
+    perfect = audit_scores(included + 0.01 * rng.standard_normal(m), included, delta)
+    assert perfect.epsilon_lower_bound == pytest.approx(largest_lower_bound(m, delta))
+    assert 4.5 < largest_lower_bound(m, delta) < largest_lower_bound(8 * m, delta) < 6
+    assert canaries_needed(3.0, delta) == 1000 and canaries_needed(5.3, delta) > 1000
+    assert canaries_needed(8.0, delta) is None  # the delta term grows with m
+    assert canaries_needed(float("inf"), 0.0) is None
 
 
 def _gdp_epsilon(mu: float, delta: float) -> float:
@@ -191,6 +215,18 @@ def test_the_real_mechanism_passes_and_a_run_without_noise_is_caught(tmp_path, c
     code, report, out = _audit(capsys, tmp_path / "broken")
     assert code == 1 and not report["consistent"] and "EXCEEDS" in out.err
     assert report["epsilon_lower_bound"] > report["claimed_epsilon"] + 0.5
+
+
+def test_an_audit_that_cannot_refute_its_claim_says_so(capsys):
+    from dptrain.cli import main
+
+    # tiny as shipped: epsilon 8, q = 0.125; 2 steps: a canary is in a release w.p. 0.23
+    code = main(["audit", "--config", TINY, "--canaries", "100", "privacy.steps=2",
+                 "train.checkpoint_every=0", "train.progress=false"])
+    err = capsys.readouterr().err
+    assert code == 0
+    assert "cannot refute the claim" in err and "no number of canaries can" in err
+    assert "probability 0.23" in err
 
 
 @pytest.mark.parametrize("args,field", [(["--canaries", "1"], "canaries"),

@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from dptrain.config import load
-    from dptrain.privacy.audit import GradientCanaries, audit_scores
+    from dptrain.privacy.audit import (GradientCanaries, audit_scores, canaries_needed,
+                                       largest_lower_bound)
     from dptrain.trainer import RunConfig, Trainer
 
     m, confidence, seed = _parse(args)
@@ -110,12 +111,15 @@ def run(args: argparse.Namespace) -> int:
     consistent = result.epsilon_lower_bound <= claimed
     if not main:
         return 0 if consistent else 1
+    ceiling = largest_lower_bound(m, plan.delta, 1 - confidence)
+    appear = 1 - (1 - plan.sample_rate) ** plan.steps  # P(an included canary is ever sampled)
     report = {
         "config": str(args.config), "claimed_epsilon": claimed, "delta": plan.delta,
         "accountant": plan.accountant, "noise_multiplier": plan.noise_multiplier,
         "sample_rate": plan.sample_rate, "steps": plan.steps, "clip_norm": plan.clip_norm,
         "confidence": confidence, "audit_seed": seed, "world_size": trainer.world,
-        **result.as_dict(), "consistent": consistent,
+        **result.as_dict(), "consistent": consistent, "largest_possible_bound": ceiling,
+        "canaries_ever_sampled": appear,
         # per canary, for other analyses of the same run (ROC, TPR at low FPR, ...)
         "scores": scores.tolist(), "included": canaries.included.tolist(),
     }
@@ -135,6 +139,17 @@ def run(args: argparse.Namespace) -> int:
             f"(delta {plan.delta:.3g}, {plan.accountant})")
     if consistent:
         print(f"{PROG}: {line}: consistent")
+        if ceiling <= claimed:
+            more = canaries_needed(claimed, plan.delta, 1 - confidence)
+            print(f"{PROG}: note: with {m} canaries no run can show an epsilon above "
+                  f"{ceiling:.2f}, so this audit cannot refute the claim of {claimed:.2f} "
+                  + (f"({more} canaries could)" if more else
+                     f"(no number of canaries can at delta {plan.delta:.3g}: the bound's "
+                     "delta term grows with the number of canaries)"), file=sys.stderr)
+        if appear < 0.5:
+            print(f"{PROG}: note: an included canary is sampled at least once with "
+                  f"probability {appear:.2f} (q = {plan.sample_rate:.3g}, {plan.steps} steps): "
+                  "most are never in a release, which weakens the audit", file=sys.stderr)
         return 0
     print(f"{PROG}: {line}: the measured bound EXCEEDS the claim, so the mechanism or its "
           "accounting is wrong", file=sys.stderr)

@@ -25,7 +25,10 @@ wrong. The method is Steinke, Nasr & Jagielski, "Privacy Auditing with One (1) T
   (:func:`one_run_p_value`), so the largest eps that this p-value rejects at the chosen
   significance is a lower bound on the run's epsilon, with that confidence.
 
-Several k are tried, with a Bonferroni correction over them (the bound stays valid). A one-run
+Several guess counts are tried, at both ends of the ranking and at the top alone, with a
+Bonferroni correction over them (the bound stays valid). m canaries can refute no claim above
+:func:`largest_lower_bound` (every guess right): about 5.1 for 1,000 canaries at delta 1e-5,
+and never more than about 5.6 at that delta, since the theorem's delta term grows with m. A one-run
 audit of a subsampled mechanism is loose: it finds a gross fault (noise missing on a shard, a
 sigma far below the calibrated one) rather than a small miscalibration. jax_privacy ships the
 same p-value (``jax_privacy.auditing``), but only for JAX; the formula is a few lines, written
@@ -105,12 +108,20 @@ class AuditResult:
         return dict(self.__dict__)
 
 
+def _guess_plans(m: int, fractions) -> list[tuple[int, int]]:
+    """(k_in, k_out) pairs tried: the top k_in guessed included, the bottom k_out excluded. For
+    each k in ``fractions`` * m: both ends (k, k), and the top end alone (k, 0), which is what
+    finds a canary that appears as a spike when most included canaries were never sampled
+    (small q * T: their scores look excluded)."""
+    ks = sorted({max(1, min(m // 2, int(round(f * m)))) for f in fractions})
+    return [(k, k) for k in ks] + [(k, 0) for k in ks]
+
+
 def audit_scores(scores, included, delta: float, significance: float = 0.05,
                  fractions=GUESS_FRACTIONS) -> AuditResult:
     """Epsilon lower bound from canary ``scores`` (higher: more likely included) and the
-    truth ``included`` (bool). For each k in ``fractions`` * m, guess the top k included and
-    the bottom k excluded; each k is tested at significance / (number of k), and the largest
-    bound is reported."""
+    truth ``included`` (bool). Every plan of :func:`_guess_plans` is tested at significance /
+    (number of plans) (Bonferroni), and the largest bound is reported."""
     scores = np.asarray(scores, dtype=np.float64)
     included = np.asarray(included, dtype=bool)
     m = scores.size
@@ -121,16 +132,45 @@ def audit_scores(scores, included, delta: float, significance: float = 0.05,
     # ties broken in a fixed random order that does not depend on the inclusion bits
     tiebreak = np.random.default_rng(0).permutation(m)
     order = np.lexsort((tiebreak, scores))  # ascending
-    ks = sorted({max(1, min(m // 2, int(round(f * m)))) for f in fractions})
-    each = significance / len(ks)
+    plans = _guess_plans(m, fractions)
+    each = significance / len(plans)
     best = AuditResult(m, int(included.sum()), delta, significance, 0.0, 0, 0)
-    for k in ks:
-        v = int(included[order[-k:]].sum() + (~included[order[:k]]).sum())
-        eps = epsilon_lower_bound(m, 2 * k, v, delta, each)
-        best.tried.append({"guesses": 2 * k, "correct": v, "epsilon_lower_bound": eps})
+    for k_in, k_out in plans:
+        v = int(included[order[m - k_in:]].sum() + (~included[order[:k_out]]).sum())
+        r = k_in + k_out
+        eps = epsilon_lower_bound(m, r, v, delta, each)
+        best.tried.append({"guessed_included": k_in, "guessed_excluded": k_out, "correct": v,
+                           "epsilon_lower_bound": eps})
         if eps > best.epsilon_lower_bound or best.guesses == 0:
-            best.epsilon_lower_bound, best.guesses, best.correct = eps, 2 * k, v
+            best.epsilon_lower_bound, best.guesses, best.correct = eps, r, v
     return best
+
+
+def largest_lower_bound(m: int, delta: float, significance: float = 0.05,
+                        fractions=GUESS_FRACTIONS) -> float:
+    """The bound ``audit_scores`` gives when every guess is right: no run audited with m
+    canaries can be shown to have a larger epsilon, whatever its mechanism."""
+    plans = _guess_plans(m, fractions)
+    r = max(k_in + k_out for k_in, k_out in plans)
+    return epsilon_lower_bound(m, r, r, delta, significance / len(plans))
+
+
+def canaries_needed(epsilon: float, delta: float, significance: float = 0.05,
+                    fractions=GUESS_FRACTIONS) -> int | None:
+    """The smallest power-of-two multiple of 1,000 canaries whose :func:`largest_lower_bound`
+    exceeds ``epsilon``; None when none does (the ceiling stops growing, from the delta term,
+    before it gets there)."""
+    if not math.isfinite(epsilon):
+        return None
+    m, last = 1000, -1.0
+    while m <= 1 << 26:
+        ceiling = largest_lower_bound(m, delta, significance, fractions)
+        if ceiling > epsilon:
+            return m
+        if ceiling <= last:
+            return None
+        m, last = 2 * m, ceiling
+    return None
 
 
 def _derived_seed(seed: int, domain: int) -> int:
