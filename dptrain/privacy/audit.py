@@ -93,7 +93,8 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float, significance: floa
 @dataclass
 class AuditResult:
     """What one audit found. ``epsilon_lower_bound``: with confidence ``1 - significance`` the
-    run's epsilon is at least this; ``guesses``/``correct``: the k that gave it (2k guesses)."""
+    run's epsilon is at least this; ``guesses``/``correct``: of the guess plan that gave it;
+    ``tried``: every plan's counts and bound."""
 
     canaries: int
     included: int
