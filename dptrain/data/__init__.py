@@ -61,7 +61,8 @@ class DataConfig:
     (null: *train*.tar). An absolute path ignores ``path``."""
     test_file: str | None = None
     """e2e: test CSV (null: testset_w_refs.csv; columns mr, ref; testset.csv with only MR is
-    accepted, then there is nothing to score) or DART JSON. webdataset: shard pattern (null: *val*.tar)."""
+    accepted, then there is nothing to score) or DART JSON. webdataset: shard pattern (null:
+    *val*.tar)."""
     max_train_examples: int | None = None
     """Keep at most this many training examples, spread evenly over the file (deterministic,
     independent of the seed); null: all."""

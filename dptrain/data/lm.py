@@ -148,7 +148,7 @@ def dart_mr(tripleset) -> str:
     """DART's triples as one meaning representation, ``s1 : p1 : o1 | s2 : p2 : o2``, relations
     lower-cased: the linearisation of Li et al. (2022, private-transformers), which the DART
     results of the inner-momentum paper follow."""
-    return " | ".join(f"{s} : {p.lower()} : {o}" for s, p, o in tripleset)
+    return " | ".join(f"{s} : {str(p).lower()} : {o}" for s, p, o in tripleset)
 
 
 def read_dart_json(path: Path, field: str) -> tuple[list[str], list[str]]:
