@@ -14,6 +14,7 @@ trained model is not written: it holds canaries.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -57,18 +58,20 @@ def _number(flag: str, text: str, kind: type):
 
 
 def _parse(args: argparse.Namespace) -> tuple[int, float, int]:
-    m = _number("canaries", args.canaries, int)
+    m = _number("--canaries", args.canaries, int)
     if m < 2:
-        raise ConfigError("canaries", f"must be at least 2, got {m}")
-    confidence = _number("confidence", args.confidence, float)
+        raise ConfigError("--canaries", f"must be at least 2, got {m}")
+    confidence = _number("--confidence", args.confidence, float)
     if not 0 < confidence < 1:
-        raise ConfigError("confidence", f"must be in (0, 1), got {confidence}")
-    seed = _number("audit-seed", args.audit_seed, int)
+        raise ConfigError("--confidence", f"must be in (0, 1), got {confidence}")
+    seed = _number("--audit-seed", args.audit_seed, int)
     if seed < 0:
-        raise ConfigError("audit-seed", f"must be >= 0, got {seed}")
-    for flag, path in (("output", args.output), ("plot", args.plot)):
+        raise ConfigError("--audit-seed", f"must be >= 0, got {seed}")
+    for flag, path in (("--output", args.output), ("--plot", args.plot)):
         if path is not None and Path(path).exists() and not args.force:
             raise ConfigError(flag, f"{path} exists; pass --force to overwrite it")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--plot", "needs matplotlib (pip install 'dptrain[plot]')")
     return m, confidence, seed
 
 
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     shapes = [(n, tuple(p.shape)) for n, p in trainer.named_params]
     total = sum(torch.Size(s).numel() for _, s in shapes)
     if m > total:
-        raise ConfigError("canaries", f"at most the model's {total} trainable coordinates, "
+        raise ConfigError("--canaries", f"at most the model's {total} trainable coordinates, "
                                       f"got {m}")
     plan = trainer.plan
     trainer.audit = canaries = GradientCanaries(shapes, m, plan.clip_norm, plan.sample_rate, seed,
