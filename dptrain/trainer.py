@@ -318,8 +318,7 @@ class Trainer:
                 count += stats.num_examples
         del indices, chunks
         if self.audit is not None:  # canaries added on one rank: the sums are reduced below
-            self.audit.insert(acc, step, {n: p.shape for n, p in self.named_params},
-                              dtype=self.engine._acc_dtype(), device=self.device,
+            self.audit.insert(acc, step, dtype=self.engine._acc_dtype(), device=self.device,
                               add=self.rank == 0)
         sigma, C, b = self.plan.noise_multiplier, self.plan.clip_norm, self.plan.denominator
         out = {}

@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from dptrain.commands import check_new_file
 from dptrain.config import ConfigError
 
 PROG = "dptrain audit"
@@ -68,8 +69,8 @@ def _parse(args: argparse.Namespace) -> tuple[int, float, int]:
     if seed < 0:
         raise ConfigError("--audit-seed", f"must be >= 0, got {seed}")
     for flag, path in (("--output", args.output), ("--plot", args.plot)):
-        if path is not None and Path(path).exists() and not args.force:
-            raise ConfigError(flag, f"{path} exists; pass --force to overwrite it")
+        if path is not None:
+            check_new_file(flag, path, args.force)
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("--plot", "needs matplotlib (pip install 'dptrain[plot]')")
     return m, confidence, seed

@@ -20,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+from dptrain.commands import check_new_file
 from dptrain.config import ConfigError
 
 PROG = "dptrain diagnose"
@@ -75,13 +76,6 @@ def _probe_examples(text) -> int:
     if m < 1:
         raise ConfigError("--probe-examples", f"must be >= 1, got {m}")
     return m
-
-
-def _check_new_file(option: str, path: Path, force: bool) -> None:
-    if path.is_dir():
-        raise ConfigError(option, f"{path} is a directory")
-    if path.exists() and not force:
-        raise ConfigError(option, f"{path} exists; pass --force to overwrite it")
 
 
 def _jsonable(obj):
@@ -210,10 +204,10 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else (
         Path(args.run) / "diagnostics.json" if args.run is not None else None)
     if output is not None:
-        _check_new_file("--output", output, args.force)
+        check_new_file("--output", output, args.force)
     plot = Path(args.plot) if args.plot else None
     if plot is not None:
-        _check_new_file("--plot", plot, args.force)
+        check_new_file("--plot", plot, args.force)
         try:
             import matplotlib  # noqa: F401
         except ImportError:

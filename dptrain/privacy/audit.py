@@ -189,6 +189,7 @@ class GradientCanaries:
 
     def __init__(self, shapes: list[tuple[str, tuple]], m: int, clip_norm: float,
                  sample_rate: float, seed: int, noise_multiplier: float = 0.0):
+        self.shapes = {n: tuple(s) for n, s in shapes}
         sizes = [math.prod(s) for _, s in shapes]
         total = sum(sizes)
         if not (2 <= m <= total):
@@ -220,8 +221,7 @@ class GradientCanaries:
         mask[poisson_sample(self._sampling_seed, step, self.m, self.sample_rate)] = True
         return mask
 
-    def insert(self, acc: dict, step: int, shapes: dict, *, dtype, device,
-               add: bool = True) -> None:
+    def insert(self, acc: dict, step: int, *, dtype, device, add: bool = True) -> None:
         """Prepare this rank's clipped sums ``acc`` (name -> tensor shaped like the whole
         parameter) for step ``step``'s reduction and noise: the model's own gradient is removed
         at the canaries' coordinates (so that a canary's coordinate carries only the canary and
@@ -242,7 +242,7 @@ class GradientCanaries:
             if ix.size == 0:
                 continue
             if name not in acc:
-                acc[name] = torch.zeros(shapes[name], dtype=dtype, device=device)
+                acc[name] = torch.zeros(self.shapes[name], dtype=dtype, device=device)
             flat = acc[name].view(-1)
             at = torch.as_tensor(self.index[ix], device=flat.device)
             flat.index_add_(0, at, torch.full((ix.size,), self.clip_norm, dtype=flat.dtype,
