@@ -16,17 +16,20 @@
 #      editable install fails. Prints the GPU (nvidia-smi) and torch/CUDA versions.
 #   1. `pytest -m gpu` (70): tests/test_gpu.py's CUDA checks (engine norms vs CPU float64,
 #      counter-based noise across shard slices, bf16 autocast steps, CUDA == CPU without noise).
-#   2. GPT-2 small, random init, T = 128, DP-Muon-IM K = 2 (100): `dptrain train` for 5
+#   2. GPT-2 small, random init, T = 128, DP-Muon-IM K = 2 (90): `dptrain train` for 5
 #      releases of b = 256, then private vs non-private steps: bench/gpu_check.py.
-#   3. NF-ResNet-50 at 224 px, DP-Muon + AdamW (100): the same for nf_resnet50, b = 256.
-#   4. bench/dp_step.py --device cuda --quick --no-memory (70): DP step vs non-private vs
+#   3. NF-ResNet-50 at 224 px, DP-Muon + AdamW (90): the same for nf_resnet50, b = 256.
+#   4. bench/dp_step.py --device cuda --quick --no-memory (65): DP step vs non-private vs
 #      Opacus (issue 2); its per-variant memory subprocesses are skipped to fit the budget.
-#   5. bench/inner_momentum.py --device cuda --quick --no-memory (50), if it takes --device.
-#   6. bench/per_example_products.py --device cuda --rounds 5 (25): per-example products vs
+#   5. bench/inner_momentum.py --device cuda --quick --no-memory (45), if it takes --device.
+#   6. bench/per_example_products.py --device cuda --rounds 5 (20): per-example products vs
 #      the non-private weight gradients, i.e. the floor of IM's marginal cost on the GPU.
+#   7. kernels (45): tests/test_kernels.py compiled on the GPU (the Triton ghost-product
+#      kernel against its reference, in the engine and the trainer), then
+#      bench/ghost_kernel.py --device cuda: kernel vs torch reference on GPT-2 small's linears.
 # Each part prints examples/s, peak memory (torch.cuda.max_memory_allocated and NVML) and the
 # DP/non-private ratio where it has one; each part's log (its last line one JSON object) lands
-# in $OUT (or bench/gpu_out/): 7 files. Timeouts add up to 475 s.
+# in $OUT (or bench/gpu_out/): 8 files. Timeouts add up to 475 s.
 #
 # `bash bench/gpu_check.sh --dry-run` runs the same parts on CPU with tiny shapes (no install;
 # CUDA tests skip): it checks the plumbing on a machine without a GPU.
@@ -89,33 +92,39 @@ export -f install_deps
 if [ $DRY = 1 ]; then STATUS[install]="skipped (dry run)"; else part install 60 bash -c install_deps; fi
 part pytest_gpu 70 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
 rm -rf /tmp/gpu_check_gpt2 /tmp/gpu_check_nf
-part gpt2_small 100 "$PY" bench/gpu_check.py --model gpt2_small "${CHECK_ARGS[@]}" \
+part gpt2_small 90 "$PY" bench/gpu_check.py --model gpt2_small "${CHECK_ARGS[@]}" \
   --out /tmp/gpu_check_gpt2
-part nf_resnet50 100 "$PY" bench/gpu_check.py --model nf_resnet50 "${CHECK_ARGS[@]}" \
+part nf_resnet50 90 "$PY" bench/gpu_check.py --model nf_resnet50 "${CHECK_ARGS[@]}" \
   --out /tmp/gpu_check_nf
 # (the option checks read the source: a --help would import torch, seconds each)
 if grep -q -- '"--device"' bench/dp_step.py; then
-  part dp_step 70 "$PY" bench/dp_step.py "${BENCH_ARGS[@]}"
+  part dp_step 65 "$PY" bench/dp_step.py "${BENCH_ARGS[@]}"
 else
   STATUS[dp_step]="skipped (no --device)"
 fi
 if [ -f bench/inner_momentum.py ] && grep -q -- '"--device"' bench/inner_momentum.py; then
-  part inner_momentum 50 "$PY" bench/inner_momentum.py "${BENCH_ARGS[@]}"
+  part inner_momentum 45 "$PY" bench/inner_momentum.py "${BENCH_ARGS[@]}"
 else
   STATUS[inner_momentum]="skipped (missing or no --device)"
 fi
 if [ $DRY = 1 ]; then PRODUCTS_ARGS=(--device cpu --tiny --rounds 1)
 else PRODUCTS_ARGS=(--device cuda --rounds 5); fi
-part products 25 "$PY" bench/per_example_products.py "${PRODUCTS_ARGS[@]}"
+part products 20 "$PY" bench/per_example_products.py "${PRODUCTS_ARGS[@]}"
+if [ $DRY = 1 ]; then
+  part kernels 45 env TRITON_INTERPRET=1 "$PY" bench/ghost_kernel.py --device cpu --tiny --rounds 1
+else
+  part kernels 45 bash -c '"$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py &&
+    "$PY" bench/ghost_kernel.py --device cuda --rounds 5'
+fi
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 
 echo
 echo "=== summary (total $(( $(date +%s) - START )) s)"
-for k in install pytest_gpu gpt2_small nf_resnet50 dp_step inner_momentum products; do
+for k in install pytest_gpu gpt2_small nf_resnet50 dp_step inner_momentum products kernels; do
   printf '%-16s %s\n' "$k" "${STATUS[$k]:-not run}"
 done
 # the last JSON line of each benchmark part: throughput, peak memory, DP/non-private
-for k in gpt2_small nf_resnet50 dp_step inner_momentum products; do
+for k in gpt2_small nf_resnet50 dp_step inner_momentum products kernels; do
   [ -f "$RES/$k.log" ] && { printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1500; }
 done
 exit 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from dptrain.config import ConfigError
 
 
@@ -31,6 +33,12 @@ class PerformanceConfig:
     sharding: Literal["none", "fsdp"] = "none"
     """With several ranks: ``fsdp`` shards parameters, releases and optimizer states with
     FSDP2 (per block, then the root); ``none`` replicates the model on every rank."""
+    kernels: Literal["torch", "triton"] = "torch"
+    """Who computes the ghost norms' products: torch (two batched Gram matrices per pair of
+    contributions) or ``triton``, one fused kernel per pair (dptrain/kernels/ghost.py: no Gram matrix
+    in memory, half the multiply-adds for a squared norm; CUDA only, or CPU under
+    TRITON_INTERPRET=1). The same norms up to float32 rounding (tests/test_kernels.py); not yet
+    timed on a GPU, hence off by default."""
     fsdp_mixed_precision: bool = False
     """FSDP2 with bf16 parameters in forward/backward (norms, sums and reductions in fp32)."""
 
@@ -49,3 +57,14 @@ class PerformanceConfig:
                                           "more than C); use bookkeeping with bfloat16")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("device", f"must be auto, cpu or cuda, got {self.device!r}")
+
+
+def check_kernels(perf: PerformanceConfig, device: torch.device) -> None:
+    """ConfigError naming ``performance.kernels`` when the chosen kernels cannot run on
+    ``device`` (before anything is built or written)."""
+    if perf.kernels == "triton":
+        from dptrain.kernels.ghost import available
+
+        why = available(device)
+        if why is not None:
+            raise ConfigError("performance.kernels", why)

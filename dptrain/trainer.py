@@ -34,7 +34,7 @@ from dptrain.models import ModelConfig, build_model
 from dptrain.models.dropout import example_dropout
 from dptrain.optim import OptimConfig, build_optimizer
 from dptrain.optim.build import transposed_weights
-from dptrain.performance import PerformanceConfig
+from dptrain.performance import PerformanceConfig, check_kernels
 from dptrain.privacy.accounting import (Ledger, calibrate_noise_multiplier, check_plan,
                                         epsilon as ledger_epsilon)
 from dptrain.privacy.config import PrivacyConfig
@@ -203,6 +203,7 @@ class Trainer:
         if perf.num_threads is not None:
             torch.set_num_threads(perf.num_threads)
         self.device = resolve_device(perf)
+        check_kernels(perf, self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.rank, self.world = init_from_env(backend)
         self.task = build_data(cfg.data, seed=cfg.seed)
@@ -223,7 +224,8 @@ class Trainer:
         try:
             self.engine = ClippingEngine(
                 self.model, clip_norm=self.plan.clip_norm, ghost=perf.ghost,
-                mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping")
+                mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping",
+                kernels=perf.kernels)
         except ValueError as e:  # a model with parameters no layer rule can clip
             field = "model.timm_name" if cfg.model.name == "timm" else "model.name"
             raise ConfigError(field, str(e)) from None

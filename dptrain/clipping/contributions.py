@@ -35,6 +35,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+#: Who computes the ghost products (a performance setting: the same quantity either way).
+Kernels = Literal["torch", "triton"]
+
 # Instantiating a per-example gradient of more than this many floats per microbatch is refused by
 # the cost model (the ghost form is used instead).
 MAX_INSTANTIATE_NUMEL = 1 << 28
@@ -130,7 +133,11 @@ def _ll(a: Tensor | OneHot, b: Tensor | OneHot) -> Tensor:
     return torch.bmm(a, b.transpose(1, 2))
 
 
-def _outer_inner(u: Outer, v: Outer) -> Tensor:
+def _outer_inner(u: Outer, v: Outer, kernels: Kernels = "torch") -> Tensor:
+    if kernels == "triton" and not isinstance(u.L, OneHot) and not isinstance(v.L, OneHot):
+        from dptrain.kernels.ghost import outer_inner
+
+        return outer_inner(u.L, u.R) if u is v else outer_inner(u.L, u.R, v.L, v.R)
     rr = torch.bmm(u.R, v.R.transpose(1, 2))  # (B, Tu, Tv)
     ll = _ll(u.L, v.L)
     return (ll.to(rr.dtype) * rr).sum(dim=(1, 2))
@@ -215,10 +222,12 @@ def _dense_outer_inner(d: Tensor, v: Outer) -> Tensor:
     return (dr * v.L.transpose(1, 2)).sum(dim=(1, 2))
 
 
-def inner(u: Contribution, v: Contribution) -> Tensor:
-    """Per-example <u_b, v_b> of two contributions (coefficients not applied)."""
+def inner(u: Contribution, v: Contribution, kernels: Kernels = "torch") -> Tensor:
+    """Per-example <u_b, v_b> of two contributions (coefficients not applied). ``kernels``:
+    "triton" computes the ghost products of two dense outer-product forms with the fused kernel
+    (dptrain/kernels/ghost.py) instead of two Gram matrices; same quantity."""
     if isinstance(u, Outer) and isinstance(v, Outer):
-        return _outer_inner(u, v)
+        return _outer_inner(u, v, kernels)
     if isinstance(u, Dense) and isinstance(v, Dense):
         return (u.g.flatten(1) * v.g.flatten(1)).sum(1)
     if isinstance(u, Dense):
@@ -313,9 +322,11 @@ def choose_form_states(contribs: list[Contribution], n_states: int,
     return "ghost" if ghost < inst else "instantiate"
 
 
-def squared_norms(contribs: list[Contribution], form: str) -> tuple[Tensor, list[Contribution]]:
+def squared_norms(contribs: list[Contribution], form: str,
+                  kernels: Kernels = "torch") -> tuple[Tensor, list[Contribution]]:
     """Per-example squared norm of sum_u coef_u * c_u, and the contributions actually used
-    (Outer ones replaced by Dense when instantiated, so the clipped sum can reuse them)."""
+    (Outer ones replaced by Dense when instantiated, so the clipped sum can reuse them).
+    ``kernels``: see :func:`inner`."""
     if form == "ghost" and len(contribs) == 1 and isinstance(contribs[0], Factored) \
             and contribs[0].supports_ghost:
         c = contribs[0]
@@ -333,7 +344,7 @@ def squared_norms(contribs: list[Contribution], form: str) -> tuple[Tensor, list
     for i, u in enumerate(contribs):
         for j in range(i, len(contribs)):
             v = contribs[j]
-            term = inner(u, v) * (u.coef * v.coef * (1.0 if i == j else 2.0))
+            term = inner(u, v, kernels) * (u.coef * v.coef * (1.0 if i == j else 2.0))
             sq = term if sq is None else sq + term
     return sq, contribs
 

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from dptrain.clipping.contributions import (
     Contribution,
     Dense,
+    Kernels,
     Outer,
     add_instantiated,
     choose_form_states,
@@ -131,15 +132,19 @@ class ClippingEngine:
         clip_norm: C; ``None`` only for computing norms.
         ghost: per-layer norm form, a performance setting (same result either way).
         mode: "bookkeeping" (one backward) or "two_pass" (second backward with weights).
+        kernels: "torch", or "triton" for the fused ghost-product kernel (dptrain/kernels/ghost.py;
+            CUDA, or CPU under TRITON_INTERPRET=1), a performance setting.
     """
 
     def __init__(self, model: nn.Module, *, clip_norm: float | None = None,
                  ghost: Literal["auto", "ghost", "instantiate"] = "auto",
-                 mode: Literal["bookkeeping", "two_pass"] = "bookkeeping"):
+                 mode: Literal["bookkeeping", "two_pass"] = "bookkeeping",
+                 kernels: Kernels = "torch"):
         self.model = model
         self.clip_norm = clip_norm
         self.ghost = ghost
         self.mode = mode
+        self.kernels = kernels
         self.names: dict[int, str] = {}
         self.params: dict[str, nn.Parameter] = {}
         for n, p in model.named_parameters():
@@ -366,7 +371,8 @@ class ClippingEngine:
                 s = sq_rows(total)
                 used[name] = [Dense(total, 1.0)]
             else:
-                s, used[name] = squared_norms(query.lists.pop(name), query.forms[name])
+                s, used[name] = squared_norms(query.lists.pop(name), query.forms[name],
+                                               self.kernels)
             sq = sq + s.to(dtype)
         return sq.clamp_min(0).sqrt(), used
 

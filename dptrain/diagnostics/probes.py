@@ -228,6 +228,7 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     from dptrain.models import build_model
     from dptrain.optim import build_optimizer
     from dptrain.optim.build import transposed_weights
+    from dptrain.performance import check_kernels
     from dptrain.trainer import resolve_device
 
     path = Path(checkpoint)
@@ -245,6 +246,7 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     if perf.num_threads is not None:
         torch.set_num_threads(perf.num_threads)
     device = resolve_device(perf)
+    check_kernels(perf, device)
     task = build_data(cfg.data, seed=cfg.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
@@ -254,7 +256,8 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     sigma, C = float(plan["noise_multiplier"]), float(plan["clip_norm"])
     b = int(plan["denominator"])
     engine = ClippingEngine(model, clip_norm=C, ghost=perf.ghost,
-                            mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping")
+                            mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping",
+                            kernels=perf.kernels)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg.optim, named, total_steps=int(plan["steps"]),
                                 release_noise_std=sigma * C / b, seed=cfg.seed,

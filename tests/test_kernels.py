@@ -1,0 +1,218 @@
+"""Triton kernels against their PyTorch references (dptrain/kernels/).
+
+On a CUDA machine the kernels run compiled on the GPU. On a CPU-only machine the same tests run
+in a child pytest under Triton's interpreter (TRITON_INTERPRET=1 must be set before Triton's
+kernels are defined, and it would interpret every Triton kernel of the process, so it is not
+set in the suite's own process): ``test_kernels_under_the_interpreter``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dptrain.config import ConfigError, load
+from dptrain.trainer import RunConfig, Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+runs_kernels = pytest.mark.skipif(
+    not (INTERPRETED or torch.cuda.is_available()),
+    reason="kernels run on CUDA, or on CPU in the interpreted child run")
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def make(*overrides: str) -> Trainer:
+    return Trainer(load(RunConfig, TINY, ["train.progress=false", *overrides]))
+
+
+@pytest.mark.skipif(INTERPRETED or torch.cuda.is_available() or not HAVE_TRITON,
+                    reason="the parent run on a CPU-only machine with Triton")
+def test_kernels_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        str(Path(__file__)), "-k", "not under_the_interpreter and not refused"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    tail = (r.stdout + r.stderr)[-4000:]
+    assert r.returncode == 0, tail
+    assert " passed" in tail and "skipped" not in tail.splitlines()[-1], tail  # all of them ran
+
+
+@pytest.mark.skipif(INTERPRETED or torch.cuda.is_available() or not HAVE_TRITON,
+                    reason="Triton without its interpreter on a CPU-only machine")
+def test_triton_kernels_on_a_cpu_are_refused_naming_the_field():
+    with pytest.raises(ConfigError) as e:
+        make("performance.device=cpu", "performance.kernels=triton")
+    assert e.value.field == "performance.kernels"
+    assert "CUDA" in e.value.message
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused ghost product, dptrain/kernels/ghost.py
+
+
+def _factors(B, Tu, Tv, O, I, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64).to(dtype).to(DEVICE)
+    return r(B, Tu, O), r(B, Tu, I), r(B, Tv, O), r(B, Tv, I)
+
+
+def _exact(Lu, Ru, Lv=None, Rv=None):
+    from dptrain.kernels.ghost import outer_inner_reference
+
+    d = [x.double().cpu() if x is not None else None for x in (Lu, Ru, Lv, Rv)]
+    return outer_inner_reference(*d)
+
+
+# (B, Tu, Tv, O, I): T not a multiple of the tile, one token, narrow layers (< 16 features,
+# tl.dot's minimum), an unequal pair, wider than a tile of features, several tiles of tokens
+SHAPES = [(3, 5, 5, 7, 9), (2, 1, 1, 3, 2), (2, 70, 70, 40, 33), (4, 16, 16, 64, 16),
+          (2, 17, 90, 48, 20), (1, 130, 130, 24, 40)]
+
+
+@runs_kernels
+@pytest.mark.parametrize("shape", SHAPES)
+def test_ghost_product_equals_the_float64_reference(shape):
+    from dptrain.kernels.ghost import outer_inner
+
+    B, Tu, Tv, O, I = shape
+    Lu, Ru, Lv, Rv = _factors(*shape)
+    got = outer_inner(Lu, Ru, Lv, Rv)
+    assert got.dtype == torch.float32 and got.shape == (B,)
+    ref = _exact(Lu, Ru, Lv, Rv)
+    scale = _exact(Lu, Ru).sqrt() * _exact(Lv, Rv).sqrt()  # Cauchy–Schwarz: |<u,v>| <= |u||v|
+    assert ((got.double().cpu() - ref).abs() <= 1e-5 * scale).all()
+    if Tu == Tv:
+        sym = outer_inner(Lu, Ru)  # the upper triangle of tiles, off-diagonal ones twice
+        torch.testing.assert_close(sym.double().cpu(), _exact(Lu, Ru), rtol=1e-5, atol=0)
+        # the same product asked for as a general pair (every tile)
+        torch.testing.assert_close(outer_inner(Lu, Ru, Lu, Ru).double().cpu(),
+                                   _exact(Lu, Ru), rtol=1e-5, atol=0)
+
+
+@runs_kernels
+def test_ghost_product_in_float64_is_float64_exact():
+    from dptrain.kernels.ghost import outer_inner
+
+    Lu, Ru, Lv, Rv = _factors(3, 40, 23, 20, 36, dtype=torch.float64, seed=1)
+    got = outer_inner(Lu, Ru, Lv, Rv)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got.cpu(), _exact(Lu, Ru, Lv, Rv), rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(outer_inner(Lu, Ru).cpu(), _exact(Lu, Ru), rtol=1e-12, atol=0)
+
+
+@runs_kernels
+def test_ghost_product_reads_strided_and_half_precision_factors():
+    from dptrain.kernels.ghost import outer_inner
+
+    g = torch.Generator().manual_seed(2)
+    L = torch.randn(2, 40, 30, generator=g).to(DEVICE).transpose(1, 2)  # (2, 30, 40), strided
+    R = torch.randn(2, 8, 30, generator=g).to(DEVICE).transpose(1, 2)[:, :, :5]  # (2, 30, 5)
+    assert not L.is_contiguous() and not R.is_contiguous()
+    torch.testing.assert_close(outer_inner(L, R).double().cpu(), _exact(L, R), rtol=1e-5, atol=0)
+    Lh = L.to(torch.bfloat16)  # bf16 captures are multiplied in float32, not in bf16
+    got = outer_inner(Lh, R)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double().cpu(), _exact(Lh, R), rtol=1e-5, atol=0)
+
+
+@runs_kernels
+def test_ghost_product_of_an_empty_batch_or_sequence_is_zero():
+    from dptrain.kernels.ghost import outer_inner
+
+    Lu, Ru, _, _ = _factors(0, 4, 4, 3, 3)
+    assert outer_inner(Lu, Ru).shape == (0,)
+    Lu, Ru, _, _ = _factors(2, 0, 0, 3, 3)
+    assert torch.equal(outer_inner(Lu, Ru).cpu(), torch.zeros(2))
+
+
+@runs_kernels
+def test_ghost_product_refuses_factors_that_do_not_pair():
+    from dptrain.kernels.ghost import outer_inner
+
+    Lu, Ru, Lv, Rv = _factors(2, 5, 6, 4, 3)
+    with pytest.raises(ValueError, match="do not pair"):
+        outer_inner(Lu, Ru, Lv, Rv[:, :, :2])
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel inside the clipping engine and the trainer: the same norms, clip factors, release
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=23, n_positions=24,
+        attn_implementation="eager", resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+    return model.double().to(DEVICE)
+
+
+def _nll(m, batch):
+    ids = batch["input_ids"]
+    lp = torch.log_softmax(m(input_ids=ids).logits[:, :-1], -1)
+    return -lp.gather(-1, ids[:, 1:, None]).squeeze(-1).mean(-1)
+
+
+@runs_kernels
+def test_engine_norms_and_clipped_sum_with_the_kernel_equal_torch_over_several_states():
+    """GPT-2 with tied wte/lm_head (a dense head contribution and a one-hot embedding one, the
+    latter left to torch) at 3 model states (inner momentum): every pair of dense ghost
+    contributions, across states too, goes through the kernel."""
+    from dptrain.clipping import ClippingEngine
+
+    model = _tiny_gpt2()
+    ids = torch.randint(0, 23, (3, 12), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    batch = {"input_ids": ids}
+    g = torch.Generator().manual_seed(4)
+    past = [{n: (p.detach().cpu() + 0.05 * torch.randn(p.shape, generator=g,
+                                                       dtype=p.dtype)).to(DEVICE)
+             for n, p in model.named_parameters()} for _ in range(2)]
+    plan = [(0.5, None), (0.3, past[0]), (0.2, past[1])]
+    out = {}
+    for kernels in ("torch", "triton"):
+        eng = ClippingEngine(model, clip_norm=None, ghost="ghost", kernels=kernels)
+        norms = eng.per_example_norms(_nll, batch, plan)
+        eng = ClippingEngine(model, clip_norm=float(norms.median()), ghost="ghost",
+                             kernels=kernels)
+        acc: dict = {}
+        eng.accumulate(_nll, batch, acc, plan)
+        out[kernels] = (norms, acc)
+    (n_t, a_t), (n_k, a_k) = out["torch"], out["triton"]
+    torch.testing.assert_close(n_k, n_t, rtol=1e-12, atol=0)
+    for name in a_t:
+        torch.testing.assert_close(a_k[name], a_t[name], rtol=1e-10, atol=1e-14)
+
+
+@runs_kernels
+def test_kernels_setting_leaves_clip_factors_and_the_release_unchanged():
+    small = ["performance.dtype=float64", f"performance.device={DEVICE}",
+             "performance.ghost=ghost", "model.n_layer=1", "privacy.sample_rate=0.04"]
+    ref = make(*small)
+    other = make(*small, "performance.kernels=triton")
+    assert other.engine.kernels == "triton"
+    idx = ref.sample(0)
+    batch = ref.task.train.collate(idx)
+    from dptrain.trainer import to_device
+
+    batch = to_device(batch, ref.device)
+    lam_ref = ref.engine.clip_factors(ref.engine.per_example_norms(ref.task.loss_fn, batch))
+    lam_k = other.engine.clip_factors(other.engine.per_example_norms(other.task.loss_fn, batch))
+    assert (lam_ref < 1).any()  # clipping is active
+    torch.testing.assert_close(lam_k, lam_ref, rtol=1e-12, atol=0)
+    r_ref, _ = ref.release(0)
+    r_k, _ = other.release(0)
+    for n in r_ref:
+        torch.testing.assert_close(r_k[n], r_ref[n], rtol=1e-10, atol=1e-14)
