@@ -167,11 +167,22 @@ def _nll(m, batch):
 
 
 @runs_kernels
-def test_engine_norms_and_clipped_sum_with_the_kernel_equal_torch_over_several_states():
+def test_engine_norms_and_clipped_sum_with_the_kernel_equal_torch_over_several_states(
+        monkeypatch):
     """GPT-2 with tied wte/lm_head (a dense head contribution and a one-hot embedding one, the
     latter left to torch) at 3 model states (inner momentum): every pair of dense ghost
     contributions, across states too, goes through the kernel."""
+    import dptrain.kernels.ghost as ghost
     from dptrain.clipping import ClippingEngine
+
+    calls = {"self": 0, "cross": 0}
+    kernel = ghost.outer_inner
+
+    def counted(Lu, Ru, Lv=None, Rv=None):
+        calls["self" if Lv is None else "cross"] += 1
+        return kernel(Lu, Ru, Lv, Rv)
+
+    monkeypatch.setattr(ghost, "outer_inner", counted)
 
     model = _tiny_gpt2()
     ids = torch.randint(0, 23, (3, 12), generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -190,6 +201,12 @@ def test_engine_norms_and_clipped_sum_with_the_kernel_equal_torch_over_several_s
         acc: dict = {}
         eng.accumulate(_nll, batch, acc, plan)
         out[kernels] = (norms, acc)
+        if kernels == "torch":
+            assert calls == {"self": 0, "cross": 0}
+    # 2 calls (norms, then clipped sum) x 3 states x the dense 2-D weights of the model (4 block
+    # linears and the head); pairs of states: 3 per weight and call
+    n_dense = 5
+    assert calls == {"self": 2 * 3 * n_dense, "cross": 2 * 3 * n_dense}, calls
     (n_t, a_t), (n_k, a_k) = out["torch"], out["triton"]
     torch.testing.assert_close(n_k, n_t, rtol=1e-12, atol=0)
     for name in a_t:
