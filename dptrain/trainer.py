@@ -85,6 +85,16 @@ class RunConfig:
             raise ConfigError("seed", f"must be in [0, 2**63), got {self.seed}")
 
 
+class StopRequested(Exception):
+    """Raised by :meth:`Trainer.run` after a requested stop (``Trainer.stop_signal``, set by
+    ``dptrain train`` on SIGTERM): every rank finished the same step and, with an output
+    directory, a checkpoint of that step was written (``checkpoint``, None without one)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(f"stopped by signal {signum} after step {step}")
+
+
 def resolve_device(perf: PerformanceConfig) -> torch.device:
     if perf.device == "cpu" or (perf.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -239,6 +249,9 @@ class Trainer:
         self.step = 0
         #: gradient canaries of an empirical audit (``dptrain audit``); None in a normal run
         self.audit = None
+        #: set (to a signal number) to stop :meth:`run` at the next step boundary, checkpointed;
+        #: ``dptrain train`` sets it on SIGTERM (preemption)
+        self.stop_signal: int | None = None
 
     # ---------------------------------------------------------------------------------- mechanism
 
@@ -371,6 +384,19 @@ class Trainer:
         self.step += 1
         return {"step": self.step, **stats}
 
+    def _stop_agreed(self) -> int:
+        """The signal number of a requested stop if any rank has one, else 0; the same on every
+        rank (one scalar all-reduce per step with several ranks), so that all stop after the
+        same step and take part in the same checkpoint."""
+        mine = self.stop_signal or 0
+        if self.world == 1:
+            return mine
+        import torch.distributed as dist
+
+        t = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
     def epsilon(self) -> float:
         if self.ledger.num_releases == 0:
             return 0.0
@@ -429,7 +455,18 @@ class Trainer:
         eps, eps_step = self.epsilon(), self.step  # shown with its step: computed every log_every
         start = time.time()
         try:
+            # (step, path) of the newest checkpoint; a resumed run starts at one
+            saved: tuple[int, Path | None] | None = (self.step, None) if self.step else None
             while self.step < self.plan.steps:
+                if signum := self._stop_agreed():
+                    # every rank at the same step boundary: checkpoint it (unless just done or
+                    # nothing was trained), then stop
+                    if out is not None and self.step > 0 and (saved is None
+                                                              or saved[0] != self.step):
+                        saved = (self.step, ckpt.save(self, out))
+                        flush()
+                    raise StopRequested(signum, self.step,
+                                        saved[1] if saved and saved[0] == self.step else None)
                 row = self.private_step()
                 if self.cfg.privacy.secure_mode:
                     # computed from the private batch without noise: outside the guarantee, so
@@ -454,7 +491,7 @@ class Trainer:
                 if out is not None and tc.checkpoint_every and (
                         self.step % tc.checkpoint_every == 0 or last):
                     # every rank calls: sharded runs write their shards (DCP)
-                    ckpt.save(self, out)
+                    saved = (self.step, ckpt.save(self, out))
                     flush()
             flush()
         finally:

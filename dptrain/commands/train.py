@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from dptrain.config import ConfigError
@@ -25,7 +29,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from dptrain import checkpoint as ckpt
     from dptrain.config import load
-    from dptrain.trainer import RunConfig, Trainer
+    from dptrain.trainer import RunConfig, StopRequested, Trainer
 
     cfg = load(RunConfig, args.config, args.overrides)
     out = Path(args.output_dir) if args.output_dir else Path("runs") / Path(args.config).stem
@@ -70,7 +74,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"dptrain train: resumed from {resume_path} at step {trainer.step}",
                   file=sys.stderr)
             _drop_metrics_after(out / "metrics.jsonl", trainer.step)
-    summary = trainer.run()
+    try:
+        with _stop_on_sigterm(trainer):
+            summary = trainer.run()
+    except StopRequested as e:
+        if trainer.rank == 0:
+            name = signal.Signals(e.signum).name
+            where = (f"checkpoint {e.checkpoint}" if e.checkpoint is not None else
+                     f"its checkpoint in {out / 'checkpoints'}" if e.step else "nothing to keep")
+            print(f"dptrain train: {name}: stopped after step {e.step} of {trainer.plan.steps} "
+                  f"({where}); continue with --resume auto", file=sys.stderr)
+        return 128 + e.signum
     if trainer.rank == 0:  # only rank 0 writes the files, and says so once
         ckpt.export_hf(trainer, out / "final")
         metrics = ", ".join(f"{k} {v:.4g}" for k, v in summary["metrics"].items()
@@ -78,6 +92,35 @@ def run(args: argparse.Namespace) -> int:
         print(f"done: {summary['steps']} steps, epsilon {summary['epsilon']:.3f} "
               f"(delta {summary['delta']:.3g}), {metrics}; wrote {out}/summary.json")
     return 0
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm(trainer):
+    """SIGTERM (preemption; torchrun forwards it to every rank) asks ``trainer`` to stop at the
+    next step boundary with a checkpoint instead of dying mid-step: the step in progress
+    finishes, all ranks agree on the step, and ``--resume auto`` continues exactly. A second
+    SIGTERM ends the process at once. Only the main thread can install handlers; elsewhere
+    (a test calling ``main`` from a thread) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if trainer.stop_signal is not None:  # the second one: die now, as without the handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        trainer.stop_signal = signum
+        if trainer.rank == 0:
+            print(f"dptrain train: {signal.Signals(signum).name} received: stopping when the "
+                  f"step in progress ends, with a checkpoint (send it again to stop at once)",
+                  file=sys.stderr)
+
+    before = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _metrics_rows(path: Path) -> list[tuple[str, dict]]:

@@ -1,0 +1,116 @@
+"""SIGTERM (preemption) stops `dptrain train` at a step boundary with a checkpoint, on every rank
+at the same step; `--resume auto` then continues to the same final model as an uninterrupted run,
+bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dptrain import checkpoint as ckpt
+from dptrain.cli import main
+from dptrain.privacy.accounting import Ledger
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+# dropout and inner momentum: the RNG streams and the history must survive the stop too
+ARGS = ["train.progress=false", "privacy.steps=8", "train.log_every=1", "model.dropout=0.1",
+        "optim.inner_momentum.k_muon=2", "optim.inner_momentum.gamma_muon=0.9",
+        "train.checkpoint_every=0"]
+
+
+def _steps_logged(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_last_step_and_resume_is_bit_for_bit(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dptrain", "train", "--config", TINY, "--output-dir", str(out),
+           *ARGS]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        end = time.time() + 300
+        while not _steps_logged(out) and proc.poll() is None and time.time() < end:
+            time.sleep(0.01)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    # checkpoint_every=0: the one checkpoint is the stop's, of the last finished step
+    (only,) = sorted((out / "checkpoints").glob("step-*"))
+    k = int(only.name[5:])
+    assert 1 <= k < 8
+    assert ckpt.verify(only) is None
+    state = ckpt.read(only)
+    assert state["step"] == Ledger.from_dict(state["ledger"]).num_releases == k
+    assert f"stopped after step {k} of 8" in err and "--resume auto" in err
+    assert _steps_logged(out) == list(range(1, k + 1))
+    assert not (out / "summary.json").exists() and not (out / "final").exists()
+
+    assert main(["train", "--config", TINY, "--output-dir", str(out), "--resume", "auto",
+                 *ARGS]) == 0
+    ref = tmp_path / "ref"
+    assert main(["train", "--config", TINY, "--output-dir", str(ref), *ARGS]) == 0
+    capsys.readouterr()
+    want = load_file(str(ref / "final" / "model.safetensors"))
+    got = load_file(str(out / "final" / "model.safetensors"))
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    assert _steps_logged(out) == list(range(1, 9))
+
+
+def _stop_on_one_rank(rank: int, world: int, out: str, stop_rank: int) -> tuple:
+    """Rank ``stop_rank`` alone gets the stop request, during step 2."""
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, StopRequested, Trainer
+
+    t = Trainer(load(RunConfig, TINY, ["train.progress=false", "privacy.accountant=rdp",
+                                       "performance.sharding=fsdp", *ARGS]), out)
+    step = t.private_step
+
+    def private_step():
+        if rank == stop_rank and t.step == 1:
+            t.stop_signal = signal.SIGTERM
+        return step()
+
+    t.private_step = private_step
+    try:
+        t.run()
+    except StopRequested as e:
+        return e.step, e.signum, None if e.checkpoint is None else str(e.checkpoint)
+    return t.step, None, None
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stop_rank", [1])  # not rank 0, which writes the checkpoint metadata
+def test_a_stop_seen_by_one_rank_stops_every_rank_at_the_same_step(tmp_path, stop_rank):
+    from dptrain.parallel.dist import spawn
+
+    out = tmp_path / "run"
+    got = spawn(_stop_on_one_rank, 2, str(out), stop_rank, timeout=180)
+    assert [g[:2] for g in got] == [(2, signal.SIGTERM), (2, signal.SIGTERM)]
+    assert got[0][2] == str(out / "checkpoints" / "step-00000002")  # the path, on rank 0
+    (only,) = sorted((out / "checkpoints").glob("step-*"))
+    assert only.name == "step-00000002" and ckpt.verify(only) is None
+    assert ckpt.read(only)["step"] == 2
+    assert _steps_logged(out) == [1, 2]
