@@ -21,7 +21,9 @@ load. Per step, between barriers, every rank measures
   AdamW on the non-matrix parameters);
 - the Newton–Schulz calls inside it (``distributed_newton_schulz`` under sharding, including
   its two all-to-alls; ``newton_schulz`` per matrix on one rank);
-- the process CPU time of the step.
+- the process CPU time of the step;
+- after the steps, the stop agreement ``Trainer.run()`` adds before every step (one scalar
+  all-reduce with several ranks: a SIGTERM seen by any rank stops all after the same step).
 
 Reported per world size: medians over all timed steps of the slowest rank's times (an
 all-reduce MAX: what a step waits for), speed-up T1/TW and scaling efficiency T1/(W*TW), the
@@ -104,8 +106,19 @@ def _rank(rank: int, world: int, overrides_: list[str]) -> dict:
         rows.append({"examples": n, "wall": float(mx[0]), "cpu": float(mx[1]),
                      "opt": float(mx[2]), "ns_max": float(mx[3]),
                      "ns_mean": float(sm[0]) / world, "opt_mean": float(sm[1]) / world})
+    # the stop agreement Trainer.run() adds before every step (SIGTERM handling): one scalar
+    # all-reduce with several ranks; slowest rank's median over 50 calls
+    checks = []
+    for _ in range(50):
+        dist.barrier()
+        t0 = time.perf_counter()
+        t._stop_agreed()
+        mx = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        checks.append(float(mx[0]))
     params = sum(p.numel() for _, p in t.named_params)  # a DTensor's numel is the global one
-    return {"steps": rows[1:], "params": int(params), "warmup": rows[:1]}  # step 0: warm-up
+    return {"steps": rows[1:], "params": int(params), "warmup": rows[:1],  # step 0: warm-up
+            "stop_check": statistics.median(checks)}
 
 
 def summarize(samples: dict[int, list[dict]]) -> dict:
@@ -154,16 +167,21 @@ def main() -> None:
     ov = overrides(a)
     load_start, t_start = load_average(), time.time()
     samples: dict[int, list[dict]] = {w: [] for w in worlds}
+    checks: dict[int, list[float]] = {w: [] for w in worlds}
     params = None
     for rep in range(a.repeats):
         order = worlds if rep % 2 == 0 else worlds[::-1]
         for w in order:
             res = spawn(_rank, w, ov, num_threads=1, timeout=1800)[0]
             samples[w] += res["steps"]
+            checks[w].append(res["stop_check"])
             params = res["params"]
             print(f"pass {rep + 1}, world {w}: step "
                   + ", ".join(f"{r['wall']:.2f}" for r in res["steps"]) + " s", flush=True)
     summary = summarize(samples)
+    for w, row in summary.items():
+        row["stop_check_s"] = statistics.median(checks[w])
+        row["stop_check_over_step"] = row["stop_check_s"] / row["wall"]
     cores = os.cpu_count() or 1
     print(f"\nGPT-2 {a.layers} layers, width {a.width}, {params} parameters; logical batch "
           f"~{a.sample_rate * a.train_size:.0f} (N = {a.train_size}, q = {a.sample_rate}), "
@@ -178,6 +196,10 @@ def main() -> None:
               f"{r.get('cpu_busiest_over_w1', 1):.2f} | {r['opt']:.3f} | "
               f"{100 * r['opt_fraction']:.1f}% | {r['ns_max']:.3f} / {r['ns_mean']:.3f} | "
               f"{(r.get('ns_over_w1') or 0):.2f} |")
+    print("stop agreement before each step (Trainer.run, SIGTERM handling), slowest rank: "
+          + ", ".join(f"world {w}: {r['stop_check_s'] * 1e6:.0f} us = "
+                      f"{100 * r['stop_check_over_step']:.3f}% of the step"
+                      for w, r in summary.items()))
     if max(worlds) > cores:
         print(f"note: {cores} CPU cores; world sizes above {cores} share cores (oversubscribed)")
     print(json.dumps({"config": vars(a), "params": params, "summary": summary,
