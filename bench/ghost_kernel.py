@@ -106,8 +106,8 @@ def main() -> None:
                                      if peaks["ref"] else None),
             "max_rel_err_vs_float64": max_err,
         }
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-          f"B {B}, float32 (no TF32), median of {args.rounds}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device {device} ({name}), B {B}, float32 (no TF32), median of {args.rounds}")
     print("| T | layer | ref self ms | kernel self ms | ref cross ms | kernel cross ms | "
           "ref peak MiB | kernel peak MiB |")
     print("|---|---|---|---|---|---|---|---|")

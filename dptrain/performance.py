@@ -35,8 +35,8 @@ class PerformanceConfig:
     FSDP2 (per block, then the root); ``none`` replicates the model on every rank."""
     kernels: Literal["torch", "triton"] = "torch"
     """Who computes the ghost norms' products: torch (two batched Gram matrices per pair of
-    contributions) or ``triton``, one fused kernel per pair (dptrain/kernels/ghost.py: no Gram matrix
-    in memory, half the multiply-adds for a squared norm; CUDA only, or CPU under
+    contributions) or ``triton``, one fused kernel per pair (dptrain/kernels/ghost.py: no Gram
+    matrix in memory, half the multiply-adds for a squared norm; CUDA only, or CPU under
     TRITON_INTERPRET=1). The same norms up to float32 rounding (tests/test_kernels.py); not yet
     timed on a GPU, hence off by default."""
     fsdp_mixed_precision: bool = False

@@ -132,8 +132,9 @@ class ClippingEngine:
         clip_norm: C; ``None`` only for computing norms.
         ghost: per-layer norm form, a performance setting (same result either way).
         mode: "bookkeeping" (one backward) or "two_pass" (second backward with weights).
-        kernels: "torch", or "triton" for the fused ghost-product kernel (dptrain/kernels/ghost.py;
-            CUDA, or CPU under TRITON_INTERPRET=1), a performance setting.
+        kernels: "torch", or "triton" for the fused ghost-product kernel
+            (dptrain/kernels/ghost.py; CUDA, or CPU under TRITON_INTERPRET=1), a performance
+            setting.
     """
 
     def __init__(self, model: nn.Module, *, clip_norm: float | None = None,

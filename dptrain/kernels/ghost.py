@@ -14,10 +14,11 @@ only the tiles on and above the diagonal are computed, the off-diagonal ones cou
 about half the multiply-adds and none of the 3 x B x T^2 floats of memory traffic.
 
 Exactness: the products use ``input_precision="ieee"`` (float32 FMA, no TF32) and float32
-accumulation for half and float32 inputs (float64 for float64 ones), because these norms decide the clip factors: a norm
-rounded short would let a clipped example add more than C. Each tile's partial sum is written
-to its own slot and the slots are summed by torch in a fixed order (no atomics), so the result
-is deterministic; it differs from the reference only in the order of float32 additions.
+accumulation for half and float32 inputs (float64 for float64 ones), because these norms decide
+the clip factors: a norm rounded short would let a clipped example add more than C. Each tile's
+partial sum is written to its own slot and the slots are summed by torch in a fixed order (no
+atomics), so the result is deterministic; it differs from the reference only in the order of
+float additions.
 
 The kernel is opt-in (``performance.kernels=triton``): it runs on CUDA tensors, and on CPU
 tensors only under Triton's interpreter (``TRITON_INTERPRET=1``, how the tests run it here).
@@ -43,8 +44,9 @@ def available(device: torch.device | str) -> str | None:
         return "Triton is not installed"
     kind = torch.device(device).type
     if _INTERPRETED:
-        return None if kind == "cpu" else (f"Triton's interpreter (TRITON_INTERPRET=1 when "
-                                           f"dptrain.kernels.ghost was imported) runs on CPU, not {kind}")
+        return None if kind == "cpu" else (
+            f"Triton's interpreter (TRITON_INTERPRET=1 when dptrain.kernels.ghost was "
+            f"imported) runs on CPU, not {kind}")
     if kind == "cuda":
         return None
     return (f"Triton kernels run on CUDA (or on CPU with TRITON_INTERPRET=1 set before "
