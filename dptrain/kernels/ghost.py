@@ -67,6 +67,22 @@ def outer_inner_reference(Lu: Tensor, Ru: Tensor, Lv: Tensor | None = None,
 if triton is not None:
 
     @triton.jit
+    def _gram_tile(x, y, s_xt, s_xk, s_yt, s_yk, t, s, mt, ms, K,
+                   BT: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr):
+        """(BT, BT) tile X[t] Y[s]^T of one example's Gram matrix, over its K features in
+        chunks of BK (x, y: that example's first element)."""
+        k = tl.arange(0, BK)
+        acc = tl.zeros((BT, BT), dtype=ACC)
+        for k0 in range(0, K, BK):
+            mk = (k0 + k) < K
+            a = tl.load(x + t[:, None] * s_xt + (k0 + k)[None, :] * s_xk,
+                        mask=mt[:, None] & mk[None, :], other=0.0).to(ACC)
+            c = tl.load(y + s[:, None] * s_yt + (k0 + k)[None, :] * s_yk,
+                        mask=ms[:, None] & mk[None, :], other=0.0).to(ACC)
+            acc += tl.dot(a, tl.trans(c), input_precision="ieee")
+        return acc
+
+    @triton.jit
     def _outer_inner_kernel(
         lu, ru, lv, rv, rows, cols, out,
         Tu, Tv, O, I, n_tiles,
@@ -82,25 +98,12 @@ if triton is not None:
         s = si * BT + tl.arange(0, BT)
         mt = t < Tu
         ms = s < Tv
-        k = tl.arange(0, BK)
-        # the left Gram tile Lu[t] Lv[s]^T, over the out-features in chunks of BK
-        ll = tl.zeros((BT, BT), dtype=ACC)
-        for k0 in range(0, O, BK):
-            mk = (k0 + k) < O
-            a = tl.load(lu + b * s_lub + t[:, None] * s_lut + (k0 + k)[None, :] * s_luo,
-                        mask=mt[:, None] & mk[None, :], other=0.0).to(ACC)
-            c = tl.load(lv + b * s_lvb + s[:, None] * s_lvt + (k0 + k)[None, :] * s_lvo,
-                        mask=ms[:, None] & mk[None, :], other=0.0).to(ACC)
-            ll += tl.dot(a, tl.trans(c), input_precision="ieee")
-        # the right Gram tile Ru[t] Rv[s]^T, over the in-features
-        rr = tl.zeros((BT, BT), dtype=ACC)
-        for k0 in range(0, I, BK):
-            mk = (k0 + k) < I
-            a = tl.load(ru + b * s_rub + t[:, None] * s_rut + (k0 + k)[None, :] * s_rui,
-                        mask=mt[:, None] & mk[None, :], other=0.0).to(ACC)
-            c = tl.load(rv + b * s_rvb + s[:, None] * s_rvt + (k0 + k)[None, :] * s_rvi,
-                        mask=ms[:, None] & mk[None, :], other=0.0).to(ACC)
-            rr += tl.dot(a, tl.trans(c), input_precision="ieee")
+        # the left Gram tile Lu[t] Lv[s]^T (over the out-features) and the right one
+        # Ru[t] Rv[s]^T (over the in-features), both in registers
+        ll = _gram_tile(lu + b * s_lub, lv + b * s_lvb, s_lut, s_luo, s_lvt, s_lvo,
+                        t, s, mt, ms, O, BT, BK, ACC)
+        rr = _gram_tile(ru + b * s_rub, rv + b * s_rvb, s_rut, s_rui, s_rvt, s_rvi,
+                        t, s, mt, ms, I, BT, BK, ACC)
         part = tl.sum(tl.sum(ll * rr, axis=1), axis=0)
         if SYMMETRIC:
             part = part * tl.where(ti == si, 1.0, 2.0)
@@ -114,12 +117,13 @@ _INTERPRETED = triton is not None and type(_outer_inner_kernel).__name__ == "Int
 
 def _block(B: int, Tu: int, Tv: int) -> int:
     """Tile side, 16 (tl.dot's minimum) to 64: the smallest power of two covering the longer
-    sequence, then halved while B x tiles would leave a GPU's multiprocessors idle (fewer than
-    256 programs). A first guess, not yet tuned on a GPU."""
+    sequence, then, on a GPU, halved while B x tiles would leave its multiprocessors idle (fewer
+    than 256 programs). A first guess, not yet tuned on a GPU. (Under the interpreter, which runs
+    programs one after another, fewer and larger tiles are simply faster.)"""
     bt = 16
     while bt < min(max(Tu, Tv), 64):
         bt *= 2
-    while bt > 16 and B * -(-Tu // bt) * -(-Tv // bt) < 256:
+    while not _INTERPRETED and bt > 16 and B * -(-Tu // bt) * -(-Tv // bt) < 256:
         bt //= 2
     return bt
 
