@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import sys
 import threading
@@ -98,22 +97,22 @@ def run(args: argparse.Namespace) -> int:
 def _stop_on_sigterm(trainer):
     """SIGTERM (preemption; torchrun forwards it to every rank) asks ``trainer`` to stop at the
     next step boundary with a checkpoint instead of dying mid-step: the step in progress
-    finishes, all ranks agree on the step, and ``--resume auto`` continues exactly. A second
-    SIGTERM ends the process at once. Only the main thread can install handlers; elsewhere
-    (a test calling ``main`` from a thread) nothing changes."""
+    finishes, all ranks agree on the step, and ``--resume auto`` continues exactly. Further
+    SIGTERMs are ignored: under Slurm a rank can get the same one twice, from slurmstepd (which
+    signals every process of the step) and from torchrun's agent, so "twice means now" would
+    kill it mid-step; SIGINT (Ctrl-C) or SIGKILL stop at once. Only the main thread can install
+    handlers; elsewhere (a test calling ``main`` from a thread) nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
-        if trainer.stop_signal is not None:  # the second one: die now, as without the handler
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if trainer.stop_signal is not None:  # already stopping
             return
         trainer.stop_signal = signum
         if trainer.rank == 0:
             print(f"dptrain train: {signal.Signals(signum).name} received: stopping when the "
-                  f"step in progress ends, with a checkpoint (send it again to stop at once)",
+                  f"step in progress ends, with a checkpoint (Ctrl-C or SIGKILL stop at once)",
                   file=sys.stderr)
 
     before = signal.signal(signal.SIGTERM, handler)
