@@ -16,7 +16,9 @@ from dptrain.config import ConfigError
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model privately",
                        description="Train privately; writes DIR/summary.json and "
-                                   "DIR/final/model.safetensors.")
+                                   "DIR/final/model.safetensors. On SIGTERM (preemption, a time "
+                                   "limit) every rank finishes its step, a checkpoint of it is "
+                                   "written and the run exits 143: continue with --resume auto.")
     p.add_argument("--config", required=True, help="YAML run config (see configs/)")
     p.add_argument("--output-dir", default=None,
                    help="where metrics, checkpoints and the final model go (default runs/<config>)")
