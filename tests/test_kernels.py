@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dptrain.config import ConfigError, load
-from dptrain.trainer import RunConfig, Trainer
+from dptrain.trainer import RunConfig, Trainer, to_device
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -221,8 +221,6 @@ def test_kernels_setting_leaves_clip_factors_and_the_release_unchanged():
     assert other.engine.kernels == "triton"
     idx = ref.sample(0)
     batch = ref.task.train.collate(idx)
-    from dptrain.trainer import to_device
-
     batch = to_device(batch, ref.device)
     lam_ref = ref.engine.clip_factors(ref.engine.per_example_norms(ref.task.loss_fn, batch))
     lam_k = other.engine.clip_factors(other.engine.per_example_norms(other.task.loss_fn, batch))
@@ -232,3 +230,34 @@ def test_kernels_setting_leaves_clip_factors_and_the_release_unchanged():
     r_k, _ = other.release(0)
     for n in r_ref:
         torch.testing.assert_close(r_k[n], r_ref[n], rtol=1e-10, atol=1e-14)
+
+
+@runs_kernels
+def test_engine_conv_ghost_norms_with_the_kernel_equal_torch():
+    """A convolution's ghost form is an outer product too (L = output gradients as (B, T, out),
+    R = the unfolded input, a strided view): it goes through the kernel, with T = positions."""
+    import dptrain.kernels.ghost as ghost
+    from dptrain.clipping import ClippingEngine
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 4, 3, stride=2), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 3 * 3, 5)).double().to(DEVICE)
+    g = torch.Generator().manual_seed(5)
+    batch = (torch.randn(3, 3, 8, 8, generator=g, dtype=torch.float64).to(DEVICE),
+             torch.randint(0, 5, (3,), generator=g).to(DEVICE))
+
+    def loss(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1], reduction="none")
+
+    calls = []
+    kernel = ghost.outer_inner
+    ghost.outer_inner = lambda *a: calls.append(a[1].shape) or kernel(*a)
+    try:
+        got = ClippingEngine(model, ghost="ghost", kernels="triton").per_example_norms(loss, batch)
+    finally:
+        ghost.outer_inner = kernel
+    want = ClippingEngine(model, ghost="ghost", kernels="torch").per_example_norms(loss, batch)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    # both convolutions (T = 64 and 9 positions, in = 27 and 72) and the linear
+    assert sorted(calls) == sorted([(3, 64, 27), (3, 9, 72), (3, 1, 36)])
