@@ -455,18 +455,17 @@ class Trainer:
         eps, eps_step = self.epsilon(), self.step  # shown with its step: computed every log_every
         start = time.time()
         try:
-            # (step, path) of the newest checkpoint; a resumed run starts at one
-            saved: tuple[int, Path | None] | None = (self.step, None) if self.step else None
+            # the step of the newest checkpoint (a resumed run starts at one; step 0 needs none)
+            # and its path, once this run has written it
+            saved_step, saved_path = self.step, None
             while self.step < self.plan.steps:
                 if signum := self._stop_agreed():
-                    # every rank at the same step boundary: checkpoint it (unless just done or
-                    # nothing was trained), then stop
-                    if out is not None and self.step > 0 and (saved is None
-                                                              or saved[0] != self.step):
-                        saved = (self.step, ckpt.save(self, out))
+                    # every rank at the same step boundary: checkpoint it unless that is done,
+                    # then stop
+                    if out is not None and saved_step != self.step:
+                        saved_step, saved_path = self.step, ckpt.save(self, out)
                         flush()
-                    raise StopRequested(signum, self.step,
-                                        saved[1] if saved and saved[0] == self.step else None)
+                    raise StopRequested(signum, self.step, saved_path)
                 row = self.private_step()
                 if self.cfg.privacy.secure_mode:
                     # computed from the private batch without noise: outside the guarantee, so
@@ -491,7 +490,7 @@ class Trainer:
                 if out is not None and tc.checkpoint_every and (
                         self.step % tc.checkpoint_every == 0 or last):
                     # every rank calls: sharded runs write their shards (DCP)
-                    saved = (self.step, ckpt.save(self, out))
+                    saved_step, saved_path = self.step, ckpt.save(self, out)
                     flush()
             flush()
         finally:
