@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import os
+import sys
 
 import torch
 
-from dptrain.kernels.ghost import available, outer_inner, outer_inner_reference
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import median, time_interleaved  # noqa: E402
+
+from dptrain.kernels.ghost import available, outer_inner, outer_inner_reference  # noqa: E402
 
 GPT2_SMALL = {"c_attn": (2304, 768), "attn.c_proj": (768, 768), "c_fc": (3072, 768),
               "mlp.c_proj": (768, 3072)}
@@ -31,18 +34,6 @@ TINY = {"a": (48, 16), "b": (16, 40)}
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def _time(fn, device, rounds):
-    fn()  # warm-up (and the kernel's compilation)
-    ts = []
-    for _ in range(rounds):
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def _peak(fn, device):
@@ -87,10 +78,16 @@ def main() -> None:
             R2 = torch.randn(B, T, I, device=device, generator=g)
             ref = outer_inner_reference(L.double(), R.double())
             max_err = max(max_err, float(((outer_inner(L, R).double() - ref).abs() / ref).max()))
-            t_rs = _time(lambda: outer_inner_reference(L, R), device, args.rounds)
-            t_ks = _time(lambda: outer_inner(L, R), device, args.rounds)
-            t_rc = _time(lambda: outer_inner_reference(L, R, L2, R2), device, args.rounds)
-            t_kc = _time(lambda: outer_inner(L, R, L2, R2), device, args.rounds)
+            # interleaved rounds (bench/common.py); the warm-up call compiles the kernel
+            times, errors = time_interleaved({
+                "ref_self": lambda: outer_inner_reference(L, R),
+                "k_self": lambda: outer_inner(L, R),
+                "ref_cross": lambda: outer_inner_reference(L, R, L2, R2),
+                "k_cross": lambda: outer_inner(L, R, L2, R2)}, rounds=args.rounds,
+                device=device.type)
+            if errors:
+                raise SystemExit(f"bench/ghost_kernel.py: {errors}")
+            t_rs, t_ks, t_rc, t_kc = (median(times.wall[k]) for k in tot)
             p_r = _peak(lambda: outer_inner_reference(L, R), device)
             p_k = _peak(lambda: outer_inner(L, R), device)
             for k, v in zip(tot, (t_rs, t_ks, t_rc, t_kc)):
@@ -107,7 +104,7 @@ def main() -> None:
             "max_rel_err_vs_float64": max_err,
         }
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device {device} ({name}), B {B}, float32 (no TF32), median of {args.rounds}")
+    print(f"device {device} ({name}), B {B}, float32 (no TF32), medians of {args.rounds} interleaved rounds")
     print("| T | layer | ref self ms | kernel self ms | ref cross ms | kernel cross ms | "
           "ref peak MiB | kernel peak MiB |")
     print("|---|---|---|---|---|---|---|---|")
