@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ONE prepared GPU check for an H200 session (issue 5, item 8). Finishes in under 8 minutes:
-# every part has its own `timeout` (they add up to 475 s) and a failing part does not stop the
+# every part has its own `timeout` (they add up to 530 s) and a failing part does not stop the
 # others. Run it from the repository root on the GPU machine:
 #
 #   here:            bash bench/fetch_gpu_wheels.sh        # bench/wheels/ (gitignored)
@@ -9,19 +9,22 @@
 #                        timeout_s=540))
 #
 # Parts (seconds of timeout):
-#   0. install (60): `pip install --no-deps --no-build-isolation -e .` (the machine has no
+#   0. install (45): `pip install --no-deps --no-build-isolation -e .` (the machine has no
 #      registry: its image already holds torch, transformers, timm, accelerate, numpy, scipy,
 #      nvidia-ml-py, ...) plus the wheels it lacks from bench/wheels with --no-index --no-deps
 #      (opacus, prv-accountant, webdataset, braceexpand); falls back to PYTHONPATH=. if the
 #      editable install fails. Prints the GPU (nvidia-smi) and torch/CUDA versions.
-#   1. `pytest -m gpu` (70): tests/test_gpu.py's CUDA checks (engine norms vs CPU float64,
+#   1. `pytest -m gpu` (60): tests/test_gpu.py's CUDA checks (engine norms vs CPU float64,
 #      counter-based noise across shard slices, bf16 autocast steps, CUDA == CPU without noise).
 #   2. GPT-2 small, random init, T = 128, DP-Muon-IM K = 2 (90): `dptrain train` for 5
 #      releases of b = 256, then private vs non-private steps: bench/gpu_check.py.
 #   3. NF-ResNet-50 at 224 px, DP-Muon + AdamW (90): the same for nf_resnet50, b = 256.
 #   4. bench/dp_step.py --device cuda --quick --no-memory (65): DP step vs non-private vs
 #      Opacus (issue 2); its per-variant memory subprocesses are skipped to fit the budget.
-#   5. bench/inner_momentum.py --device cuda --quick --no-memory (45), if it takes --device.
+#   5. bench/inner_momentum.py --device cuda --quick at GPT-2 small's shape (12 x 768, 12 heads,
+#      vocabulary 50,257), T = 128, B = 16 (110): DP-Muon-IM at K = 0, 1, 2, 4 vs the
+#      non-private step and the naive (Opacus, torch.func) IMs, peak memory of each variant
+#      measured in the same process (the CUDA allocator's peak resets) (issue 4).
 #   6. bench/per_example_products.py --device cuda --rounds 5 (20): per-example products vs
 #      the non-private weight gradients, i.e. the floor of IM's marginal cost on the GPU.
 #   7. kernels (45): tests/test_kernels.py compiled on the GPU (the Triton ghost-product
@@ -29,7 +32,8 @@
 #      bench/ghost_kernel.py --device cuda: kernel vs torch reference on GPT-2 small's linears.
 # Each part prints examples/s, peak memory (torch.cuda.max_memory_allocated and NVML) and the
 # DP/non-private ratio where it has one; each part's log (its last line one JSON object) lands
-# in $OUT (or bench/gpu_out/): 8 files. Timeouts add up to 475 s.
+# in $OUT (or bench/gpu_out/): 8 files. Timeouts add up to 530 s; the parts end well before
+# them (the dry run's tiny shapes take about 100 s on 2 CPU cores).
 #
 # `bash bench/gpu_check.sh --dry-run` runs the same parts on CPU with tiny shapes (no install;
 # CUDA tests skip): it checks the plumbing on a machine without a GPU.
@@ -48,9 +52,12 @@ if [ $DRY = 1 ]; then
   SCALE=4  # a shared CPU is slower to start Python than the H200 machine
   CHECK_ARGS=(--device cpu --tiny --steps 3 --rounds 1)
   BENCH_ARGS=(--device cpu --tiny --quick --no-memory)
+  IM_ARGS=("${BENCH_ARGS[@]}")
 else
   CHECK_ARGS=(--device cuda --steps 5 --rounds 3)
   BENCH_ARGS=(--device cuda --quick --no-memory)
+  IM_ARGS=(--device cuda --quick --layers 12 --width 768 --heads 12 --vocab 50257 --seq-len 128
+           --batch-size 16)
 fi
 
 part() {  # part NAME SECONDS COMMAND...: run with a timeout, log to $RES/NAME.log, keep going
@@ -89,8 +96,8 @@ EOF
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PY
 export -f install_deps
-if [ $DRY = 1 ]; then STATUS[install]="skipped (dry run)"; else part install 60 bash -c install_deps; fi
-part pytest_gpu 70 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+if [ $DRY = 1 ]; then STATUS[install]="skipped (dry run)"; else part install 45 bash -c install_deps; fi
+part pytest_gpu 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
 rm -rf /tmp/gpu_check_gpt2 /tmp/gpu_check_nf
 part gpt2_small 90 "$PY" bench/gpu_check.py --model gpt2_small "${CHECK_ARGS[@]}" \
   --out /tmp/gpu_check_gpt2
@@ -103,7 +110,7 @@ else
   STATUS[dp_step]="skipped (no --device)"
 fi
 if [ -f bench/inner_momentum.py ] && grep -q -- '"--device"' bench/inner_momentum.py; then
-  part inner_momentum 45 "$PY" bench/inner_momentum.py "${BENCH_ARGS[@]}"
+  part inner_momentum 110 "$PY" bench/inner_momentum.py "${IM_ARGS[@]}"
 else
   STATUS[inner_momentum]="skipped (missing or no --device)"
 fi

@@ -39,7 +39,8 @@ next fits in the run's budget (330 s with the memory processes, which run first)
 fixes the number. marginal_over_nonprivate[K] = (t_K - t_0) / K over
 the non-private step time. On CPU torch runs one thread by default (``--threads 0``: torch's
 default): on a shared 2-core machine one thread per process is the steadier measurement.
-Peak memory: each variant in a fresh subprocess (two at a time on CPU); the baseline is taken
+Peak memory: on CPU each variant in a fresh subprocess (two at a time), on CUDA one after
+another in this process (the allocator's peak resets; ``run_memory_inprocess``); the baseline is taken
 after the model and batch are built, and the history's K states are created after it, so a
 peak counts the history, the captured activations, gradients and per-example buffers, but not
 the model's weights (``memory_with_weights_over_k0`` adds them back). CPU: resident set;
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import re
@@ -509,6 +511,29 @@ def run_memory(cfg: BenchConfig, variants: list[str], errors: dict[str, str], lo
     return out
 
 
+def run_memory_inprocess(cfg: BenchConfig, variants: list[str], log) -> dict:
+    """Peak memory of each variant, one after another in this process (CUDA): the caching
+    allocator's peak is reset before each and counts only bytes allocated after its baseline,
+    so the earlier variants, freed or not, do not enter it. That saves a fresh interpreter
+    (torch + transformers imports) per variant. cuBLAS's workspaces are freed before each
+    variant so that every one pays for its own, as in a fresh process."""
+    out = {}
+    log(f"peak memory: {len(variants)} variants in this process")
+    for v in variants:
+        gc.collect()
+        if cfg.device == "cuda":
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
+            torch.cuda.empty_cache()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out[v] = child_peak(lambda: build_variant(v, cfg), device=cfg.device,
+                                steps=cfg.memory_steps)
+    gc.collect()
+    return out
+
+
 def summarize(res: dict, cfg: BenchConfig) -> dict:
     """The JSON summary. Keys (K as a string; ratios of medians measured in the same run):
 
@@ -675,7 +700,10 @@ def run(cfg: BenchConfig) -> dict:
     variants = cfg.variants()
     memory = None
     if cfg.memory:  # first: its duration is predictable, the timing rounds fill the rest
-        memory = run_memory(cfg, variants, {}, log)
+        if cfg.device == "cuda":
+            memory = run_memory_inprocess(cfg, variants, log)
+        else:
+            memory = run_memory(cfg, variants, {}, log)
     res = run_timing(cfg, variants, log, deadline=t0 + cfg.budget_s)
     if memory is not None:
         res["memory"] = memory
@@ -715,7 +743,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                          "(default 2; 1: no)")
     ap.add_argument("--memory-steps", type=int, default=None)
     ap.add_argument("--naive-k", type=int, default=4)
-    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default 1: steadier on a shared machine; 0: torch's)")
     ap.add_argument("--batch-size", type=int, default=None)

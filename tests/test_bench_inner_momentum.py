@@ -66,3 +66,17 @@ def test_peak_child_measures_history_and_step(bench):
     out = common.child_peak(lambda: bench.build_variant("k1", cfg), steps=1)
     assert "error" not in out, out
     assert out["peak_bytes"] >= 0 and out["baseline_bytes"] > 0
+
+
+def test_inprocess_memory_gives_every_variant_its_own_peak(bench):
+    """The path bench/gpu_check.sh takes on CUDA (here on CPU, where the peak is the resident
+    set's high-water mark reset before each variant): every variant is measured against its
+    own baseline and none fails."""
+    cfg = bench.tiny_config()
+    cfg.gpt2.batch_size, cfg.gpt2.width, cfg.gpt2.vocab_size = 8, 64, 4096
+    cfg.ks, cfg.naive, cfg.split, cfg.memory_steps = [0, 1], [], 1, 1
+    out = bench.run_memory_inprocess(cfg, ["k0", "k1"], lambda msg: None)
+    assert set(out) == {"k0", "k1"}
+    for v, r in out.items():
+        assert "error" not in r, (v, r)
+        assert r["baseline_bytes"] > 0 and r["peak_bytes"] >= 0
