@@ -22,6 +22,9 @@ Variants (plain SGD updates everywhere; C = 1, sigma = 1):
   isolate the query's cost;
 - k4_split2: K = 4 with the microbatch split in two halves (two ``accumulate`` calls, one
   release): the memory/time trade of a smaller microbatch;
+- kK_ghost (``--ghost-ks``): K with every layer's norm in ghost form (performance.ghost=ghost)
+  instead of the engine's cost model, which picks per-example instantiation for most layers at
+  two or more states (its constant is a CPU measurement);
 - naive_k4 (the issue's baseline): the same K = 4 query built the straightforward way on Opacus
   1.6 per-example gradients: ``GradSampleModule`` (hooks mode, loss_reduction "sum") on the copy
   of the model Opacus accepts (Conv1D -> Linear, untied lm_head, explicit position_ids, as
@@ -32,6 +35,12 @@ Variants (plain SGD updates everywhere; C = 1, sigma = 1):
   model (faster than Opacus here; reported next to it).
 
 All DP variants compute the same update (tests/test_bench_inner_momentum.py checks it).
+
+Noise (``--noise``): by default ("ahead") every variant draws its release's noise once, when it
+is built, and its steps reuse it: a step here is one microbatch, while a real release follows a
+logical batch of many, during which the trainer draws the noise on a background thread
+(performance.noise_prefetch). ``noise_draw_s`` reports the draw's own wall time on this machine.
+``--noise in_step`` draws it in every step (the numbers before 2026-11-30).
 
 Times: interleaved rounds (bench/common.py), medians of wall and process-CPU time; ratios are
 ratios of medians measured in the same run. At least 3 rounds, then more (up to 9) while the
@@ -116,6 +125,8 @@ class BenchConfig:
     rounds: int = 3  # at least this many timed rounds (every variant once per round)
     max_rounds: int = 9  # ... and more while they fit in budget_s
     budget_s: float = 330.0  # the whole run (memory processes first, then rounds): < 6 min
+    noise: str = "ahead"  # "ahead" or "in_step" (see NoiseSource)
+    ghost_ks: list[int] = field(default_factory=list)  # also these K with performance.ghost=ghost
     warmup: int = 1
     memory: bool = True
     memory_steps: int = 2
@@ -136,6 +147,7 @@ class BenchConfig:
         out = ["nonprivate"] + [f"k{k}" for k in self.ks]
         if self.split > 1 and max(self.ks) > 0:
             out.append(f"k{max(self.ks)}_split{self.split}")
+        out += [f"k{k}_ghost" for k in self.ghost_ks]
         out += [naive_variant(n, self.naive_k) for n in self.naive]
         return out
 
@@ -185,23 +197,63 @@ def make_history(named: list[tuple[str, nn.Parameter]], K: int, cfg: BenchConfig
     return hist
 
 
-def _noise(cfg: BenchConfig, t: int, name: str, like: Tensor) -> Tensor:
+def _draw_noise(cfg: BenchConfig, t: int, name: str, like: Tensor) -> Tensor:
     from dptrain.privacy.noise import gaussian_noise
 
     z = gaussian_noise(cfg.seed, t, name, like.numel(), device=like.device, dtype=like.dtype)
     return z.view_as(like)
 
 
+class NoiseSource:
+    """Z of a release, per parameter. ``cfg.noise == "in_step"``: drawn in the step (dptrain's
+    counter-based CPU draw, then copied to the device), as a release that no microbatch hides;
+    ``"ahead"``: drawn once when the variant is built (before the peak-memory baseline) and
+    reused. The trainer draws a release's noise on a background thread while the logical
+    batch's microbatches run on the GPU (performance.noise_prefetch), so that with "ahead" a
+    step here, one microbatch, times the query and the release's arithmetic alone."""
+
+    def __init__(self, cfg: BenchConfig, params: dict[str, Tensor]):
+        self.cfg = cfg
+        self.cache: dict[str, Tensor] = {}
+        if cfg.noise == "ahead":
+            for n, p in params.items():
+                self.cache[n] = _draw_noise(cfg, 0, n, torch.empty_like(p, dtype=torch.float32))
+
+    def __call__(self, t: int, name: str, like: Tensor) -> Tensor:
+        if self.cfg.noise == "in_step":
+            return _draw_noise(self.cfg, t, name, like)
+        return self.cache[name]
+
+
 def _release_and_step(params: dict[str, nn.Parameter], acc: dict[str, Tensor], t: int,
-                      cfg: BenchConfig, B: int, opt: torch.optim.Optimizer) -> None:
+                      cfg: BenchConfig, B: int, opt: torch.optim.Optimizer,
+                      noise: NoiseSource) -> None:
     """p.grad = (sum + sigma*C*Z) / B on every coordinate, then the optimizer step."""
     std = cfg.noise_multiplier * cfg.clip_norm
     for name, p in params.items():
         s = acc.pop(name, None)
         if s is None:
             s = torch.zeros_like(p, dtype=torch.float32)
-        p.grad = s.add_(_noise(cfg, t, name, s), alpha=std).div_(B).to(p.dtype)
+        p.grad = s.add_(noise(t, name, s), alpha=std).div_(B).to(p.dtype)
     opt.step()
+
+
+def noise_draw_seconds(cfg: BenchConfig, repeats: int = 3) -> float:
+    """Median wall time of drawing one release's noise for the model's trainable parameters
+    (dptrain.privacy.noise, copied to the device): the per-release cost that ``noise="ahead"``
+    leaves out of the steps."""
+    with torch.device("meta"):
+        model = build_gpt2(cfg.gpt2, cfg.seed, "meta")
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    times = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        for name, shape in shapes.items():
+            _draw_noise(cfg, r, name, torch.empty(shape, device=cfg.device))
+        if cfg.device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return median(times)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,11 +287,14 @@ def _lazy(make, params):
     return step
 
 
-def dptrain_step(model: nn.Module, batch, K: int, cfg: BenchConfig, split: int = 1) -> StepFn:
-    """plan -> accumulate (over ``split`` parts of the microbatch) -> push -> noise -> SGD."""
+def dptrain_step(model: nn.Module, batch, K: int, cfg: BenchConfig, split: int = 1,
+                 ghost: str = "auto") -> StepFn:
+    """plan -> accumulate (over ``split`` parts of the microbatch) -> push -> noise -> SGD.
+    ``ghost``: the engine's per-layer norm form (performance.ghost; "auto": its cost model)."""
     from dptrain.clipping import ClippingEngine
 
-    engine = ClippingEngine(model, clip_norm=cfg.clip_norm)
+    engine = ClippingEngine(model, clip_norm=cfg.clip_norm, ghost=ghost)
+    noise = NoiseSource(cfg, engine.params)
     params = engine.params
     opt = torch.optim.SGD(list(params.values()), lr=cfg.lr)
     B = cfg.gpt2.batch_size
@@ -258,7 +313,7 @@ def dptrain_step(model: nn.Module, batch, K: int, cfg: BenchConfig, split: int =
             for part in parts:
                 engine.accumulate(gpt2_loss, part, acc, plan)
             hist.push()
-            _release_and_step(params, acc, t, cfg, B, opt)
+            _release_and_step(params, acc, t, cfg, B, opt, noise)
 
         return step
 
@@ -266,7 +321,7 @@ def dptrain_step(model: nn.Module, batch, K: int, cfg: BenchConfig, split: int =
 
 
 def _clip_and_release(u: dict[str, Tensor], params: dict[str, nn.Parameter], t: int,
-                      cfg: BenchConfig, B: int, opt) -> None:
+                      cfg: BenchConfig, B: int, opt, noise: NoiseSource) -> None:
     """Norms of the per-example queries u[name] (B, ...), clip factors, clipped sum, release."""
     sq = None
     for g in u.values():
@@ -276,7 +331,7 @@ def _clip_and_release(u: dict[str, Tensor], params: dict[str, nn.Parameter], t: 
     lam = torch.clamp(cfg.clip_norm / norms.clamp_min(1e-12), max=1.0)
     acc = {n: torch.einsum("b...,b->...", g, lam) for n, g in u.items()}
     u.clear()
-    _release_and_step(params, acc, t, cfg, B, opt)
+    _release_and_step(params, acc, t, cfg, B, opt, noise)
 
 
 def naive_opacus_step(model: nn.Module, batch, K: int, cfg: BenchConfig) -> StepFn:
@@ -294,6 +349,7 @@ def naive_opacus_step(model: nn.Module, batch, K: int, cfg: BenchConfig) -> Step
     tied = {"lm_head.weight": "transformer.wte.weight"}
     names = [n for n in cparams if n not in tied]
     opt = torch.optim.SGD([cparams[n] for n in names], lr=cfg.lr)
+    noise = NoiseSource(cfg, {n: cparams[n] for n in names})
     ids = batch["input_ids"]
     B = s.batch_size
 
@@ -340,7 +396,7 @@ def naive_opacus_step(model: nn.Module, batch, K: int, cfg: BenchConfig) -> Step
             # push: the pre-update state, in the stock layout (as dptrain's history holds it)
             hist.states.appendleft({n: (current[n].T if n in conv else current[n]).clone()
                                     for n in names})
-            _clip_and_release(u, {n: cparams[n] for n in names}, t, cfg, B, opt)
+            _clip_and_release(u, {n: cparams[n] for n in names}, t, cfg, B, opt, noise)
             with torch.no_grad():
                 cparams["lm_head.weight"].copy_(cparams["transformer.wte.weight"])
 
@@ -357,6 +413,7 @@ def naive_vmap_step(model: nn.Module, batch, K: int, cfg: BenchConfig) -> StepFn
     opt = torch.optim.SGD(list(params.values()), lr=cfg.lr)
     ids = batch["input_ids"]
     B = cfg.gpt2.batch_size
+    noise = NoiseSource(cfg, params)
 
     def one(p, x):
         out = functional_call(model, p, (), {"input_ids": x[None]})
@@ -388,7 +445,7 @@ def naive_vmap_step(model: nn.Module, batch, K: int, cfg: BenchConfig) -> StepFn
                         u[n] = gs.mul_(a)
                 del g
             hist.push()
-            _clip_and_release(u, params, t, cfg, B, opt)
+            _clip_and_release(u, params, t, cfg, B, opt, noise)
 
         return step
 
@@ -426,8 +483,11 @@ def build_variant(variant: str, cfg: BenchConfig) -> StepFn:
     if variant.startswith("naive_k"):
         return naive_opacus_step(model, batch, int(variant.rsplit("k", 1)[1]), cfg)
     if variant.startswith("k"):
-        K, _, split = variant[1:].partition("_split")
-        return dptrain_step(model, batch, int(K), cfg, int(split or 1))
+        m = re.fullmatch(r"k(\d+)(?:_split(\d+))?(_ghost)?", variant)
+        if m is None:
+            raise ValueError(f"unknown variant {variant!r}")
+        return dptrain_step(model, batch, int(m[1]), cfg, int(m[2] or 1),
+                            "ghost" if m[3] else "auto")
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -547,6 +607,11 @@ def summarize(res: dict, cfg: BenchConfig) -> dict:
     naive_over_dptrain_vmap     the same against torch.func vmap(grad) per state
     split                       K = max(ks) with the microbatch in ``parts`` parts:
                                 time_over_nonprivate, memory_over_k0
+    ghost_form                  {K: time_over_nonprivate, memory_over_k0, marginal_over_nonprivate
+                                 with performance.ghost=ghost (every layer in ghost form) instead
+                                 of the engine's cost model}, for ``--ghost-ks``
+    noise, noise_draw_s         "ahead" (the steps reuse one draw) or "in_step"; the wall time of
+                                drawing one release's noise, and that over the non-private step
     *_cpu                       the same time ratios from process CPU time
     memory_with_weights_over_k0, memory_over_nonprivate, time_over_k0
     variants                    per variant: median_s, cpu_s, over_nonprivate, peak_mib, error
@@ -612,6 +677,19 @@ def summarize(res: dict, cfg: BenchConfig) -> dict:
                         "microbatch": -(-cfg.gpt2.batch_size // cfg.split),
                         "time_over_nonprivate": rows[sv]["over_nonprivate"],
                         "memory_over_k0": rows[sv]["memory_over_k0"]}
+    gf = {}
+    for K in cfg.ghost_ks:
+        v = f"k{K}_ghost"
+        tK, t0, tn = (median(t.get(x, [])) for x in (v, "k0", "nonprivate"))
+        gf[str(K)] = {"time_over_nonprivate": rows[v]["over_nonprivate"],
+                      "memory_over_k0": rows[v]["memory_over_k0"],
+                      "marginal_over_nonprivate": None if None in (tK, t0, tn) or K == 0
+                      else (tK - t0) / K / tn}
+    if gf:
+        out["ghost_form"] = gf
+    out["noise"] = cfg.noise
+    out["noise_draw_s"] = res.get("noise_draw_s")
+    out["noise_draw_over_nonprivate"] = over(res.get("noise_draw_s"), median(base or []))
     out["time_over_nonprivate_cpu"] = tk_cpu
     out["marginal_over_nonprivate_cpu"] = marg_cpu
     out["naive_over_dptrain_cpu"] = {f"{n}": naive[n]["cpu"] for n in naive}
@@ -705,6 +783,7 @@ def run(cfg: BenchConfig) -> dict:
         else:
             memory = run_memory(cfg, variants, {}, log)
     res = run_timing(cfg, variants, log, deadline=t0 + cfg.budget_s)
+    res["noise_draw_s"] = noise_draw_seconds(cfg)
     if memory is not None:
         res["memory"] = memory
     summary = summarize(res, cfg)
@@ -742,6 +821,11 @@ def main(argv: list[str] | None = None) -> dict | None:
                     help="also run K = max(ks) with the microbatch split in this many parts "
                          "(default 2; 1: no)")
     ap.add_argument("--memory-steps", type=int, default=None)
+    ap.add_argument("--noise", default=None, choices=["ahead", "in_step"],
+                    help="ahead (default): the steps reuse one release's noise, drawn at the "
+                         "first; in_step: each step draws its own (see NoiseSource)")
+    ap.add_argument("--ghost-ks", default=None,
+                    help="comma-separated K also run with performance.ghost=ghost")
     ap.add_argument("--naive-k", type=int, default=4)
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     ap.add_argument("--threads", type=int, default=None,
@@ -778,6 +862,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         cfg.split = args.split
     if args.memory_steps is not None:
         cfg.memory_steps = args.memory_steps
+    if args.noise:
+        cfg.noise = args.noise
+    if args.ghost_ks:
+        cfg.ghost_ks = sorted({int(k) for k in args.ghost_ks.split(",")})
     cfg.device = args.device
     if args.threads is not None:
         cfg.threads = args.threads or None

@@ -80,3 +80,31 @@ def test_inprocess_memory_gives_every_variant_its_own_peak(bench):
     for v, r in out.items():
         assert "error" not in r, (v, r)
         assert r["baseline_bytes"] > 0 and r["peak_bytes"] >= 0
+
+
+def test_ghost_variant_and_noise_modes_take_the_same_step(bench):
+    """k1_ghost (every norm in ghost form) and noise drawn in the step give k1's update when
+    the noise is off, and with noise "ahead" the first step's noise is the drawn release's."""
+    cfg = bench.tiny_config()
+    cfg.lr, cfg.clip_norm, cfg.perturb = 1.0, 0.05, 0.05
+    updates = {}
+    for noise, sigma, v in (("ahead", 0.0, "k1"), ("in_step", 0.0, "k1_ghost"),
+                            ("ahead", 1.0, "k1"), ("in_step", 1.0, "k1")):
+        cfg.noise, cfg.noise_multiplier = noise, sigma
+        step = bench.build_variant(v, cfg)
+        before = {n: x.clone() for n, x in step.params().items()}
+        step()
+        updates[noise, sigma, v] = {n: before[n] - x for n, x in step.params().items()}
+    ref = updates["ahead", 0.0, "k1"]
+    for n in ref:
+        torch.testing.assert_close(updates["in_step", 0.0, "k1_ghost"][n], ref[n], rtol=1e-4,
+                                   atol=1e-7)
+    # "ahead": the noise in the update is sigma*C*Z_0/B (the draw made when the variant was
+    # built), whatever the step; "in_step" draws the step's own Z_K instead
+    B = cfg.gpt2.batch_size
+    for n, r in ref.items():
+        z0 = bench._draw_noise(cfg, 0, n, torch.empty_like(r))
+        zk = bench._draw_noise(cfg, 1, n, torch.empty_like(r))
+        for mode, z in (("ahead", z0), ("in_step", zk)):
+            torch.testing.assert_close(updates[mode, 1.0, "k1"][n] - r,
+                                       cfg.lr * cfg.clip_norm * z / B, rtol=1e-3, atol=1e-6)
