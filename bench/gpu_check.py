@@ -31,7 +31,9 @@ Two parts, one process:
    optimizer). Ratio = median private / median non-private step time; peak allocation per
    variant (peak stats reset before each step). For gpt2_small the private step is DP-Muon-IM
    K = 2 (three evaluations per example), the non-private one a plain step: the ratio includes
-   inner momentum's cost.
+   inner momentum's cost. A third variant, ``private_inline``, is the same private step with
+   the release's noise drawn after the microbatches instead of on the background thread during
+   them (performance.noise_prefetch; the same release): ``inline_over_background_noise``.
 
 On CPU the memory columns are the resident set (peak above the resident set before the part).
 The last line printed is one JSON object (also written to ``--json-out``).
@@ -260,20 +262,24 @@ def part_compare(overrides: list[str], device: str, rounds: int) -> dict:
     from dptrain.config import load
     from dptrain.trainer import RunConfig, Trainer
 
-    steps = 2 * (rounds + 1)
+    steps = 3 * (rounds + 1)
     t = Trainer(load(RunConfig, BASE, [*overrides, f"privacy.steps={steps}"]))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {"private": [], "nonprivate": []}
-    examples: dict[str, list[int]] = {"private": [], "nonprivate": []}
-    peaks: dict[str, float] = {"private": 0.0, "nonprivate": 0.0}
-    for r in range(rounds + 1):  # round 0: warm-up of both
-        order = ("private", "nonprivate") if r % 2 == 0 else ("nonprivate", "private")
+    names = ("private", "private_inline", "nonprivate")
+    times: dict[str, list[float]] = {k: [] for k in names}
+    examples: dict[str, list[int]] = {k: [] for k in names}
+    peaks: dict[str, float] = {k: 0.0 for k in names}
+    for r in range(rounds + 1):  # round 0: warm-up of all
+        order = names[r % 3:] + names[:r % 3]
         for variant in order:
             n = len(t.sample(t.step))
             with PeakMemory(device) as mem:
                 sync()
                 t0 = time.perf_counter()
-                if variant == "private":
+                if variant.startswith("private"):
+                    # the same release either way (tests/test_release.py): noise drawn on the
+                    # background thread during the microbatches, or after them
+                    t.noise_prefetch = variant == "private"
                     t.private_step()
                 else:
                     _nonprivate_step(t, t.step)  # the same step index: the private one's batch
@@ -289,6 +295,8 @@ def part_compare(overrides: list[str], device: str, rounds: int) -> dict:
     return {"rounds": rounds, "private_step_s": med["private"],
             "nonprivate_step_s": med["nonprivate"],
             "dp_over_nonprivate": med["private"] / med["nonprivate"],
+            "private_inline_noise_step_s": med["private_inline"],
+            "inline_over_background_noise": med["private_inline"] / med["private"],
             "private_examples_per_s": eps["private"],
             "nonprivate_examples_per_s": eps["nonprivate"],
             "private_peak_mib": peaks["private"], "nonprivate_peak_mib": peaks["nonprivate"],
@@ -342,7 +350,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[{a.model}] private step {c['private_step_s']:.3f} s "
               f"({c['private_examples_per_s']:.1f} ex/s), non-private "
               f"{c['nonprivate_step_s']:.3f} s ({c['nonprivate_examples_per_s']:.1f} ex/s): "
-              f"DP/non-private {c['dp_over_nonprivate']:.2f}x; peak "
+              f"DP/non-private {c['dp_over_nonprivate']:.2f}x; noise drawn inline "
+              f"{c['private_inline_noise_step_s']:.3f} s "
+              f"({c['inline_over_background_noise']:.2f}x the background draw's step); peak "
               f"{c['private_peak_mib']:.0f} vs {c['nonprivate_peak_mib']:.0f} MiB", flush=True)
     first = ("model", "tiny", "device", "dtype", "train", "compare")  # the numbers first
     result = {**{k: result[k] for k in first if k in result},

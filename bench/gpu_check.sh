@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# ONE prepared GPU check for an H200 session (issue 5, item 8). Finishes in under 8 minutes:
-# every part has its own `timeout` (they add up to 530 s) and a failing part does not stop the
-# others. Run it from the repository root on the GPU machine:
+# ONE prepared GPU check for an H200 session (issue 5, item 8). Finishes in under 8 minutes
+# (267 s on the H200, 2026-11-30): every part has its own `timeout` (they add up to 550 s) and
+# a failing part does not stop the others. Run it from the repository root on the GPU machine:
 #
 #   here:            bash bench/fetch_gpu_wheels.sh        # bench/wheels/ (gitignored)
 #   on the machine:  bash bench/gpu_check.sh                # carry: bench/wheels
@@ -22,9 +22,10 @@
 #   4. bench/dp_step.py --device cuda --quick --no-memory (65): DP step vs non-private vs
 #      Opacus (issue 2); its per-variant memory subprocesses are skipped to fit the budget.
 #   5. bench/inner_momentum.py --device cuda --quick at GPT-2 small's shape (12 x 768, 12 heads,
-#      vocabulary 50,257), T = 128, B = 16 (110): DP-Muon-IM at K = 0, 1, 2, 4 vs the
-#      non-private step and the naive (Opacus, torch.func) IMs, peak memory of each variant
-#      measured in the same process (the CUDA allocator's peak resets) (issue 4).
+#      vocabulary 50,257), T = 128, B = 16 (130): DP-Muon-IM at K = 0, 1, 2, 4 (also 1, 2, 4
+#      with every norm in ghost form, and 4 in two microbatches of 8) vs the non-private step
+#      and the naive (Opacus, torch.func) IMs, peak memory of each variant measured in the same
+#      process (the CUDA allocator's peak resets) (issue 4).
 #   6. bench/per_example_products.py --device cuda --rounds 5 (20): per-example products vs
 #      the non-private weight gradients, i.e. the floor of IM's marginal cost on the GPU.
 #   7. kernels (45): tests/test_kernels.py compiled on the GPU (the Triton ghost-product
@@ -32,7 +33,7 @@
 #      bench/ghost_kernel.py --device cuda: kernel vs torch reference on GPT-2 small's linears.
 # Each part prints examples/s, peak memory (torch.cuda.max_memory_allocated and NVML) and the
 # DP/non-private ratio where it has one; each part's log (its last line one JSON object) lands
-# in $OUT (or bench/gpu_out/): 8 files. Timeouts add up to 530 s; the parts end well before
+# in $OUT (or bench/gpu_out/): 8 files. Timeouts add up to 550 s; the parts end well before
 # them (the dry run's tiny shapes take about 100 s on 2 CPU cores).
 #
 # `bash bench/gpu_check.sh --dry-run` runs the same parts on CPU with tiny shapes (no install;
@@ -57,7 +58,7 @@ else
   CHECK_ARGS=(--device cuda --steps 5 --rounds 3)
   BENCH_ARGS=(--device cuda --quick --no-memory)
   IM_ARGS=(--device cuda --quick --layers 12 --width 768 --heads 12 --vocab 50257 --seq-len 128
-           --batch-size 16)
+           --batch-size 16 --ghost-ks 1,2,4 --split 2)
 fi
 
 part() {  # part NAME SECONDS COMMAND...: run with a timeout, log to $RES/NAME.log, keep going
@@ -110,7 +111,7 @@ else
   STATUS[dp_step]="skipped (no --device)"
 fi
 if [ -f bench/inner_momentum.py ] && grep -q -- '"--device"' bench/inner_momentum.py; then
-  part inner_momentum 110 "$PY" bench/inner_momentum.py "${IM_ARGS[@]}"
+  part inner_momentum 130 "$PY" bench/inner_momentum.py "${IM_ARGS[@]}"
 else
   STATUS[inner_momentum]="skipped (missing or no --device)"
 fi

@@ -37,8 +37,16 @@ class PerformanceConfig:
     """Who computes the ghost norms' products: torch (two batched Gram matrices per pair of
     contributions) or ``triton``, one fused kernel per pair (dptrain/kernels/ghost.py: no Gram
     matrix in memory, half the multiply-adds for a squared norm; CUDA only, or CPU under
-    TRITON_INTERPRET=1). The same norms up to float32 rounding (tests/test_kernels.py); not yet
-    timed on a GPU, hence off by default."""
+    TRITON_INTERPRET=1). The same norms up to float32 rounding (tests/test_kernels.py). On an
+    H200 it took 2.1-3.4x torch's time on GPT-2 small's linears (docs/kernels.md), hence off by
+    default; it saves the T x T Gram matrices' memory."""
+    noise_prefetch: Literal["auto", "background", "inline"] = "auto"
+    """When a release's noise is drawn (dptrain.privacy.noise: counter-based, on the CPU, then
+    copied to the device): ``background``, on a thread while the logical batch's microbatches
+    run, into pinned memory with CUDA; ``inline``, after them; ``auto``: background with CUDA
+    (the CPU waits on the GPU there), inline on CPU (where the draw would take cores from the
+    step). The same numbers either way (tests/test_release.py); background holds this rank's
+    noise of the whole model in host memory until the release."""
     fsdp_mixed_precision: bool = False
     """FSDP2 with bf16 parameters in forward/backward (norms, sums and reductions in fp32)."""
 

@@ -249,6 +249,10 @@ class Trainer:
         self.step = 0
         #: gradient canaries of an empirical audit (``dptrain audit``); None in a normal run
         self.audit = None
+        #: noise drawn on a background thread during the microbatches (performance.noise_prefetch)
+        self.noise_prefetch = (perf.noise_prefetch == "background" or (
+            perf.noise_prefetch == "auto" and self.device.type == "cuda"))
+        self._noise_thread = None
         #: set (to a signal number) to stop :meth:`run` at the next step boundary, checkpointed;
         #: ``dptrain train`` sets it on SIGTERM (preemption)
         self.stop_signal: int | None = None
@@ -298,6 +302,40 @@ class Trainer:
         return gaussian_noise(self._privacy_seed, step, name, numel, start, end,
                               device=self.device, dtype=self._noise_dtype(p))
 
+    def _noise_slices(self) -> list[tuple[str, int, int, int, torch.dtype]]:
+        """(name, numel, start, end, dtype) of the noise this rank adds, per trainable
+        parameter: its rows when sharded, its block share of a replicated parameter with
+        several ranks (summed by the all-reduce), else all of it."""
+        out = []
+        for index, (name, p) in enumerate(self.named_params):
+            if self.world > 1 and not is_sharded(p):
+                numel = p.numel()
+                lo, hi = block_share(numel, index, self.rank, self.world)
+            else:
+                numel, lo, hi = flat_range(p)
+            out.append((name, numel, lo, hi, self._noise_dtype(p)))
+        return out
+
+    def _start_noise(self, step: int):
+        """Z_t of every slice in :meth:`_noise_slices`, drawn on a background thread into host
+        memory (pinned with CUDA): a future of name -> 1-D tensor. None when inline."""
+        if not self.noise_prefetch:
+            return None
+        if self._noise_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._noise_thread = ThreadPoolExecutor(1, thread_name_prefix="dptrain-release")
+        seed, slices, pin = self._privacy_seed, self._noise_slices(), self.device.type == "cuda"
+
+        def draw() -> dict[str, Tensor]:
+            out = {}
+            for name, numel, lo, hi, dtype in slices:
+                z = gaussian_noise(seed, step, name, numel, lo, hi, device="cpu", dtype=dtype)
+                out[name] = z.pin_memory() if pin else z
+            return out
+
+        return self._noise_thread.submit(draw)
+
     def _autocast(self):
         if self.cfg.performance.dtype == "bfloat16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -309,6 +347,7 @@ class Trainer:
         """The Gaussian release of logical batch ``step``: (sum_i lam_i u_i + sigma*C*Z) / b
         for every trainable parameter, noise drawn once per coordinate even if the sample is
         empty. Returns (name -> released tensor, aggregate stats for display)."""
+        noise_future = self._start_noise(step)  # drawn while the microbatches run
         indices = self.local_sample(step)
         plan = self.optimizer.query_plan()
         acc: dict[str, Tensor] = {}  # Sensitive: unnoised clipped sum; discarded after release.
@@ -336,9 +375,13 @@ class Trainer:
             self.audit.insert(acc, step, dtype=self.engine._acc_dtype(), device=self.device,
                               add=self.rank == 0)
         sigma, C, b = self.plan.noise_multiplier, self.plan.clip_norm, self.plan.denominator
+        drawn = noise_future.result() if noise_future is not None else {}
         out = {}
         with torch.no_grad():
-            for index, (name, p) in enumerate(self.named_params):
+            for (name, p), (_, numel, lo, hi, _) in zip(self.named_params, self._noise_slices()):
+                z = drawn.pop(name, None)
+                z = (self._noise_flat(step, name, p, numel, lo, hi) if z is None
+                     else z.to(self.device, non_blocking=True))
                 s = acc.pop(name, None)
                 if self.world > 1 and s is None:  # every rank joins every reduction
                     s = torch.zeros(p.shape, device=self.device, dtype=self.engine._acc_dtype())
@@ -346,14 +389,12 @@ class Trainer:
                     # replicated: each rank adds its share of Z before the all-reduce, which
                     # sums the shares into sigma*C*Z once (not drawn W times)
                     s = s.contiguous()
-                    lo, hi = block_share(s.numel(), index, self.rank, self.world)
-                    z = self._noise_flat(step, name, p, s.numel(), lo, hi)
                     s.view(-1)[lo:hi] += (sigma * C * z).to(s.dtype)
                     noisy = reduce_sum(s, p)
                 else:
                     if self.world > 1:
                         s = reduce_sum(s, p)
-                    noisy = sigma * C * self.noise(step, name, p)
+                    noisy = sigma * C * (z.view(-1, *p.shape[1:]) if p.dim() else z.view(()))
                     if s is not None:
                         noisy = noisy + s
                 if self.audit is not None and (self.rank == 0 or is_sharded(p)):

@@ -80,7 +80,9 @@ def test_dp_muon_gpt2_with_dropout_same_on_1_2_4_ranks_and_any_microbatch():
 def test_dp_muon_original_scale_same_on_1_and_2_fsdp_ranks():
     # GPT-2's Conv1D weights are stored (in, out): only Muon's shape scale reads them as
     # (out, in); the distributed Newton-Schulz works on the stored (sharded) matrix
-    _check(["optim.scale=original"], [(2, "fsdp")])
+    # (and the noise drawn on the background thread: each rank its own rows, during the
+    # microbatches)
+    _check(["optim.scale=original", "performance.noise_prefetch=background"], [(2, "fsdp")])
 
 
 def test_dp_sgd_gpt2_same_on_1_and_2_replicated_ranks():
@@ -139,11 +141,13 @@ def _noise_draws(rank: int, world: int, overrides: list[str]) -> dict:
 def test_replicated_ranks_draw_each_noise_coordinate_once_in_all():
     """sharding=none: every rank holds every parameter, but the ranks split the noise draw
     (whole blocks, each added to one rank's sum before the all-reduce) instead of each drawing
-    all of it: W times less CPU per release, the same release."""
+    all of it: W times less CPU per release, the same release (here drawn on the background
+    thread by the ranks, inline by the reference)."""
     big = ["model.n_embd=64", "model.n_head=2", "data.synthetic_vocab_size=1200"]
     ref = spawn(_noise_draws, 1, big)[0]
     for world in (3,):  # uneven: 2 blocks of the largest parameter over 3 ranks
-        outs = spawn(_noise_draws, world, big + ["performance.sharding=none"])
+        outs = spawn(_noise_draws, world, big + ["performance.sharding=none",
+                                                 "performance.noise_prefetch=background"])
         for name, draws in ref["drawn"].items():
             (_, _, numel), = draws
             spans = sorted(span for r in outs for span in r["drawn"].get(name, []))

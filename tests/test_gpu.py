@@ -200,6 +200,27 @@ def test_bf16_autocast_private_steps_run_on_cuda():
 
 @pytest.mark.gpu
 @cuda
+def test_noise_drawn_in_the_background_on_cuda_gives_the_same_release(no_tf32):
+    """auto is background with CUDA (pinned host memory, asynchronous copies): the same release,
+    bit for bit, as the noise drawn after the microbatches, and the noise is CPU's numbers."""
+    from dptrain.privacy.noise import gaussian_noise
+
+    auto, inline = (_trainer("performance.device=cuda", f"performance.noise_prefetch={w}")
+                    for w in ("auto", "inline"))
+    assert auto.noise_prefetch and not inline.noise_prefetch
+    for step in range(2):
+        a, _ = auto.release(step)
+        b, _ = inline.release(step)
+        for name in b:
+            assert a[name].device.type == "cuda"
+            assert torch.equal(a[name], b[name]), name
+    name, p = auto.named_params[0]
+    assert torch.equal(auto.noise(1, name, p).cpu(), gaussian_noise(
+        auto._privacy_seed, 1, name, p.numel(), dtype=torch.float32).view_as(p.cpu()))
+
+
+@pytest.mark.gpu
+@cuda
 def test_trainer_on_cuda_equals_cpu_without_noise(no_tf32):
     common = ("privacy.noise_multiplier=0.0", "privacy.epsilon=null", "privacy.steps=3")
     runs = {}

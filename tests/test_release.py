@@ -74,22 +74,37 @@ def test_dtype_setting_leaves_samples_and_noise_unchanged():
         assert torch.equal(ref.noise(step, name, p), other.noise(step, name, p))
 
 
-def test_noise_is_drawn_exactly_once_per_coordinate_per_logical_batch(monkeypatch):
-    t = make("performance.microbatch_size=4")
-    calls: list[tuple[int, str]] = []
-    original = t.noise
+@pytest.mark.parametrize("where", ["inline", "background"])
+def test_noise_is_drawn_exactly_once_per_coordinate_per_logical_batch(monkeypatch, where):
+    import dptrain.trainer as trainer_module
 
-    def counting(step, name, p):
-        calls.append((step, name))
-        return original(step, name, p)
+    t = make("performance.microbatch_size=4", f"performance.noise_prefetch={where}")
+    assert t.noise_prefetch == (where == "background")
+    calls: list[tuple[int, str, int, int]] = []
+    original = trainer_module.gaussian_noise
 
-    monkeypatch.setattr(t, "noise", counting)
+    def counting(seed, step, key, numel, start=0, end=None, **kw):
+        calls.append((step, key, start, numel if end is None else end))
+        return original(seed, step, key, numel, start, end, **kw)
+
+    monkeypatch.setattr(trainer_module, "gaussian_noise", counting)
     assert len(t.microbatches(t.sample(0))) > 1
     t.private_step()
     t.private_step()
-    names = [n for n, _ in t.named_params]
-    assert sorted(calls) == sorted([(s, n) for s in (0, 1) for n in names])
+    expected = [(s, n, 0, p.numel()) for s in (0, 1) for n, p in t.named_params]
+    assert sorted(calls) == sorted(expected)
     assert t.ledger.num_releases == 2
+
+
+def test_noise_drawn_in_the_background_gives_the_same_release_bit_for_bit():
+    inline = make("performance.noise_prefetch=inline")
+    background = make("performance.noise_prefetch=background")
+    assert not inline.noise_prefetch and background.noise_prefetch
+    for step in range(2):
+        a, b = released(inline, step), released(background, step)
+        assert set(a) == set(b) == {n for n, _ in inline.named_params}
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
 
 
 def test_an_empty_sample_still_releases_pure_noise():
