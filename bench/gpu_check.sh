@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ONE prepared GPU check for an H200 session (issue 5, item 8). Finishes in under 8 minutes
-# (267 s on the H200, 2026-11-30): every part has its own `timeout` (they add up to 550 s) and
+# (267 s on the H200, 2026-11-30): every part has its own `timeout` (they add up to 590 s) and
 # a failing part does not stop the others. Run it from the repository root on the GPU machine:
 #
 #   here:            bash bench/fetch_gpu_wheels.sh        # bench/wheels/ (gitignored)
@@ -28,12 +28,15 @@
 #      process (the CUDA allocator's peak resets) (issue 4).
 #   6. bench/per_example_products.py --device cuda --rounds 5 (20): per-example products vs
 #      the non-private weight gradients, i.e. the floor of IM's marginal cost on the GPU.
-#   7. kernels (45): tests/test_kernels.py compiled on the GPU (the Triton ghost-product
+#   7. bench/profile_step.py --device cuda at the same shape (40): torch.profiler over the
+#      non-private, K = 0 and K = 4 steps: top operators and the GPU's busy fraction.
+#   8. kernels (45): tests/test_kernels.py compiled on the GPU (the Triton ghost-product
 #      kernel against its reference, in the engine and the trainer), then
 #      bench/ghost_kernel.py --device cuda: kernel vs torch reference on GPT-2 small's linears.
 # Each part prints examples/s, peak memory (torch.cuda.max_memory_allocated and NVML) and the
 # DP/non-private ratio where it has one; each part's log (its last line one JSON object) lands
-# in $OUT (or bench/gpu_out/): 8 files. Timeouts add up to 550 s; the parts end well before
+# in bench/gpu_out/ (on the device machine: packed into $OUT/gpu_check_logs.tar.gz after every
+# part). Timeouts add up to 590 s; the parts end well before
 # them (the dry run's tiny shapes take about 100 s on 2 CPU cores).
 #
 # `bash bench/gpu_check.sh --dry-run` runs the same parts on CPU with tiny shapes (no install;
@@ -42,7 +45,9 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY="${PYTHON:-python3}"
-RES="${OUT:-bench/gpu_out}"
+# logs: bench/gpu_out/NAME.log here; on the device machine, whose $OUT returns at most 8 files,
+# /tmp/gpu_check_logs/NAME.log packed after every part into $OUT/gpu_check_logs.tar.gz
+if [ -n "${OUT:-}" ]; then RES=/tmp/gpu_check_logs; else RES=bench/gpu_out; fi
 mkdir -p "$RES"
 START=$(date +%s)
 declare -A STATUS
@@ -57,8 +62,8 @@ if [ $DRY = 1 ]; then
 else
   CHECK_ARGS=(--device cuda --steps 5 --rounds 3)
   BENCH_ARGS=(--device cuda --quick --no-memory)
-  IM_ARGS=(--device cuda --quick --layers 12 --width 768 --heads 12 --vocab 50257 --seq-len 128
-           --batch-size 16 --ghost-ks 1,2,4 --split 2)
+  GPT2_SMALL=(--layers 12 --width 768 --heads 12 --vocab 50257 --seq-len 128 --batch-size 16)
+  IM_ARGS=(--device cuda --quick "${GPT2_SMALL[@]}" --ghost-ks 1,2,4 --split 2)
 fi
 
 part() {  # part NAME SECONDS COMMAND...: run with a timeout, log to $RES/NAME.log, keep going
@@ -68,6 +73,7 @@ part() {  # part NAME SECONDS COMMAND...: run with a timeout, log to $RES/NAME.l
   timeout --signal=TERM --kill-after=10 "$secs" "$@" 2>&1 | tee "$RES/$name.log"
   local rc=${PIPESTATUS[0]}
   STATUS[$name]="rc=$rc $(( $(date +%s) - t0 ))s"
+  if [ -n "${OUT:-}" ]; then tar -czf "$OUT/gpu_check_logs.tar.gz" -C "$RES" .; fi
   echo "=== [$name] rc=$rc in $(( $(date +%s) - t0 )) s (total $(( $(date +%s) - START )) s)"
 }
 
@@ -118,6 +124,9 @@ fi
 if [ $DRY = 1 ]; then PRODUCTS_ARGS=(--device cpu --tiny --rounds 1)
 else PRODUCTS_ARGS=(--device cuda --rounds 5); fi
 part products 20 "$PY" bench/per_example_products.py "${PRODUCTS_ARGS[@]}"
+if [ $DRY = 1 ]; then PROFILE_ARGS=(--device cpu --tiny --steps 1)
+else PROFILE_ARGS=(--device cuda --steps 3 "${GPT2_SMALL[@]}"); fi
+part profile 40 "$PY" bench/profile_step.py --variants nonprivate,k0,k4 "${PROFILE_ARGS[@]}"
 if [ $DRY = 1 ]; then
   part kernels 45 env TRITON_INTERPRET=1 "$PY" bench/ghost_kernel.py --device cpu --tiny --rounds 1
 else
@@ -128,11 +137,11 @@ nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader 2>/dev/nul
 
 echo
 echo "=== summary (total $(( $(date +%s) - START )) s)"
-for k in install pytest_gpu gpt2_small nf_resnet50 dp_step inner_momentum products kernels; do
+for k in install pytest_gpu gpt2_small nf_resnet50 dp_step inner_momentum products profile kernels; do
   printf '%-16s %s\n' "$k" "${STATUS[$k]:-not run}"
 done
 # the last JSON line of each benchmark part: throughput, peak memory, DP/non-private
-for k in gpt2_small nf_resnet50 dp_step inner_momentum products kernels; do
+for k in gpt2_small nf_resnet50 dp_step inner_momentum products profile kernels; do
   [ -f "$RES/$k.log" ] && { printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1500; }
 done
 exit 0
