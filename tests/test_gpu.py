@@ -201,8 +201,10 @@ def test_bf16_autocast_private_steps_run_on_cuda():
 @pytest.mark.gpu
 @cuda
 def test_noise_drawn_in_the_background_on_cuda_gives_the_same_release(no_tf32):
-    """auto is background with CUDA (pinned host memory, asynchronous copies): the same release,
-    bit for bit, as the noise drawn after the microbatches, and the noise is CPU's numbers."""
+    """auto is background with CUDA (pinned host memory, asynchronous copies): the same noise,
+    bit for bit, as drawn after the microbatches, and the CPU's numbers. Bit for bit only where
+    the clipped sum is exactly zero: CUDA's float32 index_add_ (the embedding's clipped sum)
+    adds in a different order on each call (seen on the H200, 2026-11-30)."""
     from dptrain.privacy.noise import gaussian_noise
 
     auto, inline = (_trainer("performance.device=cuda", f"performance.noise_prefetch={w}")
@@ -211,9 +213,17 @@ def test_noise_drawn_in_the_background_on_cuda_gives_the_same_release(no_tf32):
     for step in range(2):
         a, _ = auto.release(step)
         b, _ = inline.release(step)
-        for name in b:
+        for name in b:  # a noise mismatch would be of the order of the noise itself
             assert a[name].device.type == "cuda"
-            assert torch.equal(a[name], b[name]), name
+            rel = float((a[name] - b[name]).norm() / b[name].norm())
+            assert rel < 1e-5, (name, rel)
+    for t in (auto, inline):  # no dependence on the parameters: every clipped sum is exactly 0
+        t.task.loss_fn = lambda model, batch: sum(p.sum() for p in model.parameters()) * 0.0 \
+            + torch.zeros(batch["input_ids"].shape[0], device="cuda")
+    a, _ = auto.release(2)
+    b, _ = inline.release(2)
+    for name, p in auto.named_params:
+        assert torch.equal(a[name], b[name]), name
     name, p = auto.named_params[0]
     assert torch.equal(auto.noise(1, name, p).cpu(), gaussian_noise(
         auto._privacy_seed, 1, name, p.numel(), dtype=torch.float32).view_as(p.cpu()))
