@@ -203,6 +203,11 @@ def _shared_secure_seed(world: int) -> int:
     return seed
 
 
+def _rows_of(z: Tensor, p: Tensor) -> Tensor:
+    """This rank's flat slice of a parameter's noise, shaped as its rows of ``p``."""
+    return z.view(-1, *p.shape[1:]) if p.dim() else z.view(())
+
+
 class Trainer:
     """Builds everything from a RunConfig and runs the private loop on one process."""
 
@@ -293,8 +298,7 @@ class Trainer:
         """Z_t for parameter ``name`` (this rank's rows of it when sharded): a pure function of
         (seed, step, name, global coordinate), so the same numbers on any number of ranks."""
         numel, start, end = flat_range(p)  # this rank's coordinates (all of them unsharded)
-        z = self._noise_flat(step, name, p, numel, start, end)
-        return z.view(-1, *p.shape[1:]) if p.dim() else z.view(())
+        return _rows_of(self._noise_flat(step, name, p, numel, start, end), p)
 
     def _noise_flat(self, step: int, name: str, p: Tensor, numel: int, start: int,
                     end: int) -> Tensor:
@@ -379,9 +383,8 @@ class Trainer:
         out = {}
         with torch.no_grad():
             for (name, p), (_, numel, lo, hi, _) in zip(self.named_params, self._noise_slices()):
-                z = drawn.pop(name, None)
-                z = (self._noise_flat(step, name, p, numel, lo, hi) if z is None
-                     else z.to(self.device, non_blocking=True))
+                z = (drawn.pop(name).to(self.device, non_blocking=True) if noise_future is not None
+                     else self._noise_flat(step, name, p, numel, lo, hi))
                 s = acc.pop(name, None)
                 if self.world > 1 and s is None:  # every rank joins every reduction
                     s = torch.zeros(p.shape, device=self.device, dtype=self.engine._acc_dtype())
@@ -394,7 +397,7 @@ class Trainer:
                 else:
                     if self.world > 1:
                         s = reduce_sum(s, p)
-                    noisy = sigma * C * (z.view(-1, *p.shape[1:]) if p.dim() else z.view(()))
+                    noisy = sigma * C * _rows_of(z, p)
                     if s is not None:
                         noisy = noisy + s
                 if self.audit is not None and (self.rank == 0 or is_sharded(p)):

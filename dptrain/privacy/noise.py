@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import numbers
 import secrets
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -78,17 +79,19 @@ def _draw_block(k: int, length: int, dtype) -> np.ndarray:
     return np.random.Generator(np.random.Philox(key=k)).standard_normal(length, dtype=dtype)
 
 
-_POOL: ThreadPoolExecutor | None = None
-_POOL_SIZE = 0
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
-    global _POOL, _POOL_SIZE
-    if _POOL is None or _POOL_SIZE != workers:
-        if _POOL is not None:
-            _POOL.shutdown(wait=True)
-        _POOL, _POOL_SIZE = ThreadPoolExecutor(workers, thread_name_prefix="dptrain-noise"), workers
-    return _POOL
+    """One pool per worker count, kept: a pool is never shut down while another thread (the
+    trainer's background draw, performance.noise_prefetch) may be drawing on it."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = ThreadPoolExecutor(workers,
+                                                        thread_name_prefix="dptrain-noise")
+        return pool
 
 
 def gaussian_noise(seed: int, step: int, key: str, numel: int, start: int = 0,
