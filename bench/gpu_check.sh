@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # ONE prepared GPU check for an H200 session (issue 5, item 8). Finishes in under 8 minutes
-# (267 s on the H200, 2026-11-30): every part has its own `timeout` (they add up to 590 s) and
-# a failing part does not stop the others. Run it from the repository root on the GPU machine:
+# (267 and 331 s on the H200, 2026-11-30, before part 5b): every part has its own `timeout`
+# (they add up to 690 s) and a failing part does not stop the others. Run it from the
+# repository root on the GPU machine:
 #
 #   here:            bash bench/fetch_gpu_wheels.sh        # bench/wheels/ (gitignored)
 #   on the machine:  bash bench/gpu_check.sh                # carry: bench/wheels
 #   (device tool:    run(command="bash bench/gpu_check.sh", carry=["bench/wheels"],
-#                        timeout_s=540))
+#                        timeout_s=560))
 #
 # Parts (seconds of timeout):
 #   0. install (45): `pip install --no-deps --no-build-isolation -e .` (the machine has no
@@ -26,6 +27,8 @@
 #      with every norm in ghost form, and 4 in two microbatches of 8) vs the non-private step
 #      and the naive (Opacus, torch.func) IMs, peak memory of each variant measured in the same
 #      process (the CUDA allocator's peak resets) (issue 4).
+#   5b. the same at B = 64 for K = 0, 1, 4 and the Opacus naive IM (100): whether the marginal
+#      cost above the floor at B = 16 is launch overhead that a larger microbatch amortises.
 #   6. bench/per_example_products.py --device cuda --rounds 5 (20): per-example products vs
 #      the non-private weight gradients, i.e. the floor of IM's marginal cost on the GPU.
 #   7. bench/profile_step.py --device cuda at the same shape (40): torch.profiler over the
@@ -36,7 +39,7 @@
 # Each part prints examples/s, peak memory (torch.cuda.max_memory_allocated and NVML) and the
 # DP/non-private ratio where it has one; each part's log (its last line one JSON object) lands
 # in bench/gpu_out/ (on the device machine: packed into $OUT/gpu_check_logs.tar.gz after every
-# part). Timeouts add up to 590 s; the parts end well before
+# part). Timeouts add up to 690 s; the parts end well before
 # them (the dry run's tiny shapes take about 100 s on 2 CPU cores).
 #
 # `bash bench/gpu_check.sh --dry-run` runs the same parts on CPU with tiny shapes (no install;
@@ -59,11 +62,14 @@ if [ $DRY = 1 ]; then
   CHECK_ARGS=(--device cpu --tiny --steps 3 --rounds 1)
   BENCH_ARGS=(--device cpu --tiny --quick --no-memory)
   IM_ARGS=("${BENCH_ARGS[@]}")
+  IM_B64_ARGS=("${BENCH_ARGS[@]}" --ks 0,1 --naive opacus --naive-k 1)
 else
   CHECK_ARGS=(--device cuda --steps 5 --rounds 3)
   BENCH_ARGS=(--device cuda --quick --no-memory)
   GPT2_SMALL=(--layers 12 --width 768 --heads 12 --vocab 50257 --seq-len 128 --batch-size 16)
   IM_ARGS=(--device cuda --quick "${GPT2_SMALL[@]}" --ghost-ks 1,2,4 --split 2)
+  IM_B64_ARGS=(--device cuda --quick "${GPT2_SMALL[@]}" --batch-size 64 --ks 0,1,4
+               --naive opacus)
 fi
 
 part() {  # part NAME SECONDS COMMAND...: run with a timeout, log to $RES/NAME.log, keep going
@@ -118,6 +124,8 @@ else
 fi
 if [ -f bench/inner_momentum.py ] && grep -q -- '"--device"' bench/inner_momentum.py; then
   part inner_momentum 130 "$PY" bench/inner_momentum.py "${IM_ARGS[@]}"
+  # a microbatch that fills the GPU better: is the marginal launch overhead (B = 16) or not?
+  part inner_momentum_b64 100 "$PY" bench/inner_momentum.py "${IM_B64_ARGS[@]}"
 else
   STATUS[inner_momentum]="skipped (missing or no --device)"
 fi
@@ -137,11 +145,13 @@ nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader 2>/dev/nul
 
 echo
 echo "=== summary (total $(( $(date +%s) - START )) s)"
-for k in install pytest_gpu gpt2_small nf_resnet50 dp_step inner_momentum products profile kernels; do
+for k in install pytest_gpu gpt2_small nf_resnet50 dp_step inner_momentum inner_momentum_b64 \
+    products profile kernels; do
   printf '%-16s %s\n' "$k" "${STATUS[$k]:-not run}"
 done
 # the last JSON line of each benchmark part: throughput, peak memory, DP/non-private
-for k in gpt2_small nf_resnet50 dp_step inner_momentum products profile kernels; do
+for k in gpt2_small nf_resnet50 dp_step inner_momentum inner_momentum_b64 products profile \
+    kernels; do
   [ -f "$RES/$k.log" ] && { printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1500; }
 done
 exit 0

@@ -8,7 +8,9 @@ was: the summed time of its kernels over the wall time of the steps.
 Per variant it prints the operators with the most self CPU time and, on CUDA, the most self
 device time, then one summary line; the last line printed is one JSON object:
 {variant: {"wall_s_per_step", "device_busy_s_per_step", "device_busy_fraction",
-"cpu_ops_s_per_step", "top_cpu": [[op, s/step]...], "top_device": [[op, s/step]...]}}.
+"cpu_ops_s_per_step", "top_cpu": [[op, s/step, calls/step]...], "top_device": [...], "syncs":
+[[calls/step, s/step, frames]...]}} (device entries on CUDA only; ``syncs``: where the host
+waited for the device, by call stack).
 A device_busy_fraction far below 1 means the GPU waits on the Python side (launch-bound); the
 profiler's own overhead lengthens the wall time (about 2x for the K = 0 step on the H200), so
 read the fraction as a lower bound.
@@ -28,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import inner_momentum as im  # noqa: E402
+from common import first_line  # noqa: E402
 
 
 def profile_variant(variant: str, cfg, steps: int, top: int) -> dict:
@@ -42,7 +45,7 @@ def profile_variant(variant: str, cfg, steps: int, top: int) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync()
-    with profile(activities=acts) as prof:
+    with stack_profile(acts) if cuda else profile(activities=acts) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
@@ -68,8 +71,41 @@ def profile_variant(variant: str, cfg, steps: int, top: int) -> dict:
         dev_rows = sorted(on_device, key=dev_time, reverse=True)[:top]
         out.update(device_busy_s_per_step=busy, device_busy_fraction=busy / wall,
                    top_device=[[e.key, dev_time(e) / 1e6 / steps, e.count // steps]
-                               for e in dev_rows])
+                               for e in dev_rows],
+                   syncs=sync_sites(prof, steps))
     return out
+
+
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+def stack_profile(activities):
+    """torch.profiler.profile recording Python stacks. ``with_stack`` alone records empty
+    stacks in some releases (pytorch/pytorch#100253, #117515): the verbose experimental config
+    makes them recorded."""
+    from torch.profiler import profile
+
+    config = getattr(getattr(torch._C, "_profiler", None), "_ExperimentalConfig", None)
+    extra = {"experimental_config": config(verbose=True)} if config is not None else {}
+    return profile(activities=activities, with_stack=True, **extra)
+
+
+def sync_sites(prof, steps: int, depth: int = 6, keys: tuple[str, ...] = SYNCS) -> list:
+    """Where the host waited for the device: [calls per step, CPU s per step, innermost dptrain
+    or bench frames] per distinct call stack of the events named ``keys`` (by default the CUDA
+    synchronisations; the harness's own synchronize after the steps is one of them). Needs a
+    profile taken with ``with_stack=True``."""
+    try:
+        groups = prof.key_averages(group_by_stack_n=depth)
+    except Exception as e:  # noqa: BLE001 - a profiler without stacks: report, don't fail
+        return [["unavailable", 0, first_line(e)]]
+    rows = []
+    for e in groups:
+        if e.key not in keys:
+            continue
+        frames = [f for f in (e.stack or []) if "dptrain" in f or "bench" in f] or e.stack
+        rows.append([e.count / steps, e.self_cpu_time_total / 1e6 / steps, frames[:depth]])
+    return sorted(rows, key=lambda r: -r[1])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -103,6 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"  top {title} (ms/step, calls/step):")
                 for op, s, n in r[key]:
                     print(f"    {s * 1e3:9.2f}  {n:6d}  {op[:70]}")
+        for calls, s, frames in r.get("syncs", []):
+            print(f"  sync: {calls:g}/step, {s * 1e3:.2f} ms/step waiting, at "
+                  + " <- ".join(str(f) for f in frames))
         if a.device == "cuda":
             torch.cuda.empty_cache()
     res["config"] = {"gpt2": vars(cfg.gpt2), "device": cfg.device, "steps": a.steps}

@@ -123,3 +123,22 @@ def test_profile_step_counts_more_operator_time_for_two_states_than_none():
     ops = {v: sum(n for _, _, n in res[v]["top_cpu"]) for v in ("nonprivate", "k1")}
     assert res["k1"]["cpu_ops_s_per_step"] > res["nonprivate"]["cpu_ops_s_per_step"]
     assert ops["k1"] > ops["nonprivate"]
+
+
+def test_profile_sync_sites_name_the_python_frames_of_an_operator():
+    """The stack report bench/profile_step.py gives for CUDA synchronisations, exercised on CPU
+    with a CPU operator: the frames are the bench's own, and the calls per step are counted."""
+    from torch.profiler import ProfilerActivity
+
+    prof_mod = _load("profile_step")
+    cfg = prof_mod.im.tiny_config()
+    step = prof_mod.im.build_variant("nonprivate", cfg)
+    step()
+    with prof_mod.stack_profile([ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            step()
+    rows = prof_mod.sync_sites(prof, 2, keys=("aten::mean",))  # the step's loss.mean()
+    assert rows and all(calls > 0 for calls, _, _ in rows)
+    frames = [f for _, _, fr in rows for f in fr]
+    assert any("inner_momentum.py" in f or "gpt2_bench.py" in f for f in frames), frames
+    assert prof_mod.sync_sites(prof, 2) == []  # no CUDA synchronisation on CPU
