@@ -16,7 +16,8 @@
 #      (opacus, prv-accountant, webdataset, braceexpand); falls back to PYTHONPATH=. if the
 #      editable install fails. Prints the GPU (nvidia-smi) and torch/CUDA versions.
 #   1. `pytest -m gpu` (60): tests/test_gpu.py's CUDA checks (engine norms vs CPU float64,
-#      counter-based noise across shard slices, bf16 autocast steps, CUDA == CPU without noise).
+#      counter-based noise across shard slices, bf16 autocast steps, CUDA == CPU without noise,
+#      the release's noise drawn in the background equal to the inline draw).
 #   2. GPT-2 small, random init, T = 128, DP-Muon-IM K = 2 (90): `dptrain train` for 5
 #      releases of b = 256, then private vs non-private steps: bench/gpu_check.py.
 #   3. NF-ResNet-50 at 224 px, DP-Muon + AdamW (90): the same for nf_resnet50, b = 256.
@@ -32,15 +33,16 @@
 #   6. bench/per_example_products.py --device cuda --rounds 5 (20): per-example products vs
 #      the non-private weight gradients, i.e. the floor of IM's marginal cost on the GPU.
 #   7. bench/profile_step.py --device cuda at the same shape (40): torch.profiler over the
-#      non-private, K = 0 and K = 4 steps: top operators and the GPU's busy fraction.
+#      non-private, K = 0 and K = 4 steps: top operators, the GPU's busy fraction and where
+#      the host waits for the device (synchronisations by Python stack).
 #   8. kernels (45): tests/test_kernels.py compiled on the GPU (the Triton ghost-product
 #      kernel against its reference, in the engine and the trainer), then
 #      bench/ghost_kernel.py --device cuda: kernel vs torch reference on GPT-2 small's linears.
 # Each part prints examples/s, peak memory (torch.cuda.max_memory_allocated and NVML) and the
 # DP/non-private ratio where it has one; each part's log (its last line one JSON object) lands
 # in bench/gpu_out/ (on the device machine: packed into $OUT/gpu_check_logs.tar.gz after every
-# part). Timeouts add up to 690 s; the parts end well before
-# them (the dry run's tiny shapes take about 100 s on 2 CPU cores).
+# part). Timeouts add up to 690 s; the parts end well before them (the dry run's tiny shapes
+# take about 110 s on 2 CPU cores).
 #
 # `bash bench/gpu_check.sh --dry-run` runs the same parts on CPU with tiny shapes (no install;
 # CUDA tests skip): it checks the plumbing on a machine without a GPU.
@@ -149,9 +151,10 @@ for k in install pytest_gpu gpt2_small nf_resnet50 dp_step inner_momentum inner_
     products profile kernels; do
   printf '%-16s %s\n' "$k" "${STATUS[$k]:-not run}"
 done
-# the last JSON line of each benchmark part: throughput, peak memory, DP/non-private
+# the last JSON line of each benchmark part (its start: the device returns the last 12,000
+# characters of output, and the logs in full): throughput, peak memory, DP/non-private
 for k in gpt2_small nf_resnet50 dp_step inner_momentum inner_momentum_b64 products profile \
     kernels; do
-  [ -f "$RES/$k.log" ] && { printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1500; }
+  [ -f "$RES/$k.log" ] && { printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1000; }
 done
 exit 0
