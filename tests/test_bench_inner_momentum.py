@@ -83,8 +83,9 @@ def test_inprocess_memory_gives_every_variant_its_own_peak(bench):
 
 
 def test_ghost_variant_and_noise_modes_take_the_same_step(bench):
-    """k1_ghost (every norm in ghost form) and noise drawn in the step give k1's update when
-    the noise is off, and with noise "ahead" the first step's noise is the drawn release's."""
+    """Without noise, k1_ghost (every norm in ghost form, noise drawn in the step) takes k1's
+    update; with noise, "ahead" adds the noise drawn when the variant was built and "in_step"
+    the step's own."""
     cfg = bench.tiny_config()
     cfg.lr, cfg.clip_norm, cfg.perturb = 1.0, 0.05, 0.05
     updates = {}
