@@ -301,13 +301,15 @@ class Trainer:
         return _rows_of(self._noise_flat(step, name, p, numel, start, end), p)
 
     def _noise_flat(self, step: int, name: str, p: Tensor, numel: int, start: int,
-                    end: int) -> Tensor:
-        """Global flat coordinates ``[start, end)`` of Z_t for parameter ``name``."""
+                    end: int, device: torch.device | str | None = None) -> Tensor:
+        """Global flat coordinates ``[start, end)`` of Z_t for parameter ``name``, on
+        ``device`` (default: the run's). Every draw of the trainer goes through here."""
         return gaussian_noise(self._privacy_seed, step, name, numel, start, end,
-                              device=self.device, dtype=self._noise_dtype(p))
+                              device=self.device if device is None else device,
+                              dtype=self._noise_dtype(p))
 
-    def _noise_slices(self) -> list[tuple[str, int, int, int, torch.dtype]]:
-        """(name, numel, start, end, dtype) of the noise this rank adds, per trainable
+    def _noise_slices(self) -> list[tuple[str, Tensor, int, int, int]]:
+        """(name, parameter, numel, start, end) of the noise this rank adds, per trainable
         parameter: its rows when sharded, its block share of a replicated parameter with
         several ranks (summed by the all-reduce), else all of it."""
         out = []
@@ -317,7 +319,7 @@ class Trainer:
                 lo, hi = block_share(numel, index, self.rank, self.world)
             else:
                 numel, lo, hi = flat_range(p)
-            out.append((name, numel, lo, hi, self._noise_dtype(p)))
+            out.append((name, p, numel, lo, hi))
         return out
 
     def _start_noise(self, step: int):
@@ -329,12 +331,12 @@ class Trainer:
             from concurrent.futures import ThreadPoolExecutor
 
             self._noise_thread = ThreadPoolExecutor(1, thread_name_prefix="dptrain-release")
-        seed, slices, pin = self._privacy_seed, self._noise_slices(), self.device.type == "cuda"
+        slices, pin = self._noise_slices(), self.device.type == "cuda"
 
         def draw() -> dict[str, Tensor]:
             out = {}
-            for name, numel, lo, hi, dtype in slices:
-                z = gaussian_noise(seed, step, name, numel, lo, hi, device="cpu", dtype=dtype)
+            for name, p, numel, lo, hi in slices:
+                z = self._noise_flat(step, name, p, numel, lo, hi, device="cpu")
                 out[name] = z.pin_memory() if pin else z
             return out
 
@@ -382,7 +384,7 @@ class Trainer:
         drawn = noise_future.result() if noise_future is not None else {}
         out = {}
         with torch.no_grad():
-            for (name, p), (_, numel, lo, hi, _) in zip(self.named_params, self._noise_slices()):
+            for name, p, numel, lo, hi in self._noise_slices():
                 z = (drawn.pop(name).to(self.device, non_blocking=True) if noise_future is not None
                      else self._noise_flat(step, name, p, numel, lo, hi))
                 s = acc.pop(name, None)
