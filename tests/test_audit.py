@@ -158,6 +158,21 @@ def _trainer(extra=()):
     return Trainer(load(RunConfig, TINY, ["train.progress=false", *RUN, *extra]))
 
 
+def test_canaries_see_the_same_release_with_the_noise_drawn_in_the_background():
+    """The canaries are inserted before the noise and observe the noisy release: where the
+    noise is drawn (performance.noise_prefetch) changes neither the release nor the scores."""
+    releases, scores = [], []
+    for where in ("inline", "background"):
+        t = _trainer([f"performance.noise_prefetch={where}"])
+        shapes = [(n, tuple(p.shape)) for n, p in t.named_params]
+        t.audit = GradientCanaries(shapes, 300, t.plan.clip_norm, t.plan.sample_rate, seed=0)
+        releases.append(t.release(0)[0])
+        scores.append(np.array(t.audit.scores))
+    for n in releases[0]:
+        assert torch.equal(releases[0][n], releases[1][n]), n
+    assert len(scores[0]) == 300 and np.array_equal(scores[0], scores[1])
+
+
 @pytest.mark.parametrize("noise", [0.0, 1.0])
 def test_a_canary_coordinate_releases_exactly_C_when_present_plus_the_noise(monkeypatch, noise):
     from dptrain.trainer import Trainer
