@@ -322,8 +322,8 @@ class Trainer:
             out.append((name, p, numel, lo, hi))
         return out
 
-    def _start_noise(self, step: int):
-        """Z_t of every slice in :meth:`_noise_slices`, drawn on a background thread into host
+    def _start_noise(self, step: int, slices: list):
+        """Z_t of ``slices`` (:meth:`_noise_slices`), drawn on a background thread into host
         memory (pinned with CUDA): a future of name -> 1-D tensor. None when inline."""
         if not self.noise_prefetch:
             return None
@@ -331,7 +331,7 @@ class Trainer:
             from concurrent.futures import ThreadPoolExecutor
 
             self._noise_thread = ThreadPoolExecutor(1, thread_name_prefix="dptrain-release")
-        slices, pin = self._noise_slices(), self.device.type == "cuda"
+        pin = self.device.type == "cuda"
 
         def draw() -> dict[str, Tensor]:
             out = {}
@@ -353,7 +353,8 @@ class Trainer:
         """The Gaussian release of logical batch ``step``: (sum_i lam_i u_i + sigma*C*Z) / b
         for every trainable parameter, noise drawn once per coordinate even if the sample is
         empty. Returns (name -> released tensor, aggregate stats for display)."""
-        noise_future = self._start_noise(step)  # drawn while the microbatches run
+        slices = self._noise_slices()
+        noise_future = self._start_noise(step, slices)  # drawn while the microbatches run
         indices = self.local_sample(step)
         plan = self.optimizer.query_plan()
         acc: dict[str, Tensor] = {}  # Sensitive: unnoised clipped sum; discarded after release.
@@ -384,7 +385,7 @@ class Trainer:
         drawn = noise_future.result() if noise_future is not None else {}
         out = {}
         with torch.no_grad():
-            for name, p, numel, lo, hi in self._noise_slices():
+            for name, p, numel, lo, hi in slices:
                 z = (drawn.pop(name).to(self.device, non_blocking=True) if noise_future is not None
                      else self._noise_flat(step, name, p, numel, lo, hi))
                 s = acc.pop(name, None)
