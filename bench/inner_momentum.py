@@ -491,6 +491,68 @@ def build_variant(variant: str, cfg: BenchConfig) -> StepFn:
     raise ValueError(f"unknown variant {variant!r}")
 
 
+def held_bytes(cfg: BenchConfig) -> dict[str, dict[str, int]]:
+    """Per trainable parameter, what one evaluated state leaves to hold until the clip factors
+    are known, in each of the engine's two forms (``_Query``):
+
+    - "instantiated": the per-example buffer, B x numel at the accumulation dtype, one for all
+      the states;
+    - "captured": that state's factors of the parameter's contributions (its layer's captured
+      input and output gradient, a one-hot factor's ids, a dense per-example gradient as is),
+      kept for every state in ghost form.
+
+    Measured from one forward and backward of the engine at the current state (K = 0's plan)."""
+    from dptrain.clipping import ClippingEngine
+    from dptrain.clipping.contributions import Dense, OneHot, Outer
+
+    model = build_gpt2(cfg.gpt2, cfg.seed, cfg.device)
+    batch = gpt2_batch(cfg.gpt2, cfg.seed, cfg.device)
+    engine = ClippingEngine(model)
+    B = cfg.gpt2.batch_size
+    acc = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+    acc_bytes = torch.tensor([], dtype=acc).element_size()
+
+    def nbytes(t) -> int:
+        if isinstance(t, OneHot):
+            t = t.ids
+        return t.numel() * t.element_size()
+
+    out: dict[str, dict[str, int]] = {}
+
+    class Recorder:  # stands in for the engine's _Query: sizes the contributions, keeps none
+        def add(self, per_param):
+            for name, contribs in per_param.items():
+                cap = 0
+                for c in contribs:
+                    if isinstance(c, Outer):
+                        cap += nbytes(c.L) + nbytes(c.R)
+                    elif isinstance(c, Dense):
+                        cap += nbytes(c.g)
+                    else:  # a layer-specific form: instantiated whenever states are paired
+                        cap += B * engine.params[name].numel() * acc_bytes
+                row = out.setdefault(name, {"captured": 0, "instantiated":
+                                            B * engine.params[name].numel() * acc_bytes})
+                row["captured"] += cap
+            per_param.clear()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine._forward_backward(gpt2_loss, batch, [(1.0, None)], False, Recorder())
+    return out
+
+
+def memory_floor_bytes(held: dict[str, dict[str, int]], history_bytes: int, K: int) -> int:
+    """What a K-state query must hold beyond K = 0's peak with the engine's two forms and the
+    states evaluated one after another: the K past states, and for every parameter the smaller
+    of its per-example buffer and K earlier states' captured factors (both are live during the
+    last state's forward and backward, whose own peak is K = 0's). Lower forms exist only by
+    recomputation (e.g. the split microbatch, which runs the states' forwards again per part)."""
+    if K == 0:
+        return 0
+    return K * history_bytes + sum(min(r["instantiated"], K * r["captured"])
+                                   for r in held.values())
+
+
 def weight_bytes(cfg: BenchConfig) -> int:
     """Bytes of the model's (unique) parameters."""
     with torch.device("meta"):
@@ -600,6 +662,13 @@ def summarize(res: dict, cfg: BenchConfig) -> dict:
     time_over_nonprivate        {K: DP-IM step time / non-private step time}
     memory_over_k0              {K: peak memory of the step (history included, weights not) /
                                  K = 0's}
+    memory_floor_over_k0        {K: the least that peak can be with the engine's two forms
+                                 (``memory_floor_bytes``: K = 0's peak + the K states + per
+                                 parameter min(per-example buffer, K states' captured
+                                 factors)) / K = 0's}; with the memory runs only
+    memory_over_floor           {K: the measured peak / that floor}
+    held_mib                    {"captured": one state's captured factors, "instantiated": the
+                                 per-example buffers, summed over the parameters}
     marginal_over_nonprivate    {K: (t_K - t_0) / K / t_nonprivate}, K > 0
     marginal_over_k0            {K: (t_K - t_0) / K / t_0} (the paper's 0.59 is this ratio)
     naive_over_dptrain          {naive_k: naive IM step time / dptrain's at the same K}: the
@@ -659,6 +728,15 @@ def summarize(res: dict, cfg: BenchConfig) -> dict:
                 d[k] = None if None in (tK, t0, tn) else (tK - t0) / K / tn
     out["time_over_nonprivate"] = tk
     out["memory_over_k0"] = mk
+    held = res.get("held")
+    if held and p0:
+        extra = {K: memory_floor_bytes(held, wb, K) for K in cfg.ks}
+        out["memory_floor_over_k0"] = {str(K): (p0 + e) / p0 for K, e in extra.items()}
+        out["memory_over_floor"] = {str(K): over(peak(f"k{K}"), p0 + e)
+                                    for K, e in extra.items()}
+        out["held_mib"] = {
+            form: sum(r[form] for r in held.values()) / 2**20
+            for form in ("captured", "instantiated")}
     out["marginal_over_nonprivate"] = marg
     nk = str(cfg.naive_k)
     naive = {n: {"wall": ratio_of_medians(t.get(naive_variant(n, cfg.naive_k)), t.get(f"k{nk}")),
@@ -752,6 +830,11 @@ def print_table(summary: dict) -> None:
     print(f"naive / dptrain at K = {nk}: {_fmt(summary['naive_over_dptrain'][nk], '.2f')} "
           f"({summary['naive_baseline']}); vmap: "
           f"{_fmt(summary.get('naive_over_dptrain_vmap', {}).get(nk), '.2f')}")
+    floor = summary.get("memory_floor_over_k0")
+    if floor:
+        print("memory floor of the engine's forms, x K=0: " + ", ".join(
+            f"K={k} {_fmt(x, '.2f')} (measured/floor {_fmt(summary['memory_over_floor'][k], '.2f')})"
+            for k, x in floor.items()))
     print(f"targets met: {summary['targets_met']}")
     print(f"machine: {summary['machine']}; load average at start "
           f"{summary['load_average']['start']}, at end {summary['load_average']['end']}; "
@@ -786,6 +869,7 @@ def run(cfg: BenchConfig) -> dict:
     res["noise_draw_s"] = noise_draw_seconds(cfg)
     if memory is not None:
         res["memory"] = memory
+        res["held"] = held_bytes(cfg)
     summary = summarize(res, cfg)
     summary["rounds"] = res["rounds"]
     summary["load_average"]["start"] = load_start

@@ -143,3 +143,41 @@ def test_profile_sync_sites_name_the_python_frames_of_an_operator():
     frames = [f for _, _, fr in rows for f in fr]
     assert any("inner_momentum.py" in f or "gpt2_bench.py" in f for f in frames), frames
     assert prof_mod.sync_sites(prof, 2) == []  # no CUDA synchronisation on CPU
+
+
+def test_held_bytes_are_the_contributions_factors_and_buffers(bench):
+    """The floor's inputs, from one engine forward and backward of the tiny GPT-2: a Conv1D
+    weight holds its layer's input and output gradient per state, or a B x in x out buffer; the
+    tied wte holds the embedding's ids and output gradient and the head's input and logits'
+    gradient."""
+    cfg = bench.tiny_config()
+    s = cfg.gpt2
+    B, T, d, V = s.batch_size, s.seq_len, s.width, s.vocab_size
+    held = bench.held_bytes(cfg)
+    assert held["transformer.h.0.mlp.c_fc.weight"] == {
+        "captured": B * T * (d + 4 * d) * 4, "instantiated": B * d * 4 * d * 4}
+    assert held["transformer.h.0.mlp.c_fc.bias"] == {
+        "captured": B * 4 * d * 4, "instantiated": B * 4 * d * 4}
+    assert held["transformer.wte.weight"] == {
+        "captured": B * T * 8 + B * T * d * 4 + B * T * V * 4 + B * T * d * 4,
+        "instantiated": B * V * d * 4}
+    model = bench.build_gpt2(s, cfg.seed, "cpu")
+    assert set(held) == {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_memory_floor_takes_the_smaller_form_per_parameter(bench):
+    held = {"a": {"captured": 10, "instantiated": 25}, "b": {"captured": 3, "instantiated": 2}}
+    assert bench.memory_floor_bytes(held, 100, 0) == 0
+    assert bench.memory_floor_bytes(held, 100, 1) == 100 + 10 + 2
+    assert bench.memory_floor_bytes(held, 100, 2) == 200 + 20 + 2
+    assert bench.memory_floor_bytes(held, 100, 4) == 400 + 25 + 2
+    cfg = bench.tiny_config()
+    cfg.ks, cfg.naive, cfg.split = [0, 1], [], 1
+    wb = bench.weight_bytes(cfg)
+    res = {"times": {}, "cpu_times": {}, "errors": {}, "held": held,
+           "memory": {"k0": {"peak_bytes": 1000}, "k1": {"peak_bytes": 1000 + 3 * wb}}}
+    out = bench.summarize(res, cfg)
+    floor1 = 1000 + wb + 12
+    assert out["memory_floor_over_k0"] == {"0": 1.0, "1": floor1 / 1000}
+    assert out["memory_over_floor"]["1"] == (1000 + 3 * wb) / floor1
+    assert out["held_mib"] == {"captured": 13 / 2**20, "instantiated": 27 / 2**20}
