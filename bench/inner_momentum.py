@@ -544,9 +544,10 @@ def held_bytes(cfg: BenchConfig) -> dict[str, dict[str, int]]:
 def memory_floor_bytes(held: dict[str, dict[str, int]], history_bytes: int, K: int) -> int:
     """What a K-state query must hold beyond K = 0's peak with the engine's two forms and the
     states evaluated one after another: the K past states, and for every parameter the smaller
-    of its per-example buffer and K earlier states' captured factors (both are live during the
-    last state's forward and backward, whose own peak is K = 0's). Lower forms exist only by
-    recomputation (e.g. the split microbatch, which runs the states' forwards again per part)."""
+    of its per-example buffer and K earlier states' captured factors. Whichever form holds
+    them, they are live during the last state's forward and backward, whose own peak is K = 0's.
+    Going lower takes fewer examples at a time (the split microbatch: the same work in parts,
+    each holding its own examples' share) or recomputation."""
     if K == 0:
         return 0
     return K * history_bytes + sum(min(r["instantiated"], K * r["captured"])
