@@ -77,6 +77,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
+    LiveTensorPeak,
     StepFn,
     child_peak,
     emit_child_result,
@@ -542,12 +543,13 @@ def held_bytes(cfg: BenchConfig) -> dict[str, dict[str, int]]:
 
 
 def memory_floor_bytes(held: dict[str, dict[str, int]], history_bytes: int, K: int) -> int:
-    """What a K-state query must hold beyond K = 0's peak with the engine's two forms and the
-    states evaluated one after another: the K past states, and for every parameter the smaller
-    of its per-example buffer and K earlier states' captured factors. Whichever form holds
-    them, they are live during the last state's forward and backward, whose own peak is K = 0's.
-    Going lower takes fewer examples at a time (the split microbatch: the same work in parts,
-    each holding its own examples' share) or recomputation."""
+    """About what a K-state query must hold beyond K = 0's peak with the engine's two forms and
+    the states evaluated one after another: the K past states, and for every parameter the
+    smaller of its per-example buffer and K earlier states' captured factors. Whichever form
+    holds them, they are live during the last state's forward and backward, whose own peak is
+    taken to be K = 0's (an approximation: on the tests' tiny GPT-2 the measured K = 1 peak adds
+    1.8% less than this). Going lower takes fewer examples at a time (the split microbatch: the
+    same work in parts, each holding its own examples' share) or recomputation."""
     if K == 0:
         return 0
     return K * history_bytes + sum(min(r["instantiated"], K * r["captured"])
@@ -635,11 +637,13 @@ def run_memory(cfg: BenchConfig, variants: list[str], errors: dict[str, str], lo
 
 
 def run_memory_inprocess(cfg: BenchConfig, variants: list[str], log) -> dict:
-    """Peak memory of each variant, one after another in this process (CUDA): the caching
+    """Peak memory of each variant, one after another in this process. CUDA: the caching
     allocator's peak is reset before each and counts only bytes allocated after its baseline,
     so the earlier variants, freed or not, do not enter it. That saves a fresh interpreter
     (torch + transformers imports) per variant. cuBLAS's workspaces are freed before each
-    variant so that every one pays for its own, as in a fresh process."""
+    variant so that every one pays for its own, as in a fresh process. CPU (tests): the
+    storages its steps create (``common.LiveTensorPeak``; no ``baseline_bytes``), because a
+    resident set in a process that already ran a variant mostly reuses freed memory."""
     out = {}
     log(f"peak memory: {len(variants)} variants in this process")
     for v in variants:
@@ -651,10 +655,27 @@ def run_memory_inprocess(cfg: BenchConfig, variants: list[str], log) -> dict:
             torch.cuda.empty_cache()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out[v] = child_peak(lambda: build_variant(v, cfg), device=cfg.device,
-                                steps=cfg.memory_steps)
+            if cfg.device == "cuda":
+                out[v] = child_peak(lambda: build_variant(v, cfg), device=cfg.device,
+                                    steps=cfg.memory_steps)
+            else:
+                out[v] = live_peak(lambda: build_variant(v, cfg), cfg.memory_steps)
     gc.collect()
     return out
+
+
+def live_peak(build, steps: int) -> dict:
+    """{"peak_bytes": the most bytes of tensor storage that ``steps`` steps of the built
+    variant held at once, the history's states included} or {"error": ...}."""
+    try:
+        step = build()
+        gc.collect()
+        with LiveTensorPeak() as tracker:
+            for _ in range(steps):
+                step()
+        return {"peak_bytes": tracker.peak_bytes}
+    except Exception as e:
+        return {"error": first_line(e)}
 
 
 def summarize(res: dict, cfg: BenchConfig) -> dict:
@@ -663,7 +684,7 @@ def summarize(res: dict, cfg: BenchConfig) -> dict:
     time_over_nonprivate        {K: DP-IM step time / non-private step time}
     memory_over_k0              {K: peak memory of the step (history included, weights not) /
                                  K = 0's}
-    memory_floor_over_k0        {K: the least that peak can be with the engine's two forms
+    memory_floor_over_k0        {K: about the least that peak can be with the engine's forms
                                  (``memory_floor_bytes``: K = 0's peak + the K states + per
                                  parameter min(per-example buffer, K states' captured
                                  factors)) / K = 0's}; with the memory runs only

@@ -69,17 +69,23 @@ def test_peak_child_measures_history_and_step(bench):
 
 
 def test_inprocess_memory_gives_every_variant_its_own_peak(bench):
-    """The path bench/gpu_check.sh takes on CUDA (here on CPU, where the peak is the resident
-    set's high-water mark reset before each variant): every variant is measured against its
-    own baseline and none fails."""
+    """The path bench/gpu_check.sh takes on CUDA, here on CPU (live tensor storages; the
+    resident set of a process that already ran a variant mostly reuses freed memory and once
+    came out 12 KiB below its baseline): every variant is measured alone, none fails, and K = 1
+    holds at least K = 0's peak plus its past state and per-example buffers."""
     cfg = bench.tiny_config()
     cfg.gpt2.batch_size, cfg.gpt2.width, cfg.gpt2.vocab_size = 8, 64, 4096
     cfg.ks, cfg.naive, cfg.split, cfg.memory_steps = [0, 1], [], 1, 1
-    out = bench.run_memory_inprocess(cfg, ["k0", "k1"], lambda msg: None)
+    out = bench.run_memory_inprocess(cfg, ["k1", "k0"], lambda msg: None)
     assert set(out) == {"k0", "k1"}
     for v, r in out.items():
         assert "error" not in r, (v, r)
-        assert r["baseline_bytes"] > 0 and r["peak_bytes"] >= 0
+    assert out["k0"]["peak_bytes"] > 0
+    # the floor of the engine's forms (held_bytes, memory_floor_bytes) is what K = 1 adds, to
+    # within its approximation (K = 0's peak stands for the last state's own; 1.8% here)
+    floor = bench.memory_floor_bytes(bench.held_bytes(cfg), bench.weight_bytes(cfg), 1)
+    extra = out["k1"]["peak_bytes"] - out["k0"]["peak_bytes"]
+    assert 0.9 * floor <= extra <= 1.5 * floor, (extra, floor)
 
 
 def test_ghost_variant_and_noise_modes_take_the_same_step(bench):
