@@ -25,6 +25,8 @@ Variants (plain SGD updates everywhere; C = 1, sigma = 1):
 - kK_ghost (``--ghost-ks``): K with every layer's norm in ghost form (performance.ghost=ghost)
   instead of the engine's cost model, which picks per-example instantiation for most layers at
   two or more states (its constant is a CPU measurement);
+- kK_memory (``--memory-ks``): K with performance.ghost=memory, per parameter the form that
+  holds fewer bytes (its per-example buffer or the states' captured factors);
 - naive_k4 (the issue's baseline): the same K = 4 query built the straightforward way on Opacus
   1.6 per-example gradients: ``GradSampleModule`` (hooks mode, loss_reduction "sum") on the copy
   of the model Opacus accepts (Conv1D -> Linear, untied lm_head, explicit position_ids, as
@@ -128,6 +130,7 @@ class BenchConfig:
     budget_s: float = 330.0  # the whole run (memory processes first, then rounds): < 6 min
     noise: str = "ahead"  # "ahead" or "in_step" (see NoiseSource)
     ghost_ks: list[int] = field(default_factory=list)  # also these K with performance.ghost=ghost
+    memory_ks: list[int] = field(default_factory=list)  # ... and with performance.ghost=memory
     warmup: int = 1
     memory: bool = True
     memory_steps: int = 2
@@ -149,6 +152,7 @@ class BenchConfig:
         if self.split > 1 and max(self.ks) > 0:
             out.append(f"k{max(self.ks)}_split{self.split}")
         out += [f"k{k}_ghost" for k in self.ghost_ks]
+        out += [f"k{k}_memory" for k in self.memory_ks]
         out += [naive_variant(n, self.naive_k) for n in self.naive]
         return out
 
@@ -484,11 +488,10 @@ def build_variant(variant: str, cfg: BenchConfig) -> StepFn:
     if variant.startswith("naive_k"):
         return naive_opacus_step(model, batch, int(variant.rsplit("k", 1)[1]), cfg)
     if variant.startswith("k"):
-        m = re.fullmatch(r"k(\d+)(?:_split(\d+))?(_ghost)?", variant)
+        m = re.fullmatch(r"k(\d+)(?:_split(\d+))?(?:_(ghost|memory))?", variant)
         if m is None:
             raise ValueError(f"unknown variant {variant!r}")
-        return dptrain_step(model, batch, int(m[1]), cfg, int(m[2] or 1),
-                            "ghost" if m[3] else "auto")
+        return dptrain_step(model, batch, int(m[1]), cfg, int(m[2] or 1), m[3] or "auto")
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -504,7 +507,7 @@ def held_bytes(cfg: BenchConfig) -> dict[str, dict[str, int]]:
 
     Measured from one forward and backward of the engine at the current state (K = 0's plan)."""
     from dptrain.clipping import ClippingEngine
-    from dptrain.clipping.contributions import Dense, OneHot, Outer
+    from dptrain.clipping.contributions import Dense, Outer
 
     model = build_gpt2(cfg.gpt2, cfg.seed, cfg.device)
     batch = gpt2_batch(cfg.gpt2, cfg.seed, cfg.device)
@@ -514,8 +517,6 @@ def held_bytes(cfg: BenchConfig) -> dict[str, dict[str, int]]:
     acc_bytes = torch.tensor([], dtype=acc).element_size()
 
     def nbytes(t) -> int:
-        if isinstance(t, OneHot):
-            t = t.ids
         return t.numel() * t.element_size()
 
     out: dict[str, dict[str, int]] = {}
@@ -526,7 +527,7 @@ def held_bytes(cfg: BenchConfig) -> dict[str, dict[str, int]]:
                 cap = 0
                 for c in contribs:
                     if isinstance(c, Outer):
-                        cap += nbytes(c.L) + nbytes(c.R)
+                        cap += c.ghost_bytes()
                     elif isinstance(c, Dense):
                         cap += nbytes(c.g)
                     else:  # a layer-specific form: instantiated whenever states are paired
@@ -701,6 +702,8 @@ def summarize(res: dict, cfg: BenchConfig) -> dict:
     ghost_form                  {K: time_over_nonprivate, memory_over_k0, marginal_over_nonprivate
                                  with performance.ghost=ghost (every layer in ghost form) instead
                                  of the engine's cost model}, for ``--ghost-ks``
+    memory_form                 the same with performance.ghost=memory (per parameter the form
+                                 that holds fewer bytes), for ``--memory-ks``
     noise, noise_draw_s         "ahead" (the steps reuse one draw) or "in_step"; the wall time of
                                 drawing one release's noise, and that over the non-private step
     *_cpu                       the same time ratios from process CPU time
@@ -777,16 +780,18 @@ def summarize(res: dict, cfg: BenchConfig) -> dict:
                         "microbatch": -(-cfg.gpt2.batch_size // cfg.split),
                         "time_over_nonprivate": rows[sv]["over_nonprivate"],
                         "memory_over_k0": rows[sv]["memory_over_k0"]}
-    gf = {}
-    for K in cfg.ghost_ks:
-        v = f"k{K}_ghost"
-        tK, t0, tn = (median(t.get(x, [])) for x in (v, "k0", "nonprivate"))
-        gf[str(K)] = {"time_over_nonprivate": rows[v]["over_nonprivate"],
-                      "memory_over_k0": rows[v]["memory_over_k0"],
-                      "marginal_over_nonprivate": None if None in (tK, t0, tn) or K == 0
-                      else (tK - t0) / K / tn}
-    if gf:
-        out["ghost_form"] = gf
+    for key, form, ks in (("ghost_form", "ghost", cfg.ghost_ks),
+                          ("memory_form", "memory", cfg.memory_ks)):
+        gf = {}
+        for K in ks:
+            v = f"k{K}_{form}"
+            tK, t0, tn = (median(t.get(x, [])) for x in (v, "k0", "nonprivate"))
+            gf[str(K)] = {"time_over_nonprivate": rows[v]["over_nonprivate"],
+                          "memory_over_k0": rows[v]["memory_over_k0"],
+                          "marginal_over_nonprivate": None if None in (tK, t0, tn) or K == 0
+                          else (tK - t0) / K / tn}
+        if gf:
+            out[key] = gf
     out["noise"] = cfg.noise
     out["noise_draw_s"] = res.get("noise_draw_s")
     out["noise_draw_over_nonprivate"] = over(res.get("noise_draw_s"), median(base or []))
@@ -932,6 +937,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                          "first; in_step: each step draws its own (see NoiseSource)")
     ap.add_argument("--ghost-ks", default=None,
                     help="comma-separated K also run with performance.ghost=ghost")
+    ap.add_argument("--memory-ks", default=None,
+                    help="comma-separated K also run with performance.ghost=memory")
     ap.add_argument("--naive-k", type=int, default=4)
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     ap.add_argument("--threads", type=int, default=None,
@@ -972,6 +979,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         cfg.noise = args.noise
     if args.ghost_ks:
         cfg.ghost_ks = sorted({int(k) for k in args.ghost_ks.split(",")})
+    if args.memory_ks:
+        cfg.memory_ks = sorted({int(k) for k in args.memory_ks.split(",")})
     cfg.device = args.device
     if args.threads is not None:
         cfg.threads = args.threads or None

@@ -24,8 +24,11 @@ class PerformanceConfig:
     clipping: Literal["auto", "bookkeeping", "two_pass"] = "auto"
     """How the clipped sum is formed: book-keeping (one backward; sum from captured activations
     and output gradients) or a second backward with per-example loss weights. Same result."""
-    ghost: Literal["auto", "ghost", "instantiate"] = "auto"
-    """Per-layer norm form: by estimated cost (auto), always ghost, or always instantiate."""
+    ghost: Literal["auto", "ghost", "instantiate", "memory"] = "auto"
+    """Per-layer norm form: by estimated cost (auto), always ghost, always instantiate, or
+    ``memory``: per parameter the form that holds fewer bytes until the clip factors are known
+    (its per-example buffer, or every evaluated state's captured factors: with inner momentum's
+    K past states, the smaller query, at some cost in time; ``choose_form_memory``)."""
     newton_schulz_dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     """dtype of the optimizer's Newton-Schulz iteration (post-processing)."""
     device: str = "auto"

@@ -46,7 +46,7 @@ def test_naive_ims_and_dptrain_take_the_same_step(bench):
     cfg = bench.tiny_config()
     cfg.noise_multiplier, cfg.lr, cfg.clip_norm, cfg.perturb = 0.0, 1.0, 0.05, 0.05
     updates = {}
-    for v in ("k2", "k2_split2", "naive_k2", "naive_vmap_k2"):
+    for v in ("k2", "k2_split2", "k2_memory", "naive_k2", "naive_vmap_k2"):
         step = bench.build_variant(v, cfg)
         before = {n: x.clone() for n, x in step.params().items()}
         step()

@@ -25,7 +25,7 @@ from dptrain.clipping import ClippingEngine
 
 SETTINGS = settings(max_examples=10, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-POLICIES = ("ghost", "instantiate", "auto")
+POLICIES = ("ghost", "instantiate", "auto", "memory")
 MODES = ("bookkeeping", "two_pass")
 RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}
 

@@ -111,7 +111,7 @@ def _check_model(model, loss_batch, batch, reference, muon_names, k_muon, k_othe
     ref_norms, _ = reference(states, coefs, 1.0)
     C = float(ref_norms.median())  # some examples clipped, some not
     ref_norms, ref_sums = reference(states, coefs, C)
-    for ghost in ("ghost", "instantiate"):
+    for ghost in ("ghost", "instantiate", "memory"):
         eng = ClippingEngine(model, clip_norm=C, ghost=ghost)
         norms = eng.per_example_norms(loss_batch, batch, plan)
         torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=1e-12)

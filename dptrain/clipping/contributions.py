@@ -80,6 +80,12 @@ class Outer:
         """sum_b w_b * (per-example gradient)_b, shape (out, in) or the parameter's, or None."""
         return None
 
+    def ghost_bytes(self) -> int:
+        """Bytes this contribution keeps alive in ghost form until the clip factors are known:
+        its factors (a one-hot factor as its ids), without building anything."""
+        return sum(t.numel() * t.element_size()
+                   for t in ((self.L.ids if isinstance(self.L, OneHot) else self.L), self.R))
+
 
 @dataclass
 class Dense:
@@ -244,7 +250,7 @@ def _dims(c: Outer) -> tuple[int, int, int, int]:
 
 
 def choose_form(contribs: list[Contribution],
-                policy: Literal["auto", "ghost", "instantiate"] = "auto") -> str:
+                policy: Literal["auto", "ghost", "instantiate", "memory"] = "auto") -> str:
     """'ghost' or 'instantiate' for one parameter's Outer contributions, by estimated flops.
 
     ghost:       sum_{u,v} B*Tu*Tv*(out+in)  (+ memory B*Tu*Tv)
@@ -253,6 +259,8 @@ def choose_form(contribs: list[Contribution],
     Factored contribution that supports the ghost form decides by its own ``cost``; Factored
     contributions paired with others are instantiated in either form.
     """
+    if policy == "memory":
+        return choose_form_memory(contribs, 1)
     outers = [c for c in contribs if isinstance(c, Outer)]
     if not outers:
         if len(contribs) == 1 and isinstance(contribs[0], Factored) and contribs[0].supports_ghost:
@@ -283,7 +291,7 @@ INSTANTIATED_ELEMENT_COST = 24
 
 
 def choose_form_states(contribs: list[Contribution], n_states: int,
-                       policy: Literal["auto", "ghost", "instantiate"] = "auto") -> str:
+                       policy: Literal["auto", "ghost", "instantiate", "memory"] = "auto") -> str:
     """'ghost' or 'instantiate' for one parameter evaluated at ``n_states`` model states of a
     query plan, ``contribs`` being its contributions at ONE state (the others are alike).
 
@@ -299,6 +307,8 @@ def choose_form_states(contribs: list[Contribution], n_states: int,
 
     where a one-hot contribution's products cost Tu*in instead of Tu*out*in.
     """
+    if policy == "memory":
+        return choose_form_memory(contribs, n_states)
     if n_states <= 1:
         return choose_form(contribs, policy)
     allc = list(contribs) * n_states
@@ -319,6 +329,30 @@ def choose_form_states(contribs: list[Contribution], n_states: int,
             ll = 1 if hot_u or isinstance(v.L, OneHot) else out
             ghost += tu * _dims(v)[1] * (ll + inn)
     inst += INSTANTIATED_ELEMENT_COST * out * inn
+    return "ghost" if ghost < inst else "instantiate"
+
+
+def choose_form_memory(contribs: list[Contribution], n_states: int) -> str:
+    """``performance.ghost=memory``: the form that holds fewer bytes for one parameter evaluated
+    at ``n_states`` states, ``contribs`` being its contributions at ONE state:
+
+    ghost:       n_states x the contributions' factors (``Outer.ghost_bytes``), kept until the
+                 clip factors are known, + the two (B, T, T) Gram matrices of one pair
+    instantiate: the per-example buffer, B x out x in (one for all states)
+
+    Dense contributions are rows of the buffer in either form and do not enter the choice; a
+    lone Factored one decides as under ``auto`` (paired, it is instantiated in either form)."""
+    outers = [c for c in contribs if isinstance(c, Outer)]
+    if not outers:
+        return choose_form(list(contribs) * n_states, "auto")
+    B, _, out, inn = _dims(outers[0])
+    if B * out * inn > MAX_INSTANTIATE_NUMEL:
+        return "ghost"
+    ref = outers[0].L if isinstance(outers[0].L, Tensor) else outers[0].R
+    size = ref.element_size()
+    T = max(_dims(c)[1] for c in outers)
+    ghost = n_states * sum(c.ghost_bytes() for c in outers) + 2 * B * T * T * size
+    inst = B * out * inn * size
     return "ghost" if ghost < inst else "instantiate"
 
 

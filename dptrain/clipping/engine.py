@@ -130,7 +130,8 @@ class ClippingEngine:
         model: any module whose trainable parameters all belong to layers with a rule (or to
             parameter-owning leaf modules, handled by the torch.func fallback).
         clip_norm: C; ``None`` only for computing norms.
-        ghost: per-layer norm form, a performance setting (same result either way).
+        ghost: per-layer norm form, a performance setting (same result either way): by
+            estimated time ("auto"), by bytes held ("memory"), or one form for every layer.
         mode: "bookkeeping" (one backward) or "two_pass" (second backward with weights).
         kernels: "torch", or "triton" for the fused ghost-product kernel
             (dptrain/kernels/ghost.py; CUDA, or CPU under TRITON_INTERPRET=1), a performance
@@ -138,7 +139,7 @@ class ClippingEngine:
     """
 
     def __init__(self, model: nn.Module, *, clip_norm: float | None = None,
-                 ghost: Literal["auto", "ghost", "instantiate"] = "auto",
+                 ghost: Literal["auto", "ghost", "instantiate", "memory"] = "auto",
                  mode: Literal["bookkeeping", "two_pass"] = "bookkeeping",
                  kernels: Kernels = "torch"):
         self.model = model

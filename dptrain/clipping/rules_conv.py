@@ -185,6 +185,13 @@ class ConvOuter(Outer):
         B, T, O = self.L.shape
         return B, T, O, math.prod(self.weight_shape[1:])
 
+    def ghost_bytes(self):
+        # the output gradient and input, and the unfolded input: built for the ghost products
+        # and kept until the clipped sum (fast_weighted_sum releases it)
+        B, T, _, n = self.dims()
+        return (self.G.numel() * self.G.element_size() + self.x.numel() * self.x.element_size()
+                + B * T * n * self.x.element_size())
+
     def fast_instantiate(self):
         # the unfolded input is not kept (only the instantiated gradient is needed afterwards)
         R = self._R if self._R is not None else unfold_input(self.x, self.geom)
