@@ -25,7 +25,7 @@
 #      Opacus (issue 2); its per-variant memory subprocesses are skipped to fit the budget.
 #   5. bench/inner_momentum.py --device cuda --quick at GPT-2 small's shape (12 x 768, 12 heads,
 #      vocabulary 50,257), T = 128, B = 16 (130): DP-Muon-IM at K = 0, 1, 2, 4 (also 1, 2, 4
-#      with every norm in ghost form, and 4 in two microbatches of 8) vs the non-private step
+#      with performance.ghost=memory, and 4 in two microbatches of 8) vs the non-private step
 #      and the naive (Opacus, torch.func) IMs, peak memory of each variant measured in the same
 #      process (the CUDA allocator's peak resets) (issue 4).
 #   5b. the same at B = 64 for K = 0, 1, 4 and the Opacus naive IM (100): whether the marginal
@@ -69,7 +69,7 @@ else
   CHECK_ARGS=(--device cuda --steps 5 --rounds 3)
   BENCH_ARGS=(--device cuda --quick --no-memory)
   GPT2_SMALL=(--layers 12 --width 768 --heads 12 --vocab 50257 --seq-len 128 --batch-size 16)
-  IM_ARGS=(--device cuda --quick "${GPT2_SMALL[@]}" --ghost-ks 1,2,4 --split 2)
+  IM_ARGS=(--device cuda --quick "${GPT2_SMALL[@]}" --memory-ks 1,2,4 --split 2)
   IM_B64_ARGS=(--device cuda --quick "${GPT2_SMALL[@]}" --batch-size 64 --ks 0,1,4
                --naive opacus)
 fi
