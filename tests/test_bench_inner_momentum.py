@@ -71,8 +71,8 @@ def test_peak_child_measures_history_and_step(bench):
 def test_inprocess_memory_gives_every_variant_its_own_peak(bench):
     """The path bench/gpu_check.sh takes on CUDA, here on CPU (live tensor storages; the
     resident set of a process that already ran a variant mostly reuses freed memory and once
-    came out 12 KiB below its baseline): every variant is measured alone, none fails, and K = 1
-    holds at least K = 0's peak plus its past state and per-example buffers."""
+    came out 12 KiB below its baseline): every variant is measured alone, none fails, and what
+    K = 1 adds to K = 0's peak is about the floor estimate of the engine's forms."""
     cfg = bench.tiny_config()
     cfg.gpt2.batch_size, cfg.gpt2.width, cfg.gpt2.vocab_size = 8, 64, 4096
     cfg.ks, cfg.naive, cfg.split, cfg.memory_steps = [0, 1], [], 1, 1
