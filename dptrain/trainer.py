@@ -261,6 +261,8 @@ class Trainer:
         #: set (to a signal number) to stop :meth:`run` at the next step boundary, checkpointed;
         #: ``dptrain train`` sets it on SIGTERM (preemption)
         self.stop_signal: int | None = None
+        #: inner momentum's memory, reported once its history is full (shapes only)
+        self.query_memory: dict | None = None
 
     # ---------------------------------------------------------------------------------- mechanism
 
@@ -359,6 +361,7 @@ class Trainer:
         plan = self.optimizer.query_plan()
         acc: dict[str, Tensor] = {}  # Sensitive: unnoised clipped sum; discarded after release.
         loss_sum, count = 0.0, 0
+        sizes = (1, 0, 0)  # the largest microbatch query: (states, bytes held, smallest form's)
         chunks = self.microbatches(indices)
         # Under FSDP every rank must run as many forwards as the busiest one (collectives in
         # forward/backward). Every rank knows S_t, so the count needs no communication; the
@@ -377,7 +380,9 @@ class Trainer:
                                                    self.with_views(plan, step, chunk), active)
                 loss_sum += stats.loss_sum
                 count += stats.num_examples
+                sizes = max(sizes, (stats.states, stats.query_bytes, stats.least_query_bytes))
         del indices, chunks
+        self._report_query_memory(sizes)
         if self.audit is not None:  # canaries added on one rank: the sums are reduced below
             self.audit.insert(acc, step, dtype=self.engine._acc_dtype(), device=self.device,
                               add=self.rank == 0)
@@ -411,6 +416,42 @@ class Trainer:
         loss_sum, count = all_reduce_scalars(loss_sum, count, device=self.device)
         # Not covered by the guarantee: the training loss is computed without noise.
         return out, {"train_loss": loss_sum / max(count, 1)}
+
+    def _report_query_memory(self, sizes: tuple[int, int, int]) -> None:
+        """Once inner momentum's history is full: how much memory its query takes, in
+        ``self.query_memory`` (summary.json) and one line on stderr (rank 0). Sizes only, but
+        those of this step's microbatches, whose number of examples and padded length come from
+        the sample: outside the guarantee, like the training loss, so a secure-mode run neither
+        writes nor shows them."""
+        hist = self.optimizer.history
+        if (self.query_memory is not None or hist is None or sizes[0] < 2
+                or len(hist.states) < hist.depth or self.cfg.privacy.secure_mode):
+            return
+        mib = 2 ** 20
+
+        def local(v: Tensor) -> Tensor:  # an FSDP2 shard's own storage, not the global size
+            return v.to_local() if hasattr(v, "to_local") else v
+
+        history = sum(local(v).numel() * v.element_size()
+                      for st in hist.states for v in st.values())
+        self.query_memory = {
+            "evaluations": sizes[0], "microbatch_size": self.cfg.performance.microbatch_size,
+            "query_mib": sizes[1] / mib, "least_query_mib": sizes[2] / mib,
+            "history_mib": history / mib, "ghost": self.cfg.performance.ghost}
+        if self.rank == 0:
+            from tqdm import tqdm
+
+            q = self.query_memory
+            tqdm.write(
+                f"dptrain: inner momentum makes {q['evaluations']} evaluations (model states x "
+                f"augmentation views) per microbatch of up to {q['microbatch_size']}; until the "
+                f"clip factors are known its query holds "
+                f"{q['query_mib']:.0f} MiB (performance.ghost={q['ghost']}; the smaller form of "
+                f"every parameter, performance.ghost=memory: {q['least_query_mib']:.0f} MiB), "
+                f"and the history {q['history_mib']:.0f} MiB"
+                + (" on this rank" if self.world > 1 else "")
+                + "; activations not counted (sizes of this step's microbatches, outside the "
+                "guarantee)", file=sys.stderr)
 
     @staticmethod
     def _noise_dtype(p: Tensor) -> torch.dtype:
@@ -564,6 +605,7 @@ class Trainer:
             "guarantee": guarantee(self.cfg.privacy),
             "git_commit": git_commit(),
             "train_seconds": time.time() - start,
+            "inner_momentum_memory": self.query_memory,
             "config": to_dict(self.cfg),
         }
         ema = self.optimizer.ema

@@ -105,3 +105,38 @@ def test_at_two_states_it_keeps_factors_where_auto_instantiates_and_sums_the_sam
     for n in sums["auto"]:
         torch.testing.assert_close(sums["memory"][n], sums["auto"][n], rtol=1e-10, atol=1e-13)
     assert peaks["memory"] < peaks["auto"], peaks
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_query_reports_what_its_forms_hold():
+    """StepStats' sizes (the trainer's memory report): the smallest-form total does not depend
+    on the policy and equals the per-parameter minimum of B x size and the states' factors
+    (``Outer.ghost_bytes``); ``memory`` holds exactly that, ``auto`` more here."""
+    from dptrain.clipping.engine import _state_bytes
+
+    model, batch, loss = _gpt2(128, 28)
+    past = {n: p.detach() + 0.05 * torch.randn_like(p) for n, p in model.named_parameters()}
+    plan = [(0.6, None), (0.4, past, 7)]
+    engine = ClippingEngine(model, clip_norm=0.5)
+    per_state: dict = {}
+
+    class Recorder:
+        def add(self, per_param):
+            for name, contribs in per_param.items():
+                per_state.setdefault(name, _state_bytes(contribs)[0])
+            per_param.clear()
+
+    engine._forward_backward(loss, batch, plan[:1], False, Recorder())
+    B = batch["input_ids"].shape[0]
+    least = sum(min(B * p.numel() * 8, 2 * per_state[n])
+                for n, p in engine.params.items())
+    stats = {}
+    for policy in ("auto", "memory"):
+        stats[policy] = ClippingEngine(model, clip_norm=0.5, ghost=policy).accumulate(
+            loss, batch, {}, plan)
+        assert stats[policy].states == 2
+        assert stats[policy].least_query_bytes == least
+    assert stats["memory"].query_bytes == least
+    assert stats["auto"].query_bytes > least
+    one = ClippingEngine(model, clip_norm=0.5).accumulate(loss, batch, {})
+    assert one.states == 1

@@ -231,3 +231,31 @@ def test_a_resume_with_another_k_keeps_the_newest_states():
     other = InnerMomentumHistory(InnerMomentumConfig(k_muon=2), [("v", w)], {"v"}, seed=0)
     with pytest.raises(ValueError, match="other parameters"):
         other.load_state_dict(state)
+
+
+def test_run_reports_the_query_memory_once_the_history_is_full(tmp_path, capsys):
+    im = ["optim.inner_momentum.k_muon=2", "optim.inner_momentum.k_other=1"]
+    t = trainer(*im)
+    t.private_step()
+    t.private_step()  # the history holds 1 of 2 states: not yet
+    assert t.query_memory is None
+    t.private_step()
+    q = t.query_memory
+    assert q is not None and q["evaluations"] == 3
+    assert q["least_query_mib"] <= q["query_mib"]
+    params = sum(p.numel() * p.element_size() for p in t.engine.params.values())
+    assert abs(q["history_mib"] - 2 * params / 2**20) < 1e-9
+    err = capsys.readouterr().err
+    assert err.count("inner momentum makes 3 evaluations") == 1
+    t.private_step()
+    assert capsys.readouterr().err.count("inner momentum makes") == 0
+    plain = trainer()
+    plain.private_step()
+    plain.private_step()
+    assert plain.query_memory is None
+    # the microbatches' sizes come from the sample: a run meant for release does not report
+    secure = trainer(*im, "privacy.secure_mode=true", "privacy.seed=null")
+    for _ in range(3):
+        secure.private_step()
+    assert secure.query_memory is None
+    assert "inner momentum makes" not in capsys.readouterr().err

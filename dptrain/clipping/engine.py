@@ -102,10 +102,17 @@ class _Record:
 @dataclass
 class StepStats:
     """Aggregates of one microbatch. ``loss_sum`` is computed from private data without noise:
-    it is for progress display only and not covered by the privacy guarantee."""
+    it is for progress display only and not covered by the privacy guarantee. The query's sizes
+    (public: shapes only) are for the memory report: ``states`` evaluated, ``query_bytes`` held
+    until the clip factors were known by the chosen norm forms (per-example buffers and captured
+    layer factors; activations and the history not counted), and ``least_query_bytes``, the
+    same with every parameter in its smaller form (``performance.ghost=memory``)."""
 
     num_examples: int = 0
     loss_sum: float = 0.0
+    states: int = 1
+    query_bytes: int = 0
+    least_query_bytes: int = 0
 
 
 @dataclass
@@ -457,6 +464,7 @@ class ClippingEngine:
         two_pass = self.mode == "two_pass"
         query = self._query(plan)
         graphs, loss_total = self._forward_backward(loss_fn, batch, plan, two_pass, query)
+        sizes = query.held_bytes(B, {n: p.numel() for n, p in self.params.items()})
         # the engine's own arithmetic in float32/64, whatever the caller's autocast
         with self._exact():
             norms, used = self._norms(query, B, device, dtype)
@@ -495,7 +503,9 @@ class ClippingEngine:
             keep = active.to(loss_total.device) if active is not None else None
             n = int(keep.sum()) if keep is not None else B
             loss_sum = float(loss_total[keep].sum() if keep is not None else loss_total.sum())
-            return StepStats(num_examples=n, loss_sum=loss_sum)
+            held, least = sizes
+            return StepStats(num_examples=n, loss_sum=loss_sum, states=len(plan),
+                             query_bytes=held, least_query_bytes=least)
 
     @staticmethod
     def _add(acc: dict[str, Tensor], name: str, value: Tensor) -> None:
@@ -531,6 +541,8 @@ class _Query:
         self.forms: dict[str, str] = {}
         self.lists: dict[str, list[Contribution]] = {}
         self.dense: dict[str, Tensor] = {}
+        # name -> (states using it, ghost-form bytes of one state or None, element size)
+        self.sizes: dict[str, tuple[int, int | None, int]] = {}
 
     def _states_using(self, name: str) -> int:
         n = 0
@@ -543,8 +555,10 @@ class _Query:
         for name, contribs in per_param.items():
             form = self.forms.get(name)
             if form is None:
-                form = choose_form_states(contribs, self._states_using(name), self.policy)
+                n = self._states_using(name)
+                form = choose_form_states(contribs, n, self.policy)
                 self.forms[name] = form
+                self.sizes[name] = (n, *_state_bytes(contribs))
                 if form == "instantiate":
                     self.dense[name] = None  # type: ignore[assignment]
                 else:
@@ -562,6 +576,36 @@ class _Query:
             else:
                 self.lists[name].extend(contribs)
         per_param.clear()
+
+    def held_bytes(self, B: int, numel: dict[str, int]) -> tuple[int, int]:
+        """(bytes the chosen forms hold until the clip factors are known, the same with every
+        parameter in its smaller form): a parameter's instantiated buffer is B x its size; in
+        ghost form it keeps every state's factors. Shapes only: nothing about the data."""
+        held = least = 0
+        for name, form in self.forms.items():
+            n, ghost_one, size = self.sizes[name]
+            inst = B * numel[name] * size
+            ghost = None if ghost_one is None else n * ghost_one
+            held += inst if form == "instantiate" or ghost is None else ghost
+            least += inst if ghost is None else min(inst, ghost)
+        return held, least
+
+
+def _state_bytes(contribs: list[Contribution]) -> tuple[int | None, int]:
+    """(bytes one state's contributions keep in ghost form, or None when a layer-specific form
+    is among them; the element size of the per-example buffer)."""
+    ghost, size = 0, 4
+    for c in contribs:
+        if isinstance(c, Outer):
+            ghost += c.ghost_bytes()
+            ref = c.L if isinstance(c.L, Tensor) else c.R
+        elif isinstance(c, Dense):
+            ghost += c.g.numel() * c.g.element_size()
+            ref = c.g
+        else:
+            return None, size
+        size = ref.element_size()
+    return ghost, size
 
 
 def per_example_grad_norms(model: nn.Module, loss_fn: LossFn, batch: Any) -> Tensor:
