@@ -103,7 +103,9 @@ class _Record:
 class StepStats:
     """Aggregates of one microbatch. ``loss_sum`` is computed from private data without noise:
     it is for progress display only and not covered by the privacy guarantee. The query's sizes
-    (public: shapes only) are for the memory report: ``states`` evaluated, ``query_bytes`` held
+    are for the memory report (byte counts from shapes; the microbatch's size and padded length
+    come from the sample, so they too are outside the guarantee): ``states`` evaluated,
+    ``query_bytes`` held
     until the clip factors were known by the chosen norm forms (per-example buffers and captured
     layer factors; activations and the history not counted), and ``least_query_bytes``, the
     same with every parameter in its smaller form (``performance.ghost=memory``)."""
@@ -580,7 +582,7 @@ class _Query:
     def held_bytes(self, B: int, numel: dict[str, int]) -> tuple[int, int]:
         """(bytes the chosen forms hold until the clip factors are known, the same with every
         parameter in its smaller form): a parameter's instantiated buffer is B x its size; in
-        ghost form it keeps every state's factors. Shapes only: nothing about the data."""
+        ghost form it keeps every state's factors. From shapes only, no values."""
         held = least = 0
         for name, form in self.forms.items():
             n, ghost_one, size = self.sizes[name]
