@@ -105,10 +105,10 @@ class StepStats:
     it is for progress display only and not covered by the privacy guarantee. The query's sizes
     are for the memory report (byte counts from shapes; the microbatch's size and padded length
     come from the sample, so they too are outside the guarantee): ``states`` evaluated,
-    ``query_bytes`` held
-    until the clip factors were known by the chosen norm forms (per-example buffers and captured
-    layer factors; activations and the history not counted), and ``least_query_bytes``, the
-    same with every parameter in its smaller form (``performance.ghost=memory``)."""
+    ``query_bytes`` held until the clip factors were known by the chosen norm forms
+    (per-example buffers and captured layer factors; activations and the history not counted),
+    and ``least_query_bytes``, the same with every parameter in its smaller form
+    (``performance.ghost=memory``)."""
 
     num_examples: int = 0
     loss_sum: float = 0.0
