@@ -507,34 +507,22 @@ def held_bytes(cfg: BenchConfig) -> dict[str, dict[str, int]]:
 
     Measured from one forward and backward of the engine at the current state (K = 0's plan)."""
     from dptrain.clipping import ClippingEngine
-    from dptrain.clipping.contributions import Dense, Outer
+    from dptrain.clipping.contributions import state_bytes
 
     model = build_gpt2(cfg.gpt2, cfg.seed, cfg.device)
     batch = gpt2_batch(cfg.gpt2, cfg.seed, cfg.device)
     engine = ClippingEngine(model)
     B = cfg.gpt2.batch_size
-    acc = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
-    acc_bytes = torch.tensor([], dtype=acc).element_size()
-
-    def nbytes(t) -> int:
-        return t.numel() * t.element_size()
-
     out: dict[str, dict[str, int]] = {}
 
     class Recorder:  # stands in for the engine's _Query: sizes the contributions, keeps none
         def add(self, per_param):
             for name, contribs in per_param.items():
-                cap = 0
-                for c in contribs:
-                    if isinstance(c, Outer):
-                        cap += c.ghost_bytes()
-                    elif isinstance(c, Dense):
-                        cap += nbytes(c.g)
-                    else:  # a layer-specific form: instantiated whenever states are paired
-                        cap += B * engine.params[name].numel() * acc_bytes
-                row = out.setdefault(name, {"captured": 0, "instantiated":
-                                            B * engine.params[name].numel() * acc_bytes})
-                row["captured"] += cap
+                ghost, size = state_bytes(contribs)
+                inst = B * engine.params[name].numel() * size
+                row = out.setdefault(name, {"captured": 0, "instantiated": inst})
+                # a layer-specific form is instantiated whenever states are paired
+                row["captured"] += inst if ghost is None else ghost
             per_param.clear()
 
     with warnings.catch_warnings():

@@ -261,7 +261,7 @@ class Trainer:
         #: set (to a signal number) to stop :meth:`run` at the next step boundary, checkpointed;
         #: ``dptrain train`` sets it on SIGTERM (preemption)
         self.stop_signal: int | None = None
-        #: inner momentum's memory, reported once its history is full (shapes only)
+        #: inner momentum's memory, reported once its history is full (not in secure mode)
         self.query_memory: dict | None = None
 
     # ---------------------------------------------------------------------------------- mechanism

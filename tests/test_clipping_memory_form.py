@@ -15,6 +15,7 @@ from dptrain.clipping.contributions import (
     Outer,
     choose_form_memory,
     choose_form_states,
+    state_bytes,
 )
 
 
@@ -77,11 +78,9 @@ def test_at_two_states_it_keeps_factors_where_auto_instantiates_and_sums_the_sam
     matrices (T is long for ghost products), while two states' factors (2 x 28 x (in + out)
     per example) are smaller than their buffers (in x out): ``memory`` keeps the factors, holds
     less, and gives the same norms and clipped sums."""
-    import sys
-    from pathlib import Path
+    from _bench import load_bench
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from common import LiveTensorPeak
+    LiveTensorPeak = load_bench("common").LiveTensorPeak
 
     model, batch, loss = _gpt2(128, 28)
     past = {n: p.detach() + 0.05 * torch.randn_like(p) for n, p in model.named_parameters()}
@@ -112,8 +111,6 @@ def test_the_query_reports_what_its_forms_hold():
     """StepStats' sizes (the trainer's memory report): the smallest-form total does not depend
     on the policy and equals the per-parameter minimum of B x size and the states' factors
     (``Outer.ghost_bytes``); ``memory`` holds exactly that, ``auto`` more here."""
-    from dptrain.clipping.engine import _state_bytes
-
     model, batch, loss = _gpt2(128, 28)
     past = {n: p.detach() + 0.05 * torch.randn_like(p) for n, p in model.named_parameters()}
     plan = [(0.6, None), (0.4, past, 7)]
@@ -123,7 +120,7 @@ def test_the_query_reports_what_its_forms_hold():
     class Recorder:
         def add(self, per_param):
             for name, contribs in per_param.items():
-                per_state.setdefault(name, _state_bytes(contribs)[0])
+                per_state.setdefault(name, state_bytes(contribs)[0])
             per_param.clear()
 
     engine._forward_backward(loss, batch, plan[:1], False, Recorder())

@@ -356,6 +356,23 @@ def choose_form_memory(contribs: list[Contribution], n_states: int) -> str:
     return "ghost" if ghost < inst else "instantiate"
 
 
+def state_bytes(contribs: list[Contribution]) -> tuple[int | None, int]:
+    """(bytes one state's contributions keep in ghost form, or None when a layer-specific form
+    is among them; the element size of the per-example buffer)."""
+    ghost, size = 0, 4
+    for c in contribs:
+        if isinstance(c, Outer):
+            ghost += c.ghost_bytes()
+            ref = c.L if isinstance(c.L, Tensor) else c.R
+        elif isinstance(c, Dense):
+            ghost += c.g.numel() * c.g.element_size()
+            ref = c.g
+        else:
+            return None, size
+        size = ref.element_size()
+    return ghost, size
+
+
 def squared_norms(contribs: list[Contribution], form: str,
                   kernels: Kernels = "torch") -> tuple[Tensor, list[Contribution]]:
     """Per-example squared norm of sum_u coef_u * c_u, and the contributions actually used

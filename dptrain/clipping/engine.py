@@ -44,6 +44,7 @@ from dptrain.clipping.contributions import (
     first_write_order,
     sq_rows,
     squared_norms,
+    state_bytes,
 )
 from dptrain.clipping.rules import FALLBACK, LayerRule, find_rule
 from dptrain.models.dropout import set_stream as set_dropout_stream
@@ -560,7 +561,7 @@ class _Query:
                 n = self._states_using(name)
                 form = choose_form_states(contribs, n, self.policy)
                 self.forms[name] = form
-                self.sizes[name] = (n, *_state_bytes(contribs))
+                self.sizes[name] = (n, *state_bytes(contribs))
                 if form == "instantiate":
                     self.dense[name] = None  # type: ignore[assignment]
                 else:
@@ -591,23 +592,6 @@ class _Query:
             held += inst if form == "instantiate" or ghost is None else ghost
             least += inst if ghost is None else min(inst, ghost)
         return held, least
-
-
-def _state_bytes(contribs: list[Contribution]) -> tuple[int | None, int]:
-    """(bytes one state's contributions keep in ghost form, or None when a layer-specific form
-    is among them; the element size of the per-example buffer)."""
-    ghost, size = 0, 4
-    for c in contribs:
-        if isinstance(c, Outer):
-            ghost += c.ghost_bytes()
-            ref = c.L if isinstance(c.L, Tensor) else c.R
-        elif isinstance(c, Dense):
-            ghost += c.g.numel() * c.g.element_size()
-            ref = c.g
-        else:
-            return None, size
-        size = ref.element_size()
-    return ghost, size
 
 
 def per_example_grad_norms(model: nn.Module, loss_fn: LossFn, batch: Any) -> Tensor:
