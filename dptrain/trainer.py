@@ -527,11 +527,12 @@ class Trainer:
             print(f"dptrain: {PUBLIC_SEED_WARNING}", file=sys.stderr)
         bar = tqdm(total=self.plan.steps, initial=self.step, disable=not (tc.progress and main),
                    desc="dptrain", unit="step", dynamic_ncols=True)
-        # Secure mode: metrics rows are written only once a checkpoint covers their step. A
-        # resume there draws the releases after the checkpoint again with fresh noise, which
-        # is free only if nothing derived from the lost ones was written (a crash drops the
-        # held rows with them).
-        held = self.cfg.privacy.secure_mode and bool(tc.checkpoint_every)
+        # Secure mode: metrics rows are written only once a checkpoint covers their step (with
+        # checkpoint_every 0: at the end, or with the checkpoint a stop writes). A resume there
+        # draws the releases after the checkpoint again with fresh noise, which is free only if
+        # nothing derived from the lost ones was written (a crash drops the held rows with
+        # them; a restart from no checkpoint draws every release again).
+        held = self.cfg.privacy.secure_mode
         pending: list[str] = []
 
         def flush() -> None:

@@ -64,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
         if resume_path is None and (out / "summary.json").exists():
             raise ConfigError("output-dir", f"{out} holds a finished run whose checkpoints "
                                             "are all damaged; choose another directory")
+    if cfg.privacy.secure_mode and args.resume == "auto":
+        # again on what the checksums chose: a damaged newest checkpoint sends the run back to
+        # an older one (or to none, step 0), whose later releases have outputs on disk
+        _check_secure_resume(resume_path, run_dir=out)
     if args.resume == "auto" and resume_path is None and trainer.rank == 0:
         print(f"dptrain train: no complete checkpoint in {out}; starting afresh",
               file=sys.stderr)
@@ -165,28 +169,35 @@ def _check_explicit_resume(out: Path, path: Path) -> None:
                                         "overwrite; resume into another --output-dir")
 
 
-def _check_secure_resume(path: Path) -> None:
+def _check_secure_resume(path: Path | None, run_dir: Path | None = None) -> None:
     """Secure mode resumes with fresh noise (the old seed was never written), so the releases
-    after the checkpoint are drawn again. That is free only if nothing derived from the lost
-    ones was written: a later checkpoint, a summary or logged metrics of the run the checkpoint
-    belongs to would count as releases that no ledger covers. (Metrics rows are written only
-    with checkpoints in secure mode, so a crash leaves none behind.)"""
+    after the checkpoint ``path`` (None: no checkpoint, step 0) are drawn again. That is free
+    only if nothing derived from the lost ones was written: a later checkpoint (damaged or
+    not: it was written), a summary or logged metrics of the run the checkpoint belongs to
+    (``run_dir``, by default the checkpoint's) would count as releases that no ledger covers.
+    (Metrics rows are written only with checkpoints in secure mode, so a crash leaves none
+    behind; rows found here come from a version before that rule.)"""
     from dptrain import checkpoint as ckpt
 
-    step = ckpt.step_of(path)
+    step = 0 if path is None else ckpt.step_of(path)
     if step is None:
         return
-    run_dir = Path(path).parent.parent
+    run_dir = Path(run_dir) if run_dir is not None else Path(path).parent.parent
     later = [s for s in ckpt.complete_steps(run_dir) if s > step]
     logged = [s for s in _metrics_steps(run_dir / "metrics.jsonl") if s > step]
     finished = (run_dir / "summary.json").exists()
     if later or logged or finished:
         what = (f"checkpoint step {later[-1]}" if later else
                 f"metrics of step {max(logged)}" if logged else "summary.json")
+        start = f"resuming from {path}" if path is not None else "starting afresh"
+        advice = ("Resume from the run's latest checkpoint (restore it if it was reported "
+                  "damaged)" if later else
+                  "This run cannot be continued in secure mode" if path is None else
+                  "Resume from the run's latest checkpoint")
         raise ConfigError("resume", f"secure mode: {run_dir} already holds outputs of releases "
-                                    f"after step {step} ({what}); resuming from {path} would "
-                                    "draw those releases again with fresh noise, uncounted by "
-                                    "the ledger. Resume from the run's latest checkpoint")
+                                    f"after step {step} ({what}); {start} would draw those "
+                                    "releases again with fresh noise, uncounted by the ledger. "
+                                    f"{advice}")
 
 
 def _drop_metrics_after(path: Path, step: int) -> None:
