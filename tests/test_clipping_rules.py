@@ -681,3 +681,161 @@ def test_a_non_finite_example_adds_nothing_to_a_multi_state_query(policy, mode):
     got = flat(acc, m, u)
     assert bool(torch.isfinite(got).all())
     assert_sum(got, (u * lam[:, None]).sum(0), torch.float64, float((lam * un).sum()))
+
+
+# ---------------------------------------------------------------------------------------------
+# what the engine must not take on trust from a model's classes and calls
+
+
+class _ScaledLinear(nn.Linear):
+    """A Linear subclass with its own forward and an extra parameter: not LinearRule's y."""
+
+    def __init__(self, i, o):
+        super().__init__(i, o)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias) * self.scale
+
+
+class _WSConv(nn.Conv2d):
+    """Weight standardisation written by overriding ``_conv_forward``, ``forward`` kept."""
+
+    def _conv_forward(self, x, weight, bias):
+        w = weight - weight.mean(dim=(1, 2, 3), keepdim=True)
+        return super()._conv_forward(x, w, bias)
+
+
+def test_subclasses_that_change_the_computation_go_to_the_fallback():
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Sequential(_ScaledLinear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    with pytest.warns(UserWarning, match="_ScaledLinear overrides the forward of Linear"):
+        ClippingEngine(lin)
+    x = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    check(lin, (x, torch.randn(5, 2, generator=gen, dtype=torch.float64)))
+    conv = nn.Sequential(_WSConv(2, 3, 3), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)).double()
+    x = torch.randn(4, 2, 6, 6, generator=gen, dtype=torch.float64)
+    check(conv, (x, torch.randn(4, 2, generator=gen, dtype=torch.float64)))
+
+
+def test_embedding_with_scale_grad_by_freq_is_refused():
+    # its row gradients are divided by counts over the whole batch: one example's gradient
+    # would depend on the others
+    model = nn.Sequential(nn.Embedding(6, 3, scale_grad_by_freq=True), nn.Flatten(),
+                          nn.Linear(6, 1))
+    ids = torch.tensor([[1, 1], [2, 3]])
+    loss = lambda m, b: m(b[0]).squeeze(1)  # noqa: E731
+    with pytest.raises(ValueError, match="scale_grad_by_freq"):
+        ClippingEngine(model).per_example_norms(loss, (ids,))
+
+
+class _Queries(nn.Module):
+    """Learned query tokens, one copy per example: computed from a parameter only."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x):
+        return self.q.expand(x.shape[0], -1, -1)
+
+
+class _CrossAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.queries, self.wq, self.out = _Queries(), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):  # x: (B, T, 4)
+        att = torch.softmax(self.wq(self.queries(x)) @ x.transpose(1, 2), -1)
+        return self.out(att @ x).mean(1)
+
+
+class _Spare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.spare, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        self.spare(x)  # computed, not used by the loss: its gradient is 0
+        return self.out(x).mean(1)
+
+
+def test_a_layer_whose_gradient_cannot_be_captured_is_refused_not_dropped():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 6, 4, generator=gen, dtype=torch.float64)
+    y = torch.randn(5, 2, generator=gen, dtype=torch.float64)
+    model = _CrossAttention().double()
+    with pytest.raises(ValueError, match="output gradient of a _Queries layer was not computed"):
+        ClippingEngine(model).per_example_norms(mse_loss, (x, y))
+    # a layer the loss does not use is no such case: its per-example gradient is 0
+    spare = _Spare().double()
+    ref = reference_grads(spare, mse_loss, (x, y))
+    assert float(ref[:, :20].abs().max()) == 0.0  # spare.weight and spare.bias come first
+    for policy in POLICIES:
+        got = ClippingEngine(spare, ghost=policy).per_example_norms(mse_loss, (x, y))
+        assert_norms(got, ref.norm(dim=1), torch.float64)
+
+
+def test_an_input_batch_that_requires_grad():
+    gen = torch.Generator().manual_seed(2)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    y = torch.randn(5, 2, generator=gen, dtype=torch.float64)
+    ref = reference_grads(model, mse_loss, (x, y)).norm(dim=1)
+    for policy in POLICIES:
+        got = ClippingEngine(model, ghost=policy).per_example_norms(
+            mse_loss, (x.clone().requires_grad_(True), y))
+        assert_norms(got, ref, torch.float64)
+
+
+class _Gated(nn.Module):
+    """No rule (torch.func fallback); called with a keyword argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x, mask=None, power=1):
+        y = torch.tanh(x * self.w) ** power
+        return y if mask is None else y * mask
+
+
+class _GatedNet(nn.Module):
+    def __init__(self, per_example: bool):
+        super().__init__()
+        self.lin, self.gate, self.per_example = nn.Linear(4, 4), _Gated(), per_example
+
+    def forward(self, x):
+        mask = (x > 0).to(x.dtype) if self.per_example else x.new_tensor([1.0, 0.0, 1.0, 0.5])
+        return self.gate(self.lin(x), mask=mask, power=3)
+
+
+@pytest.mark.parametrize("per_example", [False, True])
+def test_fallback_layer_called_with_keyword_arguments(per_example):
+    gen = torch.Generator().manual_seed(3)
+    with pytest.warns(UserWarning, match="_Gated"):
+        model = _GatedNet(per_example).double()
+        ClippingEngine(model)
+    x = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    check(model, (x, torch.randn(5, 4, generator=gen, dtype=torch.float64)))
+
+
+def test_timm_layernorms():
+    # timm's LayerNorm computes nn.LayerNorm's function (its rule); LayerNorm2d normalises the
+    # channels of NCHW input, which nn.LayerNorm's rule would get wrong (the fallback's)
+    from timm.layers.norm import LayerNorm, LayerNorm2d
+
+    from dptrain.clipping.rules import FALLBACK, LayerNormRule
+
+    gen = torch.Generator().manual_seed(4)
+    seq = nn.Sequential(nn.Linear(3, 5), LayerNorm(5), nn.Linear(5, 2)).double()
+    randomise(seq[1], gen)
+    assert isinstance(ClippingEngine(seq).hooked[1].rule, LayerNormRule)
+    check(seq, (torch.randn(4, 3, generator=gen, dtype=torch.float64),
+                torch.randn(4, 2, generator=gen, dtype=torch.float64)))
+    conv = nn.Sequential(nn.Conv2d(2, 3, 1), LayerNorm2d(3), nn.Flatten(), nn.Linear(12, 2)).double()
+    randomise(conv[1], gen)
+    with pytest.warns(UserWarning, match="LayerNorm2d overrides the forward of LayerNorm"):
+        assert ClippingEngine(conv).hooked[1].rule is FALLBACK
+    check(conv, (torch.randn(4, 2, 2, 2, generator=gen, dtype=torch.float64),
+                 torch.randn(4, 2, generator=gen, dtype=torch.float64)))

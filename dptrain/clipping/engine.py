@@ -46,7 +46,7 @@ from dptrain.clipping.contributions import (
     squared_norms,
     state_bytes,
 )
-from dptrain.clipping.rules import FALLBACK, LayerRule, find_rule
+from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
 from dptrain.models.dropout import set_stream as set_dropout_stream
 
 LossFn = Callable[[nn.Module, Any], Tensor]
@@ -98,6 +98,7 @@ class _Record:
     target_index: int | None = None
     output: Tensor | None = None
     version: int = 0
+    node: Any = None  # the output's autograd node (tensor-hook captures)
 
 
 @dataclass
@@ -131,6 +132,34 @@ def _swappable(p: Tensor, v: Tensor) -> bool:
     dtype, device and strides (sharded FSDP2 parameters are copied into instead)."""
     return (type(p) is nn.Parameter and type(v) is Tensor and v.shape == p.shape
             and v.dtype == p.dtype and v.device == p.device and v.stride() == p.stride())
+
+
+def _check_reached(records: list[_Record], losses: Tensor) -> None:
+    """A layer whose output gradient did not arrive must be one the loss does not use (its
+    per-example gradient is then 0). If the loss does use it, no backward target lay below it
+    (its input depends on parameters only, e.g. learned query tokens made from a parameter by a
+    layer without inputs): its gradient would be missing from the norms, so refuse."""
+    missing = [rec for rec in records if rec.G is None and rec.node is not None]
+    if not missing:
+        for rec in records:
+            rec.node = None
+        return
+    seen, todo = set(), [losses.grad_fn]
+    while todo:  # every node the loss reaches
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    for rec in records:
+        if rec.G is None and rec.node is not None and rec.node in seen:
+            raise ValueError(
+                f"dptrain.clipping: the output gradient of a {type(rec.module).__name__} layer "
+                f"was not computed: its output reaches the loss, but none of the inputs it "
+                f"depends on comes from the batch (it is computed from parameters only). Make "
+                f"the layer's input depend on the batch, or fold that computation into a layer "
+                f"that takes the batch as input")
+        rec.node = None
 
 
 class ClippingEngine:
@@ -178,8 +207,8 @@ class ClippingEngine:
                     continue
                 import warnings
 
-                warnings.warn(f"dptrain.clipping: no ghost rule for {type(m).__name__} "
-                              f"({mname}); using the torch.func fallback", stacklevel=2)
+                warnings.warn(f"dptrain.clipping: {_no_rule(m)} ({mname}); using the "
+                              f"torch.func fallback", stacklevel=2)
                 rule = FALLBACK
             self.hooked.append(_Hooked(mname, m, rule, direct))
             owned.update(id(p) for p in direct.values())
@@ -214,14 +243,18 @@ class ClippingEngine:
                 new = list(args)
                 changed = False
                 for i, a in enumerate(args):
-                    if isinstance(a, Tensor) and a.is_floating_point() and not a.requires_grad:
+                    # a float input that needs no grad, or a caller's own leaf that does (not
+                    # a parameter): a leaf of the engine's, so a backward target lies below
+                    if isinstance(a, Tensor) and a.is_floating_point() and (
+                            not a.requires_grad or (a.grad_fn is None
+                                                    and not isinstance(a, nn.Parameter))):
                         leaf = a.detach().requires_grad_(True)
                         targets.append(leaf)
                         new[i] = leaf
                         changed = True
                 return tuple(new) if changed else None
 
-            def post(module, args, output):
+            def post(module, args, output, kwargs=None):
                 if not torch.is_grad_enabled():
                     return None
                 if not isinstance(output, Tensor):
@@ -232,7 +265,9 @@ class ClippingEngine:
                         f"dptrain.clipping: {h.name} ({type(module).__name__}) produced a "
                         f"leading dimension {output.shape[0]} for a microbatch of {batch_size} "
                         f"examples: its per-example gradients cannot be separated")
-                rec = _Record(module, h.rule, h.rule.capture(module, args, output), coef)
+                saved = (h.rule.capture(module, args, output, kwargs) if h.rule.wants_kwargs
+                         else h.rule.capture(module, args, output))
+                rec = _Record(module, h.rule, saved, coef)
                 records.append(rec)
                 if not output.requires_grad:
                     return None
@@ -246,6 +281,7 @@ class ClippingEngine:
                         rec.G = g
 
                     output.register_hook(grab)
+                    rec.node = output.grad_fn  # to tell "unused" from "not reached" later
                 return None
 
             return pre, post
@@ -253,6 +289,17 @@ class ClippingEngine:
         try:
             for h in self.hooked:
                 pre, post = make_hooks(h)
+                if h.rule.wants_kwargs:  # the torch.func fallback re-runs the call: all of it
+                    def pre_kw(module, args, kwargs, pre=pre):
+                        new = pre(module, args)
+                        return None if new is None else (new, kwargs)
+
+                    def post_kw(module, args, kwargs, output, post=post):
+                        return post(module, args, output, kwargs)
+
+                    handles.append(h.module.register_forward_pre_hook(pre_kw, with_kwargs=True))
+                    handles.append(h.module.register_forward_hook(post_kw, with_kwargs=True))
+                    continue
                 handles.append(h.module.register_forward_pre_hook(pre))
                 handles.append(h.module.register_forward_hook(post))
             yield
@@ -342,6 +389,7 @@ class ClippingEngine:
                     rec.G = index.get(id(rec.output))
                     rec.output = None
             del index
+            _check_reached(records, losses)
             with self._exact():
                 query.add(self._contributions(records))
             del records

@@ -20,6 +20,7 @@ from __future__ import annotations
 import warnings
 from typing import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -32,6 +33,12 @@ class LayerRule:
     #: True when the layer's first argument is an integer tensor (its output becomes a
     #: gradient target of the engine's backward, see engine.py).
     integer_input = False
+    #: forward functions the rule understands, when it checks them itself (the convolution
+    #: rules, at capture); empty: :func:`find_rule` accepts only the registered class's own
+    #: ``forward``, so a subclass that overrides it goes to the torch.func fallback
+    forwards: tuple = ()
+    #: True: ``capture`` also takes the call's keyword arguments (``capture(..., kwargs)``)
+    wants_kwargs = False
 
     def capture(self, module: nn.Module, args: tuple, output: Tensor) -> dict:
         return {"x": args[0].detach()}
@@ -53,10 +60,23 @@ def register_rule(*module_types: type) -> Callable[[type], type]:
 
 
 def find_rule(module: nn.Module) -> LayerRule | None:
+    """The rule registered for the nearest class of ``module``'s MRO; None (the torch.func
+    fallback) when the module's class overrides that class's ``forward`` (a subclass that
+    scales its output, adds a parameter, ...), unless the rule checks forwards itself."""
     for klass in type(module).__mro__:
         rule = _RULES.get(klass)
         if rule is not None:
-            return rule
+            if rule.forwards or type(module).forward is klass.forward:
+                return rule
+            return None
+    return None
+
+
+def overridden_base(module: nn.Module) -> type | None:
+    """The class with a rule whose ``forward`` ``module``'s class overrides (for messages)."""
+    for klass in type(module).__mro__:
+        if klass in _RULES:
+            return None if find_rule(module) is not None else klass
     return None
 
 
@@ -121,6 +141,10 @@ class EmbeddingRule(LayerRule):
         if module.max_norm is not None:
             raise ValueError(f"nn.Embedding with max_norm is not supported (it renormalises "
                              f"weights in the forward): {module}")
+        if module.scale_grad_by_freq:
+            raise ValueError(f"nn.Embedding with scale_grad_by_freq is not supported (it "
+                             f"divides each row's gradient by its count in the whole batch, so "
+                             f"one example's gradient depends on the others): {module}")
         return {"weight": Outer(OneHot(ids, module.num_embeddings), G)}
 
 
@@ -145,6 +169,19 @@ class LayerNormRule(LayerRule):
         return out
 
 
+def _register_timm_layernorm() -> None:
+    """timm's LayerNorm overrides the forward (a fast-norm switch) but computes nn.LayerNorm's
+    function; its LayerNorm2d (channels of NCHW) does not, and stays with the fallback."""
+    try:
+        from timm.layers.norm import LayerNorm as TimmLayerNorm
+    except Exception:  # pragma: no cover - timm is a dependency
+        return
+    register_rule(TimmLayerNorm)(LayerNormRule)
+
+
+_register_timm_layernorm()
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.func fallback for any other layer with direct parameters
 
@@ -152,19 +189,36 @@ class LayerNormRule(LayerRule):
 class FuncFallbackRule(LayerRule):
     """Per-example gradients of an unsupported layer's own parameters with torch.func: one
     vmapped VJP of the layer's forward per example, from the captured input and output grad.
-    Instantiates that layer's per-example gradients only (never the whole model's)."""
+    Instantiates that layer's per-example gradients only (never the whole model's).
 
-    def capture(self, module, args, output):
+    Positional tensor arguments are per-example (row b is example b's). Keyword arguments are
+    captured too (the engine hooks such layers with ``with_kwargs``); when one of them is a
+    tensor, which may be per-example or shared, the rule makes no guess: it takes example b's
+    gradient as the VJP of the whole microbatch's forward with every output row but b's
+    cotangent zeroed (B VJPs of the microbatch, vmapped: exact whatever the arguments are,
+    and B times the work)."""
+
+    wants_kwargs = True
+
+    def capture(self, module, args, output, kwargs=None):
         # cloned: the engine may copy other model states into the parameters afterwards
         params = {n: p.detach().clone() for n, p in module.named_parameters(recurse=False)}
+        kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in (kwargs or {}).items()}
         return {"args": tuple(a.detach() if isinstance(a, Tensor) else a for a in args),
-                "params": params}
+                "kwargs": kwargs, "params": params}
 
     def contributions(self, module, saved, G):
         from torch.func import functional_call, vjp, vmap
 
         params = saved["params"]
         args = saved["args"]  # half captures arrive as float32 (the engine's _to_float)
+        kwargs = saved.get("kwargs") or {}
+        if any(isinstance(v, Tensor) for v in kwargs.values()):
+            _, pull = vjp(lambda p: functional_call(module, p, args, kwargs), params)
+            B = G.shape[0]
+            rows = torch.eye(B, dtype=G.dtype, device=G.device).view(B, B, *[1] * (G.dim() - 1))
+            grads = vmap(lambda row: pull(G * row)[0])(rows)
+            return {n: Dense(g) for n, g in grads.items()}
         batched = [isinstance(a, Tensor) for a in args]
 
         def one(g, *example_args):
@@ -174,7 +228,7 @@ class FuncFallbackRule(LayerRule):
                 full.append(next(it).unsqueeze(0) if is_b else a)
 
             def f(p):
-                return functional_call(module, p, tuple(full))
+                return functional_call(module, p, tuple(full), kwargs)
 
             _, pull = vjp(f, params)
             (grads,) = pull(g.unsqueeze(0))
@@ -192,7 +246,13 @@ def rule_or_fallback(module: nn.Module, name: str) -> LayerRule:
     rule = find_rule(module)
     if rule is not None:
         return rule
-    warnings.warn(f"dptrain.clipping: no ghost rule for {type(module).__name__} ({name}); "
-                  f"using the torch.func fallback (instantiates this layer's per-example "
-                  f"gradients)", stacklevel=3)
+    warnings.warn(f"dptrain.clipping: {_no_rule(module)} ({name}); using the torch.func "
+                  f"fallback (instantiates this layer's per-example gradients)", stacklevel=3)
     return FALLBACK
+
+
+def _no_rule(module: nn.Module) -> str:
+    base = overridden_base(module)
+    if base is not None:
+        return f"{type(module).__name__} overrides the forward of {base.__name__}"
+    return f"no ghost rule for {type(module).__name__}"

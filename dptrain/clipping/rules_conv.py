@@ -456,7 +456,12 @@ class _ConvLikeRule(LayerRule):
     forwards: tuple = ()
 
     def _known(self, module: nn.Module) -> bool:
-        return type(module).forward in self.forwards
+        # a subclass may keep the forward and override the _conv_forward it calls (a common
+        # way to write weight standardisation): then the weight used is not the parameter
+        conv = getattr(type(module), "_conv_forward", None)
+        return type(module).forward in self.forwards and (
+            conv is None or any(conv is getattr(k, "_conv_forward", None)
+                                for k in (nn.Conv1d, nn.Conv2d, nn.Conv3d)))
 
     def capture(self, module, args, output):
         if not self._known(module):
