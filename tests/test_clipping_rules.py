@@ -839,3 +839,41 @@ def test_timm_layernorms():
         assert ClippingEngine(conv).hooked[1].rule is FALLBACK
     check(conv, (torch.randn(4, 2, 2, 2, generator=gen, dtype=torch.float64),
                  torch.randn(4, 2, generator=gen, dtype=torch.float64)))
+
+
+class _FunctionalTiedHead(nn.Module):
+    """A tied head written as ``F.linear(h, self.emb.weight)`` in the parent's forward."""
+
+    def __init__(self, functional: bool):
+        super().__init__()
+        self.emb, self.ln, self.functional = nn.Embedding(6, 4), nn.LayerNorm(4), functional
+        self.head = None if functional else nn.Linear(4, 6, bias=False)
+        if self.head is not None:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.ln(self.emb(ids))
+        # reading a parameter's attributes, or using it without grad, is no use
+        assert self.emb.weight.dtype == h.dtype and self.emb.weight.shape[1] == h.shape[-1]
+        assert self.emb.weight.is_floating_point() and self.emb.weight.detach().sum() != 0
+        with torch.no_grad():
+            self.emb.weight.norm()
+        return F.linear(h, self.emb.weight) if self.functional else self.head(h)
+
+
+def test_a_parameter_used_outside_its_module_is_refused():
+    def lm(model, batch):
+        (ids,) = batch
+        logits = model(ids)
+        return F.cross_entropy(logits.flatten(0, 1), ids.flatten(),
+                               reduction="none").view(ids.shape).sum(1)
+
+    ids = torch.randint(0, 6, (4, 3), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match="emb.weight is used outside the forward"):
+        ClippingEngine(_FunctionalTiedHead(True).double()).per_example_norms(lm, (ids,))
+    model = _FunctionalTiedHead(False).double()  # the same model through a tied nn.Linear
+    ref = reference_grads(model, lm, (ids,)).norm(dim=1)
+    for policy in POLICIES:
+        engine = ClippingEngine(model, ghost=policy)
+        for _ in range(2):  # the first forward is checked, the second not: same norms
+            assert_norms(engine.per_example_norms(lm, (ids,)), ref, torch.float64)

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal
 
 import torch
+import torch.utils._pytree
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from dptrain.clipping.contributions import (
     Contribution,
@@ -134,6 +136,62 @@ def _swappable(p: Tensor, v: Tensor) -> bool:
             and v.dtype == p.dtype and v.device == p.device and v.stride() == p.stride())
 
 
+class _ParamUseCheck(TorchFunctionMode):
+    """The engine sees a parameter's uses through the hooks of the modules that own it: a use
+    elsewhere (``F.linear(h, self.emb.weight)`` in a parent's forward) would be missing from
+    the norms and the clipped sum. Run over one forward (the engine's first), this mode refuses
+    any torch call that takes a trainable parameter and gives a result autograd tracks, outside
+    the forward of every hooked module owning it. Attribute reads and queries (``.dtype``,
+    ``.data``, ``is_floating_point()``), ``detach()`` and calls under ``no_grad`` are not uses. Sharded (FSDP2) runs gather parameters into other tensors during the forward, which
+    this check does not see: it covers the unsharded model."""
+
+    def __init__(self, engine: "ClippingEngine"):
+        super().__init__()
+        self.owners: dict[int, tuple[list[int], str]] = {}
+        for h in engine.hooked:
+            for p in h.params.values():
+                ids, name = self.owners.get(id(p), ([], engine.names[id(p)]))
+                self.owners[id(p)] = (ids + [id(h.module)], name)
+        self.active: dict[int, int] = {}
+        self.hooked = [h.module for h in engine.hooked]
+        self.handles: list = []
+
+    def __enter__(self):
+        def enter(module, args):
+            self.active[id(module)] = self.active.get(id(module), 0) + 1
+
+        def leave(module, args, output):
+            self.active[id(module)] -= 1
+
+        for m in self.hooked:
+            self.handles.append(m.register_forward_pre_hook(enter, prepend=True))
+            self.handles.append(m.register_forward_hook(leave, always_call=True))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if torch.is_grad_enabled() and any(
+                isinstance(o, Tensor) and o.requires_grad
+                for o in torch.utils._pytree.tree_leaves(out)):
+            for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+                owner = self.owners.get(id(a)) if isinstance(a, Tensor) else None
+                if owner is not None and not any(self.active.get(m) for m in owner[0]):
+                    raise ValueError(
+                        f"dptrain.clipping: the trainable parameter {owner[1]} is used outside "
+                        f"the forward of the module that owns it (by "
+                        f"{getattr(func, '__name__', func)}): the hooks would not see that use, "
+                        f"and its gradient would be missing from the per-example norms. Use it "
+                        f"through a module (a tied head: an nn.Linear whose weight is the "
+                        f"embedding's)")
+        return out
+
+
 def _check_reached(records: list[_Record], losses: Tensor) -> None:
     """A layer whose output gradient did not arrive must be one the loss does not use (its
     per-example gradient is then 0). If the loss does use it, no backward target lay below it
@@ -220,6 +278,8 @@ class ClippingEngine:
         # Sensitive: per-example gradients of the last multi-state query stay here until
         # overwritten by the next one (or release_workspace()).
         self._workspace: dict[str, Tensor] = {}
+        #: the first forward runs under _ParamUseCheck (the model's structure, checked once)
+        self._uses_checked = False
 
     # -----------------------------------------------------------------------------------------
     # capture
@@ -365,7 +425,11 @@ class ClippingEngine:
             set_dropout_stream(j)  # per-example dropout masks: entry j's own stream
             targets: list[Tensor] = []
             records: list[_Record] = []
-            with self._state(state, seed), self._capture(B, coef, records, targets):
+            check = contextlib.nullcontext()
+            if not self._uses_checked:
+                check = _ParamUseCheck(self)
+                self._uses_checked = True
+            with self._state(state, seed), self._capture(B, coef, records, targets), check:
                 losses = loss_fn(self.model, inputs)
                 if losses.shape != (B,):
                     raise ValueError(f"loss_fn must return per-example losses of shape ({B},), "
