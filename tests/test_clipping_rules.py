@@ -877,3 +877,32 @@ def test_a_parameter_used_outside_its_module_is_refused():
         engine = ClippingEngine(model, ghost=policy)
         for _ in range(2):  # the first forward is checked, the second not: same norms
             assert_norms(engine.per_example_norms(lm, (ids,)), ref, torch.float64)
+
+
+class _NanoPositions(nn.Module):
+    """nanoGPT's positions: ``wpe(torch.arange(T))``, (T, d), added to (B, T, d) tokens."""
+
+    def __init__(self, expand: bool):
+        super().__init__()
+        self.wte, self.wpe, self.head, self.expand = (nn.Embedding(7, 4), nn.Embedding(5, 4),
+                                                      nn.Linear(4, 7), expand)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1])
+        if self.expand:  # one row per example: what the engine needs
+            pos = pos.expand(ids.shape[0], -1)
+        return self.head(torch.tanh(self.wte(ids) + self.wpe(pos)))
+
+
+def test_a_shared_input_broadcast_over_the_examples_is_refused():
+    def lm(model, batch):
+        (ids,) = batch
+        return F.cross_entropy(model(ids).flatten(0, 1), ids.flatten(),
+                               reduction="none").view(ids.shape).sum(1)
+
+    ids = torch.randint(0, 7, (3, 3), generator=torch.Generator().manual_seed(6))  # T == B
+    with pytest.raises(ValueError, match=r"output of wpe \(shape \(3, 4\)\) is broadcast"):
+        ClippingEngine(_NanoPositions(False).double()).per_example_norms(lm, (ids,))
+    model = _NanoPositions(True).double()
+    ref = reference_grads(model, lm, (ids,)).norm(dim=1)
+    assert_norms(ClippingEngine(model).per_example_norms(lm, (ids,)), ref, torch.float64)

@@ -142,8 +142,15 @@ class _ParamUseCheck(TorchFunctionMode):
     the norms and the clipped sum. Run over one forward (the engine's first), this mode refuses
     any torch call that takes a trainable parameter and gives a result autograd tracks, outside
     the forward of every hooked module owning it. Attribute reads and queries (``.dtype``,
-    ``.data``, ``is_floating_point()``), ``detach()`` and calls under ``no_grad`` are not uses. Sharded (FSDP2) runs gather parameters into other tensors during the forward, which
-    this check does not see: it covers the unsharded model."""
+    ``.data``, ``is_floating_point()``), ``detach()`` and calls under ``no_grad`` are not uses.
+    Sharded (FSDP2) runs gather parameters into other tensors during the forward, which this
+    check does not see: it covers the unsharded model.
+
+    It also refuses a hooked layer's output (or a same-shaped result of it) that an op
+    broadcasts against a tensor of more dimensions: its rows are then not the microbatch's
+    examples, although its leading size may equal the microbatch's (nanoGPT's
+    ``wpe(torch.arange(T))`` added to (B, T, d) token embeddings when T happens to equal B),
+    and each example would be credited with the whole microbatch's gradient of one row."""
 
     def __init__(self, engine: "ClippingEngine"):
         super().__init__()
@@ -153,19 +160,25 @@ class _ParamUseCheck(TorchFunctionMode):
                 ids, name = self.owners.get(id(p), ([], engine.names[id(p)]))
                 self.owners[id(p)] = (ids + [id(h.module)], name)
         self.active: dict[int, int] = {}
-        self.hooked = [h.module for h in engine.hooked]
+        self.hooked = [(h.module, h.name) for h in engine.hooked]
         self.handles: list = []
+        #: id -> (tensor, layer name): hooked outputs and same-shaped results of them (the
+        #: tensors are kept, so that their ids are not reused during the forward)
+        self.rows: dict[int, tuple[Tensor, str]] = {}
 
     def __enter__(self):
         def enter(module, args):
             self.active[id(module)] = self.active.get(id(module), 0) + 1
 
-        def leave(module, args, output):
+        def leave(module, args, output, name):
             self.active[id(module)] -= 1
+            if isinstance(output, Tensor):
+                self.rows[id(output)] = (output, name)
 
-        for m in self.hooked:
+        for m, name in self.hooked:
             self.handles.append(m.register_forward_pre_hook(enter, prepend=True))
-            self.handles.append(m.register_forward_hook(leave, always_call=True))
+            self.handles.append(m.register_forward_hook(
+                lambda mod, a, o, name=name: leave(mod, a, o, name), always_call=True))
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -176,6 +189,7 @@ class _ParamUseCheck(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self._check_rows(func, args, kwargs, out)
         if torch.is_grad_enabled() and any(
                 isinstance(o, Tensor) and o.requires_grad
                 for o in torch.utils._pytree.tree_leaves(out)):
@@ -190,6 +204,24 @@ class _ParamUseCheck(TorchFunctionMode):
                         f"through a module (a tied head: an nn.Linear whose weight is the "
                         f"embedding's)")
         return out
+
+    def _check_rows(self, func, args, kwargs, out) -> None:
+        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                   if isinstance(a, Tensor)]
+        marked = [self.rows[id(a)] for a in tensors if id(a) in self.rows]
+        if not marked or getattr(func, "__name__", "") == "__get__":
+            return
+        top = max(t.dim() for t in tensors)
+        for t, name in marked:
+            if 0 < t.dim() < top:
+                raise ValueError(
+                    f"dptrain.clipping: the output of {name} (shape {tuple(t.shape)}) is "
+                    f"broadcast against a tensor of {top} dimensions (by "
+                    f"{getattr(func, '__name__', func)}): its rows are not the microbatch's "
+                    f"examples (a shared input, such as positions from torch.arange(T)). Give "
+                    f"the layer one row per example: expand its input to the microbatch")
+        if isinstance(out, Tensor) and any(out.shape == t.shape for t, _ in marked):
+            self.rows[id(out)] = (out, marked[0][1])
 
 
 def _check_reached(records: list[_Record], losses: Tensor) -> None:
