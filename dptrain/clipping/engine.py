@@ -101,6 +101,7 @@ class _Record:
     output: Tensor | None = None
     version: int = 0
     node: Any = None  # the output's autograd node (tensor-hook captures)
+    name: str = ""  # the layer's name in the model (for messages)
 
 
 @dataclass
@@ -136,12 +137,15 @@ def _swappable(p: Tensor, v: Tensor) -> bool:
             and v.dtype == p.dtype and v.device == p.device and v.stride() == p.stride())
 
 
-class _ParamUseCheck(TorchFunctionMode):
-    """The engine sees a parameter's uses through the hooks of the modules that own it: a use
+class _FirstForwardCheck(TorchFunctionMode):
+    """Two things about a model that its classes do not tell, checked over the engine's first
+    forward (the model's structure; later forwards run without this mode).
+
+    The engine sees a parameter's uses through the hooks of the modules that own it: a use
     elsewhere (``F.linear(h, self.emb.weight)`` in a parent's forward) would be missing from
-    the norms and the clipped sum. Run over one forward (the engine's first), this mode refuses
-    any torch call that takes a trainable parameter and gives a result autograd tracks, outside
-    the forward of every hooked module owning it. Attribute reads and queries (``.dtype``,
+    the norms and the clipped sum. This mode refuses any torch call that takes a trainable
+    parameter and gives a result autograd tracks, outside the forward of every hooked module
+    owning it. Attribute reads and queries (``.dtype``,
     ``.data``, ``is_floating_point()``), ``detach()`` and calls under ``no_grad`` are not uses.
     Sharded (FSDP2) runs gather parameters into other tensors during the forward, which this
     check does not see: it covers the unsharded model.
@@ -244,8 +248,8 @@ def _check_reached(records: list[_Record], losses: Tensor) -> None:
     for rec in records:
         if rec.G is None and rec.node is not None and rec.node in seen:
             raise ValueError(
-                f"dptrain.clipping: the output gradient of a {type(rec.module).__name__} layer "
-                f"was not computed: its output reaches the loss, but none of the inputs it "
+                f"dptrain.clipping: the output gradient of {rec.name} "
+                f"({type(rec.module).__name__}) was not computed: its output reaches the loss, but none of the inputs it "
                 f"depends on comes from the batch (it is computed from parameters only). Make "
                 f"the layer's input depend on the batch, or fold that computation into a layer "
                 f"that takes the batch as input")
@@ -310,7 +314,7 @@ class ClippingEngine:
         # Sensitive: per-example gradients of the last multi-state query stay here until
         # overwritten by the next one (or release_workspace()).
         self._workspace: dict[str, Tensor] = {}
-        #: the first forward runs under _ParamUseCheck (the model's structure, checked once)
+        #: the first forward runs under _FirstForwardCheck (the model's structure, checked once)
         self._uses_checked = False
 
     # -----------------------------------------------------------------------------------------
@@ -359,7 +363,7 @@ class ClippingEngine:
                         f"examples: its per-example gradients cannot be separated")
                 saved = (h.rule.capture(module, args, output, kwargs) if h.rule.wants_kwargs
                          else h.rule.capture(module, args, output))
-                rec = _Record(module, h.rule, saved, coef)
+                rec = _Record(module, h.rule, saved, coef, name=h.name)
                 records.append(rec)
                 if not output.requires_grad:
                     return None
@@ -459,7 +463,7 @@ class ClippingEngine:
             records: list[_Record] = []
             check = contextlib.nullcontext()
             if not self._uses_checked:
-                check = _ParamUseCheck(self)
+                check = _FirstForwardCheck(self)
                 self._uses_checked = True
             with self._state(state, seed), self._capture(B, coef, records, targets), check:
                 losses = loss_fn(self.model, inputs)

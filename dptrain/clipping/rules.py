@@ -17,7 +17,6 @@ A rule has two halves:
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import torch
@@ -240,15 +239,6 @@ class FuncFallbackRule(LayerRule):
 
 
 FALLBACK = FuncFallbackRule()
-
-
-def rule_or_fallback(module: nn.Module, name: str) -> LayerRule:
-    rule = find_rule(module)
-    if rule is not None:
-        return rule
-    warnings.warn(f"dptrain.clipping: {_no_rule(module)} ({name}); using the torch.func "
-                  f"fallback (instantiates this layer's per-example gradients)", stacklevel=3)
-    return FALLBACK
 
 
 def _no_rule(module: nn.Module) -> str:
