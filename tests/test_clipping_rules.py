@@ -906,3 +906,15 @@ def test_a_shared_input_broadcast_over_the_examples_is_refused():
     model = _NanoPositions(True).double()
     ref = reference_grads(model, lm, (ids,)).norm(dim=1)
     assert_norms(ClippingEngine(model).per_example_norms(lm, (ids,)), ref, torch.float64)
+
+
+def test_a_loss_that_uses_the_parameters_directly_is_refused():
+    # a penalty on the weights inside the per-example loss: the engine could not see it
+    model = nn.Sequential(nn.Linear(3, 2)).double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+
+    def penalised(m, batch):
+        return mse_loss(m, batch) + 0.01 * m[0].weight.pow(2).sum()
+
+    with pytest.raises(ValueError, match=r"0\.weight is used outside the forward"):
+        ClippingEngine(model).per_example_norms(penalised, (x, y))
