@@ -119,3 +119,27 @@ def test_a_stop_seen_by_one_rank_stops_every_rank_at_the_same_step(tmp_path, sto
     assert only.name == "step-00000002" and ckpt.verify(only) is None
     assert ckpt.read(only)["step"] == 2
     assert _steps_logged(out) == [1, 2]
+
+
+@pytest.mark.parametrize("stopped", [False, True])
+def test_a_sigterm_after_the_stop_cannot_kill_the_exit(stopped):
+    # the stop's checkpoint is written and the process is about to exit 143: a repeated SIGTERM
+    # (Slurm's slurmstepd and torchrun's agent both send one) arriving then is ignored; a run
+    # that did not stop gets its previous handler back
+    from types import SimpleNamespace
+
+    from dptrain.commands.train import _stop_on_sigterm
+
+    mine = lambda signum, frame: None  # noqa: E731
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        trainer = SimpleNamespace(stop_signal=None, rank=1)
+        with _stop_on_sigterm(trainer):
+            assert signal.getsignal(signal.SIGTERM) not in (mine, signal.SIG_IGN)
+            if stopped:
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler records the stop
+                time.sleep(0.01)
+        assert trainer.stop_signal == (signal.SIGTERM if stopped else None)
+        assert signal.getsignal(signal.SIGTERM) is (signal.SIG_IGN if stopped else mine)
+    finally:
+        signal.signal(signal.SIGTERM, before)

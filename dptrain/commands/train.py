@@ -125,7 +125,10 @@ def _stop_on_sigterm(trainer):
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, before)
+        # after a stop the process exits 128 + signum with its checkpoint written: a repeated
+        # SIGTERM arriving in those last milliseconds must not turn that exit into a kill
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if trainer.stop_signal is not None
+                      else before)
 
 
 def _metrics_rows(path: Path) -> list[tuple[str, dict]]:
