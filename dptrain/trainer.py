@@ -563,7 +563,11 @@ class Trainer:
                 last = self.step == self.plan.steps
                 if self.step % tc.log_every == 0 or last:
                     eps, eps_step = self.epsilon(), self.step
-                    row.update(epsilon=eps, lr=self.optimizer.lr, time=time.time() - start)
+                    row.update(epsilon=eps, lr=self.optimizer.lr)
+                    if not self.cfg.privacy.secure_mode:
+                        # a step's time follows its realised batch size (a timing side channel
+                        # on the sample): a run meant for release does not write it per row
+                        row["time"] = time.time() - start
                     if tc.eval_every and self.step % tc.eval_every == 0 and not last:
                         row.update({f"test_{k}": v for k, v in self.evaluate().items()})
                     if metrics_file:

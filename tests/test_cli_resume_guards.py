@@ -182,6 +182,8 @@ def test_secure_mode_writes_metrics_only_with_checkpoints(tmp_path, capsys, monk
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # the noiseless training loss of the private batch: not written when the run is for release
     assert all(("train_loss" in r) != secure for r in rows)
+    # nor the elapsed time at each row, which follows the realised batch sizes
+    assert all(("time" in r) != secure for r in rows)
 
 
 def test_secure_resume_from_a_checkpoint_with_later_outputs_is_refused(tmp_path, capsys):
