@@ -245,6 +245,47 @@ def test_secure_restart_from_no_checkpoint_over_logged_releases_is_refused(tmp_p
     assert snapshot(out) == before
 
 
+def test_a_secure_checkpoint_is_resumed_into_one_directory_only(tmp_path, capsys, monkeypatch):
+    # run A dies before release 3; its checkpoint of step 2 may be continued once: branching
+    # it into B and then into C (or continuing A itself) would draw releases 3.. twice
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    extra = ("train.checkpoint_every=2", "privacy.steps=4", *SECURE)
+    _crash_at(monkeypatch, 3)
+    code = main(["train", "--config", TINY, "--output-dir", str(a), *extra])
+    assert code != 0 and "interrupted" in capsys.readouterr().err
+    monkeypatch.undo()
+    step2 = str(a / "checkpoints" / "step-00000002")
+    code, err = train(capsys, b, "--resume", step2, *extra)
+    assert code == 0 and (b / "summary.json").exists(), err
+    claims = [json.loads(x) for x in (a / "secure_resumes.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["into"]) for r in claims] == [(2, str(b.resolve()))]
+    before = snapshot(a)
+    code, err = train(capsys, c, "--resume", step2, *extra)
+    line = one_line(err)
+    assert code == 2 and "resume" in line and "secure mode" in line and str(b.resolve()) in line
+    assert not c.exists()
+    code, err = train(capsys, a, "--resume", "auto", *extra)
+    assert code == 2 and str(b.resolve()) in one_line(err)
+    assert snapshot(a) == before
+
+
+def test_resuming_the_same_secure_checkpoint_into_the_same_directory_again_is_allowed(
+        tmp_path, capsys, monkeypatch):
+    # the branch into B dies before its first checkpoint (its rows held back): B may take it up
+    # again, and the record is not repeated
+    a, b = tmp_path / "a", tmp_path / "b"
+    extra = ("train.checkpoint_every=2", "privacy.steps=4", *SECURE)
+    _crash_at(monkeypatch, 3)
+    assert main(["train", "--config", TINY, "--output-dir", str(a), *extra]) != 0
+    step2 = str(a / "checkpoints" / "step-00000002")
+    code = main(["train", "--config", TINY, "--output-dir", str(b), "--resume", step2, *extra])
+    assert code != 0 and "interrupted" in capsys.readouterr().err
+    monkeypatch.undo()
+    code, err = train(capsys, b, "--resume", step2, *extra)
+    assert code == 0, err
+    assert len((a / "secure_resumes.jsonl").read_text().splitlines()) == 1
+
+
 def test_overrides_before_and_after_options_all_apply(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train", "privacy.steps=1", "--config", TINY, "--output-dir", str(out),

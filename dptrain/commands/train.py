@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
                                         "choose another directory")
     if cfg.privacy.secure_mode and resume_path is not None:
         _check_secure_resume(resume_path)
+        _check_secure_branch(resume_path, out)
     trainer = Trainer(cfg, out)
     if args.resume == "auto" and resume_path is not None:
         # the checksums, hashed by the ranks in turn (each file read once in all)
@@ -68,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
         # again on what the checksums chose: a damaged newest checkpoint sends the run back to
         # an older one (or to none, step 0), whose later releases have outputs on disk
         _check_secure_resume(resume_path, run_dir=out)
+    if cfg.privacy.secure_mode and resume_path is not None:
+        _record_secure_resume(resume_path, out, write=trainer.rank == 0)
     if args.resume == "auto" and resume_path is None and trainer.rank == 0:
         print(f"dptrain train: no complete checkpoint in {out}; starting afresh",
               file=sys.stderr)
@@ -201,6 +204,54 @@ def _check_secure_resume(path: Path | None, run_dir: Path | None = None) -> None
                                     f"after step {step} ({what}); {start} would draw those "
                                     "releases again with fresh noise, uncounted by the ledger. "
                                     f"{advice}")
+
+
+SECURE_RESUMES = "secure_resumes.jsonl"  # in a run directory: secure resumes of its checkpoints
+
+
+def _check_secure_branch(path: Path, out: Path) -> None:
+    """Secure mode: the releases after checkpoint ``path`` are drawn again with fresh noise by
+    whichever run resumes it, so only one output directory may: a second branch (``--resume
+    PATH`` into another directory, or the source run's own ``--resume auto`` after such a
+    branch) would release those steps twice, once uncounted. Each resume is recorded in the
+    checkpoint's run directory (``secure_resumes.jsonl``) before any release
+    (:func:`_record_secure_resume`); a resume into any other output directory is refused. The
+    file lives in the run directory, so the answer is the same for every checkpoint of it."""
+    src = Path(path).parent.parent
+    claims = src / SECURE_RESUMES
+    into = str(Path(out).resolve())
+    others = sorted({str(row.get("into")) for _, row in _metrics_rows(claims)} - {into})
+    if others:
+        raise ConfigError("resume", f"secure mode: a checkpoint of {src} was already resumed "
+                                    f"into {others[0]} ({claims}); resuming {path} into {out} "
+                                    "would draw the same releases again with fresh noise, "
+                                    "uncounted by the ledger. Continue that run instead (if it "
+                                    "failed before its first step, delete the file's row)")
+
+
+def _record_secure_resume(path: Path, out: Path, *, write: bool) -> None:
+    """Record (rank 0, ``write``) that the run in ``out`` resumes checkpoint ``path``, after
+    every rank has checked the file (:func:`_check_secure_branch`) and before any release."""
+    from dptrain import checkpoint as ckpt
+    from dptrain.parallel.dist import is_distributed
+
+    if is_distributed():
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank read the file before it changes
+    claims = Path(path).parent.parent / SECURE_RESUMES
+    row = {"step": ckpt.step_of(path), "checkpoint": str(Path(path).resolve()),
+           "into": str(Path(out).resolve())}
+    if not write or row in [r for _, r in _metrics_rows(claims)]:
+        return
+    try:
+        with open(claims, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    except OSError as e:
+        raise ConfigError("resume", f"secure mode: cannot record this resume in {claims} "
+                                    f"({e}); that record is how a second branch from the same "
+                                    "checkpoint is refused. Copy the run to a writable "
+                                    "directory and resume from there") from None
 
 
 def _drop_metrics_after(path: Path, step: int) -> None:
