@@ -23,7 +23,8 @@ reference ("im" next to "current"), before noise and outer momentum. The past st
 theta_{t-1}, ..., theta_{t-K} are those stored in the checkpoint's inner-momentum history;
 nothing is replayed, so a history shorter than K is an error.
 
-The model is evaluated in eval mode (dropout off) and in full precision (no autocast).
+The model is evaluated in eval mode (dropout off) and in float64 whatever the run's dtype (no
+autocast): the polar factor depends on the matrices' rank, which float32 rounding would blur.
 
 Privacy: the statistics are computed from the checkpoint (itself post-processing of the run's
 noisy releases) and the test split, which dptrain treats as public. Computed on private records
@@ -251,8 +252,11 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model, task.info).to(device)
-    if perf.dtype == "float64":
-        model = model.double()
+    # float64 whatever the run's dtype (a checkpoint's values convert exactly): polar() decides
+    # a matrix's rank at float64 precision, and float32 gradients would give the exact null
+    # directions (every GPT-2 c_proj gradient is orthogonal to the ones vector, by the next
+    # LayerNorm's backward) a rounding-level singular value that it counts as a direction
+    model = model.double()
     sigma, C = float(plan["noise_multiplier"]), float(plan["clip_norm"])
     b = int(plan["denominator"])
     engine = ClippingEngine(model, clip_norm=C, ghost=perf.ghost,
