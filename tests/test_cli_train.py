@@ -141,16 +141,23 @@ _OK_CSV = b'mr,ref\n"name[Aromi], food[Chinese]","Aromi serves Chinese food."\n'
     (_OK_CSV, b"mr,ref\n\n", (), "data.test_file"),
     (_OK_CSV, _OK_CSV, ("data.tokenizer=gpt2", "data.tokenizer_path={empty}"),
      "data.tokenizer_path"),
+    # a vocab.json that is not JSON: the Rust tokenizers library raises a bare Exception
+    (_OK_CSV, _OK_CSV, ("data.tokenizer=gpt2", "data.tokenizer_path={garbage}"),
+     "data.tokenizer_path"),
 ])
 def test_bad_e2e_data_exits_2_with_one_line(tmp_path, capsys, train_csv, test_csv, extra,
                                             field):
     (tmp_path / "data").mkdir()
     (tmp_path / "empty").mkdir()
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "vocab.json").write_text("{not json")
+    (tmp_path / "garbage" / "merges.txt").write_text("#version: 0.2\n")
     (tmp_path / "data" / "train.csv").write_bytes(train_csv)
     (tmp_path / "data" / "test.csv").write_bytes(test_csv)
     overrides = ["data.name=e2e", "data.tokenizer=bytes", f"data.path={tmp_path / 'data'}",
                  "data.train_file=train.csv", "data.test_file=test.csv",
-                 *(e.format(empty=tmp_path / "empty") for e in extra)]
+                 *(e.format(empty=tmp_path / "empty", garbage=tmp_path / "garbage")
+                   for e in extra)]
     code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
                            str(tmp_path / "out"), *overrides)
     assert code == 2

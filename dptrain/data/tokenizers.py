@@ -154,7 +154,7 @@ def build_tokenizer(kind: str, path: str | None = None):
                                   f"or vocab.json and merges.txt)")
             try:
                 return GPT2Tokenizer(folder)
-            except (OSError, ValueError) as e:
+            except Exception as e:  # the Rust tokenizers library raises a bare Exception
                 if isinstance(e, ConfigError):
                     raise
                 reason = " ".join(str(e).split())
