@@ -182,7 +182,12 @@ def build_optimizer(
             optimizers.append(construct(g.config.optimizer, g.named_params, lr=g.config.lr,
                                         options=g.config.kwargs, runtime=runtime))
         except (ValueError, TypeError) as e:
-            raise ConfigError(_blame(g.path), str(e)) from None
+            hint = ""
+            if (g.config.optimizer in MUON_FAMILY and cfg.preset is None and not cfg.groups
+                    and any(p.dim() < 2 for _, p in g.named_params)):
+                hint = ("; set optim.preset (gpt2 or nfresnet) to give the vectors and "
+                        "embeddings to optim.aux (AdamW), or optim.groups")
+            raise ConfigError(_blame(g.path), f"{e}{hint}") from None
     opt = DPOptimizer(named_params, groups, optimizers, build_filter(cfg.filter),
                       schedule=cfg.schedule, total_steps=total_steps,
                       warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
