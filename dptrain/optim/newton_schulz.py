@@ -22,6 +22,7 @@ from torch import Tensor
 __all__ = [
     "MUON_COEFFICIENTS",
     "POLAR_EXPRESS_COEFFICIENTS",
+    "POLAR_EXPRESS_LIMIT",
     "newton_schulz",
     "smooth_newton_schulz",
 ]
@@ -36,7 +37,13 @@ POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = (
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
-"""Polar Express: one quintic per iteration; iterations past the fifth repeat the last one."""
+"""Polar Express (5 steps): one quintic per iteration. These carry the method's safety factor
+(p(1) > 1 for the last one, whose fixed point is about 1.035), so iterations past the fifth use
+``POLAR_EXPRESS_LIMIT`` instead of repeating the last one."""
+
+POLAR_EXPRESS_LIMIT: tuple[float, float, float] = (15 / 8, -10 / 8, 3 / 8)
+"""The quintic Polar Express's schedule tends to (its last entry): p(1) = 1 and p'(1) = 0, so
+singular values near 1 converge to 1 quadratically."""
 
 # Polar Express normalises by ||X||_F * 1.02 + 1e-6: its first quintic assumes sigma_max < 1
 # with a small safety margin.
@@ -50,8 +57,9 @@ def _schedule(coefficients: Coefficients, steps: int) -> list[tuple[float, float
     if coefficients == "muon":
         return [MUON_COEFFICIENTS] * steps
     if coefficients == "polar_express":
-        last = len(POLAR_EXPRESS_COEFFICIENTS) - 1
-        return [POLAR_EXPRESS_COEFFICIENTS[min(j, last)] for j in range(steps)]
+        n = len(POLAR_EXPRESS_COEFFICIENTS)
+        return [POLAR_EXPRESS_COEFFICIENTS[j] if j < n else POLAR_EXPRESS_LIMIT
+                for j in range(steps)]
     raise ValueError(f"coefficients must be 'muon' or 'polar_express', got {coefficients!r}")
 
 
@@ -112,7 +120,8 @@ def smooth_newton_schulz(
     *,
     coefficients: Coefficients = "muon",
 ) -> Tensor:
-    """"Smooth-NS" of DP-MuonBC: X / sqrt(gamma_ns^2 + ||X||_F^2), then the same iteration.
+    """"Smooth-NS" of DP-MuonBC: X / sqrt(gamma_ns^2 + ||X||_F^2), then the same iteration
+    (with ``polar_express``, X / (1.02 sqrt(gamma_ns^2 + ||X||_F^2)): its safety factor).
 
     The normalisation is a smooth function of X everywhere (also at 0), which the bias
     correction's Taylor argument needs; for ||X||_F >> gamma_ns it equals ``newton_schulz``.
@@ -123,5 +132,7 @@ def smooth_newton_schulz(
     Y = X.mT if tall else X
     sq = torch.linalg.matrix_norm(Y, keepdim=True).square()
     Y = Y * torch.rsqrt(sq + gamma_ns * gamma_ns)
+    if coefficients == "polar_express":
+        Y = Y / _POLAR_EXPRESS_SAFETY
     Y = _iterate(Y, schedule)
     return Y.mT if tall else Y
