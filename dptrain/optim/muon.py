@@ -180,7 +180,8 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(grad)
                 N = advance(state["momentum_buffer"], grad, mu, group["nesterov"])
                 rc = (p.shape[0], math.prod(p.shape[1:]))  # the stored matrix (global)
-                todo.append((name, p, N.reshape(N.shape[0], -1), rc, state))
+                # rc[1], not -1: a rank's shard may hold no rows of a small matrix
+                todo.append((name, p, N.reshape(N.shape[0], rc[1]), rc, state))
             if not todo:
                 continue
             sharded = isinstance(todo[0][1], _DTensor) if _DTensor is not None else False
@@ -419,7 +420,7 @@ class MuonS(torch.optim.Optimizer):
                     w.add_(M, alpha=-lr)
                     continue
                 rc = (p.shape[0], math.prod(p.shape[1:]))
-                todo.append((p, M.reshape(M.shape[0], -1), rc, state))
+                todo.append((p, M.reshape(M.shape[0], rc[1]), rc, state))  # rows may be 0
             if not todo:
                 continue
             sharded = _DTensor is not None and isinstance(todo[0][0], _DTensor)
