@@ -114,6 +114,27 @@ def test_resume_with_another_optimizer_structure_exits_2(tmp_path, capsys, finis
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize("override, field", [("optim.name=muon_s", "optim.name"),
+                                             ("optim.aux.optimizer=sgd", "optim.aux.optimizer")])
+def test_resume_with_another_optimizer_in_a_group_names_it(tmp_path, capsys, finished, override,
+                                                          field):
+    # it used to load, then fail at the first step with a bare KeyError (exit 1)
+    code, err = train(capsys, tmp_path / "branch", "--resume",
+                      str(finished / "checkpoints" / "step-00000003"), override)
+    line = one_line(err)
+    assert code == 2 and field in line and "in the checkpoint" in line
+    assert not (tmp_path / "branch").exists() or not any((tmp_path / "branch").iterdir())
+
+
+def test_changed_optimizer_settings_at_a_resume_apply_and_are_named(tmp_path, capsys, finished):
+    code, err = train(capsys, tmp_path / "branch", "--resume",
+                      str(finished / "checkpoints" / "step-00000003"), "optim.weight_decay=0.1",
+                      "optim.aux.kwargs.betas=[0.5,0.9]")
+    assert code == 0
+    line = [x for x in err.splitlines() if "optimizer settings differ" in x]
+    assert len(line) == 1 and "weight_decay: 0.0 -> 0.1" in line[0] and "betas" in line[0]
+
+
 def test_inner_momentum_may_be_turned_on_at_a_resume(tmp_path, capsys, finished):
     # K is an optimizer setting (no privacy cost): the history starts empty at the checkpoint
     out = tmp_path / "branch"

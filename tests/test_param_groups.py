@@ -257,3 +257,45 @@ def test_loading_state_from_other_groups_is_refused():
     other = _build({"name": "sgd", "groups": [{"pattern": ".", "optimizer": "sgd", "name": "all"}]})
     with pytest.raises(ValueError, match="different parameter groups"):
         opt.load_state_dict(other.state_dict())
+
+
+def test_a_loaded_state_keeps_this_configs_settings_and_says_which_changed():
+    # torch's load_state_dict would put the checkpoint's group settings back: weight decay,
+    # momentum, betas, ns_steps, ns_dtype would silently be the old run's
+    torch.manual_seed(0)
+    model = _Net()
+    old = {"name": "muon", "groups": [
+        {"pattern": r"fc1\.weight", "optimizer": "muon", "name": "matrix"},
+        {"pattern": ".", "optimizer": "adamw", "name": "rest"}]}
+    opt = _build(old, model=model)
+    _steps(opt, model, 0, 2, 0.0)
+    new = {"name": "muon", "weight_decay": 0.1, "momentum": 0.5, "ns_steps": 3,
+           "groups": [{**old["groups"][0]},
+                      {**old["groups"][1], "kwargs": {"betas": [0.5, 0.9]}}]}
+    opt2 = _build(new, model=model)
+    fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "noise_gain")}
+             for o in opt2.optimizers for g in o.param_groups]
+    opt2.load_state_dict(opt.state_dict())
+    loaded = [{k: v for k, v in g.items() if k not in ("params", "lr", "noise_gain")}
+              for o in opt2.optimizers for g in o.param_groups]
+    assert loaded == fresh
+    assert opt2.optimizers[0].param_groups[0]["weight_decay"] == 0.1
+    assert opt2.optimizers[0].param_groups[0]["ns_steps"] == 3
+    assert tuple(opt2.optimizers[1].param_groups[0]["betas"]) == (0.5, 0.9)
+    assert opt2.num_steps == 2 and opt2.optimizers[0].state  # the state itself did load
+    changed = "; ".join(opt2.changed_settings)
+    for what in ("matrix.weight_decay", "matrix.momentum", "matrix.ns_steps", "rest.betas"):
+        assert what in changed, changed
+
+
+@pytest.mark.parametrize("group, field", [(0, "groups[0].optimizer"), (1, "groups[1].optimizer")])
+def test_loading_state_of_another_optimizer_names_the_group(group, field):
+    groups = [{"pattern": r"fc1\.weight", "optimizer": "muon", "name": "matrix"},
+              {"pattern": ".", "optimizer": "adamw", "name": "rest"}]
+    opt = _build({"name": "muon", "groups": groups})
+    swapped = [dict(g) for g in groups]
+    swapped[group]["optimizer"] = ("muon_s", "sgd")[group]
+    other = _build({"name": "muon", "groups": swapped})
+    with pytest.raises(ConfigError) as e:
+        other.load_state_dict(opt.state_dict())
+    assert e.value.field.endswith(field) and "in the checkpoint" in str(e.value)

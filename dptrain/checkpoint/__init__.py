@@ -636,6 +636,8 @@ def load(trainer, path: Path, verified: bool = False) -> None:
                 trainer.optimizer.load_state_dict(_map_optimizer(
                     trainer, state["optimizer"], lambda i, v, p: v,
                     lambda v, p: v.to(p.device) if p is not None else v))
+    except ConfigError:
+        raise  # names its field (a group's optimizer changed)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
         # model and data settings are compared above: what is left is the optimizer's
         # structure (another optimizer, other groups, inner momentum or a filter on or off)
@@ -646,6 +648,10 @@ def load(trainer, path: Path, verified: bool = False) -> None:
     if unused and trainer.rank == 0:
         print(f"dptrain train: the checkpoint's {'; '.join(unused)}: not used by this run",
               file=sys.stderr)
+    changed = trainer.optimizer.changed_settings
+    if changed and trainer.rank == 0:
+        print(f"dptrain train: optimizer settings differ from the checkpoint's, this config's "
+              f"apply: {'; '.join(changed)}", file=sys.stderr)
     trainer.ledger = ledger
     trainer.step = state["step"]
     ranks = state["rng"].get("torch_ranks")

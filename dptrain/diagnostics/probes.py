@@ -270,6 +270,8 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     model.load_state_dict(state["model"])
     try:
         optimizer.load_state_dict(state["optimizer"])
+    except ConfigError:
+        raise
     except (ValueError, KeyError) as e:
         raise ConfigError("optim", f"does not match the checkpoint's optimizer: {e}") from None
     hist_state = (state["optimizer"].get("history") or {}).get("states", [])

@@ -50,6 +50,9 @@ class DPOptimizer:
         self._schedule = dict(schedule=schedule, total_steps=total_steps,
                               warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
         self.num_steps = 0
+        #: after load_state_dict: group settings where this run's config differs from the
+        #: checkpoint's ("label.key: old -> new"); this run's apply
+        self.changed_settings: list[str] = []
         self.history: InnerMomentumHistory | None = None
         self.ema: ParameterEMA | None = None
         self._set_lrs()
@@ -104,6 +107,7 @@ class DPOptimizer:
         return {
             "num_steps": self.num_steps,
             "groups": [[g.label, [n for n, _ in g.named_params]] for g in self.groups],
+            "group_optimizers": [g.config.optimizer for g in self.groups],
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "filter": self.filter.state_dict(),
             "history": self.history.state_dict() if self.history is not None else None,
@@ -116,8 +120,25 @@ class DPOptimizer:
             raise ValueError("optimizer state has different parameter groups than this run "
                              f"(saved: {[x[0] for x in state['groups']]}, "
                              f"here: {[x[0] for x in mine]})")
-        for opt, sd in zip(self.optimizers, state["optimizers"]):
+        saved_kinds = state.get("group_optimizers")  # absent in checkpoints before 2026-12-01
+        for i, g in enumerate(self.groups):
+            if saved_kinds is not None and saved_kinds[i] != g.config.optimizer:
+                raise ConfigError(_blame(g.path), f"{g.config.optimizer} here, "
+                                                  f"{saved_kinds[i]} in the checkpoint (group "
+                                                  f"{g.label!r}): a resumed run keeps each "
+                                                  "group's optimizer")
+        # torch's load_state_dict replaces every group setting with the checkpoint's; this
+        # run's config decides them (weight decay, momentum, betas, ns_steps, ns_dtype, ...),
+        # as it decides the learning rate
+        self.changed_settings = []
+        for g, opt, sd in zip(self.groups, self.optimizers, state["optimizers"]):
+            mine = [{k: v for k, v in pg.items() if k != "params"} for pg in opt.param_groups]
             opt.load_state_dict(sd)
+            for pg, settings in zip(opt.param_groups, mine):
+                for k, v in settings.items():
+                    if k not in ("lr", "noise_gain") and pg.get(k) != v:
+                        self.changed_settings.append(f"{g.label}.{k}: {pg.get(k)!r} -> {v!r}")
+                pg.update(settings)
         if state["filter"]:  # a checkpoint without a filter: this run's starts empty
             self.filter.load_state_dict(state["filter"])
         if self.history is not None:
