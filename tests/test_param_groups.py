@@ -80,6 +80,11 @@ def test_muon_on_a_vector_names_the_group_and_the_parameter():
     ({"name": "sgd", "momentum": 1.5}, "optim.momentum"),
     ({"preset": "gpt2", "aux": {"kwargs": {"ns_steps": 3}}}, "optim.aux.kwargs.ns_steps"),
     ({"lr": -1.0}, "optim.lr"),
+    # torch's SGD refuses it at construction, which was blamed on optim.name
+    ({"name": "sgd", "momentum": 0.0, "nesterov": True}, "optim.nesterov"),
+    ({"preset": "gpt2", "aux": {"optimizer": "sgd", "kwargs": {"momentum": 0.0,
+                                                                "nesterov": True}}},
+     "optim.aux.kwargs.nesterov"),
 ])
 def test_config_mistakes_name_their_field(optim, field):
     cfg = from_dict(OptimConfig, optim)

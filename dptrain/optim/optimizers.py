@@ -123,6 +123,9 @@ def check_options(options: dict, prefix: str = "") -> dict:
         if check is not None and not check(value):
             raise ConfigError(field, f"{rule}, got {value}")
         out[key] = value
+    if out.get("nesterov") and out.get("momentum") == 0.0:
+        raise ConfigError(f"{prefix}nesterov", "needs momentum > 0 (the lookahead is along "
+                                               "the momentum), got momentum 0")
     return out
 
 
