@@ -128,4 +128,7 @@ class InnerMomentumHistory:
             if set(s) != set(self.names):
                 raise ValueError("inner-momentum history of other parameters than this run's "
                                  f"(saved {len(s)}, here {len(self.names)})")
-            self.states.append({n: v.to(self.params[n].device) for n, v in s.items()})
+            # copies: push() reuses a state's storage, which must not be the caller's tensors
+            self.states.append({n: v.to(device=self.params[n].device,
+                                        dtype=self.params[n].dtype, copy=True)
+                                for n, v in s.items()})
