@@ -73,6 +73,19 @@ def test_resume_path_into_a_finished_run_is_refused(tmp_path, capsys, finished):
     assert snapshot(out) == before
 
 
+def test_resume_auto_on_a_finished_run_does_nothing(tmp_path, capsys, finished):
+    # a requeued job: it used to load the last checkpoint, evaluate again and rewrite
+    # summary.json and final/ (with an EMA, the exported model became the last iterate)
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    before = snapshot(out)
+    code, err = train(capsys, out, "--resume", "auto", "optim.ema_decay=0.5")
+    assert code == 0 and "finished run" in one_line(err) and "nothing to do" in err
+    assert snapshot(out) == before
+
+
 def test_resume_path_over_later_checkpoints_is_refused_but_another_dir_works(tmp_path, capsys,
                                                                              finished):
     import shutil
@@ -90,16 +103,17 @@ def test_resume_path_over_later_checkpoints_is_refused_but_another_dir_works(tmp
     assert json.loads((other / "summary.json").read_text())["steps"] == 4
 
 
-def test_auto_resume_with_every_checkpoint_damaged_says_so(tmp_path, capsys, finished):
+def test_auto_resume_of_a_finished_run_ignores_its_checkpoints(tmp_path, capsys, finished):
     import shutil
 
     out = tmp_path / "copy"
     shutil.copytree(finished, out)
     for marker in (out / "checkpoints").glob("step-*/COMPLETE"):
         marker.unlink()
+    before = snapshot(out)
     code, err = train(capsys, out, "--resume", "auto")
-    line = one_line(err)
-    assert code == 2 and "no complete checkpoint" in line and "pass --resume auto" not in line
+    assert code == 0 and "nothing to do" in one_line(err)
+    assert snapshot(out) == before
 
 
 def test_resume_with_another_optimizer_structure_exits_2(tmp_path, capsys, finished):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -37,6 +38,13 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise ConfigError("output-dir", f"{out} exists and is not a directory")
     resume_path = None
+    if args.resume == "auto" and (out / "summary.json").exists():
+        # summary.json is written last: the run is finished (a requeued job lands here), and
+        # a finished run is never rewritten
+        if os.environ.get("RANK", "0") == "0":
+            print(f"dptrain train: {out} holds a finished run (summary.json); nothing to do",
+                  file=sys.stderr)
+        return 0
     if args.resume == "auto":
         # before the process group exists: marker, files and sizes only (no hashing)
         resume_path = ckpt.find_latest(out, shallow=True, quiet=True)
@@ -45,12 +53,9 @@ def run(args: argparse.Namespace) -> int:
         if not resume_path.is_dir():
             raise ConfigError("resume", f"no checkpoint directory at {resume_path}")
         _check_explicit_resume(out, resume_path)
-    if resume_path is None and (out / "summary.json").exists():
-        if args.resume == "auto":
-            raise ConfigError("output-dir", f"{out} holds a finished run and no complete "
-                                            "checkpoint to resume; choose another directory")
+    if args.resume is None and (out / "summary.json").exists():
         raise ConfigError("output-dir", f"{out} already holds a finished run; choose another "
-                                        f"directory or pass --resume auto")
+                                        "directory")
     if args.resume is None and _holds_a_run(out):
         raise ConfigError("output-dir", f"{out} holds an unfinished run (checkpoints or "
                                         "metrics.jsonl); pass --resume auto to continue it, or "
@@ -62,9 +67,6 @@ def run(args: argparse.Namespace) -> int:
     if args.resume == "auto" and resume_path is not None:
         # the checksums, hashed by the ranks in turn (each file read once in all)
         resume_path = ckpt.find_latest(out, collective=True)
-        if resume_path is None and (out / "summary.json").exists():
-            raise ConfigError("output-dir", f"{out} holds a finished run whose checkpoints "
-                                            "are all damaged; choose another directory")
     if cfg.privacy.secure_mode and args.resume == "auto":
         # again on what the checksums chose: a damaged newest checkpoint sends the run back to
         # an older one (or to none, step 0), whose later releases have outputs on disk
@@ -94,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
                   f"({where}); continue with --resume auto", file=sys.stderr)
         return 128 + e.signum
     if trainer.rank == 0:  # only rank 0 writes the files, and says so once
-        ckpt.export_hf(trainer, out / "final")
         metrics = ", ".join(f"{k} {v:.4g}" for k, v in summary["metrics"].items()
                             if isinstance(v, (int, float)) and k != "last_iterate_examples")
         print(f"done: {summary['steps']} steps, epsilon {summary['epsilon']:.3f} "
