@@ -378,3 +378,47 @@ def test_ranks_that_see_different_training_set_sizes_refuse_to_start():
     errors = spawn(_n_on_each_rank, 2, [10_500, 10_000])
     assert all(e is not None and "data" in e and "10000" in e and "10500" in e for e in errors)
     assert spawn(_n_on_each_rank, 2, [7, 7]) == [None, None]
+
+
+def test_a_fallback_past_damaged_checkpoints_keeps_the_checkpoints_it_writes(tmp_path, capsys,
+                                                                            monkeypatch):
+    # keep_checkpoints=1: the run's only checkpoint (step 3) is damaged, so --resume auto
+    # starts again from step 0; pruning counted the damaged step 3 as the newest and deleted
+    # every checkpoint the restarted run wrote, leaving a crash nothing to resume from
+    out = tmp_path / "run"
+    extra = ("train.checkpoint_every=1", "train.keep_checkpoints=1")
+    _crash_at(monkeypatch, 4)
+    assert main(["train", "--config", TINY, "--output-dir", str(out), *extra]) != 0
+    _flip_a_byte(out / "checkpoints" / "step-00000003" / "state.pt")
+    monkeypatch.undo()
+    _crash_at(monkeypatch, 3)
+    assert main(["train", "--config", TINY, "--output-dir", str(out), "--resume", "auto",
+                 *extra]) != 0
+    capsys.readouterr()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]
+
+
+def test_resume_with_another_seed_is_refused(tmp_path, capsys, finished):
+    # the run's seed makes the synthetic training set (same N) and every dropout stream
+    code, err = train(capsys, tmp_path / "branch", "--resume",
+                      str(finished / "checkpoints" / "step-00000003"), "seed=1")
+    line = one_line(err)
+    assert code == 2 and line.split("error: ")[1].startswith("seed:") and "checkpoint" in line
+
+
+def test_a_renamed_checkpoint_keeps_its_step_for_the_guards(tmp_path, capsys, finished):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    (out / "summary.json").unlink()
+    best = tmp_path / "best"  # step 2, copied out of its run under another name
+    shutil.copytree(out / "checkpoints" / "step-00000002", best)
+    before = snapshot(out)
+    code, err = train(capsys, out, "--resume", str(best))
+    assert code == 2 and "step 4" in one_line(err) and "overwrite" in err
+    assert snapshot(out) == before
+    # secure mode cannot see the outputs of the run such a copy came from: refused
+    code, err = train(capsys, tmp_path / "secure", "--resume", str(best), *SECURE)
+    line = one_line(err)
+    assert code == 2 and "resume" in line and "checkpoints/" in line

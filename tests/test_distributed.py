@@ -249,3 +249,24 @@ def test_muon_s_and_bc_same_on_1_and_2_fsdp_ranks_and_their_checkpoints_round_tr
         assert r["state_round_trip"]
     assert ref["state_round_trip"]
     assert _rel(two[0]["params"], ref["params"]) <= 1e-5
+
+
+def _save_replicated(rank: int, world: int, out: str) -> bool:
+    import os
+
+    from dptrain import checkpoint as ckpt
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    t = Trainer(load(RunConfig, TINY, ["train.progress=false", "performance.sharding=none"]),
+                Path(out))
+    if rank == 0:  # a slow write on the rank that writes
+        os.environ["DPTRAIN_TEST_CHECKPOINT_PAUSE"] = "1.5"
+    ckpt.save(t, Path(out))
+    return (Path(out) / "checkpoints" / "step-00000000" / "COMPLETE").exists()
+
+
+def test_replicated_save_returns_on_every_rank_only_once_the_checkpoint_is_sealed(tmp_path):
+    # after a SIGTERM stop the ranks exit right after save(): rank 1 used to exit while rank 0
+    # was still writing, and the launcher then killed rank 0 with the checkpoint half written
+    assert spawn(_save_replicated, 2, str(tmp_path / "run")) == [True, True]

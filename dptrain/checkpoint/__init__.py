@@ -139,7 +139,7 @@ def _seal(tmp: Path, root: Path, name: str, step: int, sums: dict[str, str], kee
     else:
         os.replace(tmp, final)
     _fsync_dir(root)
-    _prune(root, keep)
+    _prune(root, keep, step)
     return final
 
 
@@ -171,12 +171,19 @@ def save(trainer, output_dir: Path) -> Path | None:
     its own shards (see ``_save_dcp``). Returns the path on rank 0, None elsewhere."""
     if not _sharded(trainer):
         rngs = _rank_rngs(trainer) if trainer.world > 1 else None  # every rank takes part
-        if trainer.rank != 0:
-            return None
-        state = capture(trainer)
-        if rngs is not None:
-            state["rng"].update(rngs)
-        return write(state, output_dir, trainer.step, trainer.cfg.train.keep_checkpoints)
+        path = None
+        if trainer.rank == 0:
+            state = capture(trainer)
+            if rngs is not None:
+                state["rng"].update(rngs)
+            path = write(state, output_dir, trainer.step, trainer.cfg.train.keep_checkpoints)
+        if trainer.world > 1:
+            # every rank returns once the checkpoint is sealed: after a stop (SIGTERM) the
+            # others would otherwise exit while rank 0 writes, and the launcher would kill it
+            import torch.distributed as dist
+
+            dist.barrier()
+        return path
     return _save_dcp(trainer, Path(output_dir))
 
 
@@ -453,14 +460,32 @@ def step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The step a checkpoint holds: its marker's (which a renamed or copied directory keeps),
+    else its name's (``step-NNNNNNNN``); None when neither says."""
+    try:
+        step = json.loads((Path(path) / MARKER).read_text()).get("step")
+        if isinstance(step, int):
+            return step
+    except (OSError, ValueError, AttributeError):
+        pass
+    return step_of(path)
+
+
 def complete_steps(run_dir: Path) -> list[int]:
     """Steps of the run's checkpoints that carry a COMPLETE marker (checksums not verified)."""
     return sorted(s for s in map(step_of, _marked(Path(run_dir) / "checkpoints")) if s is not None)
 
 
-def _prune(root: Path, keep: int) -> None:
-    """Keep the newest ``keep`` intact checkpoints; the newest intact one is never deleted.
-    Damaged ones older than the newest intact one are removed too."""
+def _prune(root: Path, keep: int, newest: int) -> None:
+    """After writing the checkpoint of step ``newest``: keep it and the ``keep`` - 1 before it.
+    Checkpoints of later steps go first: they belong to steps this run is drawing again (it
+    resumed from an earlier checkpoint because ``--resume auto`` found them damaged; a later
+    complete one refuses the resume), and counted among the newest they would make the one just
+    written the first deleted."""
+    for d in _step_dirs(root):
+        if (step_of(d) or 0) > newest:
+            shutil.rmtree(d, ignore_errors=True)
     for old in _marked(root)[:-max(keep, 1)]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -541,6 +566,10 @@ def check_compatible(saved_cfg: dict, cfg) -> None:
         raise ConfigError("privacy.secure_mode", "differs from the checkpoint")
     if not cfg.privacy.secure_mode and saved.get("seed") != current.get("seed"):
         raise ConfigError("privacy.seed", "differs from the checkpoint")
+    if saved_cfg.get("seed") != cfg.seed:
+        # the run's seed: synthetic data, dropout, augmentation and probe streams
+        raise ConfigError("seed", f"differs from the checkpoint ({saved_cfg.get('seed')!r} "
+                                  f"there, {cfg.seed!r} now): a resumed run keeps its seed")
     for section in ("model", "data"):
         if saved_cfg.get(section) != to_dict(getattr(cfg, section)):
             raise ConfigError(section, "differs from the checkpoint's; resume needs the same "

@@ -168,7 +168,7 @@ def _check_explicit_resume(out: Path, path: Path) -> None:
     if (out / "summary.json").exists():
         raise ConfigError("output-dir", f"{out} already holds a finished run; resume into "
                                         "another --output-dir")
-    step = ckpt.step_of(path)
+    step = ckpt.checkpoint_step(path)  # the marker's: a renamed copy is still that step
     later = [s for s in ckpt.complete_steps(out) if step is not None and s > step]
     if later:
         raise ConfigError("output-dir", f"{out} holds checkpoints after step {step} (step "
@@ -186,10 +186,16 @@ def _check_secure_resume(path: Path | None, run_dir: Path | None = None) -> None
     behind; rows found here come from a version before that rule.)"""
     from dptrain import checkpoint as ckpt
 
-    step = 0 if path is None else ckpt.step_of(path)
+    if path is not None and run_dir is None and Path(path).resolve().parent.name != "checkpoints":
+        # copied or moved out of its run: that run's later outputs cannot be checked here
+        raise ConfigError("resume", f"secure mode: {path} is not in a run's checkpoints/ "
+                                    "directory, so the outputs of its run cannot be checked "
+                                    "for later releases; resume it from its run directory "
+                                    "(copy the whole run to move it)")
+    step = 0 if path is None else ckpt.checkpoint_step(path)
     if step is None:
         return
-    run_dir = Path(run_dir) if run_dir is not None else Path(path).parent.parent
+    run_dir = Path(run_dir) if run_dir is not None else Path(path).resolve().parent.parent
     later = [s for s in ckpt.complete_steps(run_dir) if s > step]
     logged = [s for s in _metrics_steps(run_dir / "metrics.jsonl") if s > step]
     finished = (run_dir / "summary.json").exists()
@@ -218,7 +224,7 @@ def _check_secure_branch(path: Path, out: Path) -> None:
     checkpoint's run directory (``secure_resumes.jsonl``) before any release
     (:func:`_record_secure_resume`); a resume into any other output directory is refused. The
     file lives in the run directory, so the answer is the same for every checkpoint of it."""
-    src = Path(path).parent.parent
+    src = Path(path).resolve().parent.parent  # in checkpoints/ (_check_secure_resume)
     claims = src / SECURE_RESUMES
     into = str(Path(out).resolve())
     others = sorted({str(row.get("into")) for _, row in _metrics_rows(claims)} - {into})
@@ -240,8 +246,8 @@ def _record_secure_resume(path: Path, out: Path, *, write: bool) -> None:
         import torch.distributed as dist
 
         dist.barrier()  # every rank read the file before it changes
-    claims = Path(path).parent.parent / SECURE_RESUMES
-    row = {"step": ckpt.step_of(path), "checkpoint": str(Path(path).resolve()),
+    claims = Path(path).resolve().parent.parent / SECURE_RESUMES
+    row = {"step": ckpt.checkpoint_step(path), "checkpoint": str(Path(path).resolve()),
            "into": str(Path(out).resolve())}
     if not write or row in [r for _, r in _metrics_rows(claims)]:
         return
