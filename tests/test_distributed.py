@@ -270,3 +270,26 @@ def test_replicated_save_returns_on_every_rank_only_once_the_checkpoint_is_seale
     # after a SIGTERM stop the ranks exit right after save(): rank 1 used to exit while rank 0
     # was still writing, and the launcher then killed rank 0 with the checkpoint half written
     assert spawn(_save_replicated, 2, str(tmp_path / "run")) == [True, True]
+
+
+def _verify_views(rank: int, world: int, paths: list[str]) -> tuple:
+    from dptrain import checkpoint as ckpt
+
+    # each rank sees its own copy: rank 1's lags (no marker yet, as on a lagging NFS client)
+    return (ckpt.verify(Path(paths[rank]), collective=True),
+            ckpt.verify(Path(paths[rank]), shallow=True, collective=True))
+
+
+def test_collective_verify_agrees_when_the_ranks_see_different_files(tmp_path):
+    # a rank that returned early (no marker) used to leave the others waiting in the exchange
+    import shutil
+
+    from dptrain import checkpoint as ckpt
+
+    good = ckpt.write({"x": torch.arange(4.0)}, tmp_path / "run", 1, 2)
+    lagging = tmp_path / "lagging" / good.name
+    shutil.copytree(good, lagging)
+    (lagging / ckpt.MARKER).unlink()
+    got = spawn(_verify_views, 2, [str(good), str(lagging)], timeout=90)
+    assert got[0] == got[1] and got[0][0] is not None and "marker" in got[0][0]
+    assert got[0][1] == got[0][0]

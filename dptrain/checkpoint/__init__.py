@@ -490,42 +490,48 @@ def _prune(root: Path, keep: int, newest: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _quick_check(path: Path) -> tuple[str | None, dict[str, str]]:
+    """(problem or None, the marker's checksums): the marker, and each file's presence and
+    size, without hashing."""
+    marker = path / MARKER
+    if not marker.is_file():
+        return "incomplete (no COMPLETE marker)", {}
+    try:
+        info = json.loads(marker.read_text())
+        sums, sizes = info["sha256"], info.get("bytes", {})
+    except Exception:
+        return "corrupt COMPLETE marker", {}
+    for fname in sorted(sums):
+        f = path / fname
+        if not f.is_file():
+            return f"missing file {fname}", sums
+        if fname in sizes and f.stat().st_size != sizes[fname]:
+            return (f"{fname} has {f.stat().st_size} bytes, the marker says {sizes[fname]}: "
+                    "the file is truncated or was overwritten"), sums
+    return None, sums
+
+
 def verify(path: Path, *, shallow: bool = False, collective: bool = False) -> str | None:
     """None if the checkpoint at ``path`` is complete and intact, else the reason.
 
     ``shallow``: only the marker, the files' presence and sizes (no hashing). ``collective``
     (every rank of the default process group calls it): the files are hashed by the ranks in
     turn, file i by rank i mod W, and the verdict is shared, so N ranks read the checkpoint
-    once between them instead of N times. Without a process group, the same as the default."""
-    path = Path(path)
-    marker = path / MARKER
-    if not marker.is_file():
-        return "incomplete (no COMPLETE marker)"
-    try:
-        info = json.loads(marker.read_text())
-        sums, sizes = info["sha256"], info.get("bytes", {})
-    except Exception:
-        return "corrupt COMPLETE marker"
-    names = sorted(sums)
-    for fname in names:
-        f = path / fname
-        if not f.is_file():
-            return f"missing file {fname}"
-        if fname in sizes and f.stat().st_size != sizes[fname]:
-            return (f"{fname} has {f.stat().st_size} bytes, the marker says {sizes[fname]}: "
-                    "the file is truncated or was overwritten")
-    if shallow:
-        return None
+    once between them instead of N times; every rank takes part in the exchange whatever it
+    sees (a rank whose view of a shared file system lags must not leave the others waiting).
+    Without a process group, the same as the default."""
     from dptrain.parallel.dist import get_rank, get_world_size
 
+    path = Path(path)
     rank, world = (get_rank(), get_world_size()) if collective else (0, 1)
-    problem = None
-    for fname in names[rank::world]:
-        f = path / fname
-        if _sha256(f) != sums[fname]:
-            problem = (f"checksum mismatch in {fname} ({f.stat().st_size} bytes): the file is "
-                       "truncated or corrupted")
-            break
+    problem, sums = _quick_check(path)
+    if problem is None and not shallow:
+        for fname in sorted(sums)[rank::world]:
+            f = path / fname
+            if _sha256(f) != sums[fname]:
+                problem = (f"checksum mismatch in {fname} ({f.stat().st_size} bytes): the file "
+                           "is truncated or corrupted")
+                break
     if world > 1:
         import torch.distributed as dist
 
@@ -539,11 +545,18 @@ def find_latest(output_dir: Path, *, shallow: bool = False, collective: bool = F
                 quiet: bool = False) -> Path | None:
     """Newest complete, intact checkpoint; damaged ones are reported on stderr (unless
     ``quiet``; by rank 0 only when ``collective``) and skipped. ``shallow``, ``collective``:
-    see ``verify``."""
-    from dptrain.parallel.dist import get_rank
+    see ``verify``; collectively, every rank tries rank 0's list of checkpoints."""
+    from dptrain.parallel.dist import get_rank, get_world_size
 
     root = _root(output_dir)
-    for path in reversed(_step_dirs(root)):
+    dirs = [str(d) for d in _step_dirs(root)]
+    if collective and get_world_size() > 1:
+        import torch.distributed as dist
+
+        shared = [dirs]
+        dist.broadcast_object_list(shared, src=0)
+        dirs = shared[0]
+    for path in map(Path, reversed(dirs)):
         problem = verify(path, shallow=shallow, collective=collective)
         if problem is None:
             return path
