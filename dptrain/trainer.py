@@ -544,9 +544,12 @@ class Trainer:
         eps, eps_step = self.epsilon(), self.step  # shown with its step: computed every log_every
         start = time.time()
         try:
-            # the step of the newest checkpoint (a resumed run starts at one; step 0 needs none)
-            # and its path, once this run has written it
-            saved_step, saved_path = self.step, None
+            # the step of the newest checkpoint in this run's directory (a run resumed there
+            # starts at one; step 0 needs none; a branch resumed from another run's checkpoint
+            # has none yet) and its path, once this run has written it
+            has_own = (self.step == 0 or out is None
+                       or self.step in ckpt.complete_steps(out))
+            saved_step, saved_path = (self.step if has_own else -1), None
             while self.step < self.plan.steps:
                 if signum := self._stop_agreed():
                     # every rank at the same step boundary: checkpoint it unless that is done,

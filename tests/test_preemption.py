@@ -143,3 +143,24 @@ def test_a_sigterm_after_the_stop_cannot_kill_the_exit(stopped):
         assert signal.getsignal(signal.SIGTERM) is (signal.SIG_IGN if stopped else mine)
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_branch_stopped_before_its_first_step_writes_the_checkpoint_it_resumed(tmp_path):
+    # resumed from another run's checkpoint into a new directory and stopped at once: "continue
+    # with --resume auto" needs a checkpoint there, or the branch would start from step 0
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, StopRequested, Trainer
+
+    args = ["train.progress=false", "privacy.accountant=rdp", "privacy.steps=4",
+            "train.checkpoint_every=2"]
+    first = Trainer(load(RunConfig, TINY, args), tmp_path / "a")
+    first.private_step()
+    first.private_step()
+    source = ckpt.save(first, tmp_path / "a")
+    branch = Trainer(load(RunConfig, TINY, args), tmp_path / "b")
+    ckpt.load(branch, source)
+    branch.stop_signal = signal.SIGTERM
+    with pytest.raises(StopRequested) as e:
+        branch.run()
+    assert e.value.step == 2 and e.value.checkpoint is not None
+    assert ckpt.find_latest(tmp_path / "b") == tmp_path / "b" / "checkpoints" / "step-00000002"
