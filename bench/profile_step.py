@@ -8,7 +8,7 @@ was: the summed time of its kernels over the wall time of the steps.
 Per variant it prints the operators with the most self CPU time and, on CUDA, the most self
 device time, then one summary line; the last line printed is one JSON object:
 {variant: {"wall_s_per_step", "device_busy_s_per_step", "device_busy_fraction",
-"cpu_ops_s_per_step", "top_cpu": [[op, s/step, calls/step]...], "top_device": [...], "syncs":
+"cpu_ops_s_per_step", "cpu_op_calls_per_step", "top_cpu": [[op, s/step, calls/step]...], "top_device": [...], "syncs":
 [[calls/step, s/step, frames]...]}} (device entries on CUDA only; ``syncs``: where the host
 waited for the device, by call stack).
 A device_busy_fraction far below 1 means the GPU waits on the Python side (launch-bound); the
@@ -59,6 +59,7 @@ def profile_variant(variant: str, cfg, steps: int, top: int) -> dict:
     cpu_rows = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     out = {"wall_s_per_step": wall,
            "cpu_ops_s_per_step": sum(e.self_cpu_time_total for e in ev) / 1e6 / steps,
+           "cpu_op_calls_per_step": sum(e.count for e in ev) / steps,
            "top_cpu": [[e.key, e.self_cpu_time_total / 1e6 / steps, e.count // steps]
                        for e in cpu_rows]}
     if cuda:

@@ -117,19 +117,20 @@ def test_ghost_variant_and_noise_modes_take_the_same_step(bench):
                                        cfg.lr * cfg.clip_norm * z / B, rtol=1e-3, atol=1e-6)
 
 
-def test_profile_step_counts_more_operator_time_for_two_states_than_none():
+def test_profile_step_counts_more_operator_calls_for_two_states_than_none():
     """bench/profile_step.py (part of bench/gpu_check.sh): per variant, the profiled operators;
     a K = 1 step (two states' forward/backward, norms, clipped sum) runs more of them than the
-    non-private step on the same model and batch."""
+    non-private step on the same model and batch (counted, not timed)."""
     prof = _load("profile_step")
     res = prof.main(["--tiny", "--variants", "nonprivate,k1", "--steps", "2", "--top", "5"])
     for v in ("nonprivate", "k1"):
         assert res[v]["wall_s_per_step"] > 0
         assert len(res[v]["top_cpu"]) == 5
         assert all(op and n >= 0 for op, _, n in res[v]["top_cpu"])
-    ops = {v: sum(n for _, _, n in res[v]["top_cpu"]) for v in ("nonprivate", "k1")}
-    assert res["k1"]["cpu_ops_s_per_step"] > res["nonprivate"]["cpu_ops_s_per_step"]
-    assert ops["k1"] > ops["nonprivate"]
+        assert res[v]["cpu_ops_s_per_step"] > 0
+    # operator calls, not their times: on a tiny model a timing comparison is noise (a full
+    # suite run measured the non-private step's operators at 2x a K = 1 step's)
+    assert res["k1"]["cpu_op_calls_per_step"] > 1.5 * res["nonprivate"]["cpu_op_calls_per_step"]
 
 
 def test_profile_sync_sites_name_the_python_frames_of_an_operator():
