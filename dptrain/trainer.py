@@ -549,6 +549,9 @@ class Trainer:
             # has none yet) and its path, once this run has written it
             has_own = (self.step == 0 or out is None
                        or self.step in ckpt.complete_steps(out))
+            # the same answer on every rank (a stop's save is collective)
+            (owners,) = all_reduce_scalars(float(has_own), device=self.device)
+            has_own = owners == self.world
             saved_step, saved_path = (self.step if has_own else -1), None
             while self.step < self.plan.steps:
                 if signum := self._stop_agreed():
