@@ -528,6 +528,33 @@ def test_webdataset_shards_matching_both_splits_are_refused(tmp_path):
     assert len(task.train) == 4 and len(task.test) == 2
 
 
+def test_webdataset_a_shard_matched_twice_through_a_link_counts_once(tmp_path):
+    # a "latest" symlink (or a hard link) that the train pattern also matches: its examples
+    # were indexed twice, so N counted them twice and one example could be drawn twice
+    import os
+
+    rng = np.random.default_rng(3)
+    _write_shards(tmp_path, "imagenet-train", 2, 3, rng)
+    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
+    (tmp_path / "imagenet-train-latest.tar").symlink_to(tmp_path / "imagenet-train-000001.tar")
+    os.link(tmp_path / "imagenet-train-000000.tar", tmp_path / "imagenet-train-hard.tar")
+    task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert len(task.train) == 6
+
+
+def test_webdataset_negative_label_names_the_data_not_num_classes(tmp_path):
+    import webdataset as wds
+
+    from dptrain.config import ConfigError
+
+    with wds.TarWriter(str(tmp_path / "imagenet-train-000000.tar")) as w:
+        w.write({"__key__": "x", "jpg": b"\xff\xd8not-decoded-here", "cls": b"-1"})
+    _write_shards(tmp_path, "imagenet-val", 1, 2, np.random.default_rng(4))
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert e.value.field == "data.path" and "negative label -1" in e.value.message
+
+
 def test_webdataset_damaged_shards_are_config_errors_naming_data_path(tmp_path):
     """A damaged shard is one line naming data.path, not a traceback: tarfile reads headers
     lazily, so a truncated shard failed while its members were iterated (ReadError); a shard

@@ -279,7 +279,12 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
         size, c = cfg.image_size or 224, cfg.in_chans or 3
         train_shards = expand_shards(directory, train_name, "data.train_file")
         test_shards = expand_shards(directory, test_name, "data.test_file")
-        shared = sorted({p.resolve() for p in train_shards} & {p.resolve() for p in test_shards})
+        def file_id(p):  # a file, whatever its spelling or link
+            st = p.stat()
+            return st.st_dev, st.st_ino
+
+        test_ids = {file_id(p) for p in test_shards}
+        shared = [p for p in train_shards if file_id(p) in test_ids]
         if shared:  # e.g. *train*.tar and *val*.tar both matching imagenet-trainval-*.tar
             raise ConfigError("data.test_file",
                               f"{len(shared)} shard(s) match both the training and the test "
@@ -289,7 +294,10 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
         test = WebDatasetImages(test_shards, size, c, cfg.max_test_examples)
         labels = np.concatenate([train.index["label"], test.index["label"]])
         k = cfg.num_classes or (int(labels.max()) + 1 if len(labels) else 0)
-        if len(labels) and (labels.min() < 0 or labels.max() >= k):
+        if len(labels) and labels.min() < 0:
+            raise ConfigError("data.path", f"a shard holds the negative label {labels.min()} "
+                                           "(.cls must be a class index >= 0)")
+        if len(labels) and labels.max() >= k:
             raise ConfigError("data.num_classes",
                               f"labels range over [{labels.min()}, {labels.max()}], "
                               f"outside 0..{k - 1}")

@@ -59,7 +59,17 @@ def expand_shards(directory: Path | None, pattern: str, field: str) -> list[Path
     if not out:
         where = directory / pattern if directory is not None else pattern
         raise ConfigError(field, f"file not found: no shard matches {where}")
-    return sorted(set(out), key=str)
+    # one entry per file: a symlink (or a hard link, or two spellings of one path) that the
+    # pattern also matches would index the same examples twice, so N would count them twice
+    # and one example could be drawn twice in a step (sensitivity 2C)
+    seen: set[tuple[int, int]] = set()
+    unique = []
+    for p in sorted(set(out), key=str):
+        st = p.stat()
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            unique.append(p)
+    return unique
 
 
 def index_shards(shards: list[Path]) -> dict[str, np.ndarray]:
