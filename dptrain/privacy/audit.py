@@ -29,8 +29,9 @@ Several guess counts are tried, at both ends of the ranking and at the top alone
 Bonferroni correction over them (the bound stays valid). m canaries can refute no claim above
 :func:`largest_lower_bound` (every guess right): about 5.1 for 1,000 canaries at delta 1e-5,
 and never more than about 5.73 at that delta (reached near 3,300 canaries), since the
-theorem's delta term grows with m. A one-run audit of a subsampled mechanism is loose: it finds a gross fault (noise missing on a shard, a
-sigma far below the calibrated one) rather than a small miscalibration. jax_privacy ships the
+theorem's delta term grows with m. A one-run audit of a subsampled mechanism is loose: it
+finds a gross fault (noise missing on a shard, a sigma far below the calibrated one) rather
+than a small miscalibration. jax_privacy ships the
 same p-value (``jax_privacy.auditing``), but only for JAX; the formula is a few lines, written
 here from the paper on scipy's binomial.
 
