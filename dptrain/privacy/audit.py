@@ -31,9 +31,8 @@ Bonferroni correction over them (the bound stays valid). m canaries can refute n
 and never more than about 5.73 at that delta (reached near 3,300 canaries), since the
 theorem's delta term grows with m. A one-run audit of a subsampled mechanism is loose: it
 finds a gross fault (noise missing on a shard, a sigma far below the calibrated one) rather
-than a small miscalibration. jax_privacy ships the
-same p-value (``jax_privacy.auditing``), but only for JAX; the formula is a few lines, written
-here from the paper on scipy's binomial.
+than a small miscalibration. jax_privacy ships the same p-value (``jax_privacy.auditing``),
+but only for JAX; the formula is a few lines, written here from the paper on scipy's binomial.
 
 The canaries' inclusion bits and sampling come from an audit seed, never from the privacy seed.
 A model trained with canaries is a test artefact, not a model to publish.
