@@ -84,6 +84,13 @@ def test_resume_auto_on_a_finished_run_does_nothing(tmp_path, capsys, finished):
     code, err = train(capsys, out, "--resume", "auto", "optim.ema_decay=0.5")
     assert code == 0 and "finished run" in one_line(err) and "nothing to do" in err
     assert snapshot(out) == before
+    # but a changed setting is an error, as it is against a checkpoint
+    for override, field in (("privacy.clip_norm=2", "privacy.clip_norm"), ("seed=1", "seed"),
+                            ("model.n_embd=64", "model.n_embd")):
+        code, err = train(capsys, out, "--resume", "auto", override)
+        line = one_line(err)
+        assert code == 2 and line.split("error: ")[1].startswith(field + ":"), line
+    assert snapshot(out) == before
 
 
 def test_resume_path_over_later_checkpoints_is_refused_but_another_dir_works(tmp_path, capsys,

@@ -567,8 +567,11 @@ def find_latest(output_dir: Path, *, shallow: bool = False, collective: bool = F
 
 
 def check_compatible(saved_cfg: dict, cfg) -> None:
+    # both sides as JSON would give them: summary.json's config (a finished run) has lists
+    # where a checkpoint's has tuples
+    saved_cfg = _plain(saved_cfg)
     saved = saved_cfg.get("privacy", {})
-    current = to_dict(cfg.privacy)
+    current = _plain(to_dict(cfg.privacy))
     for key in PRIVACY_FIELDS:
         if saved.get(key) != current.get(key):
             raise ConfigError(f"privacy.{key}",
@@ -584,9 +587,20 @@ def check_compatible(saved_cfg: dict, cfg) -> None:
         raise ConfigError("seed", f"differs from the checkpoint ({saved_cfg.get('seed')!r} "
                                   f"there, {cfg.seed!r} now): a resumed run keeps its seed")
     for section in ("model", "data"):
-        if saved_cfg.get(section) != to_dict(getattr(cfg, section)):
-            raise ConfigError(section, "differs from the checkpoint's; resume needs the same "
-                                       f"{section} settings")
+        was, now = saved_cfg.get(section) or {}, _plain(to_dict(getattr(cfg, section)))
+        if was != now:
+            keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+            field = f"{section}.{keys[0]}" if keys else section
+            raise ConfigError(field, f"differs from the checkpoint ({was.get(keys[0])!r} there, "
+                                     f"{now.get(keys[0])!r} now): resume needs the same "
+                                     f"{section} settings" if keys else
+                                     f"differs from the checkpoint's; resume needs the same "
+                                     f"{section} settings")
+
+
+def _plain(d):
+    """``d`` through a JSON round trip (tuples become lists, other objects strings)."""
+    return json.loads(json.dumps(d, default=str))
 
 
 def check_same_data(state: dict, trainer) -> None:

@@ -40,7 +40,14 @@ def run(args: argparse.Namespace) -> int:
     resume_path = None
     if args.resume == "auto" and (out / "summary.json").exists():
         # summary.json is written last: the run is finished (a requeued job lands here), and
-        # a finished run is never rewritten
+        # a finished run is never rewritten. Its config must be this one, as a checkpoint's
+        # must (a changed setting is not "nothing to do").
+        try:
+            saved = json.loads((out / "summary.json").read_text()).get("config")
+        except (OSError, ValueError, AttributeError):
+            saved = None
+        if isinstance(saved, dict):
+            ckpt.check_compatible(saved, cfg)
         if os.environ.get("RANK", "0") == "0":
             print(f"dptrain train: {out} holds a finished run (summary.json); nothing to do",
                   file=sys.stderr)
