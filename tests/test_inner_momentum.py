@@ -233,6 +233,19 @@ def test_a_resume_with_another_k_keeps_the_newest_states():
         other.load_state_dict(state)
 
 
+def test_a_loaded_history_does_not_write_into_the_loaded_tensors():
+    # push() reuses the oldest state's storage: that must not be the caller's state dict
+    w = torch.nn.Parameter(torch.zeros(2))
+    state = {"states": [{"w": torch.full((2,), 2.0)}, {"w": torch.full((2,), 1.0)}]}
+    hist = _history(2, w)
+    hist.load_state_dict(state)
+    with torch.no_grad():
+        w.fill_(7.0)
+    hist.push()
+    assert [float(s["w"][0]) for s in hist.states] == [7.0, 2.0]
+    assert [float(s["w"][0]) for s in state["states"]] == [2.0, 1.0]
+
+
 def test_run_reports_the_query_memory_once_the_history_is_full(tmp_path, capsys):
     im = ["optim.inner_momentum.k_muon=2", "optim.inner_momentum.k_other=1"]
     t = trainer(*im)
