@@ -588,14 +588,12 @@ def check_compatible(saved_cfg: dict, cfg) -> None:
                                   f"there, {cfg.seed!r} now): a resumed run keeps its seed")
     for section in ("model", "data"):
         was, now = saved_cfg.get(section) or {}, _plain(to_dict(getattr(cfg, section)))
-        if was != now:
-            keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
-            field = f"{section}.{keys[0]}" if keys else section
-            raise ConfigError(field, f"differs from the checkpoint ({was.get(keys[0])!r} there, "
-                                     f"{now.get(keys[0])!r} now): resume needs the same "
-                                     f"{section} settings" if keys else
-                                     f"differs from the checkpoint's; resume needs the same "
-                                     f"{section} settings")
+        keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+        if keys:
+            key = keys[0]
+            raise ConfigError(f"{section}.{key}", f"differs from the checkpoint ({was.get(key)!r} "
+                                                  f"there, {now.get(key)!r} now): resume needs "
+                                                  f"the same {section} settings")
 
 
 def _plain(d):

@@ -145,8 +145,8 @@ class _FirstForwardCheck(TorchFunctionMode):
     elsewhere (``F.linear(h, self.emb.weight)`` in a parent's forward) would be missing from
     the norms and the clipped sum. This mode refuses any torch call that takes a trainable
     parameter and gives a result autograd tracks, outside the forward of every hooked module
-    owning it. Attribute reads and queries (``.dtype``,
-    ``.data``, ``is_floating_point()``), ``detach()`` and calls under ``no_grad`` are not uses.
+    owning it. Attribute reads and queries (``.dtype``, ``.data``, ``is_floating_point()``),
+    ``detach()`` and calls under ``no_grad`` are not uses.
     Sharded (FSDP2) runs gather parameters into other tensors during the forward, which this
     check does not see: it covers the unsharded model.
 
@@ -249,10 +249,10 @@ def _check_reached(records: list[_Record], losses: Tensor) -> None:
         if rec.G is None and rec.node is not None and rec.node in seen:
             raise ValueError(
                 f"dptrain.clipping: the output gradient of {rec.name} "
-                f"({type(rec.module).__name__}) was not computed: its output reaches the loss, but none of the inputs it "
-                f"depends on comes from the batch (it is computed from parameters only). Make "
-                f"the layer's input depend on the batch, or fold that computation into a layer "
-                f"that takes the batch as input")
+                f"({type(rec.module).__name__}) was not computed: its output reaches the loss, "
+                f"but none of the inputs it depends on comes from the batch (it is computed "
+                f"from parameters only). Make the layer's input depend on the batch, or fold "
+                f"that computation into a layer that takes the batch as input")
         rec.node = None
 
 

@@ -142,9 +142,9 @@ def _stop_on_sigterm(trainer):
                       else before)
 
 
-def _metrics_rows(path: Path) -> list[tuple[str, dict]]:
-    """(line, row) of every readable row of ``metrics.jsonl`` (a line cut short by a kill is
-    skipped); [] when there is no file."""
+def _json_rows(path: Path) -> list[tuple[str, dict]]:
+    """(line, row) of every readable row of a JSON-lines file (``metrics.jsonl``,
+    ``secure_resumes.jsonl``; a line cut short by a kill is skipped); [] when there is none."""
     if not path.is_file():
         return []
     rows = []
@@ -159,7 +159,7 @@ def _metrics_rows(path: Path) -> list[tuple[str, dict]]:
 
 
 def _metrics_steps(path: Path) -> list[int]:
-    return [int(row.get("step", 0)) for _, row in _metrics_rows(path)]
+    return [int(row.get("step", 0)) for _, row in _json_rows(path)]
 
 
 def _holds_a_run(out: Path) -> bool:
@@ -234,7 +234,7 @@ def _check_secure_branch(path: Path, out: Path) -> None:
     src = Path(path).resolve().parent.parent  # in checkpoints/ (_check_secure_resume)
     claims = src / SECURE_RESUMES
     into = str(Path(out).resolve())
-    others = sorted({str(row.get("into")) for _, row in _metrics_rows(claims)} - {into})
+    others = sorted({str(row.get("into")) for _, row in _json_rows(claims)} - {into})
     if others:
         raise ConfigError("resume", f"secure mode: a checkpoint of {src} was already resumed "
                                     f"into {others[0]} ({claims}); resuming {path} into {out} "
@@ -256,7 +256,7 @@ def _record_secure_resume(path: Path, out: Path, *, write: bool) -> None:
     claims = Path(path).resolve().parent.parent / SECURE_RESUMES
     row = {"step": ckpt.checkpoint_step(path), "checkpoint": str(Path(path).resolve()),
            "into": str(Path(out).resolve())}
-    if not write or row in [r for _, r in _metrics_rows(claims)]:
+    if not write or row in [r for _, r in _json_rows(claims)]:
         return
     try:
         with open(claims, "a") as f:
@@ -273,7 +273,7 @@ def _drop_metrics_after(path: Path, step: int) -> None:
     are recomputed now): drop them, so metrics.jsonl holds each step once."""
     if not path.exists():
         return
-    keep = [line for line, row in _metrics_rows(path) if row.get("step", 0) <= step]
+    keep = [line for line, row in _json_rows(path) if row.get("step", 0) <= step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)

@@ -271,7 +271,7 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
         return Task(train=train, test=test, info=info, loss_fn=classification_loss)
 
     if cfg.name == "webdataset":
-        from dptrain.data.wds import WebDatasetImages, expand_shards
+        from dptrain.data.wds import WebDatasetImages, expand_shards, file_id
 
         directory = _resolve_dir(cfg.path, None)
         if directory is not None and not directory.is_dir():
@@ -279,11 +279,7 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
         size, c = cfg.image_size or 224, cfg.in_chans or 3
         train_shards = expand_shards(directory, train_name, "data.train_file")
         test_shards = expand_shards(directory, test_name, "data.test_file")
-        def file_id(p):  # a file, whatever its spelling or link
-            st = p.stat()
-            return st.st_dev, st.st_ino
-
-        test_ids = {file_id(p) for p in test_shards}
+        test_ids = {file_id(p) for p in test_shards}  # files, whatever their spelling
         shared = [p for p in train_shards if file_id(p) in test_ids]
         if shared:  # e.g. *train*.tar and *val*.tar both matching imagenet-trainval-*.tar
             raise ConfigError("data.test_file",

@@ -65,11 +65,16 @@ def expand_shards(directory: Path | None, pattern: str, field: str) -> list[Path
     seen: set[tuple[int, int]] = set()
     unique = []
     for p in sorted(set(out), key=str):
-        st = p.stat()
-        if (st.st_dev, st.st_ino) not in seen:
-            seen.add((st.st_dev, st.st_ino))
+        if file_id(p) not in seen:
+            seen.add(file_id(p))
             unique.append(p)
     return unique
+
+
+def file_id(path: Path) -> tuple[int, int]:
+    """(device, inode): the same for every spelling of, and every link to, one file."""
+    st = path.stat()
+    return st.st_dev, st.st_ino
 
 
 def index_shards(shards: list[Path]) -> dict[str, np.ndarray]:
