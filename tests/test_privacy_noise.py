@@ -115,14 +115,17 @@ def test_thread_count_does_not_change_the_noise():
 
 
 def test_philox_reference():
-    # Block k is numpy's Philox4x64 keyed by block_key, drawn whole: an independent re-derivation.
-    z = gaussian_noise(3, 2, "w", 2 * BLOCK + 10, BLOCK - 5, BLOCK + 5)
+    # Block k is numpy's Philox4x64 keyed by block_key, drawn whole in float64 and rounded to
+    # the requested dtype: an independent re-derivation.
     ref = np.concatenate([
         np.random.Generator(np.random.Philox(key=block_key(3, 2, "w", 0)))
-        .standard_normal(BLOCK, dtype=np.float32)[-5:],
+        .standard_normal(BLOCK, dtype=np.float64)[-5:],
         np.random.Generator(np.random.Philox(key=block_key(3, 2, "w", 1)))
-        .standard_normal(BLOCK, dtype=np.float32)[:5]])
-    assert np.array_equal(z.numpy(), ref)
+        .standard_normal(BLOCK, dtype=np.float64)[:5]])
+    z64 = gaussian_noise(3, 2, "w", 2 * BLOCK + 10, BLOCK - 5, BLOCK + 5, dtype=torch.float64)
+    assert np.array_equal(z64.numpy(), ref)
+    z = gaussian_noise(3, 2, "w", 2 * BLOCK + 10, BLOCK - 5, BLOCK + 5)
+    assert np.array_equal(z.numpy(), ref.astype(np.float32))
 
 
 def test_standard_normal_statistics():
@@ -140,12 +143,16 @@ def test_standard_normal_statistics():
 def test_dtypes():
     z32 = gaussian_noise(1, 2, "w", 1000)
     z64 = gaussian_noise(1, 2, "w", 1000, dtype=torch.float64)
-    assert z64.dtype == torch.float64
+    assert z64.dtype == torch.float64 and z32.dtype == torch.float32
     assert torch.equal(gaussian_noise(1, 2, "w", 1000, 100, 900, dtype=torch.float64), z64[100:900])
+    # drawn in float64 whatever the dtype, rounded once: every dtype's noise is float64's
+    assert torch.equal(z32, z64.to(torch.float32))
+    # a float64 draw (numpy's float32 normals are another stream: this fails for them)
+    assert not torch.equal(z64, z32.to(torch.float64))
     for dt in (torch.bfloat16, torch.float16):
         z = gaussian_noise(1, 2, "w", 1000, dtype=dt)
         assert z.dtype == dt
-        assert torch.equal(z, z32.to(dt))  # drawn in float32, then cast
+        assert torch.equal(z, z64.to(dt))
     with pytest.raises(TypeError):
         gaussian_noise(1, 2, "w", 10, dtype=torch.int64)
 

@@ -66,12 +66,18 @@ def test_performance_settings_leave_samples_clip_factors_and_noise_unchanged(ove
     assert max_rel(released(other, 0), released(ref, 0)) < 1e-6
 
 
-def test_dtype_setting_leaves_samples_and_noise_unchanged():
-    ref, other = make(), make("performance.dtype=bfloat16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_dtype_setting_leaves_samples_and_noise_unchanged(dtype):
+    ref, other = make(), make(f"performance.dtype={dtype}")
     for step in range(3):
         np.testing.assert_array_equal(ref.sample(step), other.sample(step))
-        name, p = ref.named_params[0]
-        assert torch.equal(ref.noise(step, name, p), other.noise(step, name, p))
+        for name, p in ref.named_params[:3]:
+            z, z_other = ref.noise(step, name, p), other.noise(step, name, dict(
+                other.named_params)[name])
+            assert z.dtype == torch.float32
+            # float64 runs draw the same numbers at float64 precision; float32's are them rounded
+            assert z_other.dtype == (torch.float64 if dtype == "float64" else torch.float32)
+            assert torch.equal(z, z_other.to(torch.float32)), name
 
 
 @pytest.mark.parametrize("where", ["inline", "background"])

@@ -15,8 +15,11 @@ the global flat coordinates ``[start, end)`` of the noise tensor ``Z`` for the p
 Hence any split of ``[0, numel)`` across ranks (FSDP shards) or slices gives exactly the same
 numbers as one full draw: 1, 2 or 8 ranks produce the same release. The numbers are drawn on the
 CPU and copied to the target device, so they are also the same on every device type (CPU or
-CUDA) and independent of the number of threads that draw them. They depend on the drawing dtype
-(float64 is drawn in float64; every other floating dtype is drawn in float32 and cast).
+CUDA) and independent of the number of threads that draw them. Every block is drawn in float64
+and rounded to the requested dtype, so a float32 (or bf16) run's noise is its float64 run's
+rounded: ``performance.dtype`` does not change the noise. (float64 runs need float64 draws: noise
+of float32 resolution added to a float64 sum would leave the sum's low-order bits in the release
+as they are; until 2026-12-01 other dtypes drew numpy's float32 normals, another stream.)
 
 Why not ``torch.Generator``: the CPU generator seeds its Mersenne Twister from the low 32 bits of
 the seed only, so the blocks of a run drew from 2**32 streams at most, and two blocks of one run
@@ -114,16 +117,16 @@ def gaussian_noise(seed: int, step: int, key: str, numel: int, start: int = 0,
     if not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating dtype, got {dtype}")
     device = torch.device(device)
-    np_dtype = np.float64 if dtype == torch.float64 else np.float32
     if end == start:
         return torch.empty(0, dtype=dtype, device=device)
-    out = np.empty(end - start, dtype=np_dtype)
+    # drawn in float64 whatever the dtype (see the module docstring), rounded once at the end
+    out = np.empty(end - start, dtype=np.float64)
     blocks = range(start // BLOCK, (end - 1) // BLOCK + 1)
 
     def fill(k: int) -> None:
         b0 = k * BLOCK
         block_len = min(BLOCK, numel - b0)
-        z = _draw_block(block_key(seed, step, key, k), block_len, np_dtype)
+        z = _draw_block(block_key(seed, step, key, k), block_len, np.float64)
         lo, hi = max(start, b0), min(end, b0 + block_len)
         out[lo - start:hi - start] = z[lo - b0:hi - b0]
 
@@ -134,7 +137,9 @@ def gaussian_noise(seed: int, step: int, key: str, numel: int, start: int = 0,
         for k in blocks:
             fill(k)
     z = torch.from_numpy(out)
-    return z.to(device=device, dtype=dtype) if (device.type != "cpu" or z.dtype != dtype) else z
+    if z.dtype != dtype:  # rounded on the host: a device gets the target dtype's bytes only
+        z = z.to(dtype)
+    return z.to(device) if device.type != "cpu" else z
 
 
 def block_share(numel: int, index: int, rank: int, world: int) -> tuple[int, int]:
