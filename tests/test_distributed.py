@@ -38,8 +38,10 @@ def _train(rank: int, world: int, overrides: list[str]) -> dict:
              for k, v in first.items()}
     while t.step < t.plan.steps:
         t.private_step()
+    metrics = t.evaluate() if t.optimizer.ema is not None else {}
     return {"params": {k: v.clone() for k, v in t.full_state_dict().items()},
-            "release0": first, "sizes": [len(t.local_sample(s)) for s in range(t.plan.steps)]}
+            "release0": first, "sizes": [len(t.local_sample(s)) for s in range(t.plan.steps)],
+            "metrics": metrics}
 
 
 def _rel(a: dict, b: dict) -> float:
@@ -60,6 +62,10 @@ def _check(overrides: list[str], worlds: list[tuple[int, str]]) -> list[dict]:
                 assert _rel(r["params"], ref["params"]) <= 1e-5, (world, sharding)
         assert results[0]["params"]
         assert _rel(results[0]["release0"], ref["release0"]) <= 1e-5
+        for r in results:  # test metrics (with an EMA: of the average and the last iterate)
+            assert r["metrics"].keys() == ref["metrics"].keys()
+            for k, v in ref["metrics"].items():
+                assert r["metrics"][k] == pytest.approx(v, rel=1e-5), (world, sharding, k)
         assert [sum(s) for s in zip(*(r["sizes"] for r in results))] == ref["sizes"]
         outs.append(results)
     return outs
@@ -83,6 +89,14 @@ def test_dp_muon_original_scale_same_on_1_and_2_fsdp_ranks():
     # (and the noise drawn on the background thread: each rank its own rows, during the
     # microbatches)
     _check(["optim.scale=original", "performance.noise_prefetch=background"], [(2, "fsdp")])
+
+
+def test_ema_metrics_same_on_1_and_2_fsdp_ranks():
+    # the average is evaluated after the last iterate: under FSDP2 that forward must not reuse
+    # the root's unsharded copies of the last iterate (it gave the last iterate's metrics)
+    outs = _check(["optim.ema_decay=0.5"], [(2, "fsdp")])
+    m = outs[0][0]["metrics"]
+    assert m["nll_per_token"] != pytest.approx(m["last_iterate_nll_per_token"], rel=1e-5)
 
 
 def test_dp_sgd_gpt2_same_on_1_and_2_replicated_ranks():

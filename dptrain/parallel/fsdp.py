@@ -66,6 +66,21 @@ def apply_fsdp(model: nn.Module, *, mixed_precision: bool = False) -> nn.Module:
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Reshard every FSDP2 module of ``model`` (no-op without FSDP). A forward under
+    ``no_grad`` (evaluation) has no backward to reshard after, and FSDP2 keeps the root's
+    parameters unsharded after its forward: a later write into the sharded parameters (the
+    EMA swapped in for evaluation) would then not be seen by the next forward, which reuses the
+    stale unsharded copies. Call it after such a forward."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def local_rows(p: Tensor) -> tuple[int, int]:
     """Global rows [start, end) of ``p``'s dim 0 held by this rank (all rows if not sharded)."""
     if not is_sharded(p) or not dist.is_initialized():
