@@ -51,7 +51,9 @@ class PerformanceConfig:
     step). The same numbers either way (tests/test_release.py); background holds this rank's
     noise of the whole model in host memory until the release."""
     fsdp_mixed_precision: bool = False
-    """FSDP2 with bf16 parameters in forward/backward (norms, sums and reductions in fp32)."""
+    """FSDP2 with bf16 parameters in forward/backward (norms, sums and reductions in fp32);
+    needs ``sharding: fsdp`` (refused otherwise; on a single rank nothing is sharded and it has
+    no effect)."""
 
     def validate(self) -> None:
         if self.microbatch_size < 1:
@@ -66,6 +68,10 @@ class PerformanceConfig:
                                           "which bfloat16 autocast computes in bf16 while the "
                                           "norms are float32 (a clipped example could add "
                                           "more than C); use bookkeeping with bfloat16")
+        if self.fsdp_mixed_precision and self.sharding != "fsdp":
+            raise ConfigError("fsdp_mixed_precision", "applies to FSDP2 sharding only; set "
+                                                      "performance.sharding=fsdp, or use "
+                                                      "performance.dtype=bfloat16 (autocast)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("device", f"must be auto, cpu or cuda, got {self.device!r}")
 

@@ -91,6 +91,8 @@ def test_train_writes_summary_and_full_model(tmp_path, capsys):
     ("seed=-1", "seed"),
     ("seed=9223372036854775808", "seed"),  # 2**63: beyond torch.manual_seed
     ("train.eval_batch_size=0", "train.eval_batch_size"),  # crashed after training
+    # an FSDP-only setting without FSDP did nothing, silently
+    ("performance.fsdp_mixed_precision=true", "performance.fsdp_mixed_precision"),
     # a history length for a part of the query without parameters would do nothing
     (("optim.inner_momentum.k_muon=2", "optim.name=sgd", "optim.preset=null"),
      "optim.inner_momentum.k_muon"),

@@ -91,6 +91,17 @@ def test_dp_muon_original_scale_same_on_1_and_2_fsdp_ranks():
     _check(["optim.scale=original", "performance.noise_prefetch=background"], [(2, "fsdp")])
 
 
+def test_fsdp_mixed_precision_gathers_bf16_and_stays_near_the_float32_run():
+    # bf16 parameters in forward/backward (norms, sums, reductions and the masters in fp32):
+    # the release is the float32 run's to bf16 accuracy, and not equal to it (the setting acts)
+    ref = spawn(_train, 1, [])[0]
+    results = spawn(_train, 2, ["performance.sharding=fsdp",
+                                "performance.fsdp_mixed_precision=true"])
+    rel = _rel(results[0]["release0"], ref["release0"])
+    assert 1e-5 < rel < 1e-2
+    assert all(v.dtype == torch.float32 for v in results[0]["params"].values())
+
+
 def test_ema_metrics_same_on_1_and_2_fsdp_ranks():
     # the average is evaluated after the last iterate: under FSDP2 that forward must not reuse
     # the root's unsharded copies of the last iterate (it gave the last iterate's metrics)
