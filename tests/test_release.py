@@ -66,6 +66,17 @@ def test_performance_settings_leave_samples_clip_factors_and_noise_unchanged(ove
     assert max_rel(released(other, 0), released(ref, 0)) < 1e-6
 
 
+def test_two_pass_equals_bookkeeping_to_float64_rounding_in_float64_runs():
+    # with every example clipped: the second backward weights the losses by the clip factors,
+    # which float32 losses (the LM loss rounded float64 logits to float32) rounded (6.7e-8)
+    common = ("performance.dtype=float64", "privacy.clip_norm=0.05",
+              "privacy.noise_multiplier=0", "privacy.epsilon=null")
+    book, two = make(*common), make(*common, "performance.clipping=two_pass")
+    batch = book.task.train.collate(book.sample(0))
+    assert book.task.loss_fn(book.model, batch).dtype == torch.float64
+    assert max_rel(released(two, 0), released(book, 0)) < 1e-12
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
 def test_dtype_setting_leaves_samples_and_noise_unchanged(dtype):
     ref, other = make(), make(f"performance.dtype={dtype}")

@@ -306,7 +306,9 @@ def token_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def lm_token_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token NLL ``[B, L-1]`` (0 where not a target) and the target mask ``[B, L-1]``."""
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    logits = _logits(out).float()  # (B, L, V); no copy in float32
+    logits = _logits(out)  # (B, L, V)
+    if logits.dtype in (torch.float16, torch.bfloat16):  # autocast: the loss in float32
+        logits = logits.float()  # (no copy in float32; float64 runs stay float64)
     b, length, v = logits.shape
     # Position l predicts token l + 1. The labels are shifted, not the logits: flattening a
     # (B, L-1, V) slice would copy the logits (a third logit-sized tensor in the forward). The
@@ -319,7 +321,8 @@ def lm_token_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, t
 
 def lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-example loss ``[B]``: mean NLL over that example's target tokens (0 for an example
-    without target tokens). Float32 whatever the compute dtype."""
+    without target tokens). Float32 for half-precision logits (autocast), else their dtype
+    (float64 runs: float64; until 2026-12-01 their logits were rounded to float32 here)."""
     if batch["input_ids"].shape[0] == 0:
         return _empty_loss(model)
     nll, mask = lm_token_nll(model, batch)
