@@ -14,7 +14,6 @@ Everything before the release touches private data; everything after it is post-
 from __future__ import annotations
 
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from dptrain.privacy.accounting import (Ledger, calibrate_noise_multiplier, chec
 from dptrain.privacy.config import PrivacyConfig
 from dptrain.privacy.noise import block_share, gaussian_noise, secure_seed
 from dptrain.privacy.sampling import poisson_sample, shard_indices
+from dptrain.telemetry import strict_json
 from dptrain.parallel.dist import init_from_env
 from dptrain.parallel.fsdp import (all_reduce_scalars, apply_fsdp, as_grad, flat_range, reshard,
                                    is_sharded, reduce_sum)
@@ -208,6 +208,14 @@ def _rows_of(z: Tensor, p: Tensor) -> Tensor:
     return z.view(-1, *p.shape[1:]) if p.dim() else z.view(())
 
 
+def busiest_microbatches(n_sampled: int, world: int, microbatch_size: int) -> int:
+    """Microbatches of the rank with the largest share of ``n_sampled`` examples: the first
+    ranks of :func:`shard_indices` hold ceil(n / W) each (from |S_t| alone, which every rank
+    knows, so the count needs neither communication nor the other ranks' shares)."""
+    largest = -(-n_sampled // world)  # integer ceilings
+    return -(-largest // microbatch_size)
+
+
 class Trainer:
     """Builds everything from a RunConfig and runs the private loop on one process."""
 
@@ -357,7 +365,8 @@ class Trainer:
         empty. Returns (name -> released tensor, aggregate stats for display)."""
         slices = self._noise_slices()
         noise_future = self._start_noise(step, slices)  # drawn while the microbatches run
-        indices = self.local_sample(step)
+        sample = self.sample(step)  # S_t, drawn once per release (an O(N) hash)
+        indices = shard_indices(sample, self.rank, self.world)
         plan = self.optimizer.query_plan()
         acc: dict[str, Tensor] = {}  # Sensitive: unnoised clipped sum; discarded after release.
         loss_sum, count = 0.0, 0
@@ -366,8 +375,9 @@ class Trainer:
         # Under FSDP every rank must run as many forwards as the busiest one (collectives in
         # forward/backward). Every rank knows S_t, so the count needs no communication; the
         # extra microbatches hold one phantom example whose clip factor is 0.
-        num_micro = max(len(self.microbatches(shard_indices(self.sample(step), r, self.world)))
-                        for r in range(self.world)) if self.world > 1 else len(chunks)
+        num_micro = (busiest_microbatches(len(sample), self.world,
+                                          self.cfg.performance.microbatch_size)
+                     if self.world > 1 else len(chunks))
         with self._autocast():
             for i in range(num_micro):
                 phantom = i >= len(chunks)
@@ -467,10 +477,11 @@ class Trainer:
         for name, p in self.named_params:
             p.grad = released.pop(name)
         self.ledger.record(self.plan.noise_multiplier, self.plan.sample_rate)
+        lr = self.optimizer.lr  # the rates this step applies (the property gives the next's after)
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.step += 1
-        return {"step": self.step, **stats}
+        return {"step": self.step, **stats, "lr": lr}
 
     def _stop_agreed(self) -> int:
         """The signal number of a requested stop if any rank has one, else 0; the same on every
@@ -572,7 +583,7 @@ class Trainer:
                 last = self.step == self.plan.steps
                 if self.step % tc.log_every == 0 or last:
                     eps, eps_step = self.epsilon(), self.step
-                    row.update(epsilon=eps, lr=self.optimizer.lr)
+                    row["epsilon"] = eps
                     if not self.cfg.privacy.secure_mode:
                         # a step's time follows its realised batch size (a timing side channel
                         # on the sample): a run meant for release does not write it per row
@@ -580,7 +591,7 @@ class Trainer:
                     if tc.eval_every and self.step % tc.eval_every == 0 and not last:
                         row.update({f"test_{k}": v for k, v in self.evaluate().items()})
                     if metrics_file:
-                        pending.append(json.dumps(row) + "\n")
+                        pending.append(strict_json(row) + "\n")
                         if not held:
                             flush()
                 shown = f"{eps:.3f}" if eps_step == self.step else f"{eps:.3f} at step {eps_step}"
@@ -635,7 +646,7 @@ class Trainer:
             ckpt.export_hf(self, out / "final")  # GPT-2: final/hf/ for transformers
             # last: summary.json marks the run finished (--resume auto then does nothing)
             tmp = out / "summary.json.tmp"
-            tmp.write_text(json.dumps(summary, indent=2, default=str))
+            tmp.write_text(strict_json(summary, indent=2, default=str))
             os.replace(tmp, out / "summary.json")
         return summary
 

@@ -45,6 +45,19 @@ def test_train_writes_summary_and_full_model(tmp_path, capsys):
     assert "epsilon" in stdout
 
 
+def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys):
+    # cosine over T = 4 with 2 warm-up steps applies factors 0.5, 1, 1, 0.5 (by hand: warm-up
+    # (s + 1) / 2, then progress (s - 2) / 2); rows logged the next step's rate before
+    out = tmp_path / "run"
+    code, _, _ = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                         "train.checkpoint_every=0", "optim.schedule=cosine",
+                         "optim.warmup_steps=2")
+    assert code == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows] == [
+        {"matrices": 0.02 * f, "others": 0.01 * f} for f in (0.5, 1.0, 1.0, 0.5)]
+
+
 @pytest.mark.parametrize("override, field", [
     ("privacy.epslion=3", "privacy.epslion"),
     ("privacy.epsilon=0", "privacy.epsilon"),
@@ -245,3 +258,22 @@ def test_the_summary_says_what_epsilon_means_for_the_seed(tmp_path, capsys):
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert "never written" in summary["guarantee"]
     assert summary["config"]["privacy"]["seed"] is None
+
+
+def test_a_run_without_noise_writes_strict_json(tmp_path, capsys):
+    # sigma 0: epsilon is infinite, which Python's json writes as a bare Infinity (rejected by
+    # JSON.parse, jq, and json.loads with parse_constant); written as the string "inf"
+    out = tmp_path / "run"
+    code, _, _ = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                         "train.checkpoint_every=0", "privacy.noise_multiplier=0",
+                         "privacy.epsilon=null")
+    assert code == 0
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    summary = json.loads((out / "summary.json").read_text(), parse_constant=refuse)
+    assert summary["epsilon"] == "inf"
+    rows = [json.loads(line, parse_constant=refuse)
+            for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epsilon"] for r in rows] == ["inf"] * 4

@@ -176,3 +176,16 @@ def test_same_sample_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", code, root], env=env, check=True,
                          capture_output=True, text=True).stdout.strip()
     assert out == ",".join(map(str, poisson_sample(123, 7, 5000, 0.01)))
+
+
+def test_busiest_rank_microbatch_count_from_the_sample_size_alone():
+    # every rank runs as many microbatches as the busiest one (FSDP collectives); the count from
+    # |S_t| must equal the explicit maximum over the ranks' shares
+    from dptrain.trainer import busiest_microbatches
+
+    for n in (0, 1, 5, 31, 32, 33, 100, 1001):
+        for world in (1, 2, 3, 4, 8, 64):
+            for mb in (1, 3, 16, 64):
+                explicit = max(-(-len(shard_indices(np.arange(n), r, world)) // mb)
+                               for r in range(world))
+                assert busiest_microbatches(n, world, mb) == explicit, (n, world, mb)

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
 from dptrain.commands import check_new_file
 from dptrain.config import ConfigError
+from dptrain.telemetry import strict_json
 
 PROG = "dptrain audit"
 DEFAULT_CANARIES = 1000
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        out.write_text(strict_json(report, indent=2) + "\n")
     if args.plot:
         from dptrain.diagnostics.plotting import plot_audit_scores
 

@@ -14,7 +14,6 @@ lives in ``dptrain.diagnostics.probes``; docs/diagnostics.md describes the outpu
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from dptrain.commands import check_new_file
 from dptrain.config import ConfigError
+from dptrain.telemetry import strict_json
 
 PROG = "dptrain diagnose"
 DEFAULT_PROBE_EXAMPLES = 64
@@ -76,18 +76,6 @@ def _probe_examples(text) -> int:
     if m < 1:
         raise ConfigError("--probe-examples", f"must be >= 1, got {m}")
     return m
-
-
-def _jsonable(obj):
-    """NaN and infinities as the strings "nan", "inf", "-inf" (strict JSON has no such
-    numbers); everything else as is."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
 
 
 def _fmt(x, width: int = 9) -> str:
@@ -182,7 +170,7 @@ def render(report: dict) -> str:
 def _write_json(path: Path, report: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(_jsonable(report), indent=2, allow_nan=False) + "\n")
+    tmp.write_text(strict_json(report, indent=2) + "\n")
     os.replace(tmp, path)
 
 
