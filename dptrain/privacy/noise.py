@@ -16,8 +16,9 @@ Hence any split of ``[0, numel)`` across ranks (FSDP shards) or slices gives exa
 numbers as one full draw: 1, 2 or 8 ranks produce the same release. The numbers are drawn on the
 CPU and copied to the target device, so they are also the same on every device type (CPU or
 CUDA) and independent of the number of threads that draw them. Every block is drawn in float64
-and rounded to the requested dtype, so a float32 (or bf16) run's noise is its float64 run's
-rounded: ``performance.dtype`` does not change the noise. (float64 runs need float64 draws: noise
+and rounded to float32 (other dtypes: then cast from float32) unless float64 is asked for, so a
+float32 (or bf16) run's noise is its float64 run's rounded: ``performance.dtype`` does not change
+the noise. (float64 runs need float64 draws: noise
 of float32 resolution added to a float64 sum would leave the sum's low-order bits in the release
 as they are; until 2026-12-01 other dtypes drew numpy's float32 normals, another stream.)
 
@@ -119,8 +120,10 @@ def gaussian_noise(seed: int, step: int, key: str, numel: int, start: int = 0,
     device = torch.device(device)
     if end == start:
         return torch.empty(0, dtype=dtype, device=device)
-    # drawn in float64 whatever the dtype (see the module docstring), rounded once at the end
-    out = np.empty(end - start, dtype=np.float64)
+    # drawn in float64 whatever the dtype (see the module docstring); each block is rounded to
+    # float32 as it is copied out (one pass, no float64 array of the whole range), except for
+    # float64; other dtypes are cast from float32 at the end
+    out = np.empty(end - start, dtype=np.float64 if dtype == torch.float64 else np.float32)
     blocks = range(start // BLOCK, (end - 1) // BLOCK + 1)
 
     def fill(k: int) -> None:
@@ -137,7 +140,7 @@ def gaussian_noise(seed: int, step: int, key: str, numel: int, start: int = 0,
         for k in blocks:
             fill(k)
     z = torch.from_numpy(out)
-    if z.dtype != dtype:  # rounded on the host: a device gets the target dtype's bytes only
+    if z.dtype != dtype:  # cast on the host: a device gets the target dtype's bytes only
         z = z.to(dtype)
     return z.to(device) if device.type != "cpu" else z
 
