@@ -87,8 +87,13 @@ def test_dp_muon_original_scale_same_on_1_and_2_fsdp_ranks():
     # GPT-2's Conv1D weights are stored (in, out): only Muon's shape scale reads them as
     # (out, in); the distributed Newton-Schulz works on the stored (sharded) matrix
     # (and the noise drawn on the background thread: each rank its own rows, during the
-    # microbatches)
-    _check(["optim.scale=original", "performance.noise_prefetch=background"], [(2, "fsdp")])
+    # microbatches). With a parameter EMA, whose test metrics are compared too: the average is
+    # evaluated after the last iterate, and under FSDP2 that forward must not reuse the root's
+    # unsharded copies of the last iterate (it gave the last iterate's metrics before 0de42b8)
+    outs = _check(["optim.scale=original", "performance.noise_prefetch=background",
+                   "optim.ema_decay=0.5"], [(2, "fsdp")])
+    m = outs[0][0]["metrics"]
+    assert m["nll_per_token"] != pytest.approx(m["last_iterate_nll_per_token"], rel=1e-5)
 
 
 def test_fsdp_mixed_precision_gathers_bf16_and_stays_near_the_float32_run():
@@ -100,14 +105,6 @@ def test_fsdp_mixed_precision_gathers_bf16_and_stays_near_the_float32_run():
     rel = _rel(results[0]["release0"], ref["release0"])
     assert 1e-5 < rel < 1e-2
     assert all(v.dtype == torch.float32 for v in results[0]["params"].values())
-
-
-def test_ema_metrics_same_on_1_and_2_fsdp_ranks():
-    # the average is evaluated after the last iterate: under FSDP2 that forward must not reuse
-    # the root's unsharded copies of the last iterate (it gave the last iterate's metrics)
-    outs = _check(["optim.ema_decay=0.5"], [(2, "fsdp")])
-    m = outs[0][0]["metrics"]
-    assert m["nll_per_token"] != pytest.approx(m["last_iterate_nll_per_token"], rel=1e-5)
 
 
 def test_dp_sgd_gpt2_same_on_1_and_2_replicated_ranks():
