@@ -353,6 +353,42 @@ def test_a_resume_over_changed_data_files_is_refused(tmp_path, capsys):
     assert snapshot(out) == before
 
 
+def test_a_resume_from_moved_data_files_continues_and_says_so(tmp_path, capsys):
+    # the same files copied elsewhere (node-local scratch of a new job) and another test split:
+    # allowed, named on stderr, and the run ends where the uninterrupted one did
+    import shutil
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.csv").write_text(_e2e_rows(40))
+    (data / "test.csv").write_text(_e2e_rows(5))
+    common = ["data.name=e2e", "data.tokenizer=bytes", "model.n_positions=64",
+              "data.train_file=train.csv", "data.test_file=test.csv", "data.max_length=64",
+              "privacy.steps=3", "train.checkpoint_every=1", "train.keep_checkpoints=3"]
+    out = tmp_path / "run"
+    assert train(capsys, out, f"data.path={data}", *common)[0] == 0
+    whole = (out / "final" / "model.safetensors").read_bytes()
+    # back to step 2, as if the job had been preempted after it
+    (out / "summary.json").unlink()
+    shutil.rmtree(out / "final")
+    latest = max((out / "checkpoints").iterdir())
+    shutil.rmtree(latest)
+    moved = tmp_path / "scratch"
+    shutil.copytree(data, moved)
+    shutil.rmtree(data)
+    code, err = train(capsys, out, "--resume", "auto", f"data.path={moved}", *common,
+                      "data.max_test_examples=3")
+    assert code == 0, err
+    assert "data.path" in err and "data.max_test_examples" in err and str(moved) in err
+    assert (out / "final" / "model.safetensors").read_bytes() == whole
+    # the training file itself is still the training set's identity: another one is refused
+    (moved / "other.csv").write_text(_e2e_rows(40))
+    (out / "summary.json").unlink()
+    code, err = train(capsys, out, "--resume", "auto", f"data.path={moved}", *common,
+                      "data.train_file=other.csv")
+    assert code == 2 and "data.train_file" in one_line(err)
+
+
 def _n_on_each_rank(rank: int, world: int, sizes: list[int]):
     from dptrain.config import ConfigError
     from dptrain.trainer import _check_ranks_agree_on_n

@@ -566,7 +566,19 @@ def find_latest(output_dir: Path, *, shallow: bool = False, collective: bool = F
     return None
 
 
-def check_compatible(saved_cfg: dict, cfg) -> None:
+#: model/data settings a resume may change: where the files are (a copy staged to another
+#: disk, a node-local scratch directory of a new job), and what the test split is. They change
+#: neither the training set that is sampled nor the model: its size N is checked
+#: (``check_same_data``), the weights come from the checkpoint. The training set's contents are
+#: not compared: a checksum of the private data written into every checkpoint would be a function
+#: of that data outside the guarantee (it would confirm a guessed record).
+RELOCATABLE = frozenset({("data", "path"), ("data", "test_file"), ("data", "max_test_examples"),
+                         ("model", "pretrained_path")})
+
+
+def check_compatible(saved_cfg: dict, cfg) -> list[str]:
+    """ConfigError naming the first setting that a resume may not change; else the
+    :data:`RELOCATABLE` settings that differ, as ``section.key: old -> new`` lines."""
     # both sides as JSON would give them: summary.json's config (a finished run) has lists
     # where a checkpoint's has tuples
     saved_cfg = _plain(saved_cfg)
@@ -586,14 +598,19 @@ def check_compatible(saved_cfg: dict, cfg) -> None:
         # the run's seed: synthetic data, dropout, augmentation and probe streams
         raise ConfigError("seed", f"differs from the checkpoint ({saved_cfg.get('seed')!r} "
                                   f"there, {cfg.seed!r} now): a resumed run keeps its seed")
+    moved = []
     for section in ("model", "data"):
         was, now = saved_cfg.get(section) or {}, _plain(to_dict(getattr(cfg, section)))
         keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+        moved += [f"{section}.{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in keys
+                  if (section, k) in RELOCATABLE]
+        keys = [k for k in keys if (section, k) not in RELOCATABLE]
         if keys:
             key = keys[0]
             raise ConfigError(f"{section}.{key}", f"differs from the checkpoint ({was.get(key)!r} "
                                                   f"there, {now.get(key)!r} now): resume needs "
                                                   f"the same {section} settings")
+    return moved
 
 
 def _plain(d):
@@ -671,8 +688,12 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         if problem is not None:
             raise ConfigError("resume", f"checkpoint {path} is unusable: {problem}")
     state = read_meta(path, verified=True)
-    check_compatible(state["config"], trainer.cfg)
+    moved = check_compatible(state["config"], trainer.cfg)
     check_same_data(state, trainer)
+    if moved and trainer.rank == 0:
+        print(f"dptrain train: resuming with other files or test settings than the checkpoint's "
+              f"({'; '.join(moved)}); the training set must be the same (its size is checked, "
+              f"its contents are not)", file=sys.stderr)
     ledger = Ledger.from_dict(state["ledger"])
     if ledger.num_releases != state["step"]:
         raise ConfigError("resume", f"checkpoint {path} is inconsistent: its ledger counts "
