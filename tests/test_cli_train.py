@@ -45,14 +45,18 @@ def test_train_writes_summary_and_full_model(tmp_path, capsys):
     assert "epsilon" in stdout
 
 
+def _tiny_run(tmp_path, capsys, *overrides) -> Path:
+    out = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                           "train.checkpoint_every=0", *overrides)
+    assert code == 0, err
+    return out
+
+
 def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys):
     # cosine over T = 4 with 2 warm-up steps applies factors 0.5, 1, 1, 0.5 (by hand: warm-up
     # (s + 1) / 2, then progress (s - 2) / 2); rows logged the next step's rate before
-    out = tmp_path / "run"
-    code, _, _ = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
-                         "train.checkpoint_every=0", "optim.schedule=cosine",
-                         "optim.warmup_steps=2")
-    assert code == 0
+    out = _tiny_run(tmp_path, capsys, "optim.schedule=cosine", "optim.warmup_steps=2")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in rows] == [
         {"matrices": 0.02 * f, "others": 0.01 * f} for f in (0.5, 1.0, 1.0, 0.5)]
@@ -263,11 +267,7 @@ def test_the_summary_says_what_epsilon_means_for_the_seed(tmp_path, capsys):
 def test_a_run_without_noise_writes_strict_json(tmp_path, capsys):
     # sigma 0: epsilon is infinite, which Python's json writes as a bare Infinity (rejected by
     # JSON.parse, jq, and json.loads with parse_constant); written as the string "inf"
-    out = tmp_path / "run"
-    code, _, _ = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
-                         "train.checkpoint_every=0", "privacy.noise_multiplier=0",
-                         "privacy.epsilon=null")
-    assert code == 0
+    out = _tiny_run(tmp_path, capsys, "privacy.noise_multiplier=0", "privacy.epsilon=null")
 
     def refuse(name):
         raise ValueError(f"non-standard JSON constant {name}")
