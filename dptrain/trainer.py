@@ -41,7 +41,7 @@ from dptrain.privacy.noise import block_share, gaussian_noise, secure_seed
 from dptrain.privacy.sampling import poisson_sample, shard_indices
 from dptrain.telemetry import strict_json
 from dptrain.parallel.dist import init_from_env
-from dptrain.parallel.fsdp import (all_reduce_scalars, apply_fsdp, as_grad, flat_range, reshard,
+from dptrain.parallel.fsdp import (all_reduce_scalars, apply_fsdp, as_grad, flat_range,
                                    is_sharded, reduce_sum)
 
 
@@ -517,10 +517,7 @@ class Trainer:
         try:
             metrics = self.task.evaluate(self.model, self.task.test, self.cfg.train.eval_batch_size)
         finally:
-            self.model.train()
-            # a no_grad forward leaves FSDP2's root unsharded; without this, parameters written
-            # next (the EMA swapped in) would be evaluated from stale copies (no-op unsharded)
-            reshard(self.model)
+            self.model.train()  # (Task.evaluate reshards FSDP2's root after its forwards)
         return metrics
 
     # ---------------------------------------------------------------------------------- the run

@@ -107,6 +107,32 @@ def test_fsdp_mixed_precision_gathers_bf16_and_stays_near_the_float32_run():
     assert all(v.dtype == torch.float32 for v in results[0]["params"].values())
 
 
+def _write_after_generation(rank: int, world: int) -> float:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dptrain.eval.text import greedy_generate
+    from dptrain.parallel.fsdp import apply_fsdp
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=40, n_positions=24,
+                     bos_token_id=0, eos_token_id=0, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    model, other = GPT2LMHeadModel(cfg), GPT2LMHeadModel(cfg)
+    full = dict(other.state_dict())
+    apply_fsdp(model)
+    greedy_generate(model, [[1, 2, 3], [4, 5]], 4, eos_id=0)
+    with torch.no_grad():  # other weights into this rank's shards (an EMA swapped in, a load)
+        for n, p in model.named_parameters():
+            p.to_local().copy_(full[n].chunk(world)[rank])
+        ids = torch.arange(1, 9).view(1, 8)
+        return float((model(input_ids=ids).logits - other(input_ids=ids).logits).abs().max())
+
+
+def test_a_forward_after_generation_sees_weights_written_into_the_shards():
+    # generation's no_grad forwards left FSDP2's root (wte, wpe, ln_f) unsharded, and the next
+    # forward mixed the new blocks with the root's old copies
+    assert max(spawn(_write_after_generation, 2)) < 1e-5
+
+
 def test_dp_sgd_gpt2_same_on_1_and_2_replicated_ranks():
     _check(SGD, [(2, "none")])
 

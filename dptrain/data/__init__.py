@@ -142,11 +142,17 @@ class Task:
     def evaluate(self, model, dataset=None, batch_size: int = 32) -> dict:
         from dptrain.data.images import classification_evaluate
         from dptrain.data.lm import lm_evaluate
+        from dptrain.parallel.fsdp import reshard
 
         ds = self.test if dataset is None else dataset
-        if self.info.kind == "lm":
-            return lm_evaluate(model, ds, batch_size)
-        return classification_evaluate(model, ds, batch_size)
+        try:
+            if self.info.kind == "lm":
+                return lm_evaluate(model, ds, batch_size)
+            return classification_evaluate(model, ds, batch_size)
+        finally:
+            # no_grad forwards leave FSDP2's root unsharded: parameters written next (the EMA
+            # swapped in) would be evaluated from stale copies (a no-op without FSDP)
+            reshard(model)
 
 
 def _resolve_dir(path: str | None, default: str | None) -> Path | None:

@@ -17,6 +17,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from dptrain.parallel.fsdp import reshard
+
 __all__ = ["greedy_generate", "score_texts", "generate_and_score"]
 
 
@@ -84,6 +86,7 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
             pending = still
     finally:
         model.train(was_training)
+        reshard(model)  # FSDP2: see dptrain.parallel.fsdp.reshard (a no-op without it)
     return out
 
 
