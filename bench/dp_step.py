@@ -191,6 +191,7 @@ def dptrain_step(model: nn.Module, loss_fn, batch, batch_size: int, cfg: BenchCo
             z = gaussian_noise(cfg.seed, t, name, p.numel(), device=p.device, dtype=s.dtype)
             p.grad = s.add_(z.view_as(s), alpha=std).div_(b).to(p.dtype)
         opt.step()
+        opt.zero_grad(set_to_none=True)  # as the other variants: no gradients live on
 
     return step
 

@@ -32,9 +32,11 @@ def gpt2_batch(s, seed: int, device: str) -> dict[str, Tensor]:
     return {"input_ids": ids.to(device)}
 
 
-def opacus_gpt2(model: nn.Module, s) -> tuple[nn.Module, Tensor]:
-    """A copy Opacus accepts (ANCHORS.md): Conv1D -> Linear (marked ``_from_conv1d``), untied
-    lm_head, and the contiguous position_ids of batch size ``s.batch_size`` to pass."""
+def opacus_gpt2(model: nn.Module, s, untie: bool = True) -> tuple[nn.Module, Tensor]:
+    """A copy Opacus accepts (ANCHORS.md): Conv1D -> Linear (marked ``_from_conv1d``), an
+    untied lm_head (``untie``; its ghost mode needs it, its hooks accumulate a tied weight's
+    per-sample gradient over both uses), and the contiguous position_ids of batch size
+    ``s.batch_size`` to pass."""
     from transformers.pytorch_utils import Conv1D
 
     m = copy.deepcopy(model)
@@ -48,8 +50,11 @@ def opacus_gpt2(model: nn.Module, s) -> tuple[nn.Module, Tensor]:
                     lin.bias.copy_(child.bias)
                 lin._from_conv1d = True
                 setattr(parent, name, lin)
-    m.config.tie_word_embeddings = False
-    m.lm_head.weight = nn.Parameter(m.transformer.wte.weight.detach().clone())
+    if untie:
+        m.config.tie_word_embeddings = False
+        m.lm_head.weight = nn.Parameter(m.transformer.wte.weight.detach().clone())
+    else:
+        assert m.lm_head.weight is m.transformer.wte.weight  # deepcopy keeps the tie
     dev = m.lm_head.weight.device
     pos = torch.arange(s.seq_len, device=dev).expand(s.batch_size, s.seq_len).contiguous()
     return m, pos

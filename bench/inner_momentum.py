@@ -241,6 +241,8 @@ def _release_and_step(params: dict[str, nn.Parameter], acc: dict[str, Tensor], t
             s = torch.zeros_like(p, dtype=torch.float32)
         p.grad = s.add_(noise(t, name, s), alpha=std).div_(B).to(p.dtype)
     opt.step()
+    for p in params.values():  # as the non-private step's zero_grad(set_to_none=True): the
+        p.grad = None          # released gradients do not live on through the next step
 
 
 def noise_draw_seconds(cfg: BenchConfig, repeats: int = 3) -> float:
@@ -345,21 +347,29 @@ def naive_opacus_step(model: nn.Module, batch, K: int, cfg: BenchConfig) -> Step
 
     s = cfg.gpt2
     stock = {n: p for n, p in model.named_parameters()}
-    m, pos = opacus_gpt2(model, s)
+    # tied as the stock model is: Opacus' hooks accumulate a shared weight's per-sample
+    # gradient over its two uses (untying would add a (B, V, d) gradient per state)
+    m, pos = opacus_gpt2(model, s, untie=False)
     del model
     conv = {n for n, mod in _conv1d_params(m)}  # parameter names whose layout was transposed
-    cparams = dict(m.named_parameters())  # copy's parameters, stock names + lm_head.weight
+    cparams = dict(m.named_parameters())  # the copy's parameters, by the stock names
+    assert set(cparams) == set(stock)
     gsm = GradSampleModule(m, batch_first=True, loss_reduction="sum")
-    # the update: the tied pair keeps one value (the stock model's single parameter)
-    tied = {"lm_head.weight": "transformer.wte.weight"}
-    names = [n for n in cparams if n not in tied]
+    names = list(cparams)
     opt = torch.optim.SGD([cparams[n] for n in names], lr=cfg.lr)
-    noise = NoiseSource(cfg, {n: cparams[n] for n in names})
-    ids = batch["input_ids"]
-    B = s.batch_size
 
     def to_copy_layout(n: str, v: Tensor) -> Tensor:
         return v.T if n in conv else v
+
+    # Z in the stock layout (the coordinates dptrain's draw is a function of), transposed
+    # where the copy's layout is: the same update as dptrain's also with noise
+    stock_noise = NoiseSource(cfg, stock)
+
+    def noise(t: int, name: str, like: Tensor) -> Tensor:
+        return to_copy_layout(name, stock_noise(t, name, stock[name]))
+
+    ids = batch["input_ids"]
+    B = s.batch_size
 
     def make():
         # the history in the stock model's names and layout, as dptrain's history holds it
@@ -371,7 +381,6 @@ def naive_opacus_step(model: nn.Module, batch, K: int, cfg: BenchConfig) -> Step
             for n in names:
                 v = current[n] if state is None else to_copy_layout(n, state[n])
                 cparams[n].copy_(v)
-            cparams["lm_head.weight"].copy_(cparams["transformer.wte.weight"])
 
         def step():
             t = counter[0]
@@ -386,24 +395,21 @@ def naive_opacus_step(model: nn.Module, batch, K: int, cfg: BenchConfig) -> Step
                     out = gsm(input_ids=ids, position_ids=pos).logits
                     token_losses(out, ids).sum().backward()
                 for n, p in cparams.items():
-                    key = tied.get(n, n)
-                    a = coef.get(key, 0.0) if isinstance(coef, dict) else coef
+                    a = coef.get(n, 0.0) if isinstance(coef, dict) else coef
                     gs = p.grad_sample
                     p.grad_sample = None
                     p.grad = None
                     if a == 0.0 or gs is None:
                         continue
-                    if key in u:
-                        u[key].add_(gs, alpha=a)
+                    if n in u:
+                        u[n].add_(gs, alpha=a)
                     else:
-                        u[key] = gs.mul_(a)
+                        u[n] = gs.mul_(a)
             load(None, current)
             # push: the pre-update state, in the stock layout (as dptrain's history holds it)
             hist.states.appendleft({n: (current[n].T if n in conv else current[n]).clone()
                                     for n in names})
             _clip_and_release(u, {n: cparams[n] for n in names}, t, cfg, B, opt, noise)
-            with torch.no_grad():
-                cparams["lm_head.weight"].copy_(cparams["transformer.wte.weight"])
 
         return step
 

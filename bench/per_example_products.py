@@ -68,16 +68,20 @@ def make_factors(shapes, B: int, T: int, seed: int, device: str):
             for _, o, i in shapes]
 
 
-def products_step(factors, alpha: float = 0.5):
+def products_step(factors, alpha: float = 0.5, in_out: list[bool] | None = None):
     """The engine's multi-state accumulation for one extra state: u_b += alpha * G_b^T X_b for
-    every layer, into per-example buffers allocated once (as the engine's reused workspace)."""
+    every layer, into per-example buffers allocated once (as the engine's reused workspace).
+    ``in_out[k]``: layer k's weight is stored (in, out), as transformers' Conv1D stores it, so
+    the engine's rule forms ``Outer(X, G)`` (a buffer (B, in, out), u_b += alpha * X_b^T G_b);
+    else (the lm_head, an nn.Linear) ``Outer(G, X)``."""
     from dptrain.clipping.contributions import Outer, add_instantiated
 
+    in_out = in_out or [False] * len(factors)
     bufs = [torch.zeros(G.shape[0], G.shape[-1] * X.shape[-1], device=G.device) for G, X in factors]
 
     def step():
-        for buf, (G, X) in zip(bufs, factors):
-            add_instantiated(buf, Outer(G, X), alpha)
+        for buf, (G, X), t in zip(bufs, factors, in_out):
+            add_instantiated(buf, Outer(X, G) if t else Outer(G, X), alpha)
 
     step.bufs = bufs
     return step
@@ -107,7 +111,7 @@ def measure(shape, *, rounds: int, device: str, seed: int = 0) -> dict:
     factors = make_factors(shapes, shape.batch_size, shape.seq_len, seed, device)
     steps = {"nonprivate": im.nonprivate_step(model, batch, im.BenchConfig()),
              "wgrad": wgrad_step(factors),
-             "products": products_step(factors)}
+             "products": products_step(factors, in_out=[n != "lm_head" for n, _, _ in shapes])}
     times, errors = time_interleaved(steps, rounds=rounds, warmup=1, device=device)
     if errors:
         raise RuntimeError(f"failed: {errors}")

@@ -28,13 +28,15 @@ def test_products_sum_to_the_weight_gradients(bench):
     assert shapes[-1] == ("lm_head", shape.vocab_size, shape.width)
     assert ("transformer.h.0.mlp.c_fc", 4 * shape.width, shape.width) in shapes
     factors = bench.make_factors(shapes, shape.batch_size, shape.seq_len, 0, "cpu")
-    prod, wgrad = bench.products_step(factors), bench.wgrad_step(factors)
+    in_out = [n != "lm_head" for n, _, _ in shapes]  # Conv1D: the engine's (in, out) buffer
+    prod, wgrad = bench.products_step(factors, in_out=in_out), bench.wgrad_step(factors)
     prod()
     prod()  # accumulates: two extra states with alpha 0.5 each = one full product
     wgrad()
-    for buf, ref, (_, o, i), (G, X) in zip(prod.bufs, wgrad.out, shapes, factors):
+    for buf, ref, (_, o, i), (G, X), t in zip(prod.bufs, wgrad.out, shapes, factors, in_out):
         assert buf.shape == (shape.batch_size, o * i)
-        per_example = buf.view(shape.batch_size, o, i)
+        per_example = (buf.view(shape.batch_size, i, o).transpose(1, 2) if t
+                       else buf.view(shape.batch_size, o, i))
         torch.testing.assert_close(per_example.sum(0), ref, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(per_example[1], G[1].T @ X[1], rtol=1e-4, atol=1e-4)
 
