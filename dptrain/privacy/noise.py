@@ -18,9 +18,9 @@ CPU and copied to the target device, so they are also the same on every device t
 CUDA) and independent of the number of threads that draw them. Every block is drawn in float64
 and rounded to float32 (other dtypes: then cast from float32) unless float64 is asked for, so a
 float32 (or bf16) run's noise is its float64 run's rounded: ``performance.dtype`` does not change
-the noise. (float64 runs need float64 draws: noise
-of float32 resolution added to a float64 sum would leave the sum's low-order bits in the release
-as they are; until 2026-12-01 other dtypes drew numpy's float32 normals, another stream.)
+the noise. (float64 runs need float64 draws: noise of float32 resolution added to a float64 sum
+would leave the sum's low-order bits in the release as they are; until 2026-12-01 other dtypes
+drew numpy's float32 normals, another stream.)
 
 Why not ``torch.Generator``: the CPU generator seeds its Mersenne Twister from the low 32 bits of
 the seed only, so the blocks of a run drew from 2**32 streams at most, and two blocks of one run
