@@ -141,10 +141,11 @@ def test_the_query_reports_what_its_forms_hold():
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_the_first_forward_check_does_not_raise_the_first_steps_peak():
-    """The engine's first forward runs under _FirstForwardCheck, which keeps each hooked
-    layer's output while it is open: closed before the backward, the first accumulate peaks no
-    higher than the next (it kept them through the backward: 1.54x at K = 0 on the IM bench's
-    GPT-2, the peak of a whole run)."""
+    """The engine's first forward runs under _FirstForwardCheck, which tracks each hooked
+    layer's output and same-shaped results of it: by weak references, closed before the
+    backward, so the first accumulate peaks no higher than the next (it kept them through the
+    backward: 1.71x here, 1.54x at K = 0 on the IM bench's GPT-2, the peak of a whole run; 1.17x
+    here while it held them during the forward only)."""
     from _bench import load_bench
 
     LiveTensorPeak = load_bench("common").LiveTensorPeak

@@ -26,6 +26,7 @@ w.r.t. the pre-in-place value, which is what the layer rules need.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal
 
@@ -166,9 +167,10 @@ class _FirstForwardCheck(TorchFunctionMode):
         self.active: dict[int, int] = {}
         self.hooked = [(h.module, h.name) for h in engine.hooked]
         self.handles: list = []
-        #: id -> (tensor, layer name): hooked outputs and same-shaped results of them (the
-        #: tensors are kept, so that their ids are not reused during the forward)
-        self.rows: dict[int, tuple[Tensor, str]] = {}
+        #: id -> (weak reference, shape, layer name): hooked outputs and same-shaped results of
+        #: them. Weak: keeping them would hold memory the forward frees; an entry leaves when its
+        #: tensor dies, before its id can be reused.
+        self.rows: dict[int, tuple[weakref.ref, torch.Size, str]] = {}
 
     def __enter__(self):
         def enter(module, args):
@@ -177,7 +179,7 @@ class _FirstForwardCheck(TorchFunctionMode):
         def leave(module, args, output, name):
             self.active[id(module)] -= 1
             if isinstance(output, Tensor):
-                self.rows[id(output)] = (output, name)
+                self._mark(output, name)
 
         for m, name in self.hooked:
             self.handles.append(m.register_forward_pre_hook(enter, prepend=True))
@@ -188,10 +190,12 @@ class _FirstForwardCheck(TorchFunctionMode):
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
-        # the kept outputs would otherwise live through the backward (the first step's peak
-        # memory: +54% at K = 0 on the inner-momentum bench's GPT-2)
         self.rows.clear()
         return super().__exit__(*exc)
+
+    def _mark(self, t: Tensor, name: str) -> None:
+        rows, key = self.rows, id(t)
+        rows[key] = (weakref.ref(t, lambda _: rows.pop(key, None)), t.shape, name)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -215,20 +219,20 @@ class _FirstForwardCheck(TorchFunctionMode):
     def _check_rows(self, func, args, kwargs, out) -> None:
         tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
                    if isinstance(a, Tensor)]
-        marked = [self.rows[id(a)] for a in tensors if id(a) in self.rows]
+        marked = [self.rows[id(a)][1:] for a in tensors if id(a) in self.rows]
         if not marked or getattr(func, "__name__", "") == "__get__":
             return
         top = max(t.dim() for t in tensors)
-        for t, name in marked:
-            if 0 < t.dim() < top:
+        for shape, name in marked:
+            if 0 < len(shape) < top:
                 raise ValueError(
-                    f"dptrain.clipping: the output of {name} (shape {tuple(t.shape)}) is "
+                    f"dptrain.clipping: the output of {name} (shape {tuple(shape)}) is "
                     f"broadcast against a tensor of {top} dimensions (by "
                     f"{getattr(func, '__name__', func)}): its rows are not the microbatch's "
                     f"examples (a shared input, such as positions from torch.arange(T)). Give "
                     f"the layer one row per example: expand its input to the microbatch")
-        if isinstance(out, Tensor) and any(out.shape == t.shape for t, _ in marked):
-            self.rows[id(out)] = (out, marked[0][1])
+        if isinstance(out, Tensor) and any(out.shape == shape for shape, _ in marked):
+            self._mark(out, marked[0][1])
 
 
 def _check_reached(records: list[_Record], losses: Tensor) -> None:
