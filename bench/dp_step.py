@@ -256,7 +256,8 @@ def build_variant(kind: str, variant: str, cfg: BenchConfig) -> StepFn:
         return dptrain_step(model, loss_fn, batch, B, cfg, variant[len("dptrain_"):])
     mode = variant[len("opacus_"):]
     if kind == "gpt2":
-        model, pos = opacus_gpt2(model, s)
+        # tied for hooks (they accumulate a shared weight over both uses); ghost needs it untied
+        model, pos = opacus_gpt2(model, s, untie=(mode == "ghost"))
         ids = batch["input_ids"]
 
         def forward(m):
