@@ -100,8 +100,11 @@ def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys
     ("optim.weight_decay=inf", "optim.weight_decay"),
     ("optim.eps=-1", "optim.eps"),
     ("optim.eps=nan", "optim.eps"),
+    ("optim.eps=0", "optim.eps"),  # Newton-Schulz's X / (||X|| + 0): NaN on a zero release
+    ("optim.aux.kwargs.eps=0", "optim.aux.kwargs.eps"),  # AdamW's m / (sqrt(v) + 0) likewise
     (("optim.name=muon_bc", "optim.bc_lambda=nan"), "optim.bc_lambda"),
     (("optim.name=muon_bc", "optim.bc_gamma_ns=nan"), "optim.bc_gamma_ns"),
+    (("optim.name=muon_bc", "optim.bc_gamma_ns=0"), "optim.bc_gamma_ns"),  # Smooth-NS needs > 0
     (("optim.name=muon_bc", "optim.bc_kappa=inf"), "optim.bc_kappa"),
     (("optim.filter.name=doppler", "optim.filter.b=[nan]"), "optim.filter.b"),
     (("optim.filter.name=disk", "optim.filter.gamma=inf"), "optim.filter.gamma"),

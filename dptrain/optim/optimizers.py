@@ -99,11 +99,13 @@ _OPTION_RANGES: dict[str, tuple[Any, str]] = {
     "weight_decay": (lambda x: _finite(x) and x >= 0, "must be finite and >= 0"),
     "betas": (lambda b: len(b) == 2 and all(0.0 <= x < 1.0 for x in b),
               "must be two numbers in [0, 1)"),
-    "eps": (lambda x: _finite(x) and x >= 0, "must be finite and >= 0"),
+    # eps = 0 or gamma_ns = 0 turn an all-zero input (a noise-free run's empty sample, a matrix
+    # without gradient) into 0/0 = NaN parameters
+    "eps": (lambda x: _finite(x) and x > 0, "must be finite and > 0"),
     "ns_steps": (lambda x: x >= 1, "must be >= 1"),
     "bc_lambda": (lambda x: _finite(x) and x >= 0, "must be finite and >= 0"),
     "bc_kappa": (lambda x: _finite(x) and x > 0, "must be finite and > 0"),
-    "bc_gamma_ns": (lambda x: _finite(x) and x >= 0, "must be finite and >= 0"),
+    "bc_gamma_ns": (lambda x: _finite(x) and x > 0, "must be finite and > 0"),
     "bc_probes": (lambda x: x >= 1, "must be >= 1"),
     "power_iters": (lambda x: x >= 1, "must be >= 1"),
 }
