@@ -230,6 +230,18 @@ def test_calibration_names_steps_when_the_accountant_breaks_down(monkeypatch):
         assert "\n" not in str(e.value)
 
 
+def test_prv_calibration_falls_back_to_rdp_where_prv_fails_during_the_search():
+    # q * steps = 0.05 < delta = 0.1: every probe meets the target, so opacus' bisection lowers
+    # sigma until its PRV raises RuntimeError("Cannot compute epsilon"); that was a traceback
+    eps, delta, q, steps = 1.0, 0.1, 0.01, 5
+    with pytest.warns(AccountingWarning, match="RDP"):
+        sigma = calibrate_noise_multiplier(eps, delta, q, steps, accountant="prv")
+    assert sigma == calibrate_noise_multiplier(eps, delta, q, steps, accountant="rdp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AccountingWarning)
+        assert epsilon(Ledger([(sigma, q, steps)]), delta, "prv") <= eps
+
+
 def test_calibration_names_delta_when_it_is_too_small_for_prv():
     with pytest.raises(ConfigError) as e:
         calibrate_noise_multiplier(1.0, 1e-30, 0.01, 100, accountant="prv")

@@ -273,6 +273,16 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
         raise ConfigError("steps", _accountant_failed(accountant, steps, e)) from None
     except (MemoryError, OverflowError) as e:
         raise ConfigError("steps", _accountant_failed(accountant, steps, e)) from None
+    except RuntimeError as e:
+        # opacus' PRV raises "Cannot compute epsilon" at a bisection probe whose privacy loss
+        # its grid cannot hold, e.g. when q * steps is far below delta and every probe meets the
+        # target until sigma is tiny; epsilon() reports RDP's bound there, so calibrate to it
+        if accountant != "prv":
+            raise ConfigError("steps", _accountant_failed(accountant, steps, e)) from None
+        warnings.warn(f"the PRV accountant failed during calibration ({e}); calibrating to the "
+                      f"RDP bound instead", AccountingWarning, stacklevel=2)
+        return calibrate_noise_multiplier(epsilon, delta, sample_rate, steps, "rdp",
+                                          epsilon_tolerance)
     if accountant == "prv":
         # epsilon() reports RDP's looser bound where PRV cannot be used (see the module
         # docstring); the calibrated sigma must meet the target as epsilon() reports it
