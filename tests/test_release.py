@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dptrain.config import load
+from dptrain.privacy.config import PrivacyConfig
 from dptrain.trainer import RunConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,6 +158,10 @@ def test_release_denominator_is_public_floor_qN():
     assert t2.plan.denominator == 125
     t3 = make("privacy.expected_batch_size=40")
     assert t3.plan.denominator == 40
+    # q N whole in decimal but not in binary floating point (0.29 * 100 = 28.999999999999996)
+    for q, n, b in [(0.29, 100, 29), (0.57, 100, 57), (0.125, 1001, 125), (0.3, 7, 2)]:
+        assert PrivacyConfig(sample_rate=q, noise_multiplier=1.0, seed=0,
+                             steps=1).release_denominator(n) == b, (q, n)
 
 
 def test_a_phantom_example_adds_exactly_nothing():

@@ -85,4 +85,8 @@ class PrivacyConfig:
         if self.expected_batch_size is not None:
             return self.expected_batch_size
         n = self.dataset_size if self.dataset_size is not None else dataset_size
-        return max(1, math.floor(self.sample_rate * n))
+        qn = self.sample_rate * n
+        # q = 0.29, N = 100: the product is 28.999999999999996 in binary floating point, and
+        # floor would give 28 where the config means 29 (b is public: post-processing only)
+        near = round(qn)
+        return max(1, near if abs(qn - near) <= 1e-9 * max(1.0, qn) else math.floor(qn))
