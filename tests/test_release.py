@@ -67,15 +67,30 @@ def test_performance_settings_leave_samples_clip_factors_and_noise_unchanged(ove
     assert max_rel(released(other, 0), released(ref, 0)) < 1e-6
 
 
-def test_two_pass_equals_bookkeeping_to_float64_rounding_in_float64_runs():
+IMAGE_MODELS = {
+    "cnn": ("model.name=cnn", "model.channels=[4,8]"),
+    "nf_resnet": ("model.name=timm", "model.timm_name=nf_resnet_tiny"),
+}
+
+
+@pytest.mark.parametrize("model", ["gpt2", *IMAGE_MODELS])
+def test_two_pass_equals_bookkeeping_to_float64_rounding_in_float64_runs(model):
     # with every example clipped: the second backward weights the losses by the clip factors,
-    # which float32 losses (the LM loss rounded float64 logits to float32) rounded (6.7e-8)
-    common = ("performance.dtype=float64", "privacy.clip_norm=0.05",
+    # which float32 losses (the LM and image losses rounded float64 logits to float32) rounded
+    # (6.7e-8 for GPT-2, 2e-8 and 4e-8 for the image models)
+    images = () if model == "gpt2" else (
+        *IMAGE_MODELS[model], "data.name=synthetic_images", "data.image_size=16",
+        "data.synthetic_train_size=64", "optim.preset=nfresnet", "privacy.sample_rate=0.25")
+    common = (*images, "performance.dtype=float64", "privacy.clip_norm=0.05",
               "privacy.noise_multiplier=0", "privacy.epsilon=null")
     book, two = make(*common), make(*common, "performance.clipping=two_pass")
     batch = book.task.train.collate(book.sample(0))
     assert book.task.loss_fn(book.model, batch).dtype == torch.float64
-    assert max_rel(released(two, 0), released(book, 0)) < 1e-12
+    a, b = released(two, 0), released(book, 0)
+    # relative to the whole release: the cnn's first conv bias feeds a GroupNorm, so its true
+    # gradient is 0 and both forms give rounding noise of 1e-19 there
+    diff = math.sqrt(sum(float((a[n] - b[n]).square().sum()) for n in b))
+    assert diff < 1e-12 * math.sqrt(sum(float(b[n].square().sum()) for n in b))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])

@@ -120,7 +120,9 @@ def synthetic_templates(num_classes: int, in_chans: int, size: int,
 
 
 def classification_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per-example cross-entropy ``[B]`` (float32)."""
+    """Per-example cross-entropy ``[B]``: float32, or float64 in float64 runs (half-precision
+    logits are upcast; float64 ones are not rounded, or ``two_pass``'s second backward would
+    weight the losses by float32-rounded clip factors)."""
     x = batch["images"]
     if x.shape[0] == 0:
         from dptrain.data.lm import _empty_loss
@@ -131,7 +133,9 @@ def classification_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         x = x.to(dtype)
     out = model(x)
     logits = out.logits if hasattr(out, "logits") else out
-    return F.cross_entropy(logits.float(), batch["labels"], reduction="none")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits, batch["labels"], reduction="none")
 
 
 @torch.no_grad()
@@ -150,7 +154,9 @@ def classification_evaluate(model, dataset, batch_size: int = 256) -> dict:
             x = batch["images"].to(device=device, dtype=dtype)
             y = batch["labels"].to(device)
             out = model(x)
-            logits = (out.logits if hasattr(out, "logits") else out).float()
+            logits = out.logits if hasattr(out, "logits") else out
+            if logits.dtype in (torch.float16, torch.bfloat16):
+                logits = logits.float()
             loss_sum += float(F.cross_entropy(logits, y, reduction="sum").double())
             correct += int((logits.argmax(-1) == y).sum())
             n += len(y)
