@@ -242,6 +242,17 @@ def test_prv_calibration_falls_back_to_rdp_where_prv_fails_during_the_search():
         assert epsilon(Ledger([(sigma, q, steps)]), delta, "prv") <= eps
 
 
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+def test_epsilon_is_never_reported_below_zero(accountant):
+    # delta = 0.1 above each example's chance of ever being sampled (1 - 0.99**5 = 0.049):
+    # opacus reports a negative epsilon, which is no statement anyone makes; (0, delta) is valid
+    history = [(0.41626, 0.01, 5)] if accountant == "prv" else [(20.0, 0.01, 5)]
+    ref = PRVAccountant() if accountant == "prv" else RDPAccountant()
+    ref.history = list(history)
+    assert ref.get_epsilon(delta=0.1) < 0
+    assert epsilon(Ledger(history), 0.1, accountant) == 0.0
+
+
 def test_calibration_names_delta_when_it_is_too_small_for_prv():
     with pytest.raises(ConfigError) as e:
         calibrate_noise_multiplier(1.0, 1e-30, 0.01, 100, accountant="prv")

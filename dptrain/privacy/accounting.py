@@ -207,8 +207,11 @@ def epsilon(ledger: Ledger, delta: float, accountant: str = "prv", *,
     """Epsilon spent by the releases in ``ledger`` at ``delta``, with opacus' semantics.
 
     Equals ``PRVAccountant.get_epsilon(delta, eps_error=eps_error)`` (upper end of the error
-    interval) or ``RDPAccountant.get_epsilon(delta)`` on ``ledger.history``. An empty ledger
-    gives 0.0; any release with sigma = 0 gives inf.
+    interval) or ``RDPAccountant.get_epsilon(delta)`` on ``ledger.history``, except that a
+    negative value (opacus' PRV and RDP give one when delta exceeds what the releases can
+    spend, e.g. delta = 0.1 with every example's chance of ever being sampled 0.05) is reported
+    as 0.0: (0, delta)-DP is the weaker, valid statement, and epsilon < 0 is no DP guarantee
+    anyone states. An empty ledger gives 0.0; any release with sigma = 0 gives inf.
     """
     delta = _check_delta(delta)
     _check_accountant(accountant)
@@ -218,8 +221,8 @@ def epsilon(ledger: Ledger, delta: float, accountant: str = "prv", *,
     if any(s == 0.0 for s, _, _ in history):
         return math.inf
     if accountant == "rdp":
-        return _rdp_epsilon(history, delta)
-    return _prv_epsilon(history, delta, eps_error)
+        return max(0.0, _rdp_epsilon(history, delta))
+    return max(0.0, _prv_epsilon(history, delta, eps_error))
 
 
 def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float, steps: int,
