@@ -170,6 +170,23 @@ def test_damaged_dart_json_names_the_field(tmp_path, text, problem):
     assert e.value.field == "data.train_file" and problem in str(e.value)
 
 
+def test_e2e_test_file_that_is_the_training_file_is_refused(tmp_path):
+    # e.g. data.test_file=devset.csv in E2E-small, which trains on devset.csv: the "test"
+    # metrics (and dptrain diagnose's public probes) would be of training records
+    (tmp_path / "devset.csv").write_text("mr,ref\n\"a[b]\",\"c\"\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "link.csv").symlink_to(tmp_path / "devset.csv")
+    for spelling in ("devset.csv", str(tmp_path / "sub" / ".." / "devset.csv"), "sub/link.csv"):
+        with pytest.raises(ConfigError) as e:
+            build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
+                                  test_file=spelling))
+        assert e.value.field == "data.test_file" and "training file" in e.value.message
+    (tmp_path / "copy.csv").write_text((tmp_path / "devset.csv").read_text())
+    task = build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
+                                 test_file="copy.csv"))  # another file: not ours to judge
+    assert len(task.test) == 1
+
+
 def test_missing_files_name_the_field(tmp_path):
     with pytest.raises(ConfigError) as e:
         build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path / "nope")))

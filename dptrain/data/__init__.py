@@ -62,7 +62,7 @@ class DataConfig:
     test_file: str | None = None
     """e2e: test CSV (null: testset_w_refs.csv; columns mr, ref; testset.csv with only MR is
     accepted, then there is nothing to score) or DART JSON. webdataset: shard pattern (null:
-    *val*.tar)."""
+    *val*.tar). Never the training file (or a shard of the training pattern): refused."""
     max_train_examples: int | None = None
     """Keep at most this many training examples, spread evenly over the file (deterministic,
     independent of the seed); null: all."""
@@ -219,6 +219,12 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
         directory = _resolve_dir(cfg.path, DEFAULT_E2E_PATH)
         train_path = _data_file(directory, train_name, "data.train_file")
         test_path = _data_file(directory, test_name, "data.test_file")
+        from dptrain.data.wds import file_id
+
+        if file_id(train_path) == file_id(test_path):  # any spelling of, or link to, one file
+            raise ConfigError("data.test_file",
+                              f"{test_path} is the training file ({train_path}): the test "
+                              f"split would hold training examples")
         tok = build_tokenizer(cfg.tokenizer, cfg.tokenizer_path)
         train = load_e2e_split(train_path, "data.train_file", tok, cfg.max_length,
                                cfg.max_train_examples)
