@@ -328,6 +328,42 @@ def test_plot_and_overwrite_protection(plain_run, tmp_path, capsys):
     assert code == 2 and "--plot" in err and not js.exists()
 
 
+def test_output_paths_are_checked_before_the_work(plain_run, tmp_path, capsys, monkeypatch):
+    import dptrain.diagnostics.probes as probes
+
+    def never(*a, **k):
+        raise AssertionError("the run was loaded before the output paths were checked")
+
+    monkeypatch.setattr(probes, "load_run", never)
+    (tmp_path / "afile").write_text("x")
+    same = tmp_path / "same.out"
+    for extra, option in [(["--output", tmp_path / "afile" / "r.json"], "--output"),
+                          (["--plot", tmp_path / "afile" / "sub" / "p.png"], "--plot"),
+                          (["--output", same, "--plot", same], "--plot"),  # PNG over the JSON
+                          (["--output", same, "--plot", tmp_path / "." / "same.out"], "--plot")]:
+        code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "2",
+                               *extra)
+        lines = [line for line in err.strip().splitlines() if line]
+        assert code == 2 and len(lines) == 1 and option in lines[0], err
+    assert not same.exists() and (tmp_path / "afile").read_text() == "x"
+
+
+def test_relocated_settings_are_reported(plain_run, tmp_path, capsys):
+    js = tmp_path / "r.json"
+    code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "2",
+                           "--params", r"h\.0\.attn\.c_attn", "--output", js,
+                           "data.max_test_examples=7", "performance.device=cpu")
+    assert code == 0, err
+    assert "data.max_test_examples: None -> 7" in err and "held out" in err
+    report = json.loads(js.read_text())
+    assert report["relocated"] == ["data.max_test_examples: None -> 7"]
+    assert report["overrides"] == ["data.max_test_examples=7", "performance.device=cpu"]
+    code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "2",
+                           "--params", r"h\.0\.attn\.c_attn", "--output", js, "--force")
+    assert code == 0 and "held out" not in err
+    assert json.loads(js.read_text())["relocated"] == []
+
+
 # -------------------------------------------------------------------------- mistakes: exit 2
 
 @pytest.mark.parametrize("which, args, option", [

@@ -1,5 +1,7 @@
 """The ``dptrain`` subcommands (one module each) and what they share."""
 
+import os
+
 
 def check_new_file(option: str, path, force: bool) -> None:
     """An output file a command is about to write: never a directory, and never an existing
@@ -13,3 +15,29 @@ def check_new_file(option: str, path, force: bool) -> None:
         raise ConfigError(option, f"{path} is a directory")
     if path.exists() and not force:
         raise ConfigError(option, f"{path} exists; pass --force to overwrite it")
+    # checked now, not after the work: the folders that would be created, under an existing one
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(option, f"cannot create {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(option, f"cannot write {path}: {parent} is not writable")
+
+
+def check_new_files(files, force: bool) -> None:
+    """:func:`check_new_file` of each ``(option, path)`` (None: not asked for), and no two
+    options naming one file (the later write would replace the earlier output)."""
+    from pathlib import Path
+
+    from dptrain.config import ConfigError
+
+    seen: dict = {}
+    for option, path in files:
+        if path is None:
+            continue
+        check_new_file(option, path, force)
+        key = Path(path).resolve()
+        if key in seen:
+            raise ConfigError(option, f"{path} is also the {seen[key]} file")
+        seen[key] = option

@@ -18,7 +18,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from dptrain.commands import check_new_file
+from dptrain.commands import check_new_files
 from dptrain.config import ConfigError
 from dptrain.telemetry import strict_json
 
@@ -68,9 +68,7 @@ def _parse(args: argparse.Namespace) -> tuple[int, float, int]:
     seed = _number("--audit-seed", args.audit_seed, int)
     if seed < 0:
         raise ConfigError("--audit-seed", f"must be >= 0, got {seed}")
-    for flag, path in (("--output", args.output), ("--plot", args.plot)):
-        if path is not None:
-            check_new_file(flag, path, args.force)
+    check_new_files((("--output", args.output), ("--plot", args.plot)), args.force)
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("--plot", "needs matplotlib (pip install 'dptrain[plot]')")
     return m, confidence, seed

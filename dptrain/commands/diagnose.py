@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from dptrain.commands import check_new_file
+from dptrain.commands import check_new_files
 from dptrain.config import ConfigError
 from dptrain.telemetry import strict_json
 
@@ -191,11 +191,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--run", f"no run directory at {args.run}")
     output = Path(args.output) if args.output else (
         Path(args.run) / "diagnostics.json" if args.run is not None else None)
-    if output is not None:
-        check_new_file("--output", output, args.force)
     plot = Path(args.plot) if args.plot else None
+    check_new_files((("--output", output), ("--plot", plot)), args.force)
     if plot is not None:
-        check_new_file("--plot", plot, args.force)
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -205,6 +203,10 @@ def run(args: argparse.Namespace) -> int:
 
     path = resolve_checkpoint(run_dir=args.run, checkpoint=args.checkpoint)
     run_ = load_run(path, config_path=args.config, overrides=args.overrides)
+    if run_.relocated:
+        print(f"{PROG}: note: other files or test settings than the checkpoint's "
+              f"({'; '.join(run_.relocated)}); the probe records must be held out from "
+              f"training and public", file=sys.stderr)
     n_test = len(run_.task.test)
     if m > n_test:
         print(f"{PROG}: note: the test split has {n_test} examples; probing all of them",

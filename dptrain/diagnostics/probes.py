@@ -160,6 +160,11 @@ class LoadedRun:
     history: list[dict[str, Tensor]] = field(default_factory=list)
     """theta_{t-1}, theta_{t-2}, ...: the checkpoint's inner-momentum history (may be empty)."""
     config_source: str = "checkpoint"
+    overrides: list[str] = field(default_factory=list)
+    """The ``key.sub=value`` overrides applied on top of ``config_source``."""
+    relocated: list[str] = field(default_factory=list)
+    """Settings that may differ from the checkpoint's and do (``section.key: old -> new``;
+    :data:`dptrain.checkpoint.RELOCATABLE`): moved data or weights, another test file."""
 
     @property
     def params(self) -> dict[str, nn.Parameter]:
@@ -241,7 +246,7 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     except ConfigError as e:
         raise ConfigError("--checkpoint", e.message) from None
     cfg = _build_config(state["config"], config_path, overrides)
-    ckpt.check_compatible(state["config"], cfg)
+    relocated = ckpt.check_compatible(state["config"], cfg)
     plan = state["plan"]
     perf = cfg.performance
     if perf.num_threads is not None:
@@ -282,7 +287,8 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     return LoadedRun(cfg=cfg, checkpoint=path, step=int(state["step"]), task=task, model=model,
                      engine=engine, optimizer=optimizer, device=device, noise_multiplier=sigma,
                      clip_norm=C, denominator=b, history=history,
-                     config_source=str(config_path) if config_path is not None else "checkpoint")
+                     config_source=str(config_path) if config_path is not None else "checkpoint",
+                     overrides=list(overrides), relocated=relocated)
 
 
 # ------------------------------------------------------------------------------------ selection
@@ -563,6 +569,8 @@ def diagnose(run: LoadedRun, *, probe_examples: int = 64, params: str | None = N
         "checkpoint": str(run.checkpoint),
         "step": run.step,
         "config_source": run.config_source,
+        "overrides": list(run.overrides),
+        "relocated": list(run.relocated),
         "probe": {"split": "test", "public": True, "test_size": n_test, "num_examples": m,
                   "indices": [int(i) for i in indices],
                   "selection": "evenly spaced over the test split",
