@@ -89,6 +89,63 @@ def test_gpt2_pretrained_path_round_trip(tmp_path):
     assert e.value.field == "model.pretrained_path"
 
 
+def test_gpt2_pretrained_path_refuses_partial_or_foreign_checkpoints(tmp_path):
+    # transformers fills what a folder lacks with a fresh initialisation and only logs it; these
+    # trained silently from random weights (missing, bert) or were tracebacks (corrupt, shape)
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(1)
+    good = tmp_path / "good"
+    build_model(gpt2_cfg(), LM).save_pretrained(good)
+
+    def variant(name, config=None, weights=None):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config or json.loads(
+            (good / "config.json").read_text())))
+        if isinstance(weights, bytes):
+            (d / "model.safetensors").write_bytes(weights)
+        elif weights is not None:
+            save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+        else:
+            shutil.copy(good / "model.safetensors", d)
+        return d
+
+    tensors = load_file(good / "model.safetensors")
+    wider = json.loads((good / "config.json").read_text())
+    wider["n_embd"] = 64
+    cases = {"lacks": variant("missing", weights={k: v for k, v in tensors.items()
+                                                   if ".h.1." not in k}),
+             "cannot load": variant("corrupt", weights=b"garbage" * 10),
+             "shape": variant("shape", config=wider)}
+    bert = tmp_path / "bert"
+    BertForMaskedLM(BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, intermediate_size=64)).save_pretrained(bert)
+    cases["'bert'"] = bert
+    for words, folder in cases.items():
+        with pytest.raises(ConfigError) as e:
+            build_model(gpt2_cfg(pretrained_path=str(folder)), LM)
+        assert e.value.field == "model.pretrained_path", words
+        assert "\n" not in e.value.message
+        if words != "shape":
+            assert words in e.value.message, e.value.message
+
+
+def test_gpt2_pretrained_path_loads_half_precision_checkpoints_as_float32(tmp_path):
+    torch.manual_seed(1)
+    src = build_model(gpt2_cfg(), LM).to(torch.bfloat16)
+    src.save_pretrained(tmp_path / "bf16")
+    loaded = build_model(gpt2_cfg(pretrained_path=str(tmp_path / "bf16")), LM)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}  # performance.dtype's
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    for (n, a), (_, b) in zip(src.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a.float(), b), n  # bf16 values are exact in float32
+
+
 def test_gpt2_size_mismatches_name_the_field():
     with pytest.raises(ConfigError) as e:
         build_model(gpt2_cfg(n_positions=16), LM)

@@ -56,7 +56,9 @@ class ModelConfig:
     pretrained_path: str | None = None
     """gpt2: directory of a HF-format checkpoint (config.json + weights), loaded with
     ``from_pretrained(local_files_only=True)``. Null: random initialisation from the fields
-    above. With a checkpoint, the architecture comes from it; only dropout is overridden."""
+    above. With a checkpoint, the architecture comes from it; only dropout is overridden. Every
+    tensor of the model must be in it (a partial or non-GPT-2 folder is refused, not completed
+    at random), and it is loaded in float32 whatever its saved dtype."""
 
     # --- timm ---
     timm_name: str = "nf_resnet50"
@@ -129,6 +131,41 @@ def check_no_batchnorm(model: nn.Module, field: str = "model.name") -> None:
             "BatchNorm (e.g. timm's nf_resnet50, or GroupNorm/LayerNorm)")
 
 
+def _load_pretrained_gpt2(cls, path: Path, dropout: float) -> nn.Module:
+    """``cls.from_pretrained`` of a local folder, all of whose weights must be there: transformers
+    fills missing or reshaped tensors with a fresh initialisation and only logs it, which would
+    fine-tune a partly random model. Float32 whatever dtype the checkpoint was saved in (the run's
+    dtype is ``performance.dtype``'s; bf16 autocast needs float32 weights underneath)."""
+    import json
+
+    field = "model.pretrained_path"
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None  # no or bad config.json: from_pretrained says what is wrong
+    if model_type is not None and model_type != "gpt2":
+        raise ConfigError(field, f"{path} holds a {model_type!r} checkpoint, not GPT-2")
+    from safetensors import SafetensorError
+
+    try:
+        model, loading = cls.from_pretrained(
+            str(path), local_files_only=True, attn_implementation="eager",
+            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+            output_loading_info=True)
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # shapes: Runtime
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ConfigError(field, f"cannot load a GPT-2 checkpoint from {path}: {reason}") from None
+    for kind in ("missing_keys", "mismatched_keys"):
+        bad = sorted(str(k if isinstance(k, str) else k[0]) for k in loading.get(kind) or ())
+        if bad:
+            shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+            what = "lacks" if kind == "missing_keys" else "has other shapes for"
+            raise ConfigError(field, f"the checkpoint in {path} {what} {len(bad)} of the model's "
+                                     f"tensors ({shown}); they would be trained from a random "
+                                     f"initialisation")
+    return model.float()
+
+
 def _build_gpt2(cfg: ModelConfig, info: DataInfo) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -139,13 +176,7 @@ def _build_gpt2(cfg: ModelConfig, info: DataInfo) -> nn.Module:
         path = Path(cfg.pretrained_path)
         if not path.is_dir():
             raise ConfigError("model.pretrained_path", f"directory not found: {path}")
-        try:
-            model = GPT2LMHeadModel.from_pretrained(
-                str(path), local_files_only=True, attn_implementation="eager",
-                resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout)
-        except (OSError, ValueError) as e:
-            raise ConfigError("model.pretrained_path",
-                              f"cannot load a GPT-2 checkpoint from {path}: {e}") from None
+        model = _load_pretrained_gpt2(GPT2LMHeadModel, path, cfg.dropout)
         vocab = model.config.vocab_size
         if data_vocab is not None and vocab < data_vocab:
             raise ConfigError("model.pretrained_path",
