@@ -5,9 +5,10 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
-if [ ! -x "$VENV/bin/python" ]; then
+# (a venv without pip is a half-made one, e.g. python3-venv missing when it was created)
+if [ ! -x "$VENV/bin/python" ] || [ ! -x "$VENV/bin/pip" ]; then
   echo "dptrain: creating $VENV" >&2
-  "$PY" -m venv "$VENV"
+  "$PY" -m venv --clear "$VENV"
 fi
 STAMP="$VENV/.dptrain-installed"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/launch/constraints.txt" -nt "$STAMP" ]; then

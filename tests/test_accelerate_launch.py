@@ -138,7 +138,7 @@ def test_launch_files_parse_and_pass_the_per_job_values_as_flags():
         assert flag in text, flag
 
 
-def _sbatch(tmp_path: Path, args: list[str], **env_extra: str) -> tuple[int, str, list[str], list[str]]:
+def _sbatch(tmp_path: Path, args: list[str], cwd: Path | None = None, **env_extra: str) -> tuple[int, str, list[str], list[str]]:
     """Run launch/slurm.sbatch as Slurm would on the first node, with stub ``scontrol``/``srun``
     and a stub ``$VENV/bin/accelerate`` that records its arguments. Returns (exit status,
     stderr, srun's arguments, accelerate's arguments)."""
@@ -153,7 +153,9 @@ def _sbatch(tmp_path: Path, args: list[str], **env_extra: str) -> tuple[int, str
         "while [ \"${1#--}\" != \"$1\" ]; do echo \"$1\" >> \"$LOG_DIR/srun.args\"; shift; done\n"
         "SLURM_NODEID=0 exec \"$@\"\n")
     (venv / "bin" / "accelerate").write_text(
-        "#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" > \"$LOG_DIR/accelerate.args\"\n")
+        "#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" > \"$LOG_DIR/accelerate.args\"\n"
+        "echo \"${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-unset}\" > \"$LOG_DIR/shutdown_timeout\"\n"
+        "pwd > \"$LOG_DIR/cwd\"\n")
     for f in (stubs / "scontrol", stubs / "srun", venv / "bin" / "accelerate"):
         f.chmod(0o755)
     logs = tmp_path / "logs"
@@ -162,12 +164,13 @@ def _sbatch(tmp_path: Path, args: list[str], **env_extra: str) -> tuple[int, str
         f.unlink()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.pop("OUTPUT_DIR", None)
+    env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
     env.update(PATH=f"{stubs}:{env['PATH']}", VENV=str(venv), LOG_DIR=str(logs),
                SLURM_JOB_NODELIST="node-[a-b]", SLURM_NNODES="2", SLURM_JOB_ID="4242",
                SLURM_SUBMIT_DIR=str(ROOT), GPUS_PER_NODE="2")
     env.update(env_extra)
     proc = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), *args], env=env,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, cwd=cwd)
     read = lambda name: ((logs / name).read_text().splitlines()  # noqa: E731
                          if (logs / name).exists() else [])
     return proc.returncode, proc.stderr, read("srun.args"), read("accelerate.args")
@@ -199,10 +202,38 @@ def test_slurm_script_resumes_a_requeued_job_and_refuses_a_resume_without_its_di
     assert code == 0, err
     assert acc.count("--resume") == 1 and acc[acc.index("--output-dir") + 1] == "runs/mine"
 
+    # a job started from --resume PATH and requeued after it wrote checkpoints of its own: PATH
+    # again would be refused (its later checkpoints would be overwritten); it continues them
+    branch = tmp_path / "branch"
+    code, err, srun, acc = _sbatch(tmp_path, [TINY, "--resume", "runs/old/checkpoints/step-4"],
+                                   SLURM_RESTART_COUNT="1", OUTPUT_DIR=str(branch))
+    assert code == 0 and acc[acc.index("--resume") + 1] == "runs/old/checkpoints/step-4"
+    (branch / "checkpoints" / "step-00000013").mkdir(parents=True)
+    for given in (["--resume", "runs/old/checkpoints/step-4"], ["--resume=runs/old/x"]):
+        code, err, srun, acc = _sbatch(tmp_path, [TINY, *given, "seed=3"],
+                                       SLURM_RESTART_COUNT="1", OUTPUT_DIR=str(branch))
+        assert code == 0, err
+        assert acc.count("--resume") == 1 and acc[acc.index("--resume") + 1] == "auto"
+        assert not any("runs/old" in a for a in acc) and "seed=3" in acc
+    code, err, srun, acc = _sbatch(tmp_path, [TINY, "--resume", "runs/old/checkpoints/step-4"],
+                                   OUTPUT_DIR=str(branch))  # not requeued: as given
+    assert acc[acc.index("--resume") + 1] == "runs/old/checkpoints/step-4"
+
     # a new job resuming needs the old job's directory: refused, one line, nothing launched
     code, err, srun, acc = _sbatch(tmp_path, [TINY, "--resume", "auto"])
     assert code == 2 and not acc
     assert len(err.strip().splitlines()) == 1 and "OUTPUT_DIR" in err
+
+
+def test_slurm_script_gives_the_ranks_time_to_checkpoint_after_sigterm(tmp_path):
+    """torchrun SIGKILLs the ranks 30 s after forwarding a SIGTERM unless
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT says otherwise: the 120 s of --signal=TERM@120 were 30 s."""
+    code, err, _, _ = _sbatch(tmp_path, [TINY])
+    assert code == 0, err
+    assert (tmp_path / "logs" / "shutdown_timeout").read_text().strip() == "100"
+    code, err, _, _ = _sbatch(tmp_path, [TINY], TORCH_ELASTIC_SHUTDOWN_TIMEOUT="300")
+    assert (tmp_path / "logs" / "shutdown_timeout").read_text().strip() == "300"
+    assert "#SBATCH --signal=TERM@120" in (ROOT / "launch" / "slurm.sbatch").read_text()
 
 
 def test_slurm_script_gives_the_per_node_task_the_allocations_cpus(tmp_path):
@@ -226,3 +257,12 @@ def test_slurm_script_submitted_outside_the_checkout(tmp_path):
                                 DPTRAIN_ROOT=str(ROOT))
     assert code == 0, err
     assert acc[acc.index("--config_file") + 1].startswith(str(ROOT))
+    # relative paths stay relative to the job's working directory (Slurm starts the script in
+    # the submit directory), not to the checkout: the script used to cd into DPTRAIN_ROOT
+    (elsewhere / "my.yaml").write_text(Path(TINY).read_text())
+    code, err, _, acc = _sbatch(tmp_path, ["my.yaml"], cwd=elsewhere,
+                                SLURM_SUBMIT_DIR=str(elsewhere), DPTRAIN_ROOT=str(ROOT))
+    assert code == 0, err
+    assert (tmp_path / "logs" / "cwd").read_text().strip() == str(elsewhere)
+    assert acc[acc.index("--config") + 1] == "my.yaml"
+    assert acc[acc.index("--output-dir") + 1] == "runs/my-4242"
