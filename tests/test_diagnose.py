@@ -338,7 +338,8 @@ def test_output_paths_are_checked_before_the_work(plain_run, tmp_path, capsys, m
     (tmp_path / "afile").write_text("x")
     same = tmp_path / "same.out"
     for extra, option in [(["--output", tmp_path / "afile" / "r.json"], "--output"),
-                          (["--plot", tmp_path / "afile" / "sub" / "p.png"], "--plot"),
+                          (["--output", tmp_path / "ok.json",  # not the run's default file
+                            "--plot", tmp_path / "afile" / "sub" / "p.png"], "--plot"),
                           (["--output", same, "--plot", same], "--plot"),  # PNG over the JSON
                           (["--output", same, "--plot", tmp_path / "." / "same.out"], "--plot")]:
         code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "2",
