@@ -253,6 +253,26 @@ def test_epsilon_is_never_reported_below_zero(accountant):
     assert epsilon(Ledger(history), 0.1, accountant) == 0.0
 
 
+def test_calibration_refuses_searches_that_would_not_end():
+    # opacus' bisection looped forever on these (no iteration cap): a hang, not an answer
+    for kwargs, field in [(dict(epsilon=1e20), "epsilon"),
+                          (dict(epsilon_tolerance=1e-15), "epsilon_tolerance"),
+                          (dict(epsilon_tolerance=8.0), "epsilon_tolerance"),  # >= epsilon
+                          (dict(epsilon_tolerance=math.inf), "epsilon_tolerance")]:
+        args = dict(epsilon=8.0, delta=1e-5, sample_rate=0.125, steps=2, accountant="rdp")
+        args.update(kwargs)
+        with pytest.raises(ConfigError) as e:
+            calibrate_noise_multiplier(**args)
+        assert e.value.field == field, kwargs
+
+
+def test_prv_calibration_of_a_large_target_uses_rdp():
+    # opacus' PRV search took over 100 s (and GBs) at epsilon 1e3 for 2 steps
+    with pytest.warns(AccountingWarning, match="RDP"):
+        sigma = calibrate_noise_multiplier(1000.0, 1e-5, 0.125, 2, accountant="prv")
+    assert sigma == calibrate_noise_multiplier(1000.0, 1e-5, 0.125, 2, accountant="rdp")
+
+
 def test_calibration_names_delta_when_it_is_too_small_for_prv():
     with pytest.raises(ConfigError) as e:
         calibrate_noise_multiplier(1.0, 1e-30, 0.01, 100, accountant="prv")

@@ -83,6 +83,12 @@ def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys
     # over budget: one line, without opacus' notes about its RDP orders before it
     ("privacy.noise_multiplier=0.1", "privacy.noise_multiplier"),
     ("privacy.steps=1000000001", "privacy.steps"),  # more than the accountants can handle
+    # sigma^2 underflows in opacus (ZeroDivisionError, a traceback), or overflows
+    (("privacy.epsilon=null", "privacy.noise_multiplier=1e-170", "privacy.accountant=rdp"),
+     "privacy.noise_multiplier"),
+    (("privacy.epsilon=null", "privacy.noise_multiplier=1e300", "privacy.accountant=rdp"),
+     "privacy.noise_multiplier"),
+    ("privacy.epsilon=1e20", "privacy.epsilon"),  # calibration never ended
     ("privacy.epsilon=1e-9", "privacy.epsilon"),  # calibration: unreachable
     ("optim.groups=[{pattern: wte, pattern: wpe, optimizer: adamw}]",
      "optim.groups[0].pattern"),  # duplicate key

@@ -54,6 +54,11 @@ DEFAULT_EPS_ERROR = 0.01
 PRV_MAX_DOMAIN = 1 << 24
 """Largest PRV grid (points) computed; ~5M points already take seconds and ~0.5 GB."""
 
+MAX_TARGET_EPSILON = 1e6
+"""The largest target epsilon :func:`calibrate_noise_multiplier` takes."""
+PRV_MAX_CALIBRATION_EPSILON = 100.0
+"""Above this target, :func:`calibrate_noise_multiplier` with ``prv`` calibrates to RDP's bound
+(with an :class:`AccountingWarning`): opacus' PRV search there takes minutes, or never ends."""
 MAX_STEPS = 10**9
 """Most releases a plan may have. Far beyond any training run; opacus' accountants break down
 numerically on larger counts (PRV cannot allocate its grid, RDP's bound turns negative near
@@ -169,23 +174,31 @@ def _rdp_epsilon(history, delta: float) -> float:
     return float(acc.get_epsilon(delta=delta))
 
 
+def _prv_grid_size(history, delta: float, eps_error: float) -> int | None:
+    """The points of the grid opacus' PRV would build for ``history`` (its cheap RDP-based
+    bound); None where this opacus has no such bound."""
+    from opacus.accountants import PRVAccountant
+    from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
+
+    get_domain = getattr(PRVAccountant(), "_get_domain", None)
+    if get_domain is None:
+        return None
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        domain = get_domain(prvs=[PoissonSubsampledGaussianPRV(q, s) for s, q, _ in history],
+                            num_self_compositions=[n for _, _, n in history],
+                            eps_error=eps_error, delta_error=delta / 1000)  # opacus' default
+    return int(domain.size)
+
+
 def _prv_epsilon(history, delta: float, eps_error: float) -> float:
     from opacus.accountants import PRVAccountant
     from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
 
     acc = PRVAccountant()
     acc.history = list(history)
-    delta_error = delta / 1000  # opacus' default
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         try:
-            size = None
-            get_domain = getattr(acc, "_get_domain", None)
-            if get_domain is not None:  # a cheap RDP-based bound on the grid PRV would build
-                domain = get_domain(
-                    prvs=[PoissonSubsampledGaussianPRV(q, s) for s, q, _ in history],
-                    num_self_compositions=[n for _, _, n in history],
-                    eps_error=eps_error, delta_error=delta_error)
-                size = domain.size
+            size = _prv_grid_size(history, delta, eps_error)
             if size is not None and size > PRV_MAX_DOMAIN:
                 reason = f"its grid would need {size} points (> {PRV_MAX_DOMAIN})"
             else:
@@ -253,8 +266,26 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
     if accountant not in ACCOUNTANTS:
         raise ConfigError("accountant", f"must be one of {', '.join(ACCOUNTANTS)}, "
                                         f"got {accountant!r}")
-    if not (epsilon_tolerance > 0):
+    if epsilon > MAX_TARGET_EPSILON:
+        # opacus' bisection never ends there (1e15: no result after minutes)
+        raise ConfigError("epsilon", f"must be <= {MAX_TARGET_EPSILON:.0e} to calibrate sigma "
+                                     f"(no privacy guarantee is left above it; set the noise "
+                                     f"multiplier itself), got {epsilon:g}")
+    if not (epsilon_tolerance > 0) or not math.isfinite(epsilon_tolerance):
         raise ConfigError("epsilon_tolerance", f"must be > 0, got {epsilon_tolerance}")
+    # below ~1e-9 relative the search's float rounding cannot meet it (it looped forever), and a
+    # tolerance >= epsilon would accept any sigma up to the doubling's first bracket
+    if not (1e-9 * epsilon <= epsilon_tolerance < epsilon):
+        raise ConfigError("epsilon_tolerance", f"must be in [1e-9 x epsilon, epsilon) = "
+                                               f"[{1e-9 * epsilon:.3g}, {epsilon:g}), got "
+                                               f"{epsilon_tolerance:g}")
+    if accountant == "prv" and epsilon > PRV_MAX_CALIBRATION_EPSILON:
+        # opacus' PRV search at such targets takes minutes and GBs per call (epsilon 1e3: over
+        # 100 s for 2 steps), and never ends near 1e15; RDP's search takes a second
+        warnings.warn(f"calibrating to the RDP bound: opacus' PRV search is impractical above "
+                      f"epsilon {PRV_MAX_CALIBRATION_EPSILON:g}", AccountingWarning, stacklevel=2)
+        return calibrate_noise_multiplier(epsilon, delta, sample_rate, steps, "rdp",
+                                          epsilon_tolerance)
     try:
         # the bisection's probes are not results: silence opacus' notes about its RDP orders
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"), \
@@ -343,7 +374,12 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None) -> float:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_OPACUS_NOTES, category=UserWarning)
             eps = epsilon(plan, cfg.delta, cfg.accountant)
-    except (MemoryError, OverflowError, ValueError) as e:
+    except (MemoryError, OverflowError, ValueError, ZeroDivisionError) as e:
+        # (sigma 1e-170: opacus divides by sigma^2, which underflows to 0; sigma 1e300 fails too)
+        if cfg.noise_multiplier is not None and not 1e-100 <= cfg.noise_multiplier <= 1e100:
+            raise ConfigError("privacy.noise_multiplier",
+                              f"{cfg.noise_multiplier:g} is beyond what the {cfg.accountant} "
+                              f"accountant can handle ({type(e).__name__})") from None
         raise ConfigError("privacy.steps",
                           _accountant_failed(cfg.accountant, cfg.steps, e)) from None
     # 1e-9 relative: a calibrated sigma meets the target up to the search's float rounding
