@@ -145,6 +145,10 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
             raise ConfigError(sub, f"unknown key (known keys of {path or 'the config'}: "
                                    f"{', '.join(sorted(fields))})")
         kwargs[key] = _convert(value, hints[key], sub)
+    for name, f in fields.items():  # a field without a default must be given
+        if (name not in kwargs and f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING):
+            raise ConfigError(f"{path}.{name}" if path else name, "required, but not given")
     obj = cls(**kwargs)
     return obj
 

@@ -92,6 +92,7 @@ def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys
     ("privacy.epsilon=1e-9", "privacy.epsilon"),  # calibration: unreachable
     ("optim.groups=[{pattern: wte, pattern: wpe, optimizer: adamw}]",
      "optim.groups[0].pattern"),  # duplicate key
+    ("optim.groups=[{optimizer: adamw}]", "optim.groups[0].pattern"),  # was a TypeError
     # optimizer options of the wrong type or out of range name their own field
     ("optim.aux.kwargs.betas=abc", "optim.aux.kwargs.betas"),
     ("optim.aux.kwargs.eps=nan", "optim.aux.kwargs.eps"),
@@ -221,6 +222,22 @@ def test_a_plan_over_budget_is_refused_before_anything_is_written(tmp_path, caps
     # sigma was set by the user: the error names it (a calibrated run would name privacy.steps)
     assert code == 2 and "privacy.noise_multiplier" in err and "budget" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_an_output_dir_that_cannot_be_made_is_refused_before_any_work(tmp_path, capsys,
+                                                                       monkeypatch):
+    import dptrain.trainer as trainer_module
+
+    def never(*a, **k):
+        raise AssertionError("the trainer was built before --output-dir was checked")
+
+    monkeypatch.setattr(trainer_module, "Trainer", never)
+    (tmp_path / "afile").write_text("x")
+    for out in (str(tmp_path / "afile" / "sub"), ""):  # "" silently meant runs/tiny
+        code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", out)
+        lines = [line for line in err.strip().splitlines() if line]
+        assert code == 2 and len(lines) == 1 and "output-dir" in lines[0], err
+    assert (tmp_path / "afile").read_text() == "x"
 
 
 def test_a_finished_run_is_never_overwritten(tmp_path, capsys):

@@ -15,14 +15,25 @@ def check_new_file(option: str, path, force: bool) -> None:
         raise ConfigError(option, f"{path} is a directory")
     if path.exists() and not force:
         raise ConfigError(option, f"{path} exists; pass --force to overwrite it")
-    # checked now, not after the work: the folders that would be created, under an existing one
-    parent = path.absolute().parent
+    check_can_create(option, path.absolute().parent, path)
+
+
+def check_can_create(option: str, directory, target=None) -> None:
+    """``directory`` exists and can be written, or can be created: its nearest existing
+    ancestor is a writable directory. Checked before the work, not after it. ConfigError
+    naming ``option`` (about ``target``, default ``directory``)."""
+    from pathlib import Path
+
+    from dptrain.config import ConfigError
+
+    target = directory if target is None else target
+    parent = Path(directory).absolute()
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise ConfigError(option, f"cannot create {path}: {parent} is not a directory")
+        raise ConfigError(option, f"cannot create {target}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(option, f"cannot write {path}: {parent} is not writable")
+        raise ConfigError(option, f"cannot write {target}: {parent} is not writable")
 
 
 def check_new_files(files, force: bool) -> None:

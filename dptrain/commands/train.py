@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+from dptrain.commands import check_can_create
 from dptrain.config import ConfigError
 
 
@@ -34,9 +35,12 @@ def run(args: argparse.Namespace) -> int:
     from dptrain.trainer import RunConfig, StopRequested, Trainer
 
     cfg = load(RunConfig, args.config, args.overrides)
+    if args.output_dir is not None and not args.output_dir.strip():
+        raise ConfigError("output-dir", "is empty (leave it out for runs/<config name>)")
     out = Path(args.output_dir) if args.output_dir else Path("runs") / Path(args.config).stem
     if out.exists() and not out.is_dir():
         raise ConfigError("output-dir", f"{out} exists and is not a directory")
+    check_can_create("output-dir", out)  # before the data and the model are built
     resume_path = None
     if args.resume == "auto" and (out / "summary.json").exists():
         # summary.json is written last: the run is finished (a requeued job lands here), and
