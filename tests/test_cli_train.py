@@ -93,6 +93,16 @@ def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys
     ("optim.groups=[{pattern: wte, pattern: wpe, optimizer: adamw}]",
      "optim.groups[0].pattern"),  # duplicate key
     ("optim.groups=[{optimizer: adamw}]", "optim.groups[0].pattern"),  # was a TypeError
+    # a gpt2-only setting with another model was ignored: a checkpoint never read, no dropout
+    (("model.name=cnn", "data.name=synthetic_images", "optim.preset=nfresnet",
+      "model.pretrained_path=/tmp"), "model.pretrained_path"),
+    (("model.name=cnn", "data.name=synthetic_images", "optim.preset=nfresnet",
+      "model.dropout=0.5"), "model.dropout"),
+    ("model.drop_path_rate=0.5", "model.drop_path_rate"),  # gpt2 has no stochastic depth
+    (("model.name=cnn", "data.name=synthetic_images", "optim.preset=nfresnet", "model.pool=0"),
+     "model.pool"),  # a RuntimeError in the first step
+    (("model.name=cnn", "data.name=synthetic_images", "optim.preset=nfresnet",
+      "model.hidden=-1"), "model.hidden"),
     # optimizer options of the wrong type or out of range name their own field
     ("optim.aux.kwargs.betas=abc", "optim.aux.kwargs.betas"),
     ("optim.aux.kwargs.eps=nan", "optim.aux.kwargs.eps"),

@@ -97,7 +97,18 @@ class ModelConfig:
             if self.pretrained_path is not None and not Path(self.pretrained_path).is_dir():
                 raise ConfigError("pretrained_path",
                                   f"directory not found: {self.pretrained_path}")
+            if self.drop_path_rate:
+                raise ConfigError("drop_path_rate", "only timm models have stochastic depth "
+                                                    "(model.name is gpt2; use model.dropout)")
         else:
+            # gpt2-only settings that would otherwise be ignored: a checkpoint folder that is
+            # never read (training from random weights), dropout that is never applied
+            if self.pretrained_path is not None:
+                raise ConfigError("pretrained_path", f"only gpt2 loads a checkpoint folder "
+                                                     f"(model.name is {self.name})")
+            if self.dropout:
+                raise ConfigError("dropout", f"only gpt2 has dropout (model.name is "
+                                             f"{self.name}; timm: model.drop_path_rate)")
             if self.num_classes is not None and self.num_classes < 1:
                 raise ConfigError("num_classes", f"must be >= 1, got {self.num_classes}")
             if self.in_chans is not None and self.in_chans < 1:
@@ -115,6 +126,11 @@ class ModelConfig:
                                               f"got {self.channels}")
             if self.groups < 1:
                 raise ConfigError("groups", f"must be >= 1, got {self.groups}")
+            if self.pool < 1:
+                raise ConfigError("pool", f"must be >= 1, got {self.pool}")
+            if self.hidden < 0:
+                raise ConfigError("hidden", f"must be >= 0 (0: no hidden layer), got "
+                                            f"{self.hidden}")
 
 
 def check_no_batchnorm(model: nn.Module, field: str = "model.name") -> None:
