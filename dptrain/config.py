@@ -14,6 +14,7 @@ knows how to turn nested dicts into those dataclasses and back, strictly:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -112,17 +113,23 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(path, f"expected a number, got {value!r}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            frac = _parse_fraction(value)
-            if frac is not None:
-                return frac
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(path, f"expected a number, got {value!r}")
+            number = float(value)
+        elif isinstance(value, str):
+            number = _parse_fraction(value)
+            if number is None:
+                try:
+                    number = float(value)
+                except ValueError:
+                    pass
+        if number is None:
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        # every number meets float32 tensors (lr 1e300 was a RuntimeError in the first step);
+        # inf and nan are left to each field's own check and message
+        if math.isfinite(number) and abs(number) > _FLOAT32_MAX:
+            raise ConfigError(path, f"{value!r} is beyond float32's range (3.4e38)")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -132,6 +139,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if isinstance(tp, type) and isinstance(value, tp):
         return value
     raise ConfigError(path, f"expected {_type_name(tp)}, got {value!r}")
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def from_dict(cls: type, data: dict, path: str = "") -> Any:

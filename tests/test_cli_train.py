@@ -111,6 +111,9 @@ def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys
      "optim.groups[0].kwargs.momentum"),
     # non-finite optimizer values (a NaN model otherwise)
     ("optim.lr=inf", "optim.lr"),
+    ("optim.lr=1e300", "optim.lr"),  # finite, but a RuntimeError in float32 at the first step
+    (("optim.filter.name=doppler", "optim.filter.a=[]", "optim.filter.b=[1e300, 1e300]"),
+     "optim.filter.b"),
     ("optim.aux.lr=inf", "optim.aux.lr"),
     ("optim.groups=[{pattern: wte, optimizer: adamw, lr: .inf}]", "optim.groups[0].lr"),
     ("optim.weight_decay=nan", "optim.weight_decay"),
