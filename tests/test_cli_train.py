@@ -99,6 +99,7 @@ def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys
     (("model.name=cnn", "data.name=synthetic_images", "optim.preset=nfresnet",
       "model.dropout=0.5"), "model.dropout"),
     ("model.drop_path_rate=0.5", "model.drop_path_rate"),  # gpt2 has no stochastic depth
+    ("optim.preset=nfresnet", "optim.preset"),  # no 4-D weights in GPT-2: Muon drove nothing
     (("model.name=cnn", "data.name=synthetic_images", "optim.preset=nfresnet", "model.pool=0"),
      "model.pool"),  # a RuntimeError in the first step
     (("model.name=cnn", "data.name=synthetic_images", "optim.preset=nfresnet",

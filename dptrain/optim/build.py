@@ -162,7 +162,14 @@ def plan_groups(cfg: OptimConfig, named_params: NamedParams) -> list[ResolvedGro
         aux = ParamGroupConfig(pattern="", optimizer=cfg.aux.optimizer,
                                lr=cfg.aux.lr if cfg.aux.lr is not None else cfg.lr,
                                kwargs=dict(cfg.aux.kwargs))
-        for g in PRESETS[cfg.preset](named_params, main, aux):
+        preset_groups = PRESETS[cfg.preset](named_params, main, aux)
+        if not any(g.name == "matrices" for g in preset_groups):
+            # e.g. preset nfresnet on GPT-2 (no 4-D weights): optim.name and optim.lr would
+            # drive nothing, every parameter going to optim.aux
+            raise ConfigError("optim.preset", f"{cfg.preset!r} gives no parameter of this "
+                                              f"model to {cfg.name} (optim.name); use the "
+                                              f"model's preset or explicit optim.groups")
+        for g in preset_groups:
             specs.append(("optim" if g.name == "matrices" else "optim.aux", g, False))
     elif not cfg.groups or cfg.unmatched == "default":
         default = ("optim", main)
