@@ -161,8 +161,9 @@ def _load_pretrained_gpt2(cls, path: Path, dropout: float) -> nn.Module:
         model_type = None  # no or bad config.json: from_pretrained says what is wrong
     if model_type is not None and model_type != "gpt2":
         raise ConfigError(field, f"{path} holds a {model_type!r} checkpoint, not GPT-2")
-    from safetensors import SafetensorError
+    import safetensors
 
+    SafetensorError = getattr(safetensors, "SafetensorError", OSError)  # older: not exported
     try:
         model, loading = cls.from_pretrained(
             str(path), local_files_only=True, attn_implementation="eager",
