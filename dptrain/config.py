@@ -79,6 +79,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, arg, path)
             except ConfigError as e:
                 errors.append(e)
+        if len(errors) == 1:  # X | None: X's own message (a range, not just "expected X")
+            raise errors[0]
         raise ConfigError(path, f"expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         if value in get_args(tp):

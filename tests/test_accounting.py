@@ -273,6 +273,25 @@ def test_prv_calibration_of_a_large_target_uses_rdp():
     assert sigma == calibrate_noise_multiplier(1000.0, 1e-5, 0.125, 2, accountant="rdp")
 
 
+def test_a_refused_plan_is_one_error_with_the_fallback_note_inside():
+    from dptrain.privacy.accounting import check_plan
+
+    # sigma 0.001: PRV's grid would be too large, so epsilon() warns and reports RDP's bound;
+    # that warning printed two lines before the refusal's one
+    over = PrivacyConfig(sample_rate=0.125, noise_multiplier=0.001, seed=0, steps=4,
+                         accountant="prv", epsilon=8.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ConfigError) as e:
+            check_plan(over, 0.001)
+    assert e.value.field == "privacy.noise_multiplier" and "RDP bound" in e.value.message
+    assert not [w for w in caught if issubclass(w.category, AccountingWarning)]
+    unbounded = PrivacyConfig(sample_rate=0.125, noise_multiplier=0.001, seed=0, steps=4,
+                              accountant="prv", epsilon=None)
+    with pytest.warns(AccountingWarning, match="RDP bound"):  # accepted: still said
+        assert check_plan(unbounded, 0.001) > 1e5
+
+
 def test_calibration_names_delta_when_it_is_too_small_for_prv():
     with pytest.raises(ConfigError) as e:
         calibrate_noise_multiplier(1.0, 1e-30, 0.01, 100, accountant="prv")

@@ -173,3 +173,16 @@ def test_imagenet_config_trains_on_webdataset_shards(tmp_path, name):
     shipped = load(RunConfig, Path(__file__).resolve().parents[1] / "configs" / name)
     assert shipped.data.augmult == 4 and shipped.optim.ema_decay > 0.99
     assert (out / "final" / "last_iterate.safetensors").is_file()
+
+
+def test_an_optional_number_reports_the_number_s_own_problem():
+    # "X | None" used to say only "expected float | null" for a number out of float32's range
+    from dptrain.config import ConfigError, from_dict
+    from dptrain.privacy.config import PrivacyConfig
+
+    with pytest.raises(ConfigError) as e:
+        from_dict(PrivacyConfig, {"noise_multiplier": "1e300"}, "privacy")
+    assert e.value.field == "privacy.noise_multiplier" and "float32" in e.value.message
+    with pytest.raises(ConfigError) as e:
+        from_dict(PrivacyConfig, {"noise_multiplier": "abc"}, "privacy")
+    assert "expected a number" in e.value.message

@@ -369,9 +369,13 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None) -> float:
     remaining = cfg.steps - plan.num_releases
     if remaining > 0:
         plan.record(sigma, cfg.sample_rate, remaining)
+    notes: list = []
     try:
-        # a refused plan is one line: opacus' notes on its RDP orders would come before it
-        with warnings.catch_warnings():
+        # a refused plan is one line: opacus' notes on its RDP orders, and our own note that
+        # PRV fell back to RDP, would come before it (the latter is re-issued if the plan is
+        # accepted, and is part of the error otherwise)
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always", AccountingWarning)
             warnings.filterwarnings("ignore", message=_OPACUS_NOTES, category=UserWarning)
             eps = epsilon(plan, cfg.delta, cfg.accountant)
     except (MemoryError, OverflowError, ValueError, ZeroDivisionError) as e:
@@ -391,7 +395,11 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None) -> float:
             f"the plan spends epsilon={eps:.4g} > the budget (target epsilon) {cfg.epsilon:g} "
             f"({cfg.steps} steps, noise_multiplier={sigma:g}, sample_rate={cfg.sample_rate:g}, "
             f"delta={cfg.delta:g}, {cfg.accountant}); raise noise_multiplier, lower steps or "
-            f"sample_rate, or leave noise_multiplier null to calibrate it")
+            f"sample_rate, or leave noise_multiplier null to calibrate it"
+            + "".join(f" ({n.message})" for n in notes
+                      if issubclass(n.category, AccountingWarning)))
+    for n in notes:  # the plan stands: say what its epsilon rests on
+        warnings.warn_explicit(n.message, n.category, n.filename, n.lineno)
     return eps
 
 
