@@ -133,16 +133,20 @@ class ModelConfig:
                                             f"{self.hidden}")
 
 
+def _first_few(names: list[str]) -> str:
+    """``a, b, c and 4 more``: the first three of ``names`` for a one-line message."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def check_no_batchnorm(model: nn.Module, field: str = "model.name") -> None:
     """Raise ConfigError(field) if ``model`` holds any BatchNorm layer (incl. SyncBatchNorm and
     timm's BatchNormAct2d, which subclass ``_BatchNorm``)."""
     bad = [name or "<root>" for name, m in model.named_modules()
            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if bad:
-        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
         raise ConfigError(
             field,
-            f"the model has BatchNorm layers ({shown}); BatchNorm mixes the examples of a batch, "
+            f"the model has BatchNorm layers ({_first_few(bad)}); BatchNorm mixes the examples of a batch, "
             "which breaks per-example clipping and the privacy guarantee. Use a model without "
             "BatchNorm (e.g. timm's nf_resnet50, or GroupNorm/LayerNorm)")
 
@@ -154,6 +158,9 @@ def _load_pretrained_gpt2(cls, path: Path, dropout: float) -> nn.Module:
     dtype is ``performance.dtype``'s; bf16 autocast needs float32 weights underneath)."""
     import json
 
+    import safetensors
+
+    SafetensorError = getattr(safetensors, "SafetensorError", OSError)  # older: not exported
     field = "model.pretrained_path"
     try:
         model_type = json.loads((path / "config.json").read_text()).get("model_type")
@@ -161,9 +168,6 @@ def _load_pretrained_gpt2(cls, path: Path, dropout: float) -> nn.Module:
         model_type = None  # no or bad config.json: from_pretrained says what is wrong
     if model_type is not None and model_type != "gpt2":
         raise ConfigError(field, f"{path} holds a {model_type!r} checkpoint, not GPT-2")
-    import safetensors
-
-    SafetensorError = getattr(safetensors, "SafetensorError", OSError)  # older: not exported
     try:
         model, loading = cls.from_pretrained(
             str(path), local_files_only=True, attn_implementation="eager",
@@ -175,10 +179,9 @@ def _load_pretrained_gpt2(cls, path: Path, dropout: float) -> nn.Module:
     for kind in ("missing_keys", "mismatched_keys"):
         bad = sorted(str(k if isinstance(k, str) else k[0]) for k in loading.get(kind) or ())
         if bad:
-            shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
             what = "lacks" if kind == "missing_keys" else "has other shapes for"
             raise ConfigError(field, f"the checkpoint in {path} {what} {len(bad)} of the model's "
-                                     f"tensors ({shown}); they would be trained from a random "
+                                     f"tensors ({_first_few(bad)}); they would be trained from a random "
                                      f"initialisation")
     return model.float()
 

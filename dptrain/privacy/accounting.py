@@ -174,31 +174,23 @@ def _rdp_epsilon(history, delta: float) -> float:
     return float(acc.get_epsilon(delta=delta))
 
 
-def _prv_grid_size(history, delta: float, eps_error: float) -> int | None:
-    """The points of the grid opacus' PRV would build for ``history`` (its cheap RDP-based
-    bound); None where this opacus has no such bound."""
-    from opacus.accountants import PRVAccountant
-    from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
-
-    get_domain = getattr(PRVAccountant(), "_get_domain", None)
-    if get_domain is None:
-        return None
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        domain = get_domain(prvs=[PoissonSubsampledGaussianPRV(q, s) for s, q, _ in history],
-                            num_self_compositions=[n for _, _, n in history],
-                            eps_error=eps_error, delta_error=delta / 1000)  # opacus' default
-    return int(domain.size)
-
-
 def _prv_epsilon(history, delta: float, eps_error: float) -> float:
     from opacus.accountants import PRVAccountant
     from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
 
     acc = PRVAccountant()
     acc.history = list(history)
+    delta_error = delta / 1000  # opacus' default
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         try:
-            size = _prv_grid_size(history, delta, eps_error)
+            size = None
+            get_domain = getattr(acc, "_get_domain", None)
+            if get_domain is not None:  # a cheap RDP-based bound on the grid PRV would build
+                domain = get_domain(
+                    prvs=[PoissonSubsampledGaussianPRV(q, s) for s, q, _ in history],
+                    num_self_compositions=[n for _, _, n in history],
+                    eps_error=eps_error, delta_error=delta_error)
+                size = domain.size
             if size is not None and size > PRV_MAX_DOMAIN:
                 reason = f"its grid would need {size} points (> {PRV_MAX_DOMAIN})"
             else:
@@ -279,13 +271,18 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
         raise ConfigError("epsilon_tolerance", f"must be in [1e-9 x epsilon, epsilon) = "
                                                f"[{1e-9 * epsilon:.3g}, {epsilon:g}), got "
                                                f"{epsilon_tolerance:g}")
+
+    def with_rdp(why: str) -> float:
+        warnings.warn(f"{why}; calibrating to the RDP bound instead", AccountingWarning,
+                      stacklevel=3)
+        return calibrate_noise_multiplier(epsilon, delta, sample_rate, steps, "rdp",
+                                          epsilon_tolerance)
+
     if accountant == "prv" and epsilon > PRV_MAX_CALIBRATION_EPSILON:
         # opacus' PRV search at such targets takes minutes and GBs per call (epsilon 1e3: over
         # 100 s for 2 steps), and never ends near 1e15; RDP's search takes a second
-        warnings.warn(f"calibrating to the RDP bound: opacus' PRV search is impractical above "
-                      f"epsilon {PRV_MAX_CALIBRATION_EPSILON:g}", AccountingWarning, stacklevel=2)
-        return calibrate_noise_multiplier(epsilon, delta, sample_rate, steps, "rdp",
-                                          epsilon_tolerance)
+        return with_rdp(f"opacus' PRV search is impractical above epsilon "
+                        f"{PRV_MAX_CALIBRATION_EPSILON:g}")
     try:
         # the bisection's probes are not results: silence opacus' notes about its RDP orders
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"), \
@@ -313,10 +310,7 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
         # target until sigma is tiny; epsilon() reports RDP's bound there, so calibrate to it
         if accountant != "prv":
             raise ConfigError("steps", _accountant_failed(accountant, steps, e)) from None
-        warnings.warn(f"the PRV accountant failed during calibration ({e}); calibrating to the "
-                      f"RDP bound instead", AccountingWarning, stacklevel=2)
-        return calibrate_noise_multiplier(epsilon, delta, sample_rate, steps, "rdp",
-                                          epsilon_tolerance)
+        return with_rdp(f"the PRV accountant failed during calibration ({e})")
     if accountant == "prv":
         # epsilon() reports RDP's looser bound where PRV cannot be used (see the module
         # docstring); the calibrated sigma must meet the target as epsilon() reports it
@@ -325,11 +319,8 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
             warnings.filterwarnings("ignore", message=_OPACUS_NOTES, category=UserWarning)
             achieved = _epsilon_of(sigma, sample_rate, steps, delta, "prv")
         if achieved > epsilon * (1 + 1e-9):
-            warnings.warn(f"the PRV accountant cannot be used at the calibrated sigma "
-                          f"{float(sigma):.6g}; calibrating to the RDP bound instead",
-                          AccountingWarning, stacklevel=2)
-            return calibrate_noise_multiplier(epsilon, delta, sample_rate, steps, "rdp",
-                                              epsilon_tolerance)
+            return with_rdp(f"the PRV accountant cannot be used at the calibrated sigma "
+                            f"{float(sigma):.6g}")
     return float(sigma)
 
 
@@ -369,7 +360,6 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None) -> float:
     remaining = cfg.steps - plan.num_releases
     if remaining > 0:
         plan.record(sigma, cfg.sample_rate, remaining)
-    notes: list = []
     try:
         # a refused plan is one line: opacus' notes on its RDP orders, and our own note that
         # PRV fell back to RDP, would come before it (the latter is re-issued if the plan is
