@@ -12,6 +12,7 @@ plans, unsupported modules, in-place modification of a captured input.
 
 from __future__ import annotations
 
+import copy
 
 import pytest
 import torch
@@ -100,11 +101,13 @@ def assert_sum(got: torch.Tensor, ref: torch.Tensor, dtype, scale: float | None 
     assert err <= RTOL[dtype] * scale, f"clipped sum rel error {err / scale:.3g}"
 
 
-def check(model: nn.Module, batch, loss_fn=mse_loss, policies=POLICIES, modes=MODES) -> None:
+def check(model: nn.Module, batch, loss_fn=mse_loss, policies=POLICIES, modes=MODES,
+          plan=None, ref: torch.Tensor | None = None) -> None:
     """Norms and clipped sums of ``model`` on ``batch`` equal the torch.func reference, for
-    every norm policy and clipped-sum mode; C is the median reference norm."""
+    every norm policy and clipped-sum mode; C is the median reference norm. With a query
+    ``plan``, ``ref`` is its (B, P) per-example query, built by the caller."""
     dtype = next(model.parameters()).dtype
-    ref = reference_grads(model, loss_fn, batch)
+    ref = reference_grads(model, loss_fn, batch) if ref is None else ref
     ref_norms = ref.norm(dim=1)
     C = float(ref_norms.median()) if ref.shape[0] else 1.0
     C = C if C > 0 else 1.0
@@ -113,12 +116,12 @@ def check(model: nn.Module, batch, loss_fn=mse_loss, policies=POLICIES, modes=MO
     scale = float((lam * ref_norms).sum())
     for policy in policies:
         engine = ClippingEngine(model, clip_norm=C, ghost=policy)
-        assert_norms(engine.per_example_norms(loss_fn, batch), ref_norms, dtype,
+        assert_norms(engine.per_example_norms(loss_fn, batch, plan), ref_norms, dtype,
                      C if dtype == torch.float32 else None)
         for mode in modes:
             engine = ClippingEngine(model, clip_norm=C, ghost=policy, mode=mode)
             acc: dict = {}
-            engine.accumulate(loss_fn, batch, acc)
+            engine.accumulate(loss_fn, batch, acc, plan)
             assert_sum(flat(acc, model, ref), ref_sum, dtype, scale)
 
 
@@ -455,6 +458,27 @@ def test_stdconv_ghost_paths(case, dtype):
           modes=("bookkeeping",))
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_stdconv_with_a_dominant_bias_keeps_float32_accuracy(seed):
+    # reading <patch, what_o> off the output (y - bias) would lose the digits the bias holds:
+    # ~1e-5 relative at bias 1e5 in float32, against ~1e-7 when it is computed
+    from timm.layers import ScaledStdConv2d
+
+    torch.manual_seed(seed)
+    conv = ScaledStdConv2d(3, 5, 3, stride=2)
+    with torch.no_grad():
+        conv.bias.fill_(1e5)
+    batch = (torch.randn(4, 3, 8, 8), torch.randn(4, 5, 4, 4))
+
+    def linear_loss(model, b):  # its output gradient is b[1], exactly
+        return (model(b[0]) * b[1]).flatten(1).sum(1)
+
+    ref = reference_grads(copy.deepcopy(conv).double(), linear_loss,
+                          tuple(t.double() for t in batch)).norm(dim=1)
+    got = ClippingEngine(conv, ghost="ghost").per_example_norms(linear_loss, batch).double()
+    assert float(((got - ref).abs() / ref).max()) <= 1e-6
+
+
 class Scaler(nn.Module):
     """A layer no rule knows: y = tanh(x * w) + b."""
 
@@ -574,6 +598,99 @@ def test_multi_state_plan(policy, mode, dtype):
         assert torch.equal(p.detach(), before[n])
 
 
+def _std_conv_net():
+    from timm.layers import ScaledStdConv2d
+
+    torch.manual_seed(0)
+    conv = ScaledStdConv2d(3, 4, 3, stride=2).double()
+    with torch.no_grad():
+        conv.gain.copy_(torch.rand(conv.gain.shape, dtype=torch.float64) + 0.5)
+    m = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).double()
+    return m, make_batch(m, torch.randn(4, 3, 7, 7, dtype=torch.float64), 19)
+
+
+@pytest.mark.parametrize("a", [2.0, 0.5])
+def test_a_one_entry_plan_scales_the_query_by_its_coefficient(a):
+    # every other single-state plan has coefficient 1, where coef and coef^2 agree
+    m, batch = _std_conv_net()
+    check(m, batch, plan=[(a, None)], ref=a * reference_grads(m, mse_loss, batch))
+
+
+def test_a_per_parameter_plan_with_a_layer_at_one_state_only():
+    # as inner momentum's separate Muon / AdamW histories give: the conv at theta_0 only
+    m, batch = _std_conv_net()
+    theta1 = {n: p.detach() + 0.1 * torch.randn_like(p) for n, p in m.named_parameters()}
+    c0 = {n: (1.5 if n.startswith("0.") else 0.6) for n, _ in m.named_parameters()}
+    c1 = {n: 0.4 for n, _ in m.named_parameters() if not n.startswith("0.")}
+
+    def per_coordinate(coef):
+        return torch.cat([torch.full((p.numel(),), coef.get(n, 0.0), dtype=torch.float64)
+                          for n, p in m.named_parameters()])
+
+    ref = (reference_grads(m, mse_loss, batch) * per_coordinate(c0)
+           + reference_grads(m, mse_loss, batch, theta1) * per_coordinate(c1))
+    check(m, batch, plan=[(c0, None), (c1, theta1)], ref=ref)
+
+
+class _OwnLinear(nn.Linear):
+    """A Linear subclass with a forward of its own: the torch.func fallback (Dense terms)."""
+
+    def forward(self, x):
+        return torch.tanh(F.linear(x, self.weight, self.bias))
+
+
+class _TiedToFallback(nn.Module):
+    """A weight shared by a layer with a rule (Linear, or Embedding) and a fallback layer: in
+    ghost form the norm needs the cross term between a Dense and an Outer contribution."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == "linear":
+            self.a = nn.Linear(4, 4)
+            self.b = _OwnLinear(4, 4, bias=False)
+            self.b.weight = self.a.weight
+        else:
+            self.a = nn.Embedding(6, 3)
+            self.b = _OwnLinear(3, 6, bias=False)
+            self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)) if self.kind == "linear" else self.a(x))
+
+    def batch(self, seed):
+        gen = torch.Generator().manual_seed(seed)
+        if self.kind == "embedding":
+            return (torch.randint(0, 6, (5, 4), generator=gen),)
+        return make_batch(self, torch.randn(5, 3, 4, generator=gen, dtype=torch.float64), seed)
+
+    def loss(self, model, batch):
+        if self.kind == "linear":
+            return mse_loss(model, batch)
+        (ids,) = batch
+        logits = model(ids)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1),
+                               reduction="none").view(ids.shape).sum(1)
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.func:UserWarning")
+@pytest.mark.parametrize("states", [1, 2])
+@pytest.mark.parametrize("kind", ["linear", "embedding"])
+def test_a_weight_shared_with_a_fallback_layer(kind, states):
+    # two states: u_b = 0.7 g_b(theta_1) + 0.3 g_b(theta_0), whose ghost norm also pairs the
+    # Dense contributions of the two states with each other
+    torch.manual_seed(3)
+    m = _TiedToFallback(kind).double()
+    batch = m.batch(20)
+    if states == 1:
+        check(m, batch, m.loss)
+        return
+    theta1 = {n: p.detach() + 0.2 * torch.randn_like(p) for n, p in m.named_parameters()}
+    ref = (0.7 * reference_grads(m, m.loss, batch, theta1)
+           + 0.3 * reference_grads(m, m.loss, batch))
+    check(m, batch, m.loss, plan=[(0.7, theta1), (0.3, None)], ref=ref)
+
+
 def test_module_with_parameter_and_submodules_is_refused():
     class Odd(nn.Module):
         def __init__(self):
@@ -617,6 +734,29 @@ def test_nan_norm_is_never_left_unclipped():
     engine = ClippingEngine(nn.Linear(2, 2), clip_norm=1.0)
     lam = engine.clip_factors(torch.tensor([0.5, 2.0, float("nan"), float("inf")]))
     assert lam.tolist() == [1.0, 0.5, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_norm_just_above_c_is_scaled_to_exactly_c(dtype):
+    engine = ClippingEngine(nn.Linear(2, 2).to(dtype), clip_norm=2.0)
+    norms = torch.tensor([2.0 * (1 + r) for r in (1e-6, 1e-4, 5e-4, 1e-3, 1e-2)], dtype=dtype)
+    lam = engine.clip_factors(norms)
+    assert bool((lam < 1).all())
+    torch.testing.assert_close(lam * norms, torch.full_like(norms, 2.0), rtol=1e-7, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_example_just_above_c_adds_exactly_c(mode):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    batch = make_batch(m, torch.randn(1, 4, dtype=torch.float64), 21)
+    norm = float(ClippingEngine(m).per_example_norms(mse_loss, batch)[0])
+    for ratio in (1.0005, 1.002):
+        C = norm / ratio
+        acc: dict = {}
+        ClippingEngine(m, clip_norm=C, mode=mode).accumulate(mse_loss, batch, acc)
+        total = float(torch.cat([v.reshape(-1) for v in acc.values()]).norm())
+        assert abs(total - C) <= 1e-9 * C, ratio
 
 
 def _poison(batch, row: int, how: str):
