@@ -13,10 +13,10 @@ per-example gradient:
     the per-example gradient itself, ``g[b]`` shaped like the parameter (biases, norms' affine
     parameters, layers whose gradient passes through a Jacobian such as weight standardisation).
 ``Factored`` (subclasses)
-    a layer-specific compact form that knows its own ghost squared norm (optional), how to
-    instantiate itself, and how to form its weighted sum without instantiating (convolutions:
-    one ``convolution_backward``; weight-standardised convolutions: that, then one VJP).
-    Whenever it has to be paired with another contribution it is instantiated.
+    a layer-specific compact form that knows how to instantiate itself and, optionally, its own
+    ghost squared norm and its weighted sum without instantiating (weight-standardised
+    convolutions: one ``convolution_backward``, then one VJP). Whenever it has to be paired with
+    another contribution, or has no ghost form, it is instantiated.
 
 ``Outer`` subclasses may also override ``dims``/``fast_instantiate``/``fast_weighted_sum`` (a
 lazily unfolded convolution input, instantiation and weighted sums by ``convolution_backward``).
@@ -97,8 +97,9 @@ class Dense:
 
 class Factored:
     """Base of layer-specific contributions (see the module docstring). Subclasses set ``coef``
-    and implement ``instantiate`` and ``weighted_sum``; ``ghost_sq_norms`` when
-    ``supports_ghost``; ``cost`` for the choice by cost."""
+    and implement ``instantiate``; ``ghost_sq_norms`` and ``weighted_sum`` when
+    ``supports_ghost`` (one without a ghost form is instantiated before any sum); ``cost`` for
+    the choice by cost."""
 
     coef: float = 1.0
     supports_ghost: bool = False
@@ -373,24 +374,17 @@ def state_bytes(contribs: list[Contribution]) -> tuple[int | None, int]:
     return ghost, size
 
 
-def squared_norms(contribs: list[Contribution], form: str,
+def squared_norms(contribs: list[Contribution],
                   kernels: Kernels = "torch") -> tuple[Tensor, list[Contribution]]:
-    """Per-example squared norm of sum_u coef_u * c_u, and the contributions actually used
-    (Outer ones replaced by Dense when instantiated, so the clipped sum can reuse them).
-    ``kernels``: see :func:`inner`."""
-    if form == "ghost" and len(contribs) == 1 and isinstance(contribs[0], Factored) \
-            and contribs[0].supports_ghost:
+    """Per-example squared norm of sum_u coef_u * c_u in ghost form (every pair of
+    contributions, cross terms included), and the contributions the clipped sum is to use (a
+    Factored one instantiated as a Dense unless it is alone and has a ghost form). A parameter
+    in instantiated form never comes here: the engine sums its states as they arrive
+    (:func:`add_instantiated`). ``kernels``: see :func:`inner`."""
+    if len(contribs) == 1 and isinstance(contribs[0], Factored) and contribs[0].supports_ghost:
         c = contribs[0]
         return c.ghost_sq_norms() * (c.coef * c.coef), contribs
-    if form == "instantiate" and len(contribs) > 1:
-        # sum first, in place: no cross terms to pair up
-        total = None
-        for c in contribs:
-            total = add_instantiated(total, c, c.coef)
-        return sq_rows(total), [Dense(total, 1.0)]
     contribs = [Dense(instantiate(c), c.coef) if isinstance(c, Factored) else c for c in contribs]
-    if form == "instantiate":
-        contribs = [Dense(instantiate(c), c.coef) if isinstance(c, Outer) else c for c in contribs]
     sq = None
     for i, u in enumerate(contribs):
         for j in range(i, len(contribs)):

@@ -539,8 +539,7 @@ class ClippingEngine:
                 s = sq_rows(total)
                 used[name] = [Dense(total, 1.0)]
             else:
-                s, used[name] = squared_norms(query.lists.pop(name), query.forms[name],
-                                               self.kernels)
+                s, used[name] = squared_norms(query.lists.pop(name), self.kernels)
             sq = sq + s.to(dtype)
         return sq.clamp_min(0).sqrt(), used
 

@@ -217,9 +217,6 @@ class ConvDense(Factored):
     def instantiate(self):
         return per_example_conv_weight_grad(self.G, self.x, self.weight_shape, self.geom)
 
-    def weighted_sum(self, w):
-        return conv_weight_grad(_scale_batch(self.G, w), self.x, self.weight_shape, self.geom)
-
 
 def standardisation_stats(module: nn.Module) -> dict:
     """timm's weight standardisation at the module's CURRENT values (called in the forward hook:
@@ -414,9 +411,6 @@ class StdConvGain(Factored):
         g = (st.Gf() * st.P()).sum(2) * st.scale  # (B, O)
         st._P = None
         return g.view(g.shape[0], *st.gain_shape)
-
-    def weighted_sum(self, w):
-        return torch.einsum("b...,b->...", self.instantiate(), w)
 
 
 # ---------------------------------------------------------------------------------------------
