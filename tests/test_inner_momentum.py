@@ -64,6 +64,60 @@ def test_im_run_differs_from_dp_muon_once_history_exists():
     assert any(not torch.equal(base[n], other[n]) for n in base)
 
 
+def _plan_trace(seed: int, steps: int = 5):
+    """Run a DP-Muon-IM trainer (K_M 3, gamma 0.8; K_A 1, gamma 0.5) for ``steps`` steps and
+    return theta[s] (its parameters at the start of step s, recorded here) and the query plan
+    of each step."""
+    t = trainer(f"seed={seed}", f"privacy.steps={steps}", "optim.inner_momentum.k_muon=3",
+                "optim.inner_momentum.gamma_muon=0.8", "optim.inner_momentum.k_other=1",
+                "optim.inner_momentum.gamma_other=0.5")
+    theta, plans = [], []
+    for _ in range(steps):
+        theta.append({n: p.detach().clone() for n, p in t.named_params})
+        plan = t.optimizer.query_plan()  # copied: a full history reuses its oldest storage
+        plans.append([(e[0], None if e[1] is None else {n: v.clone() for n, v in e[1].items()},
+                       *e[2:]) for e in plan])
+        t.private_step()
+    return t, theta, plans
+
+
+def test_the_trainer_queries_the_pre_update_states_with_k_t_min_t_k():
+    # at step t: theta_t, then theta_{t-1}, ..., theta_{t-K_t} (the states BEFORE the updates of
+    # steps t-1, ...), K_t = min(t, K) per part, weights gamma^j / sum_l gamma^l per part
+    t, theta, plans = _plan_trace(seed=0)
+    muon = t.optimizer.history.muon
+    assert muon and len(muon) < len(t.named_params)  # both parts present
+    for step, plan in enumerate(plans):
+        km, ka = min(step, 3), min(step, 1)
+        assert len(plan) == 1 + max(km, ka), step
+        assert plan[0][1] is None  # the current parameters
+        am, aa = im_weights(km, 0.8), im_weights(ka, 0.5)
+        for j, entry in enumerate(plan):
+            coef = entry[0] if isinstance(entry[0], dict) else {n: entry[0] for n in theta[0]}
+            for n in theta[0]:
+                want = (am[j] if j <= km else 0.0) if n in muon else (aa[j] if j <= ka else 0.0)
+                assert abs(coef[n] - want) < 1e-15, (step, j, n)
+            for n in theta[0] if j else ():
+                assert torch.equal(entry[1][n], theta[step - j][n]), (step, j, n)
+    # the parameters changed at every step, so pre- and post-update states differ
+    assert all(any(not torch.equal(a[n], b[n]) for n in a) for a, b in zip(theta, theta[1:]))
+
+
+def test_each_past_state_draws_its_dropout_from_its_own_stream():
+    # a seed of its own for every (step, past state), a function of the run's seed: neither the
+    # training RNG (no seed) nor masks repeated from one step to the next
+    def seeds(seed):
+        _, _, plans = _plan_trace(seed)
+        return [(step, j, entry[2]) for step, plan in enumerate(plans)
+                for j, entry in enumerate(plan) if j]
+
+    first = seeds(0)
+    assert len(first) == 1 + 2 + 3 + 3 and all(isinstance(s, int) for *_, s in first)
+    assert len({s for *_, s in first}) == len(first)
+    assert seeds(0) == first
+    assert not {s for *_, s in seeds(1)} & {s for *_, s in first}
+
+
 def materialised(per_example_grads):
     """Reference: materialise every example's gradient at every state,
     u_i = sum_j a_j(p) g_i(theta_j), then norms and sum_i min(1, C/||u_i||) u_i."""
