@@ -12,7 +12,7 @@ import torch
 
 from dptrain import checkpoint as ckpt
 from dptrain.cli import main
-from dptrain.config import ConfigError, load
+from dptrain.config import ConfigError, load, to_dict
 from dptrain.privacy.accounting import Ledger
 from dptrain.trainer import RunConfig, Trainer
 
@@ -144,6 +144,19 @@ def test_secure_mode_resume_says_it_draws_fresh_randomness(tmp_path, capsys):
     assert "secure mode" in err and "fresh randomness" in err
     assert t2._privacy_seed != t._privacy_seed
     assert t2.step == 1 and t2.ledger.num_releases == 1
+
+
+@pytest.mark.parametrize("override", [
+    "privacy.noise_multiplier=0.9", "privacy.sample_rate=0.25", "privacy.clip_norm=2.0",
+    "privacy.steps=5", "privacy.delta=1e-6", "privacy.accountant=prv", "privacy.epsilon=8",
+    "privacy.dataset_size=300", "privacy.expected_batch_size=40", "privacy.seed=3"])
+def test_a_resume_refuses_each_changed_privacy_setting_by_name(override):
+    base = ["privacy.epsilon=null", "privacy.noise_multiplier=1.0"]
+    saved = to_dict(load(RunConfig, TINY, base))
+    assert ckpt.check_compatible(saved, load(RunConfig, TINY, base)) == []
+    with pytest.raises(ConfigError) as e:
+        ckpt.check_compatible(saved, load(RunConfig, TINY, [*base, override]))
+    assert e.value.field == override.split("=")[0]
 
 
 def test_inconsistent_ledger_is_refused(tmp_path):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from dptrain.config import load
+from dptrain.config import ConfigError, load
+from dptrain.privacy.accounting import Ledger, epsilon
 from dptrain.privacy.config import PrivacyConfig
 from dptrain.trainer import RunConfig, Trainer
 
@@ -127,6 +128,24 @@ def test_noise_is_drawn_exactly_once_per_coordinate_per_logical_batch(monkeypatc
     expected = [(s, n, 0, p.numel()) for s in (0, 1) for n, p in t.named_params]
     assert sorted(calls) == sorted(expected)
     assert t.ledger.num_releases == 2
+
+
+def test_the_ledger_holds_exactly_the_planned_releases_and_refuses_one_more():
+    t = make("train.checkpoint_every=0", "privacy.steps=3", "performance.microbatch_size=4")
+    assert len(t.microbatches(t.sample(0))) > 1  # several microbatches per logical batch
+    sigma, q, T = t.plan.noise_multiplier, t.plan.sample_rate, t.plan.steps
+    assert (q, T) == (t.cfg.privacy.sample_rate, 3)
+    for step in range(T):
+        t.private_step()
+        assert t.ledger.history == [(sigma, q, step + 1)]
+    spent = epsilon(Ledger([(sigma, q, T)]), t.plan.delta, t.plan.accountant)
+    assert t.epsilon() == spent
+    assert spent == pytest.approx(t.plan.planned_epsilon, rel=1e-9)
+    assert spent <= t.cfg.privacy.epsilon
+    with pytest.raises(ConfigError) as e:  # the budget is spent: no release T + 1
+        t.private_step()
+    assert e.value.field == "privacy.steps"
+    assert t.ledger.history == [(sigma, q, T)] and t.step == T
 
 
 def test_noise_drawn_in_the_background_gives_the_same_release_bit_for_bit():
