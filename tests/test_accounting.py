@@ -352,6 +352,40 @@ def test_cross_check_with_prv_accountant_package():
         assert lo <= est <= hi
 
 
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_check_plan_is_the_epsilon_of_exactly_the_planned_releases(accountant):
+    sigma, q, steps, delta = 1.0, 0.02, 100, 1e-5
+
+    def plan(n, target=None):
+        return PrivacyConfig(epsilon=target, delta=delta, sample_rate=q, steps=n,
+                             noise_multiplier=sigma, accountant=accountant)
+
+    assert check_plan(plan(steps), sigma) == epsilon(Ledger([(sigma, q, steps)]), delta,
+                                                     accountant)
+    assert check_plan(plan(1), sigma) == epsilon(Ledger([(sigma, q, 1)]), delta, accountant) > 0
+    # resumed: the releases made (at another sigma), then the remaining 70 at sigma
+    done = Ledger([(1.5, q, 30)])
+    assert check_plan(plan(steps), sigma, ledger=done) == epsilon(
+        Ledger([(1.5, q, 30), (sigma, q, steps - 30)]), delta, accountant)
+    # a plan at its budget stands; 0.1%, 1% or 10% over it is refused
+    spent = check_plan(plan(steps), sigma)
+    assert check_plan(plan(steps, spent), sigma) == spent
+    for over in (1.001, 1.01, 1.1):
+        with pytest.raises(ConfigError) as e:
+            check_plan(plan(steps, spent / over), sigma)
+        assert e.value.field == "privacy.noise_multiplier"
+
+
+def test_would_exceed_counts_every_release_it_is_asked_about():
+    sigma, q, delta = 1.0, 0.02, 1e-5
+    eps50, eps100 = (epsilon(Ledger([(sigma, q, n)]), delta, "rdp") for n in (50, 100))
+    assert eps50 < eps100
+    assert would_exceed(Ledger(), sigma, q, delta, eps50, "rdp", count=100)
+    assert not would_exceed(Ledger(), sigma, q, delta, eps100, "rdp", count=100)
+    assert would_exceed(Ledger([(sigma, q, 50)]), sigma, q, delta, eps50, "rdp", count=50)
+    assert not would_exceed(Ledger([(sigma, q, 50)]), sigma, q, delta, eps100, "rdp", count=50)
+
+
 def test_check_plan_and_would_exceed():
     cfg = PrivacyConfig(epsilon=2.0, delta=1e-5, sample_rate=0.02, steps=100,
                         noise_multiplier=0.6, accountant="rdp")

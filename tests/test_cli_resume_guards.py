@@ -390,11 +390,12 @@ def test_a_resume_from_moved_data_files_continues_and_says_so(tmp_path, capsys):
 
 
 def _n_on_each_rank(rank: int, world: int, sizes: list[int]):
-    from dptrain.config import ConfigError
-    from dptrain.trainer import _check_ranks_agree_on_n
+    from dptrain.config import ConfigError, load
+    from dptrain.trainer import RunConfig, Trainer
 
     try:
-        _check_ranks_agree_on_n(sizes[rank], torch.device("cpu"))
+        Trainer(load(RunConfig, TINY, ["train.progress=false", "train.checkpoint_every=0",
+                                       f"data.synthetic_train_size={sizes[rank]}"]))
         return None
     except ConfigError as e:
         return str(e)
@@ -406,8 +407,9 @@ def test_ranks_that_see_different_training_set_sizes_refuse_to_start():
     # 10,500 vs 10,000 examples: sharding S_t by position would process some examples on both
     # ranks (sensitivity 2C) and drop others
     errors = spawn(_n_on_each_rank, 2, [10_500, 10_000])
-    assert all(e is not None and "data" in e and "10000" in e and "10500" in e for e in errors)
-    assert spawn(_n_on_each_rank, 2, [7, 7]) == [None, None]
+    assert all(e is not None and e.startswith("data:") and "10000" in e and "10500" in e
+               for e in errors)
+    assert spawn(_n_on_each_rank, 2, [64, 64]) == [None, None]
 
 
 def test_a_fallback_past_damaged_checkpoints_keeps_the_checkpoints_it_writes(tmp_path, capsys,

@@ -74,6 +74,9 @@ def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys
     ("privacy.clip_norm=-2", "privacy.clip_norm"),
     ("privacy.steps=abc", "privacy.steps"),
     ("privacy.adjacency=replace_one", "privacy.adjacency"),
+    # secure mode draws its seed from OS entropy: a fixed one would be a contradiction
+    ("privacy.secure_mode=true", "privacy.seed"),
+    ("privacy.seed=null", "privacy.seed"),
     ("model.n_embd=33", "model.n_embd"),
     ("data.name=e2e", "data."),  # with a directory that does not exist:
     ("optim.groups=[{pattern: nothing_matches, optimizer: adamw}]", "optim.groups[0].pattern"),

@@ -166,6 +166,42 @@ def test_zero_gradient_release_std_is_sigma_C_over_b_on_2_ranks():
     assert abs(float(z.std()) / expected - 1) < 6 / (2 * z.numel()) ** 0.5
 
 
+def _replicated_zero_sum(rank: int, world: int) -> dict:
+    """Replicated ranks, clipped sums exactly 0: the release's worst relative distance from
+    sigma*C*Z/b (Z recomputed here), then the ledger and epsilon after the run's two steps."""
+    from dptrain.config import load
+    from dptrain.privacy.noise import gaussian_noise
+    from dptrain.trainer import RunConfig, Trainer
+
+    t = Trainer(load(RunConfig, TINY, [
+        "train.progress=false", "train.checkpoint_every=0", "privacy.accountant=rdp",
+        "privacy.steps=2", "privacy.epsilon=null", "privacy.noise_multiplier=1.7",
+        "privacy.clip_norm=0.3", "performance.sharding=none"]))
+    real = t.task.loss_fn
+    t.task.loss_fn = lambda model, batch: real(model, batch) * 0.0
+    release, _ = t.release(0)
+    sigma, C, b = t.plan.noise_multiplier, t.plan.clip_norm, t.plan.denominator
+    worst = 0.0
+    for name, p in t.named_params:
+        z = gaussian_noise(t.cfg.privacy.seed, 0, name, p.numel()).view(p.shape).double()
+        want = sigma * C * z / b
+        worst = max(worst, float((release[name].double() - want).abs().max() / want.abs().max()))
+    while t.step < t.plan.steps:
+        t.private_step()
+    return {"worst": worst, "history": t.ledger.history, "epsilon": t.epsilon(),
+            "q": t.cfg.privacy.sample_rate, "delta": t.plan.delta}
+
+
+def test_replicated_ranks_release_sigma_C_Z_over_b_and_account_the_configured_rate():
+    # C != 1 (sigma*C and sigma differ); each rank records the run's q, not its share of it
+    from dptrain.privacy.accounting import Ledger, epsilon
+
+    for r in spawn(_replicated_zero_sum, 2):
+        assert r["worst"] < 1e-6  # float32 rounding of the release
+        assert r["history"] == [(1.7, r["q"], 2)]
+        assert r["epsilon"] == epsilon(Ledger([(1.7, r["q"], 2)]), r["delta"], "rdp")
+
+
 def _noise_draws(rank: int, world: int, overrides: list[str]) -> dict:
     """The flat noise coordinates this rank draws in one release, and the release."""
     import dptrain.trainer as trainer_mod

@@ -1,5 +1,6 @@
 """Counter-based Poisson sampling: purity, rate, independence, sharding."""
 
+import hashlib
 import math
 import os
 import subprocess
@@ -97,6 +98,10 @@ def test_independence_across_steps_and_seeds():
               "far step": inclusion_uniforms(0, 10 ** 9, idx),
               "next seed": inclusion_uniforms(1, 0, idx),
               "neg seed": inclusion_uniforms(-1, 0, idx)}
+    # seeds that differ only above bit 32, 64, 100 or 127 (secure mode's are 128 bits): a seed
+    # reduced to its low bits would be brute-forceable, and distinct seeds would share samples
+    others.update({f"seed + 2**{k}": inclusion_uniforms(1 << k, 0, idx)
+                   for k in (32, 64, 100, 127)})
     for name, u in others.items():
         r = np.corrcoef(u00, u)[0, 1]
         assert abs(r) < 6 / math.sqrt(n), name  # ~N(0, 1/n) under independence
@@ -104,6 +109,32 @@ def test_independence_across_steps_and_seeds():
         assert not np.array_equal(u00 < q, u < q), name
     # neighbouring indices within one step are not correlated either
     assert abs(np.corrcoef(u00[:-1], u00[1:])[0, 1]) < 6 / math.sqrt(n)
+
+
+def _reference_uniform(seed: int, step: int, i: int) -> float:
+    """The module docstring's construction, in plain Python integers."""
+    mask, gamma = (1 << 64) - 1, 0x9E3779B97F4A7C15
+
+    def mix64(z):
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    k0 = int.from_bytes(hashlib.blake2b(str(seed).encode("ascii"), digest_size=8,
+                                        person=b"dptrain-sample").digest(), "little")
+    k1 = mix64((k0 + gamma * (step + 1)) & mask)
+    h = mix64(mix64((k1 + gamma * (i + 1)) & mask) ^ k1)
+    return (h >> 11) * 2.0 ** -53
+
+
+def test_uniforms_follow_the_documented_construction():
+    # the stream that resume and 1-vs-N-rank equality rest on; a change to it must be deliberate
+    idx = np.array([0, 1, 2, 3, 1000, 65_535, 1_299_999, 2 ** 40 + 17])
+    for seed, step in [(0, 0), (7, 3), (-5, 12), (2 ** 127 + 3, 10 ** 9), (123456789, 1)]:
+        want = np.array([_reference_uniform(seed, step, int(i)) for i in idx])
+        np.testing.assert_array_equal(inclusion_uniforms(seed, step, idx), want)
+    want = [i for i in range(3000) if _reference_uniform(11, 4, i) < 0.05]
+    np.testing.assert_array_equal(poisson_sample(11, 4, 3000, 0.05), np.array(want))
 
 
 def test_sample_overlap_between_steps_is_like_independent_draws():

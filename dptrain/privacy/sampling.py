@@ -10,7 +10,7 @@ resumed run needs nothing but the step counter.
 Construction (all arithmetic modulo 2**64, ``mix64`` is SplitMix64's finaliser, a bijection
 of 64-bit words)::
 
-    k0   = blake2b-64("dptrain/sampling/v1", decimal(seed))   # any Python int is a valid seed
+    k0   = blake2b-64(decimal(seed), person="dptrain-sample")  # any Python int is a valid seed
     k1   = mix64(k0 + GAMMA * (t + 1))                          # per-step key
     x_i  = k1 + GAMMA * (i + 1)                                 # SplitMix64 counter for i
     h_i  = mix64(mix64(x_i) XOR k1)                             # second round decorrelates steps
