@@ -38,6 +38,29 @@ def test_average_is_the_decay_weighted_mean_of_the_iterates_after_the_start():
     assert torch.equal(p.detach(), thetas[-1])
 
 
+def test_a_state_dict_round_trip_continues_the_same_average():
+    gen = torch.Generator().manual_seed(2)
+    thetas = [torch.randn(3, dtype=torch.float64, generator=gen) for _ in range(6)]
+    p, q = (torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)) for _ in range(2))
+    a = ParameterEMA([("w", p)], decay=0.7)
+    for step, th in enumerate(thetas[:3], start=1):
+        with torch.no_grad():
+            p.copy_(th)
+        a.update(step)
+    b = ParameterEMA([("w", q)], decay=0.7)
+    b.load_state_dict(a.state_dict())
+    for step, th in enumerate(thetas[3:], start=4):
+        with torch.no_grad():
+            p.copy_(th)
+            q.copy_(th)
+        a.update(step)
+        b.update(step)
+    w = torch.tensor([0.7 ** (5 - s) for s in range(6)], dtype=torch.float64)
+    want = sum(wi * t for wi, t in zip(w, thetas)) / w.sum()
+    torch.testing.assert_close(a.values["w"], want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(b.values["w"], want, rtol=1e-12, atol=1e-14)
+
+
 def test_ema_is_post_processing_and_the_run_reports_and_exports_both_models(tmp_path):
     plain = Trainer(load(RunConfig, TINY, FAST), tmp_path / "plain")
     s0 = plain.run()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dptrain.optim import Muon, MuonBC, MuonS
-from dptrain.optim.muon import heat_bias_correction, power_iteration
+from dptrain.optim.muon import heat_bias_correction, power_iteration, probe_seed
 from dptrain.optim.newton_schulz import MUON_COEFFICIENTS, newton_schulz, smooth_newton_schulz
 
 LR, MU = 0.01, 0.95
@@ -65,6 +65,7 @@ def _ns_reference(X, steps=5, eps=1e-7):
 @pytest.mark.parametrize("shape,scale,nesterov,weight_decay", [
     ((12, 20), "match_rms_adamw", True, 0.0),
     ((20, 12), "original", True, 0.1),
+    ((12, 20), "original", False, 0.0),  # wide: s = 1, not sqrt(12/20)
     ((6, 3, 3, 3), "match_rms_adamw", False, 0.0),  # conv weight -> (6, 27)
     ((27, 4, 1, 1), "original", True, 0.0),  # 1x1 conv, tall -> (27, 4)
 ])
@@ -172,6 +173,54 @@ def test_muon_bc_nu_follows_momentum_and_probes_are_public_and_replayable():
     assert ema.input_noise_std(ema.param_groups[0]) == pytest.approx(0.1 * 0.05 * 1.95)
 
 
+@pytest.mark.parametrize("style,nesterov", [("accumulate", True), ("accumulate", False),
+                                            ("ema", True), ("ema", False)])
+def test_muon_bc_nu_is_the_release_noise_times_the_filter_gain_times_g_s_weight_in_n(style,
+                                                                                    nesterov):
+    mu, std, gain = 0.9, 0.1, 0.3
+    opt = MuonBC([torch.nn.Parameter(torch.zeros(3, 4))], release_noise_std=std, seed=0,
+                 momentum=mu, nesterov=nesterov, momentum_style=style)
+    group = opt.param_groups[0]
+    fresh = 1.0 if style == "accumulate" else 1 - mu  # G_t's weight in M_t
+    weight = fresh * (1 + mu) if nesterov else fresh  # ... and in N_t
+    assert opt.input_noise_std(group) == pytest.approx(std * weight)
+    group["noise_gain"] = gain  # a filter's gain, set by the optimizer wrapper every step
+    assert opt.input_noise_std(group) == pytest.approx(std * gain * weight)
+
+
+def test_muon_bc_steps_are_eq7_with_q_bc_and_fresh_probes_per_step_and_parameter():
+    # the probes of step t for parameter p: randn from torch.Generator seeded by
+    # probe_seed("muon_bc_probe", seed, t, p) (docs/optim.md), in float32
+    seed, std, lam, kappa, gamma, probes = 5, 0.2, 1.25, 2.0, 1e-4, 2
+    gen = torch.Generator().manual_seed(0)
+    W0 = {n: torch.randn(6, 10, dtype=torch.float64, generator=gen) for n in ("a", "b")}
+    grads = [{n: torch.randn(6, 10, dtype=torch.float64, generator=gen) for n in W0}
+             for _ in range(3)]
+    params = {n: torch.nn.Parameter(w.clone()) for n, w in W0.items()}
+    opt = MuonBC(list(params.items()), lr=LR, release_noise_std=std, seed=seed, momentum=MU,
+                 ns_dtype="float64", bc_probes=probes)
+    ref = {n: w.clone() for n, w in W0.items()}
+    mom = {n: torch.zeros_like(w) for n, w in W0.items()}
+    h = kappa * std * (1 + MU)
+
+    def Q(X):
+        return smooth_newton_schulz(X, 5, gamma)
+
+    for t, gs in enumerate(grads):
+        for n, p in params.items():
+            p.grad = gs[n].clone()
+        opt.step()
+        for n in ref:
+            mom[n] = MU * mom[n] + gs[n]
+            N = gs[n] + MU * mom[n]
+            g = torch.Generator().manual_seed(probe_seed("muon_bc_probe", seed, t, n))
+            E = torch.randn((probes, *N.shape), generator=g, dtype=torch.float32).double()
+            D = sum(0.5 * (Q(N + h * e) + Q(N - h * e)) for e in E) / probes
+            O = Q(N) - lam / kappa ** 2 * (D - Q(N))
+            ref[n] = ref[n] - LR * 0.2 * math.sqrt(max(N.shape)) * O
+            torch.testing.assert_close(params[n].detach(), ref[n], rtol=1e-10, atol=1e-12)
+
+
 def test_muon_bc_without_noise_is_muon_with_smooth_ns():
     W0 = torch.randn(8, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     Wa, Wb = torch.nn.Parameter(W0.clone()), torch.nn.Parameter(W0.clone())
@@ -206,12 +255,39 @@ def test_muon_s_sigma1_is_within_1e_3_of_the_svd():
     assert abs(state["sigma"] - sigma_svd) / sigma_svd < 1e-3
 
 
-def test_muon_s_update_is_sigma1_times_ns_and_heavy_ball_sgd_for_vectors():
+def test_muon_s_power_iteration_is_warm_started_from_the_seeded_vector():
+    # one power step per optimizer step from the last step's vector; the first vector is
+    # randn(c) from torch.Generator(probe_seed("muon_s_power", seed, name)), normalised
+    gen = torch.Generator().manual_seed(3)
+    shape, seed = (7, 5), 11
+    W = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64))
+    opt = MuonS([("w", W)], lr=LR, seed=seed, momentum=0.9, power_iters=1, ns_dtype="float64")
+    v = torch.randn(shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(
+        probe_seed("muon_s_power", seed, "w")))
+    v = v / torch.linalg.vector_norm(v)
+    M = torch.zeros(shape, dtype=torch.float64)
+    for _ in range(4):
+        G = torch.randn(*shape, dtype=torch.float64, generator=gen)
+        W.grad = G.clone()
+        opt.step()
+        M = 0.9 * M + G
+        u = M @ v
+        w = M.T @ (u / torch.linalg.vector_norm(u))
+        sigma = torch.linalg.vector_norm(w)
+        v = w / sigma
+        torch.testing.assert_close(opt.state[W]["sigma"], sigma, rtol=1e-12, atol=0)
+        torch.testing.assert_close(opt.state[W]["power_vector"], v, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.3])
+def test_muon_s_update_is_sigma1_times_ns_and_heavy_ball_sgd_for_vectors(wd):
+    # decoupled weight decay: W <- W (1 - lr wd) - lr sigma_1(M) NS(M), b <- b (1 - lr wd) - lr M_b
     gen = torch.Generator().manual_seed(1)
     W0 = torch.randn(6, 9, dtype=torch.float64, generator=gen)
     b0 = torch.randn(6, dtype=torch.float64, generator=gen)
     W, b = torch.nn.Parameter(W0.clone()), torch.nn.Parameter(b0.clone())
-    opt = MuonS([("w", W), ("b", b)], lr=LR, momentum=0.9, power_iters=50, ns_dtype="float64")
+    opt = MuonS([("w", W), ("b", b)], lr=LR, momentum=0.9, power_iters=50, ns_dtype="float64",
+                weight_decay=wd)
     M_W, M_b = torch.zeros_like(W0), torch.zeros_like(b0)
     for _ in range(3):
         GW = torch.randn(6, 9, dtype=torch.float64, generator=gen)
@@ -220,8 +296,8 @@ def test_muon_s_update_is_sigma1_times_ns_and_heavy_ball_sgd_for_vectors():
         opt.step()
         M_W, M_b = 0.9 * M_W + GW, 0.9 * M_b + Gb
         sigma = torch.linalg.svdvals(M_W)[0]
-        W0 = W0 - LR * sigma * newton_schulz(M_W, 5, coefficients="polar_express")
-        b0 = b0 - LR * M_b
+        W0 = W0 * (1 - LR * wd) - LR * sigma * newton_schulz(M_W, 5, coefficients="polar_express")
+        b0 = b0 * (1 - LR * wd) - LR * M_b
         torch.testing.assert_close(W.detach(), W0, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(b.detach(), b0, rtol=1e-12, atol=1e-12)
 

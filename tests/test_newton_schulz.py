@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dptrain.optim import newton_schulz, smooth_newton_schulz
-from dptrain.optim.newton_schulz import MUON_COEFFICIENTS
+from dptrain.optim.newton_schulz import MUON_COEFFICIENTS, POLAR_EXPRESS_COEFFICIENTS
 
 
 def _polar(X: torch.Tensor) -> torch.Tensor:
@@ -72,6 +72,33 @@ def test_polar_express_is_closer_to_the_polar_factor_at_five_steps():
         err_muon = torch.linalg.norm(newton_schulz(X, 5) - P)
         err_pe = torch.linalg.norm(newton_schulz(X, 5, coefficients="polar_express") - P)
         assert err_pe < 0.5 * err_muon, (shape, err_pe.item(), err_muon.item())
+
+
+def _reference_polar_express(X: torch.Tensor, steps: int) -> torch.Tensor:
+    """docs/optim.md: X / (||X||_F * 1.02 + 1e-6), the five quintics in order, then their limit
+    (15/8, -10/8, 3/8), on the wide side."""
+    tall = X.shape[0] > X.shape[1]
+    Y = X.T if tall else X
+    Y = Y / (torch.linalg.norm(Y) * 1.02 + 1e-6)
+    for j in range(steps):
+        a, b, c = POLAR_EXPRESS_COEFFICIENTS[j] if j < 5 else (15 / 8, -10 / 8, 3 / 8)
+        G = Y @ Y.T
+        Y = a * Y + b * (G @ Y) + c * (G @ G @ Y)
+    return Y.T if tall else Y
+
+
+@pytest.mark.parametrize("steps", [1, 4, 5, 6, 8])
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6)])
+def test_polar_express_is_its_documented_definition(steps, shape):
+    gen = torch.Generator().manual_seed(0)
+    generic = torch.randn(*shape, dtype=torch.float64, generator=gen)
+    # nearly rank one: sigma_1 ~ ||X||_F, where the 1.02 safety factor matters
+    rank_one = (torch.randn(shape[0], 1, dtype=torch.float64, generator=gen)
+                @ torch.randn(1, shape[1], dtype=torch.float64, generator=gen)
+                + 1e-3 * torch.randn(*shape, dtype=torch.float64, generator=gen))
+    for X in (generic, rank_one):
+        torch.testing.assert_close(newton_schulz(X, steps, coefficients="polar_express"),
+                                   _reference_polar_express(X, steps), rtol=1e-12, atol=1e-12)
 
 
 def test_polar_express_beyond_five_steps_converges_to_the_polar_factor():

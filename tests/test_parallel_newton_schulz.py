@@ -36,7 +36,7 @@ SHAPES: list[tuple[tuple[int, ...], tuple[int, int]]] = [
 STRATEGIES = ("owner", "model_parallel", "auto")
 COEFFICIENTS = ("muon", "polar_express")
 DTYPES = (torch.float64, torch.float32)
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-3}
 
 
 def _full_matrices(dtype: torch.dtype) -> list[torch.Tensor]:
@@ -72,6 +72,26 @@ def _worker(rank: int, world: int) -> dict:
                                         strategy=strategy, **kw)
         record(f"{dtype}/{strategy}/{coeff}", full, out, 5, coeff)
 
+    # bf16: model-parallel sums the grams and norms in float32 and rounds once, as the
+    # single-process bf16 product does (bf16 partial sums would cost ~2e-2). On the tall
+    # matrices, the only ones "auto" makes model-parallel: on a wide one its (n, n) Gram is
+    # another computation than the single-process (m, m) one, 1.7e-2 apart in bf16.
+    tall = [i for i, (m, n) in enumerate(shapes) if m > n]
+    full = [x for i, x in enumerate(_full_matrices(torch.bfloat16)) if i in tall]
+    local = [x[slice(*shard_bounds(x.shape[0], rank, world))] for x in full]
+    for strategy in ("owner", "model_parallel"):
+        out = distributed_newton_schulz(local, [shapes[i] for i in tall], strategy=strategy)
+        record(f"bf16/{strategy}", full, out, 5, "muon")
+
+    # another whole-matrix map (MuonBC's) runs on every matrix, also on those that "auto"
+    # would make model-parallel: exactly fn of the full matrix, on this rank's rows
+    full = _full_matrices(torch.float64)
+    local = [x[slice(*shard_bounds(x.shape[0], rank, world))] for x in full]
+    out = distributed_newton_schulz(local, shapes, fn=lambda i, X: 2.0 * X + i,
+                                    max_owner_numel=100)
+    for i, (x, o) in enumerate(zip(local, out)):
+        sums[("fn", i)] = (_sq(o - (2.0 * x + i)), _sq(2.0 * x + i), 0.0)
+
     # Mixed dtypes in one call (one buffer per dtype), non-default steps.
     full = _full_matrices(torch.float64)
     full[1] = full[1].float()
@@ -106,8 +126,9 @@ def test_distributed_equals_single_process(world):
     """
     results = spawn(_worker, world, timeout=240)
     keys = {k for r in results for k in r}
-    assert len(keys) == len(SHAPES) * (len(DTYPES) * len(STRATEGIES) * len(COEFFICIENTS) + 2
-                                       + (2 if world == 4 else 0))
+    tall = sum(m > n for _, (m, n) in SHAPES)
+    assert len(keys) == len(SHAPES) * (len(DTYPES) * len(STRATEGIES) * len(COEFFICIENTS) + 3
+                                       + (2 if world == 4 else 0)) + 2 * tall
     for key in sorted(keys):
         held = [r[key] for r in results if key in r]
         diff = sum(h[0] for h in held)

@@ -141,6 +141,7 @@ def test_nfresnet_preset_puts_conv_weights_in_muon_and_gains_biases_classifier_e
     model.stages = torch.nn.Sequential(torch.nn.Module())
     model.stages[0].conv1 = _ScaledStdConv(8, 8, 1)
     model.stages[0].skipinit_gain = torch.nn.Parameter(torch.zeros(()))
+    model.stages[0].proj = torch.nn.Linear(8, 8)  # a hidden Linear (mnist_demo's CNN has one)
     model.head = torch.nn.Module()
     model.head.fc = torch.nn.Linear(8, 10)
     opt = _build({"name": "muon", "preset": "nfresnet", "aux": {"optimizer": "sgd", "lr": 0.1}},
@@ -150,7 +151,8 @@ def test_nfresnet_preset_puts_conv_weights_in_muon_and_gains_biases_classifier_e
     assert groups["others"][0] == "sgd"
     assert sorted(groups["others"][1]) == sorted([
         "stem.conv.bias", "stem.conv.gain", "stages.0.conv1.bias", "stages.0.conv1.gain",
-        "stages.0.skipinit_gain", "head.fc.weight", "head.fc.bias"])
+        "stages.0.skipinit_gain", "stages.0.proj.weight", "stages.0.proj.bias",
+        "head.fc.weight", "head.fc.bias"])
 
 
 def test_explicit_groups_come_before_the_preset():
@@ -176,6 +178,58 @@ def test_schedules():
     assert all(a >= b for a, b in zip(cos[1:], cos[2:]))
     assert lr_factor("cosine", 6, total_steps=T, warmup_steps=2, min_lr_ratio=0.1) == \
         pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_schedules_decay_to_the_floor_by_the_documented_formula(schedule, warmup):
+    T, floor = 10, 0.2
+    for t in range(T):
+        warm = min(1.0, (t + 1) / warmup) if warmup else 1.0
+        p = max(0.0, (t - warmup) / (T - warmup))
+        f = (1 - (1 - floor) * p if schedule == "linear"
+             else floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p)))
+        assert lr_factor(schedule, t, total_steps=T, warmup_steps=warmup,
+                         min_lr_ratio=floor) == pytest.approx(warm * f, rel=1e-12)
+
+
+def _one_parameter(optim: dict, W0: torch.Tensor):
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(W0.clone())
+    return model.w, _build(optim, model=model)
+
+
+def test_adamw_settings_follow_the_adamw_equations():
+    # decoupled decay; m, v with betas (beta1, beta2) in that order; bias corrections
+    gen = torch.Generator().manual_seed(0)
+    W0 = torch.randn(4, 3, dtype=torch.float64, generator=gen)
+    lr, (b1, b2), eps, wd = 0.01, (0.5, 0.9), 1e-8, 0.1
+    W, opt = _one_parameter({"name": "adamw", "lr": lr, "betas": [b1, b2], "eps": eps,
+                             "weight_decay": wd}, W0)
+    ref, m, v = W0.clone(), torch.zeros_like(W0), torch.zeros_like(W0)
+    for t in range(1, 4):
+        G = torch.randn(4, 3, dtype=torch.float64, generator=gen)
+        W.grad = G.clone()
+        opt.step()
+        m, v = b1 * m + (1 - b1) * G, b2 * v + (1 - b2) * G * G
+        ref = ref * (1 - lr * wd) - lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+        torch.testing.assert_close(W.detach(), ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_heavy_ball_and_nesterov(nesterov):
+    gen = torch.Generator().manual_seed(1)
+    W0 = torch.randn(5, dtype=torch.float64, generator=gen)
+    lr, mu = 0.1, 0.9
+    W, opt = _one_parameter({"name": "sgd", "lr": lr, "momentum": mu, "nesterov": nesterov}, W0)
+    ref, M = W0.clone(), torch.zeros_like(W0)
+    for _ in range(3):
+        G = torch.randn(5, dtype=torch.float64, generator=gen)
+        W.grad = G.clone()
+        opt.step()
+        M = mu * M + G
+        ref = ref - lr * (G + mu * M if nesterov else M)
+        torch.testing.assert_close(W.detach(), ref, rtol=1e-12, atol=1e-12)
 
 
 def test_per_group_learning_rates_follow_the_schedule():
