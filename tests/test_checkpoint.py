@@ -159,6 +159,54 @@ def test_a_resume_refuses_each_changed_privacy_setting_by_name(override):
     assert e.value.field == override.split("=")[0]
 
 
+@pytest.mark.parametrize("was,now", [(False, True), (True, False)])
+def test_a_resume_may_not_switch_secure_mode(was, now):
+    def cfg(secure):
+        return load(RunConfig, TINY, ["privacy.secure_mode=true", "privacy.seed=null"]
+                    if secure else [])
+
+    saved = to_dict(cfg(was))
+    assert ckpt.check_compatible(saved, cfg(was)) == []
+    with pytest.raises(ConfigError) as e:
+        ckpt.check_compatible(saved, cfg(now))
+    assert e.value.field == "privacy.secure_mode"
+
+
+def test_the_marker_covers_the_files_no_rank_hashed(tmp_path):
+    # a sharded seal gets the ranks' digests of their shard files; rank 0 hashes the rest
+    root = tmp_path / "checkpoints"
+    tmp = root / ".tmp-step-00000003-1"
+    tmp.mkdir(parents=True)
+    for name, data in (("__0_0.distcp", b"shard0"), ("meta.pt", b"meta"), (".metadata", b"md")):
+        (tmp / name).write_bytes(data)
+    path = ckpt._seal(tmp, root, "step-00000003", 3,
+                      {"__0_0.distcp": ckpt._sha256(tmp / "__0_0.distcp")}, keep=2)
+    assert set(json.loads((path / ckpt.MARKER).read_text())["sha256"]) == {
+        "__0_0.distcp", "meta.pt", ".metadata"}
+    assert ckpt.verify(path) is None
+    (path / "meta.pt").write_bytes(b"Meta")
+    assert "meta.pt" in (ckpt.verify(path) or "")
+
+
+def test_pruning_counts_only_complete_checkpoints(tmp_path):
+    for step in (1, 2, 3):
+        ckpt.write({"step": step}, tmp_path, step, keep=5)
+    (tmp_path / "checkpoints" / "step-00000003" / ckpt.MARKER).unlink()  # step 3 incomplete
+    ckpt.write({"step": 4}, tmp_path, 4, keep=2)
+    # the newest and one complete one before it: an incomplete step 3 is no fallback
+    assert ckpt.complete_steps(tmp_path) == [2, 4]
+
+
+def test_a_checkpoint_missing_a_file_is_skipped(tmp_path, capsys):
+    for step in (1, 2):
+        ckpt.write({"step": step}, tmp_path, step, keep=5)
+    newest = tmp_path / "checkpoints" / "step-00000002"
+    (newest / "state.pt").unlink()  # the marker names a file that is gone
+    assert ckpt.verify(newest) == "missing file state.pt"
+    assert ckpt.find_latest(tmp_path).name == "step-00000001"
+    assert "missing file state.pt" in capsys.readouterr().err
+
+
 def test_inconsistent_ledger_is_refused(tmp_path):
     t = Trainer(_cfg([]), tmp_path)
     t.private_step()

@@ -63,6 +63,8 @@ def _resume_and_finish(rank: int, world: int, out: str) -> dict:
 
 
 def _verify_collectively(rank: int, world: int, path: str):
+    """Verify; then, for each shard file in turn, a bit flipped in its middle (same size),
+    verified again; the first flip is undone, the second left in place."""
     import torch.distributed as dist
 
     from dptrain import checkpoint as ckpt
@@ -74,17 +76,24 @@ def _verify_collectively(rank: int, world: int, path: str):
         hashed.append(Path(f).name)
         return plain(f)
 
+    def flip(name):
+        if rank == 0:
+            shard = Path(path) / name
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0x10
+            shard.write_bytes(bytes(data))
+        dist.barrier()
+
     ckpt._sha256 = recording
     ok = ckpt.verify(Path(path), collective=True)
     seen = list(hashed)
     dist.barrier()
-    if rank == 0:  # flip one bit in the middle of rank 1's shard file (same size)
-        shard = Path(path) / "__1_0.distcp"
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0x10
-        shard.write_bytes(bytes(data))
-    dist.barrier()
-    bad = ckpt.verify(Path(path), collective=True)
+    bad = []
+    for name, undo in (("__0_0.distcp", True), ("__1_0.distcp", False)):
+        flip(name)
+        bad.append(ckpt.verify(Path(path), collective=True))
+        if undo:
+            flip(name)
     return ok, seen, bad
 
 
@@ -152,14 +161,20 @@ def test_dcp_checkpoint_each_rank_writes_its_part_and_reshards(tmp_path):
     assert _rel(got2, want) <= 1e-5
     assert torch.isfinite(torch.cat([v.flatten() for v in got2.values()])).all()
 
+    # 2 ranks -> 3 ranks, sharded on load by torch.distributed.checkpoint
+    got3 = spawn(_resume_and_finish, 3, str(tmp_path / "a"))[0]
+    assert _rel(got3, want) <= 1e-5
+
     # collective verification: the 2 ranks hash the files in turn (each file once in all);
-    # then a bit flipped in rank 1's shard, hashed by rank 0 only: both ranks reject it
+    # then a bit flipped in a file that only rank 1 hashes, and in one that only rank 0
+    # hashes: both ranks reject each
     (ok0, hashed0, bad0), (ok1, hashed1, bad1) = spawn(_verify_collectively, 2, str(path))
     assert ok0 is None and ok1 is None
     names = sorted(p.name for p in path.iterdir() if p.name != ckpt.MARKER)
     assert sorted(hashed0 + hashed1) == names and not set(hashed0) & set(hashed1)
-    assert "__1_0.distcp" in hashed0 and "__1_0.distcp" not in hashed1
-    assert bad0 == bad1 and "__1_0.distcp" in bad0 and "checksum mismatch" in bad0
+    assert "__0_0.distcp" in hashed1 and "__1_0.distcp" in hashed0
+    for name, a, b in zip(("__0_0.distcp", "__1_0.distcp"), bad0, bad1):
+        assert a == b and name in a and "checksum mismatch" in a
     problem = ckpt.verify(path)
     assert problem is not None and "__1_0.distcp" in problem
     assert ckpt.find_latest(tmp_path / "a") is None  # the only checkpoint is damaged
@@ -169,25 +184,48 @@ def test_dcp_checkpoint_each_rank_writes_its_part_and_reshards(tmp_path):
         ckpt.read(path)
 
 
-def _rng_round_trip(rank: int, world: int, out: str, sharding: str) -> bool:
+def _rng_args(sharding: str) -> list[str]:
+    secure = ["privacy.secure_mode=true", "privacy.seed=null"] if sharding == "secure" else []
+    return ["train.progress=false", "privacy.steps=2",
+            f"performance.sharding={'none' if sharding == 'none' else 'fsdp'}", *secure]
+
+
+def _rng_round_trip(rank: int, world: int, out: str, sharding: str):
     """Ranks whose torch RNGs differ (anything in the model that still draws from it, e.g.
     timm's stochastic depth, draws per rank): a checkpoint and a resume on the same world size
-    give every rank its own RNG state back."""
+    give every rank its own RNG state back. Returns (that, the state saved)."""
     from dptrain import checkpoint as ckpt
     from dptrain.config import load
     from dptrain.trainer import RunConfig, Trainer
 
-    args = ["train.progress=false", "privacy.steps=2", f"performance.sharding={sharding}"]
-    t = Trainer(load(RunConfig, TINY, args), out)
+    t = Trainer(load(RunConfig, TINY, _rng_args(sharding)), out)
     torch.manual_seed(1000 + rank)
     t.private_step()
     ckpt.save(t, Path(out))
     want = torch.get_rng_state()
-    fresh = Trainer(load(RunConfig, TINY, args), out)
+    fresh = Trainer(load(RunConfig, TINY, _rng_args(sharding)), out)
     ckpt.load(fresh, ckpt.find_latest(Path(out)))
-    return torch.equal(torch.get_rng_state(), want)
+    return torch.equal(torch.get_rng_state(), want), want
 
 
-@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+@pytest.mark.parametrize("sharding", ["none", "fsdp", "secure"])
 def test_each_rank_gets_its_own_rng_state_back(tmp_path, sharding):
-    assert spawn(_rng_round_trip, 2, str(tmp_path / "run"), sharding) == [True, True]
+    from dptrain import checkpoint as ckpt
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    out = tmp_path / "run"
+    results = spawn(_rng_round_trip, 2, str(out), sharding)
+    assert [same for same, _ in results] == [True, True]
+    if sharding == "none":
+        return
+    path = ckpt.find_latest(out)
+    meta = ckpt.read_meta(path)
+    assert meta["format"] == 2  # sharded
+    if sharding == "secure":
+        assert meta["privacy_seed"] is None  # secure mode's seed is never written
+    # another world size: one process continues rank 0's torch stream
+    one = Trainer(load(RunConfig, TINY, _rng_args(sharding)), str(out))
+    ckpt.load(one, path)
+    assert torch.equal(torch.get_rng_state(), results[0][1])
+    assert not torch.equal(results[0][1], results[1][1])
