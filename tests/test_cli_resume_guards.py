@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from dptrain import trainer as trainer_mod
 from dptrain.cli import main
