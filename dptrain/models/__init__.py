@@ -146,9 +146,9 @@ def check_no_batchnorm(model: nn.Module, field: str = "model.name") -> None:
     if bad:
         raise ConfigError(
             field,
-            f"the model has BatchNorm layers ({_first_few(bad)}); BatchNorm mixes the examples of a batch, "
-            "which breaks per-example clipping and the privacy guarantee. Use a model without "
-            "BatchNorm (e.g. timm's nf_resnet50, or GroupNorm/LayerNorm)")
+            f"the model has BatchNorm layers ({_first_few(bad)}); BatchNorm mixes the examples "
+            "of a batch, which breaks per-example clipping and the privacy guarantee. Use a "
+            "model without BatchNorm (e.g. timm's nf_resnet50, or GroupNorm/LayerNorm)")
 
 
 def _load_pretrained_gpt2(cls, path: Path, dropout: float) -> nn.Module:
@@ -181,8 +181,8 @@ def _load_pretrained_gpt2(cls, path: Path, dropout: float) -> nn.Module:
         if bad:
             what = "lacks" if kind == "missing_keys" else "has other shapes for"
             raise ConfigError(field, f"the checkpoint in {path} {what} {len(bad)} of the model's "
-                                     f"tensors ({_first_few(bad)}); they would be trained from a random "
-                                     f"initialisation")
+                                     f"tensors ({_first_few(bad)}); they would be trained from a "
+                                     f"random initialisation")
     return model.float()
 
 
