@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import re
+import types
+from collections import Counter
+
 import pytest
 import torch
 
@@ -105,10 +110,187 @@ def test_greedy_stops_at_eos():
     assert greedy_generate(model, [[1, 2], [3]], 10, eos_id=256) == [[], []]
 
 
-def test_generate_and_score_runs_on_a_tiny_model():
-    model = _spiky_gpt2().train()
-    res = generate_and_score(model, ByteTokenizer(), SMALL, max_new_tokens=8, batch_size=2,
+# ------------------------------------------------------------------ independent references
+
+def _tok13a(s: str) -> list[str]:
+    """sacrebleu's 13a tokenisation for plain lower-case words with '.' or ',' (the only
+    punctuation the cases below use): the mark becomes its own token."""
+    return re.sub(r"([^0-9])([\.,])", r"\1 \2 ", s).split()
+
+
+def _ngrams(toks, n):
+    return Counter(tuple(toks[i:i + n]) for i in range(len(toks) - n + 1))
+
+
+def _bleu_by_hand(hyps, refs_per_hyp):
+    """Corpus BLEU (Papineni et al.), multi-reference: n-gram counts clipped by the maximum
+    count over that hypothesis' references, reference length = the closest one (the shorter
+    on a tie), brevity penalty on the corpus sums, 0-100. (No smoothing: every precision of
+    the cases below is non-zero.)"""
+    match, total = [0] * 4, [0] * 4
+    c = r = 0
+    for h, refs in zip(hyps, refs_per_hyp):
+        ht = _tok13a(h)
+        rts = [_tok13a(x) for x in refs]
+        c += len(ht)
+        r += min((abs(len(t) - len(ht)), len(t)) for t in rts)[1]
+        for n in range(1, 5):
+            hc = _ngrams(ht, n)
+            mx = Counter()
+            for t in rts:
+                mx |= _ngrams(t, n)
+            match[n - 1] += sum(min(v, mx[g]) for g, v in hc.items())
+            total[n - 1] += max(len(ht) - n + 1, 0)
+    assert all(match), "the case must have a match at every order (no smoothing here)"
+    bp = 1.0 if c > r else math.exp(1 - r / c)
+    return 100.0 * bp * math.exp(sum(math.log(m / t) for m, t in zip(match, total)) / 4)
+
+
+def _rouge_tokens(s: str) -> list[str]:
+    """rouge_score's default tokenizer without stemming: lower case, non-alphanumerics split."""
+    return re.sub(r"[^a-z0-9]+", " ", s.lower()).split()
+
+
+def _lcs(a, b) -> int:
+    dp = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
+    for i, x in enumerate(a):
+        for j, y in enumerate(b):
+            dp[i + 1][j + 1] = dp[i][j] + 1 if x == y else max(dp[i][j + 1], dp[i + 1][j])
+    return dp[-1][-1]
+
+
+def _rouge_l_f1(hyp: str, ref: str) -> float:
+    h, r = _rouge_tokens(hyp), _rouge_tokens(ref)
+    lcs = _lcs(h, r)
+    if lcs == 0:
+        return 0.0
+    p, rec = lcs / len(h), lcs / len(r)
+    return 2 * p * rec / (p + rec)
+
+
+# Three prompts with 3, 2 and 1 references; the hypotheses match partly, so that every choice
+# the metric makes shows: which reference length counts (a short hypothesis whose prompt has
+# fewer references than another), clipping over references, 13a punctuation, F1 (not recall),
+# no stemming (dogs/dog, run/runs), the mean (not the median) over prompts.
+HYPS = ["the cat sat on the mat.", "dogs run in the park", "it is"]
+REFS = [["the cat sat on a mat.", "there is a cat on the mat.", "a cat is sitting on the mat."],
+        ["the dog runs in a park", "a dog is running in the park"],
+        ["it is good here now"]]
+
+
+def test_bleu_and_rouge_equal_hand_computed_multi_reference_values():
+    res = score_texts(HYPS, REFS)
+    bleu = _bleu_by_hand(HYPS, REFS)
+    rouge = 100.0 * sum(max(_rouge_l_f1(h, r) for r in refs)
+                        for h, refs in zip(HYPS, REFS)) / len(HYPS)
+    assert res["num_prompts"] == 3
+    assert res["bleu"] == pytest.approx(bleu, rel=1e-9, abs=1e-9)
+    assert res["rouge_l"] == pytest.approx(rouge, rel=1e-9, abs=1e-9)
+    # the case is not degenerate: a brevity penalty applies, and the scores are far from 0/100
+    assert 20 < res["bleu"] < 90 and 40 < res["rouge_l"] < 90
+    # the well-kept libraries agree with the hand computation
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
+    streams = [[r[j] if j < len(r) else None for r in REFS] for j in range(3)]
+    assert sacrebleu.corpus_bleu(HYPS, streams).score == pytest.approx(bleu, rel=1e-9)
+    sc = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    assert sc.score(REFS[1][1], HYPS[1])["rougeL"].fmeasure == pytest.approx(
+        _rouge_l_f1(HYPS[1], REFS[1][1]))
+
+
+def test_rouge_l_is_sentence_level_also_for_a_hypothesis_with_a_newline():
+    # generated text may hold a newline: ROUGE-L (one LCS), not ROUGE-Lsum (union over lines)
+    hyp, ref = "in the park\nthe dog", "the dog in the park"
+    res = score_texts([hyp], [[ref]])
+    assert res["rouge_l"] == pytest.approx(100.0 * _rouge_l_f1(hyp, ref)) == pytest.approx(60.0)
+
+
+# ------------------------------------------------------------------ generate_and_score wiring
+
+class _ScriptedByteLM(torch.nn.Module):
+    """A byte-level "model" whose greedy continuation of ``mr + " || " + partial`` is the next
+    byte of ``answers[mr]``, then EOS (256); any other sequence gets EOS at once. It has no KV
+    cache, so greedy_generate feeds it the whole (left-padded) sequence every step."""
+
+    def __init__(self, answers: dict[str, str], n_positions: int = 256):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.config = types.SimpleNamespace(n_positions=n_positions)
+        self.answers = answers
+        self.seen: list[str] = []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kw):
+        b, length = input_ids.shape
+        logits = torch.zeros(b, length, 257)
+        for r in range(b):
+            row = input_ids[r] if attention_mask is None else input_ids[r][attention_mask[r] == 1]
+            text = bytes(int(t) for t in row if int(t) < 256).decode("utf-8")
+            nxt = 256
+            if " || " in text:
+                mr, partial = text.split(" || ", 1)
+                if partial == "":
+                    self.seen.append(text)
+                ans = self.answers.get(mr)
+                if ans is not None and ans.startswith(partial) and len(partial) < len(ans):
+                    nxt = ans.encode()[len(partial)]
+            logits[r, -1, nxt] = 1.0
+        return types.SimpleNamespace(logits=logits)
+
+
+def test_generate_and_score_prompts_strips_and_scores_every_mr_against_its_own_references():
+    refs = {
+        "name[Aromi], eatType[coffee shop]": ["Aromi is a coffee shop.",
+                                              "There is a coffee shop called Aromi.",
+                                              "Aromi serves coffee."],
+        "name[Cotto]": [],  # no references: generated, not scored
+        "name[Zizzi], area[riverside]": ["Zizzi is by the riverside."],
+        "name[Wildwood], food[French]": ["Wildwood serves French food.",
+                                         "French food at Wildwood."],
+    }
+    answers = {  # leading and trailing white space: the generations are stripped
+        "name[Aromi], eatType[coffee shop]": "  There is a coffee shop called Aromi. ",
+        "name[Cotto]": " Cotto is a place.",
+        "name[Zizzi], area[riverside]": " Zizzi is near the river. ",
+        "name[Wildwood], food[French]": "Wildwood serves French food.",
+    }
+    model = _ScriptedByteLM(answers).train()
+    res = generate_and_score(model, ByteTokenizer(), refs, max_new_tokens=64, batch_size=3,
                              return_texts=True)
-    assert model.training
-    assert 0.0 <= res["bleu"] <= 100.0 and 0.0 <= res["rouge_l"] <= 100.0
-    assert res["num_prompts"] == 3 and len(res["texts"]) == 3
+    assert model.training  # generation runs in eval mode and restores the caller's mode
+    # the prompt of every mr is exactly ``mr + " || "``
+    assert sorted(model.seen) == sorted(mr + " || " for mr in refs)
+    assert res["texts"] == [answers[m].strip() for m in refs]  # in mr_to_refs order
+    assert res["num_prompts"] == 3
+    scored = [m for m in refs if refs[m]]
+    expected = score_texts([answers[m].strip() for m in scored], [refs[m] for m in scored])
+    assert res["bleu"] == pytest.approx(expected["bleu"])
+    assert res["rouge_l"] == pytest.approx(expected["rouge_l"])
+    # two of the three generations are references, the third is close: a high, non-100 score
+    assert 50 < res["rouge_l"] < 100
+
+
+class _NeverEOS(torch.nn.Module):
+    """Always predicts byte 120 ("x"), never EOS: every row runs to its own limit."""
+
+    def __init__(self, n_positions):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.config = types.SimpleNamespace(n_positions=n_positions)
+
+    def forward(self, input_ids, **kw):
+        logits = torch.zeros(*input_ids.shape, 257)
+        logits[..., 120] = 1.0
+        return types.SimpleNamespace(logits=logits)
+
+
+def test_greedy_generate_length_is_min_of_max_new_tokens_and_room_left():
+    # rows of different lengths batched together are stopped by the batch's length and
+    # continued in later rounds, where rows with different remaining limits share a batch:
+    # each row still gets exactly min(max_new_tokens, n_positions - len(prompt)) tokens
+    model = _NeverEOS(n_positions=15)
+    prompts = [[1] * 14, [2] * 10, [3] * 2, [4] * 12, [5] * 15, [6] * 16]
+    for bs in (1, 2, 3, 4, 6):
+        out = greedy_generate(model, prompts, 6, eos_id=256, batch_size=bs)
+        assert [len(g) for g in out] == [1, 5, 6, 3, 0, 0], bs
+        assert all(t == 120 for g in out for t in g)
