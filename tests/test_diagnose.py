@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -407,3 +409,256 @@ def test_mistakes_exit_2_with_one_line_naming_the_option(request, tmp_path, caps
     assert len(lines) == 1, err
     assert option in lines[0], lines[0]
     assert not out.exists()
+
+
+# -------------------------------------------------------------------------- pure helpers
+
+def test_probe_indices_are_evenly_spaced_over_the_whole_split():
+    from dptrain.diagnostics.probes import probe_indices
+
+    assert probe_indices(10, 4).tolist() == [0, 3, 6, 9]
+    # 0, 63/11, 2*63/11, ... rounded: first and last example always included
+    assert probe_indices(64, 12).tolist() == [0, 6, 11, 17, 23, 29, 34, 40, 46, 52, 57, 63]
+    assert probe_indices(5, 12).tolist() == [0, 1, 2, 3, 4]  # at most the split, no repeats
+    assert probe_indices(7, 1).tolist() == [0]
+
+
+def test_lam_stats_by_hand():
+    """lam = 1 is not clipped; min, mean and fraction of the clip factors."""
+    from dptrain.diagnostics.probes import _lam_stats
+
+    norms = torch.tensor([0.5, 2.0, 1.0, 4.0], dtype=torch.float64)
+    lam = torch.tensor([1.0, 0.5, 1.0, 0.25], dtype=torch.float64)
+    st = _lam_stats(norms, lam)
+    assert st["min_lambda"] == 0.25
+    assert st["mean_lambda"] == pytest.approx(2.75 / 4)
+    assert st["fraction_clipped"] == 0.5
+    assert st["lam"] == [1.0, 0.5, 1.0, 0.25] and st["norms"] == [0.5, 2.0, 1.0, 4.0]
+
+
+def test_spectra_for_plot_keeps_three_matrices_and_the_last_shared_segment():
+    from dptrain.diagnostics.probes import spectra_for_plot
+
+    names = ["transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_fc.weight",
+             "transformer.h.1.mlp.c_fc.weight", "transformer.h.1.mlp.c_proj.weight"]
+    spectra = {(n, k): torch.eye(2) for n in names for k in ("reference", "current", "im")}
+    curves, left_out = spectra_for_plot(spectra)
+    assert left_out == 1
+    expected = [f"{short}: {label}"
+                for short in ("h.0.attn.c_attn.weight", "h.0.mlp.c_fc.weight", "h.1.mlp.c_fc.weight")
+                for label in ("unclipped mean", "current clipped mean", "im clipped mean")]
+    assert list(curves) == expected
+    one, left = spectra_for_plot({(names[0], "reference"): torch.eye(2)})
+    assert list(one) == [f"{names[0]}: unclipped mean"] and left == 0
+
+
+def test_muon_matrices_are_in_model_order_with_their_group_optimizer():
+    """Model order, not name order (h.10 after h.2) nor group order; 1-D parameters left out."""
+    from dptrain.diagnostics.probes import muon_matrices
+
+    P = {n: torch.zeros(shape) for n, shape in [("h.2.w", (2, 2)), ("h.10.w", (2, 2)),
+                                                 ("h.2.b", (2,)), ("wte", (3, 2)), ("a.w", (2, 3))]}
+    model_order = ["h.2.w", "h.10.w", "h.2.b", "wte", "a.w"]
+    groups = [SimpleNamespace(config=SimpleNamespace(optimizer="muon_bc"),
+                              named_params=[("a.w", P["a.w"])]),
+              SimpleNamespace(config=SimpleNamespace(optimizer="adamw"),
+                              named_params=[("wte", P["wte"])]),
+              SimpleNamespace(config=SimpleNamespace(optimizer="muon"),
+                              named_params=[(n, P[n]) for n in ("h.10.w", "h.2.w", "h.2.b")])]
+    run = SimpleNamespace(optimizer=SimpleNamespace(groups=groups,
+                                                    named_params=[(n, P[n]) for n in model_order]))
+    got = muon_matrices(run)
+    assert list(got.items()) == [("h.2.w", "muon"), ("h.10.w", "muon"), ("a.w", "muon_bc")]
+
+
+def test_pct_is_a_percentage():
+    from dptrain.commands.diagnose import _pct
+
+    assert _pct(0.5).strip() == "+50.0%"
+    assert _pct(-0.2).strip() == "-20.0%"
+    assert _pct(math.inf).strip() == "undef" and _pct(math.nan).strip() == "undef"
+
+
+def test_render_puts_each_value_under_its_column():
+    """The table's header names the metric of its column (spelled out here, not read from
+    COLUMNS): e_pol is the polar error, e_cos the cosine error, and so on."""
+    from dptrain.commands.diagnose import render
+
+    columns = [("e_pol", "polar_error"), ("e_cos", "cosine_error"), ("eta_R", "eta_R"),
+               ("|R|", "residual_norm"), ("sig_lam", "sigma_lambda"), ("sig_G", "sigma_G"),
+               ("SNR", "expected_snr"), ("r_eff", "effective_rank"),
+               ("rel_gap", "relative_gap"), ("B*", "wedin_threshold")]
+    keys = [k for _, k in columns]
+    cur = {k: float(i + 1) / 8 for i, k in enumerate(keys)}
+    cur["wedin_threshold"] = 17
+    im = {k: float(i + 1) / 16 for i, k in enumerate(keys)}
+    im["wedin_threshold"] = None
+    report = {
+        "checkpoint": "ck", "step": 3, "config_source": "checkpoint",
+        "release": {"noise_multiplier": 1.0, "clip_norm": 1.0, "denominator": 32,
+                    "noise_std": 1 / 32},
+        "probe": {"num_examples": 2, "test_size": 64, "selection": "evenly spaced",
+                  "model_mode": "eval"},
+        "clip_factors": {"current": {"mean_lambda": 0.5, "min_lambda": 0.25,
+                                     "fraction_clipped": 1.0}},
+        "compare_im": None,
+        "matrices": {"layer.w": {"candidates": {"current": cur, "im": im}}},
+        "privacy_note": "P", "probe_note": "Q",
+    }
+    lines = render(report).splitlines()
+    head = next(line for line in lines if line.startswith("matrix"))
+    assert head.split() == ["matrix", "query"] + [h for h, _ in columns]
+    row_cur = next(line for line in lines if line.startswith("layer.w"))
+    row_im = lines[lines.index(row_cur) + 1]
+    assert row_cur.split()[:2] == ["layer.w", "current"]
+    assert row_im.split()[0] == "im"  # the matrix is named once, on its first row
+    for (h, k), cell in zip(columns, row_cur.split()[2:]):
+        assert cell == ("17" if k == "wedin_threshold" else f"{cur[k]:.4g}"), h
+    for (h, k), cell in zip(columns, row_im.split()[1:]):
+        assert cell == ("-" if k == "wedin_threshold" else f"{im[k]:.4g}"), h
+
+
+# -------------------------------------------------------------------------- the CLI
+
+def test_probe_examples_is_checked_before_the_run_is_loaded(plain_run, tmp_path, capsys,
+                                                             monkeypatch):
+    import dptrain.diagnostics.probes as probes
+
+    def never(*a, **k):
+        raise AssertionError("the run was loaded before --probe-examples was checked")
+
+    monkeypatch.setattr(probes, "load_run", never)
+    for value in ("0", "-3"):
+        code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", value,
+                               "--output", tmp_path / "r.json")
+        lines = [line for line in err.strip().splitlines() if line]
+        assert code == 2 and len(lines) == 1 and "--probe-examples" in lines[0], err
+
+
+def test_short_history_error_names_k_muon_when_both_ks_are_short(im_run, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "diagnose", "--run", im_run, "--probe-examples", "2",
+                           "--compare-im", "3,0.9", "--output", tmp_path / "never.json")
+    assert code == 2 and "optim.inner_momentum.k_muon >= 3" in err, err
+
+
+def test_candidate_wedin_threshold_and_clip_factor_stats_match_independent(plain_run, tmp_path,
+                                                                          capsys):
+    """B* of the clipped mean (not of the reference) and the clip-factor summary, against
+    torch.func gradients and a by-hand smallest-B search."""
+    out = tmp_path / "w.json"
+    name = "transformer.h.0.mlp.c_fc.weight"
+    code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "6",
+                           "--params", r"h\.0\.mlp\.c_fc", "--output", out)
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    _, _, grad = _reference(plain_run, "privacy.steps=2")
+    grads = [grad(i) for i in report["probe"]["indices"]]
+    lam = np.array([min(1.0, 1.0 / _norm(g)) for g in grads])
+    cf = report["clip_factors"]["current"]
+    assert cf["min_lambda"] == pytest.approx(lam.min(), rel=1e-4)
+    assert cf["mean_lambda"] == pytest.approx(lam.mean(), rel=1e-4)
+    assert cf["fraction_clipped"] == pytest.approx(float((lam < 1.0).mean()))
+
+    G = np.stack([g[name].double().numpy() for g in grads])
+    X = (lam[:, None, None] * G).mean(0)
+    r, c = X.shape
+    scale = 1.0 * 1.0 * (math.sqrt(r) + math.sqrt(c))  # sigma = C = 1
+
+    def smallest_b(A):
+        s = np.linalg.svd(A, compute_uv=False)
+        gap = s[0] - s[1]
+        B = 1
+        while not scale / B < gap:
+            B += 1
+        return B
+
+    entry = report["matrices"][name]
+    b_cur, b_ref = smallest_b(X), smallest_b(G.mean(0))
+    assert b_cur != b_ref  # clipping shrinks the gap here, so the two differ
+    assert entry["candidates"]["current"]["wedin_threshold"] == b_cur
+    assert entry["reference"]["wedin_threshold"] == b_ref
+
+
+def test_compare_im_summary_is_mean_median_and_count_of_the_matrices(im_run, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    code, _, err = run_cli(capsys, "diagnose", "--run", im_run, "--probe-examples", "4",
+                           "--compare-im", "2,0.9", "--output", out)
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    names = list(report["matrices"])
+    assert len(names) >= 3  # a median that is not the mean of two
+    for k in ("polar_error", "cosine_error", "eta_R"):
+        vals = [report["matrices"][n]["relative_difference"][k] for n in names]
+        finite = [v for v in vals if math.isfinite(v)]
+        s = report["compare_im"]["relative_difference"][k]
+        assert s["matrices"] == len(names)
+        assert s["mean"] == pytest.approx(statistics.fmean(finite))
+        assert s["median"] == pytest.approx(statistics.median(finite))
+        cands = [report["matrices"][n]["candidates"] for n in names]
+        assert s["im_lower"] == sum(c["im"][k] < c["current"][k] for c in cands)
+    # the same query (K = 0): IM is lower for no matrix
+    code, _, err = run_cli(capsys, "diagnose", "--run", im_run, "--probe-examples", "2",
+                           "--compare-im", "0,0.9", "--params", r"h\.0\.attn", "--output", out,
+                           "--force")
+    assert code == 0, err
+    summary = json.loads(out.read_text())["compare_im"]["relative_difference"]
+    assert all(s["im_lower"] == 0 and s["matrices"] == 2 for s in summary.values())
+
+
+def test_clip_factors_span_several_microbatches(plain_run, tmp_path, capsys):
+    """More probe examples than performance.microbatch_size (16 in tiny.yaml): the clip
+    factors are computed microbatch by microbatch and must cover every example, in order."""
+    out = tmp_path / "mb.json"
+    code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "20",
+                           "--params", r"h\.1\.mlp\.c_proj", "--output", out)
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    indices = report["probe"]["indices"]
+    assert len(indices) == 20
+    _, _, grad = _reference(plain_run, "privacy.steps=2")
+    norms = [_norm(grad(i)) for i in indices]
+    got = report["clip_factors"]["current"]
+    assert got["norms"] == pytest.approx(norms, rel=1e-4)
+    assert got["lam"] == pytest.approx([min(1.0, 1.0 / x) for x in norms], rel=1e-4)
+
+
+def test_gamma_zero_needs_no_history(plain_run, tmp_path, capsys):
+    """gamma = 0 makes the IM query current-only whatever K (ImQuery.effective): it needs no
+    past state, so it works on a checkpoint without inner-momentum history."""
+    out = tmp_path / "g0.json"
+    code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "2",
+                           "--params", r"h\.0\.attn\.c_attn", "--compare-im", "3,0",
+                           "--output", out)
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    im = report["compare_im"]
+    assert im["history_states"] == 0 and im["k_muon"] == 3
+    assert im["alpha_muon"] == [1.0] and im["alpha_other"] == [1.0]
+    assert report["clip_factors"]["im"]["lam"] == report["clip_factors"]["current"]["lam"]
+
+
+def test_memory_budget_counts_the_three_copies_of_an_im_probe(im_run, monkeypatch):
+    """With a Muon history the probes hold G_cur, G_im and one past state's G_j at once, so a
+    matrix costs 3 * m * numel * 8 bytes of the max_bytes budget (1x without IM)."""
+    from dptrain import checkpoint as ckpt
+    import dptrain.diagnostics.probes as probes
+
+    run = probes.load_run(ckpt.find_latest(im_run))
+    names = ["transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"]
+    one = 2 * run.params[names[0]].numel() * 8  # m = 2 examples, float64
+    assert run.params[names[1]].numel() * 16 == one
+    calls = []
+    real = probes.per_example_grads
+
+    def recording(run_, indices, chunk, state=None):
+        if state is None:
+            calls.append(list(chunk))
+        return real(run_, indices, chunk, state)
+
+    monkeypatch.setattr(probes, "per_example_grads", recording)
+    kw = dict(probe_examples=2, params=r"h\.0\.mlp\.c_")
+    probes.diagnose(run, compare_im=probes.ImQuery(1, 0.9), max_bytes=3 * one, **kw)
+    assert calls == [[names[0]], [names[1]]]  # 2 x 3 copies would exceed the budget
+    calls.clear()
+    probes.diagnose(run, max_bytes=2 * one, **kw)
+    assert calls == [names]  # current only: one copy each, both fit

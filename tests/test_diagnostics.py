@@ -4,11 +4,13 @@ import inspect
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import dptrain.diagnostics as diagnostics_pkg
 from dptrain.diagnostics import (
     PRIVACY_NOTE,
     clipped_mean,
@@ -291,3 +293,176 @@ def test_plot_spectra_writes_a_png(tmp_path):
     )
     data = path.read_bytes()
     assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _np_polar(X: torch.Tensor, rank: int) -> np.ndarray:
+    """U_k V_k^T over the ``rank`` largest singular values, by numpy's SVD."""
+    U, _, Vh = np.linalg.svd(X.double().numpy(), full_matrices=False)
+    return U[:, :rank] @ Vh[:rank]
+
+
+# ---- polar(): the documented rank cutoff and scale invariance ------------------------------
+
+
+def test_polar_rank_cutoff_is_max_dim_times_eps_times_sigma1():
+    """polar() drops a singular value <= max(r, c) * eps64 * sigma_1 (numpy's matrix_rank
+    cutoff): on a 2 x 10 matrix with singular values (1, 1.2e-15) the second one lies between
+    min(r, c) * eps * sigma_1 = 4.4e-16 and max(r, c) * eps * sigma_1 = 2.2e-15, so it is zero."""
+    eps = np.finfo(np.float64).eps
+    X = torch.zeros(2, 10, dtype=torch.float64)
+    X[0, 0], X[1, 1] = 1.0, 1.2e-15
+    assert 2 * eps < 1.2e-15 < 10 * eps  # the case the test is about
+    expected = torch.zeros(2, 10, dtype=torch.float64)
+    expected[0, 0] = 1.0
+    torch.testing.assert_close(polar(X), expected, rtol=0, atol=1e-12)
+    assert np.linalg.matrix_rank(X.numpy()) == 1  # the same cutoff as numpy
+    # well above the cutoff the direction is kept
+    X[1, 1] = 1e-12
+    expected[1, 1] = 1.0
+    torch.testing.assert_close(polar(X), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1e-12, 1e12])
+def test_polar_is_invariant_to_the_scale_of_tiny_and_huge_matrices(scale):
+    """The cutoff is relative to sigma_1: a gradient of tiny norm keeps its polar factor."""
+    X = randn(5, 3, seed=30)
+    torch.testing.assert_close(polar(scale * X), torch.from_numpy(_np_polar(X, 3)), rtol=0, atol=1e-10)
+    assert polar_error(scale * X, X) == pytest.approx(0.0, abs=1e-9)
+
+
+# ---- polar error against a rank-deficient reference (the c_proj case) ----------------------
+
+
+def test_polar_error_against_rank_one_reference_by_svd():
+    """Eq. 9 with a rank-1 reference Y and a full-rank X: ||polar(X) - polar(Y)||_F over
+    ||polar(Y)||_F = 1 (not over sqrt(min(r, c)), nor over ||polar(X)||_F = 2)."""
+    u, v = randn(5, 1, seed=31), randn(4, 1, seed=32)
+    Y = u @ v.T
+    X = Y + randn(5, 4, seed=33)
+    PX, PY = _np_polar(X, 4), (u / u.norm()).numpy() @ (v / v.norm()).numpy().T
+    expected = np.linalg.norm(PX - PY) / np.linalg.norm(PY)
+    assert np.linalg.norm(PY) == pytest.approx(1.0)
+    assert polar_error(X, Y) == pytest.approx(expected, rel=1e-10)
+    # summarize judges the candidate against the reference in the same direction
+    out = summarize(Y, {"noisy": X})
+    assert out["candidates"]["noisy"]["polar_error"] == pytest.approx(expected, rel=1e-10)
+    # and the other way round the reference has rank 4: ||polar(X)||_F = 2
+    assert polar_error(Y, X) == pytest.approx(expected / 2, rel=1e-10)
+
+
+# ---- degenerate cases of eta_R and the SNR -------------------------------------------------
+
+
+def test_normalized_residual_with_zero_mean_gradient():
+    """Mean gradient 0: the aligned part lam_bar * G_bar is 0. eta_R is inf when R != 0
+    (unequal clip factors) and NaN when R = 0 too (equal clip factors)."""
+    A = randn(3, 4, seed=34)
+    G = torch.stack([A, -A])
+    # R = (1/2) [(1 - 0.75) A + (0.5 - 0.75)(-A)] = A / 4 != 0
+    assert normalized_residual(G, torch.tensor([1.0, 0.5], dtype=torch.float64)) == math.inf
+    assert math.isnan(normalized_residual(G, torch.tensor([0.5, 0.5], dtype=torch.float64)))
+
+
+def test_gradient_snr_of_zero_signal_and_zero_noise_is_nan():
+    assert math.isnan(gradient_snr(torch.zeros(2, 2), torch.zeros(2, 2)))
+    assert gradient_snr(torch.zeros(2, 2), torch.ones(2, 2)) == 0.0
+
+
+# ---- summarize(): the per-candidate fields by hand -----------------------------------------
+
+
+def test_summarize_pair_candidate_fields_by_hand():
+    """num_examples, mean_lambda, fraction_clipped (lam < 1 only: lam = 1 is not clipped),
+    residual_bound = sigma_lambda * sigma_G, and sigma_1 of reference and candidate."""
+    m = 5
+    G = randn(m, 3, 4, seed=35)
+    lam = torch.tensor([1.0, 0.5, 1.0, 0.25, 0.75], dtype=torch.float64)
+    ref = G.mean(0)
+    out = summarize(ref, {"clipped": (G, lam)})
+    c = out["candidates"]["clipped"]
+    assert c["num_examples"] == 5
+    assert c["mean_lambda"] == pytest.approx(3.5 / 5)
+    assert c["fraction_clipped"] == pytest.approx(3 / 5)
+    lam_np, G_np = lam.numpy(), G.numpy()
+    sigma_lambda = math.sqrt(((lam_np - lam_np.mean()) ** 2).mean())
+    sigma_G = math.sqrt(((G_np - G_np.mean(0)) ** 2).sum() / m)
+    assert c["sigma_lambda"] == pytest.approx(sigma_lambda, rel=1e-12)
+    assert c["sigma_G"] == pytest.approx(sigma_G, rel=1e-12)
+    assert c["residual_bound"] == pytest.approx(sigma_lambda * sigma_G, rel=1e-12)
+    X = (lam_np[:, None, None] * G_np).sum(0) / m
+    assert c["sigma_1"] == pytest.approx(np.linalg.svd(X, compute_uv=False)[0], rel=1e-12)
+    assert out["reference"]["sigma_1"] == pytest.approx(
+        np.linalg.svd(ref.numpy(), compute_uv=False)[0], rel=1e-12)
+
+
+def test_summarize_wedin_recoverable_is_strict_at_equality():
+    """diag(3, 1, 0, 0), sigma = C = 1: noise scale (2 + 2)/B equals the gap 2 at B = 2, which
+    is not below it (the Wedin condition is strict); B = 3 is."""
+    X = torch.diag(torch.tensor([3.0, 1.0, 0.0, 0.0], dtype=torch.float64))
+    at2 = summarize(X, {}, noise_multiplier=1.0, clip_norm=1.0, batch_size=2)["reference"]
+    assert at2["noise_op_norm"] == 2.0 and at2["spectral_gap"] == 2.0
+    assert at2["wedin_recoverable"] is False and at2["wedin_threshold"] == 3
+    at3 = summarize(X, {}, noise_multiplier=1.0, clip_norm=1.0, batch_size=3)["reference"]
+    assert at3["wedin_recoverable"] is True
+    # expected SNR: ||X||_F / (sigma*C/B * sqrt(r*c)) = sqrt(10) / (1/2 * 4)
+    assert at2["expected_snr"] == pytest.approx(math.sqrt(10) / 2.0)
+
+
+# ---- plot data and package exports ---------------------------------------------------------
+
+
+def _captured_axes(monkeypatch, tmp_path, named, **kwargs):
+    import dptrain.diagnostics.plotting as plotting
+
+    seen = {}
+    real_save = plotting._save
+
+    def save(fig, path):
+        seen["fig"] = fig
+        return real_save(fig, path)
+
+    monkeypatch.setattr(plotting, "_save", save)
+    plot_spectra(named, tmp_path / "s.png", **kwargs)
+    return seen["fig"].axes[0]
+
+
+def test_plot_spectra_draws_normalised_singular_values_from_index_1(monkeypatch, tmp_path):
+    X = torch.diag(torch.tensor([4.0, 2.0, 1.0], dtype=torch.float64))
+    ax = _captured_axes(monkeypatch, tmp_path, {"d": X})
+    (line,) = ax.get_lines()
+    assert list(line.get_xdata()) == [1, 2, 3]
+    assert list(line.get_ydata()) == pytest.approx([1.0, 0.5, 0.25])
+    assert line.get_label() == "d"
+    ax = _captured_axes(monkeypatch, tmp_path, {"d": X}, normalize=False)
+    assert list(ax.get_lines()[0].get_ydata()) == pytest.approx([4.0, 2.0, 1.0])
+
+
+def test_package_exports_every_geometry_function():
+    from dptrain.diagnostics import geometry
+
+    assert set(diagnostics_pkg.__all__) == set(geometry.__all__) | {"plot_spectra"}
+    for name in geometry.__all__:
+        assert getattr(diagnostics_pkg, name) is getattr(geometry, name), name
+
+
+# ---- wedin_threshold: float rounding settled against the strict inequality ----------------
+
+
+@pytest.mark.parametrize("x, gap, expected", [
+    # x / gap rounds UP to the integer 19 (truly just below it): floor(x/gap) + 1 = 20, but
+    # x / 19 < gap already holds, so the smallest B is 19
+    (18.468485381604676, 0.9720255464002462, 19),
+    # x / gap rounds DOWN below 23: floor(x/gap) + 1 = 23, but x / 23 < gap fails, so B = 24
+    (11.589738792772655, 0.5039016866422894, 24),
+])
+def test_wedin_threshold_is_exact_where_floor_of_the_ratio_is_off_by_one(x, gap, expected):
+    """1 x 1 matrix [[gap]]: sigma_1 - sigma_2 = gap and sigma*C*(sqrt(1) + sqrt(1)) = x with
+    sigma = x/2, C = 1 (exact in float)."""
+    X = torch.tensor([[gap]], dtype=torch.float64)
+    sigma = x / 2
+    # the definition, by hand: smallest B with sigma*C*2/B < gap
+    B = 1
+    while not sigma * 1.0 * 2.0 / B < gap:
+        B += 1
+    assert B == expected
+    assert wedin_threshold(X, sigma, 1.0) == expected
