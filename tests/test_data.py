@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import types
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dptrain.config import ConfigError, from_dict, validate_tree
-from dptrain.data import DEFAULT_E2E_PATH, REPO_ROOT, DataConfig, build_data
+from dptrain.data import DEFAULT_E2E_PATH, REPO_ROOT, DataConfig, DataInfo, build_data
 from dptrain.data.lm import e2e_prompt, read_e2e_csv
 from dptrain.data.tokenizers import ByteTokenizer, build_tokenizer
 from dptrain.models import ModelConfig, build_model
@@ -416,6 +417,155 @@ def test_synthetic_data_follows_the_seed():
     batch = a.train.collate(np.array([3, 1]))
     assert batch["images"].shape == (2, 3, 16, 16) and batch["labels"].dtype == torch.int64
     assert a.train.collate(np.array([], dtype=np.int64))["images"].shape == (0, 3, 16, 16)
+
+
+# ---------------------------------------------------------------- E2E layout, literally ---------
+
+CSV6 = ('mr,ref\n'
+        '" name[Aromi], food[Chinese] ","  Aromi serves Chinese food. "\n'
+        '"name[Zizzi]","Zizzi is a pub."\n'
+        '"name[Aromi], food[Chinese]","Chinese food at Aromi."\n'
+        '"name[Cotto]","Cotto is a cafe."\n'
+        '"name[Wildwood]","Wildwood is a pub."\n'
+        '"name[Zizzi]","There is a pub called Zizzi."\n')
+
+
+def _csv_task(tmp_path, **kw):
+    (tmp_path / "train.csv").write_text(CSV6, encoding="utf-8")
+    (tmp_path / "test.csv").write_text(CSV6, encoding="utf-8")
+    return build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
+                                 train_file="train.csv", test_file="test.csv", **kw))
+
+
+def test_e2e_example_is_literally_mr_bars_ref_eos_with_fields_stripped(tmp_path):
+    # spelled out, not through e2e_prompt: "mr || ref" + EOS, loss on "ref" + EOS only
+    task = _csv_task(tmp_path)
+    b = task.train.collate(np.array([0]))
+    text = b"name[Aromi], food[Chinese] || Aromi serves Chinese food."
+    assert b["input_ids"][0].tolist() == list(text) + [256]
+    p = len(b"name[Aromi], food[Chinese] || ")
+    assert b["labels"][0].tolist() == [-100] * p + list(b"Aromi serves Chinese food.") + [256]
+    # the white space around a field is not part of the mr: both spellings are one prompt
+    refs = task.test.references_by_mr()
+    assert list(refs) == ["name[Aromi], food[Chinese]", "name[Zizzi]", "name[Cotto]",
+                          "name[Wildwood]"]
+    assert refs["name[Aromi], food[Chinese]"] == ["Aromi serves Chinese food.",
+                                                  "Chinese food at Aromi."]
+
+
+def test_e2e_max_examples_keeps_rows_spread_evenly_first_and_last_included(tmp_path):
+    from dptrain.data.lm import _even_subset
+
+    # linspace(0, 5, 4) = 0, 1.67, 3.33, 5 -> rounded 0, 2, 3, 5 (not the first 4, not floor)
+    assert _even_subset(6, 4).tolist() == [0, 2, 3, 5]
+    assert _even_subset(10, 4).tolist() == [0, 3, 6, 9]
+    assert _even_subset(5, None).tolist() == _even_subset(5, 5).tolist() == [0, 1, 2, 3, 4]
+    assert _even_subset(3, 7).tolist() == [0, 1, 2]
+    task = _csv_task(tmp_path, max_train_examples=4, max_test_examples=2)
+    assert task.train.refs == ["Aromi serves Chinese food.", "Chinese food at Aromi.",
+                               "Cotto is a cafe.", "There is a pub called Zizzi."]
+    assert task.test.refs == ["Aromi serves Chinese food.", "There is a pub called Zizzi."]
+    # the references of every mr of the file are kept, whatever rows are used for NLL
+    assert sum(len(v) for v in task.test.references_by_mr().values()) == 6
+
+
+def test_e2e_cut_examples_keep_prompt_lengths_within_their_length(tmp_path):
+    task = _csv_task(tmp_path, max_length=20)  # every prompt here is longer than 11 bytes
+    ds = task.train
+    assert (ds.lengths <= 20).all() and (ds.prompt_lengths <= ds.lengths).all()
+    assert ds.lengths.tolist()[:2] == [20, 20]
+    assert ds.prompt_lengths.tolist()[:2] == [20, len(b"name[Zizzi] || ")]
+
+
+# ---------------------------------------------------------------- targets, losses ---------------
+
+def test_prompt_length_zero_the_first_token_is_not_a_target():
+    from dptrain.data.lm import LMDataset, lm_evaluate, lm_loss
+
+    ds = LMDataset([np.array([1, 2, 3, 4]), np.array([5, 6, 7])], [0, 1], pad_id=9)
+    # position 0 has no preceding logits: 3 + 2 predicted tokens
+    assert ds.num_target_tokens() == 5
+    info = DataInfo(kind="lm", vocab_size=10, pad_id=9, eos_id=9, max_length=4)
+    model = tiny_gpt2(info)
+    for bs in (1, 2, 3):  # every batch counts, the last one (of one example) too
+        assert lm_evaluate(model, ds, batch_size=bs)["tokens"] == 5
+    with torch.no_grad():
+        loss = lm_loss(model, ds.collate(np.array([0])))[0].double()
+        logp = F.log_softmax(model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits[0].double(), -1)
+    assert loss == pytest.approx(float(-(logp[0, 2] + logp[1, 3] + logp[2, 4]) / 3), rel=1e-5)
+
+
+def test_example_without_target_tokens_has_loss_zero_and_no_gradient():
+    # e.g. an E2E example that data.max_length cut inside its prompt
+    from dptrain.data.lm import LMDataset, lm_loss
+
+    ds = LMDataset([np.array([1, 2, 3]), np.array([4, 5, 6, 7])], [3, 1], pad_id=9)
+    info = DataInfo(kind="lm", vocab_size=10, pad_id=9, eos_id=9, max_length=4)
+    model = tiny_gpt2(info)
+    losses = lm_loss(model, ds.collate(np.array([0, 1])))
+    assert torch.isfinite(losses).all() and losses[0] == 0 and losses[1] > 0
+    losses[0].backward()
+    assert all(p.grad is None or (p.grad == 0).all() for p in model.parameters())
+
+
+class _HalfLogits(torch.nn.Module):
+    """A "model" whose logits are bfloat16, as under autocast."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = torch.nn.Parameter(logits)
+
+    def forward(self, input_ids, attention_mask=None):
+        return types.SimpleNamespace(logits=self.logits.to(torch.bfloat16))
+
+
+def test_half_precision_logits_give_a_float32_loss_computed_in_float32():
+    from dptrain.data.lm import LMDataset, lm_loss
+
+    g = torch.Generator().manual_seed(0)
+    ds = LMDataset([np.array([1, 2, 3, 4, 5, 6])], [1], pad_id=0)
+    logits = 4 * torch.randn(1, 6, 40, generator=g)
+    losses = lm_loss(_HalfLogits(logits), ds.collate(np.array([0])))
+    assert losses.dtype == torch.float32
+    z = logits.to(torch.bfloat16).double()[0]  # the same bfloat16 values, exactly
+    ref = -torch.stack([F.log_softmax(z[t - 1], -1)[t + 1] for t in range(1, 6)]).mean()
+    assert float(losses[0].detach()) == pytest.approx(float(ref), rel=1e-5)
+
+
+# ---------------------------------------------------------------- synthetic LM ------------------
+
+def test_synthetic_lm_lengths_prompts_and_chain():
+    from dptrain.data.lm import markov_transitions, synthetic_lm
+
+    rng = np.random.default_rng(0)
+    vocab = 20
+    t = markov_transitions(vocab, rng)
+    assert np.allclose(t.sum(1), 1.0)
+    top3 = np.sort(t, 1)[:, -3:].sum(1)  # 3 likely successors carry 0.95 + 3 * 0.05 / vocab
+    assert np.allclose(top3, 0.95 + 3 * 0.05 / vocab)
+    ds = synthetic_lm(300, vocab, 12, rng, t)
+    assert ds.lengths.min() == 6 and ds.lengths.max() == 12  # uniform on max(3, 12 // 2)..12
+    assert all(s[-1] == vocab and (s[:-1] < vocab).all() for s in ds.sequences)
+    assert set(ds.prompt_lengths.tolist()) == {1, 2, 3}
+    assert (ds.prompt_lengths < ds.lengths).all()
+    # the data follow the seed
+    a = build_data(DataConfig(name="synthetic_lm", synthetic_train_size=5, max_length=8), seed=1)
+    b = build_data(DataConfig(name="synthetic_lm", synthetic_train_size=5, max_length=8), seed=1)
+    c = build_data(DataConfig(name="synthetic_lm", synthetic_train_size=5, max_length=8), seed=2)
+    assert all(np.array_equal(x, y) for x, y in zip(a.train.sequences, b.train.sequences))
+    assert not all(np.array_equal(x, y) for x, y in zip(a.train.sequences, c.train.sequences))
+
+
+# ---------------------------------------------------------------- tokenizers --------------------
+
+def test_tokenizer_path_with_only_one_of_the_bpe_files_says_what_is_missing(tmp_path):
+    from dptrain.config import ConfigError
+
+    (tmp_path / "vocab.json").write_text('{"a": 0, "<|endoftext|>": 1}')  # no merges.txt
+    with pytest.raises(ConfigError) as e:
+        build_tokenizer("gpt2", str(tmp_path))
+    assert e.value.field == "data.tokenizer_path"
+    assert "holds no GPT-2 tokenizer" in str(e.value) and "merges.txt" in str(e.value)
 
 
 def test_classification_loss_per_example():
