@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from dptrain.config import ConfigError, from_dict, validate_tree
-from dptrain.data import DEFAULT_E2E_PATH, REPO_ROOT, DataConfig, DataInfo, build_data
+from dptrain.data import (DEFAULT_E2E_PATH, REPO_ROOT, DataConfig, DataInfo, build_data,
+                          even_subset)
 from dptrain.data.lm import e2e_prompt, read_e2e_csv
 from dptrain.data.tokenizers import ByteTokenizer, build_tokenizer
 from dptrain.models import ModelConfig, build_model
@@ -454,13 +455,11 @@ def test_e2e_example_is_literally_mr_bars_ref_eos_with_fields_stripped(tmp_path)
 
 
 def test_e2e_max_examples_keeps_rows_spread_evenly_first_and_last_included(tmp_path):
-    from dptrain.data.lm import _even_subset
-
     # linspace(0, 5, 4) = 0, 1.67, 3.33, 5 -> rounded 0, 2, 3, 5 (not the first 4, not floor)
-    assert _even_subset(6, 4).tolist() == [0, 2, 3, 5]
-    assert _even_subset(10, 4).tolist() == [0, 3, 6, 9]
-    assert _even_subset(5, None).tolist() == _even_subset(5, 5).tolist() == [0, 1, 2, 3, 4]
-    assert _even_subset(3, 7).tolist() == [0, 1, 2]
+    assert even_subset(6, 4).tolist() == [0, 2, 3, 5]
+    assert even_subset(10, 4).tolist() == [0, 3, 6, 9]
+    assert even_subset(5, None).tolist() == even_subset(5, 5).tolist() == [0, 1, 2, 3, 4]
+    assert even_subset(3, 7).tolist() == [0, 1, 2]
     task = _csv_task(tmp_path, max_train_examples=4, max_test_examples=2)
     assert task.train.refs == ["Aromi serves Chinese food.", "Chinese food at Aromi.",
                                "Cotto is a cafe.", "There is a pub called Zizzi."]

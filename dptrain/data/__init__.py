@@ -24,7 +24,8 @@ import numpy as np
 from dptrain.config import ConfigError
 from dptrain.data.info import DataInfo
 
-__all__ = ["DataConfig", "DataInfo", "Task", "build_data", "REPO_ROOT", "DEFAULT_E2E_PATH"]
+__all__ = ["DataConfig", "DataInfo", "Task", "build_data", "even_subset", "REPO_ROOT",
+           "DEFAULT_E2E_PATH"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_E2E_PATH = "../shared/data/e2e"
@@ -258,8 +259,8 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
         (xtr, ytr), (xte, yte) = load_mnist(str(directory) if directory is not None else None)
         if cfg.in_chans not in (None, 1):  # replicate grey into C channels
             xtr, xte = (np.repeat(a, cfg.in_chans, axis=1) for a in (xtr, xte))
-        keep_tr = _even(len(ytr), cfg.max_train_examples)
-        keep_te = _even(len(yte), cfg.max_test_examples)
+        keep_tr = even_subset(len(ytr), cfg.max_train_examples)
+        keep_te = even_subset(len(yte), cfg.max_test_examples)
         size = cfg.image_size or 28
         train = ImageDataset(xtr[keep_tr], ytr[keep_tr], MNIST_MEAN, MNIST_STD, size)
         test = ImageDataset(xte[keep_te], yte[keep_te], MNIST_MEAN, MNIST_STD, size)
@@ -319,7 +320,10 @@ def _cap(n: int, limit: int | None) -> int:
     return n if limit is None else min(n, limit)
 
 
-def _even(n: int, k: int | None) -> np.ndarray:
-    from dptrain.data.lm import _even_subset
-
-    return _even_subset(n, k)
+def even_subset(n: int, k: int | None) -> np.ndarray:
+    """k row numbers spread evenly over 0..n-1, first and last included (all rows when k is
+    None or >= n): the deterministic, seed-independent subset of ``max_*_examples`` (every data
+    kind) and of ``dptrain diagnose``'s probe examples."""
+    if k is None or k >= n:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, k).round().astype(np.int64))

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dptrain.config import ConfigError
+from dptrain.data import even_subset
 
 E2E_SEPARATOR = " || "
 
@@ -98,13 +99,6 @@ class E2EDataset(LMDataset):
         if max_prompts is not None:
             items = items[:max_prompts]
         return OrderedDict((mr, list(refs)) for mr, refs in items)
-
-
-def _even_subset(n: int, k: int | None) -> np.ndarray:
-    """k row numbers spread evenly over 0..n-1 (all rows when k is None or >= n)."""
-    if k is None or k >= n:
-        return np.arange(n)
-    return np.unique(np.linspace(0, n - 1, k).round().astype(np.int64))
 
 
 def read_e2e_csv(path: Path, field: str) -> tuple[list[str], list[str] | None]:
@@ -212,7 +206,7 @@ def load_e2e_split(path: Path, field: str, tokenizer, max_length: int | None,
         groups.setdefault(mr, [])
         if refs is not None:
             groups[mr].append(refs[j])
-    keep = _even_subset(len(mrs), max_examples)
+    keep = even_subset(len(mrs), max_examples)
     mrs_k = [mrs[j] for j in keep]
     refs_k = [refs[j] for j in keep] if refs is not None else None
     seqs, plens = _encode_examples(tokenizer, [e2e_prompt(m) for m in mrs_k], refs_k, max_length)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from dptrain.config import ConfigError
+from dptrain.data import even_subset
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp")
 LABEL_EXTS = ("cls", "cls.txt", "label")
@@ -184,8 +185,7 @@ class WebDatasetImages:
         self.in_chans = int(in_chans)
         self.index = index_shards(self.shards)
         if max_examples is not None and max_examples < len(self.index["label"]):
-            keep = np.unique(np.linspace(0, len(self.index["label"]) - 1,
-                                         max_examples).round().astype(np.int64))
+            keep = even_subset(len(self.index["label"]), max_examples)
             self.index = {k: v[keep] for k, v in self.index.items()}
         self.labels = torch.from_numpy(self.index["label"])
         mean, std = (IMAGENET_MEAN, IMAGENET_STD) if in_chans == 3 else ((0.5,), (0.5,))

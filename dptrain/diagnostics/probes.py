@@ -56,6 +56,7 @@ from dptrain.config import (
     parse_override,
     validate_tree,
 )
+from dptrain.data import even_subset
 from dptrain.diagnostics.geometry import (
     PRIVACY_NOTE,
     as_matrix,
@@ -342,7 +343,7 @@ def probe_indices(n: int, m: int) -> np.ndarray:
     m = min(int(m), n)
     if m < 1:
         raise ConfigError("--probe-examples", f"must be >= 1, got {m}")
-    return np.unique(np.linspace(0, n - 1, m).round().astype(np.int64))
+    return even_subset(n, m)
 
 
 # ------------------------------------------------------------------------------------ computation
