@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dptrain.config import ConfigError, from_dict, validate_tree
@@ -255,3 +256,150 @@ def test_data_info_without_channels_leaves_them_to_the_model_config():
     with pytest.raises(ConfigError) as e:
         build_model(ModelConfig(name="cnn", channels=[4]), info)
     assert e.value.field == "model.in_chans"
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"vocab_size": 1}, "model.vocab_size"),                      # a one-token vocabulary
+    ({"name": "cnn", "num_classes": 0}, "model.num_classes"),
+    ({"name": "timm", "in_chans": 0}, "model.in_chans"),
+    ({"name": "cnn", "channels": [8, 0]}, "model.channels"),      # a zero-width stage
+    ({"name": "cnn", "groups": 0}, "model.groups"),
+    ({"name": "cnn", "pool": 0}, "model.pool"),
+    ({"name": "cnn", "hidden": -1}, "model.hidden"),
+    ({"name": "gpt2", "drop_path_rate": 0.1}, "model.drop_path_rate"),
+    ({"name": "timm", "dropout": 0.1}, "model.dropout"),
+    ({"name": "cnn", "pretrained_path": "/tmp"}, "model.pretrained_path"),
+])
+def test_model_config_validate_refuses_each_bad_value(bad, field):
+    with pytest.raises(ConfigError) as e:
+        validate_tree(from_dict(ModelConfig, bad, "model"), "model")
+    assert e.value.field == field
+
+
+def test_model_config_validate_accepts_the_boundaries():
+    for ok in ({"vocab_size": 2}, {"name": "cnn", "num_classes": 1, "in_chans": 1,
+                                   "channels": [1], "groups": 1, "pool": 1, "hidden": 0},
+               {"name": "timm", "drop_path_rate": 0.0}):
+        validate_tree(from_dict(ModelConfig, ok, "model"), "model")
+
+
+def _reference_tiny_cnn(m: TinyCNN, x, groups_per_stage, pool):
+    """conv3x3 (padding 1) -> GroupNorm(g) -> ReLU -> maxpool2 per stage, adaptive *average*
+    pooling to pool x pool, Linear -> ReLU, Linear: written out with torch.nn.functional."""
+    convs = [l for l in m.features if isinstance(l, nn.Conv2d)]
+    norms = [l for l in m.features if isinstance(l, nn.GroupNorm)]
+    assert len(convs) == len(norms) == len(groups_per_stage)
+    for conv, gn, g in zip(convs, norms, groups_per_stage):
+        x = F.conv2d(x, conv.weight, conv.bias, padding=1)
+        x = F.group_norm(x, g, gn.weight, gn.bias, gn.eps)
+        x = F.max_pool2d(F.relu(x), 2)
+    x = F.adaptive_avg_pool2d(x, pool).flatten(1)
+    lin1, lin2 = m.hidden[0], m.head
+    return F.linear(F.relu(F.linear(x, lin1.weight, lin1.bias)), lin2.weight, lin2.bias)
+
+
+def test_tiny_cnn_forward_equals_its_documented_architecture():
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(name="cnn", channels=[6, 8], groups=4, pool=2, hidden=5), IMG)
+    # GroupNorm groups: the largest divisor of the channels that is <= groups (6 -> 3, 8 -> 4)
+    assert [l.num_groups for l in m.features if isinstance(l, nn.GroupNorm)] == [3, 4]
+    with torch.no_grad():  # non-trivial affine parameters so that every op shows
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(3, 1, 28, 28, dtype=torch.float64)
+    m = m.double()
+    # spatial size: two maxpool2 stages on 28 px leave 7 x 7
+    assert m.features(x).shape == (3, 8, 7, 7)
+    torch.testing.assert_close(m(x), _reference_tiny_cnn(m, x, [3, 4], 2), rtol=1e-10,
+                               atol=1e-10)
+
+
+def test_cnn_stages_may_halve_the_image_down_to_exactly_one_pixel():
+    # 4 stages on 16 px: 16 -> 8 -> 4 -> 2 -> 1 is allowed; 15 px would go below one pixel
+    info16 = DataInfo(kind="classification", num_classes=3, in_chans=1, image_size=16)
+    m = build_model(ModelConfig(name="cnn", channels=[2, 2, 2, 2], pool=1, hidden=0), info16)
+    assert m(torch.zeros(2, 1, 16, 16)).shape == (2, 3)
+    info15 = DataInfo(kind="classification", num_classes=3, in_chans=1, image_size=15)
+    with pytest.raises(ConfigError) as e:
+        build_model(ModelConfig(name="cnn", channels=[2, 2, 2, 2], pool=1, hidden=0), info15)
+    assert e.value.field == "model.channels"
+
+
+def test_fewer_input_channels_than_the_data_has_are_refused():
+    rgb = DataInfo(kind="classification", num_classes=3, in_chans=3, image_size=16)
+    with pytest.raises(ConfigError) as e:
+        build_model(ModelConfig(name="cnn", channels=[4], in_chans=1), rgb)
+    assert e.value.field == "model.in_chans"
+
+
+def test_gpt2_positions_may_equal_the_longest_example():
+    model = build_model(gpt2_cfg(n_positions=40), LM)  # LM.max_length == 40
+    assert model.config.n_positions == 40
+    with pytest.raises(ConfigError) as e:
+        build_model(gpt2_cfg(n_positions=39), LM)
+    assert e.value.field == "model.n_positions"
+
+
+def test_gpt2_config_records_the_data_special_tokens_only_when_in_the_vocabulary():
+    # these land in the exported config.json that HF generation reads
+    m = build_model(gpt2_cfg(), LM)
+    assert (m.config.eos_token_id, m.config.bos_token_id, m.config.pad_token_id) == (256, 256, 256)
+    # no data vocabulary: an EOS id at (or beyond) the model's vocabulary is not recorded
+    info = DataInfo(kind="lm", vocab_size=None, eos_id=50, max_length=10)
+    m = build_model(gpt2_cfg(vocab_size=50), info)
+    assert m.config.eos_token_id is None and m.config.bos_token_id is None
+    m = build_model(gpt2_cfg(vocab_size=51), info)
+    assert m.config.eos_token_id == 50
+
+
+def test_gpt2_pretrained_checkpoint_that_does_not_fit_the_data_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def save(name, **kw):
+        base = dict(vocab_size=257, n_positions=64, n_embd=32, n_layer=1, n_head=4)
+        base.update(kw)
+        GPT2LMHeadModel(GPT2Config(**base)).save_pretrained(tmp_path / name)
+        return str(tmp_path / name)
+
+    torch.manual_seed(0)
+    cases = [(save("small_vocab", vocab_size=200), {}, "model.pretrained_path"),
+             (save("short", n_positions=32), {}, "data.max_length"),
+             (save("untied", tie_word_embeddings=False), {"tie_embeddings": True},
+              "model.tie_embeddings"),
+             (save("tied"), {"tie_embeddings": False}, "model.tie_embeddings")]
+    for path, kw, field in cases:
+        with pytest.raises(ConfigError) as e:
+            build_model(gpt2_cfg(pretrained_path=path, **kw), LM)
+        assert e.value.field == field, path
+    # what fits loads: a larger vocabulary, positions == the longest example, untied as saved
+    ok = build_model(gpt2_cfg(pretrained_path=save("fits", vocab_size=300, n_positions=40)), LM)
+    assert ok.config.vocab_size == 300
+    untied = build_model(gpt2_cfg(pretrained_path=str(tmp_path / "untied"),
+                                  tie_embeddings=False), LM)
+    assert untied.lm_head.weight is not untied.transformer.wte.weight
+
+
+def test_gpt2_dropout_reaches_attention_too():
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    model = build_model(gpt2_cfg(dropout=0.25), LM)
+    attn = [m for m in model.modules() if isinstance(m, GPT2Attention)]
+    assert attn and all(a.attn_dropout.p == 0.25 and a.resid_dropout.p == 0.25 for a in attn)
+    assert model.transformer.drop.p == 0.25
+
+
+def test_timm_model_gets_drop_path_rate_and_input_channels_from_the_config():
+    from timm.layers import DropPath
+
+    info = DataInfo(kind="classification", num_classes=5, in_chans=1, image_size=16)
+    model = build_model(ModelConfig(name="timm", timm_name="nf_resnet_tiny",
+                                    drop_path_rate=0.4), info)
+    rates = [m.drop_prob for m in model.modules() if isinstance(m, DropPath)]
+    assert rates and max(rates) == pytest.approx(0.4)  # timm's linear per-block ramp ends at it
+    first = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    assert first.in_channels == 1
+    model.eval()
+    with torch.no_grad():
+        assert model(torch.randn(2, 1, 16, 16)).shape == (2, 5)
+    plain = build_model(ModelConfig(name="timm", timm_name="nf_resnet_tiny"), info)
+    assert not any(isinstance(m, DropPath) for m in plain.modules())

@@ -358,3 +358,159 @@ def test_loading_state_of_another_optimizer_names_the_group(group, field):
     with pytest.raises(ConfigError) as e:
         other.load_state_dict(opt.state_dict())
     assert e.value.field.endswith(field) and "in the checkpoint" in str(e.value)
+
+
+def _tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+
+
+def test_a_group_of_the_main_optimizer_inherits_top_level_options_and_its_own_win():
+    opt = _build({"name": "sgd", "momentum": 0.9, "weight_decay": 0.01, "groups": [
+        {"pattern": "fc1", "optimizer": "sgd", "kwargs": {"momentum": 0.5}},
+        {"pattern": "weight", "optimizer": "sgd"},
+        {"pattern": ".", "optimizer": "adamw"}]})
+    pg = [o.param_groups[0] for o in opt.optimizers]
+    assert (pg[0]["momentum"], pg[0]["weight_decay"]) == (0.5, 0.01)  # own kwarg beats optim.*
+    assert (pg[1]["momentum"], pg[1]["weight_decay"]) == (0.9, 0.01)  # inherited
+    assert pg[2]["weight_decay"] == 0.0 and "momentum" not in pg[2]  # another optimizer: not
+
+
+def test_preset_aux_kwargs_reach_the_aux_optimizer():
+    opt = _build({"name": "muon", "preset": "gpt2",
+                  "aux": {"kwargs": {"weight_decay": 0.25, "betas": [0.5, 0.75]}}},
+                 model=_tiny_gpt2())
+    by_label = {g.label: o.param_groups[0] for g, o in zip(opt.groups, opt.optimizers)}
+    assert by_label["others"]["weight_decay"] == 0.25
+    assert tuple(by_label["others"]["betas"]) == (0.5, 0.75)
+    assert by_label["matrices"]["weight_decay"] == 0.0
+
+
+def test_a_preset_that_gives_nothing_to_the_main_optimizer_is_refused():
+    with pytest.raises(ConfigError) as e:
+        _build({"name": "muon", "preset": "nfresnet"})  # _Net has no 4-D weight
+    assert e.value.field == "optim.preset"
+
+
+def test_resuming_with_another_aux_optimizer_blames_optim_aux():
+    model = _tiny_gpt2()
+    saved = _build({"name": "muon", "preset": "gpt2"}, model=model).state_dict()
+    other = _build({"name": "muon", "preset": "gpt2", "aux": {"optimizer": "sgd"}}, model=model)
+    with pytest.raises(ConfigError) as e:
+        other.load_state_dict(saved)
+    assert e.value.field == "optim.aux.optimizer"
+
+
+def test_frozen_parameters_are_left_out_of_every_group():
+    model = _Net()
+    model.fc1.bias.requires_grad_(False)
+    opt = _build({"name": "adamw"}, model=model)
+    names = [n for n, _ in opt.named_params]
+    assert "fc1.bias" not in names and len(names) == 3
+    assert _members(opt) == {"default": ("adamw", ["fc1.weight", "fc2.weight", "fc2.bias"])}
+    # and a frozen parameter is not "in no group"
+    _build({"groups": [{"pattern": "weight", "optimizer": "adamw"},
+                       {"pattern": "fc2.bias", "optimizer": "sgd"}]}, model=model)
+
+
+def test_warmup_and_floor_of_the_config_drive_the_learning_rate():
+    # linear, T=6, warm-up 2, floor 0.5, base 0.1: factor = min(1, (t+1)/2) *
+    # (1 - 0.5 * max(0, (t-2)/4)), by the documented formula (test_schedules_decay_...)
+    opt = _build({"name": "adamw", "lr": 0.1, "schedule": "linear", "warmup_steps": 2,
+                  "min_lr_ratio": 0.5}, total_steps=6)
+    seen = []
+    for _ in range(6):
+        seen.append(opt.lr["default"])
+        for _, p in opt.named_params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    assert seen == pytest.approx([0.05, 0.1, 0.1, 0.0875, 0.075, 0.0625])
+
+
+def test_inner_momentum_k_other_without_other_parameters_is_refused():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 2, bias=False))
+    with pytest.raises(ConfigError) as e:
+        _build({"name": "muon", "inner_momentum": {"k_other": 2}}, model=model)
+    assert e.value.field == "optim.inner_momentum.k_other"
+    _build({"name": "muon", "inner_momentum": {"k_muon": 2}}, model=model)  # fine
+
+
+def test_inner_momentum_k_muon_with_zero_weight_is_not_refused_without_muon():
+    # gamma_muon = 0: the Muon history is off, so no Muon parameter is needed for it
+    _build({"name": "adamw", "inner_momentum": {"k_muon": 2, "gamma_muon": 0.0, "k_other": 1}})
+    with pytest.raises(ConfigError) as e:
+        _build({"name": "adamw", "inner_momentum": {"k_muon": 2, "k_other": 1}})
+    assert e.value.field == "optim.inner_momentum.k_muon"
+
+
+def test_transposed_weights_names_a_root_conv1d_weight():
+    from transformers.pytorch_utils import Conv1D
+
+    from dptrain.optim.build import transposed_weights
+
+    assert transposed_weights(Conv1D(3, 4)) == frozenset({"weight"})
+    assert transposed_weights(torch.nn.Sequential(Conv1D(3, 4))) == frozenset({"0.weight"})
+    assert transposed_weights(torch.nn.Linear(3, 4)) == frozenset()
+
+
+@pytest.mark.parametrize("optim,field", [
+    ({"warmup_steps": -1}, "optim.warmup_steps"),
+    ({"min_lr_ratio": 1.5}, "optim.min_lr_ratio"),
+    ({"min_lr_ratio": -0.1}, "optim.min_lr_ratio"),
+    ({"ema_start_step": -1}, "optim.ema_start_step"),
+    ({"ema_decay": 1.0}, "optim.ema_decay"),
+    ({"lr": float("inf")}, "optim.lr"),
+    ({"lr": float("nan")}, "optim.lr"),
+    ({"preset": "gpt2", "aux": {"lr": -0.1}}, "optim.aux.lr"),
+    ({"preset": "gpt2", "aux": {"kwargs": {"momentum": 0.9}}}, "optim.aux.kwargs.momentum"),
+    ({"name": "adamw", "nesterov": True}, "optim.nesterov"),
+    ({"name": "adamw", "momentum": 0.9}, "optim.momentum"),
+    ({"inner_momentum": {"k_muon": 1}, "filter": {"name": "disk"}}, "optim.inner_momentum"),
+])
+def test_more_config_mistakes_name_their_field(optim, field):
+    cfg = from_dict(OptimConfig, optim)
+    with pytest.raises(ConfigError) as e:
+        validate_tree(cfg, "optim")
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("optim", [
+    {"lr": 0.0}, {"preset": "gpt2", "aux": {"lr": 0.0}}, {"min_lr_ratio": 1.0},
+    {"min_lr_ratio": 0.0}, {"warmup_steps": 0}, {"ema_decay": 0.0}, {"ema_start_step": 0}])
+def test_config_boundaries_are_accepted(optim):
+    validate_tree(from_dict(OptimConfig, optim), "optim")
+
+
+def test_filter_noise_gain_reaches_muon_bc_groups():
+    # DiSK's output holds the latest release with coefficient kappa from its second step on;
+    # DP-MuonBC's bias correction reads that gain from its param group
+    gen = torch.Generator().manual_seed(0)
+    opt = _build({"name": "muon_bc", "groups": [{"pattern": "weight", "optimizer": "muon_bc"},
+                                               {"pattern": ".", "optimizer": "adamw"}],
+                  "filter": {"name": "disk", "kappa": 0.6, "gamma": 0.8}},
+                 release_noise_std=0.1)
+    gains = []
+    for _ in range(3):
+        for _, p in opt.named_params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        gains.append([o.param_groups[0]["noise_gain"] for o in opt.optimizers])
+    assert gains == [[1.0, 1.0], [0.6, 0.6], [0.6, 0.6]]
+
+
+def test_transposed_weights_use_fan_out_over_fan_in_for_muons_original_scale():
+    # w stored (in=3, out=6) like Conv1D: s = sqrt(max(1, fan_out / fan_in)) = sqrt(2), while
+    # read as (out=3, in=6) it would be sqrt(max(1, 1/2)) = 1
+    gen = torch.Generator().manual_seed(0)
+    W0, G = torch.randn(3, 6, generator=gen), torch.randn(3, 6, generator=gen)
+    deltas = []
+    for transposed in (frozenset({"w"}), frozenset()):
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(W0.clone())
+        opt = _build({"name": "muon", "scale": "original", "lr": 0.1}, model=model,
+                     transposed=transposed)
+        model.w.grad = G.clone()
+        opt.step()
+        deltas.append((model.w.detach() - W0).norm())
+    assert float(deltas[0] / deltas[1]) == pytest.approx(2 ** 0.5, rel=1e-5)
