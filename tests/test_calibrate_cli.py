@@ -119,3 +119,72 @@ def test_missing_argument_is_argparse_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         _parser().parse_args(["calibrate", "--epsilon", "1", "--delta", "1e-5"])
     assert e.value.code == 2
+
+
+def _opacus_sigma(eps, delta, q, steps, tol=0.01):
+    from opacus.accountants.utils import get_noise_multiplier
+
+    return get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q,
+                                steps=steps, accountant="rdp", epsilon_tolerance=tol)
+
+
+def _opacus_epsilon(sigma, delta, q, steps):
+    from opacus.accountants import RDPAccountant
+
+    acc = RDPAccountant()
+    acc.history = [(sigma, q, steps)]
+    return acc.get_epsilon(delta)
+
+
+def test_json_matches_opacus_called_directly(capsys):
+    rc, out, err = _run(["--epsilon", "3", "--delta", "1/50000", "--sample-rate", "0.02",
+                         "--steps", "300", "--accountant", "rdp", "--json"], capsys)
+    assert rc == 0
+    obj = json.loads(out)
+    sigma = _opacus_sigma(3.0, 1 / 50000, 0.02, 300)
+    assert obj["noise_multiplier"] == pytest.approx(sigma, rel=1e-9)
+    assert obj["epsilon"] == pytest.approx(_opacus_epsilon(sigma, 1 / 50000, 0.02, 300),
+                                           rel=1e-9)
+    assert obj["target_epsilon"] == 3.0 and obj["epsilon_tolerance"] == 0.01
+
+
+def test_steps_at_the_accountants_limit_are_accepted(capsys):
+    # MAX_STEPS (1e9) itself is allowed ("must be <= 1e+09"); RDP's cost does not grow with steps
+    rc, out, err = _run(["--epsilon", "2", "--delta", "1e-5", "--sample-rate", "1e-6",
+                         "--steps", "1000000000", "--accountant", "rdp", "--json"], capsys)
+    assert rc == 0, err
+    obj = json.loads(out)
+    assert obj["steps"] == 10**9
+    assert obj["noise_multiplier"] == pytest.approx(_opacus_sigma(2.0, 1e-5, 1e-6, 10**9),
+                                                    rel=1e-9)
+
+
+def test_accountant_name_is_case_and_space_insensitive(capsys):
+    rc, out, err = _run(["--epsilon", "2", "--delta", "1e-5", "--sample-rate", "0.05",
+                         "--steps", "100", "--accountant", " RDP ", "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["accountant"] == "rdp"
+
+
+@pytest.mark.parametrize("argv,line", [
+    # the CLI's own checks, with the value as typed (not the accountant's re-check of a float)
+    (["--delta", "1"], "--delta: must be in (0, 1), got 1"),
+    (["--epsilon-tolerance", "0"], "--epsilon-tolerance: must be > 0, got 0"),
+    # a ConfigError of the accountant names the option as typed on the command line
+    (["--epsilon-tolerance", "5"], "--epsilon-tolerance: must be in [1e-9 x epsilon, epsilon)"),
+    # '-.5e-5' is not a negative number to argparse's default matcher: the range check still
+    # answers (one line), not argparse's "expected one argument"
+    (["--delta", "-.5e-5"], "--delta: must be in (0, 1), got -.5e-5"),
+])
+def test_more_bad_values_give_one_exact_line(capsys, argv, line):
+    base = {"--epsilon": "2", "--delta": "1e-5", "--sample-rate": "0.05", "--steps": "100",
+            "--accountant": "rdp"}
+    base[argv[0]] = argv[1]
+    flat = [x for kv in base.items() for x in kv]
+    rc, out, err = _run(flat, capsys)
+    assert rc == 2 and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("dptrain calibrate: error: " + line)
+    if line.endswith(("got 1", "got 0")):
+        assert lines[0] == "dptrain calibrate: error: " + line

@@ -240,3 +240,40 @@ def test_checkpoints_are_ordered_by_step_number_and_stale_writes_removed(tmp_pat
     assert not stale.exists()
     assert ckpt.complete_steps(tmp_path) == [99_999_999, 100_000_000]  # pruned the oldest
     assert ckpt.step_of(ckpt.find_latest(tmp_path)) == 100_000_000
+
+
+def test_a_resumed_run_s_progress_starts_at_its_step(tmp_path, monkeypatch):
+    import tqdm as tqdm_mod
+
+    bars = []
+
+    class Bar:
+        def __init__(self, **kw):
+            self.kw, self.updates, self.postfix = kw, 0, []
+            bars.append(self)
+
+        def update(self, n):
+            self.updates += n
+
+        def set_postfix(self, **kw):
+            self.postfix.append(kw)
+
+        def close(self):
+            pass
+
+    cfg = _cfg(["privacy.epsilon=null", "privacy.noise_multiplier=1.1",
+                "train.checkpoint_every=0"])
+    first = Trainer(cfg, tmp_path / "run")
+    for _ in range(2):
+        first.private_step()
+    ckpt.save(first, tmp_path / "run")
+    second = Trainer(cfg, tmp_path / "run")
+    ckpt.load(second, ckpt.find_latest(tmp_path / "run"))
+    monkeypatch.setattr(tqdm_mod, "tqdm", lambda *a, **kw: Bar(**kw))
+    second.run()
+    (bar,) = bars
+    assert bar.kw["total"] == 4 and bar.kw["initial"] == 2 and bar.updates == 2
+    assert bar.kw["disable"]  # train.progress=false
+    # the loss of the step and epsilon at its step (computed every step with log_every 1)
+    assert all(set(p) == {"loss", "eps"} for p in bar.postfix)
+    assert float(bar.postfix[-1]["eps"]) == pytest.approx(second.epsilon(), abs=5e-4)

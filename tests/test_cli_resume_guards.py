@@ -453,3 +453,89 @@ def test_a_renamed_checkpoint_keeps_its_step_for_the_guards(tmp_path, capsys, fi
     code, err = train(capsys, tmp_path / "secure", "--resume", str(best), *SECURE)
     line = one_line(err)
     assert code == 2 and "resume" in line and "checkpoints/" in line
+
+
+def test_a_fresh_run_into_a_directory_with_only_metrics_is_refused(tmp_path, capsys):
+    # a run killed before its first checkpoint leaves metrics.jsonl and nothing else
+    out = tmp_path / "killed"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")
+    before = snapshot(out)
+    code, err = train(capsys, out, "privacy.steps=2")
+    assert code == 2 and "output-dir" in one_line(err) and "metrics.jsonl" in err
+    assert snapshot(out) == before
+
+
+def test_resume_path_of_the_run_s_own_latest_checkpoint_continues_it(tmp_path, capsys, finished):
+    # --resume PATH into its own run: allowed when no checkpoint after PATH's step exists;
+    # the metrics rows logged after step 2 are dropped and logged again, each step once
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    (out / "summary.json").unlink()
+    shutil.rmtree(out / "final")
+    for s in (3, 4):
+        shutil.rmtree(out / "checkpoints" / f"step-{s:08d}")
+    rows_before = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows_before] == [1, 2, 3, 4]
+    code, err = train(capsys, out, "--resume", str(out / "checkpoints" / "step-00000002"))
+    assert code == 0, err
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[:2] == rows_before[:2]  # the rows up to the checkpoint are kept as written
+
+
+def _secure_finished_run(capsys, out):
+    from tests.test_cli_resume_guards import SECURE
+
+    code, err = train(capsys, out, "train.checkpoint_every=2", "train.keep_checkpoints=4",
+                      *SECURE)
+    assert code == 0, err
+    return SECURE
+
+
+def test_secure_branch_of_a_finished_run_is_refused_even_without_later_files(tmp_path, capsys):
+    # summary.json alone is an output of every release (its metrics): a secure branch from an
+    # earlier checkpoint would draw releases 3 and 4 again, uncounted, though the later
+    # checkpoint and the metrics rows were removed
+    import shutil
+
+    src = tmp_path / "src"
+    secure = _secure_finished_run(capsys, src)
+    shutil.rmtree(src / "checkpoints" / "step-00000004")
+    (src / "metrics.jsonl").unlink()
+    before = snapshot(src)
+    code, err = train(capsys, tmp_path / "branch", "--resume",
+                      str(src / "checkpoints" / "step-00000002"), *secure)
+    line = one_line(err)
+    assert code == 2 and "secure mode" in line and "summary.json" in line
+    assert not (tmp_path / "branch").exists() and snapshot(src) == before
+
+
+def test_secure_resume_of_a_checkpoint_moved_out_of_its_run_is_refused(tmp_path, capsys):
+    import shutil
+
+    src = tmp_path / "src"
+    secure = _secure_finished_run(capsys, src)
+    moved = tmp_path / "elsewhere" / "step-00000002"
+    shutil.copytree(src / "checkpoints" / "step-00000002", moved)
+    code, err = train(capsys, tmp_path / "branch", "--resume", str(moved), *secure)
+    line = one_line(err)
+    assert code == 2 and "secure mode" in line and "checkpoints/ directory" in line
+    assert not (tmp_path / "branch").exists()
+    assert not (tmp_path / "secure_resumes.jsonl").exists()
+
+
+
+def test_an_unreadable_line_does_not_hide_the_rows_after_it(tmp_path, capsys):
+    # a line cut short (a kill mid-write) is skipped, not the end of the file: the rows after
+    # it still count as an earlier run's
+    out = tmp_path / "killed"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "lo\n' + json.dumps({"step": 2}) + "\n")
+    before = snapshot(out)
+    code, err = train(capsys, out, "privacy.steps=2")
+    assert code == 2 and "output-dir" in one_line(err)
+    assert snapshot(out) == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -217,6 +218,9 @@ def test_bad_e2e_data_exits_2_with_one_line(tmp_path, capsys, train_csv, test_cs
     (("train", "--config", TINY, "--bogus"), ["--bogus"]),
     (("calibrate", "--epsilon", "1"), ["--delta", "--sample-rate", "--steps"]),
     (("frobnicate",), ["frobnicate"]),
+    # a misspelt option written with '=' is an unknown option, not a config override
+    (("train", "--config", TINY, "--ouput-dir=runs/x"), ["unrecognized", "--ouput-dir=runs/x"]),
+    (("train", "--config", TINY, "privacy.steps=1", "-x=1"), ["unrecognized", "-x=1"]),
 ])
 def test_usage_errors_are_one_line_with_status_2(capsys, args, words):
     with pytest.raises(SystemExit) as e:
@@ -320,3 +324,116 @@ def test_a_run_without_noise_writes_strict_json(tmp_path, capsys):
     rows = [json.loads(line, parse_constant=refuse)
             for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["epsilon"] for r in rows] == ["inf"] * 4
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _opacus_rdp_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
+    """The reference: opacus' own RDP accountant on the history of `steps` releases."""
+    from opacus.accountants import RDPAccountant
+
+    acc = RDPAccountant()
+    acc.history = [(sigma, q, steps)]
+    return acc.get_epsilon(delta)
+
+
+def test_summary_reports_the_plan_of_the_run_and_its_public_seed(tmp_path, capsys):
+    # every number a different value: the run seed (5) is not privacy.seed (0), C = 0.5 is not
+    # q = 0.125, N = 300 given for b (floor(0.125 * 300) = 37) is not the 256 examples loaded
+    from dptrain.privacy.accounting import calibrate_noise_multiplier
+
+    out = _tiny_run(tmp_path, capsys, "seed=5", "privacy.clip_norm=0.5",
+                    "privacy.dataset_size=300")
+    s = json.loads((out / "summary.json").read_text())
+    sigma = calibrate_noise_multiplier(8.0, 1e-5, 0.125, 4, accountant="rdp")
+    assert s["noise_multiplier"] == pytest.approx(sigma, rel=1e-12)
+    assert s["sample_rate"] == 0.125 and s["clip_norm"] == 0.5 and s["delta"] == 1e-5
+    assert s["dataset_size"] == 300 and s["expected_batch_size"] == 37
+    assert s["accountant"] == "rdp" and s["steps"] == 4
+    assert s["seed"] == 5 and s["config"]["seed"] == 5 and s["config"]["privacy"]["seed"] == 0
+    assert s["epsilon"] == pytest.approx(_opacus_rdp_epsilon(sigma, 0.125, 4, 1e-5), rel=1e-9)
+    assert s["epsilon"] <= 8.0
+
+
+def test_every_metrics_row_has_the_epsilon_spent_by_its_step(tmp_path, capsys):
+    out = _tiny_run(tmp_path, capsys, "privacy.epsilon=null", "privacy.noise_multiplier=1.1")
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert r["epsilon"] == pytest.approx(
+            _opacus_rdp_epsilon(1.1, 0.125, r["step"], 1e-5), rel=1e-9), r["step"]
+    assert all(r["epsilon"] > 0 and math.isfinite(r["train_loss"]) for r in rows)
+
+
+def test_log_every_writes_every_kth_step_and_always_the_last(tmp_path, capsys):
+    # 4 steps, a row every 3: steps 3 and 4 (the last, even though 4 % 3 != 0)
+    out = _tiny_run(tmp_path, capsys, "privacy.epsilon=null", "privacy.noise_multiplier=1.1",
+                    "train.log_every=3")
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [3, 4]
+    assert rows[-1]["epsilon"] == pytest.approx(_opacus_rdp_epsilon(1.1, 0.125, 4, 1e-5),
+                                                rel=1e-9)
+
+
+def test_eval_every_adds_test_metrics_to_its_rows_and_the_last_to_the_summary(tmp_path, capsys):
+    # eval_every 2 over 4 steps: test metrics in row 2 (prefixed test_); the last step's are the
+    # summary's final metrics, not repeated in row 4; rows 1 and 3 have none
+    out = _tiny_run(tmp_path, capsys, "privacy.epsilon=null", "privacy.noise_multiplier=1.1",
+                    "train.eval_every=2")
+    rows = _rows(out)
+    tested = [r["step"] for r in rows if any(k.startswith("test_") for k in r)]
+    assert tested == [2]
+    assert rows[1]["test_nll_per_token"] > 0
+    assert "nll_per_token" not in rows[1]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["test_nll_per_token"] == s["metrics"]["nll_per_token"] > 0
+
+
+def test_checkpoint_every_also_checkpoints_the_last_step(tmp_path, capsys):
+    from dptrain import checkpoint as ckpt
+
+    out = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                           "privacy.epsilon=null", "privacy.noise_multiplier=1.1",
+                           "train.checkpoint_every=3", "train.keep_checkpoints=5")
+    assert code == 0, err
+    assert ckpt.complete_steps(out) == [3, 4]
+
+
+def test_summary_records_the_git_commit(monkeypatch):
+    import subprocess
+
+    import dptrain.trainer as trainer_mod
+
+    calls = []
+
+    def fake_run(args, **kw):
+        calls.append((args, kw.get("cwd")))
+        return subprocess.CompletedProcess(args, 0, stdout="0123abcd\n", stderr="")
+
+    monkeypatch.setattr(trainer_mod.subprocess, "run", fake_run)
+    assert trainer_mod.git_commit() == "0123abcd"
+    assert calls[0][0] == ["git", "rev-parse", "HEAD"]
+    assert Path(calls[0][1]) == Path(trainer_mod.__file__).resolve().parent
+
+    def no_git(args, **kw):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(trainer_mod.subprocess, "run", no_git)
+    assert trainer_mod.git_commit() is None
+
+
+# (Or add these two cases to the parametrize list of
+# test_bad_input_exits_2_with_one_line_naming_the_field.)
+@pytest.mark.parametrize("override, field", [("train.eval_every=-1", "train.eval_every"),
+                                             ("train.checkpoint_every=-1",
+                                              "train.checkpoint_every")])
+def test_negative_cadences_exit_2_naming_the_field(tmp_path, capsys, override, field):
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
+                           str(tmp_path / "out"), override)
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1 and field in lines[0], err
+    assert not (tmp_path / "out" / "summary.json").exists()

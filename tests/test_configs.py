@@ -7,11 +7,12 @@ must fail with a ConfigError naming ``data.path``.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from dptrain.config import ConfigError, load
+from dptrain.config import ConfigError, from_dict, load, validate_tree
 from dptrain.data import build_data
 from dptrain.trainer import RunConfig, Trainer
 
@@ -186,3 +187,117 @@ def test_an_optional_number_reports_the_number_s_own_problem():
     with pytest.raises(ConfigError) as e:
         from_dict(PrivacyConfig, {"noise_multiplier": "abc"}, "privacy")
     assert "expected a number" in e.value.message
+
+
+@dataclasses.dataclass
+class _Leaf:
+    x: float = 0.0
+    n: int = 0
+    s: str = ""
+
+    def validate(self):
+        if self.x < -1:
+            raise ConfigError("x", f"must be >= -1, got {self.x}")
+
+
+@dataclasses.dataclass
+class _Root:
+    leaf: _Leaf = dataclasses.field(default_factory=_Leaf)
+    items: list[_Leaf] = dataclasses.field(default_factory=list)
+
+
+def _field_of(overrides):
+    with pytest.raises(ConfigError) as e:
+        load(RunConfig, None, overrides)
+    return e.value
+
+
+def test_a_value_outside_a_literal_is_refused_naming_the_field():
+    e = _field_of(["privacy.accountant=gdp"])
+    assert e.field == "privacy.accountant" and "'prv' | 'rdp'" in e.message
+    assert load(RunConfig, None, ["privacy.accountant=rdp"]).privacy.accountant == "rdp"
+
+
+def test_fractions_are_numerator_over_denominator_and_nothing_else():
+    cfg = load(RunConfig, None, ["privacy.delta=1/84122"])
+    assert cfg.privacy.delta == 1 / 84122
+    for text in ("1/2/3", "1/0", "a/2"):
+        e = _field_of([f"privacy.delta={text}"])
+        assert e.field == "privacy.delta" and "expected a number" in e.message, text
+
+
+def test_booleans_and_fractional_numbers_are_not_integers_or_numbers():
+    for override, field_ in (("privacy.steps=true", "privacy.steps"),  # True == 1 to Python
+                             ("privacy.steps=2.5", "privacy.steps"),  # not int(2.5) == 2
+                             ("privacy.epsilon=true", "privacy.epsilon"),  # not 1.0
+                             ("privacy.clip_norm=false", "privacy.clip_norm")):
+        e = _field_of([override])
+        assert e.field == field_, override
+    assert load(RunConfig, None, ["privacy.steps=4.0"]).privacy.steps == 4
+    assert type(load(RunConfig, None, ["privacy.steps=4.0"]).privacy.steps) is int
+
+
+def test_float32_range_is_checked_on_both_signs_and_leaves_inf_to_the_field():
+    with pytest.raises(ConfigError) as e:
+        from_dict(_Leaf, {"x": "-1e300"}, "leaf")
+    assert e.value.field == "leaf.x" and "float32" in e.value.message
+    assert from_dict(_Leaf, {"x": -3.0e38}).x == -3.0e38  # inside the range
+    # inf / nan are not "beyond float32's range": the field's own check answers
+    assert from_dict(_Leaf, {"x": "inf"}).x == float("inf")
+    assert from_dict(_Leaf, {"x": "-inf"}).x == float("-inf")
+    e = _field_of(["privacy.clip_norm=inf"])
+    assert e.field == "privacy.clip_norm" and "float32" not in e.message
+
+
+def test_a_string_field_takes_numbers_but_not_booleans():
+    assert from_dict(_Leaf, {"s": 5}).s == "5" and from_dict(_Leaf, {"s": 0.5}).s == "0.5"
+    with pytest.raises(ConfigError) as e:
+        from_dict(_Leaf, {"s": True}, "leaf")
+    assert e.value.field == "leaf.s"
+
+
+def test_an_override_splits_at_its_first_equals_sign():
+    from dptrain.config import parse_override
+
+    assert parse_override("data.path=/tmp/a=b") == (["data", "path"], "/tmp/a=b")
+    assert parse_override("optim.groups=[{pattern: 'h.0=x', optimizer: sgd}]") == (
+        ["optim", "groups"], [{"pattern": "h.0=x", "optimizer": "sgd"}])
+
+
+def test_what_a_merge_key_brings_in_is_checked_too():
+    from dptrain.config import safe_load
+
+    # an anchor first defined inside a merge, and an inline mapping merged in
+    for text, field_ in (("y:\n  <<: &base {a: 010}\nz:\n  <<: *base\n", "y.a"),
+                         ("y:\n  <<: {a: 1, a: 2}\n  b: 3\n", "y.a"),
+                         ("y:\n  <<: [{t: 1:30}]\n", "y[0].t")):
+        with pytest.raises(ConfigError) as e:
+            safe_load(text)
+        assert e.value.field == field_, text
+    assert safe_load("y:\n  <<: {a: 1}\n  a: 2\n") == {"y": {"a": 2}}  # an override, not a dup
+
+
+def test_an_override_value_that_is_not_yaml_is_kept_as_text():
+    from dptrain.config import parse_override
+
+    assert parse_override("privacy.epsilon=[1") == (["privacy", "epsilon"], "[1")
+    e = _field_of(["privacy.epsilon=[1"])  # then the field's type check names it
+    assert e.field == "privacy.epsilon" and "expected a number" in e.message
+
+
+@pytest.mark.parametrize("text", ["- seed: 1\n", "3\n", "just words\n"])
+def test_a_config_file_that_is_not_a_mapping_is_one_config_error(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load(RunConfig, p)
+    assert e.value.field == "config" and "mapping at the top level" in e.value.message
+
+
+def test_validate_tree_prefixes_nested_and_listed_fields():
+    with pytest.raises(ConfigError) as e:
+        validate_tree(_Root(items=[_Leaf(), _Leaf(x=-5)]))
+    assert e.value.field == "items[1].x"
+    with pytest.raises(ConfigError) as e:
+        validate_tree(_Root(leaf=_Leaf(x=-5)))
+    assert e.value.field == "leaf.x"

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from dptrain.cli import main
+from dptrain.commands import check_new_files
+from dptrain.config import ConfigError
 from dptrain.diagnostics import (
     PRIVACY_NOTE,
     clipped_mean,
@@ -662,3 +664,14 @@ def test_memory_budget_counts_the_three_copies_of_an_im_probe(im_run, monkeypatc
     calls.clear()
     probes.diagnose(run, max_bytes=2 * one, **kw)
     assert calls == [names]  # current only: one copy each, both fit
+
+
+def test_two_outputs_naming_one_file_are_refused(tmp_path):
+    a = tmp_path / "report.json"
+    (tmp_path / "sub").mkdir()
+    for second in (a, tmp_path / "sub" / ".." / "report.json"):
+        with pytest.raises(ConfigError) as e:
+            check_new_files((("--output", a), ("--plot", second)), force=False)
+        assert e.value.field == "--plot" and "also the --output file" in e.value.message
+    check_new_files((("--output", a), ("--plot", None), ("--x", tmp_path / "b.png")), False)
+    assert not a.exists()

@@ -8,12 +8,13 @@ do not depend on the world size (up to float summation order).
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 import pytest
 import torch
 
-from dptrain.parallel.dist import spawn
+from dptrain.parallel.dist import shard_bounds, spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -377,3 +378,122 @@ def test_collective_verify_agrees_when_the_ranks_see_different_files(tmp_path):
     got = spawn(_verify_views, 2, [str(good), str(lagging)], timeout=90)
     assert got[0] == got[1] and got[0][0] is not None and "marker" in got[0][0]
     assert got[0][1] == got[0][0]
+
+
+def test_shard_bounds_refuses_a_rank_outside_the_world():
+    for dim0, rank, world in [(5, 4, 4), (5, -1, 4), (5, 0, 0)]:
+        with pytest.raises(ValueError):
+            shard_bounds(dim0, rank, world)
+    with pytest.raises(ValueError):
+        shard_bounds(-1, 0, 2)
+    assert shard_bounds(5, 3, 4) == (5, 5)
+
+
+def test_init_from_env_joins_with_the_launcher_s_rank_and_world(monkeypatch):
+    # a second node's rank: RANK 3 of 4, LOCAL_RANK 1 (its second process): the group's rank
+    # is RANK, not LOCAL_RANK, and the timeout is handed on
+    import dptrain.parallel.dist as d
+
+    seen = {}
+    monkeypatch.setattr(d.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(d.dist, "init_process_group", lambda **kw: seen.update(kw))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    timeout = datetime.timedelta(seconds=7)
+    assert d.init_from_env("gloo", timeout=timeout) == (3, 4)
+    assert seen == {"backend": "gloo", "init_method": "env://", "rank": 3, "world_size": 4,
+                    "timeout": timeout}
+    monkeypatch.delenv("WORLD_SIZE")
+    assert d.init_from_env("gloo") == (0, 1)
+
+
+def test_block_modules_finds_trainable_blocks_only():
+    from torch import nn
+
+    from dptrain.parallel.fsdp import block_modules
+
+    class Base(nn.Module):  # a GPT-2 body without the LM head: blocks named h.N
+        def __init__(self):
+            super().__init__()
+            self.h = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+
+    m = Base()
+    assert block_modules(m) == list(m.h)
+    for p in m.h[1].parameters():
+        p.requires_grad_(False)
+    assert block_modules(m) == [m.h[0], m.h[2]]
+
+
+def _scalars_and_rows(rank: int, world: int) -> dict:
+    """all_reduce_scalars sums over ranks; reduce_sum returns this rank's rows of the summed
+    gradient of a 5-row sharded weight (uneven: 3 + 2 rows); flat_range gives its global flat
+    coordinates."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from dptrain.parallel.fsdp import all_reduce_scalars, flat_range, local_rows, reduce_sum
+
+    sums = all_reduce_scalars(float(rank + 1), 10.0 * (rank + 1))
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 5)
+    fully_shard(lin)
+    w = lin.weight
+    full = torch.arange(20, dtype=torch.float32).view(5, 4) * (rank + 1)
+    return {"sums": sums, "rows": reduce_sum(full.clone(), w).clone(),
+            "flat": flat_range(w), "local_rows": local_rows(w)}
+
+
+def test_scalars_and_sharded_rows_are_reduced_over_the_ranks():
+    a, b = spawn(_scalars_and_rows, 2)
+    assert a["sums"] == b["sums"] == [3.0, 30.0]
+    want = torch.arange(20, dtype=torch.float32).view(5, 4) * 3  # (1 + 2) times
+    assert torch.equal(a["rows"], want[:3]) and torch.equal(b["rows"], want[3:])
+    assert a["local_rows"] == (0, 3) and b["local_rows"] == (3, 5)
+    assert a["flat"] == (20, 0, 12) and b["flat"] == (20, 12, 20)
+
+
+def _sleep(rank: int, world: int) -> None:
+    import time
+
+    time.sleep(60)
+
+
+def test_spawn_gives_up_after_its_timeout():
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        spawn(_sleep, 1, timeout=3)
+    assert time.monotonic() - t0 < 45
+
+
+def _rank_id(rank: int, world: int) -> tuple[int, int]:
+    return rank, world
+
+
+def test_spawn_returns_results_in_rank_order():
+    assert spawn(_rank_id, 3) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_flat_range_of_an_unsharded_tensor_is_all_of_it():
+    # without a process group: every coordinate, a 0-dim parameter (a scalar gain) included
+    from dptrain.parallel.fsdp import flat_range, local_rows
+
+    assert flat_range(torch.zeros(5, 3)) == (15, 0, 15) and local_rows(torch.zeros(5, 3)) == (0, 5)
+    assert flat_range(torch.zeros(4)) == (4, 0, 4)
+    assert flat_range(torch.zeros(())) == (1, 0, 1) and local_rows(torch.zeros(())) == (0, 1)
+
+
+def test_a_scalar_parameter_gets_one_noise_draw():
+    from pathlib import Path
+
+    from dptrain.config import load
+    from dptrain.privacy.noise import gaussian_noise
+    from dptrain.trainer import RunConfig, Trainer
+
+    root = Path(__file__).resolve().parent
+    root = root.parent if root.name == "tests" else root
+    t = Trainer(load(RunConfig, root / "configs" / "tiny.yaml", ["train.progress=false"]))
+    z = t.noise(3, "gain", torch.zeros(()))
+    assert z.shape == () and float(z) == float(gaussian_noise(0, 3, "gain", 1)[0])

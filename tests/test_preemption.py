@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,10 @@ import torch
 
 from dptrain import checkpoint as ckpt
 from dptrain.cli import main
+from dptrain.commands.train import _stop_on_sigterm
+from dptrain.config import load
 from dptrain.privacy.accounting import Ledger
+from dptrain.trainer import RunConfig, StopRequested, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -164,3 +168,51 @@ def test_a_branch_stopped_before_its_first_step_writes_the_checkpoint_it_resumed
         branch.run()
     assert e.value.step == 2 and e.value.checkpoint is not None
     assert ckpt.find_latest(tmp_path / "b") == tmp_path / "b" / "checkpoints" / "step-00000002"
+
+
+def test_repeated_sigterms_are_one_stop_request_said_once(capsys):
+    # under Slurm a rank gets the same SIGTERM twice (slurmstepd and torchrun's agent): the
+    # second one neither repeats the notice nor changes the request
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = types.SimpleNamespace(stop_signal=None, rank=0)
+    try:
+        with _stop_on_sigterm(trainer):
+            for _ in range(2):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # the handler runs in the main thread between bytecodes
+            assert trainer.stop_signal == signal.SIGTERM
+        # after a stop, a late SIGTERM is ignored (it must not kill the 143 exit)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    err = capsys.readouterr().err
+    assert err.count("SIGTERM received") == 1, err
+
+
+def test_a_stop_right_after_a_checkpoint_writes_no_second_one(tmp_path, monkeypatch):
+    # checkpoint_every 1: step 2's checkpoint is written in the loop; a stop requested during
+    # step 2 stops at the next boundary with that checkpoint, without writing step 2 again
+    t = Trainer(load(RunConfig, TINY, ["train.progress=false", "privacy.epsilon=null",
+                                       "privacy.noise_multiplier=1.1",
+                                       "train.checkpoint_every=1"]), tmp_path)
+    saves = []
+    real_save = ckpt.save
+
+    def save(trainer, out):
+        saves.append(trainer.step)
+        return real_save(trainer, out)
+
+    monkeypatch.setattr(ckpt, "save", save)
+    real_step = t.private_step
+
+    def private_step():
+        row = real_step()
+        if t.step == 2:
+            t.stop_signal = signal.SIGTERM
+        return row
+
+    t.private_step = private_step
+    with pytest.raises(StopRequested) as e:
+        t.run()
+    assert e.value.step == 2 and saves == [1, 2]
+    assert ckpt.step_of(e.value.checkpoint) == 2

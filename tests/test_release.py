@@ -211,3 +211,43 @@ def test_a_phantom_example_adds_exactly_nothing():
     for name in alone:
         assert torch.equal(with_phantom[name], alone[name]) or \
             torch.allclose(with_phantom[name], alone[name], rtol=1e-12, atol=1e-15)
+
+
+def test_the_plan_calibrates_sigma_with_the_configured_accountant():
+    # PRV (the default accountant) is tighter than RDP: the plan's sigma must be PRV's smallest
+    # sigma for the target, by opacus' own PRV accountant, not RDP's larger one
+    from opacus.accountants import PRVAccountant
+
+    from dptrain.trainer import plan_privacy
+
+    cfg = PrivacyConfig(epsilon=8.0, delta=1e-5, sample_rate=0.125, steps=4, clip_norm=1.0,
+                        accountant="prv", seed=0)
+    plan = plan_privacy(cfg, 256)
+
+    def prv_eps(sigma):
+        acc = PRVAccountant()
+        acc.history = [(sigma, 0.125, 4)]
+        return acc.get_epsilon(1e-5)
+
+    assert plan.accountant == "prv" and plan.steps == 4 and plan.sample_rate == 0.125
+    assert 7.8 < prv_eps(plan.noise_multiplier) <= 8.0 + 1e-6
+    assert prv_eps(plan.noise_multiplier * 0.97) > 8.0
+    assert plan.planned_epsilon == pytest.approx(prv_eps(plan.noise_multiplier), abs=0.05)
+
+
+def test_muon_bc_is_told_the_release_noise_std_sigma_C_over_b():
+    # DP-MuonBC's bias correction needs the per-coordinate std of the release: sigma*C/b with
+    # b = floor(q N) = floor(0.125 * 256) = 32 (not sigma*C, nor sigma)
+    from pathlib import Path
+
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    root = Path(__file__).resolve().parent
+    root = root.parent if root.name == "tests" else root
+    t = Trainer(load(RunConfig, root / "configs" / "tiny.yaml", [
+        "train.progress=false", "optim.name=muon_bc", "privacy.epsilon=null",
+        "privacy.noise_multiplier=1.1", "privacy.clip_norm=0.5"]))
+    bc = t.optimizer.optimizers[0]
+    assert type(bc).__name__ == "MuonBC"
+    assert bc.release_noise_std == pytest.approx(1.1 * 0.5 / 32, rel=1e-12)
