@@ -4,6 +4,7 @@ a release again once something derived from it was written."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,15 @@ def finished(tmp_path_factory):
     return out
 
 
+def unfinished_copy(run: Path, out: Path) -> Path:
+    """A copy of ``run`` without its summary and final model: as if killed after its last
+    checkpoint."""
+    shutil.copytree(run, out)
+    (out / "summary.json").unlink()
+    shutil.rmtree(out / "final")
+    return out
+
+
 def test_output_dir_that_is_a_file(tmp_path, capsys):
     f = tmp_path / "afile"
     f.write_text("mine")
@@ -49,12 +59,8 @@ def test_output_dir_that_is_a_file(tmp_path, capsys):
 
 
 def test_a_fresh_run_into_an_unfinished_run_is_refused(tmp_path, capsys, finished):
-    import shutil
-
     out = tmp_path / "unfinished"
-    shutil.copytree(finished, out)
-    (out / "summary.json").unlink()
-    shutil.rmtree(out / "final")
+    unfinished_copy(finished, out)
     before = snapshot(out)
     code, err = train(capsys, out, "privacy.steps=2")
     assert code == 2 and "output-dir" in one_line(err) and "--resume auto" in err
@@ -62,8 +68,6 @@ def test_a_fresh_run_into_an_unfinished_run_is_refused(tmp_path, capsys, finishe
 
 
 def test_resume_path_into_a_finished_run_is_refused(tmp_path, capsys, finished):
-    import shutil
-
     out = tmp_path / "copy"
     shutil.copytree(finished, out)
     before = snapshot(out)
@@ -75,8 +79,6 @@ def test_resume_path_into_a_finished_run_is_refused(tmp_path, capsys, finished):
 def test_resume_auto_on_a_finished_run_does_nothing(tmp_path, capsys, finished):
     # a requeued job: it used to load the last checkpoint, evaluate again and rewrite
     # summary.json and final/ (with an EMA, the exported model became the last iterate)
-    import shutil
-
     out = tmp_path / "copy"
     shutil.copytree(finished, out)
     before = snapshot(out)
@@ -94,8 +96,6 @@ def test_resume_auto_on_a_finished_run_does_nothing(tmp_path, capsys, finished):
 
 def test_resume_path_over_later_checkpoints_is_refused_but_another_dir_works(tmp_path, capsys,
                                                                              finished):
-    import shutil
-
     out = tmp_path / "copy"
     shutil.copytree(finished, out)
     (out / "summary.json").unlink()
@@ -110,8 +110,6 @@ def test_resume_path_over_later_checkpoints_is_refused_but_another_dir_works(tmp
 
 
 def test_auto_resume_of_a_finished_run_ignores_its_checkpoints(tmp_path, capsys, finished):
-    import shutil
-
     out = tmp_path / "copy"
     shutil.copytree(finished, out)
     for marker in (out / "checkpoints").glob("step-*/COMPLETE"):
@@ -123,8 +121,6 @@ def test_auto_resume_of_a_finished_run_ignores_its_checkpoints(tmp_path, capsys,
 
 
 def test_resume_with_another_optimizer_structure_exits_2(tmp_path, capsys, finished):
-    import shutil
-
     out = tmp_path / "copy"
     shutil.copytree(finished, out)
     (out / "summary.json").unlink()
@@ -355,8 +351,6 @@ def test_a_resume_over_changed_data_files_is_refused(tmp_path, capsys):
 def test_a_resume_from_moved_data_files_continues_and_says_so(tmp_path, capsys):
     # the same files copied elsewhere (node-local scratch of a new job) and another test split:
     # allowed, named on stderr, and the run ends where the uninterrupted one did
-    import shutil
-
     data = tmp_path / "data"
     data.mkdir()
     (data / "train.csv").write_text(_e2e_rows(40))
@@ -438,8 +432,6 @@ def test_resume_with_another_seed_is_refused(tmp_path, capsys, finished):
 
 
 def test_a_renamed_checkpoint_keeps_its_step_for_the_guards(tmp_path, capsys, finished):
-    import shutil
-
     out = tmp_path / "copy"
     shutil.copytree(finished, out)
     (out / "summary.json").unlink()
@@ -469,12 +461,8 @@ def test_a_fresh_run_into_a_directory_with_only_metrics_is_refused(tmp_path, cap
 def test_resume_path_of_the_run_s_own_latest_checkpoint_continues_it(tmp_path, capsys, finished):
     # --resume PATH into its own run: allowed when no checkpoint after PATH's step exists;
     # the metrics rows logged after step 2 are dropped and logged again, each step once
-    import shutil
-
     out = tmp_path / "copy"
-    shutil.copytree(finished, out)
-    (out / "summary.json").unlink()
-    shutil.rmtree(out / "final")
+    unfinished_copy(finished, out)
     for s in (3, 4):
         shutil.rmtree(out / "checkpoints" / f"step-{s:08d}")
     rows_before = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -488,8 +476,6 @@ def test_resume_path_of_the_run_s_own_latest_checkpoint_continues_it(tmp_path, c
 
 
 def _secure_finished_run(capsys, out):
-    from tests.test_cli_resume_guards import SECURE
-
     code, err = train(capsys, out, "train.checkpoint_every=2", "train.keep_checkpoints=4",
                       *SECURE)
     assert code == 0, err
@@ -500,8 +486,6 @@ def test_secure_branch_of_a_finished_run_is_refused_even_without_later_files(tmp
     # summary.json alone is an output of every release (its metrics): a secure branch from an
     # earlier checkpoint would draw releases 3 and 4 again, uncounted, though the later
     # checkpoint and the metrics rows were removed
-    import shutil
-
     src = tmp_path / "src"
     secure = _secure_finished_run(capsys, src)
     shutil.rmtree(src / "checkpoints" / "step-00000004")
@@ -515,8 +499,6 @@ def test_secure_branch_of_a_finished_run_is_refused_even_without_later_files(tmp
 
 
 def test_secure_resume_of_a_checkpoint_moved_out_of_its_run_is_refused(tmp_path, capsys):
-    import shutil
-
     src = tmp_path / "src"
     secure = _secure_finished_run(capsys, src)
     moved = tmp_path / "elsewhere" / "step-00000002"

@@ -141,6 +141,8 @@ def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys
     # a history length for a part of the query without parameters would do nothing
     (("optim.inner_momentum.k_muon=2", "optim.name=sgd", "optim.preset=null"),
      "optim.inner_momentum.k_muon"),
+    ("train.eval_every=-1", "train.eval_every"),
+    ("train.checkpoint_every=-1", "train.checkpoint_every"),
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_field(tmp_path, capsys, override, field):
     overrides = override if isinstance(override, tuple) else (override,)
@@ -424,16 +426,3 @@ def test_summary_records_the_git_commit(monkeypatch):
     monkeypatch.setattr(trainer_mod.subprocess, "run", no_git)
     assert trainer_mod.git_commit() is None
 
-
-# (Or add these two cases to the parametrize list of
-# test_bad_input_exits_2_with_one_line_naming_the_field.)
-@pytest.mark.parametrize("override, field", [("train.eval_every=-1", "train.eval_every"),
-                                             ("train.checkpoint_every=-1",
-                                              "train.checkpoint_every")])
-def test_negative_cadences_exit_2_naming_the_field(tmp_path, capsys, override, field):
-    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
-                           str(tmp_path / "out"), override)
-    assert code == 2
-    lines = [line for line in err.strip().splitlines() if line]
-    assert len(lines) == 1 and field in lines[0], err
-    assert not (tmp_path / "out" / "summary.json").exists()
