@@ -58,12 +58,19 @@ def test_output_dir_that_is_a_file(tmp_path, capsys):
     assert f.read_text() == "mine"
 
 
-def test_a_fresh_run_into_an_unfinished_run_is_refused(tmp_path, capsys, finished):
-    out = tmp_path / "unfinished"
-    unfinished_copy(finished, out)
+@pytest.mark.parametrize("earlier", ["unfinished", "only_metrics"])
+def test_a_fresh_run_into_an_earlier_run_is_refused(tmp_path, capsys, finished, earlier):
+    out = tmp_path / earlier
+    if earlier == "unfinished":
+        unfinished_copy(finished, out)
+        says = "--resume auto"
+    else:  # a run killed before its first checkpoint leaves metrics.jsonl and nothing else
+        out.mkdir()
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")
+        says = "metrics.jsonl"
     before = snapshot(out)
     code, err = train(capsys, out, "privacy.steps=2")
-    assert code == 2 and "output-dir" in one_line(err) and "--resume auto" in err
+    assert code == 2 and "output-dir" in one_line(err) and says in err
     assert snapshot(out) == before
 
 
@@ -445,17 +452,6 @@ def test_a_renamed_checkpoint_keeps_its_step_for_the_guards(tmp_path, capsys, fi
     code, err = train(capsys, tmp_path / "secure", "--resume", str(best), *SECURE)
     line = one_line(err)
     assert code == 2 and "resume" in line and "checkpoints/" in line
-
-
-def test_a_fresh_run_into_a_directory_with_only_metrics_is_refused(tmp_path, capsys):
-    # a run killed before its first checkpoint leaves metrics.jsonl and nothing else
-    out = tmp_path / "killed"
-    out.mkdir()
-    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")
-    before = snapshot(out)
-    code, err = train(capsys, out, "privacy.steps=2")
-    assert code == 2 and "output-dir" in one_line(err) and "metrics.jsonl" in err
-    assert snapshot(out) == before
 
 
 def test_resume_path_of_the_run_s_own_latest_checkpoint_continues_it(tmp_path, capsys, finished):
