@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _opacus import opacus_epsilon
 
 from dptrain.cli import main
 
@@ -332,15 +333,6 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _opacus_rdp_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
-    """The reference: opacus' own RDP accountant on the history of `steps` releases."""
-    from opacus.accountants import RDPAccountant
-
-    acc = RDPAccountant()
-    acc.history = [(sigma, q, steps)]
-    return acc.get_epsilon(delta)
-
-
 def test_summary_reports_the_plan_of_the_run_and_its_public_seed(tmp_path, capsys):
     # every number a different value: the run seed (5) is not privacy.seed (0), C = 0.5 is not
     # q = 0.125, N = 300 given for b (floor(0.125 * 300) = 37) is not the 256 examples loaded
@@ -355,7 +347,7 @@ def test_summary_reports_the_plan_of_the_run_and_its_public_seed(tmp_path, capsy
     assert s["dataset_size"] == 300 and s["expected_batch_size"] == 37
     assert s["accountant"] == "rdp" and s["steps"] == 4
     assert s["seed"] == 5 and s["config"]["seed"] == 5 and s["config"]["privacy"]["seed"] == 0
-    assert s["epsilon"] == pytest.approx(_opacus_rdp_epsilon(sigma, 0.125, 4, 1e-5), rel=1e-9)
+    assert s["epsilon"] == pytest.approx(opacus_epsilon("rdp", sigma, 0.125, 4, 1e-5), rel=1e-9)
     assert s["epsilon"] <= 8.0
 
 
@@ -365,7 +357,7 @@ def test_every_metrics_row_has_the_epsilon_spent_by_its_step(tmp_path, capsys):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert r["epsilon"] == pytest.approx(
-            _opacus_rdp_epsilon(1.1, 0.125, r["step"], 1e-5), rel=1e-9), r["step"]
+            opacus_epsilon("rdp", 1.1, 0.125, r["step"], 1e-5), rel=1e-9), r["step"]
     assert all(r["epsilon"] > 0 and math.isfinite(r["train_loss"]) for r in rows)
 
 
@@ -375,7 +367,7 @@ def test_log_every_writes_every_kth_step_and_always_the_last(tmp_path, capsys):
                     "train.log_every=3")
     rows = _rows(out)
     assert [r["step"] for r in rows] == [3, 4]
-    assert rows[-1]["epsilon"] == pytest.approx(_opacus_rdp_epsilon(1.1, 0.125, 4, 1e-5),
+    assert rows[-1]["epsilon"] == pytest.approx(opacus_epsilon("rdp", 1.1, 0.125, 4, 1e-5),
                                                 rel=1e-9)
 
 

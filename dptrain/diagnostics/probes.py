@@ -340,7 +340,7 @@ def probe_indices(n: int, m: int) -> np.ndarray:
     """``min(m, n)`` indices spread evenly over ``range(n)`` (deterministic, sorted)."""
     if n < 1:
         raise ConfigError("--probe-examples", "the test split is empty: no probe examples")
-    m = min(int(m), n)
+    m = int(m)
     if m < 1:
         raise ConfigError("--probe-examples", f"must be >= 1, got {m}")
     return even_subset(n, m)

@@ -82,8 +82,9 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
                 seqs[i] = seqs[i] + toks
                 left[i] -= len(toks)
                 if not fin and left[i] > 0:
-                    if not toks:  # every pending row is shorter than n_positions: a round
-                        # that gives it nothing would repeat for ever
+                    # a pending row is shorter than n_positions, so each round gives it a
+                    # token; one that gave none would repeat for ever
+                    if not toks:
                         raise RuntimeError(f"greedy_generate: no progress on prompt {i}")
                     still.append(i)
             pending = still
