@@ -5,7 +5,8 @@ ratio (issue 5, item 8; called by bench/gpu_check.sh on an H200).
     python bench/gpu_check.py --model nf_resnet50 [--device cuda] ...
     python bench/gpu_check.py --model gpt2_small --tiny --device cpu     # CPU smoke (tests)
 
-Models (random initialisation, synthetic data, configs/tiny.yaml with overrides):
+Models (random initialisation, synthetic data; configs/tiny.yaml and configs/tiny_images.yaml
+with overrides):
 
 - ``gpt2_small``: GPT-2 small (12 layers, width 768, 12 heads, vocabulary 50,257, tied
   embeddings), T = 128 (synthetic Markov text of 64-128 tokens), N = 2,048 at q = 0.125
@@ -55,7 +56,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
-BASE = os.path.join(ROOT, "configs", "tiny.yaml")
+CONFIGS = {"gpt2_small": os.path.join(ROOT, "configs", "tiny.yaml"),
+           "nf_resnet50": os.path.join(ROOT, "configs", "tiny_images.yaml")}
 IM = ["optim.inner_momentum.k_muon=2", "optim.inner_momentum.k_other=2",
       "optim.inner_momentum.gamma_muon=0.9"]
 COMMON = ["privacy.noise_multiplier=1.0", "privacy.epsilon=null", "privacy.accountant=rdp",
@@ -76,8 +78,7 @@ def model_overrides(model: str, tiny: bool) -> list[str]:
                      "performance.microbatch_size=64"]
         return shape + ["data.synthetic_test_size=64", "train.eval_batch_size=64", *IM]
     if model == "nf_resnet50":
-        common = ["model.name=timm", "data.name=synthetic_images", "optim.preset=nfresnet",
-                  "data.synthetic_test_size=64", "train.eval_batch_size=64"]
+        common = ["model.name=timm", "data.synthetic_test_size=64", "train.eval_batch_size=64"]
         if tiny:
             return common + ["model.timm_name=nf_resnet_tiny", "data.image_size=16",
                              "data.synthetic_train_size=128", "privacy.sample_rate=0.125",
@@ -197,19 +198,19 @@ class PeakMemory:
 
 # --------------------------------------------------------------------------------- parts
 
-def logical_batch_sizes(overrides: list[str], steps: int) -> list[int]:
+def logical_batch_sizes(config: str, overrides: list[str], steps: int) -> list[int]:
     """|S_t| of steps 0..steps-1: a pure function of the public privacy seed (no data needed)."""
     from dptrain.config import load
     from dptrain.privacy.sampling import poisson_sample
     from dptrain.trainer import RunConfig
 
-    cfg = load(RunConfig, BASE, overrides)
+    cfg = load(RunConfig, config, overrides)
     n = cfg.data.synthetic_train_size
     return [len(poisson_sample(cfg.privacy.seed, t, n, cfg.privacy.sample_rate))
             for t in range(steps)]
 
 
-def part_train(overrides: list[str], device: str, out: Path) -> dict:
+def part_train(config: str, overrides: list[str], device: str, out: Path) -> dict:
     import torch
 
     from dptrain.cli import main as cli_main
@@ -217,7 +218,7 @@ def part_train(overrides: list[str], device: str, out: Path) -> dict:
     monitor = NvmlMonitor(torch.cuda.current_device()) if device == "cuda" else None
     t0 = time.perf_counter()
     with PeakMemory(device) as mem:
-        code = cli_main(["train", "--config", BASE, "--output-dir", str(out), *overrides])
+        code = cli_main(["train", "--config", config, "--output-dir", str(out), *overrides])
     wall = time.perf_counter() - t0
     res = {"exit_code": code, "wall_s": wall}
     if monitor is not None:
@@ -226,7 +227,7 @@ def part_train(overrides: list[str], device: str, out: Path) -> dict:
         return res
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     times = [r["time"] for r in rows]
-    sizes = logical_batch_sizes(overrides, len(rows))
+    sizes = logical_batch_sizes(config, overrides, len(rows))
     timed = len(rows) - 1
     summary = json.loads((out / "summary.json").read_text())
     res.update(
@@ -256,14 +257,14 @@ def _nonprivate_step(t, step: int) -> int:
     return len(idx)
 
 
-def part_compare(overrides: list[str], device: str, rounds: int) -> dict:
+def part_compare(config: str, overrides: list[str], device: str, rounds: int) -> dict:
     import torch
 
     from dptrain.config import load
     from dptrain.trainer import RunConfig, Trainer
 
     steps = 3 * (rounds + 1)
-    t = Trainer(load(RunConfig, BASE, [*overrides, f"privacy.steps={steps}"]))
+    t = Trainer(load(RunConfig, config, [*overrides, f"privacy.steps={steps}"]))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     names = ("private", "private_inline", "nonprivate")
     times: dict[str, list[float]] = {k: [] for k in names}
@@ -330,13 +331,14 @@ def main(argv: list[str] | None = None) -> dict:
                  f"performance.dtype={a.dtype}", f"privacy.steps={a.steps}"]
     if a.device == "cuda":
         overrides.append("performance.num_threads=null")
+    config = CONFIGS[a.model]
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix=f"gpu_check_{a.model}_"))
     result: dict = {"model": a.model, "tiny": a.tiny, "device": a.device, "dtype": a.dtype,
-                    "overrides": overrides, "machine": machine_description(a.device),
+                    "config": os.path.relpath(config, ROOT), "overrides": overrides, "machine": machine_description(a.device),
                     "date": now_utc(), "commit": git_commit()}
     parts = a.parts.split(",")
     if "train" in parts:
-        result["train"] = part_train(overrides, a.device, out / "run")
+        result["train"] = part_train(config, overrides, a.device, out / "run")
         tr = result["train"]
         print(f"[{a.model}] dptrain train: exit {tr['exit_code']}, {tr.get('steps')} steps, "
               f"{_f(tr.get('examples_per_s'))} examples/s (steps 2..n), peak allocated "
@@ -345,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{_f(tr.get('nvml_device_used_peak_mib'))} MiB, wall {tr['wall_s']:.1f} s",
               flush=True)
     if "compare" in parts:
-        result["compare"] = part_compare(overrides, a.device, a.rounds)
+        result["compare"] = part_compare(config, overrides, a.device, a.rounds)
         c = result["compare"]
         print(f"[{a.model}] private step {c['private_step_s']:.3f} s "
               f"({c['private_examples_per_s']:.1f} ex/s), non-private "

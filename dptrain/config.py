@@ -198,6 +198,25 @@ def validate_tree(obj: Any, path: str = "") -> None:
             raise
 
 
+def refuse_unused(obj: Any, label: str, kind: Any, applies: dict[str, tuple]) -> None:
+    """Refuse a field of ``obj`` that is set away from its default while it does not apply to
+    ``kind`` (``label`` names what ``kind`` is in the message, e.g. ``model.name``): the run
+    would silently ignore it, e.g. a DiSK gain without the DiSK filter or an n_layer for a
+    timm model. ``applies`` maps each such field to the kinds that read it."""
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(obj)}
+    for name, kinds in applies.items():
+        if kind not in kinds and getattr(obj, name) != defaults[name]:
+            raise ConfigError(name, f"applies only with {label} {' or '.join(map(str, kinds))} "
+                                    f"({label} is {kind}), so it would be ignored; remove it or "
+                                    f"set it back to its default, {_yaml_scalar(defaults[name])}")
+
+
+def _yaml_scalar(value: Any) -> str:
+    """A default as it would be written in an override: ``null``, ``true``, ``[16, 32]``."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+
+
 _INT_TAG = "tag:yaml.org,2002:int"
 _FLOAT_TAG = "tag:yaml.org,2002:float"
 _MERGE_TAG = "tag:yaml.org,2002:merge"

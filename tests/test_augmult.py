@@ -18,14 +18,14 @@ from dptrain.data.augment import augment_batch, augment_images, view_offsets
 from dptrain.trainer import RunConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-IMAGES = ["data.name=synthetic_images", "data.image_size=8", "data.synthetic_train_size=64",
-          "model.name=cnn", "model.channels=[4,8]", "optim.preset=nfresnet",
+TINY_IMAGES = ROOT / "configs" / "tiny_images.yaml"
+IMAGES = ["data.image_size=8", "data.synthetic_train_size=64", "model.channels=[4,8]",
           "privacy.accountant=rdp", "privacy.sample_rate=0.25", "privacy.steps=3",
           "train.progress=false", "train.checkpoint_every=0", "performance.dtype=float64"]
 
 
 def trainer(*overrides: str) -> Trainer:
-    return Trainer(load(RunConfig, ROOT / "configs" / "tiny.yaml", [*IMAGES, *overrides]))
+    return Trainer(load(RunConfig, TINY_IMAGES, [*IMAGES, *overrides]))
 
 
 def test_views_crop_the_reflect_padded_image_and_flip():
@@ -167,7 +167,7 @@ def test_augmult_release_is_the_same_in_any_microbatching_and_has_sensitivity_c(
 def test_augmult_run_trains_and_epsilon_does_not_depend_on_k(tmp_path):
     runs = {}
     for k in (0, 2):
-        t = Trainer(load(RunConfig, ROOT / "configs" / "tiny.yaml",
+        t = Trainer(load(RunConfig, TINY_IMAGES,
                          [*IMAGES, f"data.augmult={k}"]), tmp_path / str(k))
         runs[k] = t.run()
     assert runs[0]["epsilon"] == runs[2]["epsilon"]
@@ -177,7 +177,10 @@ def test_augmult_run_trains_and_epsilon_does_not_depend_on_k(tmp_path):
 
 @pytest.mark.parametrize("overrides, field", [
     (["data.augmult=-1"], "data.augmult"),
-    (["data.augment_pad=-2"], "data.augment_pad"),
+    (["data.augmult=2", "data.augment_pad=-2"], "data.augment_pad"),
+    # the augmentation's settings without augmentation would be ignored
+    (["data.augment_pad=2"], "data.augment_pad"),
+    (["data.augment_flip=false"], "data.augment_flip"),
     (["data.augmult=2", "data.augment_pad=8"], "data.augment_pad"),
 ])
 def test_bad_augmult_settings_name_the_field(overrides, field):

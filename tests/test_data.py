@@ -209,6 +209,28 @@ def test_missing_files_name_the_field(tmp_path):
     assert e.value.field == "data.train_file"
 
 
+@pytest.mark.parametrize("bad, field", [
+    ({"name": "mnist", "max_length": 64}, "data.max_length"),
+    ({"name": "synthetic_lm", "path": "/tmp"}, "data.path"),
+    ({"name": "synthetic_images", "tokenizer": "bytes"}, "data.tokenizer"),
+    ({"name": "mnist", "train_file": "x.csv"}, "data.train_file"),
+    ({"name": "e2e", "synthetic_train_size": 10}, "data.synthetic_train_size"),
+    ({"name": "synthetic_images", "synthetic_vocab_size": 8}, "data.synthetic_vocab_size"),
+    ({"name": "mnist", "num_classes": 10}, "data.num_classes"),  # MNIST's 10 are fixed
+    ({"name": "e2e", "image_size": 32}, "data.image_size"),
+    ({"name": "synthetic_lm", "in_chans": 1}, "data.in_chans"),
+    ({"name": "mnist", "augment_pad": 2}, "data.augment_pad"),  # no augmult: never used
+    ({"name": "mnist", "augment_flip": False}, "data.augment_flip"),
+    ({"name": "e2e", "tokenizer": "bytes", "tokenizer_path": "/tmp"}, "data.tokenizer_path"),
+])
+def test_a_setting_another_dataset_would_ignore_is_refused(bad, field):
+    with pytest.raises(ConfigError) as e:
+        validate_tree(from_dict(DataConfig, bad, "data"), "data")
+    assert e.value.field == field and "ignored" in e.value.message
+    # the same value where it applies, or the default where it does not, passes
+    validate_tree(from_dict(DataConfig, {"name": bad["name"]}, "data"), "data")
+
+
 def test_config_from_dict_and_validate():
     cfg = from_dict(DataConfig, {"name": "synthetic_lm", "max_length": 3}, "data")
     with pytest.raises(ConfigError) as e:

@@ -19,20 +19,20 @@ from dptrain.parallel.dist import shard_bounds, spawn
 pytestmark = pytest.mark.distributed
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
-NF = ["model.name=timm", "model.timm_name=nf_resnet_tiny", "data.name=synthetic_images",
-      "data.image_size=16", "data.synthetic_train_size=96", "data.synthetic_test_size=16",
-      "optim.preset=nfresnet", "privacy.sample_rate=0.1", "privacy.steps=3",
+TINY_IMAGES = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_images.yaml")
+NF = ["model.name=timm", "model.timm_name=nf_resnet_tiny", "data.synthetic_train_size=96",
+      "data.synthetic_test_size=16", "privacy.sample_rate=0.1", "privacy.steps=3",
       "performance.microbatch_size=8"]
 SGD = ["optim.name=sgd", "optim.preset=null", "optim.lr=0.5"]
 IM = ["optim.inner_momentum.k_muon=2", "optim.inner_momentum.k_other=2",
       "optim.inner_momentum.gamma_muon=0.9"]
 
 
-def _train(rank: int, world: int, overrides: list[str]) -> dict:
+def _train(rank: int, world: int, overrides: list[str], config: str = TINY) -> dict:
     from dptrain.config import load
     from dptrain.trainer import RunConfig, Trainer
 
-    t = Trainer(load(RunConfig, TINY, ["train.progress=false", "train.checkpoint_every=0",
+    t = Trainer(load(RunConfig, config, ["train.progress=false", "train.checkpoint_every=0",
                                        "privacy.accountant=rdp", "privacy.steps=3", *overrides]))
     first, _ = t.release(0)
     first = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
@@ -40,7 +40,16 @@ def _train(rank: int, world: int, overrides: list[str]) -> dict:
     while t.step < t.plan.steps:
         t.private_step()
     metrics = t.evaluate() if t.optimizer.ema is not None else {}
-    return {"params": {k: v.clone() for k, v in t.full_state_dict().items()},
+    from torch.distributed.fsdp import FSDPModule
+
+    from dptrain.parallel.fsdp import block_modules
+
+    state = t.full_state_dict()
+    # GPT-2's tied wte/lm_head: one tensor in the gathered state too (exported once)
+    tied = (state["lm_head.weight"].data_ptr() == state["transformer.wte.weight"].data_ptr()
+            if "lm_head.weight" in state else None)
+    return {"params": {k: v.clone() for k, v in state.items()}, "tied": tied,
+            "units": [isinstance(m, FSDPModule) for m in (*block_modules(t.model), t.model)],
             "release0": first, "sizes": [len(t.local_sample(s)) for s in range(t.plan.steps)],
             "metrics": metrics}
 
@@ -53,14 +62,18 @@ def _rel(a: dict, b: dict) -> float:
                      / b[k].double().norm().clamp_min(1e-12)) for k in common)
 
 
-def _check(overrides: list[str], worlds: list[tuple[int, str]]) -> list[dict]:
-    ref = spawn(_train, 1, overrides)[0]
+def _check(overrides: list[str], worlds: list[tuple[int, str]], config: str = TINY) -> list[dict]:
+    ref = spawn(_train, 1, overrides, config)[0]
     outs = []
     for world, sharding in worlds:
-        results = spawn(_train, world, overrides + [f"performance.sharding={sharding}"])
+        results = spawn(_train, world, overrides + [f"performance.sharding={sharding}"], config)
         for r in results:  # a gathered FSDP state lands on rank 0 only (cpu_offload)
             if r["params"]:
                 assert _rel(r["params"], ref["params"]) <= 1e-5, (world, sharding)
+                assert r["tied"] == ref["tied"], (world, sharding)
+            # FSDP2 shards every block as its own unit (one block gathered at a time), and
+            # the root; replicated ranks shard nothing
+            assert len(r["units"]) >= 3 and all(u == (sharding == "fsdp") for u in r["units"])
         assert results[0]["params"]
         assert _rel(results[0]["release0"], ref["release0"]) <= 1e-5
         for r in results:  # test metrics (with an EMA: of the average and the last iterate)
@@ -146,7 +159,7 @@ def test_dp_muon_im_k2_gpt2_with_dropout_same_on_1_and_2_ranks():
 def test_dp_muon_nf_resnet_with_augmult_same_on_1_and_2_ranks():
     # augmentation multiplicity: each example's views are a function of (seed, step, view,
     # example), not of the rank that processes it
-    _check(NF + ["data.augmult=2"], [(2, "fsdp")])
+    _check(NF + ["data.augmult=2"], [(2, "fsdp")], TINY_IMAGES)
 
 
 def test_ranks_with_an_empty_share_neither_hang_nor_skip_the_release():
@@ -434,21 +447,53 @@ def _scalars_and_rows(rank: int, world: int) -> dict:
 
     from dptrain.parallel.fsdp import all_reduce_scalars, flat_range, local_rows, reduce_sum
 
+    import torch.distributed as dist
+
+    import dptrain.trainer as trainer_mod
+
     sums = all_reduce_scalars(float(rank + 1), 10.0 * (rank + 1))
     torch.manual_seed(0)
     lin = nn.Linear(4, 5)
     fully_shard(lin)
     w = lin.weight
     full = torch.arange(20, dtype=torch.float32).view(5, 4) * (rank + 1)
-    return {"sums": sums, "rows": reduce_sum(full.clone(), w).clone(),
-            "flat": flat_range(w), "local_rows": local_rows(w)}
+    calls, all_reduce = [], dist.all_reduce
+    dist.all_reduce = lambda *a, **k: calls.append(1) or all_reduce(*a, **k)
+    rows = reduce_sum(full.clone(), w).clone()
+    all_reduces = len(calls)
+    # a backend without reduce-scatter (old gloo): the fallback all-reduces, then slices
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    saved = {n: getattr(dist, n) for n in names}
+
+    def unsupported(*a, **k):
+        raise RuntimeError("reduce_scatter: not supported by this backend")
+
+    for n in names:
+        setattr(dist, n, unsupported)
+    try:
+        rows_fallback = reduce_sum(full.clone(), w).clone()
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+        dist.all_reduce = all_reduce
+    # secure mode: rank 0's OS-entropy seed is every rank's
+    trainer_mod.secure_seed = lambda: 1000 + rank
+    return {"sums": sums, "rows": rows, "rows_fallback": rows_fallback,
+            "all_reduces": all_reduces, "fallback_all_reduces": len(calls) - all_reduces,
+            "flat": flat_range(w), "local_rows": local_rows(w),
+            "secure_seed": trainer_mod._shared_secure_seed(world)}
 
 
 def test_scalars_and_sharded_rows_are_reduced_over_the_ranks():
     a, b = spawn(_scalars_and_rows, 2)
     assert a["sums"] == b["sums"] == [3.0, 30.0]
     want = torch.arange(20, dtype=torch.float32).view(5, 4) * 3  # (1 + 2) times
-    assert torch.equal(a["rows"], want[:3]) and torch.equal(b["rows"], want[3:])
+    for key in ("rows", "rows_fallback"):
+        assert torch.equal(a[key], want[:3]) and torch.equal(b[key], want[3:]), key
+    # with reduce-scatter, no rank all-reduces (receives) the whole gradient
+    assert a["all_reduces"] == b["all_reduces"] == 0
+    assert a["fallback_all_reduces"] == b["fallback_all_reduces"] == 1
+    assert a["secure_seed"] == b["secure_seed"] == 1000
     assert a["local_rows"] == (0, 3) and b["local_rows"] == (3, 5)
     assert a["flat"] == (20, 0, 12) and b["flat"] == (20, 12, 20)
 

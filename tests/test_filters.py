@@ -193,6 +193,12 @@ def test_doppler_constant_input_passes_unchanged():
     ({"name": "doppler", "a": [], "b": [1.0, -1.0, 0.5]}, "optim.filter.b"),  # c_1 = 0
     ({"name": "disk", "kappa": 0.0}, "optim.filter.kappa"),
     ({"name": "disk", "gamma": -1.0}, "optim.filter.gamma"),
+    # another filter's settings would be ignored (DiSK's gain without DiSK: no filter at all)
+    ({"kappa": 0.5}, "optim.filter.kappa"),
+    ({"name": "doppler", "gamma": 2.0}, "optim.filter.gamma"),
+    ({"name": "doppler", "convention": "im_paper"}, "optim.filter.convention"),
+    ({"a": [-0.5]}, "optim.filter.a"),
+    ({"name": "disk", "b": [0.2]}, "optim.filter.b"),
 ])
 def test_bad_filter_settings_name_their_field(filt, field):
     cfg = from_dict(OptimConfig, {"filter": filt})

@@ -232,10 +232,9 @@ def test_a_model_no_rule_can_clip_is_a_config_error_naming_the_model(monkeypatch
 
     monkeypatch.setattr(trainer_mod, "build_model", lambda cfg, info: GainedBlock())
     for name, field in (("timm", "model.timm_name"), ("cnn", "model.name")):
-        cfg = load(RunConfig, Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
-                   ["data.name=synthetic_images", "data.image_size=8", f"model.name={name}",
-                    "optim.preset=null", "privacy.noise_multiplier=1.0", "privacy.epsilon=null",
-                    "privacy.accountant=rdp"])
+        cfg = load(RunConfig, Path(__file__).resolve().parents[1] / "configs" / "tiny_images.yaml",
+                   ["data.image_size=8", f"model.name={name}", "optim.preset=null",
+                    "privacy.noise_multiplier=1.0", "privacy.epsilon=null"])
         with pytest.raises(ConfigError) as e:
             Trainer(cfg, tmp_path / name)
         assert e.value.field == field and "skipinit_gain" in e.value.message
@@ -266,6 +265,15 @@ def test_data_info_without_channels_leaves_them_to_the_model_config():
     ({"name": "gpt2", "drop_path_rate": 0.1}, "model.drop_path_rate"),
     ({"name": "timm", "dropout": 0.1}, "model.dropout"),
     ({"name": "cnn", "pretrained_path": "/tmp"}, "model.pretrained_path"),
+    # a field of another model family, set away from its default, would be ignored
+    ({"name": "timm", "n_layer": 6}, "model.n_layer"),
+    ({"name": "cnn", "tie_embeddings": False}, "model.tie_embeddings"),
+    ({"name": "cnn", "vocab_size": 300}, "model.vocab_size"),
+    ({"name": "cnn", "timm_name": "nf_resnet26"}, "model.timm_name"),
+    ({"name": "gpt2", "num_classes": 10}, "model.num_classes"),
+    ({"name": "gpt2", "in_chans": 1}, "model.in_chans"),
+    ({"name": "timm", "channels": [8]}, "model.channels"),
+    ({"name": "timm", "hidden": 0}, "model.hidden"),
 ])
 def test_model_config_validate_refuses_each_bad_value(bad, field):
     with pytest.raises(ConfigError) as e:
@@ -276,7 +284,9 @@ def test_model_config_validate_refuses_each_bad_value(bad, field):
 def test_model_config_validate_accepts_the_boundaries():
     for ok in ({"vocab_size": 2}, {"name": "cnn", "num_classes": 1, "in_chans": 1,
                                    "channels": [1], "groups": 1, "pool": 1, "hidden": 0},
-               {"name": "timm", "drop_path_rate": 0.0}):
+               {"name": "timm", "drop_path_rate": 0.0},
+               # another family's field at its default is not ignored: nothing differs
+               {"name": "timm", "n_layer": 12, "channels": [16, 32], "dropout": 0.0}):
         validate_tree(from_dict(ModelConfig, ok, "model"), "model")
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from dptrain.config import ConfigError
+from dptrain.config import ConfigError, refuse_unused
 from dptrain.data.info import DataInfo
 
 __all__ = ["DataConfig", "DataInfo", "Task", "build_data", "even_subset", "REPO_ROOT",
@@ -95,6 +95,10 @@ class DataConfig:
     """augmult: mirror each view horizontally with probability 1/2 (false for digits)."""
 
     def validate(self) -> None:
+        refuse_unused(self, "data.name", self.name, _DATA_FIELDS)
+        refuse_unused(self, "data.tokenizer", self.tokenizer, {"tokenizer_path": ("gpt2",)})
+        refuse_unused(self, "data.augmult", "0" if self.augmult == 0 else ">= 1",
+                      dict.fromkeys(("augment_pad", "augment_flip"), (">= 1",)))
         if self.max_length is not None and self.max_length < 4:
             raise ConfigError("max_length", f"must be >= 4, got {self.max_length}")
         for f in ("max_train_examples", "max_test_examples"):
@@ -120,6 +124,21 @@ class DataConfig:
             raise ConfigError("augmult", f"must be >= 0, got {self.augmult}")
         if self.augment_pad is not None and self.augment_pad < 0:
             raise ConfigError("augment_pad", f"must be >= 0 or null, got {self.augment_pad}")
+
+
+_IMAGES = ("mnist", "synthetic_images", "webdataset")
+_DATA_FIELDS = {
+    "path": ("e2e", "mnist", "webdataset"),
+    **dict.fromkeys(("tokenizer", "tokenizer_path"), ("e2e",)),
+    "max_length": ("e2e", "synthetic_lm"),
+    **dict.fromkeys(("train_file", "test_file"), ("e2e", "webdataset")),
+    **dict.fromkeys(("synthetic_train_size", "synthetic_test_size"),
+                    ("synthetic_lm", "synthetic_images")),
+    "synthetic_vocab_size": ("synthetic_lm",),
+    "num_classes": ("synthetic_images", "webdataset"),
+    **dict.fromkeys(("in_chans", "image_size", "augmult", "augment_pad", "augment_flip"), _IMAGES),
+}
+"""Which data.name reads each dataset-specific field (the rest apply to every dataset)."""
 
 
 @dataclass

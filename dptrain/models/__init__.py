@@ -15,7 +15,7 @@ from typing import Literal
 
 from torch import nn
 
-from dptrain.config import ConfigError
+from dptrain.config import ConfigError, refuse_unused
 from dptrain.data.info import DataInfo
 
 __all__ = [
@@ -83,6 +83,7 @@ class ModelConfig:
     """cnn: width of the hidden linear layer before the head (0: none)."""
 
     def validate(self) -> None:
+        refuse_unused(self, "model.name", self.name, _MODEL_FIELDS)
         if self.name == "gpt2":
             for f in ("n_layer", "n_embd", "n_head", "n_positions"):
                 if getattr(self, f) < 1:
@@ -97,27 +98,13 @@ class ModelConfig:
             if self.pretrained_path is not None and not Path(self.pretrained_path).is_dir():
                 raise ConfigError("pretrained_path",
                                   f"directory not found: {self.pretrained_path}")
-            if self.drop_path_rate:
-                raise ConfigError("drop_path_rate", "only timm models have stochastic depth "
-                                                    "(model.name is gpt2; use model.dropout)")
         else:
-            # gpt2-only settings that would otherwise be ignored: a checkpoint folder that is
-            # never read (training from random weights), dropout that is never applied
-            if self.pretrained_path is not None:
-                raise ConfigError("pretrained_path", f"only gpt2 loads a checkpoint folder "
-                                                     f"(model.name is {self.name})")
-            if self.dropout:
-                raise ConfigError("dropout", f"only gpt2 has dropout (model.name is "
-                                             f"{self.name}; timm: model.drop_path_rate)")
             if self.num_classes is not None and self.num_classes < 1:
                 raise ConfigError("num_classes", f"must be >= 1, got {self.num_classes}")
             if self.in_chans is not None and self.in_chans < 1:
                 raise ConfigError("in_chans", f"must be >= 1, got {self.in_chans}")
             if not (0.0 <= self.drop_path_rate < 1.0):
                 raise ConfigError("drop_path_rate", f"must be in [0, 1), got {self.drop_path_rate}")
-            if self.drop_path_rate and self.name != "timm":
-                raise ConfigError("drop_path_rate", f"only timm models have stochastic depth "
-                                                    f"(model.name is {self.name})")
         if self.name == "timm" and not self.timm_name:
             raise ConfigError("timm_name", "must name a timm model, e.g. nf_resnet50")
         if self.name == "cnn":
@@ -131,6 +118,16 @@ class ModelConfig:
             if self.hidden < 0:
                 raise ConfigError("hidden", f"must be >= 0 (0: no hidden layer), got "
                                             f"{self.hidden}")
+
+
+_MODEL_FIELDS = {
+    **dict.fromkeys(("n_layer", "n_embd", "n_head", "n_positions", "vocab_size",
+                     "tie_embeddings", "dropout", "pretrained_path"), ("gpt2",)),
+    **dict.fromkeys(("timm_name", "drop_path_rate"), ("timm",)),
+    **dict.fromkeys(("num_classes", "in_chans"), ("timm", "cnn")),
+    **dict.fromkeys(("channels", "groups", "pool", "hidden"), ("cnn",)),
+}
+"""Which model.name reads each family-specific field (the rest apply to every family)."""
 
 
 def _first_few(names: list[str]) -> str:

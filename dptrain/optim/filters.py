@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dptrain.config import ConfigError
+from dptrain.config import ConfigError, refuse_unused
 
 __all__ = ["FilterConfig", "Filter", "IdentityFilter", "DiSKFilter", "DopplerFilter", "FILTERS",
            "build_filter", "QueryPlan"]
@@ -51,6 +51,9 @@ class FilterConfig:
     """DOPPLER: feed-forward coefficients b_0..b_q (b_0 multiplies the current release)."""
 
     def validate(self) -> None:
+        refuse_unused(self, "optim.filter.name", self.name,
+                      {**dict.fromkeys(("kappa", "gamma", "convention"), ("disk",)),
+                       **dict.fromkeys(("a", "b"), ("doppler",))})
         if self.name == "disk":
             if not 0.0 < self.kappa <= 1.0 and self.convention == "disk_paper":
                 raise ConfigError("kappa", f"must be in (0, 1] (disk_paper), got {self.kappa}")
