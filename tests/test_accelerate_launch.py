@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -136,6 +137,18 @@ def test_launch_files_parse_and_pass_the_per_job_values_as_flags():
                  "--main_process_ip \"$MASTER_ADDR\"", "--main_process_port \"$MASTER_PORT\"",
                  "--ntasks-per-node=1", "-m dptrain train"):
         assert flag in text, flag
+    # so every documented command with the multi-node file passes them too (the ImageNet
+    # configs' comments did not: accelerate exits, "You need to manually pass in --num_processes")
+    docs = [*sorted((ROOT / "configs").glob("*.yaml")), *sorted((ROOT / "docs").glob("*.md")),
+            ROOT / "README.md"]
+    for path in docs:
+        joined = re.sub(r"\\\s*\n[\s#]*", " ", path.read_text())  # continuation lines
+        for line in joined.splitlines():
+            command = line.lstrip("#` ")
+            if command.startswith("accelerate launch") and "accelerate_multinode.yaml" in command:
+                for flag in ("--num_machines", "--num_processes", "--machine_rank",
+                             "--main_process_ip"):
+                    assert flag in command, (path.name, flag, command)
 
 
 def _sbatch(tmp_path: Path, args: list[str], cwd: Path | None = None, **env_extra: str) -> tuple[int, str, list[str], list[str]]:

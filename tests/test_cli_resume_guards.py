@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dptrain import checkpoint as ckpt
 from dptrain import trainer as trainer_mod
 from dptrain.cli import main
 
@@ -213,12 +214,15 @@ def test_secure_mode_writes_metrics_only_with_checkpoints(tmp_path, capsys, monk
         f"train.checkpoint_every={every}",)
     _crash_at(monkeypatch, 4)
     code = main(["train", "--config", TINY, "--output-dir", str(out), *extra])
-    assert code != 0 and "interrupted" in capsys.readouterr().err
+    assert code == 130 and "interrupted" in capsys.readouterr().err
     logged = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     # release 3 was made, but only secure mode keeps its row back until a checkpoint covers it;
     # without checkpoints it keeps every row back until the end, so that the restart from
     # step 0 below draws no release whose test metrics were written
     assert logged == ([1, 2] if secure and every else [] if secure else [1, 2, 3])
+    # what an interrupted run keeps: its complete checkpoints, no summary and no final model
+    assert ckpt.complete_steps(out) == ([2] if every else [])
+    assert not (out / "summary.json").exists() and not (out / "final").exists()
     monkeypatch.undo()
     code, _ = train(capsys, out, "--resume", "auto", *extra)
     assert code == 0
@@ -260,7 +264,7 @@ def test_secure_resume_auto_does_not_fall_back_past_written_outputs(tmp_path, ca
              *(SECURE if secure else ()))
     _crash_at(monkeypatch, 5)
     code = main(["train", "--config", TINY, "--output-dir", str(out), *extra])
-    assert code != 0 and "interrupted" in capsys.readouterr().err
+    assert code == 130 and "interrupted" in capsys.readouterr().err
     monkeypatch.undo()
     _flip_a_byte(out / "checkpoints" / "step-00000004" / "state.pt")
     before = snapshot(out)
@@ -296,12 +300,12 @@ def test_a_secure_checkpoint_is_resumed_into_one_directory_only(tmp_path, capsys
     extra = ("train.checkpoint_every=2", "privacy.steps=4", *SECURE)
     _crash_at(monkeypatch, 3)
     code = main(["train", "--config", TINY, "--output-dir", str(a), *extra])
-    assert code != 0 and "interrupted" in capsys.readouterr().err
+    assert code == 130 and "interrupted" in capsys.readouterr().err
     step2 = str(a / "checkpoints" / "step-00000002")
     # the branch into B dies before its first checkpoint (its rows held back): B may take it
     # up again, and the record is not repeated
     code = main(["train", "--config", TINY, "--output-dir", str(b), "--resume", step2, *extra])
-    assert code != 0 and "interrupted" in capsys.readouterr().err
+    assert code == 130 and "interrupted" in capsys.readouterr().err
     monkeypatch.undo()
     code, err = train(capsys, b, "--resume", step2, *extra)
     assert code == 0 and (b / "summary.json").exists(), err

@@ -84,6 +84,30 @@ def test_ema_is_post_processing_and_the_run_reports_and_exports_both_models(tmp_
     assert not (tmp_path / "plain" / "final" / "last_iterate.safetensors").exists()
 
 
+@pytest.mark.parametrize("start", [0, 2, 3, 4])
+def test_a_real_run_averages_exactly_the_iterates_after_the_start_step(start):
+    # a 4-step float64 run: the average is the decay-weighted mean of theta_{start+1..4}
+    decay, steps = 0.5, 4
+    t = Trainer(load(RunConfig, TINY, [*FAST, f"privacy.steps={steps}",
+                                       f"optim.ema_decay={decay}", f"optim.ema_start_step={start}",
+                                       "performance.dtype=float64"]))
+    thetas = []
+    while t.step < t.plan.steps:
+        t.private_step()
+        thetas.append({n: p.detach().clone() for n, p in t.named_params})
+    ema, used = t.optimizer.ema, thetas[start:]
+    assert ema.count == len(used)
+    for n, _ in t.named_params:
+        if not used:  # the start step at the end: the average is the last iterate
+            assert torch.equal(ema.values[n], thetas[-1][n]), n
+            continue
+        w = [decay ** (len(used) - 1 - s) for s in range(len(used))]
+        want = sum(wi * th[n] for wi, th in zip(w, used)) / sum(w)
+        torch.testing.assert_close(ema.values[n], want, rtol=1e-10, atol=1e-12)
+    if len(used) >= 2:  # the setting acts: not the last iterate
+        assert any(not torch.equal(ema.values[n], thetas[-1][n]) for n, _ in t.named_params)
+
+
 @pytest.mark.parametrize("override, field", [("optim.ema_decay=1.0", "optim.ema_decay"),
                                              ("optim.ema_decay=-0.1", "optim.ema_decay"),
                                              ("optim.ema_start_step=-1", "optim.ema_start_step")])
