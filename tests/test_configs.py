@@ -304,3 +304,18 @@ def test_validate_tree_prefixes_nested_and_listed_fields():
     with pytest.raises(ConfigError) as e:
         validate_tree(_Root(leaf=_Leaf(x=-5)))
     assert e.value.field == "leaf.x"
+
+
+def test_docs_config_md_is_the_generated_key_reference_and_every_key_is_documented():
+    from dptrain.config_reference import reference_markdown, sections
+
+    root = Path(__file__).resolve().parents[1]
+    assert (root / "docs" / "config.md").read_text() == reference_markdown(), (
+        "docs/config.md is stale: python -m dptrain.config_reference > docs/config.md")
+    rows = [row for _, rs in sections(RunConfig) for row in rs]
+    assert not [key for key, _, _, doc in rows if not doc]
+    keys = {key for key, *_ in rows}
+    # one row per leaf key, nested configs and lists of them included
+    assert {"seed", "privacy.delta", "optim.filter.kappa", "optim.groups[].pattern",
+            "optim.inner_momentum.k_muon", "train.keep_checkpoints"} <= keys
+    assert "optim.filter" not in keys and len(keys) == len(rows)
