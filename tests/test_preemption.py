@@ -18,7 +18,7 @@ import torch
 
 from dptrain import checkpoint as ckpt
 from dptrain.cli import main
-from dptrain.commands.train import _stop_on_sigterm
+from dptrain.commands.train import STOP_SIGNALS, _stop_on_signals
 from dptrain.config import load
 from dptrain.privacy.accounting import Ledger
 from dptrain.trainer import RunConfig, StopRequested, Trainer
@@ -125,28 +125,54 @@ def test_a_stop_seen_by_one_rank_stops_every_rank_at_the_same_step(tmp_path, sto
     assert _steps_logged(out) == [1, 2]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 @pytest.mark.parametrize("stopped", [False, True])
-def test_a_sigterm_after_the_stop_cannot_kill_the_exit(stopped):
+def test_a_stop_signal_after_the_stop_cannot_kill_the_exit(stopped, sig):
     # the stop's checkpoint is written and the process is about to exit 143: a repeated SIGTERM
-    # (Slurm's slurmstepd and torchrun's agent both send one) arriving then is ignored; a run
-    # that did not stop gets its previous handler back
+    # (Slurm's slurmstepd and torchrun's agent both send one), or any stop signal, arriving then
+    # is ignored; a run that did not stop gets its previous handlers back
     from types import SimpleNamespace
 
-    from dptrain.commands.train import _stop_on_sigterm
-
+    assert set(STOP_SIGNALS) == {signal.SIGTERM, signal.SIGUSR1}
     mine = lambda signum, frame: None  # noqa: E731
-    before = signal.signal(signal.SIGTERM, mine)
+    before = {s: signal.signal(s, mine) for s in STOP_SIGNALS}
     try:
         trainer = SimpleNamespace(stop_signal=None, rank=1)
-        with _stop_on_sigterm(trainer):
-            assert signal.getsignal(signal.SIGTERM) not in (mine, signal.SIG_IGN)
+        with _stop_on_signals(trainer):
+            assert all(signal.getsignal(s) not in (mine, signal.SIG_IGN) for s in STOP_SIGNALS)
             if stopped:
-                os.kill(os.getpid(), signal.SIGTERM)  # the handler records the stop
+                os.kill(os.getpid(), sig)  # the handler records the stop
                 time.sleep(0.01)
-        assert trainer.stop_signal == (signal.SIGTERM if stopped else None)
-        assert signal.getsignal(signal.SIGTERM) is (signal.SIG_IGN if stopped else mine)
+        assert trainer.stop_signal == (sig if stopped else None)
+        for s in STOP_SIGNALS:
+            assert signal.getsignal(s) is (signal.SIG_IGN if stopped else mine), s
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def test_sigusr1_stops_a_run_with_a_checkpoint_and_exit_138(tmp_path, capsys, monkeypatch):
+    # clusters set up for PyTorch Lightning send SIGUSR1 before the time limit
+    out = tmp_path / "run"
+    real = Trainer.private_step
+
+    def private_step(self):
+        if self.step == 1:  # during step 2: it finishes, then the run stops
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "private_step", private_step)
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        code = main(["train", "--config", TINY, "--output-dir", str(out), "privacy.steps=4",
+                     "train.progress=false", "train.checkpoint_every=0"])
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGUSR1 == 138, err
+    assert "SIGUSR1 received" in err and "SIGUSR1: stopped after step 2 of 4" in err
+    assert ckpt.complete_steps(out) == [2] and _steps_logged(out) == [1, 2]
+    assert not (out / "summary.json").exists()
 
 
 def test_a_branch_stopped_before_its_first_step_writes_the_checkpoint_it_resumed(tmp_path):
@@ -176,7 +202,7 @@ def test_repeated_sigterms_are_one_stop_request_said_once(capsys):
     before = signal.getsignal(signal.SIGTERM)
     trainer = types.SimpleNamespace(stop_signal=None, rank=0)
     try:
-        with _stop_on_sigterm(trainer):
+        with _stop_on_signals(trainer):
             for _ in range(2):
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.05)  # the handler runs in the main thread between bytecodes

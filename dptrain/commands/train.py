@@ -19,8 +19,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model privately",
                        description="Train privately; writes DIR/summary.json and "
                                    "DIR/final/model.safetensors. On SIGTERM (preemption, a time "
-                                   "limit) every rank finishes its step, a checkpoint of it is "
-                                   "written and the run exits 143: continue with --resume auto.")
+                                   "limit) or SIGUSR1 every rank finishes its step, a checkpoint "
+                                   "of it is written and the run exits 128 + the signal's number "
+                                   "(143, 138): continue with --resume auto.")
     p.add_argument("--config", required=True, help="YAML run config (see configs/)")
     p.add_argument("--output-dir", default=None,
                    help="where metrics, checkpoints and the final model go (default runs/<config>)")
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             _drop_metrics_after(out / "metrics.jsonl", trainer.step)
     try:
-        with _stop_on_sigterm(trainer):
+        with _stop_on_signals(trainer):
             summary = trainer.run()
     except StopRequested as e:
         if trainer.rank == 0:
@@ -114,15 +115,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1") if hasattr(signal, n))
+"""Signals that ask a run to stop at the next step boundary with a checkpoint: SIGTERM (what
+preemption, Slurm's ``--signal=TERM@120`` and torchrun's agent send) and SIGUSR1 (what clusters
+set up for PyTorch Lightning send, e.g. ``--signal=USR1@120``; torchrun passes it on to its
+ranks only with ``TORCHELASTIC_SIGNALS_TO_HANDLE`` naming it). The exit status is 128 + the
+signal's number (143, 138)."""
+
+
 @contextlib.contextmanager
-def _stop_on_sigterm(trainer):
-    """SIGTERM (preemption; torchrun forwards it to every rank) asks ``trainer`` to stop at the
-    next step boundary with a checkpoint instead of dying mid-step: the step in progress
-    finishes, all ranks agree on the step, and ``--resume auto`` continues exactly. Further
-    SIGTERMs are ignored: under Slurm a rank can get the same one twice, from slurmstepd (which
-    signals every process of the step) and from torchrun's agent, so "twice means now" would
-    kill it mid-step; SIGINT (Ctrl-C) or SIGKILL stop at once. Only the main thread can install
-    handlers; elsewhere (a test calling ``main`` from a thread) nothing changes."""
+def _stop_on_signals(trainer):
+    """A stop signal (``STOP_SIGNALS``; torchrun forwards SIGTERM to every rank) asks
+    ``trainer`` to stop at the next step boundary with a checkpoint instead of dying mid-step:
+    the step in progress finishes, all ranks agree on the step, and ``--resume auto`` continues
+    exactly. Further stop signals are ignored: under Slurm a rank can get the same one twice,
+    from slurmstepd (which signals every process of the step) and from torchrun's agent, so
+    "twice means now" would kill it mid-step; SIGINT (Ctrl-C) or SIGKILL stop at once. Only the
+    main thread can install handlers; elsewhere (a test calling ``main`` from a thread) nothing
+    changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -136,14 +146,14 @@ def _stop_on_sigterm(trainer):
                   f"step in progress ends, with a checkpoint (Ctrl-C or SIGKILL stop at once)",
                   file=sys.stderr)
 
-    before = signal.signal(signal.SIGTERM, handler)
+    before = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
         # after a stop the process exits 128 + signum with its checkpoint written: a repeated
-        # SIGTERM arriving in those last milliseconds must not turn that exit into a kill
-        signal.signal(signal.SIGTERM, signal.SIG_IGN if trainer.stop_signal is not None
-                      else before)
+        # signal arriving in those last milliseconds must not turn that exit into a kill
+        for sig, previous in before.items():
+            signal.signal(sig, signal.SIG_IGN if trainer.stop_signal is not None else previous)
 
 
 def _json_rows(path: Path) -> list[tuple[str, dict]]:
