@@ -198,18 +198,43 @@ def validate_tree(obj: Any, path: str = "") -> None:
             raise
 
 
-def refuse_unused(obj: Any, label: str, kind: Any, applies: dict[str, tuple]) -> None:
-    """Refuse a field of ``obj`` that is set away from its default while it does not apply to
-    ``kind`` (``label`` names what ``kind`` is in the message, e.g. ``model.name``): the run
-    would silently ignore it, e.g. a DiSK gain without the DiSK filter or an n_layer for a
-    timm model. ``applies`` maps each such field to the kinds that read it."""
-    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                for f in dataclasses.fields(obj)}
-    for name, kinds in applies.items():
-        if kind not in kinds and getattr(obj, name) != defaults[name]:
+def _defaults(obj: Any) -> dict[str, Any]:
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(obj)}
+
+
+def unused_fields(obj: Any) -> dict[str, tuple[str, Any, tuple]]:
+    """The fields of ``obj`` that its kind does not read, each with (label, kind, the kinds that
+    read it). ``obj.applicability()`` lists ``(label, kind, {field: kinds that read it})``:
+    ``label`` names what ``kind`` is in messages (``model.name``), e.g. the gpt2-only fields of
+    a ModelConfig."""
+    return {name: (label, kind, kinds) for label, kind, applies in obj.applicability()
+            for name, kinds in applies.items() if kind not in kinds}
+
+
+def refuse_unused(obj: Any) -> None:
+    """Refuse a field of ``obj`` that is set away from its default while its kind does not read
+    it (:func:`unused_fields`): the run would silently ignore it, e.g. a DiSK gain without the
+    DiSK filter or an n_layer for a timm model."""
+    defaults = _defaults(obj)
+    for name, (label, kind, kinds) in unused_fields(obj).items():
+        if getattr(obj, name) != defaults[name]:
             raise ConfigError(name, f"applies only with {label} {' or '.join(map(str, kinds))} "
                                     f"({label} is {kind}), so it would be ignored; remove it or "
                                     f"set it back to its default, {_yaml_scalar(defaults[name])}")
+
+
+def reset_unused(obj: Any) -> None:
+    """Set the fields that the kinds of ``obj`` and of every config nested in it do not read
+    back to their defaults: for a config written before such settings were refused (a
+    checkpoint's), whose run ignored them."""
+    for f in dataclasses.fields(obj):
+        if dataclasses.is_dataclass(getattr(obj, f.name)):
+            reset_unused(getattr(obj, f.name))
+    if hasattr(obj, "applicability"):
+        defaults = _defaults(obj)
+        for name in unused_fields(obj):
+            setattr(obj, name, defaults[name])
 
 
 def _yaml_scalar(value: Any) -> str:

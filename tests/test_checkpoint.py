@@ -4,6 +4,7 @@ HF export. The SIGKILL trials are in test_checkpoint_kill.py."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -160,6 +161,24 @@ def test_a_resume_refuses_each_changed_privacy_setting_by_name(override):
         with pytest.raises(ConfigError) as e:
             ckpt.check_compatible(saved, load(RunConfig, TINY, now))
         assert e.value.field == changed[0].split("=")[0]
+
+
+def test_a_resume_ignores_settings_the_run_did_not_read_and_refuses_those_it_did():
+    # a cnn run configured from tiny.yaml before such settings were refused kept its gpt2 shape
+    # and max_length in the checkpoint's config: ignored then, refused now, so the resumed
+    # config has the defaults there
+    images = load(RunConfig, ROOT / "configs" / "tiny_images.yaml")
+    saved = to_dict(images)
+    saved["model"].update(n_layer=2, n_embd=32, n_head=2, n_positions=32, dropout=0.1)
+    saved["data"].update(max_length=16, tokenizer="bytes", augment_pad=2)
+    assert ckpt.check_compatible(saved, images) == []
+    for section, key, value in (("model", "channels", [4, 8]), ("model", "name", "timm"),
+                                ("data", "image_size", 8), ("data", "synthetic_train_size", 9)):
+        changed = copy.deepcopy(saved)
+        changed[section][key] = value
+        with pytest.raises(ConfigError) as e:
+            ckpt.check_compatible(changed, images)
+        assert e.value.field == f"{section}.{key}"
 
 
 def test_the_marker_covers_the_files_no_rank_hashed(tmp_path):

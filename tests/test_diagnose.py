@@ -675,3 +675,21 @@ def test_two_outputs_naming_one_file_are_refused(tmp_path):
         assert e.value.field == "--plot" and "also the --output file" in e.value.message
     check_new_files((("--output", a), ("--plot", None), ("--x", tmp_path / "b.png")), False)
     assert not a.exists()
+
+
+def test_a_stored_config_drops_the_settings_its_run_ignored_but_an_override_is_refused():
+    # a checkpoint written before such settings were refused: a cnn run that kept tiny.yaml's
+    # gpt2 shape and DiSK's gain without DiSK (all ignored by that run)
+    from dptrain.config import load, to_dict
+    from dptrain.diagnostics import probes
+    from dptrain.trainer import RunConfig
+
+    saved = to_dict(load(RunConfig, ROOT / "configs" / "tiny_images.yaml"))
+    saved["model"].update(n_layer=2, n_positions=32)
+    saved["optim"]["filter"]["kappa"] = 0.5
+    cfg = probes._build_config(saved, None, ["model.channels=[4]"])
+    assert (cfg.model.name, cfg.model.n_layer, cfg.model.n_positions) == ("cnn", 12, 1024)
+    assert cfg.model.channels == [4] and cfg.optim.filter.kappa == 0.7
+    with pytest.raises(ConfigError) as e:
+        probes._build_config(saved, None, ["model.n_layer=3"])
+    assert e.value.field == "model.n_layer"

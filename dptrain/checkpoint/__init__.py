@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dptrain.config import ConfigError, to_dict
+from dptrain.config import ConfigError, to_dict, unused_fields
 
 MARKER = "COMPLETE"
 PRIVACY_FIELDS = ("sample_rate", "noise_multiplier", "clip_norm", "dataset_size",
@@ -601,7 +601,12 @@ def check_compatible(saved_cfg: dict, cfg) -> list[str]:
     moved = []
     for section in ("model", "data"):
         was, now = saved_cfg.get(section) or {}, _plain(to_dict(getattr(cfg, section)))
-        keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+        # fields the run's kind does not read (the same kind on both sides, or "name" differs):
+        # ignored then and now, e.g. the gpt2 shape a cnn run was configured with before such
+        # settings were refused
+        unused = unused_fields(getattr(cfg, section))
+        keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k)
+                      and k not in unused)
         moved += [f"{section}.{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in keys
                   if (section, k) in RELOCATABLE]
         keys = [k for k in keys if (section, k) not in RELOCATABLE]

@@ -94,11 +94,16 @@ class DataConfig:
     augment_flip: bool = True
     """augmult: mirror each view horizontally with probability 1/2 (false for digits)."""
 
+    def applicability(self) -> list[tuple[str, Any, dict]]:
+        """Which fields each dataset, tokenizer and augmentation setting reads
+        (``dptrain.config.unused_fields``)."""
+        return [("data.name", self.name, _DATA_FIELDS),
+                ("data.tokenizer", self.tokenizer, {"tokenizer_path": ("gpt2",)}),
+                ("data.augmult", "0" if self.augmult == 0 else ">= 1",
+                 dict.fromkeys(("augment_pad", "augment_flip"), (">= 1",)))]
+
     def validate(self) -> None:
-        refuse_unused(self, "data.name", self.name, _DATA_FIELDS)
-        refuse_unused(self, "data.tokenizer", self.tokenizer, {"tokenizer_path": ("gpt2",)})
-        refuse_unused(self, "data.augmult", "0" if self.augmult == 0 else ">= 1",
-                      dict.fromkeys(("augment_pad", "augment_flip"), (">= 1",)))
+        refuse_unused(self)
         if self.max_length is not None and self.max_length < 4:
             raise ConfigError("max_length", f"must be >= 4, got {self.max_length}")
         for f in ("max_train_examples", "max_test_examples"):

@@ -54,6 +54,8 @@ from dptrain.config import (
     from_dict,
     load,
     parse_override,
+    reset_unused,
+    to_dict,
     validate_tree,
 )
 from dptrain.data import even_subset
@@ -214,7 +216,11 @@ def _build_config(saved: dict, config_path: str | Path | None, overrides: Sequen
 
     if config_path is not None:
         return load(RunConfig, config_path, list(overrides))
-    data = copy.deepcopy(saved)
+    # the checkpoint's settings that its run ignored (written before they were refused) are
+    # dropped; an override that sets one is refused as on the command line
+    stored = from_dict(RunConfig, copy.deepcopy(saved))
+    reset_unused(stored)
+    data = to_dict(stored)
     for text in overrides:
         keys, value = parse_override(text)
         apply_override(data, keys, value)

@@ -82,8 +82,12 @@ class ModelConfig:
     hidden: int = 32
     """cnn: width of the hidden linear layer before the head (0: none)."""
 
+    def applicability(self) -> list[tuple[str, str, dict]]:
+        """Which fields each model family reads (``dptrain.config.unused_fields``)."""
+        return [("model.name", self.name, _MODEL_FIELDS)]
+
     def validate(self) -> None:
-        refuse_unused(self, "model.name", self.name, _MODEL_FIELDS)
+        refuse_unused(self)
         if self.name == "gpt2":
             for f in ("n_layer", "n_embd", "n_head", "n_positions"):
                 if getattr(self, f) < 1:

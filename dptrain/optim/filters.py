@@ -50,10 +50,14 @@ class FilterConfig:
     b: list[float] = field(default_factory=lambda: [0.1])
     """DOPPLER: feed-forward coefficients b_0..b_q (b_0 multiplies the current release)."""
 
+    def applicability(self) -> list[tuple[str, str, dict]]:
+        """Which fields each filter reads (``dptrain.config.unused_fields``)."""
+        return [("optim.filter.name", self.name,
+                 {**dict.fromkeys(("kappa", "gamma", "convention"), ("disk",)),
+                  **dict.fromkeys(("a", "b"), ("doppler",))})]
+
     def validate(self) -> None:
-        refuse_unused(self, "optim.filter.name", self.name,
-                      {**dict.fromkeys(("kappa", "gamma", "convention"), ("disk",)),
-                       **dict.fromkeys(("a", "b"), ("doppler",))})
+        refuse_unused(self)
         if self.name == "disk":
             if not 0.0 < self.kappa <= 1.0 and self.convention == "disk_paper":
                 raise ConfigError("kappa", f"must be in (0, 1] (disk_paper), got {self.kappa}")
