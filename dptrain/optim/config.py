@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dptrain.config import ConfigError
+from dptrain.config import ConfigError, refuse_unused
 from dptrain.optim.filters import FilterConfig
 from dptrain.optim.groups import PRESETS, ParamGroupConfig
 from dptrain.optim.inner_momentum import InnerMomentumConfig
@@ -130,7 +130,14 @@ class OptimConfig:
         return ParamGroupConfig(pattern="", optimizer=self.name, lr=self.lr,
                                 kwargs=self.main_options())
 
+    def applicability(self) -> list[tuple[str, str, dict]]:
+        """Settings read only with another one (``dptrain.config.unused_fields``)."""
+        return [("optim.schedule", self.schedule, {"min_lr_ratio": ("linear", "cosine")}),
+                ("optim.ema_decay", "0" if self.ema_decay == 0 else "> 0",
+                 {"ema_start_step": ("> 0",)})]
+
     def validate(self) -> None:
+        refuse_unused(self)
         if not (self.lr >= 0 and math.isfinite(self.lr)):
             raise ConfigError("lr", f"must be finite and >= 0, got {self.lr}")
         known = optimizer_options(self.name)
