@@ -25,8 +25,12 @@ _INTRO = """\
 Every key of `dptrain train --config FILE [key.sub=value ...]`, with its type, default and
 meaning. Generated from the config dataclasses by `python -m dptrain.config_reference`
 (tests/test_configs.py checks that this page matches the code). Unknown keys, values of the
-wrong type or out of range, and a setting that the chosen `model.name`, `data.name` or
-`optim.filter.name` would ignore exit with status 2 and one line naming the key.
+wrong type or out of range, and a setting that the run would ignore exit with status 2 and one
+line naming the key: a field of another `model.name`, `data.name` or `optim.filter.name`
+(the "gpt2:", "timm:", "DiSK:" ... at the start of its description), `data.tokenizer_path`
+without the gpt2 tokenizer, `data.augment_pad`/`augment_flip` without `data.augmult`,
+`optim.min_lr_ratio` with the constant schedule, `optim.ema_start_step` without
+`optim.ema_decay`.
 
 Fractions are accepted for numbers (`privacy.delta=1/84122`); lists and mappings are written
 in YAML flow style on the command line (`model.channels=[16,32]`).
