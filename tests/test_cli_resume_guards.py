@@ -521,3 +521,52 @@ def test_an_unreadable_line_does_not_hide_the_rows_after_it(tmp_path, capsys):
     code, err = train(capsys, out, "privacy.steps=2")
     assert code == 2 and "output-dir" in one_line(err)
     assert snapshot(out) == before
+
+
+def test_dry_run_prints_the_plan_and_the_resolved_config_and_writes_nothing(tmp_path, capsys):
+    import yaml
+
+    from dptrain.config import load, to_dict
+    from dptrain.trainer import RunConfig, Trainer
+
+    out = tmp_path / "run"
+    code = main(["train", "--config", TINY, "--output-dir", str(out), "--dry-run",
+                 "privacy.epsilon=3"])
+    cap = capsys.readouterr()
+    assert code == 0, cap.err
+    assert not out.exists()
+    report = yaml.safe_load(cap.out)
+    ref = Trainer(load(RunConfig, TINY, ["privacy.epsilon=3"]))
+    assert report["config"] == json.loads(json.dumps(to_dict(ref.cfg)))
+    assert report["start"] == "from step 0" and report["output_dir"] == str(out)
+    priv = report["privacy"]
+    assert priv["noise_multiplier"] == ref.plan.noise_multiplier and priv["noise_multiplier_calibrated"]
+    assert priv["planned_epsilon"] == ref.plan.planned_epsilon <= 3.0
+    assert (priv["expected_batch_size"], priv["steps"], priv["train_size"]) == (32, 4, 256)
+    total = sum(p.numel() for _, p in ref.named_params)
+    assert report["trainable_parameters"] == total
+    groups = {g["label"]: g for g in report["groups"]}
+    assert groups["matrices"]["optimizer"] == "muon" and groups["others"]["optimizer"] == "adamw"
+    assert sum(g["parameters"] for g in report["groups"]) == total
+
+
+def test_dry_run_makes_the_resume_checks_and_leaves_the_run_as_it_was(finished, tmp_path,
+                                                                      capsys):
+    import yaml
+
+    out = unfinished_copy(finished, tmp_path / "run")
+    with open(out / "metrics.jsonl", "a") as f:  # a row past the checkpoint: a resume drops it
+        f.write(json.dumps({"step": 5}) + "\n")
+    before = snapshot(out)
+    code = main(["train", "--config", TINY, "--output-dir", str(out), "--resume", "auto",
+                 "--dry-run"])
+    assert code == 0
+    start = yaml.safe_load(capsys.readouterr().out)["start"]
+    assert start == f"resume from {out / 'checkpoints' / 'step-00000004'} at step 4"
+    # a changed privacy setting is refused as the resume itself would refuse it
+    code, err = train(capsys, out, "--resume", "auto", "--dry-run", "privacy.clip_norm=2")
+    assert code == 2 and "privacy.clip_norm" in one_line(err)
+    # and a finished run's directory as a new run's
+    code, err = train(capsys, finished, "--dry-run")
+    assert code == 2 and "already holds a finished run" in one_line(err)
+    assert snapshot(out) == before

@@ -1,4 +1,5 @@
-"""``dptrain train --config PATH [--output-dir DIR] [--resume auto|PATH] [key.sub=value ...]``."""
+"""``dptrain train --config PATH [--output-dir DIR] [--resume auto|PATH] [--dry-run]
+[key.sub=value ...]``."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ def add_parser(sub) -> None:
                    help="where metrics, checkpoints and the final model go (default runs/<config>)")
     p.add_argument("--resume", default=None,
                    help="'auto' (newest complete checkpoint in the output dir) or a checkpoint path")
+    p.add_argument("--dry-run", action="store_true",
+                   help="make every check a run makes before its first step (config, data, "
+                        "model, privacy plan, output directory, the checkpoint to resume), "
+                        "print the resolved config and the plan as YAML, and write nothing")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
 
 
@@ -83,6 +88,12 @@ def run(args: argparse.Namespace) -> int:
         # again on what the checksums chose: a damaged newest checkpoint sends the run back to
         # an older one (or to none, step 0), whose later releases have outputs on disk
         _check_secure_resume(resume_path, run_dir=out)
+    if args.dry_run:
+        if resume_path is not None:  # its settings against these, into memory only
+            ckpt.load(trainer, resume_path, verified=args.resume == "auto")
+        if trainer.rank == 0:
+            print(_dry_run_report(trainer, out, resume_path), end="")
+        return 0
     if cfg.privacy.secure_mode and resume_path is not None:
         _record_secure_resume(resume_path, out, write=trainer.rank == 0)
     if args.resume == "auto" and resume_path is None and trainer.rank == 0:
@@ -121,6 +132,38 @@ preemption, Slurm's ``--signal=TERM@120`` and torchrun's agent send) and SIGUSR1
 set up for PyTorch Lightning send, e.g. ``--signal=USR1@120``; torchrun passes it on to its
 ranks only with ``TORCHELASTIC_SIGNALS_TO_HANDLE`` naming it). The exit status is 128 + the
 signal's number (143, 138)."""
+
+
+def _dry_run_report(trainer, out: Path, resume_path: Path | None) -> str:
+    """What ``--dry-run`` prints: one YAML document (the plan, the parameter groups, the
+    resolved config), with a comment line saying that nothing was written."""
+    import yaml
+
+    from dptrain.config import to_dict
+    from dptrain.optim.build import plan_groups
+
+    plan, cfg = trainer.plan, trainer.cfg
+    groups = [{"label": g.label, "optimizer": g.config.optimizer, "lr": g.config.lr,
+               "tensors": len(g.named_params),
+               "parameters": sum(p.numel() for _, p in g.named_params)}
+              for g in plan_groups(cfg.optim, trainer.named_params)]
+    report = {
+        "output_dir": str(out),
+        "start": (f"resume from {resume_path} at step {trainer.step}" if resume_path is not None
+                  else "from step 0"),
+        "privacy": {"planned_epsilon": plan.planned_epsilon, "delta": plan.delta,
+                    "noise_multiplier": plan.noise_multiplier,
+                    "noise_multiplier_calibrated": cfg.privacy.noise_multiplier is None,
+                    "sample_rate": plan.sample_rate, "steps": plan.steps,
+                    "clip_norm": plan.clip_norm, "expected_batch_size": plan.denominator,
+                    "dataset_size": plan.dataset_size, "train_size": trainer.train_size,
+                    "accountant": plan.accountant},
+        "trainable_parameters": sum(p.numel() for _, p in trainer.named_params),
+        "groups": groups,
+        "config": to_dict(cfg),
+    }
+    return ("# dptrain train --dry-run: every check before the first step passed; nothing "
+            "was written\n" + yaml.safe_dump(report, sort_keys=False, width=100))
 
 
 @contextlib.contextmanager
