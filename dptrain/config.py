@@ -208,8 +208,12 @@ def unused_fields(obj: Any) -> dict[str, tuple[str, Any, tuple]]:
     read it). ``obj.applicability()`` lists ``(label, kind, {field: kinds that read it})``:
     ``label`` names what ``kind`` is in messages (``model.name``), e.g. the gpt2-only fields of
     a ModelConfig."""
-    return {name: (label, kind, kinds) for label, kind, applies in obj.applicability()
-            for name, kinds in applies.items() if kind not in kinds}
+    out: dict[str, tuple[str, Any, tuple]] = {}
+    for label, kind, applies in obj.applicability():  # the first, most basic, row that applies
+        for name, kinds in applies.items():
+            if kind not in kinds:
+                out.setdefault(name, (label, kind, kinds))
+    return out
 
 
 def refuse_unused(obj: Any) -> None:

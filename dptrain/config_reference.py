@@ -28,9 +28,10 @@ meaning. Generated from the config dataclasses by `python -m dptrain.config_refe
 wrong type or out of range, and a setting that the run would ignore exit with status 2 and one
 line naming the key: a field of another `model.name`, `data.name` or `optim.filter.name`
 (the "gpt2:", "timm:", "DiSK:" ... at the start of its description), `data.tokenizer_path`
-without the gpt2 tokenizer, `data.augment_pad`/`augment_flip` without `data.augmult`,
-`optim.min_lr_ratio` with the constant schedule, `optim.ema_start_step` without
-`optim.ema_decay`.
+without the gpt2 tokenizer, `optim.min_lr_ratio` with the constant schedule. Settings of a
+feature switched off by a number (`data.augment_pad` with `data.augmult: 0`,
+`optim.ema_start_step` with `optim.ema_decay: 0`, the inner-momentum gammas with K = 0) are
+accepted: a sweep includes the switched-off point.
 
 Fractions are accepted for numbers (`privacy.delta=1/84122`); lists and mappings are written
 in YAML flow style on the command line (`model.channels=[16,32]`).

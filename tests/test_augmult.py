@@ -178,9 +178,6 @@ def test_augmult_run_trains_and_epsilon_does_not_depend_on_k(tmp_path):
 @pytest.mark.parametrize("overrides, field", [
     (["data.augmult=-1"], "data.augmult"),
     (["data.augmult=2", "data.augment_pad=-2"], "data.augment_pad"),
-    # the augmentation's settings without augmentation would be ignored
-    (["data.augment_pad=2"], "data.augment_pad"),
-    (["data.augment_flip=false"], "data.augment_flip"),
     (["data.augmult=2", "data.augment_pad=8"], "data.augment_pad"),
 ])
 def test_bad_augmult_settings_name_the_field(overrides, field):

@@ -566,7 +566,10 @@ def test_dry_run_makes_the_resume_checks_and_leaves_the_run_as_it_was(finished, 
     # a changed privacy setting is refused as the resume itself would refuse it
     code, err = train(capsys, out, "--resume", "auto", "--dry-run", "privacy.clip_norm=2")
     assert code == 2 and "privacy.clip_norm" in one_line(err)
-    # and a finished run's directory as a new run's
+    # and a finished run's directory as a new run's; resumed, a finished run is done
     code, err = train(capsys, finished, "--dry-run")
     assert code == 2 and "already holds a finished run" in one_line(err)
+    assert main(["train", "--config", TINY, "--output-dir", str(finished), "--resume", "auto",
+                 "--dry-run"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["start"].startswith("finished")
     assert snapshot(out) == before

@@ -219,14 +219,17 @@ def test_missing_files_name_the_field(tmp_path):
     ({"name": "mnist", "num_classes": 10}, "data.num_classes"),  # MNIST's 10 are fixed
     ({"name": "e2e", "image_size": 32}, "data.image_size"),
     ({"name": "synthetic_lm", "in_chans": 1}, "data.in_chans"),
-    ({"name": "mnist", "augment_pad": 2}, "data.augment_pad"),  # no augmult: never used
-    ({"name": "mnist", "augment_flip": False}, "data.augment_flip"),
+    ({"name": "e2e", "augment_pad": 2}, "data.augment_pad"),  # augmentation is for images
+    ({"name": "synthetic_lm", "augment_flip": False}, "data.augment_flip"),
     ({"name": "e2e", "tokenizer": "bytes", "tokenizer_path": "/tmp"}, "data.tokenizer_path"),
 ])
 def test_a_setting_another_dataset_would_ignore_is_refused(bad, field):
     with pytest.raises(ConfigError) as e:
         validate_tree(from_dict(DataConfig, bad, "data"), "data")
     assert e.value.field == field and "ignored" in e.value.message
+    # named after what decides it: the dataset, else the tokenizer
+    assert f"(data.name is {bad['name']})" in e.value.message or (
+        field == "data.tokenizer_path" and "(data.tokenizer is bytes)" in e.value.message)
     # the same value where it applies, or the default where it does not, passes
     validate_tree(from_dict(DataConfig, {"name": bad["name"]}, "data"), "data")
 

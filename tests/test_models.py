@@ -373,17 +373,25 @@ def test_gpt2_pretrained_checkpoint_that_does_not_fit_the_data_is_refused(tmp_pa
              (save("short", n_positions=32), {}, "data.max_length"),
              (save("untied", tie_word_embeddings=False), {"tie_embeddings": True},
               "model.tie_embeddings"),
-             (save("tied"), {"tie_embeddings": False}, "model.tie_embeddings")]
+             (save("tied"), {"tie_embeddings": False}, "model.tie_embeddings"),
+             # a shape set away from its default that is not the checkpoint's was ignored
+             (str(tmp_path / "tied"), {"n_layer": 2}, "model.n_layer"),
+             (str(tmp_path / "tied"), {"n_embd": 64, "n_head": 4}, "model.n_embd"),
+             (str(tmp_path / "tied"), {"vocab_size": 300}, "model.vocab_size")]
     for path, kw, field in cases:
         with pytest.raises(ConfigError) as e:
-            build_model(gpt2_cfg(pretrained_path=path, **kw), LM)
+            build_model(ModelConfig(name="gpt2", pretrained_path=path, **kw), LM)
         assert e.value.field == field, path
-    # what fits loads: a larger vocabulary, positions == the longest example, untied as saved
-    ok = build_model(gpt2_cfg(pretrained_path=save("fits", vocab_size=300, n_positions=40)), LM)
+    # what fits loads: a larger vocabulary, positions == the longest example, untied as saved,
+    # the checkpoint's own shape written out
+    ok = build_model(ModelConfig(pretrained_path=save("fits", vocab_size=300, n_positions=40)),
+                     LM)
     assert ok.config.vocab_size == 300
-    untied = build_model(gpt2_cfg(pretrained_path=str(tmp_path / "untied"),
-                                  tie_embeddings=False), LM)
+    untied = build_model(ModelConfig(pretrained_path=str(tmp_path / "untied"),
+                                     tie_embeddings=False), LM)
     assert untied.lm_head.weight is not untied.transformer.wte.weight
+    same = build_model(gpt2_cfg(n_layer=1, pretrained_path=str(tmp_path / "tied")), LM)
+    assert same.config.n_layer == 1
 
 
 def test_gpt2_dropout_reaches_attention_too():

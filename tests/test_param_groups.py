@@ -89,9 +89,7 @@ def test_muon_on_a_vector_names_the_group_and_the_parameter():
     ({"schedule": "linear", "min_lr_ratio": 1.5}, "optim.min_lr_ratio"),
     ({"schedule": "cosine", "min_lr_ratio": -0.1}, "optim.min_lr_ratio"),
     ({"ema_decay": 0.5, "ema_start_step": -1}, "optim.ema_start_step"),
-    # read only with another setting: a floor without decay, a start without an average
-    ({"min_lr_ratio": 0.1}, "optim.min_lr_ratio"),
-    ({"ema_start_step": 10}, "optim.ema_start_step"),
+    ({"min_lr_ratio": 0.1}, "optim.min_lr_ratio"),  # a floor without decay: never read
     ({"ema_decay": 1.0}, "optim.ema_decay"),
     ({"lr": float("inf")}, "optim.lr"),
     ({"lr": float("nan")}, "optim.lr"),
@@ -472,7 +470,9 @@ def test_transposed_weights_names_a_root_conv1d_weight():
 @pytest.mark.parametrize("optim", [
     {"lr": 0.0}, {"preset": "gpt2", "aux": {"lr": 0.0}}, {"schedule": "linear", "min_lr_ratio": 1.0},
     {"schedule": "cosine", "min_lr_ratio": 0.0}, {"warmup_steps": 0}, {"ema_decay": 0.0},
-    {"ema_decay": 0.5, "ema_start_step": 0}])
+    {"ema_decay": 0.5, "ema_start_step": 0},
+    # with the feature switched off, as in a sweep that includes the off point
+    {"ema_start_step": 10}, {"inner_momentum": {"k_muon": 0, "gamma_muon": 0.9}}])
 def test_config_boundaries_are_accepted(optim):
     validate_tree(from_dict(OptimConfig, optim), "optim")
 

@@ -31,14 +31,15 @@ def add_parser(sub) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="make every check a run makes before its first step (config, data, "
                         "model, privacy plan, output directory, the checkpoint to resume), "
-                        "print the resolved config and the plan as YAML, and write nothing")
+                        "print the resolved config and the plan as YAML, and write nothing "
+                        "to the output directory")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
 
 
 def run(args: argparse.Namespace) -> int:
     from dptrain import checkpoint as ckpt
     from dptrain.config import load
-    from dptrain.trainer import RunConfig, StopRequested, Trainer
+    from dptrain.trainer import PUBLIC_SEED_WARNING, RunConfig, StopRequested, Trainer
 
     cfg = load(RunConfig, args.config, args.overrides)
     if args.output_dir is not None and not args.output_dir.strip():
@@ -61,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"dptrain train: {out} holds a finished run (summary.json); nothing to do",
                   file=sys.stderr)
+            if args.dry_run:
+                print(f"{_DRY_RUN_HEADER}output_dir: {out}\nstart: finished (summary.json), "
+                      f"nothing to do\n", end="")
         return 0
     if args.resume == "auto":
         # before the process group exists: marker, files and sizes only (no hashing)
@@ -92,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         if resume_path is not None:  # its settings against these, into memory only
             ckpt.load(trainer, resume_path, verified=args.resume == "auto")
         if trainer.rank == 0:
+            if not cfg.privacy.secure_mode:  # as the run would say
+                print(f"dptrain: {PUBLIC_SEED_WARNING}", file=sys.stderr)
             print(_dry_run_report(trainer, out, resume_path), end="")
         return 0
     if cfg.privacy.secure_mode and resume_path is not None:
@@ -162,8 +168,11 @@ def _dry_run_report(trainer, out: Path, resume_path: Path | None) -> str:
         "groups": groups,
         "config": to_dict(cfg),
     }
-    return ("# dptrain train --dry-run: every check before the first step passed; nothing "
-            "was written\n" + yaml.safe_dump(report, sort_keys=False, width=100))
+    return _DRY_RUN_HEADER + yaml.safe_dump(report, sort_keys=False, width=100)
+
+
+_DRY_RUN_HEADER = ("# dptrain train --dry-run: every check before the first step passed; "
+                   "nothing was written to the output directory\n")
 
 
 @contextlib.contextmanager

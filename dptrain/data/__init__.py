@@ -95,12 +95,11 @@ class DataConfig:
     """augmult: mirror each view horizontally with probability 1/2 (false for digits)."""
 
     def applicability(self) -> list[tuple[str, Any, dict]]:
-        """Which fields each dataset, tokenizer and augmentation setting reads
-        (``dptrain.config.unused_fields``)."""
+        """Which fields each dataset and tokenizer reads (``dptrain.config.unused_fields``).
+        The augmentation's settings with ``augmult: 0`` are not refused: a sweep includes the
+        switched-off point."""
         return [("data.name", self.name, _DATA_FIELDS),
-                ("data.tokenizer", self.tokenizer, {"tokenizer_path": ("gpt2",)}),
-                ("data.augmult", "0" if self.augmult == 0 else ">= 1",
-                 dict.fromkeys(("augment_pad", "augment_flip"), (">= 1",)))]
+                ("data.tokenizer", self.tokenizer, {"tokenizer_path": ("gpt2",)})]
 
     def validate(self) -> None:
         refuse_unused(self)

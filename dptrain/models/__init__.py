@@ -211,6 +211,15 @@ def _build_gpt2(cfg: ModelConfig, info: DataInfo) -> nn.Module:
             raise ConfigError("model.tie_embeddings",
                               f"the checkpoint has tie_word_embeddings="
                               f"{model.config.tie_word_embeddings}")
+        defaults = ModelConfig()
+        for f in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"):
+            # the shape too: one set away from its default must be the checkpoint's
+            mine, theirs = getattr(cfg, f), getattr(model.config, f)
+            if mine != getattr(defaults, f) and mine != theirs:
+                raise ConfigError(f"model.{f}", f"is {mine}, but the checkpoint in "
+                                                f"model.pretrained_path has {f}={theirs}: its "
+                                                f"architecture is used; remove the setting or "
+                                                f"make it {theirs}")
         return model
 
     vocab = cfg.vocab_size if cfg.vocab_size is not None else data_vocab

@@ -131,10 +131,10 @@ class OptimConfig:
                                 kwargs=self.main_options())
 
     def applicability(self) -> list[tuple[str, str, dict]]:
-        """Settings read only with another one (``dptrain.config.unused_fields``)."""
-        return [("optim.schedule", self.schedule, {"min_lr_ratio": ("linear", "cosine")}),
-                ("optim.ema_decay", "0" if self.ema_decay == 0 else "> 0",
-                 {"ema_start_step": ("> 0",)})]
+        """Settings only some schedules read (``dptrain.config.unused_fields``). Not refused:
+        ``ema_start_step`` with ``ema_decay: 0``, and the inner-momentum gammas with K = 0 (a
+        sweep includes the switched-off point; K = 0 is DP-Muon whatever gamma)."""
+        return [("optim.schedule", self.schedule, {"min_lr_ratio": ("linear", "cosine")})]
 
     def validate(self) -> None:
         refuse_unused(self)
