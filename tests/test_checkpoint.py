@@ -170,7 +170,7 @@ def test_a_resume_ignores_settings_the_run_did_not_read_and_refuses_those_it_did
     images = load(RunConfig, ROOT / "configs" / "tiny_images.yaml")
     saved = to_dict(images)
     saved["model"].update(n_layer=2, n_embd=32, n_head=2, n_positions=32, dropout=0.1)
-    saved["data"].update(max_length=16, tokenizer="bytes", augment_pad=2)
+    saved["data"].update(max_length=16, tokenizer="bytes")
     assert ckpt.check_compatible(saved, images) == []
     for section, key, value in (("model", "channels", [4, 8]), ("model", "name", "timm"),
                                 ("data", "image_size", 8), ("data", "synthetic_train_size", 9)):
