@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> dict:
     config = CONFIGS[a.model]
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix=f"gpu_check_{a.model}_"))
     result: dict = {"model": a.model, "tiny": a.tiny, "device": a.device, "dtype": a.dtype,
-                    "config": os.path.relpath(config, ROOT), "overrides": overrides, "machine": machine_description(a.device),
+                    "config": os.path.relpath(config, ROOT), "overrides": overrides,
+                    "machine": machine_description(a.device),
                     "date": now_utc(), "commit": git_commit()}
     parts = a.parts.split(",")
     if "train" in parts:

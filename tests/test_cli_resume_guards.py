@@ -540,7 +540,8 @@ def test_dry_run_prints_the_plan_and_the_resolved_config_and_writes_nothing(tmp_
     assert report["config"] == json.loads(json.dumps(to_dict(ref.cfg)))
     assert report["start"] == "from step 0" and report["output_dir"] == str(out)
     priv = report["privacy"]
-    assert priv["noise_multiplier"] == ref.plan.noise_multiplier and priv["noise_multiplier_calibrated"]
+    assert priv["noise_multiplier"] == ref.plan.noise_multiplier
+    assert priv["noise_multiplier_calibrated"]
     assert priv["planned_epsilon"] == ref.plan.planned_epsilon <= 3.0
     assert (priv["expected_batch_size"], priv["steps"], priv["train_size"]) == (32, 4, 256)
     total = sum(p.numel() for _, p in ref.named_params)

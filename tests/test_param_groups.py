@@ -468,7 +468,8 @@ def test_transposed_weights_names_a_root_conv1d_weight():
 
 
 @pytest.mark.parametrize("optim", [
-    {"lr": 0.0}, {"preset": "gpt2", "aux": {"lr": 0.0}}, {"schedule": "linear", "min_lr_ratio": 1.0},
+    {"lr": 0.0}, {"preset": "gpt2", "aux": {"lr": 0.0}},
+    {"schedule": "linear", "min_lr_ratio": 1.0},
     {"schedule": "cosine", "min_lr_ratio": 0.0}, {"warmup_steps": 0}, {"ema_decay": 0.0},
     {"ema_decay": 0.5, "ema_start_step": 0},
     # with the feature switched off, as in a sweep that includes the off point

@@ -140,6 +140,10 @@ ranks only with ``TORCHELASTIC_SIGNALS_TO_HANDLE`` naming it). The exit status i
 signal's number (143, 138)."""
 
 
+_DRY_RUN_HEADER = ("# dptrain train --dry-run: every check before the first step passed; "
+                   "nothing was written to the output directory\n")
+
+
 def _dry_run_report(trainer, out: Path, resume_path: Path | None) -> str:
     """What ``--dry-run`` prints: one YAML document (the plan, the parameter groups, the
     resolved config), with a comment line saying that nothing was written."""
@@ -169,10 +173,6 @@ def _dry_run_report(trainer, out: Path, resume_path: Path | None) -> str:
         "config": to_dict(cfg),
     }
     return _DRY_RUN_HEADER + yaml.safe_dump(report, sort_keys=False, width=100)
-
-
-_DRY_RUN_HEADER = ("# dptrain train --dry-run: every check before the first step passed; "
-                   "nothing was written to the output directory\n")
 
 
 @contextlib.contextmanager
