@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -173,6 +174,46 @@ def test_sigusr1_stops_a_run_with_a_checkpoint_and_exit_138(tmp_path, capsys, mo
     assert "SIGUSR1 received" in err and "SIGUSR1: stopped after step 2 of 4" in err
     assert ckpt.complete_steps(out) == [2] and _steps_logged(out) == [1, 2]
     assert not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_stop_signal_during_start_up_stops_at_the_first_boundary(tmp_path, capsys, monkeypatch,
+                                                                   resume):
+    # while the data and the model are built (or a checkpoint is loaded): before this, the
+    # default action killed the process with the same exit status and no word
+    out = tmp_path / "run"
+    args = ["train", "--config", TINY, "--output-dir", str(out), "privacy.steps=4",
+            "train.progress=false"]
+    if resume:  # a run killed after step 3: its newest checkpoint is step 2's
+        assert main([*args, "train.checkpoint_every=2"]) == 0
+        (out / "summary.json").unlink()
+        shutil.rmtree(out / "checkpoints" / "step-00000004")
+        shutil.rmtree(out / "final")
+    real_init = Trainer.__init__
+
+    def init(self, *a, **k):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        real_init(self, *a, **k)
+
+    monkeypatch.setattr(Trainer, "__init__", init)
+    capsys.readouterr()
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        code = main([*args, *(["--resume", "auto", "train.checkpoint_every=2"] if resume else [])])
+        err = capsys.readouterr().err
+        assert code == 128 + signal.SIGUSR1, err
+        # after the stop, a late stop signal cannot kill the exit
+        assert all(signal.getsignal(s) == signal.SIG_IGN for s in STOP_SIGNALS)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    assert "SIGUSR1 received" in err
+    if resume:  # at the run's own newest checkpoint: no second one, no step drawn again
+        assert "stopped after step 2 of 4 (its checkpoint in" in err
+        assert ckpt.complete_steps(out) == [2] and _steps_logged(out) == [1, 2]
+    else:
+        assert "stopped after step 0 of 4 (nothing to keep)" in err
+        assert not (out / "checkpoints").exists() and _steps_logged(out) == []
 
 
 def test_a_branch_stopped_before_its_first_step_writes_the_checkpoint_it_resumed(tmp_path):

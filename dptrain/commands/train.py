@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import types
 from pathlib import Path
 
 from dptrain.commands import check_can_create
@@ -37,6 +38,15 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # a stop signal from here on, also while the data, the model or a checkpoint is loaded,
+    # stops the run at its first step boundary (before any step: with nothing to keep)
+    stop = types.SimpleNamespace(stop_signal=None, rank=int(os.environ.get("RANK", "0")),
+                                 trainer=None)
+    with _stop_on_signals(stop):
+        return _run(args, stop)
+
+
+def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
     from dptrain import checkpoint as ckpt
     from dptrain.config import load
     from dptrain.trainer import PUBLIC_SEED_WARNING, RunConfig, StopRequested, Trainer
@@ -85,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         _check_secure_resume(resume_path)
         _check_secure_branch(resume_path, out)
     trainer = Trainer(cfg, out)
+    stop.trainer, trainer.stop_signal = trainer, stop.stop_signal
     if args.resume == "auto" and resume_path is not None:
         # the checksums, hashed by the ranks in turn (each file read once in all)
         resume_path = ckpt.find_latest(out, collective=True)
@@ -114,8 +125,7 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             _drop_metrics_after(out / "metrics.jsonl", trainer.step)
     try:
-        with _stop_on_signals(trainer):
-            summary = trainer.run()
+        summary = trainer.run()
     except StopRequested as e:
         if trainer.rank == 0:
             name = signal.Signals(e.signum).name
@@ -176,11 +186,11 @@ def _dry_run_report(trainer, out: Path, resume_path: Path | None) -> str:
 
 
 @contextlib.contextmanager
-def _stop_on_signals(trainer):
-    """A stop signal (``STOP_SIGNALS``; torchrun forwards SIGTERM to every rank) asks
-    ``trainer`` to stop at the next step boundary with a checkpoint instead of dying mid-step:
-    the step in progress finishes, all ranks agree on the step, and ``--resume auto`` continues
-    exactly. Further stop signals are ignored: under Slurm a rank can get the same one twice,
+def _stop_on_signals(stop):
+    """A stop signal (``STOP_SIGNALS``; torchrun forwards SIGTERM to every rank) sets
+    ``stop.stop_signal``, and that of ``stop.trainer`` once there is one: the trainer stops at
+    the next step boundary with a checkpoint instead of dying mid-step. The step in progress
+    finishes, all ranks agree on the step, and ``--resume auto`` continues exactly. Further stop signals are ignored: under Slurm a rank can get the same one twice,
     from slurmstepd (which signals every process of the step) and from torchrun's agent, so
     "twice means now" would kill it mid-step; SIGINT (Ctrl-C) or SIGKILL stop at once. Only the
     main thread can install handlers; elsewhere (a test calling ``main`` from a thread) nothing
@@ -190,10 +200,12 @@ def _stop_on_signals(trainer):
         return
 
     def handler(signum, frame):
-        if trainer.stop_signal is not None:  # already stopping
+        if stop.stop_signal is not None:  # already stopping
             return
-        trainer.stop_signal = signum
-        if trainer.rank == 0:
+        stop.stop_signal = signum
+        if getattr(stop, "trainer", None) is not None:
+            stop.trainer.stop_signal = signum
+        if stop.rank == 0:
             print(f"dptrain train: {signal.Signals(signum).name} received: stopping when the "
                   f"step in progress ends, with a checkpoint (Ctrl-C or SIGKILL stop at once)",
                   file=sys.stderr)
@@ -205,7 +217,7 @@ def _stop_on_signals(trainer):
         # after a stop the process exits 128 + signum with its checkpoint written: a repeated
         # signal arriving in those last milliseconds must not turn that exit into a kill
         for sig, previous in before.items():
-            signal.signal(sig, signal.SIG_IGN if trainer.stop_signal is not None else previous)
+            signal.signal(sig, signal.SIG_IGN if stop.stop_signal is not None else previous)
 
 
 def _json_rows(path: Path) -> list[tuple[str, dict]]:
