@@ -442,14 +442,12 @@ def _scalars_and_rows(rank: int, world: int) -> dict:
     """all_reduce_scalars sums over ranks; reduce_sum returns this rank's rows of the summed
     gradient of a 5-row sharded weight (uneven: 3 + 2 rows); flat_range gives its global flat
     coordinates."""
+    import torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
-    from dptrain.parallel.fsdp import all_reduce_scalars, flat_range, local_rows, reduce_sum
-
-    import torch.distributed as dist
-
     import dptrain.trainer as trainer_mod
+    from dptrain.parallel.fsdp import all_reduce_scalars, flat_range, local_rows, reduce_sum
 
     sums = all_reduce_scalars(float(rank + 1), 10.0 * (rank + 1))
     torch.manual_seed(0)

@@ -32,6 +32,16 @@ ARGS = ["train.progress=false", "privacy.steps=8", "train.log_every=1", "model.d
         "train.checkpoint_every=0"]
 
 
+@pytest.fixture
+def stop_handlers():
+    """This process's handlers of the stop signals, put back afterwards (a stopped run leaves
+    them ignored, which would outlive the test in the worker)."""
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
 def _steps_logged(out: Path) -> list[int]:
     path = out / "metrics.jsonl"
     if not path.exists():
@@ -128,7 +138,7 @@ def test_a_stop_seen_by_one_rank_stops_every_rank_at_the_same_step(tmp_path, sto
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 @pytest.mark.parametrize("stopped", [False, True])
-def test_a_stop_signal_after_the_stop_cannot_kill_the_exit(stopped, sig):
+def test_a_stop_signal_after_the_stop_cannot_kill_the_exit(stopped, sig, stop_handlers):
     # the stop's checkpoint is written and the process is about to exit 143: a repeated SIGTERM
     # (Slurm's slurmstepd and torchrun's agent both send one), or any stop signal, arriving then
     # is ignored; a run that did not stop gets its previous handlers back
@@ -136,23 +146,21 @@ def test_a_stop_signal_after_the_stop_cannot_kill_the_exit(stopped, sig):
 
     assert set(STOP_SIGNALS) == {signal.SIGTERM, signal.SIGUSR1}
     mine = lambda signum, frame: None  # noqa: E731
-    before = {s: signal.signal(s, mine) for s in STOP_SIGNALS}
-    try:
-        trainer = SimpleNamespace(stop_signal=None, rank=1)
-        with _stop_on_signals(trainer):
-            assert all(signal.getsignal(s) not in (mine, signal.SIG_IGN) for s in STOP_SIGNALS)
-            if stopped:
-                os.kill(os.getpid(), sig)  # the handler records the stop
-                time.sleep(0.01)
-        assert trainer.stop_signal == (sig if stopped else None)
-        for s in STOP_SIGNALS:
-            assert signal.getsignal(s) is (signal.SIG_IGN if stopped else mine), s
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+    for s in STOP_SIGNALS:
+        signal.signal(s, mine)
+    trainer = SimpleNamespace(stop_signal=None, rank=1)
+    with _stop_on_signals(trainer):
+        assert all(signal.getsignal(s) not in (mine, signal.SIG_IGN) for s in STOP_SIGNALS)
+        if stopped:
+            os.kill(os.getpid(), sig)  # the handler records the stop
+            time.sleep(0.01)
+    assert trainer.stop_signal == (sig if stopped else None)
+    for s in STOP_SIGNALS:
+        assert signal.getsignal(s) is (signal.SIG_IGN if stopped else mine), s
 
 
-def test_sigusr1_stops_a_run_with_a_checkpoint_and_exit_138(tmp_path, capsys, monkeypatch):
+def test_sigusr1_stops_a_run_with_a_checkpoint_and_exit_138(tmp_path, capsys, monkeypatch,
+                                                            stop_handlers):
     # clusters set up for PyTorch Lightning send SIGUSR1 before the time limit
     out = tmp_path / "run"
     real = Trainer.private_step
@@ -163,12 +171,8 @@ def test_sigusr1_stops_a_run_with_a_checkpoint_and_exit_138(tmp_path, capsys, mo
         return real(self)
 
     monkeypatch.setattr(Trainer, "private_step", private_step)
-    before = signal.getsignal(signal.SIGUSR1)
-    try:
-        code = main(["train", "--config", TINY, "--output-dir", str(out), "privacy.steps=4",
-                     "train.progress=false", "train.checkpoint_every=0"])
-    finally:
-        signal.signal(signal.SIGUSR1, before)
+    code = main(["train", "--config", TINY, "--output-dir", str(out), "privacy.steps=4",
+                 "train.progress=false", "train.checkpoint_every=0"])
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGUSR1 == 138, err
     assert "SIGUSR1 received" in err and "SIGUSR1: stopped after step 2 of 4" in err
@@ -178,7 +182,7 @@ def test_sigusr1_stops_a_run_with_a_checkpoint_and_exit_138(tmp_path, capsys, mo
 
 @pytest.mark.parametrize("resume", [False, True])
 def test_a_stop_signal_during_start_up_stops_at_the_first_boundary(tmp_path, capsys, monkeypatch,
-                                                                   resume):
+                                                                   resume, stop_handlers):
     # while the data and the model are built (or a checkpoint is loaded): before this, the
     # default action killed the process with the same exit status and no word
     out = tmp_path / "run"
@@ -197,16 +201,11 @@ def test_a_stop_signal_during_start_up_stops_at_the_first_boundary(tmp_path, cap
 
     monkeypatch.setattr(Trainer, "__init__", init)
     capsys.readouterr()
-    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    try:
-        code = main([*args, *(["--resume", "auto", "train.checkpoint_every=2"] if resume else [])])
-        err = capsys.readouterr().err
-        assert code == 128 + signal.SIGUSR1, err
-        # after the stop, a late stop signal cannot kill the exit
-        assert all(signal.getsignal(s) == signal.SIG_IGN for s in STOP_SIGNALS)
-    finally:
-        for s, h in before.items():
-            signal.signal(s, h)
+    code = main([*args, *(["--resume", "auto", "train.checkpoint_every=2"] if resume else [])])
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGUSR1, err
+    # after the stop, a late stop signal cannot kill the exit
+    assert all(signal.getsignal(s) == signal.SIG_IGN for s in STOP_SIGNALS)
     assert "SIGUSR1 received" in err
     if resume:  # at the run's own newest checkpoint: no second one, no step drawn again
         assert "stopped after step 2 of 4 (its checkpoint in" in err
@@ -237,21 +236,17 @@ def test_a_branch_stopped_before_its_first_step_writes_the_checkpoint_it_resumed
     assert ckpt.find_latest(tmp_path / "b") == tmp_path / "b" / "checkpoints" / "step-00000002"
 
 
-def test_repeated_sigterms_are_one_stop_request_said_once(capsys):
+def test_repeated_sigterms_are_one_stop_request_said_once(capsys, stop_handlers):
     # under Slurm a rank gets the same SIGTERM twice (slurmstepd and torchrun's agent): the
     # second one neither repeats the notice nor changes the request
-    before = signal.getsignal(signal.SIGTERM)
     trainer = types.SimpleNamespace(stop_signal=None, rank=0)
-    try:
-        with _stop_on_signals(trainer):
-            for _ in range(2):
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(0.05)  # the handler runs in the main thread between bytecodes
-            assert trainer.stop_signal == signal.SIGTERM
-        # after a stop, a late SIGTERM is ignored (it must not kill the 143 exit)
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    with _stop_on_signals(trainer):
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs in the main thread between bytecodes
+        assert trainer.stop_signal == signal.SIGTERM
+    # after a stop, a late SIGTERM is ignored (it must not kill the 143 exit)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
     err = capsys.readouterr().err
     assert err.count("SIGTERM received") == 1, err
 

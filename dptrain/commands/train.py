@@ -160,13 +160,12 @@ def _dry_run_report(trainer, out: Path, resume_path: Path | None) -> str:
     import yaml
 
     from dptrain.config import to_dict
-    from dptrain.optim.build import plan_groups
 
     plan, cfg = trainer.plan, trainer.cfg
     groups = [{"label": g.label, "optimizer": g.config.optimizer, "lr": g.config.lr,
                "tensors": len(g.named_params),
                "parameters": sum(p.numel() for _, p in g.named_params)}
-              for g in plan_groups(cfg.optim, trainer.named_params)]
+              for g in trainer.optimizer.groups]  # as the optimizer was built
     report = {
         "output_dir": str(out),
         "start": (f"resume from {resume_path} at step {trainer.step}" if resume_path is not None
