@@ -39,7 +39,7 @@ from dptrain.privacy.accounting import (Ledger, calibrate_noise_multiplier, chec
 from dptrain.privacy.config import PrivacyConfig
 from dptrain.privacy.noise import block_share, gaussian_noise, secure_seed
 from dptrain.privacy.sampling import poisson_sample, shard_indices
-from dptrain.telemetry import strict_json
+from dptrain.telemetry import peak_memory_bytes, strict_json
 from dptrain.parallel.dist import init_from_env
 from dptrain.parallel.fsdp import (all_reduce_scalars, apply_fsdp, as_grad, flat_range,
                                    is_sharded, reduce_sum)
@@ -487,14 +487,16 @@ class Trainer:
         """The signal number of a requested stop if any rank has one, else 0; the same on every
         rank (one scalar all-reduce per step with several ranks), so that all stop after the
         same step and take part in the same checkpoint."""
-        mine = self.stop_signal or 0
-        if self.world == 1:
-            return mine
-        import torch.distributed as dist
+        (agreed,) = all_reduce_scalars(self.stop_signal or 0, device=self.device, op="max")
+        return int(agreed)
 
-        t = torch.tensor([mine], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+    def _peak_memory_gib(self) -> float:
+        """The highest of the ranks' memory peaks (``dptrain.telemetry.peak_memory_bytes``:
+        CUDA, allocated since the last call; CPU, the resident set since start), in GiB.
+        Collective with several ranks."""
+        (peak,) = all_reduce_scalars(peak_memory_bytes(self.device, reset=True),
+                                     device=self.device, op="max")
+        return peak / 2**30
 
     def epsilon(self) -> float:
         if self.ledger.num_releases == 0:
@@ -554,6 +556,8 @@ class Trainer:
 
         eps, eps_step = self.epsilon(), self.step  # shown with its step: computed every log_every
         start = time.time()
+        peak_gib = None  # the highest peak_memory_gib of this process's rows (none: secure mode)
+        peak_memory_bytes(self.device, reset=True)  # CUDA: rows measure the steps, not the build
         try:
             # the step of the newest checkpoint in this run's directory (a run resumed there
             # starts at one; step 0 needs none; a branch resumed from another run's checkpoint
@@ -582,11 +586,15 @@ class Trainer:
                     eps, eps_step = self.epsilon(), self.step
                     row["epsilon"] = eps
                     if not self.cfg.privacy.secure_mode:
-                        # a step's time follows its realised batch size (a timing side channel
-                        # on the sample): a run meant for release does not write it per row
+                        # a step's time and memory follow its realised batch (the number of
+                        # examples and, for text, the padded length: side channels on the
+                        # sample): a run meant for release does not write them per row
                         row["time"] = time.time() - start
+                        row["peak_memory_gib"] = self._peak_memory_gib()
+                        peak_gib = max(peak_gib or 0.0, row["peak_memory_gib"])
                     if tc.eval_every and self.step % tc.eval_every == 0 and not last:
                         row.update({f"test_{k}": v for k, v in self.evaluate().items()})
+                        peak_memory_bytes(self.device, reset=True)  # the next row: training
                     if metrics_file:
                         pending.append(strict_json(row) + "\n")
                         if not held:
@@ -627,6 +635,7 @@ class Trainer:
             "guarantee": guarantee(self.cfg.privacy),
             "git_commit": git_commit(),
             "train_seconds": time.time() - start,
+            "peak_memory_gib": peak_gib,
             "inner_momentum_memory": self.query_memory,
             "config": to_dict(self.cfg),
         }

@@ -230,8 +230,12 @@ def test_secure_mode_writes_metrics_only_with_checkpoints(tmp_path, capsys, monk
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # the noiseless training loss of the private batch: not written when the run is for release
     assert all(("train_loss" in r) != secure for r in rows)
-    # nor the elapsed time at each row, which follows the realised batch sizes
+    # nor the elapsed time and peak memory at each row, which follow the realised batches
     assert all(("time" in r) != secure for r in rows)
+    assert all(("peak_memory_gib" in r) != secure for r in rows)
+    peak = json.loads((out / "summary.json").read_text())["peak_memory_gib"]
+    # the resumed process's rows (3, 4): the summary's peak is the highest of them
+    assert peak is None if secure else peak == max(r["peak_memory_gib"] for r in rows[2:])
 
 
 def test_secure_resume_from_a_checkpoint_with_later_outputs_is_refused(tmp_path, capsys):

@@ -439,7 +439,7 @@ def test_block_modules_finds_trainable_blocks_only():
 
 
 def _scalars_and_rows(rank: int, world: int) -> dict:
-    """all_reduce_scalars sums over ranks; reduce_sum returns this rank's rows of the summed
+    """all_reduce_scalars sums over ranks (or takes the maximum); reduce_sum returns this rank's rows of the summed
     gradient of a 5-row sharded weight (uneven: 3 + 2 rows); flat_range gives its global flat
     coordinates."""
     import torch.distributed as dist
@@ -450,6 +450,7 @@ def _scalars_and_rows(rank: int, world: int) -> dict:
     from dptrain.parallel.fsdp import all_reduce_scalars, flat_range, local_rows, reduce_sum
 
     sums = all_reduce_scalars(float(rank + 1), 10.0 * (rank + 1))
+    maxima = all_reduce_scalars(float(rank + 1), -10.0 * (rank + 1), op="max")
     torch.manual_seed(0)
     lin = nn.Linear(4, 5)
     fully_shard(lin)
@@ -476,7 +477,7 @@ def _scalars_and_rows(rank: int, world: int) -> dict:
         dist.all_reduce = all_reduce
     # secure mode: rank 0's OS-entropy seed is every rank's
     trainer_mod.secure_seed = lambda: 1000 + rank
-    return {"sums": sums, "rows": rows, "rows_fallback": rows_fallback,
+    return {"sums": sums, "maxima": maxima, "rows": rows, "rows_fallback": rows_fallback,
             "all_reduces": all_reduces, "fallback_all_reduces": len(calls) - all_reduces,
             "flat": flat_range(w), "local_rows": local_rows(w),
             "secure_seed": trainer_mod._shared_secure_seed(world)}
@@ -485,6 +486,7 @@ def _scalars_and_rows(rank: int, world: int) -> dict:
 def test_scalars_and_sharded_rows_are_reduced_over_the_ranks():
     a, b = spawn(_scalars_and_rows, 2)
     assert a["sums"] == b["sums"] == [3.0, 30.0]
+    assert a["maxima"] == b["maxima"] == [2.0, -10.0]
     want = torch.arange(20, dtype=torch.float32).view(5, 4) * 3  # (1 + 2) times
     for key in ("rows", "rows_fallback"):
         assert torch.equal(a[key], want[:3]) and torch.equal(b[key], want[3:]), key

@@ -231,6 +231,20 @@ def test_noise_drawn_in_the_background_on_cuda_gives_the_same_release(no_tf32):
 
 @pytest.mark.gpu
 @cuda
+def test_cuda_peak_memory_counts_allocations_in_its_window():
+    from dptrain.telemetry import peak_memory_bytes
+
+    dev = torch.device("cuda")
+    torch.cuda.synchronize()
+    peak_memory_bytes(dev, reset=True)
+    x = torch.empty(256 * 2**20, device=dev)  # 1 GiB
+    assert peak_memory_bytes(dev, reset=True) >= 2**30  # and a new window starts
+    del x
+    assert peak_memory_bytes(dev) < 2**30
+
+
+@pytest.mark.gpu
+@cuda
 def test_trainer_on_cuda_equals_cpu_without_noise(no_tf32):
     common = ("privacy.noise_multiplier=0.0", "privacy.epsilon=null", "privacy.steps=3")
     runs = {}

@@ -1,14 +1,17 @@
-"""Strict JSON of metrics and summaries (dptrain.telemetry): no bare NaN or Infinity."""
+"""dptrain.telemetry: strict JSON of metrics and summaries (no bare NaN or Infinity) and the
+peak memory that metrics rows report."""
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from dptrain.telemetry import jsonable, strict_json
+from dptrain.telemetry import jsonable, peak_memory_bytes, strict_json
 
 
 def _refuse(name):
@@ -42,3 +45,22 @@ def test_strict_json_refuses_a_non_finite_number_that_jsonable_did_not_see():
     with pytest.raises(ValueError):
         strict_json({math.inf: 1})
     assert json.loads(strict_json({"x": np.float32(0.5)}, default=float)) == {"x": 0.5}
+
+
+def test_cpu_peak_memory_is_the_resident_high_water_mark():
+    # in a fresh process: a 1 GiB tensor, written so that its pages are resident, lifts the
+    # peak above its size, and freeing it does not lower the peak (a high-water mark)
+    code = (
+        "import torch\n"
+        "from dptrain.telemetry import peak_memory_bytes\n"
+        "cpu = torch.device('cpu')\n"
+        "before = peak_memory_bytes(cpu)\n"
+        "x = torch.ones(256 * 2**20)\n"
+        "during = peak_memory_bytes(cpu)\n"
+        "del x\n"
+        "print(before, during, peak_memory_bytes(cpu, reset=True))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    before, during, after = map(int, out.stdout.split())
+    assert 0 < before < 1 << 30 <= during  # (start-up's freed pages may be reused, so the
+    assert after == during                   # increase can be less than the tensor's size)

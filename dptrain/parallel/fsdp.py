@@ -128,9 +128,11 @@ def flat_range(p: Tensor) -> tuple[int, int, int]:
     return numel, start * row, end * row
 
 
-def all_reduce_scalars(*values: float, device=None) -> list[float]:
+def all_reduce_scalars(*values: float, device=None, op: str = "sum") -> list[float]:
+    """The sum (``op="max"``: the maximum) of each value over the ranks, in float64; the values
+    themselves without a process group."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return t.tolist()

@@ -1,12 +1,16 @@
-"""What runs write for people and programs to read: strict JSON for metrics and summaries."""
+"""What runs write for people and programs to read: strict JSON for metrics and summaries, and
+the peak memory of a process."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
-__all__ = ["jsonable", "strict_json"]
+import torch
+
+__all__ = ["jsonable", "strict_json", "peak_memory_bytes"]
 
 
 def jsonable(obj: Any) -> Any:
@@ -25,3 +29,22 @@ def jsonable(obj: Any) -> Any:
 def strict_json(obj: Any, **kwargs) -> str:
     """``json.dumps`` of :func:`jsonable` ``(obj)``, refusing any non-finite number left."""
     return json.dumps(jsonable(obj), allow_nan=False, **kwargs)
+
+
+def peak_memory_bytes(device: torch.device, reset: bool = False) -> int:
+    """This process's memory high-water mark on ``device``.
+
+    - CUDA: ``torch.cuda.max_memory_allocated`` (tensors held by the caching allocator), since
+      the process started or the last call with ``reset=True``, which starts a new window.
+    - CPU: the resident set's high-water mark since the process started (``ru_maxrss``: the
+      interpreter and libraries included; it cannot be reset, so ``reset`` does nothing).
+    """
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return int(peak)
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS: bytes; Linux: KiB
