@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from dptrain.telemetry import jsonable, peak_memory_bytes, strict_json
 
@@ -64,3 +65,15 @@ def test_cpu_peak_memory_is_the_resident_high_water_mark():
     before, during, after = map(int, out.stdout.split())
     assert 0 < before < 1 << 30 <= during  # (start-up's freed pages may be reused, so the
     assert after == during                   # increase can be less than the tensor's size)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_cpu_peak_memory_equals_the_kernels_high_water_mark():
+    def vm_hwm() -> int:  # the kernel's peak resident set of this process, in bytes
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmHWM")
+
+    # (the two read the kernel's counters at different moments, which lag by a few pages)
+    assert abs(peak_memory_bytes(torch.device("cpu")) - vm_hwm()) <= 4 * 2**20
