@@ -1,4 +1,4 @@
-"""The ``dptrain`` command line: ``train``, ``calibrate``, ``diagnose``, ``audit``.
+"""The ``dptrain`` command line: ``train``, ``calibrate``, ``diagnose``, ``audit``, ``plot``.
 
 A user-facing mistake (``ConfigError``) becomes one line on stderr naming the field, and exit
 status 2; nothing written before is touched.
@@ -16,7 +16,7 @@ from dptrain.config import ConfigError
 def _commands():
     import importlib
 
-    names = ("train", "calibrate", "diagnose", "audit")
+    names = ("train", "calibrate", "diagnose", "audit", "plot")
     return {n: importlib.import_module(f"dptrain.commands.{n}") for n in names
             if importlib.util.find_spec(f"dptrain.commands.{n}") is not None}
 

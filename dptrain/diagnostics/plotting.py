@@ -1,15 +1,17 @@
-"""Singular-value spectra as a PNG (matplotlib, Agg; needs the `plot` extra)."""
+"""Figures as PNGs (matplotlib without pyplot; needs the `plot` extra): singular-value spectra,
+audit scores, and a run's metrics over its steps."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from torch import Tensor
 
 from dptrain.diagnostics.geometry import singular_values
 
-__all__ = ["plot_audit_scores", "plot_spectra"]
+__all__ = ["metric_series", "plot_audit_scores", "plot_metrics", "plot_spectra"]
 
 
 def plot_spectra(
@@ -63,6 +65,92 @@ def plot_audit_scores(scores, included, path: str | Path, *, title: str | None =
     ax.set_ylabel("canaries")
     ax.set_title(title or "Canary scores")
     ax.legend()
+    return _save(fig, path)
+
+
+_COUNTS = ("test_tokens", "test_examples", "test_num_prompts")
+"""Test-set sizes: constant over a run, not worth a panel."""
+
+_NOT_PLOTTED = ("step", "time", *_COUNTS)
+
+_PANELS = {"epsilon": "epsilon spent", "peak_memory_gib": "peak memory (GiB)"}
+"""Panel titles of row keys (others: the key, ``test_`` as "test ")."""
+
+Series = dict[str, tuple[list[int], list[float]]]
+
+
+def metric_series(rows: Iterable[Mapping], final: Mapping | None = None) -> dict[str, Series]:
+    """The curves of a run's ``metrics.jsonl`` rows, by panel: ``{panel: {label: (steps,
+    values)}}``, panels in the order of first appearance.
+
+    - ``loss``: ``train_loss`` and the test losses (``test_loss``, ``test_nll_per_token``);
+    - ``learning rate``: one curve per parameter group (``lr`` is a mapping, or one number);
+    - every other number in a row in a panel of its own: ``epsilon spent``, ``peak memory
+      (GiB)``, ``test accuracy``, ...; ``time`` and the test-set sizes are not drawn;
+    - ``final``: ``summary.json``'s ``steps`` and ``metrics`` (the final evaluation), added to
+      the test curves at the last step;
+    - values that are not finite numbers (``"nan"`` in strict JSON) are left out; when several
+      rows have the same step, the last one counts.
+    """
+    by_step: dict[int, Mapping] = {}
+    for row in rows:
+        by_step[int(row["step"])] = row
+    if final is not None and final.get("metrics"):
+        last = dict(by_step.get(int(final["steps"]), {"step": int(final["steps"])}))
+        last.update({f"test_{k}": v for k, v in final["metrics"].items()})
+        by_step[int(final["steps"])] = last
+    panels: dict[str, Series] = {}
+
+    def add(panel: str, label: str, step: int, value) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return
+        if not math.isfinite(value):
+            return
+        steps, values = panels.setdefault(panel, {}).setdefault(label, ([], []))
+        steps.append(step)
+        values.append(float(value))
+
+    for step in sorted(by_step):
+        row = by_step[step]
+        for key, value in row.items():
+            if key in _NOT_PLOTTED:
+                continue
+            if key == "lr":
+                groups = value if isinstance(value, Mapping) else {"lr": value}
+                for name, lr in groups.items():
+                    add("learning rate", name, step, lr)
+            elif key in ("train_loss", "test_loss", "test_nll_per_token"):
+                add("loss", key, step, value)
+            else:
+                add(_PANELS.get(key, key.replace("test_", "test ", 1)), key, step, value)
+    return {name: curves for name, curves in panels.items() if curves}
+
+
+def plot_metrics(series: Mapping[str, Series], path: str | Path, *,
+                 title: str | None = None) -> Path:
+    """Write a PNG with one panel per entry of :func:`metric_series`'s result (two columns),
+    against the step; a series of one point is drawn as a marker. Returns the path."""
+    if not series:
+        raise ValueError("plot_metrics needs at least one series")
+    from matplotlib.figure import Figure
+
+    cols = 1 if len(series) == 1 else 2
+    rows = -(-len(series) // cols)
+    fig = Figure(figsize=(6.0 * cols, 3.0 * rows), dpi=100)
+    for i, (panel, curves) in enumerate(series.items()):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for label, (steps, values) in curves.items():
+            ax.plot(steps, values, marker="o" if len(steps) <= 20 else None, markersize=3,
+                    label=label)
+        if panel == "learning rate" and all(v > 0 for _, vs in curves.values() for v in vs):
+            ax.set_yscale("log")
+        ax.set_title(panel)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        if len(curves) > 1:
+            ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
     return _save(fig, path)
 
 

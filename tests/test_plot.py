@@ -1,0 +1,111 @@
+"""`dptrain plot`: a run's metrics.jsonl as curves (metric_series) and a PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dptrain.cli import main
+from dptrain.diagnostics.plotting import metric_series
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_series_group_the_row_keys_into_panels():
+    rows = [
+        {"step": 2, "train_loss": 2.5, "lr": {"matrices": 0.02, "others": 0.01}, "epsilon": 2.0,
+         "time": 1.0, "peak_memory_gib": 0.5, "test_accuracy": 0.4, "test_loss": 1.5,
+         "test_examples": 64},
+        {"step": 1, "train_loss": 3.0, "lr": {"matrices": 0.01, "others": 0.005},
+         "epsilon": 1.0, "time": 0.5, "peak_memory_gib": 0.25},
+        # a repeated step: the later row counts; "nan" (strict JSON) and flags are not drawn
+        {"step": 2, "train_loss": "nan", "lr": {"matrices": 0.02, "others": 0.01},
+         "epsilon": 2.5, "time": 1.1, "peak_memory_gib": 0.5, "test_accuracy": 0.45,
+         "test_loss": 1.4, "test_examples": 64, "flag": True},
+    ]
+    s = metric_series(rows)
+    assert list(s) == ["loss", "learning rate", "epsilon spent", "peak memory (GiB)",
+                       "test accuracy"]
+    assert s["loss"] == {"train_loss": ([1], [3.0]), "test_loss": ([2], [1.4])}
+    assert s["learning rate"] == {"matrices": ([1, 2], [0.01, 0.02]),
+                                  "others": ([1, 2], [0.005, 0.01])}
+    assert s["epsilon spent"] == {"epsilon": ([1, 2], [1.0, 2.5])}
+    assert s["test accuracy"] == {"test_accuracy": ([2], [0.45])}
+    # the final evaluation of summary.json joins the test curves at the last step
+    final = {"steps": 3, "metrics": {"accuracy": 0.5, "loss": 1.3, "examples": 64}}
+    s = metric_series(rows, final)
+    assert s["test accuracy"] == {"test_accuracy": ([2, 3], [0.45, 0.5])}
+    assert s["loss"]["test_loss"] == ([2, 3], [1.4, 1.3])
+    assert s["epsilon spent"] == {"epsilon": ([1, 2], [1.0, 2.5])}
+    # one learning rate (not a mapping) is one curve
+    assert metric_series([{"step": 1, "lr": 0.1}]) == {"learning rate": {"lr": ([1], [0.1])}}
+
+
+def _run(capsys, *args) -> tuple[int, str, str]:
+    code = main(list(args))
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_plot_draws_a_real_run_and_keeps_an_existing_figure(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = _run(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                        "train.eval_every=2", "train.checkpoint_every=0")
+    assert code == 0, err
+    code, stdout, _ = _run(capsys, "plot", "--run", str(out))
+    assert code == 0 and (out / "metrics.png").read_bytes().startswith(PNG)
+    assert "5 panels: loss, learning rate, epsilon spent, peak memory (GiB), test perplexity" \
+        in stdout
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    s = metric_series(rows, summary)
+    assert s["loss"]["train_loss"] == ([1, 2, 3, 4], [r["train_loss"] for r in rows])
+    # evaluations at step 2 (eval_every) and the final one at step 4
+    assert s["loss"]["test_nll_per_token"] == (
+        [2, 4], [rows[1]["test_nll_per_token"], summary["metrics"]["nll_per_token"]])
+    # nothing written before is lost: an existing figure needs --force
+    before = (out / "metrics.png").stat().st_mtime_ns
+    code, _, err = _run(capsys, "plot", "--run", str(out))
+    assert code == 2 and err.count("\n") == 1 and "--output" in err and "--force" in err
+    assert (out / "metrics.png").stat().st_mtime_ns == before
+    other = tmp_path / "figs" / "m.png"
+    code, _, _ = _run(capsys, "plot", "--run", str(out), "--output", str(other))
+    assert code == 0 and other.read_bytes().startswith(PNG)
+
+
+def _fake_run(tmp_path, lines: list[str]) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(x + "\n" for x in lines))
+    return run
+
+
+ROW = '{"step": %d, "train_loss": 2.0, "epsilon": 1.0}'
+
+
+def test_a_line_being_written_is_left_out(tmp_path, capsys):
+    run = _fake_run(tmp_path, [ROW % 1, ROW % 2, '{"step": 3, "train_lo'])
+    code, stdout, err = _run(capsys, "plot", "--run", str(run))
+    assert code == 0 and "metrics.jsonl:3 is incomplete" in err
+    assert "2 panels: loss, epsilon spent" in stdout
+
+
+@pytest.mark.parametrize("lines,what", [
+    ([ROW % 1, "not json", ROW % 3], "metrics.jsonl:2 is not a JSON line"),
+    ([ROW % 1, '{"epsilon": 1.0}'], "metrics.jsonl:2 is not a metrics row"),
+    ([], "has no numbers to draw"),
+])
+def test_bad_metrics_exit_2_naming_run(tmp_path, capsys, lines, what):
+    run = _fake_run(tmp_path, lines)
+    code, _, err = _run(capsys, "plot", "--run", str(run))
+    assert code == 2 and err.count("\n") == 1 and "--run" in err and what in err, err
+    assert not (run / "metrics.png").exists()
+
+
+def test_a_directory_without_metrics_exits_2(tmp_path, capsys):
+    code, _, err = _run(capsys, "plot", "--run", str(tmp_path / "nothing"))
+    assert code == 2 and "--run: no metrics.jsonl" in err
