@@ -153,10 +153,19 @@ def test_resume_with_another_optimizer_in_a_group_names_it(tmp_path, capsys, fin
 def test_changed_optimizer_settings_at_a_resume_apply_and_are_named(tmp_path, capsys, finished):
     code, err = train(capsys, tmp_path / "branch", "--resume",
                       str(finished / "checkpoints" / "step-00000003"), "optim.weight_decay=0.1",
-                      "optim.aux.kwargs.betas=[0.5,0.9]")
+                      "optim.aux.kwargs.betas=[0.5,0.9]", "optim.lr=0.01",
+                      "optim.schedule=cosine")
     assert code == 0
     line = [x for x in err.splitlines() if "optimizer settings differ" in x]
-    assert len(line) == 1 and "weight_decay: 0.0 -> 0.1" in line[0] and "betas" in line[0]
+    # the config keys that changed (the learning rate and schedule too), then what that
+    # changes in the parameter groups
+    assert len(line) == 1 and line[0].endswith(
+        "apply: optim.aux.kwargs.betas: (not set) -> [0.5, 0.9]; optim.lr: 0.02 -> 0.01; "
+        "optim.schedule: 'constant' -> 'cosine'; optim.weight_decay: 0.0 -> 0.1 (parameter "
+        "groups: matrices.weight_decay: 0.0 -> 0.1; others.betas: (0.9, 0.999) -> (0.5, 0.9))")
+    code, err = train(capsys, tmp_path / "same", "--resume",
+                      str(finished / "checkpoints" / "step-00000003"))
+    assert code == 0 and "optimizer settings differ" not in err
 
 
 def test_inner_momentum_may_be_turned_on_at_a_resume(tmp_path, capsys, finished):
@@ -191,7 +200,10 @@ def test_a_filter_may_be_turned_on_at_a_resume_but_not_swapped(tmp_path, capsys,
     assert train(capsys, first, "optim.filter.name=disk", "train.checkpoint_every=2")[0] == 0
     code, err = train(capsys, tmp_path / "swap", "--resume",
                       str(first / "checkpoints" / "step-00000002"), "optim.filter.name=doppler")
-    assert code == 2 and "optim" in one_line(err)
+    line = one_line(err)
+    assert code == 2 and line.endswith("optim.filter.name: doppler here, disk in the checkpoint: "
+                                       "a resumed run keeps its filter (or turns it off)"), line
+    assert not (tmp_path / "swap").exists() or not any((tmp_path / "swap").iterdir())
 
 
 def _crash_at(monkeypatch, step: int):

@@ -598,6 +598,12 @@ def check_compatible(saved_cfg: dict, cfg) -> list[str]:
         # the run's seed: synthetic data, dropout, augmentation and probe streams
         raise ConfigError("seed", f"differs from the checkpoint ({saved_cfg.get('seed')!r} "
                                   f"there, {cfg.seed!r} now): a resumed run keeps its seed")
+    saved_filter = ((saved_cfg.get("optim") or {}).get("filter") or {}).get("name", "none")
+    if "none" != saved_filter != cfg.optim.filter.name != "none":
+        # (turning a filter on or off is allowed: its state starts empty, or is left unused)
+        raise ConfigError("optim.filter.name", f"{cfg.optim.filter.name} here, {saved_filter} in "
+                                               "the checkpoint: a resumed run keeps its "
+                                               "filter (or turns it off)")
     moved = []
     for section in ("model", "data"):
         was, now = saved_cfg.get(section) or {}, _plain(to_dict(getattr(cfg, section)))
@@ -616,6 +622,24 @@ def check_compatible(saved_cfg: dict, cfg) -> list[str]:
                                                   f"there, {now.get(key)!r} now): resume needs "
                                                   f"the same {section} settings")
     return moved
+
+
+def optim_changes(saved_cfg: dict, cfg) -> list[str]:
+    """The ``optim`` settings (which a resume may change) that differ from the checkpoint's
+    config, as ``optim.key.sub: old -> new`` lines; ``(not set)`` stands for a key that one side
+    lacks (an entry of a group's kwargs, or a setting newer than the checkpoint)."""
+    def flat(d: dict, prefix: str = "optim.") -> dict:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):  # (an empty mapping sets nothing)
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = repr(v)
+        return out
+
+    was, now = flat(_plain(saved_cfg.get("optim") or {})), flat(_plain(to_dict(cfg.optim)))
+    return [f"{k}: {was.get(k, '(not set)')} -> {now.get(k, '(not set)')}"
+            for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
 
 
 def _plain(d):
@@ -728,10 +752,14 @@ def load(trainer, path: Path, verified: bool = False) -> None:
     if unused and trainer.rank == 0:
         print(f"dptrain train: the checkpoint's {'; '.join(unused)}: not used by this run",
               file=sys.stderr)
-    changed = trainer.optimizer.changed_settings
-    if changed and trainer.rank == 0:
+    # what the user changed (in config keys), then what that changes in the optimizer's
+    # parameter groups (and what a performance setting does: ns_dtype)
+    changed, groups = optim_changes(state["config"], trainer.cfg), trainer.optimizer.changed_settings
+    if (changed or groups) and trainer.rank == 0:
+        in_groups = f"parameter groups: {'; '.join(groups)}" if groups else ""
         print(f"dptrain train: optimizer settings differ from the checkpoint's, this config's "
-              f"apply: {'; '.join(changed)}", file=sys.stderr)
+              f"apply: {'; '.join(changed)}"
+              + (f" ({in_groups})" if changed and groups else in_groups), file=sys.stderr)
     trainer.ledger = ledger
     trainer.step = state["step"]
     ranks = state["rng"].get("torch_ranks")
