@@ -599,11 +599,12 @@ def check_compatible(saved_cfg: dict, cfg) -> list[str]:
         raise ConfigError("seed", f"differs from the checkpoint ({saved_cfg.get('seed')!r} "
                                   f"there, {cfg.seed!r} now): a resumed run keeps its seed")
     saved_filter = ((saved_cfg.get("optim") or {}).get("filter") or {}).get("name", "none")
-    if "none" != saved_filter != cfg.optim.filter.name != "none":
-        # (turning a filter on or off is allowed: its state starts empty, or is left unused)
-        raise ConfigError("optim.filter.name", f"{cfg.optim.filter.name} here, {saved_filter} in "
-                                               "the checkpoint: a resumed run keeps its "
-                                               "filter (or turns it off)")
+    filt = cfg.optim.filter.name
+    # turning a filter on or off is allowed (its state starts empty, or is left unused)
+    if "none" not in (saved_filter, filt) and saved_filter != filt:
+        raise ConfigError("optim.filter.name", f"{filt} here, {saved_filter} in the checkpoint: "
+                                               "a resumed run keeps its filter (or turns it "
+                                               "off)")
     moved = []
     for section in ("model", "data"):
         was, now = saved_cfg.get(section) or {}, _plain(to_dict(getattr(cfg, section)))
@@ -754,12 +755,14 @@ def load(trainer, path: Path, verified: bool = False) -> None:
               file=sys.stderr)
     # what the user changed (in config keys), then what that changes in the optimizer's
     # parameter groups (and what a performance setting does: ns_dtype)
-    changed, groups = optim_changes(state["config"], trainer.cfg), trainer.optimizer.changed_settings
-    if (changed or groups) and trainer.rank == 0:
-        in_groups = f"parameter groups: {'; '.join(groups)}" if groups else ""
+    changed = "; ".join(optim_changes(state["config"], trainer.cfg))
+    groups = "; ".join(trainer.optimizer.changed_settings)
+    if groups:
+        groups = f"parameter groups: {groups}"
+        changed = f"{changed} ({groups})" if changed else groups
+    if changed and trainer.rank == 0:
         print(f"dptrain train: optimizer settings differ from the checkpoint's, this config's "
-              f"apply: {'; '.join(changed)}"
-              + (f" ({in_groups})" if changed and groups else in_groups), file=sys.stderr)
+              f"apply: {changed}", file=sys.stderr)
     trainer.ledger = ledger
     trainer.step = state["step"]
     ranks = state["rng"].get("torch_ranks")

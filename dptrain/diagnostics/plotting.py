@@ -123,13 +123,14 @@ def metric_series(rows: Iterable[Mapping], final: Mapping | None = None) -> dict
                 add("loss", key, step, value)
             else:
                 add(_PANELS.get(key, key.replace("test_", "test ", 1)), key, step, value)
-    return {name: curves for name, curves in panels.items() if curves}
+    return panels
 
 
 def plot_metrics(series: Mapping[str, Series], path: str | Path, *,
                  title: str | None = None) -> Path:
     """Write a PNG with one panel per entry of :func:`metric_series`'s result (two columns),
-    against the step; a series of one point is drawn as a marker. Returns the path."""
+    against the step (with markers up to 20 points: a test metric evaluated a few times
+    shows where it was). Returns the path."""
     if not series:
         raise ValueError("plot_metrics needs at least one series")
     from matplotlib.figure import Figure
