@@ -181,3 +181,36 @@ def test_more_bad_values_give_one_exact_line(capsys, argv, line):
     assert lines[0].startswith("dptrain calibrate: error: " + line)
     if line.endswith(("got 1", "got 0")):
         assert lines[0] == "dptrain calibrate: error: " + line
+
+
+@pytest.mark.parametrize("eps", [0.01, 0.03])
+def test_small_targets_calibrate_with_a_relative_default_tolerance(capsys, eps, tmp_path):
+    # a fixed default of 0.01 refused these targets, naming a tolerance the user never set
+    # (in dptrain train: "privacy.epsilon_tolerance", a key that does not exist), and allowed
+    # the calibrated epsilon a third below one of 0.03. PRV: RDP's bound cannot go below
+    # log(1/delta) / (largest order - 1) ~ 0.18 here (and PRV's not below its 0.01 error).
+    from opacus.accountants.utils import get_noise_multiplier
+
+    argv = ["--epsilon", str(eps), "--delta", "1e-5", "--sample-rate", "0.01", "--steps", "10"]
+    rc, out, err = _run([*argv, "--json"], capsys)
+    assert rc == 0, err
+    obj = json.loads(out)
+    assert obj["epsilon_tolerance"] == pytest.approx(eps / 100)
+    assert obj["noise_multiplier"] == pytest.approx(get_noise_multiplier(
+        target_epsilon=eps, target_delta=1e-5, sample_rate=0.01, steps=10, accountant="prv",
+        epsilon_tolerance=eps / 100), rel=1e-9)
+    assert eps - eps / 100 - 1e-12 <= obj["epsilon"] <= eps
+    # an explicit tolerance is still the user's, and still checked against the target
+    rc, _, err = _run([*argv, "--epsilon-tolerance", str(eps)], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "--epsilon-tolerance" in err
+    # dptrain train calibrates the same sigma for the same target
+    from pathlib import Path
+
+    from dptrain.cli import main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    code = main(["train", "--config", config, "--dry-run", "--output-dir", str(tmp_path / "r"),
+                 f"privacy.epsilon={eps}", "privacy.sample_rate=0.01", "privacy.steps=10",
+                 "privacy.accountant=prv"])
+    plan = capsys.readouterr().out
+    assert code == 0 and f"noise_multiplier: {obj['noise_multiplier']!r}" in plan, plan[:400]

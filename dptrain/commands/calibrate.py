@@ -37,8 +37,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", required=True, metavar="T", help="number of releases (>= 1)")
     p.add_argument("--accountant", default="prv", metavar="prv|rdp",
                    help="accountant (default: prv)")
-    p.add_argument("--epsilon-tolerance", default="0.01", metavar="TOL",
-                   help="bisection tolerance on epsilon (default: 0.01)")
+    p.add_argument("--epsilon-tolerance", default=None, metavar="TOL",
+                   help="bisection tolerance on epsilon (default: 0.01, or 1%% of a target "
+                        "below 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
     accept_negative_values(p)
@@ -110,9 +111,15 @@ def _validate(args) -> dict:
     accountant = str(args.accountant).strip().lower()
     if accountant not in ("prv", "rdp"):
         raise _ArgError("--accountant", f"must be prv or rdp, got {args.accountant!r}")
-    tol = _number("--epsilon-tolerance", getattr(args, "epsilon_tolerance", "0.01"))
-    if not (tol > 0 and math.isfinite(tol)):
-        raise _ArgError("--epsilon-tolerance", f"must be > 0, got {args.epsilon_tolerance}")
+    tol = getattr(args, "epsilon_tolerance", None)
+    if tol is None:
+        from dptrain.privacy.accounting import default_epsilon_tolerance
+
+        tol = default_epsilon_tolerance(eps)
+    else:
+        tol = _number("--epsilon-tolerance", tol)
+        if not (tol > 0 and math.isfinite(tol)):
+            raise _ArgError("--epsilon-tolerance", f"must be > 0, got {args.epsilon_tolerance}")
     return dict(epsilon=eps, delta=delta, sample_rate=q, steps=steps, accountant=accountant,
                 epsilon_tolerance=tol)
 

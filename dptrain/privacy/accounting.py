@@ -230,17 +230,25 @@ def epsilon(ledger: Ledger, delta: float, accountant: str = "prv", *,
     return max(0.0, _prv_epsilon(history, delta, eps_error))
 
 
+def default_epsilon_tolerance(epsilon: float) -> float:
+    """The calibration's tolerance when none is given: 0.01, or 1% of a target below 1 (a fixed
+    0.01 would be refused at targets of 0.01 and below, and be loose just above them)."""
+    return min(0.01, 0.01 * epsilon)
+
+
 def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float, steps: int,
                                accountant: str = "prv",
-                               epsilon_tolerance: float = 0.01) -> float:
-    """Smallest sigma (to ``epsilon_tolerance``) with ``steps`` releases at rate ``sample_rate``
-    spending at most ``epsilon`` at ``delta``.
+                               epsilon_tolerance: float | None = None) -> float:
+    """Smallest sigma (to ``epsilon_tolerance``; None: :func:`default_epsilon_tolerance`) with
+    ``steps`` releases at rate ``sample_rate`` spending at most ``epsilon`` at ``delta``.
 
     Delegates to ``opacus.accountants.utils.get_noise_multiplier`` (its doubling then bisection
     search); the returned sigma's epsilon, computed by :func:`epsilon`, is <= the target and
-    within ``epsilon_tolerance`` of it. Where PRV cannot be used at the sigma found (epsilon()
-    then reports RDP's looser bound), the search is redone with the RDP accountant, with an
-    :class:`AccountingWarning`. Raises ConfigError (a ValueError) naming the bad argument.
+    within ``epsilon_tolerance`` of it. Where PRV cannot be used (a target above
+    ``PRV_MAX_CALIBRATION_EPSILON``, or a PRV failure at the sigma found), the search is redone
+    with the RDP accountant, with an :class:`AccountingWarning`: RDP's bound is then within the
+    tolerance of the target, and PRV's epsilon of that sigma, where it can be computed, may be
+    further below. Raises ConfigError (a ValueError) naming the bad argument.
     """
     from opacus.accountants.utils import get_noise_multiplier
 
@@ -263,6 +271,8 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
         raise ConfigError("epsilon", f"must be <= {MAX_TARGET_EPSILON:.0e} to calibrate sigma "
                                      f"(no privacy guarantee is left above it; set the noise "
                                      f"multiplier itself), got {epsilon:g}")
+    if epsilon_tolerance is None:
+        epsilon_tolerance = default_epsilon_tolerance(epsilon)
     if not (epsilon_tolerance > 0) or not math.isfinite(epsilon_tolerance):
         raise ConfigError("epsilon_tolerance", f"must be > 0, got {epsilon_tolerance}")
     # below ~1e-9 relative the search's float rounding cannot meet it (it looped forever), and a
