@@ -590,3 +590,47 @@ def test_dry_run_makes_the_resume_checks_and_leaves_the_run_as_it_was(finished, 
                  "--dry-run"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["start"].startswith("finished")
     assert snapshot(out) == before
+
+
+def test_a_resume_whose_sigma_calibrates_differently_says_so_and_counts_both(
+        tmp_path, capsys, monkeypatch, finished):
+    # another dptrain or opacus version can calibrate another sigma for the same target
+    real = trainer_mod.calibrate_noise_multiplier
+    monkeypatch.setattr(trainer_mod, "calibrate_noise_multiplier",
+                        lambda *a, **k: real(*a, **k) * 1.001)
+    saved = json.loads((finished / "summary.json").read_text())
+    out = tmp_path / "branch"
+    code, err = train(capsys, out, "--resume", str(finished / "checkpoints" / "step-00000002"))
+    assert code == 0 and "sigma is calibrated to" in err and repr(saved["noise_multiplier"]) in err
+    summary = json.loads((out / "summary.json").read_text())
+    sigma = summary["noise_multiplier"]
+    assert sigma == pytest.approx(saved["noise_multiplier"] * 1.001, rel=1e-12)
+    # the ledger holds 2 releases at each sigma
+    from dptrain.privacy.accounting import Ledger, epsilon as ledger_epsilon
+
+    mixed = Ledger([(saved["noise_multiplier"], saved["sample_rate"], 2),
+                    (sigma, saved["sample_rate"], 2)])
+    assert summary["epsilon"] == pytest.approx(
+        ledger_epsilon(mixed, saved["delta"], saved["accountant"]), rel=1e-12)
+
+
+def test_a_resume_is_refused_when_the_releases_made_and_the_rest_exceed_the_target(
+        tmp_path, capsys, monkeypatch):
+    # a checkpoint whose sigma is too small under this version's accountant (here: made so
+    # by calibrating 0.8x and skipping the plan check): the new sigma alone would fit the
+    # target, but not the 2 releases already made plus the 2 left
+    real = trainer_mod.calibrate_noise_multiplier
+    monkeypatch.setattr(trainer_mod, "calibrate_noise_multiplier",
+                        lambda *a, **k: real(*a, **k) * 0.8)
+    monkeypatch.setattr(trainer_mod, "check_plan", lambda cfg, sigma: 0.0)
+    first = tmp_path / "first"
+    assert train(capsys, first, "train.checkpoint_every=2")[0] == 0
+    monkeypatch.undo()
+    (first / "summary.json").unlink()
+    shutil.rmtree(first / "final")
+    shutil.rmtree(first / "checkpoints" / "step-00000004")
+    before = snapshot(first)
+    code, err = train(capsys, first, "--resume", "auto")
+    line = one_line(err)
+    assert code == 2 and line.startswith("dptrain train: error: privacy.steps"), line
+    assert snapshot(first) == before

@@ -728,6 +728,19 @@ def load(trainer, path: Path, verified: bool = False) -> None:
     if ledger.num_releases != state["step"]:
         raise ConfigError("resume", f"checkpoint {path} is inconsistent: its ledger counts "
                                     f"{ledger.num_releases} releases at step {state['step']}")
+    saved_sigma = (state.get("plan") or {}).get("noise_multiplier")
+    if saved_sigma is not None and saved_sigma != trainer.plan.noise_multiplier:
+        # the same target calibrated by another dptrain or opacus version: the releases made
+        # and the remaining ones at the new sigma must stay within the target together
+        from dptrain.privacy.accounting import check_plan
+
+        check_plan(trainer.cfg.privacy, trainer.plan.noise_multiplier, ledger=ledger)
+        if trainer.rank == 0:
+            print(f"dptrain train: note: sigma is calibrated to "
+                  f"{trainer.plan.noise_multiplier!r} now, {saved_sigma!r} in the checkpoint's "
+                  "run (another dptrain or opacus version); the ledger records each release's "
+                  "sigma, and the planned releases stay within the target, but the run will not "
+                  "repeat the checkpoint's bit for bit", file=sys.stderr)
     try:
         if _sharded(trainer) and state.get("format") == 2:
             _load_dcp_sharded(trainer, state, path)  # each rank reads its own rows
