@@ -166,6 +166,7 @@ class _FirstForwardCheck(TorchFunctionMode):
                 self.owners[id(p)] = (ids + [id(h.module)], name)
         self.active: dict[int, int] = {}
         self.hooked = [(h.module, h.name) for h in engine.hooked]
+        self.engine = engine
         self.handles: list = []
         #: id -> (weak reference, shape, layer name): hooked outputs and same-shaped results of
         #: them. Weak: keeping them would hold memory the forward frees; an entry leaves when its
@@ -191,6 +192,8 @@ class _FirstForwardCheck(TorchFunctionMode):
         for h in self.handles:
             h.remove()
         self.rows.clear()
+        if exc[0] is None:  # a forward that raised (this check's refusal too) checked nothing
+            self.engine._uses_checked = True
         return super().__exit__(*exc)
 
     def _mark(self, t: Tensor, name: str) -> None:
@@ -383,8 +386,17 @@ class ClippingEngine:
                     def grab(g, rec=rec):
                         rec.G = g
 
+                    replaced = None
+                    if output._is_view():
+                        # (a Linear on a (B, T, d) input returns a view) an in-place op on a
+                        # view rebases its history and the hooks registered on it never fire:
+                        # the layer would look unused and drop out of the norm. The module
+                        # returns a non-view alias of the same storage instead, whose hooks
+                        # see the gradient w.r.t. the value before any in-place op.
+                        output = replaced = torch.ops.aten._unsafe_view(output, output.shape)
                     output.register_hook(grab)
                     rec.node = output.grad_fn  # to tell "unused" from "not reached" later
+                    return replaced
                 return None
 
             return pre, post
@@ -401,10 +413,13 @@ class ClippingEngine:
                         return post(module, args, output, kwargs)
 
                     handles.append(h.module.register_forward_pre_hook(pre_kw, with_kwargs=True))
-                    handles.append(h.module.register_forward_hook(post_kw, with_kwargs=True))
+                    handles.append(h.module.register_forward_hook(post_kw, with_kwargs=True,
+                                                                  prepend=True))
                     continue
+                # prepend: the layer's own output, before a user's forward hook changes it (the
+                # rule's gradient is w.r.t. what the layer computed)
                 handles.append(h.module.register_forward_pre_hook(pre))
-                handles.append(h.module.register_forward_hook(post))
+                handles.append(h.module.register_forward_hook(post, prepend=True))
             yield
         finally:
             for handle in handles:
@@ -470,8 +485,7 @@ class ClippingEngine:
             records: list[_Record] = []
             check = contextlib.nullcontext()
             if not self._uses_checked:
-                check = _FirstForwardCheck(self)
-                self._uses_checked = True
+                check = _FirstForwardCheck(self)  # sets _uses_checked once a forward passed
             with self._state(state, seed), self._capture(B, coef, records, targets):
                 with check:  # the forward only: it keeps references to outputs while open
                     losses = loss_fn(self.model, inputs)
