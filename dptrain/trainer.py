@@ -491,8 +491,8 @@ class Trainer:
         return int(agreed)
 
     def _peak_memory_gib(self) -> float:
-        """The highest of the ranks' memory peaks (``dptrain.telemetry.peak_memory_bytes``:
-        CUDA, allocated since the last call; CPU, the resident set since start), in GiB.
+        """The highest of the ranks' memory peaks since the last call
+        (``dptrain.telemetry.peak_memory_bytes``: CUDA, allocated; CPU, resident), in GiB.
         Collective with several ranks."""
         (peak,) = all_reduce_scalars(peak_memory_bytes(self.device, reset=True),
                                      device=self.device, op="max")
@@ -557,7 +557,7 @@ class Trainer:
         eps, eps_step = self.epsilon(), self.step  # shown with its step: computed every log_every
         start = time.time()
         peak_gib = None  # the highest peak_memory_gib of this process's rows (none: secure mode)
-        peak_memory_bytes(self.device, reset=True)  # CUDA: rows measure the steps, not the build
+        peak_memory_bytes(self.device, reset=True)  # rows measure the steps, not the build
         try:
             # the step of the newest checkpoint in this run's directory (a run resumed there
             # starts at one; step 0 needs none; a branch resumed from another run's checkpoint

@@ -246,8 +246,11 @@ def test_secure_mode_writes_metrics_only_with_checkpoints(tmp_path, capsys, monk
     assert all(("time" in r) != secure for r in rows)
     assert all(("peak_memory_gib" in r) != secure for r in rows)
     peak = json.loads((out / "summary.json").read_text())["peak_memory_gib"]
-    # the resumed process's rows (3, 4): the summary's peak is the highest of them
-    assert peak is None if secure else peak == max(r["peak_memory_gib"] for r in rows[2:])
+    # the summary's peak is the highest of the resumed process's rows (3 and 4, and 1 and 2
+    # too where it restarted from step 0)
+    assert peak is None if secure else (
+        peak in {r["peak_memory_gib"] for r in rows}
+        and peak >= max(r["peak_memory_gib"] for r in rows[2:]))
 
 
 def test_secure_resume_from_a_checkpoint_with_later_outputs_is_refused(tmp_path, capsys):

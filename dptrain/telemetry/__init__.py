@@ -32,19 +32,31 @@ def strict_json(obj: Any, **kwargs) -> str:
 
 
 def peak_memory_bytes(device: torch.device, reset: bool = False) -> int:
-    """This process's memory high-water mark on ``device``.
+    """This process's memory high-water mark on ``device``, since the process started or the
+    last call with ``reset=True``, which starts a new window.
 
-    - CUDA: ``torch.cuda.max_memory_allocated`` (tensors held by the caching allocator), since
-      the process started or the last call with ``reset=True``, which starts a new window.
-    - CPU: the resident set's high-water mark since the process started (``ru_maxrss``: the
-      interpreter and libraries included; it cannot be reset, so ``reset`` does nothing).
+    - CUDA: ``torch.cuda.max_memory_allocated`` (tensors held by the caching allocator).
+    - CPU, Linux: the resident set's high-water mark (``VmHWM``; a reset writes 5 to
+      ``/proc/self/clear_refs``). Not ``ru_maxrss``: that one keeps the parent's resident set
+      across fork and exec, so a process started by a large one reports the parent's size.
+    - CPU elsewhere: ``ru_maxrss``, since the process started (``reset`` does nothing).
     """
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         if reset:
             torch.cuda.reset_peak_memory_stats(device)
         return int(peak)
+    if sys.platform.startswith("linux"):
+        with open("/proc/self/status") as f:
+            peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        if reset:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:  # a kernel or sandbox without it: the window stays open
+                pass
+        return peak
     import resource
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS: bytes; Linux: KiB
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS: bytes; else KiB
