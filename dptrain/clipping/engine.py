@@ -321,6 +321,10 @@ class ClippingEngine:
                              + "; ".join(unsupported))
         missing = [n for i, n in self.names.items() if i not in owned]
         assert not missing, f"trainable parameters not owned by any module: {missing}"
+        #: batch norms, refused in training mode (checked at every query: train()/eval() can
+        #: change between calls)
+        self._batchnorms = [(n, m) for n, m in model.named_modules()
+                            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         # Sensitive: per-example gradients of the last multi-state query stay here until
         # overwritten by the next one (or release_workspace()).
         self._workspace: dict[str, Tensor] = {}
@@ -471,6 +475,13 @@ class ClippingEngine:
         contributions and handed to ``query`` as soon as that state's backward is done (so a
         parameter whose contributions are instantiated keeps one per-example buffer, not every
         state's activations)."""
+        for name, m in self._batchnorms:
+            if m.training:
+                raise ValueError(
+                    f"dptrain.clipping: {name} ({type(m).__name__}) is in training mode: its "
+                    f"batch statistics couple the examples of a microbatch, so an example's "
+                    f"gradient depends on the others and no clip bounds its influence. Use "
+                    f"GroupNorm or LayerNorm, or keep it in eval mode (running statistics)")
         B = batch_size_of(batch)
         graphs = []
         loss_total = None  # per-example losses at the current state (display only)

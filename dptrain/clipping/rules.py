@@ -130,7 +130,10 @@ class EmbeddingRule(LayerRule):
     integer_input = True
 
     def capture(self, module, args, output):
-        return {"ids": args[0].detach()}
+        # a copy (B x T integers): the ids may be changed in place after the forward (labels
+        # that alias them, masked inside loss_fn), and the layer's own backward, whose version
+        # check would refuse that, never runs here
+        return {"ids": args[0].detach().clone()}
 
     def contributions(self, module, saved, G):
         ids = saved["ids"].reshape(saved["ids"].shape[0], -1)
