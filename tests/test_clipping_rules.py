@@ -1041,8 +1041,23 @@ def test_a_shared_input_broadcast_over_the_examples_is_refused():
                                reduction="none").view(ids.shape).sum(1)
 
     ids = torch.randint(0, 7, (3, 3), generator=torch.Generator().manual_seed(6))  # T == B
-    with pytest.raises(ValueError, match=r"output of wpe \(shape \(3, 4\)\) is broadcast"):
+    # refused at the layer: its input does not come from the batch (tests/
+    # test_clipping_shared_rows.py: also when the output is reshaped before the broadcast)
+    with pytest.raises(ValueError, match=r"the input of wpe \(Embedding, shape \(3,\)\) does "
+                                         r"not come from the batch"):
         ClippingEngine(_NanoPositions(False).double()).per_example_norms(lm, (ids,))
+
+    class Pooled(nn.Module):  # a (T, d) output made from the batch, over the positions
+        def __init__(self):
+            super().__init__()
+            self.wte, self.mix, self.head = nn.Embedding(7, 4), nn.Linear(4, 4), nn.Linear(4, 7)
+
+        def forward(self, ids):
+            h = self.wte(ids)
+            return self.head(torch.tanh(h + self.mix(h.mean(0))))
+
+    with pytest.raises(ValueError, match=r"output of mix \(shape \(3, 4\)\) is broadcast"):
+        ClippingEngine(Pooled().double()).per_example_norms(lm, (ids,))
     model = _NanoPositions(True).double()
     ref = reference_grads(model, lm, (ids,)).norm(dim=1)
     assert_norms(ClippingEngine(model).per_example_norms(lm, (ids,)), ref, torch.float64)

@@ -155,10 +155,22 @@ class _FirstForwardCheck(TorchFunctionMode):
     broadcasts against a tensor of more dimensions: its rows are then not the microbatch's
     examples, although its leading size may equal the microbatch's (nanoGPT's
     ``wpe(torch.arange(T))`` added to (B, T, d) token embeddings when T happens to equal B),
-    and each example would be credited with the whole microbatch's gradient of one row."""
+    and each example would be credited with the whole microbatch's gradient of one row.
 
-    def __init__(self, engine: "ClippingEngine"):
+    And it refuses a hooked layer whose input has the microbatch's leading size and rows that
+    differ, but does not come from the batch (no torch op links it to the batch's tensors):
+    ``wpe(torch.arange(T))`` at T = B again, which reshaped before the broadcast
+    (``.unsqueeze(0)``) the check above does not see. Inputs made from one row for all
+    (``arange(K).expand(B, K)``: learned queries) are the same for every example, and fine."""
+
+    def __init__(self, engine: "ClippingEngine", batch: Any = None, batch_size: int = 0):
         super().__init__()
+        #: id -> weak reference: the batch's tensors and every result of a torch call on one
+        self.derived: dict[int, weakref.ref] = {}
+        for t in torch.utils._pytree.tree_leaves(batch):
+            if isinstance(t, Tensor):
+                self._derive(t)
+        self.batch_size = batch_size
         self.owners: dict[int, tuple[list[int], str]] = {}
         for h in engine.hooked:
             for p in h.params.values():
@@ -173,9 +185,25 @@ class _FirstForwardCheck(TorchFunctionMode):
         #: tensor dies, before its id can be reused.
         self.rows: dict[int, tuple[weakref.ref, torch.Size, str]] = {}
 
+    def _derive(self, t: Tensor) -> None:
+        derived, key = self.derived, id(t)
+        derived[key] = weakref.ref(t, lambda _: derived.pop(key, None))
+
     def __enter__(self):
         def enter(module, args):
             self.active[id(module)] = self.active.get(id(module), 0) + 1
+            x = args[0] if args else None
+            B = self.batch_size
+            if (isinstance(x, Tensor) and B > 1 and x.dim() and x.shape[0] == B
+                    and id(x) not in self.derived and bool((x != x[:1]).any())):
+                name = next(n for m, n in self.hooked if m is module)
+                raise ValueError(
+                    f"dptrain.clipping: the input of {name} ({type(module).__name__}, shape "
+                    f"{tuple(x.shape)}) does not come from the batch, and its {B} rows differ: "
+                    f"they are not the microbatch's examples, although there are as many (a "
+                    f"shared input, such as positions from torch.arange(T) with T = {B}). Give "
+                    f"the layer one row per example, made from the batch by torch ops (a "
+                    f"tensor built through numpy or Python lists looks shared too)")
 
         def leave(module, args, output, name):
             self.active[id(module)] -= 1
@@ -192,6 +220,7 @@ class _FirstForwardCheck(TorchFunctionMode):
         for h in self.handles:
             h.remove()
         self.rows.clear()
+        self.derived.clear()
         if exc[0] is None:  # a forward that raised (this check's refusal too) checked nothing
             self.engine._uses_checked = True
         return super().__exit__(*exc)
@@ -204,6 +233,11 @@ class _FirstForwardCheck(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self._check_rows(func, args, kwargs, out)
+        if any(isinstance(a, Tensor) and id(a) in self.derived
+               for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+            for o in torch.utils._pytree.tree_leaves(out):
+                if isinstance(o, Tensor):
+                    self._derive(o)
         if torch.is_grad_enabled() and any(
                 isinstance(o, Tensor) and o.requires_grad
                 for o in torch.utils._pytree.tree_leaves(out)):
@@ -495,8 +529,8 @@ class ClippingEngine:
             targets: list[Tensor] = []
             records: list[_Record] = []
             check = contextlib.nullcontext()
-            if not self._uses_checked:
-                check = _FirstForwardCheck(self)  # sets _uses_checked once a forward passed
+            if not self._uses_checked:  # (sets _uses_checked once a forward passed)
+                check = _FirstForwardCheck(self, inputs, B)
             with self._state(state, seed), self._capture(B, coef, records, targets):
                 with check:  # the forward only: it keeps references to outputs while open
                     losses = loss_fn(self.model, inputs)
