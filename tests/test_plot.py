@@ -41,6 +41,13 @@ def test_series_group_the_row_keys_into_panels():
     assert s["test accuracy"] == {"test_accuracy": ([2, 3], [0.45, 0.5])}
     assert s["loss"]["test_loss"] == ([2, 3], [1.4, 1.3])
     assert s["epsilon spent"] == {"epsilon": ([1, 2], [1.0, 2.5])}
+    # with a parameter EMA the final metrics hold the last iterate's too: its loss joins the
+    # losses, its test-set size gets no panel
+    s = metric_series(rows, {"steps": 3, "metrics": {"loss": 1.3, "examples": 64,
+                                                     "last_iterate_loss": 1.35,
+                                                     "last_iterate_examples": 64}})
+    assert s["loss"]["test_last_iterate_loss"] == ([3], [1.35])
+    assert not any("examples" in panel for panel in s)
     # one learning rate (not a mapping) is one curve
     assert metric_series([{"step": 1, "lr": 0.1}]) == {"learning rate": {"lr": ([1], [0.1])}}
 
@@ -75,6 +82,16 @@ def test_plot_draws_a_real_run_and_keeps_an_existing_figure(tmp_path, capsys):
     other = tmp_path / "figs" / "m.png"
     code, _, _ = _run(capsys, "plot", "--run", str(out), "--output", str(other))
     assert code == 0 and other.read_bytes().startswith(PNG)
+    pdf = tmp_path / "figs" / "m.pdf"  # the format follows the suffix
+    assert _run(capsys, "plot", "--run", str(out), "--output", str(pdf))[0] == 0
+    assert pdf.read_bytes().startswith(b"%PDF")
+    # never the run's own files, even with --force
+    for name in ("metrics.jsonl", "summary.json"):
+        before = (out / name).read_bytes()
+        code, _, err = _run(capsys, "plot", "--run", str(out), "--output", str(out / name),
+                            "--force")
+        assert code == 2 and "--output: must end in .png, .pdf or .svg" in err
+        assert (out / name).read_bytes() == before
 
 
 def _fake_run(tmp_path, lines: list[str]) -> Path:

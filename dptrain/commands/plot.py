@@ -32,7 +32,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--run", metavar="DIR", required=True, help="a run directory (--output-dir "
                                                                "of dptrain train)")
     p.add_argument("--output", metavar="FILE.png", default=None,
-                   help="where to write the figure (default DIR/metrics.png)")
+                   help="where to write the figure, .png, .pdf or .svg (default "
+                        "DIR/metrics.png)")
     p.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     return p
 
@@ -63,15 +64,18 @@ def run(args: argparse.Namespace) -> int:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise ConfigError("--run", f"no metrics.jsonl in {run_dir}")
+    from dptrain.diagnostics.plotting import FORMATS, metric_series, plot_metrics
+
     output = Path(args.output) if args.output is not None else run_dir / "metrics.png"
+    if output.suffix.lower().lstrip(".") not in FORMATS:
+        # (which also keeps --force from replacing the run's metrics.jsonl or summary.json)
+        raise ConfigError("--output", f"must end in .png, .pdf or .svg, got {output.name}")
     check_new_file("--output", output, args.force)
     if importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("--output", "needs matplotlib (pip install 'dptrain[plot]')")
     rows = read_rows(metrics)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-
-    from dptrain.diagnostics.plotting import metric_series, plot_metrics
 
     series = metric_series(rows, summary)
     if not series:

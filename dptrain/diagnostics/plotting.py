@@ -68,10 +68,11 @@ def plot_audit_scores(scores, included, path: str | Path, *, title: str | None =
     return _save(fig, path)
 
 
-_COUNTS = ("test_tokens", "test_examples", "test_num_prompts")
-"""Test-set sizes: constant over a run, not worth a panel."""
+_COUNTS = ("tokens", "examples", "num_prompts")
+"""Test-set sizes (``test_tokens``, ``test_last_iterate_examples``, ...): constant over a run,
+not worth a panel."""
 
-_NOT_PLOTTED = ("step", "time", *_COUNTS)
+_LOSSES = ("loss", "nll_per_token")
 
 _PANELS = {"epsilon": "epsilon spent", "peak_memory_gib": "peak memory (GiB)"}
 """Panel titles of row keys (others: the key, ``test_`` as "test ")."""
@@ -83,7 +84,8 @@ def metric_series(rows: Iterable[Mapping], final: Mapping | None = None) -> dict
     """The curves of a run's ``metrics.jsonl`` rows, by panel: ``{panel: {label: (steps,
     values)}}``, panels in the order of first appearance.
 
-    - ``loss``: ``train_loss`` and the test losses (``test_loss``, ``test_nll_per_token``);
+    - ``loss``: ``train_loss`` and the test losses (``test_loss``, ``test_nll_per_token``, and
+      with a parameter EMA the last iterate's, ``test_last_iterate_loss``, ...);
     - ``learning rate``: one curve per parameter group (``lr`` is a mapping, or one number);
     - every other number in a row in a panel of its own: ``epsilon spent``, ``peak memory
       (GiB)``, ``test accuracy``, ...; ``time`` and the test-set sizes are not drawn;
@@ -113,13 +115,14 @@ def metric_series(rows: Iterable[Mapping], final: Mapping | None = None) -> dict
     for step in sorted(by_step):
         row = by_step[step]
         for key, value in row.items():
-            if key in _NOT_PLOTTED:
+            base = key.removeprefix("test_").removeprefix("last_iterate_")
+            if key in ("step", "time") or (key.startswith("test_") and base in _COUNTS):
                 continue
             if key == "lr":
                 groups = value if isinstance(value, Mapping) else {"lr": value}
                 for name, lr in groups.items():
                     add("learning rate", name, step, lr)
-            elif key in ("train_loss", "test_loss", "test_nll_per_token"):
+            elif key == "train_loss" or (key.startswith("test_") and base in _LOSSES):
                 add("loss", key, step, value)
             else:
                 add(_PANELS.get(key, key.replace("test_", "test ", 1)), key, step, value)
@@ -155,10 +158,16 @@ def plot_metrics(series: Mapping[str, Series], path: str | Path, *,
     return _save(fig, path)
 
 
+FORMATS = ("png", "pdf", "svg")
+"""What the figures are written as, by the path's suffix (anything else: PNG)."""
+
+
 def _save(fig, path: str | Path) -> Path:
-    """Lay out ``fig`` and write it as a PNG at ``path`` (parent directories created)."""
+    """Lay out ``fig`` and write it at ``path`` (parent directories created), as PDF or SVG
+    where the suffix says so, else as PNG."""
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
+    suffix = path.suffix.lower().lstrip(".")
+    fig.savefig(path, format=suffix if suffix in FORMATS else "png")
     return path
