@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.func import functional_call, grad, vmap
+
+from _reference import reference_grads
 
 from dptrain.clipping import ClippingEngine
 
@@ -48,28 +49,6 @@ def mse_loss(model, batch):
     x, y = batch
     out = model(x)
     return 0.5 * (out - y).pow(2).reshape(out.shape[0], -1).sum(1)
-
-
-def reference_grads(model: nn.Module, loss_fn, batch, state: dict | None = None) -> torch.Tensor:
-    """(B, P) per-example gradients over the trainable parameters (named_parameters order), by
-    vmap(grad) of the loss of ONE example through functional_call; ``state`` overrides values."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    if state:
-        params.update({n: v.detach() for n, v in state.items()})
-    trainable = {n: params[n] for n in names}
-    frozen = {n: v for n, v in params.items() if n not in trainable}
-    B = batch[0].shape[0]
-    if B == 0:
-        return torch.zeros(0, sum(v.numel() for v in trainable.values()),
-                           dtype=next(iter(trainable.values())).dtype)
-
-    def one(p, *example):
-        call = lambda *a, **k: functional_call(model, {**p, **frozen}, a, k)  # noqa: E731
-        return loss_fn(call, tuple(e.unsqueeze(0) for e in example))[0]
-
-    g = vmap(grad(one), in_dims=(None,) + (0,) * len(batch))(trainable, *batch)
-    return torch.cat([g[n].reshape(B, -1) for n in names], 1)
 
 
 def flat(acc: dict, model: nn.Module, B_ref: torch.Tensor) -> torch.Tensor:

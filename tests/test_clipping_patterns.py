@@ -1,0 +1,251 @@
+"""Model patterns the clipping engine must get exactly right or refuse, never silently wrong:
+each case gave wrong per-example norms (or skipped a check) before, found by a fuzz of 2,030
+random models against torch.func (tests/_reference.py).
+
+- in-place ops after a layer whose output is a view (nn.Linear on (B, T, d), Conv1D);
+- a user's forward hook that changes a layer's output;
+- token ids changed in place after the forward;
+- the parameter-use check after a first forward that raised;
+- shared rows: ``wpe(torch.arange(T))`` at T = B, reshaped before the broadcast;
+- BatchNorm, in training mode (refused) and eval mode (exact).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _reference import reference_grads
+
+from dptrain.clipping import ClippingEngine, per_example_grad_norms
+
+
+def sq_loss(m, batch):
+    out = m(batch[0])
+    return 0.5 * out.pow(2).reshape(out.shape[0], -1).sum(1)
+
+
+def ref_norms(m, loss, x):
+    return reference_grads(m, loss, (x,)).norm(dim=1)
+
+
+# ------------------------------------------------------------- in-place ops after a view output
+
+class InPlaceAfter(nn.Module):
+    def __init__(self, op, conv1d):
+        super().__init__()
+        self.op = op
+        if conv1d:
+            from transformers.pytorch_utils import Conv1D
+            self.a = Conv1D(4, 4)
+        else:
+            self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)  # a view of the matmul's result: on (B, T, d) input, and always for Conv1D
+        if self.op == "relu_":
+            h = F.relu(h, inplace=True)
+        elif self.op == "iadd":
+            h += 1.0
+        else:
+            h[..., 0].mul_(2.0)
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.parametrize("op", ["relu_", "iadd", "slice_mul"])
+@pytest.mark.parametrize("conv1d, shape", [(False, (5, 3, 4)), (True, (5, 4)), (True, (5, 3, 4))])
+def test_an_in_place_op_after_a_view_output_keeps_the_layer_in_norms_and_sum(op, conv1d, shape):
+    # the hook on the view never fired, the layer looked unused and dropped out of both
+    torch.manual_seed(0)
+    m = InPlaceAfter(op, conv1d).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    ref = reference_grads(m, sq_loss, (x,))
+    rn = ref.norm(dim=1)
+    C = float(rn.median())
+    norms = ClippingEngine(m, clip_norm=C).per_example_norms(sq_loss, (x,))
+    torch.testing.assert_close(norms, rn, rtol=1e-9, atol=1e-12)
+    acc = {}
+    ClippingEngine(m, clip_norm=C).accumulate(sq_loss, (x,), acc)
+    want = (ref * (C / rn).clamp(max=1.0)[:, None]).sum(0)
+    got = torch.cat([acc[n].reshape(-1) for n, _ in m.named_parameters()])
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+# -------------------------------------------------------------- a user's forward hook
+
+def test_a_user_forward_hook_that_changes_the_output_gives_exact_norms():
+    # the engine's hook ran after the user's and took the gradient w.r.t. the changed output
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    m[0].register_forward_hook(lambda mod, args, out: out * 2.0)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    got = ClippingEngine(m, clip_norm=1.0).per_example_norms(sq_loss, (x,))
+    torch.testing.assert_close(got, ref_norms(m, sq_loss, x), rtol=1e-9, atol=1e-12)
+
+
+# -------------------------------------------------------------- ids changed after the forward
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Embedding(6, 4)
+        self.h = nn.Linear(4, 6)
+
+    def forward(self, ids):
+        return self.h(torch.tanh(self.e(ids)))
+
+
+def masked_lm(inplace: bool):
+    def loss(m, batch):
+        ids = batch[0]
+        logits = m(ids)
+        labels = ids if inplace else ids.clone()  # labels that alias the ids, masked in place
+        labels.masked_fill_(labels == 5, 0)
+        return F.cross_entropy(logits.reshape(-1, 6), labels.reshape(-1),
+                               reduction="none").view(ids.shape).sum(1)
+    return loss
+
+
+def test_ids_changed_in_place_after_the_forward_are_not_used():
+    # the Embedding rule kept the ids without a copy, and its own backward (whose version
+    # check would refuse the change) never runs
+    torch.manual_seed(0)
+    m = TinyLM().double()
+    ids = torch.randint(0, 6, (4, 5))
+    ids[:, 0] = 5
+    want = per_example_grad_norms(m, masked_lm(False), (ids.clone(),))
+    got = per_example_grad_norms(m, masked_lm(True), (ids.clone(),))
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+# ------------------------------------------------------- the use check after a failed forward
+
+class HeadOutside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(6, 4)
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, ids):  # the embedding's weight used outside its module: refused
+        return F.linear(torch.tanh(self.l(self.emb(ids))), self.emb.weight)
+
+
+def logsumexp_lm(m, batch):
+    return m(batch[0]).logsumexp(-1).sum(1)
+
+
+@pytest.mark.parametrize("first", ["refused", "index_error"])
+def test_the_use_check_still_refuses_after_a_failed_first_forward(first):
+    # it counted as done before the first forward had run: after that forward raised, the next
+    # call returned norms without the outside use's gradient
+    torch.manual_seed(0)
+    engine = ClippingEngine(HeadOutside().double(), clip_norm=1.0)
+    ids = torch.randint(0, 6, (3, 4))
+    bad = ids if first == "refused" else torch.full((3, 4), 60)
+    with pytest.raises((ValueError, IndexError)):
+        engine.per_example_norms(logsumexp_lm, (bad,))
+    with pytest.raises(ValueError, match="outside"):
+        engine.per_example_norms(logsumexp_lm, (ids,))
+
+
+# ------------------------------------------------------------------------------ shared rows
+
+class Positions(nn.Module):
+    """nanoGPT's positions, ``wpe(torch.arange(T))``, added to the tokens after a reshape."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.tok = nn.Embedding(7, 4)
+        self.wpe = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, ids):
+        B, T = ids.shape
+        p = self.wpe(torch.arange(T))
+        if self.how == "unsqueeze":
+            p = p.unsqueeze(0)
+        elif self.how == "index_none":
+            p = p[None]
+        elif self.how == "view":
+            p = p.view(1, T, 4)
+        elif self.how == "expand":
+            p = p.expand(B, T, 4)
+        return self.head(torch.tanh(self.tok(ids) + p)).squeeze(-1)
+
+
+def row_sum_sq(m, batch):
+    return m(batch[0]).pow(2).sum(1)
+
+
+@pytest.mark.parametrize("how", ["direct", "unsqueeze", "index_none", "view", "expand"])
+def test_shared_positions_at_t_equal_b_are_refused_naming_the_layer(how):
+    # the broadcast check saw only the direct case; each reshape gave norms 0.6-4% off
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"the input of wpe \(Embedding, shape \(4,\)\) does "
+                                         r"not come from the batch"):
+        ClippingEngine(Positions(how).double(), clip_norm=1.0).per_example_norms(
+            row_sum_sq, (torch.randint(0, 7, (4, 4)),))
+
+
+class Queries(nn.Module):
+    """Learned query tokens: an Embedding of arange(K) expanded to every example (K = B)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Embedding(4, 4)
+        self.a = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        q = self.q(torch.arange(4).expand(x.shape[0], 4))  # (B, K, d): the same for every example
+        return self.head(torch.tanh(self.a(x) + q)).squeeze(-1)
+
+
+def test_an_input_the_same_for_every_example_is_accepted_and_exact():
+    torch.manual_seed(0)
+    m = Queries().double()
+    x = torch.randn(4, 4, 4, dtype=torch.float64)
+    norms = ClippingEngine(m, clip_norm=1.0).per_example_norms(row_sum_sq, (x,))
+    torch.testing.assert_close(norms, ref_norms(m, row_sum_sq, x), rtol=1e-9, atol=1e-12)
+
+
+# -------------------------------------------------------------------------------- BatchNorm
+
+def conv_bn(track: bool, affine: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3, affine=affine,
+                                                            track_running_stats=track),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(27, 2)).double()
+
+
+IMAGES = torch.randn(4, 2, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("track,affine", [(False, True), (True, True), (True, False)])
+def test_batchnorm_in_training_mode_is_refused_naming_the_layer(track, affine):
+    # its batch statistics couple the examples: no clip bounds one example's influence (before:
+    # the torch.func fallback with a generic warning, or an error by accident)
+    m = conv_bn(track, affine).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the fallback's note for BatchNorm's affine params)
+        engine = ClippingEngine(m, clip_norm=1.0)
+    with pytest.raises(ValueError, match=r"1 \(BatchNorm2d\) is in training mode"):
+        engine.per_example_norms(sq_loss, (IMAGES,))
+    with pytest.raises(ValueError, match="BatchNorm2d"):
+        engine.accumulate(sq_loss, (IMAGES,), {})
+
+
+def test_batchnorm_in_eval_mode_is_per_example_and_exact():
+    m = conv_bn(True)
+    m(IMAGES)  # running statistics other than the defaults
+    m.eval()
+    for p in m[1].parameters():
+        p.requires_grad_(False)  # a frozen backbone's norm layer
+    norms = ClippingEngine(m, clip_norm=1.0).per_example_norms(sq_loss, (IMAGES,))
+    torch.testing.assert_close(norms, ref_norms(m, sq_loss, IMAGES), rtol=1e-9, atol=1e-12)
