@@ -249,3 +249,30 @@ def test_batchnorm_in_eval_mode_is_per_example_and_exact():
         p.requires_grad_(False)  # a frozen backbone's norm layer
     norms = ClippingEngine(m, clip_norm=1.0).per_example_norms(sq_loss, (IMAGES,))
     torch.testing.assert_close(norms, ref_norms(m, sq_loss, IMAGES), rtol=1e-9, atol=1e-12)
+
+
+# ------------------------------------------------------------------- parameters a rule ignores
+
+def test_a_layer_with_parameters_its_rule_does_not_compute_is_refused():
+    # the legacy torch.nn.utils.weight_norm: weight_g and weight_v next to a computed weight;
+    # it failed with a bare KeyError('weight') after the backward
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's deprecation of the legacy weight_norm)
+        m = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 4)), nn.Tanh(),
+                          nn.Linear(4, 1)).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"0 \(Linear\) has the trainable parameters \['bias', "
+                                         r"'weight_g', 'weight_v'\], and its rule \(LinearRule\)"):
+        ClippingEngine(m, clip_norm=1.0).per_example_norms(sq_loss, (x,))
+
+
+def test_a_plan_state_with_a_frozen_parameter_is_refused_naming_it():
+    # (it failed with a bare KeyError)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    m[0].bias.requires_grad_(False)
+    state = {n: p.detach() + 0.1 for n, p in m.named_parameters()}
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"gives \['0.bias'\], which are not trainable"):
+        ClippingEngine(m, clip_norm=1.0).per_example_norms(sq_loss, (x,),
+                                                           plan=[(0.5, state), (0.5, None)])

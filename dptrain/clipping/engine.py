@@ -479,6 +479,11 @@ class ClippingEngine:
             if not state:
                 yield
                 return
+            unknown = sorted(set(state) - self.params.keys())
+            if unknown:
+                raise ValueError(f"dptrain.clipping: a plan's state gives {unknown}, which are "
+                                 f"not trainable parameters of the model (a state holds values "
+                                 f"of trainable parameters only)")
             saved, swapped = {}, {}
             try:
                 with torch.no_grad():
@@ -573,7 +578,19 @@ class ClippingEngine:
                 continue
             G = _to_float(rec.G)
             rec.saved = _to_float(rec.saved)
-            for attr, c in rec.rule.contributions(rec.module, rec.saved, G).items():
+            contributions = rec.rule.contributions(rec.module, rec.saved, G)
+            own = {k for k, p in rec.module._parameters.items()
+                   if p is not None and p.requires_grad}
+            if own - contributions.keys() or contributions.keys() - rec.module._parameters.keys():
+                # e.g. torch.nn.utils.weight_norm: weight_g and weight_v next to a computed
+                # weight, which the Linear rule would credit to a parameter that is not there
+                raise ValueError(
+                    f"dptrain.clipping: {rec.name} ({type(rec.module).__name__}) has the "
+                    f"trainable parameters {sorted(own)}, and its rule "
+                    f"({type(rec.rule).__name__}) computes {sorted(contributions)}: a "
+                    f"gradient would be missing from the norms. Parametrizations (weight_norm, "
+                    f"spectral_norm) are not supported")
+            for attr, c in contributions.items():
                 p = rec.module._parameters[attr]
                 if p is None or not p.requires_grad:
                     continue
