@@ -189,11 +189,11 @@ def _stop_on_signals(stop):
     """A stop signal (``STOP_SIGNALS``; torchrun forwards SIGTERM to every rank) sets
     ``stop.stop_signal``, and that of ``stop.trainer`` once there is one: the trainer stops at
     the next step boundary with a checkpoint instead of dying mid-step. The step in progress
-    finishes, all ranks agree on the step, and ``--resume auto`` continues exactly. Further stop signals are ignored: under Slurm a rank can get the same one twice,
-    from slurmstepd (which signals every process of the step) and from torchrun's agent, so
-    "twice means now" would kill it mid-step; SIGINT (Ctrl-C) or SIGKILL stop at once. Only the
-    main thread can install handlers; elsewhere (a test calling ``main`` from a thread) nothing
-    changes."""
+    finishes, all ranks agree on the step, and ``--resume auto`` continues exactly. Further
+    stop signals are ignored: under Slurm a rank can get the same one twice, from slurmstepd
+    (which signals every process of the step) and from torchrun's agent, so "twice means now"
+    would kill it mid-step; SIGINT (Ctrl-C) or SIGKILL stop at once. Only the main thread can
+    install handlers; elsewhere (a test calling ``main`` from a thread) nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -202,7 +202,7 @@ def _stop_on_signals(stop):
         if stop.stop_signal is not None:  # already stopping
             return
         stop.stop_signal = signum
-        if getattr(stop, "trainer", None) is not None:
+        if getattr(stop, "trainer", None) is not None:  # (any holder: a trainer itself too)
             stop.trainer.stop_signal = signum
         if stop.rank == 0:
             print(f"dptrain train: {signal.Signals(signum).name} received: stopping when the "

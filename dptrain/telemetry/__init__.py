@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where memory is measured: the CLI starts without it
+    import torch
 
 __all__ = ["jsonable", "strict_json", "peak_memory_bytes"]
 
@@ -41,6 +42,8 @@ def peak_memory_bytes(device: torch.device, reset: bool = False) -> int:
       across fork and exec, so a process started by a large one reports the parent's size.
     - CPU elsewhere: ``ru_maxrss``, since the process started (``reset`` does nothing).
     """
+    import torch
+
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         if reset:
