@@ -74,3 +74,13 @@ def test_cpu_peak_memory_is_the_resident_high_water_mark_of_its_window():
     assert after >= during - (4 << 20)       # increase can be less than the tensor's size;
     # the kernel's counters lag by a few pages)
     assert new < during - (1 << 29)
+
+
+def test_the_command_line_starts_without_importing_torch():
+    # every command's module is imported to build the parser: none of them, nor telemetry
+    # (which they import for strict_json), may import torch at module level
+    code = ("import sys\nfrom dptrain.cli import build_parser\nbuild_parser()\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "False"
