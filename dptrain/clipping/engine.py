@@ -15,6 +15,10 @@ current parameters; DiSK and inner momentum evaluate at several states):
 4. the clipped sum sum_b lam_b u_b: by book-keeping (one weighted product per layer from the
    captured tensors) or by a second backward of sum_b lam_b a_j loss_b per state.
 
+What a model must satisfy for this to bound each example's influence is checked, not assumed:
+its structure over the first forward (``_FirstForwardCheck``), and that no example's data
+reaches another example's rows, by perturbation after the first query (rows.py).
+
 Targets of the backward: float inputs that do not require grad are replaced, in a pre-hook, by
 leaves that do (cheap: the first layer's input gradient), and layers with integer inputs
 (embeddings) make their output a target. Every trainable tensor then lies on a path from the
@@ -49,6 +53,7 @@ from dptrain.clipping.contributions import (
     squared_norms,
     state_bytes,
 )
+from dptrain.clipping.rows import check_example_rows
 from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
 from dptrain.models.dropout import set_stream as set_dropout_stream
 
@@ -364,6 +369,9 @@ class ClippingEngine:
         self._workspace: dict[str, Tensor] = {}
         #: the first forward runs under _FirstForwardCheck (the model's structure, checked once)
         self._uses_checked = False
+        #: examples kept to their own rows (rows.py), checked at the first query that can
+        self._rows_checked = False
+        self._pending_rows: tuple | None = None  # that check, due at the end of this query
 
     # -----------------------------------------------------------------------------------------
     # capture
@@ -522,6 +530,7 @@ class ClippingEngine:
                     f"gradient depends on the others and no clip bounds its influence. Use "
                     f"GroupNorm or LayerNorm, or keep it in eval mode (running statistics)")
         B = batch_size_of(batch)
+        self._pending_rows = None
         graphs = []
         loss_total = None  # per-example losses at the current state (display only)
         current = 0  # entries at the current state (several views: their losses are averaged)
@@ -536,7 +545,10 @@ class ClippingEngine:
             check = contextlib.nullcontext()
             if not self._uses_checked:  # (sets _uses_checked once a forward passed)
                 check = _FirstForwardCheck(self, inputs, B)
+            rows_due = j == 0 and not self._rows_checked
             with self._state(state, seed), self._capture(B, coef, records, targets):
+                if rows_due:  # checked at the end of the query (_finish_rows_check)
+                    self._pending_rows = (loss_fn, inputs, B, j, state)
                 with check:  # the forward only: it keeps references to outputs while open
                     losses = loss_fn(self.model, inputs)
                 if losses.shape != (B,):
@@ -570,6 +582,25 @@ class ClippingEngine:
         if current > 1:
             loss_total = loss_total / current
         return graphs, loss_total
+
+    def _finish_rows_check(self) -> None:
+        """Row b of every hooked input and loss b depend on example b alone (rows.py): checked
+        by perturbation once the first query whose forward passed the structural checks is
+        done (its captures, per-example buffers and graphs released by then, so the check's
+        forwards do not raise the step's peak), before its clipped sum reaches the caller. In
+        one process, a microbatch with nothing to compare (one example, or all alike) leaves it
+        for the next; with a process group every rank checks at its first query, compared or
+        not, so that all ranks run the check's forwards together (FSDP gathers in each). A
+        refusal leaves it due."""
+        pending, self._pending_rows = self._pending_rows, None
+        if pending is None:
+            return
+        loss_fn, inputs, B, stream, state = pending
+        collective = torch.distributed.is_available() and torch.distributed.is_initialized()
+        with self._state(state):
+            done = check_example_rows(self.model, [(h.name, h.module) for h in self.hooked],
+                                      loss_fn, inputs, B, stream, collective=collective)
+        self._rows_checked = done or collective
 
     def _contributions(self, records: list[_Record]) -> dict[str, list[Contribution]]:
         per_param: dict[str, list[Contribution]] = {}
@@ -671,6 +702,8 @@ class ClippingEngine:
         self._forward_backward(loss_fn, batch, plan, False, query)
         with self._exact():
             norms, _ = self._norms(query, B, device, dtype)
+        del query
+        self._finish_rows_check()
         return norms
 
     def clip_factors(self, norms: Tensor) -> Tensor:
@@ -699,6 +732,8 @@ class ClippingEngine:
         query = self._query(plan)
         graphs, loss_total = self._forward_backward(loss_fn, batch, plan, two_pass, query)
         sizes = query.held_bytes(B, {n: p.numel() for n, p in self.params.items()})
+        # the first query's clipped sum reaches acc only after the rows check passed
+        out = {} if self._pending_rows is not None else acc
         # the engine's own arithmetic in float32/64, whatever the caller's autocast
         with self._exact():
             norms, used = self._norms(query, B, device, dtype)
@@ -728,18 +763,23 @@ class ClippingEngine:
                     for n, g in zip(names, grads):
                         a = coef.get(n, 0.0) if isinstance(coef, dict) else coef
                         if g is not None and a != 0.0:
-                            self._add(acc, n, g.to(dtype) * a)
+                            self._add(out, n, g.to(dtype) * a)
             else:
                 for name in list(used):
                     contribs = used.pop(name)  # released as soon as it is summed
                     p = self.params[name]
-                    self._add(acc, name, clipped_sum(contribs, lam, p.shape, dtype))
+                    self._add(out, name, clipped_sum(contribs, lam, p.shape, dtype))
+            graphs = used = None
             keep = active.to(loss_total.device) if active is not None else None
             n = int(keep.sum()) if keep is not None else B
             loss_sum = float(loss_total[keep].sum() if keep is not None else loss_total.sum())
-            held, least = sizes
-            return StepStats(num_examples=n, loss_sum=loss_sum, states=len(plan),
-                             query_bytes=held, least_query_bytes=least)
+        if out is not acc:  # (under the caller's autocast, as the query's forwards)
+            self._finish_rows_check()
+            for name, value in out.items():
+                self._add(acc, name, value)
+        held, least = sizes
+        return StepStats(num_examples=n, loss_sum=loss_sum, states=len(plan),
+                         query_bytes=held, least_query_bytes=least)
 
     @staticmethod
     def _add(acc: dict[str, Tensor], name: str, value: Tensor) -> None:

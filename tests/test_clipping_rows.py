@@ -1,0 +1,355 @@
+"""The engine's perturbation check that row b of every hooked input, and loss b, belong to
+example b alone (dptrain/clipping/rows.py). Each refused model below passed every earlier check
+and got per-example norms that bound no example's influence (shown against the true influence
+for the batch mean); the models that keep examples apart are still accepted, with results,
+randomness and buffers as without the check."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _reference import reference_grads
+
+from dptrain.clipping import ClippingEngine
+from dptrain.clipping.rows import REL_TOL
+
+
+def sq_loss(m, batch):
+    out = m(batch[0])
+    return 0.5 * out.pow(2).reshape(out.shape[0], -1).sum(1)
+
+
+class BatchCentred(nn.Module):
+    """h - h.mean(0): every example's hidden state depends on the whole microbatch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h - h.mean(0, keepdim=True))
+
+
+class SequenceFirst(nn.Module):
+    """nn.MultiheadAttention's default (T, B, d) layout: the Linear inside sees position t as
+    its row; with T = B every shape check passes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):  # x: (B, T, 4)
+        h = torch.tanh(self.a(x.transpose(0, 1)))  # (T, B, 4)
+        return self.b(h).transpose(0, 1)
+
+
+class Reversed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).flip(0))
+
+
+def _x(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("model, shape, layer", [
+    (BatchCentred, (5, 4), "b"),
+    (SequenceFirst, (3, 3, 4), "a"),  # T = B = 3
+    (Reversed, (5, 4), "b"),
+])
+def test_a_model_that_mixes_or_transposes_examples_is_refused_naming_the_layer(model, shape,
+                                                                                layer):
+    torch.manual_seed(0)
+    m = model().double()
+    with pytest.raises(ValueError, match=rf"the rows of the input of {layer} \(Linear"):
+        ClippingEngine(m, clip_norm=1.0).accumulate(sq_loss, (_x(*shape),), {})
+
+
+def test_batch_centring_breaks_the_per_example_bound_it_is_refused_for():
+    # why the refusal matters: with h - h.mean(0), removing one example moves the sum of the
+    # others' gradients, so an example's influence exceeds its clipped gradient. The engine
+    # (checks off) credits each row's gradient to one example as if rows were independent.
+    torch.manual_seed(0)
+    m = BatchCentred().double()
+    x = _x(6, 4)
+    engine = ClippingEngine(m)
+    engine._rows_checked = True  # the check off: what the engine computed before it
+    norms = engine.per_example_norms(sq_loss, (x,))
+    # the true per-example gradients (each example's loss alone, the batch mean as a function of
+    # all inputs) are not what the rows give: the engine's norms are wrong for this model
+    full = torch.autograd.functional.jacobian(
+        lambda *ps: _losses_with(m, ps, x), tuple(m.parameters()))
+    true = torch.cat([j.reshape(6, -1) for j in full], 1)
+    assert not torch.allclose(norms, true.norm(dim=1), rtol=1e-3)
+    with pytest.raises(ValueError, match="not one example each"):
+        ClippingEngine(m).per_example_norms(sq_loss, (x,))
+
+
+def _losses_with(m, params, x):
+    names = [n for n, _ in m.named_parameters()]
+    return torch.func.functional_call(m, dict(zip(names, params)), (x,)).pow(2).sum(1) * 0.5
+
+
+def test_a_loss_normalised_over_the_microbatch_is_refused_naming_loss_fn():
+    # a common LM loss: summed token NLL over the microbatch's total token count
+    m = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 7)).double()
+    ids = torch.randint(0, 7, (4, 5), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(4, 5)
+    mask[1, 3:] = 0
+    mask[2, 1:] = 0
+
+    def batch_normalised(model, batch):
+        ids, mask = batch
+        nll = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten(), reduction="none")
+        return (nll.view(ids.shape) * mask).sum(1) / mask.sum()
+
+    def per_example(model, batch):
+        ids, mask = batch
+        nll = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten(), reduction="none")
+        return (nll.view(ids.shape) * mask).sum(1) / mask.sum(1)
+
+    with pytest.raises(ValueError, match=r"loss_fn's per-example losses are not one example "
+                                         r"each: .* changed the losses of 3 of the other 3"):
+        ClippingEngine(m, clip_norm=1.0).accumulate(batch_normalised, (ids, mask), {})
+    ref = reference_grads(m, per_example, (ids, mask)).norm(dim=1)
+    torch.testing.assert_close(ClippingEngine(m).per_example_norms(per_example, (ids, mask)),
+                               ref, rtol=1e-9, atol=1e-12)
+
+
+def test_a_refusal_leaves_the_check_due_and_a_fixed_forward_passes():
+    m = BatchCentred().double()
+    engine = ClippingEngine(m, clip_norm=1.0)
+    x = _x(5, 4)
+    for _ in range(2):  # caught and called again: refused again, not skipped
+        with pytest.raises(ValueError, match="not one example each"):
+            engine.accumulate(sq_loss, (x,), {})
+
+
+def test_nothing_to_compare_leaves_the_check_for_the_next_microbatch():
+    # one example, then identical examples: no perturbation possible, so not yet checked
+    m = BatchCentred().double()
+    engine = ClippingEngine(m, clip_norm=1.0)
+    engine.accumulate(sq_loss, (_x(1, 4),), {})
+    engine.accumulate(sq_loss, (_x(1, 4).expand(3, 4).clone(),), {})
+    assert not engine._rows_checked
+    with pytest.raises(ValueError, match="not one example each"):
+        engine.accumulate(sq_loss, (_x(3, 4),), {})
+
+
+def _gpt2(dropout: float):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=61, n_positions=16,
+                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                     tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
+    return model.train()
+
+
+def _gpt2_batch(B=5, T=10):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 61, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    for b, length in enumerate([T, 7, 4, 2, 9][:B]):
+        mask[b, length:] = 0
+        ids[b, length:] = 0
+    return ids, mask
+
+
+def gpt2_loss(model, batch):
+    ids, mask = batch
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    tgt, keep = ids[:, 1:], mask[:, 1:].to(logits.dtype)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
+    return (ce.view(tgt.shape) * keep).sum(1)
+
+
+@pytest.mark.parametrize("example_masks", [False, True])
+def test_gpt2_with_dropout_passes_and_the_check_changes_nothing(example_masks, recwarn):
+    # torch's RNG dropout and dptrain's per-example masks: the check's forwards start from the
+    # real forward's randomness, and leave the RNG, the sums and the buffers as they were
+    from dptrain.models.dropout import example_dropout
+
+    batch = _gpt2_batch()
+    results = []
+    for checked in (False, True):
+        model = _gpt2(0.1)
+        engine = ClippingEngine(model, clip_norm=0.5)
+        engine._rows_checked = not checked
+        acc = {}
+        torch.manual_seed(7)
+        ctx = (example_dropout(model, 3, 1, torch.arange(5)) if example_masks
+               else contextlib.nullcontext())
+        with ctx:
+            for _ in range(2):
+                engine.accumulate(gpt2_loss, batch, acc, plan=[(0.5, None), (0.5, None, 11)])
+        assert engine._rows_checked
+        results.append((acc, torch.get_rng_state(), torch.rand(3)))
+    # checked, not skipped: the check's forwards drew the real forward's dropout masks
+    assert not [w for w in recwarn if "could not check" in str(w.message)]
+    (a0, s0, r0), (a1, s1, r1) = results
+    assert a0.keys() == a1.keys()
+    for n in a0:
+        assert torch.equal(a0[n], a1[n]), n
+    assert torch.equal(s0, s1) and torch.equal(r0, r1)
+
+
+def test_a_forward_that_changes_a_buffer_gets_it_back():
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls += 1
+            return self.lin(x)
+
+    m = Counting().double()
+    ClippingEngine(m, clip_norm=1.0).accumulate(sq_loss, (_x(4, 4),), {})
+    assert float(m.calls) == 1  # the real forward's; the check's three were undone
+
+
+def test_a_nondeterministic_forward_is_warned_about_not_refused():
+    class Noisy(nn.Module):  # randomness outside torch's RNG: not reproducible by the check
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+            self.g = torch.Generator().manual_seed(0)
+
+        def forward(self, x):
+            return self.lin(x + torch.randn(x.shape, generator=self.g, dtype=x.dtype))
+
+    engine = ClippingEngine(Noisy().double(), clip_norm=1.0)
+    with pytest.warns(UserWarning, match="gave different values"):
+        engine.accumulate(sq_loss, (_x(4, 4),), {})
+    assert engine._rows_checked  # warned once, not at every microbatch
+
+
+def test_layer_calls_that_depend_on_the_data_are_warned_about():
+    class Trimmed(nn.Module):  # drops the positions no example uses: shapes follow the data
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(1, 2)
+
+        def forward(self, x):  # x: (B, T), zeros are padding
+            used = int((x != 0).any(0).nonzero().max()) + 1
+            return self.lin(x[:, :used, None])
+
+    # example 0 alone reaches position 3: replacing it by example 1 drops that position
+    x = torch.tensor([[1.0, 2.0, 6.0], [3.0, 0.0, 0.0], [4.0, 5.0, 0.0]], dtype=torch.float64)
+    with pytest.warns(UserWarning, match="change when one example changes"):
+        ClippingEngine(Trimmed().double(), clip_norm=1.0).accumulate(sq_loss, (x,), {})
+
+
+@pytest.mark.parametrize("weight, refused", [(1e-9, False), (1e-4, True)])
+def test_mixing_above_the_tolerance_is_refused_and_rounding_level_is_not(weight, refused):
+    # rows that move by rounding only (another summation order) are not mixing: a batch sum
+    # added at 1e-9 is accepted; at 1e-4, ten times the tolerance, it is refused
+    class Leaky(nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.w = w
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(h + self.w * h.sum(0, keepdim=True))
+
+    assert REL_TOL == 1e-5
+    torch.manual_seed(0)
+    engine = ClippingEngine(Leaky(weight).double(), clip_norm=1.0)
+    check = pytest.raises(ValueError, match="rows of the input of b") if refused else (
+        contextlib.nullcontext())
+    with check:
+        engine.accumulate(sq_loss, (_x(5, 4),), {})
+    assert engine._rows_checked != refused
+
+
+def test_a_loss_fn_that_edits_the_batch_in_place_is_checked_on_copies():
+    # labels masked in place inside loss_fn (idempotent here): the check's forwards run on
+    # copies, so the caller's batch is edited once, by the real forward only
+    edits = []
+
+    def masking(model, batch):
+        x, y = batch
+        edits.append(1)
+        y.mul_(2.0)
+        return (model(x) - y).pow(2).sum(1)
+
+    m = nn.Linear(4, 2).double()
+    y = _x(5, 2, seed=1)
+    before = y.clone()
+    ClippingEngine(m, clip_norm=1.0).accumulate(masking, (_x(5, 4), y), {})
+    assert len(edits) == 4  # the real forward and the check's three
+    torch.testing.assert_close(y, 2 * before, rtol=0, atol=0)
+
+
+class _Blocks(nn.Module):
+    """Two FSDP units (``layers.N``) and a root-owned head; ``centre``: h - h.mean(0)."""
+
+    def __init__(self, centre: bool):
+        super().__init__()
+        self.centre = centre
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        if self.centre:
+            x = x - x.mean(0, keepdim=True)
+        return self.head(x)
+
+
+def _sharded_queries(rank: int, world: int, centre: bool, sizes: tuple) -> dict:
+    from dptrain.parallel.fsdp import apply_fsdp
+
+    x = _x(sizes[rank], 4, seed=rank)
+    out = {}
+    for checked in (True, False):
+        torch.manual_seed(0)
+        model = apply_fsdp(_Blocks(centre).double())
+        engine = ClippingEngine(model, clip_norm=0.5)
+        engine._rows_checked = not checked
+        sums = []
+        try:
+            for _ in range(2):
+                acc: dict = {}
+                engine.accumulate(sq_loss, (x,), acc)
+                sums.append(acc)
+                with torch.no_grad():  # a step: new values written into the shards
+                    for p in model.parameters():
+                        p.to_local().mul_(1.5)
+        except ValueError as e:
+            return {"error": str(e)}
+        out[checked] = sums
+        out["done"] = engine._rows_checked
+    return out
+
+
+def test_under_fsdp_every_rank_runs_the_check_and_the_sums_are_unchanged():
+    from dptrain.parallel.dist import spawn
+
+    # rank 0 has a microbatch to compare, rank 1 a single example (nothing to compare): both
+    # run the check's forwards, whose gathers must pair up; after them the parameters must be
+    # resharded, or the next query would use the root's gathered copies from before the step
+    for r in spawn(_sharded_queries, 2, False, (3, 1)):
+        assert r["done"]
+        for with_check, without in zip(r[True], r[False]):
+            assert with_check.keys() == without.keys()
+            for n in with_check:
+                assert torch.equal(with_check[n], without[n]), n
+    for r in spawn(_sharded_queries, 2, True, (3, 2)):
+        assert "rows of the input of head" in r["error"]
