@@ -54,3 +54,15 @@ def test_failing_variant_is_recorded_not_raised():
     times, errors = common.time_interleaved({"ok": lambda: None, "bad": boom}, rounds=2)
     assert errors == {"bad": "RuntimeError: in-place view"}
     assert len(times.wall["ok"]) == 2 and "bad" not in times.wall
+
+
+def test_rows_check_bench_times_a_passing_check_on_both_models(capsys):
+    # the check it times must pass on dp_step's models (an assertion inside the timed call), and
+    # the last line is one JSON object with each model's ratio against the private step
+    rows_check = _load("rows_check")
+    rows_check.main(["--tiny", "--rounds", "1"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for kind in ("gpt2", "nfresnet"):
+        r = summary[kind]
+        assert r["check_s"] > 0 and r["private_step_s"] > 0
+        assert r["check_over_step"] == pytest.approx(r["check_s"] / r["private_step_s"])

@@ -9,10 +9,11 @@ release by more than C.
 forwards without gradients, from the same randomness (torch's RNG state and the per-example
 dropout stream set back before each), on the microbatch and on a copy in which example 0 is replaced by the first example that differs from it. Every other row
 of every hooked layer's input, and every other loss, must come out the same (to 1e-5 of the
-row's norm: reductions in another order are not mixing). A third forward, of the microbatch
-again, tells mixing from a forward that is not deterministic. A row is compared through its
+row's norm: reductions in another order are not mixing). When rows moved, a third forward, of
+the microbatch again, tells mixing from a forward that is not deterministic. A row is compared through its
 norm and a fixed random projection (float64), so nothing of the size of the activations is
-kept; the cost is three forwards without gradients, once.
+kept; the cost is two forwards without gradients, once (three under a process group, where
+every rank runs the same forwards).
 
 What it cannot see: mixing in the backward only (a custom autograd function, a
 ``x + (f(x) - f(x).detach())`` trick), mixing weaker than 1e-5 of a row, and mixing that depends
@@ -146,7 +147,7 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
     starts from the same torch RNG state, the one it found, and leaves it there.
     ``collective``: ranks run the forwards together (a process group: FSDP gathers
     the parameters in each), so all three run whatever this rank's microbatch; otherwise a
-    microbatch with nothing to compare runs none. Returns whether the check is done: False when
+    microbatch with nothing to compare runs none, and the third runs only when rows moved. Returns whether the check is done: False when
     there was nothing to compare (one example, or all alike); True when rows were compared, or
     when the forward cannot be checked (a warning says so)."""
     source = _differing_row(inputs, B) if B > 1 else None
@@ -165,33 +166,53 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
         with torch.random.fork_rng(devices=devices):
             return _forward(model, loss_fn, x, hooked, B, stream, buffers)
 
-    try:  # (collective: three on every rank, even with nothing to compare)
-        control, control_losses = run(inputs)
-        test, test_losses = run(perturbed)
-        again, again_losses = run(inputs)
-    finally:
-        # FSDP2 keeps the root's parameters gathered after a forward without a backward: the
-        # next forward would reuse those copies, stale once the optimizer writes the shards
-        reshard(model)
+    def forwards(*xs):
+        try:
+            return [run(x) for x in xs]
+        finally:
+            # FSDP2 keeps the root's parameters gathered after a forward without a backward: the
+            # next forward would reuse those copies, stale once the optimizer writes the shards
+            reshard(model)
+
+    # under a process group every rank runs all three forwards, even with nothing to compare,
+    # so that the gathers pair up; in one process the third (the microbatch again, to tell
+    # mixing from a forward that is not deterministic) only when rows moved
+    (control, control_losses), (test, test_losses), *again = forwards(
+        inputs, perturbed, *([inputs] if collective else []))
     if source is None:
         return False  # one example, or all alike: nothing to compare
-    if _differ(control, control_losses, again, again_losses):
+    problem = _mixing(control, control_losses, test, test_losses, hooked, B, source)
+    if problem is None:
+        return True
+    again_rows, again_losses = again[0] if again else forwards(inputs)[0]
+    if _differ(control, control_losses, again_rows, again_losses):
         warnings.warn("dptrain.clipping: could not check that the model keeps the examples of "
                       "a microbatch apart: two forwards of the same microbatch from the same "
                       "randomness gave different values", stacklevel=3)
         return True
-    if _calls(control) != _calls(test):
+    if problem == _CALLS:
         warnings.warn("dptrain.clipping: could not check that the model keeps the examples of "
                       "a microbatch apart: its layer calls or their shapes change when one "
                       "example changes", stacklevel=3)
         return True
+    raise ValueError(problem)
+
+
+_CALLS = "layer calls differ"
+
+
+def _mixing(control, control_losses, test, test_losses, hooked, B: int, source: int) -> str | None:
+    """What changed outside example 0's rows between the two forwards, as the refusal's text
+    (``_CALLS`` when the layer calls themselves differ); None when nothing did."""
+    if _calls(control) != _calls(test):
+        return _CALLS
     others = torch.ones(B, dtype=torch.bool)
     others[0] = False
     for (name, shape, cn, cp), (_, _, tn, tp) in zip(control, test):
         bad = _changed(cn, cp, tn, tp).cpu() & others
         if bool(bad.any()):
             module = next(m for n, m in hooked if n == name)
-            raise ValueError(
+            return (
                 f"dptrain.clipping: the rows of the input of {name} ({type(module).__name__}, "
                 f"shape {shape}) are not one example each: replacing example 0 of the "
                 f"microbatch (by a copy of example {source}) changed {int(bad.sum())} of the "
@@ -202,14 +223,14 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
                 f"example's computation to its own row")
     bad = _changed_losses(control_losses, test_losses).cpu() & others
     if bool(bad.any()):
-        raise ValueError(
+        return (
             f"dptrain.clipping: loss_fn's per-example losses are not one example each: replacing "
             f"example 0 of the microbatch (by a copy of example {source}) changed the losses of "
             f"{int(bad.sum())} of the other {B - 1} examples (a loss normalised over the "
             f"microbatch, such as by its total token count, or examples mixed after the last "
             f"layer with parameters): each example's clip would not bound its influence. "
             f"Return each example's loss computed from that example alone")
-    return True
+    return None
 
 
 def _calls(rows) -> list[tuple[str, tuple]]:
