@@ -353,3 +353,20 @@ def test_under_fsdp_every_rank_runs_the_check_and_the_sums_are_unchanged():
                 assert torch.equal(with_check[n], without[n]), n
     for r in spawn(_sharded_queries, 2, True, (3, 2)):
         assert "rows of the input of head" in r["error"]
+
+
+def test_row_fingerprints_in_blocks_equal_the_whole_at_once(monkeypatch):
+    # a large activation is converted to float64 a block of rows at a time: same fingerprints
+    from dptrain.clipping import rows
+
+    x = torch.randn(7, 3, 5, generator=torch.Generator().manual_seed(2))
+    whole = rows._Signatures([], 7)
+    whole.sign("x", x)
+    monkeypatch.setattr(rows, "BLOCK", 15 * 2)  # two rows of 15 elements per block
+    blocks = rows._Signatures([], 7)
+    blocks.sign("x", x)
+    flat = x.reshape(7, -1).double()
+    (_, _, n1, p1), (_, _, n2, p2) = whole.rows[0], blocks.rows[0]
+    torch.testing.assert_close(n1, flat.norm(dim=1), rtol=1e-15, atol=0)
+    torch.testing.assert_close(n2, n1, rtol=0, atol=0)
+    torch.testing.assert_close(p2, p1, rtol=1e-15, atol=1e-15)

@@ -36,6 +36,8 @@ from dptrain.parallel.fsdp import reshard
 
 #: a row counts as changed when it moved by more than this fraction of its norm
 REL_TOL = 1e-5
+#: elements of a block of rows converted to float64 at a time (128 MiB)
+BLOCK = 2**24
 
 
 def _rows(t: Any, B: int) -> bool:
@@ -87,9 +89,14 @@ class _Signatures:
         return self._directions[key]
 
     def sign(self, name: str, t: Tensor) -> None:
-        flat = t.detach().reshape(self.B, -1).to(torch.float64)
-        self.rows.append((name, tuple(t.shape), flat.norm(dim=1),
-                          flat @ self.direction(flat.shape[1], flat.device)))
+        flat = t.detach().reshape(self.B, -1)
+        r = self.direction(flat.shape[1], flat.device)
+        norms, projections = [], []
+        for block in flat.split(max(1, BLOCK // flat.shape[1])):  # float64, a block at a time
+            block = block.to(torch.float64)
+            norms.append(block.norm(dim=1))
+            projections.append(block @ r)
+        self.rows.append((name, tuple(t.shape), torch.cat(norms), torch.cat(projections)))
 
     def __enter__(self):
         for name, module in self.hooked:
@@ -127,14 +134,14 @@ def _forward(model, loss_fn, inputs, hooked, B, stream, buffers):
     changes are put back. Returns (per-row fingerprints of the hooked inputs, per-example
     losses)."""
     set_dropout_stream(stream)
-    versions = {n: b._version for n, b in buffers.items()}
+    versions = {n: b._version for n, b in model.named_buffers()}
     try:
         with torch.no_grad(), _Signatures(hooked, B) as sig:
             losses = loss_fn(model, inputs).detach().to(torch.float64)
     finally:
         with torch.no_grad():
             for n, b in model.named_buffers():
-                if n in buffers and b._version != versions[n]:
+                if n in buffers and b._version != versions.get(n):
                     b.copy_(buffers[n])
     return sig.rows, losses
 
