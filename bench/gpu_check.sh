@@ -18,7 +18,7 @@
 #   1. `pytest -m gpu` (60): tests/test_gpu.py's CUDA checks (engine norms vs CPU float64,
 #      counter-based noise across shard slices, bf16 autocast steps, CUDA == CPU without noise,
 #      the release's noise drawn in the background equal to the inline draw, the peak memory
-#      that metrics rows report).
+#      that metrics rows report, the engine's row check with CUDA dropout).
 #   2. GPT-2 small, random init, T = 128, DP-Muon-IM K = 2 (90): `dptrain train` for 5
 #      releases of b = 256, then private vs non-private steps: bench/gpu_check.py.
 #   3. NF-ResNet-50 at 224 px, DP-Muon + AdamW (90): the same for nf_resnet50, b = 256.

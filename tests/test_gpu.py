@@ -11,7 +11,9 @@ and CPU smoke tests of the GPU script's Python parts (bench/gpu_check.py --tiny 
 - augmentation views on CUDA equal CPU's; an NF-ResNet run with augmult and EMA on CUDA;
 - the whole trainer on CUDA in float32 and the same run on CPU agree up to the noise, which
   differs by device: with sigma = 0 the parameters match;
-- the audit's canaries on CUDA release exactly C/b at their coordinates when present.
+- the audit's canaries on CUDA release exactly C/b at their coordinates when present;
+- the engine's row check on CUDA: GPT-2 with dropout passes and keeps the CUDA RNG, a batch mean
+  is refused.
 """
 
 from __future__ import annotations
@@ -94,6 +96,52 @@ def test_engine_norms_on_cuda_equal_cpu_float64(kind, rtol, no_tf32):
     got = per_example_grad_norms(model.cuda(), loss, _to(batch, "cuda")).double().cpu()
     assert ref.shape == got.shape == (8,) and bool((ref > 0).all())
     assert torch.allclose(got, ref, rtol=rtol, atol=0), (got / ref - 1).abs().max()
+
+
+@pytest.mark.gpu
+@cuda
+def test_row_check_on_cuda_passes_gpt2_with_dropout_refuses_mixing_and_keeps_the_rng():
+    """The engine's row check (dptrain/clipping/rows.py) on CUDA: a GPT-2 with torch's dropout
+    passes without a 'could not check' warning (the CUDA RNG is forked and set back for each
+    forward) and leaves the CUDA RNG where it was; a batch mean before a layer is refused."""
+    import warnings
+
+    from dptrain.clipping import ClippingEngine
+
+    task, model = _task_and_model("gpt2")
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.1
+    model = model.cuda()
+    batch = _to(task.train.collate(np.arange(6)), "cuda")
+    torch.cuda.manual_seed(5)
+    before = torch.cuda.get_rng_state()
+    engine = ClippingEngine(model, clip_norm=0.5)
+    engine._rows_checked = True
+    engine.accumulate(_lm_loss_same_dtype, batch, {})
+    after_unchecked = torch.cuda.get_rng_state()
+    torch.cuda.set_rng_state(before)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = ClippingEngine(model, clip_norm=0.5)
+        engine.accumulate(_lm_loss_same_dtype, batch, {})
+    assert engine._rows_checked
+    assert not [w for w in caught if "could not check" in str(w.message)]
+    assert torch.equal(torch.cuda.get_rng_state(), after_unchecked)
+
+    class Centred(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(h - h.mean(0))
+
+    x = torch.randn(5, 4, device="cuda")
+    with pytest.raises(ValueError, match="rows of the input of b"):
+        ClippingEngine(Centred().cuda(), clip_norm=1.0).accumulate(
+            lambda m, b: m(b[0]).pow(2).sum(1), (x,), {})
 
 
 @pytest.mark.gpu
