@@ -65,7 +65,8 @@ def _x(*shape, seed=0):
 @pytest.mark.parametrize("model, shape, layer", [
     (BatchCentred, (5, 4), "b"),
     (SequenceFirst, (3, 3, 4), "a"),  # T = B = 3
-    (Reversed, (5, 4), "b"),
+    (Reversed, (5, 4), "b"),  # odd B: the flip keeps each example's parity, not its half
+    (Reversed, (4, 4), "b"),
 ])
 def test_a_model_that_mixes_or_transposes_examples_is_refused_naming_the_layer(model, shape,
                                                                                 layer):
@@ -73,6 +74,109 @@ def test_a_model_that_mixes_or_transposes_examples_is_refused_naming_the_layer(m
     m = model().double()
     with pytest.raises(ValueError, match=rf"the rows of the input of {layer} \(Linear"):
         ClippingEngine(m, clip_norm=1.0).accumulate(sq_loss, (_x(*shape),), {})
+
+
+class Between(nn.Module):
+    """Linear -> tanh -> f -> Linear, f an op across the batch dimension."""
+
+    def __init__(self, f):
+        super().__init__()
+        self.f, self.a, self.b = f, nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(self.f(torch.tanh(self.a(x))))
+
+
+def _add_row(i, j):
+    def f(h):
+        h = h.clone()
+        h[i] = h[i] + h[j]
+        return h
+
+    return f
+
+
+@pytest.mark.parametrize("f, B, seed", [
+    # flows a single replaced example (example 0) never shows: into example 0, between two
+    # others, a permutation that fixes example 0, a reversed cumulative sum
+    (_add_row(1, 2), 4, 0),
+    (_add_row(0, 1), 4, 0),
+    (lambda h: h[torch.tensor([0, 2, 1, 3])], 4, 0),
+    (lambda h: h.flip(0).cumsum(0).flip(0), 4, 0),
+    (lambda h: h.roll(1, 0), 5, 0),
+    (lambda h: h.cumsum(0), 6, 0),
+    # a batch statistic that replacing example 0 by a copy of example 1 leaves unchanged (here
+    # example 0 is never the maximum)
+    (lambda h: h - h.amax(0, keepdim=True), 5, 3),
+])
+def test_flows_between_examples_of_either_parity_or_half_are_refused(f, B, seed):
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"the rows of the input of b \(Linear"):
+        ClippingEngine(Between(f).double(), clip_norm=1.0).accumulate(
+            sq_loss, (_x(B, 4, seed=seed),), {})
+
+
+def test_a_loss_that_counts_labels_over_the_microbatch_is_refused():
+    # class-balanced weights from the microbatch's own label counts; y[0] == y[1], so replacing
+    # example 0 alone by a copy of example 1 would leave every count as it was
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+
+    def balanced(model, batch):
+        x, y = batch
+        counts = torch.bincount(y, minlength=3).to(x.dtype)
+        return F.cross_entropy(model(x), y, reduction="none") / counts[y]
+
+    with pytest.raises(ValueError, match="loss_fn's per-example losses are not one example"):
+        ClippingEngine(m, clip_norm=1.0).accumulate(
+            balanced, (_x(4, 4), torch.tensor([1, 1, 0, 2])), {})
+
+
+def test_a_view_that_mixes_examples_is_refused():
+    # the check replaces examples of the batch and applies the plan entry's view to each copy
+    mixup = lambda b: (0.7 * b[0] + 0.3 * b[0].flip(0),)  # noqa: E731
+    m = Between(lambda h: h).double()
+    with pytest.raises(ValueError, match=r"the rows of the input of a \(Linear"):
+        ClippingEngine(m, clip_norm=1.0).accumulate(sq_loss, (_x(4, 4),), {},
+                                                    plan=[(1.0, None, None, mixup)])
+
+
+def test_a_microbatch_whose_replacements_reach_no_layer_leaves_the_check_due():
+    # equal inputs, labels alone differ: a batch mean of the hidden states cannot show, so the
+    # check waits for a microbatch whose inputs differ, and refuses there
+    m = BatchCentred().double()
+
+    def labelled(model, batch):
+        x, y = batch
+        return (model(x) - y).pow(2).sum(1)
+
+    engine = ClippingEngine(m, clip_norm=1.0)
+    engine.accumulate(labelled, (_x(1, 4).expand(3, 4).clone(), _x(3, 2, seed=1)), {})
+    assert not engine._rows_checked
+    with pytest.raises(ValueError, match="rows of the input of b"):
+        engine.accumulate(labelled, (_x(3, 4, seed=2), _x(3, 2, seed=4)), {})
+
+
+def test_after_max_attempts_without_reaching_a_layer_the_check_warns_and_stops():
+    from dptrain.clipping.rows import MAX_ATTEMPTS
+
+    calls = []
+
+    def labelled(model, batch):
+        calls.append(1)
+        x, y = batch
+        return (model(x) - y).pow(2).sum(1)
+
+    engine = ClippingEngine(nn.Linear(4, 2).double(), clip_norm=1.0)
+    batch = (_x(1, 4).expand(3, 4).clone(), _x(3, 2, seed=1))
+    for _ in range(MAX_ATTEMPTS - 1):
+        engine.accumulate(labelled, batch, {})
+    assert not engine._rows_checked
+    with pytest.warns(UserWarning, match=f"in {MAX_ATTEMPTS} microbatches no example"):
+        engine.accumulate(labelled, batch, {})
+    assert engine._rows_checked
+    calls.clear()
+    engine.accumulate(labelled, batch, {})
+    assert len(calls) == 1  # no more check forwards
 
 
 def test_batch_centring_breaks_the_per_example_bound_it_is_refused_for():
@@ -119,7 +223,9 @@ def test_a_loss_normalised_over_the_microbatch_is_refused_naming_loss_fn():
         return (nll.view(ids.shape) * mask).sum(1) / mask.sum(1)
 
     with pytest.raises(ValueError, match=r"loss_fn's per-example losses are not one example "
-                                         r"each: .* changed the losses of 3 of the other 3"):
+                                         r"each: replacing 2 of the microbatch's 4 examples "
+                                         r"\(0, 2\) by copies of others changed the losses of 2 "
+                                         r"of the other 2 examples \(1, 3\)"):
         ClippingEngine(m, clip_norm=1.0).accumulate(batch_normalised, (ids, mask), {})
     ref = reference_grads(m, per_example, (ids, mask)).norm(dim=1)
     torch.testing.assert_close(ClippingEngine(m).per_example_norms(per_example, (ids, mask)),
@@ -248,8 +354,8 @@ def test_layer_calls_that_depend_on_the_data_are_warned_about():
             return self.lin(x[:, :used, None])
 
     # example 0 alone reaches position 3: replacing it by example 1 drops that position
-    x = torch.tensor([[1.0, 2.0, 6.0], [3.0, 0.0, 0.0], [4.0, 5.0, 0.0]], dtype=torch.float64)
-    with pytest.warns(UserWarning, match="change when one example changes"):
+    x = torch.tensor([[1.0, 2.0, 6.0], [3.0, 0.0, 0.0]], dtype=torch.float64)
+    with pytest.warns(UserWarning, match="change when some examples change"):
         ClippingEngine(Trimmed().double(), clip_norm=1.0).accumulate(sq_loss, (x,), {})
 
 
@@ -292,7 +398,7 @@ def test_a_loss_fn_that_edits_the_batch_in_place_is_checked_on_copies():
     y = _x(5, 2, seed=1)
     before = y.clone()
     ClippingEngine(m, clip_norm=1.0).accumulate(masking, (_x(5, 4), y), {})
-    assert len(edits) == 3  # the real forward and the check's two (one process, no mixing)
+    assert len(edits) == 6  # the real forward and the check's five (one process, no mixing)
     torch.testing.assert_close(y, 2 * before, rtol=0, atol=0)
 
 
@@ -370,3 +476,19 @@ def test_row_fingerprints_in_blocks_equal_the_whole_at_once(monkeypatch):
     torch.testing.assert_close(n1, flat.norm(dim=1), rtol=1e-15, atol=0)
     torch.testing.assert_close(n2, n1, rtol=0, atol=0)
     torch.testing.assert_close(p2, p1, rtol=1e-15, atol=1e-15)
+
+
+def test_a_shared_tensor_of_b_rows_in_the_batch_is_refused_with_the_way_out():
+    # class weights of 3 classes in a microbatch of 3 look like one row per example: the
+    # refusal says so (and the same loss with the weights outside the batch passes)
+    m = nn.Linear(4, 3).double()
+    w = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    y = torch.tensor([0, 0, 1])
+
+    def weighted(model, batch):
+        return F.cross_entropy(model(batch[0]), batch[1], weight=batch[2], reduction="none")
+
+    with pytest.raises(ValueError, match="such as class weights: pass it to the loss another"):
+        ClippingEngine(m, clip_norm=1.0).accumulate(weighted, (_x(3, 4), y, w), {})
+    ClippingEngine(m, clip_norm=1.0).accumulate(
+        lambda model, b: weighted(model, (*b, w)), (_x(3, 4), y), {})

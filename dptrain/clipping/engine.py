@@ -53,7 +53,7 @@ from dptrain.clipping.contributions import (
     squared_norms,
     state_bytes,
 )
-from dptrain.clipping.rows import check_example_rows
+from dptrain.clipping.rows import MAX_ATTEMPTS, check_example_rows
 from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
 from dptrain.models.dropout import set_stream as set_dropout_stream
 
@@ -372,6 +372,7 @@ class ClippingEngine:
         #: examples kept to their own rows (rows.py), checked at the first query that can
         self._rows_checked = False
         self._pending_rows: tuple | None = None  # that check, due at the end of this query
+        self._rows_attempts = 0  # first queries of more than one example it found nothing in
 
     # -----------------------------------------------------------------------------------------
     # capture
@@ -548,7 +549,7 @@ class ClippingEngine:
             rows_due = j == 0 and not self._rows_checked
             with self._state(state, seed), self._capture(B, coef, records, targets):
                 if rows_due:  # checked at the end of the query (_finish_rows_check)
-                    self._pending_rows = (loss_fn, inputs, B, j, state)
+                    self._pending_rows = (loss_fn, batch, view, B, j, state)
                 with check:  # the forward only: it keeps references to outputs while open
                     losses = loss_fn(self.model, inputs)
                 if losses.shape != (B,):
@@ -588,18 +589,29 @@ class ClippingEngine:
         by perturbation once the first query whose forward passed the structural checks is
         done (its captures, per-example buffers and graphs released by then, so the check's
         forwards do not raise the step's peak), before its clipped sum reaches the caller. In
-        one process, a microbatch with nothing to compare (one example, or all alike) leaves it
-        for the next; with a process group every rank checks at its first query, compared or
-        not, so that all ranks run the check's forwards together (FSDP gathers in each). A
-        refusal leaves it due."""
+        one process, a microbatch where no replaced example reached a layer (one example, all
+        alike, only labels differing) leaves it for the next, up to MAX_ATTEMPTS; with a
+        process group every rank checks at its first query, whatever it found, so that all
+        ranks run the check's forwards together (FSDP gathers in each). A refusal leaves it
+        due."""
         pending, self._pending_rows = self._pending_rows, None
         if pending is None:
             return
-        loss_fn, inputs, B, stream, state = pending
+        loss_fn, batch, view, B, stream, state = pending
         collective = torch.distributed.is_available() and torch.distributed.is_initialized()
         with self._state(state):
             done = check_example_rows(self.model, [(h.name, h.module) for h in self.hooked],
-                                      loss_fn, inputs, B, stream, collective=collective)
+                                      loss_fn, batch, B, stream, view=view,
+                                      collective=collective)
+        self._rows_attempts += B > 1
+        if not (done or collective) and self._rows_attempts >= MAX_ATTEMPTS:
+            import warnings
+
+            warnings.warn(f"dptrain.clipping: could not check that the model keeps the examples "
+                          f"of a microbatch apart: in {self._rows_attempts} microbatches no "
+                          f"example that differs from another reached a layer's input (inputs "
+                          f"alike, only labels differ?)", stacklevel=3)
+            done = True
         self._rows_checked = done or collective
 
     def _contributions(self, records: list[_Record]) -> dict[str, list[Contribution]]:

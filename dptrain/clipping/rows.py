@@ -5,21 +5,32 @@ lays them along another dimension (a (T, B, d) layout whose T happens to equal B
 shape check, and the per-example norms are then silently wrong: a clipped example could move the
 release by more than C.
 
-``check_example_rows`` tests this by perturbation, once per engine (after its first query):
-forwards without gradients, from the same randomness (torch's RNG state and the per-example
-dropout stream set back before each), on the microbatch and on a copy in which example 0 is replaced by the first example that differs from it. Every other row
-of every hooked layer's input, and every other loss, must come out the same (to 1e-5 of the
-row's norm: reductions in another order are not mixing). When rows moved, a third forward, of
-the microbatch again, tells mixing from a forward that is not deterministic. A row is compared through its
-norm and a fixed random projection (float64), so nothing of the size of the activations is
-kept; the cost is two forwards without gradients, once (three under a process group, where
-every rank runs the same forwards).
+``check_example_rows`` tests this by perturbation, after the engine's first query: forwards
+without gradients, each from the same randomness (torch's RNG state and the per-example dropout
+stream set back), of the microbatch and of four copies, in which the even-numbered, the
+odd-numbered, the first half's and the second half's examples are replaced by copies of other
+examples. In each copy, every row of an example that was not replaced, in every hooked layer's
+input and in the losses, must come out as in the microbatch (to 1e-5 of the row's norm:
+reductions in another order are not mixing). Replacing half the examples changes batch
+statistics (means, maxima, token counts) that replacing one could leave as they were, and the
+four sets see, in both directions, a flow between any two examples that differ in parity or in
+half (``h[1] += h[2]``, a reversed cumulative sum, rows flipped or permuted). When rows moved,
+one more forward of the microbatch tells mixing from a forward that is not deterministic. Rows
+are compared through their norms and a fixed random projection (float64), so nothing of the
+size of the activations is kept; the cost is five forwards without gradients, once. A plan entry's view (augmentation) is applied to each copy, so a view that
+mixes examples is seen too.
+
+The check counts as done once a replacement reached some hooked layer's input: a microbatch
+whose examples differ only in what no layer sees (labels, with equal inputs) leaves it for the
+next one, up to ``MAX_ATTEMPTS`` microbatches (then a warning says it could not check).
 
 What it cannot see: mixing in the backward only (a custom autograd function, a
-``x + (f(x) - f(x).detach())`` trick), mixing weaker than 1e-5 of a row, and mixing that depends
-on data the first microbatch does not have. A forward that is not deterministic for the same
-inputs, or whose layer calls change with one example, cannot be checked: a warning says so and
-the run goes on (the other checks still apply).
+``x + (f(x) - f(x).detach())`` trick), mixing weaker than 1e-5 of a row or a loss (a loss
+moves by little against its own size: cross-entropy's log K), flows only between examples of the
+same parity and the same half (``h[0] += h[2]`` when B >= 6), batch statistics that both replacements leave as they
+were, and mixing that depends on data the first microbatch does not have. A forward that is not
+deterministic for the same inputs, or whose layer calls change with the data, cannot be
+checked: a warning says so and the run goes on (the other checks still apply).
 """
 
 from __future__ import annotations
@@ -44,30 +55,55 @@ def _rows(t: Any, B: int) -> bool:
     return isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == B and t.numel() > 0
 
 
-def _differing_row(inputs: Any, B: int) -> int | None:
-    """The first example after example 0 whose data differs from example 0's (None: all equal)."""
-    differs = None
-    for t in pytree.tree_leaves(inputs):
-        if _rows(t, B):
-            flat = t.reshape(B, -1)
-            d = (flat != flat[:1]).any(1)
-            differs = d if differs is None else differs | d.to(differs.device)
-    if differs is None or not bool(differs.any()):
-        return None
-    return int(differs.nonzero()[0, 0])
+def _same_example(leaves: list[Tensor], i: int, j: int) -> bool:
+    return all(torch.equal(t[i], t[j]) for t in leaves)
 
 
-def _replace_first(inputs: Any, B: int, source: int) -> Any:
-    """``inputs`` with example 0's rows replaced by example ``source``'s, in every leaf that has
-    one row per example (others, such as shared position ids, unchanged)."""
+def _halves(B: int) -> list[Tensor]:
+    """The examples to replace, one set per copy: the even- and the odd-numbered ones, then the
+    first and the second half (both directions of any flow between two examples that differ in
+    parity or in half; duplicates dropped)."""
+    idx = torch.arange(B)
+    sets = [idx % 2 == 0, idx % 2 == 1, idx < B // 2, idx >= B // 2]
+    out: list[Tensor] = []
+    for s in sets:
+        if bool(s.any()) and not bool(s.all()) and not any(torch.equal(s, o) for o in out):
+            out.append(s)
+    return out
+
+
+def _replacements(batch: Any, B: int) -> list[Tensor]:
+    """For each set of ``_halves``: (B,) int64, for each example of the set the example whose
+    data replaces it (the next one, cyclically, whose data differs) and -1 elsewhere. Sets in
+    which no example can be replaced are left out."""
+    leaves = [t for t in pytree.tree_leaves(batch) if _rows(t, B)]
+    out = []
+    for chosen in _halves(B):
+        src = torch.full((B,), -1, dtype=torch.int64)
+        for i in chosen.nonzero().flatten().tolist():
+            for step in range(1, B):
+                j = (i + step) % B
+                if not _same_example(leaves, i, j):
+                    src[i] = j
+                    break
+        if bool((src >= 0).any()):
+            out.append(src)
+    return out
+
+
+def _replace(batch: Any, B: int, src: Tensor) -> Any:
+    """``batch`` with example i's rows replaced by example ``src[i]``'s where ``src[i] >= 0``, in
+    every leaf that has one row per example (others, such as shared position ids, unchanged)."""
+    rows = (src >= 0).nonzero().flatten()
+
     def swap(t):
         if not _rows(t, B):
             return t
         t = t.clone()
-        t[0] = t[source]
+        t[rows.to(t.device)] = t[src[rows].to(t.device)]
         return t
 
-    return pytree.tree_map(swap, inputs)
+    return pytree.tree_map(swap, batch)
 
 
 class _Signatures:
@@ -129,14 +165,15 @@ def _changed(a_norm: Tensor, a_proj: Tensor, b_norm: Tensor, b_proj: Tensor) -> 
     return moved(a_norm, b_norm) | moved(a_proj, b_proj)
 
 
-def _forward(model, loss_fn, inputs, hooked, B, stream, buffers):
-    """One forward without gradients, from the dropout stream's start; model buffers it
-    changes are put back. Returns (per-row fingerprints of the hooked inputs, per-example
-    losses)."""
+def _forward(model, loss_fn, batch, view, hooked, B, stream, buffers):
+    """One forward without gradients of ``view(batch)``, from the dropout stream's start;
+    model buffers it changes are put back. Returns (per-row fingerprints of the hooked inputs,
+    per-example losses)."""
     set_dropout_stream(stream)
     versions = {n: b._version for n, b in model.named_buffers()}
     try:
         with torch.no_grad(), _Signatures(hooked, B) as sig:
+            inputs = view(batch) if view is not None else batch
             losses = loss_fn(model, inputs).detach().to(torch.float64)
     finally:
         with torch.no_grad():
@@ -146,21 +183,25 @@ def _forward(model, loss_fn, inputs, hooked, B, stream, buffers):
     return sig.rows, losses
 
 
+#: first queries with nothing that reached a layer before the check gives up (with a warning)
+MAX_ATTEMPTS = 8
+
+
 def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
-                       loss_fn: Callable, inputs: Any, B: int, stream: int, *,
-                       collective: bool) -> bool:
+                       loss_fn: Callable, batch: Any, B: int, stream: int, *,
+                       view: Callable | None = None, collective: bool) -> bool:
     """Refuse a forward whose hooked-layer inputs or per-example losses are not one example per
-    row (see the module docstring). ``stream``: the plan entry's dropout stream. Each forward
-    starts from the same torch RNG state, the one it found, and leaves it there.
-    ``collective``: ranks run the forwards together (a process group: FSDP gathers
-    the parameters in each), so all three run whatever this rank's microbatch; otherwise a
-    microbatch with nothing to compare runs none, and the third runs only when rows moved. Returns whether the check is done: False when
-    there was nothing to compare (one example, or all alike); True when rows were compared, or
-    when the forward cannot be checked (a warning says so)."""
-    source = _differing_row(inputs, B) if B > 1 else None
-    if source is None and not collective:
+    row (see the module docstring). ``view``: the plan entry's view of the batch (None: the
+    batch itself); ``stream``: its dropout stream. Each forward starts from the torch RNG state
+    the check found, and leaves it there. ``collective``: ranks run the forwards together (a
+    process group: FSDP gathers the parameters in each), so every rank runs all six whatever
+    its microbatch; otherwise a microbatch with nothing to replace runs none, and the last
+    (the microbatch again) only when rows moved. Returns whether the check is done: False when no replacement
+    reached a layer's input; True when one did, or when the forward cannot be checked (a
+    warning says so)."""
+    sources = _replacements(batch, B) if B > 1 else []
+    if not sources and not collective:
         return False
-    perturbed = inputs if source is None else _replace_first(inputs, B, source)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     # (only the current CUDA device's RNG: reading another's would create a context there)
     devices = ([torch.cuda.current_device()]
@@ -171,7 +212,7 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
         # neither see its own edits again nor change the caller's batch
         x = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, x)
         with torch.random.fork_rng(devices=devices):
-            return _forward(model, loss_fn, x, hooked, B, stream, buffers)
+            return _forward(model, loss_fn, x, view, hooked, B, stream, buffers)
 
     def forwards(*xs):
         try:
@@ -181,63 +222,84 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
             # next forward would reuse those copies, stale once the optimizer writes the shards
             reshard(model)
 
-    # under a process group every rank runs all three forwards, even with nothing to compare,
-    # so that the gathers pair up; in one process the third (the microbatch again, to tell
-    # mixing from a forward that is not deterministic) only when rows moved
-    (control, control_losses), (test, test_losses), *again = forwards(
-        inputs, perturbed, *([inputs] if collective else []))
-    if source is None:
-        return False  # one example, or all alike: nothing to compare
-    problem = _mixing(control, control_losses, test, test_losses, hooked, B, source)
+    copies = [_replace(batch, B, src) for src in sources]
+    if collective:  # the same forwards on every rank: pad to four copies, and one more
+        copies += [batch] * (4 - len(copies))
+        *results, again = forwards(batch, *copies, batch)
+    else:
+        results, again = forwards(batch, *copies), None
+    control, tests = results[0], results[1:1 + len(sources)]
+    problem, reached = None, False
+    for src, test in zip(sources, tests):
+        found, hit = _mixing(control, test, hooked, src >= 0)
+        problem, reached = problem or found, reached or hit
     if problem is None:
-        return True
-    again_rows, again_losses = again[0] if again else forwards(inputs)[0]
-    if _differ(control, control_losses, again_rows, again_losses):
+        return reached
+    again = again if again is not None else forwards(batch)[0]
+    if _differ(control, again):
         warnings.warn("dptrain.clipping: could not check that the model keeps the examples of "
                       "a microbatch apart: two forwards of the same microbatch from the same "
                       "randomness gave different values", stacklevel=3)
         return True
     if problem == _CALLS:
         warnings.warn("dptrain.clipping: could not check that the model keeps the examples of "
-                      "a microbatch apart: its layer calls or their shapes change when one "
-                      "example changes", stacklevel=3)
+                      "a microbatch apart: its layer calls or their shapes change when some "
+                      "examples change", stacklevel=3)
         return True
     raise ValueError(problem)
 
 
 _CALLS = "layer calls differ"
 
+_HINT = ("(Two other causes: a tensor in the batch shared by all examples whose first "
+         "dimension happens to equal the microbatch size, such as class weights: pass it to the "
+         "loss another way, since every batch tensor with that first dimension is taken as one "
+         "row per example; or random draws whose number depends on the data, such as dropout "
+         "drawn for some examples only, which shifts the others' draws.)")
 
-def _mixing(control, control_losses, test, test_losses, hooked, B: int, source: int) -> str | None:
-    """What changed outside example 0's rows between the two forwards, as the refusal's text
-    (``_CALLS`` when the layer calls themselves differ); None when nothing did."""
-    if _calls(control) != _calls(test):
-        return _CALLS
-    others = torch.ones(B, dtype=torch.bool)
-    others[0] = False
-    for (name, shape, cn, cp), (_, _, tn, tp) in zip(control, test):
-        bad = _changed(cn, cp, tn, tp).cpu() & others
+
+def _mixing(control, test, hooked, replaced: Tensor) -> tuple[str | None, bool]:
+    """(the refusal's text if a row of an example not ``replaced`` changed between the two
+    forwards, ``_CALLS`` if the layer calls themselves differ, else None; whether a replaced
+    example's row changed in some hooked layer's input, i.e. the replacement reached a layer)."""
+    (rows_c, losses_c), (rows_t, losses_t) = control, test
+    if _calls(rows_c) != _calls(rows_t):
+        return _CALLS, True
+    kept = ~replaced
+    B, k = len(replaced), int(replaced.sum())
+    what = (f"replacing {k} of the microbatch's {B} examples ({_indices(replaced)}) by copies "
+            f"of others")
+    reached = False
+    for (name, shape, cn, cp), (_, _, tn, tp) in zip(rows_c, rows_t):
+        changed = _changed(cn, cp, tn, tp).cpu()
+        reached = reached or bool((changed & replaced).any())
+        bad = changed & kept
         if bool(bad.any()):
             module = next(m for n, m in hooked if n == name)
             return (
                 f"dptrain.clipping: the rows of the input of {name} ({type(module).__name__}, "
-                f"shape {shape}) are not one example each: replacing example 0 of the "
-                f"microbatch (by a copy of example {source}) changed {int(bad.sum())} of the "
-                f"other {B - 1} rows. The examples are mixed before this layer (an op across "
-                f"the batch dimension, such as h - h.mean(0), or rows reordered) or laid out "
-                f"along another dimension (a (T, B, d) layout with T = B): each example's clip "
-                f"would not bound its influence. Keep the batch dimension first and each "
-                f"example's computation to its own row")
-    bad = _changed_losses(control_losses, test_losses).cpu() & others
+                f"shape {shape}) are not one example each: {what} changed the rows of "
+                f"{int(bad.sum())} of the other {B - k} ({_indices(bad)}). The examples are "
+                f"mixed before this layer (an op across the batch dimension, such as "
+                f"h - h.mean(0), or rows reordered) or laid out along another dimension (a "
+                f"(T, B, d) layout with T = B): each example's clip would not bound its "
+                f"influence. Keep the batch dimension first and each example's computation to "
+                f"its own row. {_HINT}"), reached
+    bad = _changed_losses(losses_c, losses_t).cpu() & kept
     if bool(bad.any()):
         return (
-            f"dptrain.clipping: loss_fn's per-example losses are not one example each: replacing "
-            f"example 0 of the microbatch (by a copy of example {source}) changed the losses of "
-            f"{int(bad.sum())} of the other {B - 1} examples (a loss normalised over the "
-            f"microbatch, such as by its total token count, or examples mixed after the last "
-            f"layer with parameters): each example's clip would not bound its influence. "
-            f"Return each example's loss computed from that example alone")
-    return None
+            f"dptrain.clipping: loss_fn's per-example losses are not one example each: {what} "
+            f"changed the losses of {int(bad.sum())} of the other {B - k} examples "
+            f"({_indices(bad)}): a loss normalised over the microbatch (such as by its total "
+            f"token count), or examples mixed after the last layer with parameters; each "
+            f"example's clip would not bound its influence. Return each example's loss "
+            f"computed from that example alone. {_HINT}"), reached
+    return None, reached
+
+
+def _indices(mask: Tensor, limit: int = 6) -> str:
+    idx = mask.nonzero().flatten().tolist()
+    return ", ".join(map(str, idx[:limit])) + (", ..." if len(idx) > limit else "")
 
 
 def _calls(rows) -> list[tuple[str, tuple]]:
@@ -248,8 +310,9 @@ def _changed_losses(a: Tensor, b: Tensor) -> Tensor:
     return _changed(a.abs(), a, b.abs(), b)
 
 
-def _differ(rows_a, losses_a, rows_b, losses_b) -> bool:
+def _differ(a, b) -> bool:
     """Whether two forwards differ anywhere: layer calls, shapes, any row or any loss."""
+    (rows_a, losses_a), (rows_b, losses_b) = a, b
     if _calls(rows_a) != _calls(rows_b):
         return True
     return any(bool(_changed(an, ap, bn, bp).any())
