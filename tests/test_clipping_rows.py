@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _reference import reference_grads
+from test_clipping_models import gpt2_batch, gpt2_loss
 
 from dptrain.clipping import ClippingEngine
 from dptrain.clipping.rows import REL_TOL
@@ -263,31 +264,13 @@ def _gpt2(dropout: float):
     return model.train()
 
 
-def _gpt2_batch(B=5, T=10):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 61, (B, T), generator=g)
-    mask = torch.ones(B, T, dtype=torch.long)
-    for b, length in enumerate([T, 7, 4, 2, 9][:B]):
-        mask[b, length:] = 0
-        ids[b, length:] = 0
-    return ids, mask
-
-
-def gpt2_loss(model, batch):
-    ids, mask = batch
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
-    tgt, keep = ids[:, 1:], mask[:, 1:].to(logits.dtype)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
-    return (ce.view(tgt.shape) * keep).sum(1)
-
-
 @pytest.mark.parametrize("example_masks", [False, True])
 def test_gpt2_with_dropout_passes_and_the_check_changes_nothing(example_masks, recwarn):
     # torch's RNG dropout and dptrain's per-example masks: the check's forwards start from the
     # real forward's randomness, and leave the RNG, the sums and the buffers as they were
     from dptrain.models.dropout import example_dropout
 
-    batch = _gpt2_batch()
+    batch = gpt2_batch()  # 4 examples, right-padded
     results = []
     for checked in (False, True):
         model = _gpt2(0.1)
@@ -295,7 +278,7 @@ def test_gpt2_with_dropout_passes_and_the_check_changes_nothing(example_masks, r
         engine._rows_checked = not checked
         acc = {}
         torch.manual_seed(7)
-        ctx = (example_dropout(model, 3, 1, torch.arange(5)) if example_masks
+        ctx = (example_dropout(model, 3, 1, torch.arange(4)) if example_masks
                else contextlib.nullcontext())
         with ctx:
             for _ in range(2):
@@ -445,6 +428,18 @@ def _sharded_queries(rank: int, world: int, centre: bool, sizes: tuple) -> dict:
     return out
 
 
+def _one_sharded_query(rank: int, world: int, sizes: tuple) -> str:
+    from dptrain.parallel.fsdp import apply_fsdp
+
+    torch.manual_seed(0)
+    model = apply_fsdp(_Blocks(True).double())
+    try:
+        ClippingEngine(model, clip_norm=0.5).accumulate(sq_loss, (_x(sizes[rank], 4),), {})
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
 def test_under_fsdp_every_rank_runs_the_check_and_the_sums_are_unchanged():
     from dptrain.parallel.dist import spawn
 
@@ -459,6 +454,10 @@ def test_under_fsdp_every_rank_runs_the_check_and_the_sums_are_unchanged():
                 assert torch.equal(with_check[n], without[n]), n
     for r in spawn(_sharded_queries, 2, True, (3, 2)):
         assert "rows of the input of head" in r["error"]
+    # rows moved on rank 0 only: rank 1 (one example) runs the extra forward of the
+    # microbatch with it (unpaired, rank 0's gathers would wait for ever)
+    r0, r1 = spawn(_one_sharded_query, 2, (3, 1), timeout=120)
+    assert "rows of the input of head" in r0 and r1 == "accepted"
 
 
 def test_row_fingerprints_in_blocks_equal_the_whole_at_once(monkeypatch):
@@ -466,10 +465,10 @@ def test_row_fingerprints_in_blocks_equal_the_whole_at_once(monkeypatch):
     from dptrain.clipping import rows
 
     x = torch.randn(7, 3, 5, generator=torch.Generator().manual_seed(2))
-    whole = rows._Signatures([], 7)
+    whole = rows._Signatures([], 7, {})
     whole.sign("x", x)
     monkeypatch.setattr(rows, "BLOCK", 15 * 2)  # two rows of 15 elements per block
-    blocks = rows._Signatures([], 7)
+    blocks = rows._Signatures([], 7, {})
     blocks.sign("x", x)
     flat = x.reshape(7, -1).double()
     (_, _, n1, p1), (_, _, n2, p2) = whole.rows[0], blocks.rows[0]

@@ -43,7 +43,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from dptrain.models.dropout import set_stream as set_dropout_stream
-from dptrain.parallel.fsdp import reshard
+from dptrain.parallel.fsdp import all_reduce_scalars, reshard
 
 #: a row counts as changed when it moved by more than this fraction of its norm
 REL_TOL = 1e-5
@@ -110,10 +110,11 @@ class _Signatures:
     """Per-row fingerprints of every hooked layer's inputs over one forward: (name, shape, norms,
     projections) per tensor argument with one row per example, in call order."""
 
-    def __init__(self, hooked: list[tuple[str, nn.Module]], B: int):
+    def __init__(self, hooked: list[tuple[str, nn.Module]], B: int,
+                 directions: dict[tuple, Tensor]):
         self.hooked, self.B = hooked, B
         self.rows: list[tuple[str, tuple, Tensor, Tensor]] = []
-        self._directions: dict[tuple, Tensor] = {}
+        self._directions = directions  # shared by the check's forwards
         self._handles: list = []
 
     def direction(self, n: int, device) -> Tensor:
@@ -165,14 +166,14 @@ def _changed(a_norm: Tensor, a_proj: Tensor, b_norm: Tensor, b_proj: Tensor) -> 
     return moved(a_norm, b_norm) | moved(a_proj, b_proj)
 
 
-def _forward(model, loss_fn, batch, view, hooked, B, stream, buffers):
+def _forward(model, loss_fn, batch, view, hooked, B, stream, buffers, directions):
     """One forward without gradients of ``view(batch)``, from the dropout stream's start;
     model buffers it changes are put back. Returns (per-row fingerprints of the hooked inputs,
     per-example losses)."""
     set_dropout_stream(stream)
     versions = {n: b._version for n, b in model.named_buffers()}
     try:
-        with torch.no_grad(), _Signatures(hooked, B) as sig:
+        with torch.no_grad(), _Signatures(hooked, B, directions) as sig:
             inputs = view(batch) if view is not None else batch
             losses = loss_fn(model, inputs).detach().to(torch.float64)
     finally:
@@ -194,15 +195,16 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
     row (see the module docstring). ``view``: the plan entry's view of the batch (None: the
     batch itself); ``stream``: its dropout stream. Each forward starts from the torch RNG state
     the check found, and leaves it there. ``collective``: ranks run the forwards together (a
-    process group: FSDP gathers the parameters in each), so every rank runs all six whatever
-    its microbatch; otherwise a microbatch with nothing to replace runs none, and the last
-    (the microbatch again) only when rows moved. Returns whether the check is done: False when no replacement
+    process group: FSDP gathers the parameters in each), so every rank runs five whatever its
+    microbatch, and a sixth (the microbatch again) if rows moved on any rank; otherwise a
+    microbatch with nothing to replace runs none, and the sixth runs only when rows moved. Returns whether the check is done: False when no replacement
     reached a layer's input; True when one did, or when the forward cannot be checked (a
     warning says so)."""
     sources = _replacements(batch, B) if B > 1 else []
     if not sources and not collective:
         return False
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    directions: dict[tuple, Tensor] = {}
     # (only the current CUDA device's RNG: reading another's would create a context there)
     devices = ([torch.cuda.current_device()]
                if torch.cuda.is_available() and torch.cuda.is_initialized() else [])
@@ -212,7 +214,7 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
         # neither see its own edits again nor change the caller's batch
         x = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, x)
         with torch.random.fork_rng(devices=devices):
-            return _forward(model, loss_fn, x, view, hooked, B, stream, buffers)
+            return _forward(model, loss_fn, x, view, hooked, B, stream, buffers, directions)
 
     def forwards(*xs):
         try:
@@ -223,19 +225,23 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
             reshard(model)
 
     copies = [_replace(batch, B, src) for src in sources]
-    if collective:  # the same forwards on every rank: pad to four copies, and one more
+    if collective:  # the same forwards on every rank: pad to four copies
         copies += [batch] * (4 - len(copies))
-        *results, again = forwards(batch, *copies, batch)
-    else:
-        results, again = forwards(batch, *copies), None
+    results = forwards(batch, *copies)
     control, tests = results[0], results[1:1 + len(sources)]
     problem, reached = None, False
     for src, test in zip(sources, tests):
         found, hit = _mixing(control, test, hooked, src >= 0)
         problem, reached = problem or found, reached or hit
+    # one more forward of the microbatch, to tell mixing from a forward that is not
+    # deterministic, where rows moved: under a process group on every rank if on any
+    again_needed = problem is not None
+    if collective:
+        device = next(iter(model.parameters()), torch.empty(0)).device
+        again_needed = all_reduce_scalars(float(again_needed), device=device, op="max")[0] > 0
+    again = forwards(batch)[0] if again_needed else None
     if problem is None:
         return reached
-    again = again if again is not None else forwards(batch)[0]
     if _differ(control, again):
         warnings.warn("dptrain.clipping: could not check that the model keeps the examples of "
                       "a microbatch apart: two forwards of the same microbatch from the same "
