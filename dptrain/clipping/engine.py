@@ -53,7 +53,7 @@ from dptrain.clipping.contributions import (
     squared_norms,
     state_bytes,
 )
-from dptrain.clipping.rows import MAX_ATTEMPTS, check_example_rows
+from dptrain.clipping.rows import MAX_ATTEMPTS, cannot_check, check_example_rows
 from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
 from dptrain.models.dropout import set_stream as set_dropout_stream
 
@@ -546,10 +546,9 @@ class ClippingEngine:
             check = contextlib.nullcontext()
             if not self._uses_checked:  # (sets _uses_checked once a forward passed)
                 check = _FirstForwardCheck(self, inputs, B)
-            rows_due = j == 0 and not self._rows_checked
+            if j == 0 and not self._rows_checked:  # at the end of the query (_finish_rows_check)
+                self._pending_rows = (loss_fn, batch, view, B, state)
             with self._state(state, seed), self._capture(B, coef, records, targets):
-                if rows_due:  # checked at the end of the query (_finish_rows_check)
-                    self._pending_rows = (loss_fn, batch, view, B, j, state)
                 with check:  # the forward only: it keeps references to outputs while open
                     losses = loss_fn(self.model, inputs)
                 if losses.shape != (B,):
@@ -597,20 +596,15 @@ class ClippingEngine:
         pending, self._pending_rows = self._pending_rows, None
         if pending is None:
             return
-        loss_fn, batch, view, B, stream, state = pending
+        loss_fn, batch, view, B, state = pending
         collective = torch.distributed.is_available() and torch.distributed.is_initialized()
-        with self._state(state):
+        with self._state(state):  # the plan's first entry: dropout stream 0
             done = check_example_rows(self.model, [(h.name, h.module) for h in self.hooked],
-                                      loss_fn, batch, B, stream, view=view,
-                                      collective=collective)
+                                      loss_fn, batch, B, 0, view=view, collective=collective)
         self._rows_attempts += B > 1
         if not (done or collective) and self._rows_attempts >= MAX_ATTEMPTS:
-            import warnings
-
-            warnings.warn(f"dptrain.clipping: could not check that the model keeps the examples "
-                          f"of a microbatch apart: in {self._rows_attempts} microbatches no "
-                          f"example that differs from another reached a layer's input (inputs "
-                          f"alike, only labels differ?)", stacklevel=3)
+            cannot_check(f"in {self._rows_attempts} microbatches no example that differs from "
+                         f"another reached a layer's input (inputs alike, only labels differ?)")
             done = True
         self._rows_checked = done or collective
 

@@ -17,8 +17,8 @@ four sets see, in both directions, a flow between any two examples that differ i
 half (``h[1] += h[2]``, a reversed cumulative sum, rows flipped or permuted). When rows moved,
 one more forward of the microbatch tells mixing from a forward that is not deterministic. Rows
 are compared through their norms and a fixed random projection (float64), so nothing of the
-size of the activations is kept; the cost is five forwards without gradients, once. A plan entry's view (augmentation) is applied to each copy, so a view that
-mixes examples is seen too.
+size of the activations is kept; the cost is five forwards without gradients, once. A plan
+entry's view (augmentation) is applied to each copy, so a view that mixes examples is seen too.
 
 The check counts as done once a replacement reached some hooked layer's input: a microbatch
 whose examples differ only in what no layer sees (labels, with equal inputs) leaves it for the
@@ -26,9 +26,10 @@ next one, up to ``MAX_ATTEMPTS`` microbatches (then a warning says it could not 
 
 What it cannot see: mixing in the backward only (a custom autograd function, a
 ``x + (f(x) - f(x).detach())`` trick), mixing weaker than 1e-5 of a row or a loss (a loss
-moves by little against its own size: cross-entropy's log K), flows only between examples of the
-same parity and the same half (``h[0] += h[2]`` when B >= 6), batch statistics that both replacements leave as they
-were, and mixing that depends on data the first microbatch does not have. A forward that is not
+moves by little against its own size: cross-entropy's log K), flows only between examples of
+the same parity and the same half (``h[0] += h[2]`` when B >= 6), batch statistics that every
+replacement leaves as they were, and mixing that depends on data the first microbatch does not
+have. A forward that is not
 deterministic for the same inputs, or whose layer calls change with the data, cannot be
 checked: a warning says so and the run goes on (the other checks still apply).
 """
@@ -49,6 +50,14 @@ from dptrain.parallel.fsdp import all_reduce_scalars, reshard
 REL_TOL = 1e-5
 #: elements of a block of rows converted to float64 at a time (128 MiB)
 BLOCK = 2**24
+#: first queries with nothing that reached a layer before the check gives up (with a warning)
+MAX_ATTEMPTS = 8
+
+
+def cannot_check(why: str, stacklevel: int = 3) -> None:
+    """The warning of a check that could not be made (the run goes on)."""
+    warnings.warn(f"dptrain.clipping: could not check that the model keeps the examples of a "
+                  f"microbatch apart: {why}", stacklevel=stacklevel + 1)
 
 
 def _rows(t: Any, B: int) -> bool:
@@ -184,10 +193,6 @@ def _forward(model, loss_fn, batch, view, hooked, B, stream, buffers, directions
     return sig.rows, losses
 
 
-#: first queries with nothing that reached a layer before the check gives up (with a warning)
-MAX_ATTEMPTS = 8
-
-
 def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
                        loss_fn: Callable, batch: Any, B: int, stream: int, *,
                        view: Callable | None = None, collective: bool) -> bool:
@@ -197,9 +202,9 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
     the check found, and leaves it there. ``collective``: ranks run the forwards together (a
     process group: FSDP gathers the parameters in each), so every rank runs five whatever its
     microbatch, and a sixth (the microbatch again) if rows moved on any rank; otherwise a
-    microbatch with nothing to replace runs none, and the sixth runs only when rows moved. Returns whether the check is done: False when no replacement
-    reached a layer's input; True when one did, or when the forward cannot be checked (a
-    warning says so)."""
+    microbatch with nothing to replace runs none, and the sixth runs only when rows moved.
+    Returns whether the check is done: False when no replacement reached a layer's input; True
+    when one did, or when the forward cannot be checked (a warning says so)."""
     sources = _replacements(batch, B) if B > 1 else []
     if not sources and not collective:
         return False
@@ -243,14 +248,11 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
     if problem is None:
         return reached
     if _differ(control, again):
-        warnings.warn("dptrain.clipping: could not check that the model keeps the examples of "
-                      "a microbatch apart: two forwards of the same microbatch from the same "
-                      "randomness gave different values", stacklevel=3)
+        cannot_check("two forwards of the same microbatch from the same randomness gave "
+                     "different values")
         return True
     if problem == _CALLS:
-        warnings.warn("dptrain.clipping: could not check that the model keeps the examples of "
-                      "a microbatch apart: its layer calls or their shapes change when some "
-                      "examples change", stacklevel=3)
+        cannot_check("its layer calls or their shapes change when some examples change")
         return True
     raise ValueError(problem)
 
