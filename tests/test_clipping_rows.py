@@ -310,6 +310,90 @@ def test_a_forward_that_changes_a_buffer_gets_it_back():
     assert float(m.calls) == 1  # the real forward's; the check's were undone
 
 
+class _Stores(nn.Module):
+    """A Linear whose forward writes a buffer: ``how`` says what it stores."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.lin, self.how = nn.Linear(4, 2), how
+        self.register_buffer("stat", torch.zeros(4))
+        self.register_buffer("tokens", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        d = x.detach()
+        if self.how == "running mean in place":
+            self.stat.mul_(0.9).add_(0.1 * d.mean(0))
+        elif self.how == "running mean assigned":
+            self.stat = 0.9 * self.stat + 0.1 * d.mean(0)
+        elif self.how == "token count":  # an integer buffer: how many non-zero inputs
+            self.tokens += (d != 0).sum()
+        elif self.how == "last batch":  # assigned with another shape
+            self.stat = d.clone()
+        elif self.how == "calls assigned":  # data-independent, by assignment
+            self.calls = self.calls + 1
+        elif self.how == "weight norm":  # a cache of the weights: the same in every forward
+            self.stat.copy_(self.lin.weight.detach().norm(dim=0))
+        return self.lin(x)
+
+
+class _Wrapped(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.inner = _Stores(how)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("how, buffer", [
+    ("running mean in place", "inner.stat"),
+    ("running mean assigned", "inner.stat"),
+    ("token count", "inner.tokens"),
+    ("last batch", "inner.stat"),
+])
+def test_a_forward_that_stores_the_examples_data_in_a_buffer_is_refused_naming_it(how, buffer):
+    # rows and losses are each example's own here: only the stored value leaks (into every
+    # later forward and every checkpoint, with no clip or noise)
+    m = _Wrapped(how).double()
+    x = _x(6, 4)
+    x[1, 0] = 0.0  # so that replacing examples changes the token count
+    with pytest.raises(ValueError, match=rf"writes the buffer {buffer} of _Stores from the "
+                                         rf"examples' data"):
+        ClippingEngine(m, clip_norm=1.0).accumulate(sq_loss, (x,), {})
+
+
+@pytest.mark.parametrize("how, calls", [("calls assigned", 1.0), ("weight norm", 0.0)])
+def test_data_independent_buffer_writes_pass_and_are_put_back(how, calls):
+    m = _Wrapped(how).double()
+    acc: dict = {}
+    engine = ClippingEngine(m, clip_norm=1.0)
+    engine.accumulate(sq_loss, (_x(6, 4),), acc)
+    assert engine._rows_checked
+    # the real forward's write stays, the check's five are undone (also when the forward
+    # assigned another tensor rather than writing in place)
+    assert float(m.inner.calls) == calls
+    assert m.inner._buffers["stat"].shape == (4,)
+    if how == "weight norm":
+        torch.testing.assert_close(m.inner.stat, m.inner.lin.weight.detach().norm(dim=0))
+
+
+def test_a_nondeterministic_buffer_write_is_warned_about_not_refused():
+    class Jitter(nn.Module):  # writes draws of its own generator: not the data, not repeatable
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+            self.g = torch.Generator().manual_seed(0)
+            self.register_buffer("jitter", torch.zeros(3))
+
+        def forward(self, x):
+            self.jitter.copy_(torch.randn(3, generator=self.g))
+            return self.lin(x)
+
+    with pytest.warns(UserWarning, match="gave different values"):
+        ClippingEngine(Jitter().double(), clip_norm=1.0).accumulate(sq_loss, (_x(4, 4),), {})
+
+
 def test_a_nondeterministic_forward_is_warned_about_not_refused():
     class Noisy(nn.Module):  # randomness outside torch's RNG: not reproducible by the check
         def __init__(self):

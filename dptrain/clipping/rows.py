@@ -20,6 +20,13 @@ are compared through their norms and a fixed random projection (float64), so not
 size of the activations is kept; the cost is five forwards without gradients, once. A plan
 entry's view (augmentation) is applied to each copy, so a view that mixes examples is seen too.
 
+The same forwards show a forward that stores private data in the model: a buffer it writes
+(in place or by assignment: a running statistic, a cache of the last batch) must hold the same
+value after every forward, whichever examples were replaced, or the model is refused, since
+that value reaches later forwards and checkpoints without clipping or noise. Writes that do not
+depend on the data (a call counter, a cache built from the weights or the shapes) pass, and
+every buffer is put back after each of the check's forwards.
+
 The check counts as done once a replacement reached some hooked layer's input: a microbatch
 whose examples differ only in what no layer sees (labels, with equal inputs) leaves it for the
 next one, up to ``MAX_ATTEMPTS`` microbatches (then a warning says it could not check).
@@ -29,7 +36,9 @@ What it cannot see: mixing in the backward only (a custom autograd function, a
 moves by little against its own size: cross-entropy's log K), flows only between examples of
 the same parity and the same half (``h[0] += h[2]`` when B >= 6), batch statistics that every
 replacement leaves as they were, and mixing that depends on data the first microbatch does not
-have. A forward that is not
+have; of stored data: parameters written in the forward, buffers written outside the forward
+(its backward hooks, the optimizer) or registered during it, and writes at plan entries after
+the first (the states of an inner-momentum history). A forward that is not
 deterministic for the same inputs, or whose layer calls change with the data, cannot be
 checked: a warning says so and the run goes on (the other checks still apply).
 """
@@ -115,6 +124,15 @@ def _replace(batch: Any, B: int, src: Tensor) -> Any:
     return pytree.tree_map(swap, batch)
 
 
+def _direction(directions: dict[tuple, Tensor], n: int, device) -> Tensor:
+    """A fixed random direction per (size, device), the same in every forward of the check."""
+    key = (n, str(device))
+    if key not in directions:
+        g = torch.Generator(device="cpu").manual_seed(n)
+        directions[key] = torch.randn(n, generator=g, dtype=torch.float64).to(device)
+    return directions[key]
+
+
 class _Signatures:
     """Per-row fingerprints of every hooked layer's inputs over one forward: (name, shape, norms,
     projections) per tensor argument with one row per example, in call order."""
@@ -126,17 +144,9 @@ class _Signatures:
         self._directions = directions  # shared by the check's forwards
         self._handles: list = []
 
-    def direction(self, n: int, device) -> Tensor:
-        """A fixed random direction per (size, device), the same in every forward of the check."""
-        key = (n, str(device))
-        if key not in self._directions:
-            g = torch.Generator(device="cpu").manual_seed(n)
-            self._directions[key] = torch.randn(n, generator=g, dtype=torch.float64).to(device)
-        return self._directions[key]
-
     def sign(self, name: str, t: Tensor) -> None:
         flat = t.detach().reshape(self.B, -1)
-        r = self.direction(flat.shape[1], flat.device)
+        r = _direction(self._directions, flat.shape[1], flat.device)
         norms, projections = [], []
         for block in flat.split(max(1, BLOCK // flat.shape[1])):  # float64, a block at a time
             block = block.to(torch.float64)
@@ -175,22 +185,73 @@ def _changed(a_norm: Tensor, a_proj: Tensor, b_norm: Tensor, b_proj: Tensor) -> 
     return moved(a_norm, b_norm) | moved(a_proj, b_proj)
 
 
-def _forward(model, loss_fn, batch, view, hooked, B, stream, buffers, directions):
+class _Slot:
+    """One registered buffer of the model, as the check found it: the tensor object, a copy of
+    its value (put back after every forward) and its fingerprint (computed when first asked)."""
+
+    def __init__(self, name: str, module: nn.Module, key: str):
+        self.name, self.module, self.key = name, module, key
+        self.tensor = module._buffers[key]
+        self.value = self.tensor.detach().clone()
+        self._fingerprint: tuple | None = None
+
+    def fingerprint(self, directions) -> tuple:
+        if self._fingerprint is None:
+            self._fingerprint = _fingerprint(self.value, directions)
+        return self._fingerprint
+
+
+def _slots(model: nn.Module) -> list[_Slot]:
+    return [_Slot(f"{mname}.{key}" if mname else key, m, key)
+            for mname, m in model.named_modules() for key, b in m._buffers.items()
+            if b is not None]
+
+
+def _fingerprint(t: Tensor, directions: dict[tuple, Tensor]) -> tuple:
+    """(shape, dtype, the float64 norm and projection on a fixed random direction) of a whole
+    tensor, a block of elements at a time: two values with equal fingerprints are equal but for
+    a measure-zero coincidence."""
+    flat = (torch.view_as_real(t.detach()) if t.is_complex() else t.detach()).reshape(-1)
+    r = _direction(directions, flat.numel(), flat.device)
+    sq = torch.zeros((), dtype=torch.float64, device=flat.device)
+    proj = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for start in range(0, flat.numel(), BLOCK):
+        block = flat[start:start + BLOCK].to(torch.float64)
+        sq += block.square().sum()
+        proj += block @ r[start:start + BLOCK]
+    return tuple(t.shape), t.dtype, float(sq), float(proj)
+
+
+def _same_fingerprint(a: tuple, b: tuple) -> bool:
+    """Exact: a data-independent write gives the same bits in every forward of the check (a
+    forward that is not deterministic is told apart by the forward run again)."""
+    return a[:2] == b[:2] and all(x == y or (x != x and y != y) for x, y in zip(a[2:], b[2:]))
+
+
+def _forward(model, loss_fn, batch, view, hooked, B, stream, slots, directions):
     """One forward without gradients of ``view(batch)``, from the dropout stream's start;
-    model buffers it changes are put back. Returns (per-row fingerprints of the hooked inputs,
-    per-example losses)."""
+    buffers it writes (in place, or by assigning another tensor) are put back. Returns
+    (per-row fingerprints of the hooked inputs, per-example losses, {name: fingerprint of the
+    value the forward left} for every buffer it wrote)."""
     set_dropout_stream(stream)
-    versions = {n: b._version for n, b in model.named_buffers()}
+    versions = [s.tensor._version for s in slots]
+    written: dict[str, tuple] = {}
     try:
         with torch.no_grad(), _Signatures(hooked, B, directions) as sig:
             inputs = view(batch) if view is not None else batch
             losses = loss_fn(model, inputs).detach().to(torch.float64)
     finally:
         with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers and b._version != versions.get(n):
-                    b.copy_(buffers[n])
-    return sig.rows, losses
+            for s, version in zip(slots, versions):
+                now = s.module._buffers.get(s.key)
+                if now is s.tensor and now._version == version:
+                    continue
+                written[s.name] = (_fingerprint(now, directions) if isinstance(now, Tensor)
+                                   else ("removed",))
+                s.module._buffers[s.key] = s.tensor
+                if s.tensor._version != version:
+                    s.tensor.copy_(s.value)
+    return sig.rows, losses, written
 
 
 def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
@@ -208,7 +269,7 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
     sources = _replacements(batch, B) if B > 1 else []
     if not sources and not collective:
         return False
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    slots = _slots(model)
     directions: dict[tuple, Tensor] = {}
     # (only the current CUDA device's RNG: reading another's would create a context there)
     devices = ([torch.cuda.current_device()]
@@ -219,7 +280,7 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
         # neither see its own edits again nor change the caller's batch
         x = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, x)
         with torch.random.fork_rng(devices=devices):
-            return _forward(model, loss_fn, x, view, hooked, B, stream, buffers, directions)
+            return _forward(model, loss_fn, x, view, hooked, B, stream, slots, directions)
 
     def forwards(*xs):
         try:
@@ -234,23 +295,27 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
         copies += [batch] * (4 - len(copies))
     results = forwards(batch, *copies)
     control, tests = results[0], results[1:1 + len(sources)]
-    problem, reached = None, False
+    problem, stored, reached = None, None, False
     for src, test in zip(sources, tests):
         found, hit = _mixing(control, test, hooked, src >= 0)
         problem, reached = problem or found, reached or hit
+        stored = stored or _stored(control, test, slots, directions, src >= 0)
     # one more forward of the microbatch, to tell mixing from a forward that is not
-    # deterministic, where rows moved: under a process group on every rank if on any
-    again_needed = problem is not None
+    # deterministic, where rows or written buffers moved: under a process group on every rank
+    # if on any
+    again_needed = problem is not None or stored is not None
     if collective:
         device = next(iter(model.parameters()), torch.empty(0)).device
         again_needed = all_reduce_scalars(float(again_needed), device=device, op="max")[0] > 0
     again = forwards(batch)[0] if again_needed else None
-    if problem is None:
+    if problem is None and stored is None:
         return reached
-    if _differ(control, again):
+    if _differ(control, again, slots, directions):
         cannot_check("two forwards of the same microbatch from the same randomness gave "
                      "different values")
         return True
+    if stored is not None:
+        raise ValueError(stored)
     if problem == _CALLS:
         cannot_check("its layer calls or their shapes change when some examples change")
         return True
@@ -270,13 +335,12 @@ def _mixing(control, test, hooked, replaced: Tensor) -> tuple[str | None, bool]:
     """(the refusal's text if a row of an example not ``replaced`` changed between the two
     forwards, ``_CALLS`` if the layer calls themselves differ, else None; whether a replaced
     example's row changed in some hooked layer's input, i.e. the replacement reached a layer)."""
-    (rows_c, losses_c), (rows_t, losses_t) = control, test
+    (rows_c, losses_c, _), (rows_t, losses_t, _) = control, test
     if _calls(rows_c) != _calls(rows_t):
         return _CALLS, True
     kept = ~replaced
     B, k = len(replaced), int(replaced.sum())
-    what = (f"replacing {k} of the microbatch's {B} examples ({_indices(replaced)}) by copies "
-            f"of others")
+    what = _what(replaced)
     reached = False
     for (name, shape, cn, cp), (_, _, tn, tp) in zip(rows_c, rows_t):
         changed = _changed(cn, cp, tn, tp).cpu()
@@ -305,6 +369,45 @@ def _mixing(control, test, hooked, replaced: Tensor) -> tuple[str | None, bool]:
     return None, reached
 
 
+def _what(replaced: Tensor) -> str:
+    return (f"replacing {int(replaced.sum())} of the microbatch's {len(replaced)} examples "
+            f"({_indices(replaced)}) by copies of others")
+
+
+def _stored_values(a, b, slots: list[_Slot], directions) -> list[str]:
+    """Buffers whose value after forward ``a`` differs from that after forward ``b`` (a buffer a
+    forward did not write keeps the check's starting value)."""
+    wa, wb = a[2], b[2]
+    start = {s.name: s for s in slots}
+    differ = []
+    for name in sorted(wa.keys() | wb.keys()):
+        fa = wa[name] if name in wa else start[name].fingerprint(directions)
+        fb = wb[name] if name in wb else start[name].fingerprint(directions)
+        if not _same_fingerprint(fa, fb):
+            differ.append(name)
+    return differ
+
+
+def _stored(control, test, slots: list[_Slot], directions, replaced: Tensor) -> str | None:
+    """The refusal's text if a buffer the forward writes took another value when examples were
+    replaced: the forward stores something of the private data in the model's state."""
+    names = _stored_values(control, test, slots, directions)
+    if not names:
+        return None
+    slot = next(s for s in slots if s.name == names[0])
+    more = f" (and {len(names) - 1} more: {', '.join(names[1:4])})" if len(names) > 1 else ""
+    return (
+        f"dptrain.clipping: the forward writes the buffer {names[0]} of "
+        f"{type(slot.module).__name__}{more} from the examples' data: {_what(replaced)} "
+        f"changed the value it holds after a forward. A buffer updated from private examples "
+        f"(a running statistic, a cache of the last batch) is a function of them that no clip "
+        f"bounds and no noise covers: it reaches every later forward and every checkpoint, "
+        f"outside the (epsilon, delta) guarantee. Compute it without writing a buffer, keep "
+        f"that module in eval mode, or make it a parameter trained through the private "
+        f"release. (Writes that do not depend on the data, such as a call counter or a cache "
+        f"built from the weights or the shapes, are fine.)")
+
+
 def _indices(mask: Tensor, limit: int = 6) -> str:
     idx = mask.nonzero().flatten().tolist()
     return ", ".join(map(str, idx[:limit])) + (", ..." if len(idx) > limit else "")
@@ -318,10 +421,11 @@ def _changed_losses(a: Tensor, b: Tensor) -> Tensor:
     return _changed(a.abs(), a, b.abs(), b)
 
 
-def _differ(a, b) -> bool:
-    """Whether two forwards differ anywhere: layer calls, shapes, any row or any loss."""
-    (rows_a, losses_a), (rows_b, losses_b) = a, b
-    if _calls(rows_a) != _calls(rows_b):
+def _differ(a, b, slots: list[_Slot], directions) -> bool:
+    """Whether two forwards differ anywhere: layer calls, shapes, any row, any loss or any
+    buffer they wrote."""
+    (rows_a, losses_a, _), (rows_b, losses_b, _) = a, b
+    if _calls(rows_a) != _calls(rows_b) or _stored_values(a, b, slots, directions):
         return True
     return any(bool(_changed(an, ap, bn, bp).any())
                for (_, _, an, ap), (_, _, bn, bp) in zip(rows_a, rows_b)) or bool(
