@@ -1042,6 +1042,38 @@ def test_a_shared_input_broadcast_over_the_examples_is_refused():
     assert_norms(ClippingEngine(model).per_example_norms(lm, (ids,)), ref, torch.float64)
 
 
+class _Einsum(nn.Module):
+    """A per-example query (B, d) scored against the example's own keys (B, T, d) by einsum:
+    aligned by the label b, not broadcast. ``pooled``: a (T, d) output pooled over the
+    microbatch instead, put where the rows are positions ("td,btd->bt")."""
+
+    def __init__(self, pooled: bool):
+        super().__init__()
+        self.pooled = pooled
+        self.q, self.k = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):  # x: (B, T, 4)
+        keys = torch.tanh(self.k(x))
+        if self.pooled:
+            return torch.einsum("td,btd->bt", self.q(x.mean(0)), keys)
+        return torch.einsum("bd,btd->bt", self.q(x.mean(1)), keys)
+
+
+def test_an_einsum_that_aligns_the_examples_by_label_is_accepted_and_exact():
+    # the broadcast check took any hooked output of fewer dimensions than another operand as
+    # broadcast; einsum aligns by label, so "bd,btd->bt" keeps example b with example b
+    def score(m, batch):
+        return m(batch[0]).pow(2).sum(1)
+
+    x = torch.randn(3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    model = _Einsum(False).double()
+    ref = reference_grads(model, score, (x,)).norm(dim=1)
+    assert_norms(ClippingEngine(model).per_example_norms(score, (x,)), ref, torch.float64)
+    x = torch.randn(3, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match=r"output of q \(shape \(3, 4\)\) is broadcast"):
+        ClippingEngine(_Einsum(True).double()).per_example_norms(score, (x,))
+
+
 def test_a_loss_that_uses_the_parameters_directly_is_refused():
     # a penalty on the weights inside the per-example loss: the engine could not see it
     model = nn.Sequential(nn.Linear(3, 2)).double()

@@ -265,8 +265,9 @@ class _FirstForwardCheck(TorchFunctionMode):
         if not marked or getattr(func, "__name__", "") == "__get__":
             return
         top = max(t.dim() for t in tensors)
+        kept = _einsum_rows_kept(func, args, kwargs, self.rows)
         for shape, name in marked:
-            if 0 < len(shape) < top:
+            if 0 < len(shape) < top and not kept:
                 raise ValueError(
                     f"dptrain.clipping: the output of {name} (shape {tuple(shape)}) is "
                     f"broadcast against a tensor of {top} dimensions (by "
@@ -275,6 +276,31 @@ class _FirstForwardCheck(TorchFunctionMode):
                     f"the layer one row per example: expand its input to the microbatch")
         if isinstance(out, Tensor) and any(out.shape == shape for shape, _ in marked):
             self._mark(out, marked[0][1])
+
+
+def _einsum_rows_kept(func, args, kwargs, rows: dict) -> bool:
+    """Whether an einsum keeps the rows of every hooked output among its operands as rows: each
+    such operand's first subscript is the output's first (``"bd,btd->bt"``: example b with
+    example b), so operands of fewer dimensions are aligned by label, not broadcast. False
+    for anything else (another function, ``...``, the sublist form): the dimension rule
+    applies."""
+    if func is not torch.einsum:
+        return False
+    equation = args[0] if args else kwargs.get("equation")
+    operands = list(args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or "." in equation:
+        return False
+    lhs, arrow, out = equation.replace(" ", "").partition("->")
+    specs = lhs.split(",")
+    if not arrow:  # implicit output: the labels used once, in alphabetical order
+        out = "".join(sorted(c for c in set(lhs) if c.isalpha() and lhs.count(c) == 1))
+    if len(specs) != len(operands) or not out:
+        return False
+    return all(spec and spec[0] == out[0]
+               for spec, op in zip(specs, operands)
+               if isinstance(op, Tensor) and id(op) in rows)
 
 
 def _check_reached(records: list[_Record], losses: Tensor) -> None:
