@@ -939,6 +939,44 @@ def test_fallback_layer_called_with_keyword_arguments(per_example):
     check(model, (x, torch.randn(5, 4, generator=gen, dtype=torch.float64)))
 
 
+class _Scaled(nn.Module):
+    """No rule (torch.func fallback); a second positional tensor: a scale of shape (T, 4)
+    shared by all examples, or (B, T, 4), one per example."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x, scale):
+        return torch.tanh((x * scale) @ self.w)
+
+
+class _ScaledNet(nn.Module):
+    def __init__(self, per_example: bool):
+        super().__init__()
+        self.lin, self.scaled, self.per_example = nn.Linear(4, 4), _Scaled(), per_example
+
+    def forward(self, x):  # x: (B, T, 4)
+        B, T, _ = x.shape
+        scale = torch.linspace(0.5, 2.0, T * 4, dtype=x.dtype).view(T, 4)
+        if self.per_example:
+            scale = torch.sigmoid(x) * scale
+        return self.scaled(self.lin(x), scale)
+
+
+@pytest.mark.parametrize("per_example", [False, True])
+@pytest.mark.parametrize("T", [3, 5])
+def test_fallback_layer_with_a_second_positional_tensor_shared_or_per_example(per_example, T):
+    # a shared (T, 4) scale used to be split per example like the input: at T = B each example
+    # got one row of it (norms 0.4-2.5x off), at T != B vmap failed
+    gen = torch.Generator().manual_seed(5)
+    with pytest.warns(UserWarning, match="_Scaled"):
+        model = _ScaledNet(per_example).double()
+        ClippingEngine(model)
+    x = torch.randn(3, T, 4, generator=gen, dtype=torch.float64)
+    check(model, (x, torch.randn(3, T, 4, generator=gen, dtype=torch.float64)))
+
+
 def test_timm_layernorms():
     # timm's LayerNorm computes nn.LayerNorm's function (its rule); LayerNorm2d normalises the
     # channels of NCHW input, which nn.LayerNorm's rule would get wrong (the fallback's)

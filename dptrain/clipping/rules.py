@@ -193,12 +193,16 @@ class FuncFallbackRule(LayerRule):
     vmapped VJP of the layer's forward per example, from the captured input and output grad.
     Instantiates that layer's per-example gradients only (never the whole model's).
 
-    Positional tensor arguments are per-example (row b is example b's). Keyword arguments are
-    captured too (the engine hooks such layers with ``with_kwargs``); when one of them is a
-    tensor, which may be per-example or shared, the rule makes no guess: it takes example b's
-    gradient as the VJP of the whole microbatch's forward with every output row but b's
-    cotangent zeroed (B VJPs of the microbatch, vmapped: exact whatever the arguments are,
-    and B times the work)."""
+    The first positional argument is per-example (row b is example b's: the engine checks
+    it). Another positional tensor whose leading size is not the microbatch's is shared and
+    passed whole. Keyword arguments are captured too (the engine hooks such layers with
+    ``with_kwargs``). When a keyword tensor, or a positional tensor after the first whose
+    leading size is the microbatch's, may be per-example or shared (a (T, T) mask with T = B),
+    the rule makes no guess: it takes example b's gradient as the VJP of the whole microbatch's
+    forward with every output row but b's cotangent zeroed (B VJPs of the microbatch, vmapped:
+    exact whatever the arguments are, and B times the work). (Until 2026-12-02 every positional
+    tensor was split per example: a shared (T, d) scale at T = B gave each example a row of
+    it, and wrong norms.)"""
 
     wants_kwargs = True
 
@@ -215,13 +219,14 @@ class FuncFallbackRule(LayerRule):
         params = saved["params"]
         args = saved["args"]  # half captures arrive as float32 (the engine's _to_float)
         kwargs = saved.get("kwargs") or {}
-        if any(isinstance(v, Tensor) for v in kwargs.values()):
+        B = G.shape[0]
+        batched = [isinstance(a, Tensor) and (i == 0 or (a.dim() > 0 and a.shape[0] == B))
+                   for i, a in enumerate(args)]
+        if any(isinstance(v, Tensor) for v in kwargs.values()) or any(batched[1:]):
             _, pull = vjp(lambda p: functional_call(module, p, args, kwargs), params)
-            B = G.shape[0]
             rows = torch.eye(B, dtype=G.dtype, device=G.device).view(B, B, *[1] * (G.dim() - 1))
             grads = vmap(lambda row: pull(G * row)[0])(rows)
             return {n: Dense(g) for n, g in grads.items()}
-        batched = [isinstance(a, Tensor) for a in args]
 
         def one(g, *example_args):
             full = []
@@ -236,8 +241,7 @@ class FuncFallbackRule(LayerRule):
             (grads,) = pull(g.unsqueeze(0))
             return grads
 
-        tensor_args = [a for a in args if isinstance(a, Tensor)]
-        grads = vmap(one)(G, *tensor_args)
+        grads = vmap(one)(G, *[a for a, is_b in zip(args, batched) if is_b])
         return {n: Dense(g) for n, g in grads.items()}
 
 
