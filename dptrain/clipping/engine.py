@@ -239,7 +239,7 @@ class _FirstForwardCheck(TorchFunctionMode):
         out = func(*args, **kwargs)
         self._check_rows(func, args, kwargs, out)
         if any(isinstance(a, Tensor) and id(a) in self.derived
-               for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+               for a in torch.utils._pytree.tree_leaves(_value_operands(func, args, kwargs))):
             for o in torch.utils._pytree.tree_leaves(out):
                 if isinstance(o, Tensor):
                     self._derive(o)
@@ -276,6 +276,27 @@ class _FirstForwardCheck(TorchFunctionMode):
                     f"the layer one row per example: expand its input to the microbatch")
         if isinstance(out, Tensor) and any(out.shape == shape for shape, _ in marked):
             self._mark(out, marked[0][1])
+
+
+#: torch calls that read only the dtype, device or shape of some tensor arguments: of
+#: ``x.type_as(ids)`` (``to``, ``expand_as``, ...) only ``x``'s values, of ``ids.new_ones(T)`` and
+#: ``torch.zeros_like(ids)`` none of ``ids``'s
+_METADATA_OF_OTHERS = {"type_as", "to", "expand_as", "view_as", "reshape_as"}
+_METADATA_OF_FIRST = {"new_ones", "new_zeros", "new_empty", "new_full", "new_tensor",
+                      "new_empty_strided", "zeros_like", "ones_like", "empty_like", "full_like",
+                      "rand_like", "randn_like", "randint_like"}
+
+
+def _value_operands(func, args, kwargs) -> tuple:
+    """The arguments whose values a torch call's result depends on: a result counts as derived
+    from the batch only through those (``torch.arange(T).type_as(ids)`` is shared positions,
+    not the batch's rows)."""
+    name = getattr(func, "__name__", "")
+    if name in _METADATA_OF_OTHERS:
+        return args[:1]
+    if name in _METADATA_OF_FIRST:
+        return args[1:], {k: v for k, v in kwargs.items() if k != "input"}
+    return args, kwargs
 
 
 def _einsum_rows_kept(func, args, kwargs, rows: dict) -> bool:
