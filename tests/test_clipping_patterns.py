@@ -2,7 +2,8 @@
 each case gave wrong per-example norms (or skipped a check) before, found by a fuzz of 2,030
 random models against torch.func (tests/_reference.py).
 
-- in-place ops after a layer whose output is a view (nn.Linear on (B, T, d), Conv1D);
+- in-place ops after a layer whose output is a view (nn.Linear on (B, T, d), Conv1D), or after
+  an Embedding (refused before);
 - a user's forward hook that changes a layer's output;
 - token ids changed in place after the forward;
 - the parameter-use check after a first forward that raised;
@@ -71,6 +72,41 @@ def test_an_in_place_op_after_a_view_output_keeps_the_layer_in_norms_and_sum(op,
     torch.testing.assert_close(norms, rn, rtol=1e-9, atol=1e-12)
     acc = {}
     ClippingEngine(m, clip_norm=C).accumulate(sq_loss, (x,), acc)
+    want = (ref * (C / rn).clamp(max=1.0)[:, None]).sum(0)
+    got = torch.cat([acc[n].reshape(-1) for n, _ in m.named_parameters()])
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+class EmbeddingInPlace(nn.Module):
+    """An in-place op right after an Embedding (the layer whose output is the backward's
+    target, its input being ids)."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.e, self.h = op, nn.Embedding(7, 3), nn.Linear(3, 2)
+
+    def forward(self, ids):
+        h = self.e(ids)
+        if self.op == "relu_":
+            h = F.relu(h, inplace=True)
+        else:
+            h.mul_(2.0)
+        return self.h(h)
+
+
+@pytest.mark.parametrize("op", ["relu_", "mul_"])
+def test_an_in_place_op_after_an_embedding_gives_exact_norms_and_sum(op):
+    # refused before ("the output of Embedding was modified in place"), against the README
+    torch.manual_seed(0)
+    m = EmbeddingInPlace(op).double()
+    ids = torch.randint(0, 7, (3, 4), generator=torch.Generator().manual_seed(1))
+    ref = reference_grads(m, sq_loss, (ids,))
+    rn = ref.norm(dim=1)
+    C = float(rn.median())
+    torch.testing.assert_close(ClippingEngine(m, clip_norm=C).per_example_norms(sq_loss, (ids,)),
+                               rn, rtol=1e-9, atol=1e-12)
+    acc = {}
+    ClippingEngine(m, clip_norm=C).accumulate(sq_loss, (ids,), acc)
     want = (ref * (C / rn).clamp(max=1.0)[:, None]).sum(0)
     got = torch.cat([acc[n].reshape(-1) for n, _ in m.named_parameters()])
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)

@@ -476,6 +476,11 @@ class ClippingEngine:
                     rec.output = output
                     rec.version = output._version
                     targets.append(output)
+                    # the module returns a non-view alias of the target's storage, with a
+                    # version counter of its own: an in-place op after the layer (an
+                    # Embedding followed by ReLU(inplace=True)) then leaves the target as
+                    # the backward's input, whose gradient is w.r.t. the value before it
+                    return torch.ops.aten._unsafe_view(output, output.shape)
                 else:
                     def grab(g, rec=rec):
                         rec.G = g
