@@ -1085,16 +1085,32 @@ class _Einsum(nn.Module):
     aligned by the label b, not broadcast. ``pooled``: a (T, d) output pooled over the
     microbatch instead, put where the rows are positions ("td,btd->bt")."""
 
-    def __init__(self, pooled: bool):
+    def __init__(self, how: str):
         super().__init__()
-        self.pooled = pooled
+        self.how = how
         self.q, self.k = nn.Linear(4, 4), nn.Linear(4, 4)
 
     def forward(self, x):  # x: (B, T, 4)
         keys = torch.tanh(self.k(x))
-        if self.pooled:
+        if self.how == "pooled":
             return torch.einsum("td,btd->bt", self.q(x.mean(0)), keys)
+        if self.how == "transposed":
+            return torch.einsum("bd,btd->tb", self.q(x.mean(1)), keys).T
         return torch.einsum("bd,btd->bt", self.q(x.mean(1)), keys)
+
+
+class _ThreeDimWeights(nn.Module):
+    """A hooked output (B, d) with a weight of more dimensions: nn.Bilinear's, and a buffer
+    contracted by tensordot. Neither broadcasts the output over examples."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bil = nn.Linear(3, 3), nn.Bilinear(3, 3, 2)
+        self.register_buffer("W", torch.randn(3, 2, 2, generator=torch.Generator().manual_seed(4)))
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.bil(h, torch.cos(x)) + torch.tensordot(h, self.W, dims=1).sum(-1)
 
 
 def test_an_einsum_that_aligns_the_examples_by_label_is_accepted_and_exact():
@@ -1104,12 +1120,24 @@ def test_an_einsum_that_aligns_the_examples_by_label_is_accepted_and_exact():
         return m(batch[0]).pow(2).sum(1)
 
     x = torch.randn(3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    model = _Einsum(False).double()
-    ref = reference_grads(model, score, (x,)).norm(dim=1)
-    assert_norms(ClippingEngine(model).per_example_norms(score, (x,)), ref, torch.float64)
+    for how in ("aligned", "transposed"):
+        model = _Einsum(how).double()
+        ref = reference_grads(model, score, (x,)).norm(dim=1)
+        assert_norms(ClippingEngine(model).per_example_norms(score, (x,)), ref, torch.float64)
     x = torch.randn(3, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     with pytest.raises(ValueError, match=r"output of q \(shape \(3, 4\)\) is broadcast"):
-        ClippingEngine(_Einsum(True).double()).per_example_norms(score, (x,))
+        ClippingEngine(_Einsum("pooled").double()).per_example_norms(score, (x,))
+
+
+def test_a_weight_of_more_dimensions_is_not_a_broadcast():
+    # nn.Bilinear (3-D weight) after a Linear, and tensordot with a 3-D buffer: refused as a
+    # broadcast before, since any operand of more dimensions counted
+    gen = torch.Generator().manual_seed(6)
+    with pytest.warns(UserWarning, match="Bilinear"):  # the torch.func fallback
+        model = _ThreeDimWeights().double()
+        ClippingEngine(model)
+    x = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+    check(model, (x, torch.randn(4, 2, generator=gen, dtype=torch.float64)))
 
 
 def test_a_loss_that_uses_the_parameters_directly_is_refused():

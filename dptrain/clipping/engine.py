@@ -157,7 +157,8 @@ class _FirstForwardCheck(TorchFunctionMode):
     check does not see: it covers the unsharded model.
 
     It also refuses a hooked layer's output (or a same-shaped result of it) that an op
-    broadcasts against a tensor of more dimensions: its rows are then not the microbatch's
+    broadcasts against a tensor of more dimensions made from the batch (a weight is not one):
+    its rows are then not the microbatch's
     examples, although its leading size may equal the microbatch's (nanoGPT's
     ``wpe(torch.arange(T))`` added to (B, T, d) token embeddings when T happens to equal B),
     and each example would be credited with the whole microbatch's gradient of one row.
@@ -264,8 +265,10 @@ class _FirstForwardCheck(TorchFunctionMode):
         marked = [self.rows[id(a)][1:] for a in tensors if id(a) in self.rows]
         if not marked or getattr(func, "__name__", "") == "__get__":
             return
-        top = max(t.dim() for t in tensors)
-        kept = _einsum_rows_kept(func, args, kwargs, self.rows)
+        # against tensors made from the batch only: a weight of more dimensions (nn.Bilinear's,
+        # a buffer in tensordot) has no examples to broadcast over
+        top = max(t.dim() for t in tensors if id(t) in self.rows or id(t) in self.derived)
+        kept = _einsum_rows_kept(func, args, kwargs, self.rows, self.derived)
         for shape, name in marked:
             if 0 < len(shape) < top and not kept:
                 raise ValueError(
@@ -299,12 +302,12 @@ def _value_operands(func, args, kwargs) -> tuple:
     return args, kwargs
 
 
-def _einsum_rows_kept(func, args, kwargs, rows: dict) -> bool:
-    """Whether an einsum keeps the rows of every hooked output among its operands as rows: each
-    such operand's first subscript is the output's first (``"bd,btd->bt"``: example b with
-    example b), so operands of fewer dimensions are aligned by label, not broadcast. False
-    for anything else (another function, ``...``, the sublist form): the dimension rule
-    applies."""
+def _einsum_rows_kept(func, args, kwargs, rows: dict, derived: dict) -> bool:
+    """Whether an einsum aligns the examples by label: every operand that is a hooked output or
+    made from the batch has the same first subscript (``"bd,btd->bt"``, or ``"->tb"``: example
+    b with example b), so operands of fewer dimensions are not broadcast over the examples
+    (``"td,btd->bt"`` is). False for anything else (another function, ``...``, the sublist
+    form): the dimension rule applies."""
     if func is not torch.einsum:
         return False
     equation = args[0] if args else kwargs.get("equation")
@@ -313,15 +316,12 @@ def _einsum_rows_kept(func, args, kwargs, rows: dict) -> bool:
         operands = list(operands[0])
     if not isinstance(equation, str) or "." in equation:
         return False
-    lhs, arrow, out = equation.replace(" ", "").partition("->")
-    specs = lhs.split(",")
-    if not arrow:  # implicit output: the labels used once, in alphabetical order
-        out = "".join(sorted(c for c in set(lhs) if c.isalpha() and lhs.count(c) == 1))
-    if len(specs) != len(operands) or not out:
+    specs = equation.replace(" ", "").partition("->")[0].split(",")
+    if len(specs) != len(operands):
         return False
-    return all(spec and spec[0] == out[0]
-               for spec, op in zip(specs, operands)
-               if isinstance(op, Tensor) and id(op) in rows)
+    firsts = {spec[:1] for spec, op in zip(specs, operands)
+              if isinstance(op, Tensor) and (id(op) in rows or id(op) in derived)}
+    return len(firsts) == 1 and "" not in firsts
 
 
 def _check_reached(records: list[_Record], losses: Tensor) -> None:
