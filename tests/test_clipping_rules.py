@@ -977,6 +977,57 @@ def test_fallback_layer_with_a_second_positional_tensor_shared_or_per_example(pe
     check(model, (x, torch.randn(3, T, 4, generator=gen, dtype=torch.float64)))
 
 
+class _Summed(nn.Module):
+    """No rule (torch.func fallback); its first argument is a list of tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, xs):
+        return sum(x * self.w for x in xs)
+
+
+class _Branching(nn.Module):
+    """No rule; a Python branch on the input's values, which vmap cannot run."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return x * self.w if bool(x.sum() > 0) else x * self.w.pow(2)
+
+
+class _Around(nn.Module):
+    def __init__(self, inner: nn.Module, listed: bool):
+        super().__init__()
+        self.a, self.inner, self.o, self.listed = nn.Linear(3, 3), inner, nn.Linear(3, 2), listed
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.o(torch.tanh(self.inner([h, torch.tanh(h)] if self.listed else h)))
+
+
+def test_fallback_layer_given_a_list_of_tensors_is_exact():
+    # the list was passed whole while the cotangent was one example's row: a shape error
+    gen = torch.Generator().manual_seed(7)
+    with pytest.warns(UserWarning, match="_Summed"):
+        model = _Around(_Summed(), listed=True).double()
+        ClippingEngine(model)
+    x = torch.randn(3, 3, generator=gen, dtype=torch.float64)
+    check(model, (x, torch.randn(3, 2, generator=gen, dtype=torch.float64)))
+
+
+def test_fallback_layer_that_vmap_cannot_run_is_refused_naming_it_and_the_way_out():
+    with pytest.warns(UserWarning, match="_Branching"):
+        model = _Around(_Branching(), listed=False).double()
+        engine = ClippingEngine(model)
+    x = torch.randn(3, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"fallback for _Branching .* under vmap.*torch\.where"):
+        engine.per_example_norms(mse_loss, (x, torch.randn(3, 2, dtype=torch.float64)))
+
+
 def test_timm_layernorms():
     # timm's LayerNorm computes nn.LayerNorm's function (its rule); LayerNorm2d normalises the
     # channels of NCHW input, which nn.LayerNorm's rule would get wrong (the fallback's)

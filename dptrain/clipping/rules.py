@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from dptrain.clipping.contributions import Contribution, Dense, OneHot, Outer
@@ -196,8 +197,9 @@ class FuncFallbackRule(LayerRule):
     The first positional argument is per-example (row b is example b's: the engine checks
     it). Another positional tensor whose leading size is not the microbatch's is shared and
     passed whole. Keyword arguments are captured too (the engine hooks such layers with
-    ``with_kwargs``). When a keyword tensor, or a positional tensor after the first whose
-    leading size is the microbatch's, may be per-example or shared (a (T, T) mask with T = B),
+    ``with_kwargs``). When a keyword tensor, a positional tensor after the first whose
+    leading size is the microbatch's, or tensors inside a list, tuple or dict argument may be
+    per-example or shared (a (T, T) mask with T = B),
     the rule makes no guess: it takes example b's gradient as the VJP of the whole microbatch's
     forward with every output row but b's cotangent zeroed (B VJPs of the microbatch, vmapped:
     exact whatever the arguments are, and B times the work). (Until 2026-12-02 every positional
@@ -209,11 +211,25 @@ class FuncFallbackRule(LayerRule):
     def capture(self, module, args, output, kwargs=None):
         # cloned: the engine may copy other model states into the parameters afterwards
         params = {n: p.detach().clone() for n, p in module.named_parameters(recurse=False)}
-        kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in (kwargs or {}).items()}
-        return {"args": tuple(a.detach() if isinstance(a, Tensor) else a for a in args),
-                "kwargs": kwargs, "params": params}
+        detach = lambda t: t.detach() if isinstance(t, Tensor) else t  # noqa: E731
+        return {"args": tuple(pytree.tree_map(detach, list(args))),
+                "kwargs": pytree.tree_map(detach, dict(kwargs or {})), "params": params}
 
     def contributions(self, module, saved, G):
+        try:
+            return self._contributions(module, saved, G)
+        except RuntimeError as e:
+            if "vmap" not in str(e) and "atching rule" not in str(e):
+                raise
+            raise ValueError(
+                f"dptrain.clipping: the torch.func fallback for {type(module).__name__} "
+                f"(no layer rule) computes its per-example gradients under vmap, which could "
+                f"not run its forward: {str(e).splitlines()[0]} Write that forward with ops vmap "
+                f"supports (torch.where, not Python branches on values or boolean-mask "
+                f"indexing), or register a layer rule (dptrain.clipping.rules.register_rule)"
+            ) from e
+
+    def _contributions(self, module, saved, G):
         from torch.func import functional_call, vjp, vmap
 
         params = saved["params"]
@@ -222,7 +238,10 @@ class FuncFallbackRule(LayerRule):
         B = G.shape[0]
         batched = [isinstance(a, Tensor) and (i == 0 or (a.dim() > 0 and a.shape[0] == B))
                    for i, a in enumerate(args)]
-        if any(isinstance(v, Tensor) for v in kwargs.values()) or any(batched[1:]):
+        nested = any(not isinstance(a, Tensor) and any(
+            isinstance(t, Tensor) for t in pytree.tree_leaves(a)) for a in args)
+        if (any(isinstance(t, Tensor) for t in pytree.tree_leaves(kwargs)) or any(batched[1:])
+                or nested):
             _, pull = vjp(lambda p: functional_call(module, p, args, kwargs), params)
             rows = torch.eye(B, dtype=G.dtype, device=G.device).view(B, B, *[1] * (G.dim() - 1))
             grads = vmap(lambda row: pull(G * row)[0])(rows)
