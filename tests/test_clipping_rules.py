@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1026,6 +1028,34 @@ def test_fallback_layer_that_vmap_cannot_run_is_refused_naming_it_and_the_way_ou
     x = torch.randn(3, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"fallback for _Branching .* under vmap.*torch\.where"):
         engine.per_example_norms(mse_loss, (x, torch.randn(3, 2, dtype=torch.float64)))
+
+
+class _TwoNames(nn.Module):
+    """No rule; one parameter registered under two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(3))
+        self.w2 = self.w1
+
+    def forward(self, x):
+        return x * self.w1 + (x * self.w2).pow(2)
+
+
+@pytest.mark.parametrize("where", ["fallback", "linear"])
+def test_a_parameter_registered_under_two_names_is_exact(where):
+    # refused before with a message about parametrizations: the rule computes the parameter
+    # under one of its names
+    gen = torch.Generator().manual_seed(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning
+        if where == "fallback":
+            model = nn.Sequential(nn.Linear(3, 3), _TwoNames(), nn.Linear(3, 2)).double()
+        else:
+            model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+            model[2].extra = model[2].bias
+        x = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+        check(model, (x, torch.randn(4, 2, generator=gen, dtype=torch.float64)))
 
 
 def test_timm_layernorms():

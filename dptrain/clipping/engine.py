@@ -668,9 +668,15 @@ class ClippingEngine:
             G = _to_float(rec.G)
             rec.saved = _to_float(rec.saved)
             contributions = rec.rule.contributions(rec.module, rec.saved, G)
-            own = {k for k, p in rec.module._parameters.items()
-                   if p is not None and p.requires_grad}
-            if own - contributions.keys() or contributions.keys() - rec.module._parameters.keys():
+            # one parameter may be registered under several names (``self.w2 = self.w1``):
+            # the rule computes it under one of them
+            aliases: dict[int, set[str]] = {}
+            for k, p in rec.module._parameters.items():
+                if p is not None and p.requires_grad:
+                    aliases.setdefault(id(p), set()).add(k)
+            own = set().union(*aliases.values())
+            if (any(len(names & contributions.keys()) != 1 for names in aliases.values())
+                    or contributions.keys() - rec.module._parameters.keys()):
                 # e.g. torch.nn.utils.weight_norm: weight_g and weight_v next to a computed
                 # weight, which the Linear rule would credit to a parameter that is not there
                 raise ValueError(
