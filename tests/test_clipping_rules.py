@@ -13,7 +13,6 @@ plans, unsupported modules, in-place modification of a captured input.
 from __future__ import annotations
 
 import copy
-
 import warnings
 
 import pytest
