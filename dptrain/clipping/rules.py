@@ -197,14 +197,13 @@ class FuncFallbackRule(LayerRule):
     The first positional argument is per-example (row b is example b's: the engine checks
     it). Another positional tensor whose leading size is not the microbatch's is shared and
     passed whole. Keyword arguments are captured too (the engine hooks such layers with
-    ``with_kwargs``). When a keyword tensor, a positional tensor after the first whose
-    leading size is the microbatch's, or tensors inside a list, tuple or dict argument may be
-    per-example or shared (a (T, T) mask with T = B),
-    the rule makes no guess: it takes example b's gradient as the VJP of the whole microbatch's
-    forward with every output row but b's cotangent zeroed (B VJPs of the microbatch, vmapped:
-    exact whatever the arguments are, and B times the work). (Until 2026-12-02 every positional
-    tensor was split per example: a shared (T, d) scale at T = B gave each example a row of
-    it, and wrong norms.)"""
+    ``with_kwargs``). A keyword tensor, a positional tensor after the first whose leading size
+    is the microbatch's, or tensors inside a list, tuple or dict argument may be per-example
+    or shared (a (T, T) mask with T = B); then the rule makes no guess: it takes example b's
+    gradient as the VJP of the whole microbatch's forward with every output row but b's
+    cotangent zeroed (B VJPs of the microbatch, vmapped: exact whatever the arguments are,
+    and B times the work). (Until 2026-12-02 every positional tensor was split per example: a
+    shared (T, d) scale at T = B gave each example a row of it, and wrong norms.)"""
 
     wants_kwargs = True
 
@@ -219,7 +218,7 @@ class FuncFallbackRule(LayerRule):
         try:
             return self._contributions(module, saved, G)
         except RuntimeError as e:
-            if "vmap" not in str(e) and "atching rule" not in str(e):
+            if "vmap" not in str(e):
                 raise
             raise ValueError(
                 f"dptrain.clipping: the torch.func fallback for {type(module).__name__} "
