@@ -612,6 +612,33 @@ def test_a_per_parameter_plan_with_a_layer_at_one_state_only():
     check(m, batch, plan=[(c0, None), (c1, theta1)], ref=ref)
 
 
+def test_a_plan_without_the_current_parameters_is_exact_and_leaves_acc_alone_on_error():
+    # no entry at the current parameters (an empty state counts as them): accumulate failed on
+    # the displayed loss, after adding the clipped sum into acc (from the second query on)
+    m, batch = _std_conv_net()
+    theta1 = {n: p.detach() + 0.1 * torch.randn_like(p) for n, p in m.named_parameters()}
+    theta2 = {n: p.detach() - 0.1 * torch.randn_like(p) for n, p in m.named_parameters()}
+    ref = (0.5 * reference_grads(m, mse_loss, batch, theta1)
+           + 0.5 * reference_grads(m, mse_loss, batch, theta2))
+    check(m, batch, plan=[(0.5, theta1), (0.5, theta2)], ref=ref)
+    engine = ClippingEngine(m, clip_norm=1.0)
+    stats = engine.accumulate(mse_loss, batch, {}, [(1.0, theta1)])
+    assert stats.num_examples == 4 and stats.loss_sum != stats.loss_sum  # NaN: not evaluated
+    current = engine.accumulate(mse_loss, batch, {}, [(0.3, {}), (0.7, theta1)])
+    torch.testing.assert_close(current.loss_sum, float(mse_loss(m, batch).detach().sum()))
+    acc: dict = {}
+    engine.accumulate(mse_loss, batch, acc, [(1.0, theta1)])
+    before = {n: v.clone() for n, v in acc.items()}
+    wrong = {"0.weight": theta1["0.weight"][:1]}  # broadcastable: was copied in silently
+    with pytest.raises(ValueError, match=r"gives 0\.weight the shape \(1, 3, 3, 3\), but"):
+        engine.accumulate(mse_loss, batch, acc, [(1.0, None), (0.5, wrong)])
+    with pytest.raises(ValueError, match=r"coefficients name \['0\.wieght'\]"):
+        engine.accumulate(mse_loss, batch, acc, [({"0.wieght": 1.0}, None)])
+    assert acc.keys() == before.keys()
+    for n in acc:
+        assert torch.equal(acc[n], before[n]), n
+
+
 class _OwnLinear(nn.Linear):
     """A Linear subclass with a forward of its own: the torch.func fallback (Dense terms)."""
 

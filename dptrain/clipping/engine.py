@@ -545,6 +545,15 @@ class ClippingEngine:
                 raise ValueError(f"dptrain.clipping: a plan's state gives {unknown}, which are "
                                  f"not trainable parameters of the model (a state holds values "
                                  f"of trainable parameters only)")
+            for n, v in state.items():
+                p = self.params[n]
+                shapes = {tuple(p.shape)}
+                if hasattr(p, "to_local"):  # a sharded parameter: its local shard too
+                    shapes.add(tuple(p.to_local().shape))
+                if tuple(v.shape) not in shapes:
+                    raise ValueError(f"dptrain.clipping: a plan's state gives {n} the shape "
+                                     f"{tuple(v.shape)}, but the parameter's is "
+                                     f"{tuple(p.shape)} (a value is never broadcast)")
             saved, swapped = {}, {}
             try:
                 with torch.no_grad():
@@ -582,6 +591,13 @@ class ClippingEngine:
                     f"batch statistics couple the examples of a microbatch, so an example's "
                     f"gradient depends on the others and no clip bounds its influence. Use "
                     f"GroupNorm or LayerNorm, or keep it in eval mode (running statistics)")
+        for entry in plan:
+            unknown = sorted(set(entry[0]) - self.params.keys()) if isinstance(entry[0], dict) else []
+            if unknown:
+                raise ValueError(f"dptrain.clipping: a plan's coefficients name {unknown}, which "
+                                 f"are not trainable parameters of the model under the names "
+                                 f"the engine gives them (a parameter tied to another goes by "
+                                 f"the first name named_parameters() gives it)")
         B = batch_size_of(batch)
         self._pending_rows = None
         graphs = []
@@ -606,7 +622,7 @@ class ClippingEngine:
                 if losses.shape != (B,):
                     raise ValueError(f"loss_fn must return per-example losses of shape ({B},), "
                                      f"got {tuple(losses.shape)}")
-                if state is None:
+                if not state:  # the current parameters (as in _state)
                     d = losses.detach()
                     loss_total = d if loss_total is None else loss_total + d
                     current += 1
@@ -795,6 +811,12 @@ class ClippingEngine:
         two_pass = self.mode == "two_pass"
         query = self._query(plan)
         graphs, loss_total = self._forward_backward(loss_fn, batch, plan, two_pass, query)
+        keep = active.to(device) if active is not None else None
+        num_examples = int(keep.sum()) if keep is not None else B
+        # the displayed loss: at the current parameters (NaN if no plan entry evaluates them)
+        loss_sum = (float("nan") if loss_total is None else
+                    float(loss_total[keep.to(loss_total.device)].sum() if keep is not None
+                          else loss_total.sum()))
         sizes = query.held_bytes(B, {n: p.numel() for n, p in self.params.items()})
         # the first query's clipped sum reaches acc only after the rows check passed
         out = {} if self._pending_rows is not None else acc
@@ -834,15 +856,12 @@ class ClippingEngine:
                     p = self.params[name]
                     self._add(out, name, clipped_sum(contribs, lam, p.shape, dtype))
             graphs = used = None
-            keep = active.to(loss_total.device) if active is not None else None
-            n = int(keep.sum()) if keep is not None else B
-            loss_sum = float(loss_total[keep].sum() if keep is not None else loss_total.sum())
         if out is not acc:  # (under the caller's autocast, as the query's forwards)
             self._finish_rows_check()
             for name, value in out.items():
                 self._add(acc, name, value)
         held, least = sizes
-        return StepStats(num_examples=n, loss_sum=loss_sum, states=len(plan),
+        return StepStats(num_examples=num_examples, loss_sum=loss_sum, states=len(plan),
                          query_bytes=held, least_query_bytes=least)
 
     @staticmethod
