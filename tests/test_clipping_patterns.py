@@ -112,6 +112,34 @@ def test_an_in_place_op_after_an_embedding_gives_exact_norms_and_sum(op):
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.i, self.b, self.o = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(lambda h: torch.tanh(self.b(h)), self.i(x),
+                       use_reentrant=self.reentrant)
+        return self.o(h)
+
+
+def test_activation_checkpointing_is_exact_and_the_reentrant_kind_refused_with_the_fix():
+    torch.manual_seed(0)
+    x = torch.randn(3, 3, dtype=torch.float64)
+    m = Checkpointed(False).double()
+    # (torch.func does not run under checkpoint's saved-tensor hooks: a loop of autograd.grad)
+    ref = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        sq_loss(m, (x[b:b + 1],)).sum(), list(m.parameters()))]).norm() for b in range(3)])
+    torch.testing.assert_close(ClippingEngine(m, clip_norm=1.0).per_example_norms(sq_loss, (x,)),
+                               ref, rtol=1e-9, atol=1e-12)
+    m.reentrant = True  # torch's own error before, from autograd.grad
+    with pytest.raises(ValueError, match="pass use_reentrant=False"):
+        ClippingEngine(m, clip_norm=1.0).per_example_norms(sq_loss, (x,))
+
+
 # -------------------------------------------------------------- a user's forward hook
 
 def test_a_user_forward_hook_that_changes_the_output_gives_exact_norms():

@@ -628,8 +628,20 @@ class ClippingEngine:
                     current += 1
                 loss = losses.sum()
                 live = [t for t in targets if t.requires_grad]
-                grads = (torch.autograd.grad(loss, live, allow_unused=True, retain_graph=retain)
-                         if loss.requires_grad and live else [None] * len(live))
+                try:
+                    grads = (torch.autograd.grad(loss, live, allow_unused=True,
+                                                 retain_graph=retain)
+                             if loss.requires_grad and live else [None] * len(live))
+                except RuntimeError as e:
+                    if "use_reentrant" not in str(e):
+                        raise
+                    raise ValueError(
+                        "dptrain.clipping: the model uses torch.utils.checkpoint with "
+                        "use_reentrant=True, whose forward runs without autograd (the engine's "
+                        "hooks see no layer in it) and whose backward autograd.grad cannot "
+                        "run: pass use_reentrant=False (transformers: "
+                        "gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                        "{'use_reentrant': False}))") from e
             index = {id(t): g for t, g in zip(live, grads)}
             del grads, live, targets
             for rec in records:
