@@ -261,6 +261,47 @@ def test_shared_positions_at_t_equal_b_are_refused_naming_the_layer(how):
             row_sum_sq, (torch.randint(0, 7, (4, 4)),))
 
 
+class SlicedTable(nn.Module):
+    """No rule (the torch.func fallback): a table of positions sliced to the sequence length,
+    called with the ids (and the mask: the fallback's exact path, or a second positional)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, ids, mask=None):
+        return self.table[:ids.shape[1]]
+
+
+class SlicedPositions(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.tok, self.pos, self.head = nn.Embedding(7, 4), SlicedTable(), nn.Linear(4, 1)
+
+    def forward(self, ids, mask):
+        p = {"ids": lambda: self.pos(ids), "keyword": lambda: self.pos(ids, mask=mask),
+             "positional": lambda: self.pos(ids, mask)}[self.how]()
+        return self.head(torch.tanh(self.tok(ids) + p.unsqueeze(0))).squeeze(-1)
+
+
+@pytest.mark.parametrize("how", ["ids", "keyword", "positional"])
+def test_a_layer_output_of_shared_rows_at_t_equal_b_is_refused_naming_the_layer(how):
+    # with the mask as a keyword (the fallback's whole-microbatch VJPs) the norms came out
+    # 1-7% off without an error; with the ids alone, a shape error from torch.func; with the
+    # mask positional, a refusal that blamed parameters-only inputs
+    ids = torch.randint(0, 7, (3, 3), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(3, 3, dtype=torch.float64)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning
+        m = SlicedPositions(how).double()
+        with pytest.raises(ValueError, match=r"the output of pos \(SlicedTable, shape \(3, 4\)\) "
+                                             r"does not come from the batch's values"):
+            ClippingEngine(m, clip_norm=1.0).per_example_norms(
+                lambda model, b: model(*b).pow(2).sum(1), (ids, mask))
+
+
 class Queries(nn.Module):
     """Learned query tokens: an Embedding of arange(K) expanded to every example (K = B)."""
 

@@ -213,8 +213,21 @@ class _FirstForwardCheck(TorchFunctionMode):
 
         def leave(module, args, output, name):
             self.active[id(module)] -= 1
-            if isinstance(output, Tensor):
-                self._mark(output, name)
+            if not isinstance(output, Tensor):
+                return
+            B = self.batch_size
+            if (B > 1 and output.dim() and output.shape[0] == B and id(output) not in self.derived
+                    and bool((output.detach() != output.detach()[:1]).any())):
+                raise ValueError(
+                    f"dptrain.clipping: the output of {name} ({type(module).__name__}, shape "
+                    f"{tuple(output.shape)}) does not come from the batch's values, and its {B} "
+                    f"rows differ: they are not the microbatch's examples, although there are "
+                    f"as many (a table of positions sliced to the sequence length T = {B}, "
+                    f"such as table[:x.shape[1]]), and each example would be credited with one "
+                    f"row's gradient. Give the layer one row per example (expand its output to "
+                    f"the microbatch inside it), or look positions up with an nn.Embedding on "
+                    f"ids expanded to (B, T)")
+            self._mark(output, name)
 
         for m, name in self.hooked:
             self.handles.append(m.register_forward_pre_hook(enter, prepend=True))
