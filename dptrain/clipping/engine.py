@@ -542,7 +542,8 @@ class ClippingEngine:
         """Evaluate at ``state`` (name -> values): copy the values in (through ``.data``, so
         autograd's version counters are untouched) and the current ones back afterwards. Under
         sharding the values are each rank's local shards. With ``seed``, the forward randomness
-        comes from a forked RNG stream seeded with it."""
+        comes from a forked RNG stream seeded with it. The state's names and shapes were checked
+        with its plan (``_check_plan``)."""
         rng = contextlib.nullcontext()
         if seed is not None:
             devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -553,20 +554,6 @@ class ClippingEngine:
             if not state:
                 yield
                 return
-            unknown = sorted(set(state) - self.params.keys())
-            if unknown:
-                raise ValueError(f"dptrain.clipping: a plan's state gives {unknown}, which are "
-                                 f"not trainable parameters of the model (a state holds values "
-                                 f"of trainable parameters only)")
-            for n, v in state.items():
-                p = self.params[n]
-                shapes = {tuple(p.shape)}
-                if hasattr(p, "to_local"):  # a sharded parameter: its local shard too
-                    shapes.add(tuple(p.to_local().shape))
-                if tuple(v.shape) not in shapes:
-                    raise ValueError(f"dptrain.clipping: a plan's state gives {n} the shape "
-                                     f"{tuple(v.shape)}, but the parameter's is "
-                                     f"{tuple(p.shape)} (a value is never broadcast)")
             saved, swapped = {}, {}
             try:
                 with torch.no_grad():
@@ -591,6 +578,34 @@ class ClippingEngine:
     # -----------------------------------------------------------------------------------------
     # the private query of one microbatch
 
+    def _check_plan(self, plan: QueryPlan) -> None:
+        """Before any forward: every name in a coefficient dict or a state is a trainable
+        parameter's, under the name the engine gives it (a name it does not know would get
+        coefficient 0, or no value), and every state value has its parameter's shape (global,
+        or the local shard's when sharded; a value is never broadcast)."""
+        for entry in plan:
+            coef, state = entry[0], entry[1]
+            unknown = sorted(set(coef) - self.params.keys()) if isinstance(coef, dict) else []
+            if unknown:
+                raise ValueError(f"dptrain.clipping: a plan's coefficients name {unknown}, which "
+                                 f"are not trainable parameters of the model under the names "
+                                 f"the engine gives them (a parameter tied to another goes by "
+                                 f"the first name named_parameters() gives it)")
+            unknown = sorted(set(state or {}) - self.params.keys())
+            if unknown:
+                raise ValueError(f"dptrain.clipping: a plan's state gives {unknown}, which are "
+                                 f"not trainable parameters of the model (a state holds values "
+                                 f"of trainable parameters only)")
+            for n, v in (state or {}).items():
+                p = self.params[n]
+                shapes = {tuple(p.shape)}
+                if hasattr(p, "to_local"):  # a sharded parameter: its local shard too
+                    shapes.add(tuple(p.to_local().shape))
+                if tuple(v.shape) not in shapes:
+                    raise ValueError(f"dptrain.clipping: a plan's state gives {n} the shape "
+                                     f"{tuple(v.shape)}, but the parameter's is "
+                                     f"{tuple(p.shape)} (a value is never broadcast)")
+
     def _forward_backward(self, loss_fn: LossFn, batch: Any, plan: QueryPlan, retain: bool,
                           query: "_Query"):
         """Evaluate every state of the plan; each state's captured tensors are turned into
@@ -604,13 +619,7 @@ class ClippingEngine:
                     f"batch statistics couple the examples of a microbatch, so an example's "
                     f"gradient depends on the others and no clip bounds its influence. Use "
                     f"GroupNorm or LayerNorm, or keep it in eval mode (running statistics)")
-        for entry in plan:
-            unknown = sorted(set(entry[0]) - self.params.keys()) if isinstance(entry[0], dict) else []
-            if unknown:
-                raise ValueError(f"dptrain.clipping: a plan's coefficients name {unknown}, which "
-                                 f"are not trainable parameters of the model under the names "
-                                 f"the engine gives them (a parameter tied to another goes by "
-                                 f"the first name named_parameters() gives it)")
+        self._check_plan(plan)
         B = batch_size_of(batch)
         self._pending_rows = None
         graphs = []
@@ -836,12 +845,14 @@ class ClippingEngine:
         two_pass = self.mode == "two_pass"
         query = self._query(plan)
         graphs, loss_total = self._forward_backward(loss_fn, batch, plan, two_pass, query)
-        keep = active.to(device) if active is not None else None
-        num_examples = int(keep.sum()) if keep is not None else B
+        num_examples = int(active.sum()) if active is not None else B
         # the displayed loss: at the current parameters (NaN if no plan entry evaluates them)
-        loss_sum = (float("nan") if loss_total is None else
-                    float(loss_total[keep.to(loss_total.device)].sum() if keep is not None
-                          else loss_total.sum()))
+        if loss_total is None:
+            loss_sum = float("nan")
+        elif active is not None:
+            loss_sum = float(loss_total[active.to(loss_total.device)].sum())
+        else:
+            loss_sum = float(loss_total.sum())
         sizes = query.held_bytes(B, {n: p.numel() for n, p in self.params.items()})
         # the first query's clipped sum reaches acc only after the rows check passed
         out = {} if self._pending_rows is not None else acc
