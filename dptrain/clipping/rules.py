@@ -210,9 +210,9 @@ class FuncFallbackRule(LayerRule):
     def capture(self, module, args, output, kwargs=None):
         # cloned: the engine may copy other model states into the parameters afterwards
         params = {n: p.detach().clone() for n, p in module.named_parameters(recurse=False)}
-        detach = lambda t: t.detach() if isinstance(t, Tensor) else t  # noqa: E731
-        return {"args": tuple(pytree.tree_map(detach, list(args))),
-                "kwargs": pytree.tree_map(detach, dict(kwargs or {})), "params": params}
+        return {"args": pytree.tree_map_only(Tensor, Tensor.detach, tuple(args)),
+                "kwargs": pytree.tree_map_only(Tensor, Tensor.detach, dict(kwargs or {})),
+                "params": params}
 
     def contributions(self, module, saved, G):
         try:
