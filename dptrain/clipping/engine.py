@@ -136,6 +136,33 @@ class _Hooked:
     params: dict[str, nn.Parameter] = field(default_factory=dict)
 
 
+@dataclass
+class _Tapped:
+    """Parameters of a module (no layer rule) whose submodules have parameters of their own: a
+    ViT's class token and position table. During the engine's forwards each ``p`` (leading size
+    1) is replaced, for the module's call, by ``p.expand(B, ...)``, a leaf with one row per
+    example: row b's gradient is example b's, as long as the forward keeps the rows apart
+    (checked over the first query, ``_check_tap_rows``)."""
+    name: str
+    module: nn.Module
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
+
+
+def _tappable(p: Tensor) -> bool:
+    return p.dim() >= 1 and p.shape[0] == 1
+
+
+class _TapRule(LayerRule):
+    """A tapped parameter's per-example gradient: the gradient of its expanded leaf, row b for
+    example b (``saved["attr"]``: the parameter's attribute in its module)."""
+
+    def contributions(self, module, saved, G):
+        return {saved["attr"]: Dense(G.unsqueeze(1))}
+
+
+_TAP = _TapRule()
+
+
 def _swappable(p: Tensor, v: Tensor) -> bool:
     """Whether ``p.data`` may be pointed at ``v`` for a while: plain tensors of the same shape,
     dtype, device and strides (sharded FSDP2 parameters are copied into instead)."""
@@ -185,6 +212,9 @@ class _FirstForwardCheck(TorchFunctionMode):
         self.active: dict[int, int] = {}
         self.hooked = [(h.module, h.name) for h in engine.hooked]
         self.engine = engine
+        for t in engine.taps:  # used only through their expanded leaves: any use is elsewhere
+            for p in t.params.values():
+                self.owners.setdefault(id(p), ([], engine.names[id(p)]))
         self.handles: list = []
         #: id -> (weak reference, shape, layer name): hooked outputs and same-shaped results of
         #: them. Weak: keeping them would hold memory the forward frees; an entry leaves when its
@@ -396,6 +426,8 @@ class ClippingEngine:
                 self.names[id(p)] = n
                 self.params[n] = p
         self.hooked: list[_Hooked] = []
+        #: parameters of modules with parameterised submodules, given one row per example
+        self.taps: list[_Tapped] = []
         owned: set[int] = set()
         unsupported = []
         for mname, m in model.named_modules():
@@ -403,11 +435,23 @@ class ClippingEngine:
             if not direct:
                 continue
             rule = find_rule(m)
-            if rule is None:
-                if next(m.children(), None) is not None:
+            if rule is None and any(p.requires_grad for c in m.children()
+                                    for p in c.parameters()):
+                # a submodule has trainable parameters of its own (hooked separately): this
+                # module's parameters are tapped (one row per example) if they can be
+                untapped = [f"{k} {tuple(p.shape)}" for k, p in direct.items()
+                            if not _tappable(p)]
+                if untapped:
                     unsupported.append(f"{mname or '<root>'} ({type(m).__name__}: owns "
-                                       f"{', '.join(direct)} and has submodules)")
+                                       f"{', '.join(untapped)} and has submodules with "
+                                       f"parameters of their own)")
                     continue
+                self.taps.append(_Tapped(mname, m, direct))
+                owned.update(id(p) for p in direct.values())
+                continue
+            if rule is None:
+                # (submodules without trainable parameters, timm's GroupNormAct's activation,
+                # run inside the fallback's vmapped forward)
                 import warnings
 
                 warnings.warn(f"dptrain.clipping: {_no_rule(m)} ({mname}); using the "
@@ -416,8 +460,13 @@ class ClippingEngine:
             self.hooked.append(_Hooked(mname, m, rule, direct))
             owned.update(id(p) for p in direct.values())
         if unsupported:
-            raise ValueError("dptrain.clipping: unsupported modules with trainable parameters: "
-                             + "; ".join(unsupported))
+            raise ValueError(
+                "dptrain.clipping: unsupported modules with trainable parameters: "
+                + "; ".join(unsupported) + ". A parameter of a module whose submodules have "
+                "parameters too is supported when its leading size is 1 (a class token, a "
+                "position table: the engine gives it one row per example); move any other into "
+                "a module of its own (timm's LayerScale), whose rule or torch.func fallback "
+                "then gives its per-example gradient")
         missing = [n for i, n in self.names.items() if i not in owned]
         assert not missing, f"trainable parameters not owned by any module: {missing}"
         #: batch norms, refused in training mode (checked at every query: train()/eval() can
@@ -433,6 +482,8 @@ class ClippingEngine:
         self._rows_checked = False
         self._pending_rows: tuple | None = None  # that check, due at the end of this query
         self._rows_attempts = 0  # first queries of more than one example it found nothing in
+        #: tapped rows kept to their examples (``_check_tap_rows``), checked once
+        self._taps_checked = not self.taps
 
     # -----------------------------------------------------------------------------------------
     # capture
@@ -441,6 +492,33 @@ class ClippingEngine:
     def _capture(self, batch_size: int, coef: float, records: list[_Record],
                  targets: list[Tensor]) -> Iterator[None]:
         handles = []
+        tap_leaves: set[int] = set()  # the tapped parameters' expanded leaves (kept in targets)
+
+        def make_tap_hooks(t: _Tapped):
+            stack: list[dict[str, Tensor]] = []  # per call of the module: the values put back
+
+            def pre(module, args):
+                swapped: dict[str, Tensor] = {}
+                stack.append(swapped)
+                if not torch.is_grad_enabled():
+                    return
+                for attr in t.params:
+                    cur = module._parameters[attr]  # (FSDP2: gathered by its pre-hook, before)
+                    leaf = cur.detach().expand(batch_size, *cur.shape[1:]).requires_grad_(True)
+                    swapped[attr] = cur
+                    module._parameters[attr] = leaf  # type: ignore[assignment]
+                    tap_leaves.add(id(leaf))
+                    rec = _Record(module, _TAP, {"attr": attr}, coef,
+                                  name=f"{t.name}.{attr}" if t.name else attr)
+                    rec.target_index, rec.output, rec.version = len(targets), leaf, leaf._version
+                    targets.append(leaf)
+                    records.append(rec)
+
+            def post(module, args, output):
+                for attr, cur in stack.pop().items():
+                    module._parameters[attr] = cur  # type: ignore[assignment]
+
+            return pre, post
 
         def make_hooks(h: _Hooked):
             def pre(module, args):
@@ -460,7 +538,8 @@ class ClippingEngine:
                     # a parameter): a leaf of the engine's, so a backward target lies below
                     if isinstance(a, Tensor) and a.is_floating_point() and (
                             not a.requires_grad or (a.grad_fn is None
-                                                    and not isinstance(a, nn.Parameter))):
+                                                    and not isinstance(a, nn.Parameter)
+                                                    and id(a) not in tap_leaves)):
                         leaf = a.detach().requires_grad_(True)
                         targets.append(leaf)
                         new[i] = leaf
@@ -532,6 +611,13 @@ class ClippingEngine:
                 # rule's gradient is w.r.t. what the layer computed)
                 handles.append(h.module.register_forward_pre_hook(pre))
                 handles.append(h.module.register_forward_hook(post, prepend=True))
+            for t in self.taps:
+                pre, post = make_tap_hooks(t)
+                # after FSDP2's pre-hook gathers the parameters, put back before its post-hook
+                # reshards them (prepend), and also when the forward raises (always_call)
+                handles.append(t.module.register_forward_pre_hook(pre))
+                handles.append(t.module.register_forward_hook(post, prepend=True,
+                                                              always_call=True))
             yield
         finally:
             for handle in handles:
@@ -640,7 +726,18 @@ class ClippingEngine:
                 self._pending_rows = (loss_fn, batch, view, B, state)
             with self._state(state, seed), self._capture(B, coef, records, targets):
                 with check:  # the forward only: it keeps references to outputs while open
-                    losses = loss_fn(self.model, inputs)
+                    try:
+                        losses = loss_fn(self.model, inputs)
+                    except RuntimeError as e:
+                        if self._taps_checked:
+                            raise
+                        raise ValueError(
+                            f"dptrain.clipping: the forward failed with the tapped parameters "
+                            f"{self._tap_names()} given one row per example (p.expand(B, "
+                            f"...)): {str(e).splitlines()[0]} If that is a shape error, the "
+                            f"forward uses such a parameter as one row (p[0], p.squeeze(0), "
+                            f"p.view(-1)): use it by broadcasting against the examples' "
+                            f"tensors, or move it into a module of its own") from e
                 if losses.shape != (B,):
                     raise ValueError(f"loss_fn must return per-example losses of shape ({B},), "
                                      f"got {tuple(losses.shape)}")
@@ -650,9 +747,11 @@ class ClippingEngine:
                     current += 1
                 loss = losses.sum()
                 live = [t for t in targets if t.requires_grad]
+                taps = [(rec, rec.output) for rec in records if rec.rule is _TAP]
+                check_taps = not self._taps_checked and B > 1 and bool(taps)
                 try:
                     grads = (torch.autograd.grad(loss, live, allow_unused=True,
-                                                 retain_graph=retain)
+                                                 retain_graph=retain or check_taps)
                              if loss.requires_grad and live else [None] * len(live))
                 except RuntimeError as e:
                     if "use_reentrant" not in str(e):
@@ -666,6 +765,14 @@ class ClippingEngine:
                         "{'use_reentrant': False}))") from e
             index = {id(t): g for t, g in zip(live, grads)}
             del grads, live, targets
+            if check_taps:
+                grabbed = [rec.G for rec in records]  # the check's backward fires the hooks too
+                self._check_tap_rows(losses, [(rec.name, leaf, index.get(id(leaf)))
+                                              for rec, leaf in taps], retain)
+                for rec, G in zip(records, grabbed):
+                    rec.G = G
+                del grabbed
+            del taps
             for rec in records:
                 if rec.target_index is not None:
                     if rec.output._version != rec.version:
@@ -684,6 +791,49 @@ class ClippingEngine:
         if current > 1:
             loss_total = loss_total / current
         return graphs, loss_total
+
+    def _tap_names(self) -> list[str]:
+        return [self.names[id(p)] for t in self.taps for p in t.params.values()]
+
+    def _check_tap_rows(self, losses: Tensor, taps: list[tuple[str, Tensor, Tensor | None]],
+                        retain: bool) -> None:
+        """Row b of a tapped parameter's expanded leaf must reach loss b alone, or its gradient
+        is not example b's (the forward indexed it, ``p[0]``, reduced it over its first
+        dimension, or broadcast it against another dimension than the examples'). The rows are
+        equal, so the forward's values cannot tell; the gradients can: with random weights
+        w_b, the gradient of sum_b w_b loss_b must be row by row w_b times that of sum_b
+        loss_b. One more backward over the retained graph, once, with a generator of its own
+        (the run's random streams are untouched)."""
+        live = [(name, leaf, g) for name, leaf, g in taps if g is not None]
+        if not live:
+            return
+        B = losses.shape[0]
+        gen = torch.Generator().manual_seed(0x7A95)
+        w = torch.rand(B, generator=gen, dtype=torch.float64) + 0.5
+        weighted = (losses * w.to(losses.device, losses.dtype)).sum()
+        again = torch.autograd.grad(weighted, [leaf for _, leaf, _ in live], allow_unused=True,
+                                    retain_graph=retain)
+        # to 1e-4 of the largest row: a float64 model may compute parts in float32
+        # (transformers' attention softmax); 3e-2 where the forward runs in bf16/fp16
+        half = losses.dtype in _HALF or torch.is_autocast_enabled(losses.device.type)
+        tol = 3e-2 if half else 1e-4
+        for (name, leaf, g), h in zip(live, again):
+            want = (w.to(g.device)[:, None] * g.detach().double().reshape(B, -1))
+            got = (torch.zeros_like(want) if h is None else h.double().reshape(B, -1))
+            err = (got - want).norm(dim=1)
+            scale = max(float(want.norm(dim=1).max()), float(got.norm(dim=1).max()))
+            bad = (err > tol * scale).nonzero().flatten().tolist() if scale > 0 else []
+            if bad:
+                raise ValueError(
+                    f"dptrain.clipping: the parameter {name}, given one row per example "
+                    f"(p.expand(B, ...): its module has submodules with parameters of their "
+                    f"own), has rows that reach other examples' losses (rows {bad[:8]} of the "
+                    f"microbatch): the forward indexes it or reduces it along its first "
+                    f"dimension (p[0], p.sum(0)), or broadcasts it against another dimension "
+                    f"than the examples', so row b's gradient is not example b's. Use it by "
+                    f"broadcasting against the examples' (B, ...) tensors or through "
+                    f"p.expand(B, ...), or move it into a module of its own")
+        self._taps_checked = True
 
     def _finish_rows_check(self) -> None:
         """Row b of every hooked input and loss b depend on example b alone (rows.py): checked
@@ -722,7 +872,8 @@ class ClippingEngine:
             # the rule computes it under one of them
             aliases: dict[int, set[str]] = {}
             for k, p in rec.module._parameters.items():
-                if p is not None and p.requires_grad:
+                if p is not None and p.requires_grad and (rec.rule is not _TAP
+                                                          or k == rec.saved["attr"]):
                     aliases.setdefault(id(p), set()).add(k)
             own = set().union(*aliases.values())
             if (any(len(names & contributions.keys()) != 1 for names in aliases.values())
@@ -875,8 +1026,14 @@ class ClippingEngine:
                 two_pass = False
                 graphs = None
             if two_pass:
+                # tapped parameters are detached from the graph (their expanded leaves are the
+                # backward's targets): their clipped sums come from the query, as book-keeping's
+                tapped = set(self._tap_names())
+                for name in tapped & used.keys():
+                    p = self.params[name]
+                    self._add(out, name, clipped_sum(used.pop(name), lam, p.shape, dtype))
                 del used
-                names = list(self.params)
+                names = [n for n in self.params if n not in tapped]
                 for coef, state, _, losses in graphs:
                     with self._state(state):
                         weighted = (losses * lam.to(losses.dtype)).sum()

@@ -1,0 +1,327 @@
+"""Parameters of a module whose submodules have parameters of their own: a ViT's class token,
+register tokens and position table (timm, transformers), refused at construction until
+2026-12-02. The engine gives each one row per example (``p.expand(B, ...)``) for the module's
+call and reads example b's gradient from row b; a first-query check refuses a forward that does
+not keep those rows apart (``p[0]``, ``p.mean(0)``, ``p.flip(0)``). A module whose submodules
+have no trainable parameters (timm's GroupNormAct, whose activation is a submodule) takes the
+torch.func fallback, as a leaf does.
+
+Every case compares against the torch.func reference (tests/_reference.py) in float64, for
+every norm policy and both clipped-sum modes (``check``), or checks a refusal by its message.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _reference import reference_grads
+from test_clipping_rules import check, mse_loss
+
+from dptrain.clipping import ClippingEngine
+
+
+def ce_loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def _images(B: int, size: int = 16, classes: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, 3, size, size, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, classes, (B,), generator=g)
+
+
+def _randomise(model: nn.Module) -> nn.Module:
+    """Tokens and position tables away from their zero or tiny initialisation."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def _timm_vit(**kw):
+    timm = pytest.importorskip("timm")
+    kw = {"img_size": 16, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2,
+          "num_classes": 3, **kw}
+    name = kw.pop("name", "vit_tiny_patch16_224")
+    return _randomise(timm.create_model(name, pretrained=False, **kw).double().train())
+
+
+@pytest.mark.parametrize("kind", ["cls_pos", "registers", "distilled"])
+def test_timm_vit_tokens_and_positions_are_exact(kind):
+    if kind == "cls_pos":
+        model = _timm_vit()
+    elif kind == "registers":
+        model = _timm_vit(reg_tokens=2)
+    else:
+        model = _timm_vit(name="deit_tiny_distilled_patch16_224")
+    engine = ClippingEngine(model)
+    tapped = set(engine._tap_names())
+    assert {"cls_token", "pos_embed"} <= tapped
+    assert ("reg_token" in tapped) == (kind == "registers")
+    assert ("dist_token" in tapped) == (kind == "distilled")
+    check(model, _images(5), ce_loss)
+
+
+def test_transformers_vit_embeddings_are_exact():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.ViTConfig(image_size=16, patch_size=8, hidden_size=8, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=16, num_labels=3,
+                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                 attn_implementation="sdpa")  # (eager: a float32 softmax)
+    model = _randomise(transformers.ViTForImageClassification(cfg).double().train())
+
+    def loss(m, batch):
+        x, y = batch
+        return F.cross_entropy(m(pixel_values=x).logits, y, reduction="none")
+
+    assert set(ClippingEngine(model)._tap_names()) == {"vit.embeddings.cls_token",
+                                                       "vit.embeddings.position_embeddings"}
+    check(model, _images(4), loss)
+
+
+def test_inner_momentum_plan_over_tapped_parameters_is_exact():
+    """Two states and per-parameter coefficients (inner momentum's separate histories): the
+    tapped leaves are made from the values each state swapped in."""
+    model = _timm_vit()
+    batch = _images(4)
+    g = torch.Generator().manual_seed(2)
+    theta1 = {n: p.detach() + 0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype)
+              for n, p in model.named_parameters()}
+    a0 = {n: (0.6 if n in ("cls_token", "pos_embed") else 0.7) for n in theta1}
+    a1 = {n: 1.0 - a for n, a in a0.items()}
+    ref0, ref1 = reference_grads(model, ce_loss, batch), reference_grads(model, ce_loss, batch,
+                                                                       theta1)
+    names = [n for n, _ in model.named_parameters()]
+    cols0 = torch.cat([torch.full((p.numel(),), a0[n], dtype=torch.float64)
+                       for n, p in model.named_parameters()])
+    assert len(names) == len(a0)
+    ref = cols0 * ref0 + (1 - cols0) * ref1
+    check(model, batch, ce_loss, plan=[(a0, None), (a1, theta1)], ref=ref)
+
+
+class Tokens(nn.Module):
+    """A root that owns a (1, d) token used in ``mode``'s way, next to a Linear."""
+
+    def __init__(self, mode: str = "broadcast", d: int = 4):
+        super().__init__()
+        self.mode = mode
+        self.tok = nn.Parameter(torch.randn(1, d))
+        self.lin = nn.Linear(d, 2)
+
+    def forward(self, x):
+        t = self.tok
+        if self.mode == "index":
+            t = t[0]
+        elif self.mode == "mean":
+            t = t.mean(0, keepdim=True)
+        elif self.mode == "flip":
+            t = t.flip(0)
+        elif self.mode == "squeeze":  # (d,) either way: the same broadcast
+            t = t.squeeze(0)
+        elif self.mode == "flat":
+            t = t.view(-1)
+        elif self.mode == "twice":  # two uses, one inside a hooked layer's input
+            return self.lin(x + t) + self.lin(t) * x[:, :2]  # (t: the (B, d) leaf itself)
+        return self.lin(torch.tanh(x + t))
+
+
+def _x(B: int, d: int = 4, seed: int = 0) -> torch.Tensor:
+    return torch.randn(B, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _sq(m, batch):
+    return 0.5 * m(batch[0]).pow(2).sum(1)
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "squeeze", "twice"])
+def test_a_token_used_by_broadcasting_is_exact(mode):
+    torch.manual_seed(0)
+    model = Tokens(mode).double()
+    x = _x(5)
+    check(model, (x, torch.zeros(5, 2, dtype=torch.float64)), mse_loss)
+
+
+@pytest.mark.parametrize("mode", ["index", "mean", "flip"])
+def test_a_token_whose_rows_reach_other_examples_is_refused(mode):
+    # the forward's values are those of the model (the rows are equal): only the gradients
+    # show that row b is not example b's; accepted, example 0 (index) would carry every
+    # example's gradient of the token
+    torch.manual_seed(0)
+    model = Tokens(mode).double()
+    engine = ClippingEngine(model, clip_norm=1.0)
+    acc: dict = {}
+    with pytest.raises(ValueError, match=r"parameter tok, given one row per example .* reach "
+                                         r"other examples' losses"):
+        engine.accumulate(_sq, (_x(5),), acc)
+    assert not acc
+
+
+def test_a_token_used_as_one_row_that_breaks_the_forward_is_refused_naming_it():
+    model = Tokens("flat").double()
+    with pytest.raises(ValueError, match=r"tapped parameters \['tok'\] given one row per "
+                                         r"example"):
+        ClippingEngine(model).per_example_norms(_sq, (_x(3),))
+
+
+def test_the_rows_check_waits_for_a_microbatch_of_two_and_draws_from_no_global_stream():
+    torch.manual_seed(0)
+    model = Tokens("index").double()
+    engine = ClippingEngine(model)
+    engine._rows_checked = True  # (the perturbation check of rows.py is not the subject here)
+    engine.per_example_norms(_sq, (_x(1),))  # one example: nothing to keep apart
+    assert not engine._taps_checked
+    with pytest.raises(ValueError, match="reach other examples"):
+        engine.per_example_norms(_sq, (_x(4),))
+    model = Tokens("broadcast").double()
+    engine = ClippingEngine(model)
+    engine._rows_checked = True
+    state = torch.get_rng_state()
+    engine.per_example_norms(_sq, (_x(4),))
+    assert engine._taps_checked
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_the_rows_check_passes_float32_and_bfloat16_autocast():
+    torch.manual_seed(0)
+    for autocast in (False, True):
+        model = _timm_vit().float()
+        x, y = _images(6)
+        engine = ClippingEngine(model, clip_norm=1.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            engine.accumulate(ce_loss, (x.float(), y), {})
+        assert engine._taps_checked
+
+
+def test_a_tapped_parameter_used_outside_its_module_is_refused():
+    class Outside(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Tokens()
+
+        def forward(self, x):
+            return self.inner(x) + self.inner.tok.sum()  # the parameter itself, not the rows
+
+    model = Outside().double()
+    with pytest.raises(ValueError, match="inner.tok is used outside the forward"):
+        ClippingEngine(model).per_example_norms(_sq, (_x(3),))
+
+
+def test_a_parameter_that_cannot_be_tapped_is_refused_with_its_shape_and_the_way_out():
+    class Gamma(nn.Module):  # ConvNeXt's and CaiT's layer scale, owned by the block itself
+        def __init__(self):
+            super().__init__()
+            self.gamma = nn.Parameter(torch.ones(4))
+            self.tok = nn.Parameter(torch.zeros(1, 4))
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x + self.tok) * self.gamma
+
+    with pytest.raises(ValueError, match=r"<root> \(Gamma: owns gamma \(4,\) and has submodules "
+                                         r"with parameters of their own\).*LayerScale"):
+        ClippingEngine(Gamma())
+
+
+def test_a_module_whose_submodules_have_no_trainable_parameters_takes_the_fallback():
+    timm = pytest.importorskip("timm")
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), timm.layers.GroupNormAct(8, 2, act_layer=nn.GELU),
+                          nn.Flatten(), nn.LazyLinear(3)).double()
+    x, y = _images(4, size=6)
+    model(x)  # materialise the lazy layer
+    _randomise(model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        engine = ClippingEngine(model)
+    assert not engine.taps
+    assert any("GroupNormAct" in str(w.message) and "fallback" in str(w.message) for w in seen)
+    check(model, (x, y), ce_loss)
+
+    # timm's BiT ResNetV2 (GroupNormAct after weight-standardised convolutions), small
+    from functools import partial
+
+    from timm.models.resnetv2 import ResNetV2
+
+    model = ResNetV2(layers=(1, 1), channels=(8, 16), num_classes=3, stem_chs=8,
+                     conv_layer=partial(timm.layers.StdConv2d, eps=1e-8),
+                     norm_layer=partial(timm.layers.GroupNormAct, num_groups=4)).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check(_randomise(model), _images(4), ce_loss)
+
+    class Frozen(nn.Module):  # a submodule's parameters frozen: they are constants
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+            self.fixed = nn.Linear(4, 4).requires_grad_(False)
+
+        def forward(self, x):
+            return torch.tanh(self.fixed(x)) * self.w
+
+    model = nn.Sequential(Frozen(), nn.Linear(4, 2)).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check(model, (_x(5), torch.zeros(5, 2, dtype=torch.float64)), mse_loss)
+
+
+# --------------------------------------------------------------------------------- under FSDP2
+
+class _TokenBlocks(nn.Module):
+    """A root-owned (1, 4) token, two FSDP units (``layers.N``) and a root-owned head."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Parameter(torch.randn(1, 4))
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = x + self.tok
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _sharded_token_query(rank: int, world: int) -> dict:
+    from dptrain.parallel.fsdp import apply_fsdp
+
+    x = _x(3 + rank, seed=rank)
+    torch.manual_seed(0)
+    plain = _TokenBlocks().double()
+    ref = reference_grads(plain, _sq, (x,))
+    torch.manual_seed(0)
+    model = apply_fsdp(_TokenBlocks().double())
+    acc: dict = {}
+    ClippingEngine(model, clip_norm=0.5).accumulate(_sq, (x,), acc)
+    lam = (0.5 / ref.norm(dim=1)).clamp(max=1.0)
+    want = (ref * lam[:, None]).sum(0)
+    got = torch.cat([acc[n].reshape(-1) for n, _ in plain.named_parameters()])
+    sharded = type(dict(model.named_parameters())["tok"]).__name__
+    return {"err": float((got - want).norm() / want.norm()), "sharded": sharded}
+
+
+def test_under_fsdp_a_root_token_is_exact_on_each_rank():
+    from dptrain.parallel.dist import spawn
+
+    for r in spawn(_sharded_token_query, 2):
+        assert r["sharded"] == "DTensor"
+        assert r["err"] < 1e-12
+
+
+def test_a_forward_that_raises_leaves_the_parameter_in_its_module():
+    class Raises(Tokens):
+        def forward(self, x):
+            super().forward(x)
+            raise KeyError("the user's own error")
+
+    model = Raises().double()
+    tok = model.tok
+    with pytest.raises(KeyError, match="the user's own error"):
+        ClippingEngine(model).per_example_norms(_sq, (_x(3),))
+    assert model._parameters["tok"] is tok and model.tok is tok
