@@ -1,4 +1,4 @@
-"""Models: GPT-2 (transformers), timm image models (NF-ResNet), a tiny GroupNorm CNN.
+"""Models: GPT-2 (transformers), timm image models (NF-ResNet, ViT), a tiny GroupNorm CNN.
 
 ``build_model(cfg, info)`` returns a plain ``nn.Module``; the clipping engine computes
 per-example norms from its layers (transformers' ``Conv1D`` and tied embeddings included), so
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from dptrain.config import ConfigError, refuse_unused
@@ -58,12 +59,18 @@ class ModelConfig:
     ``from_pretrained(local_files_only=True)``. Null: random initialisation from the fields
     above. With a checkpoint, the architecture comes from it; only dropout is overridden. Every
     tensor of the model must be in it (a partial or non-GPT-2 folder is refused, not completed
-    at random), and it is loaded in float32 whatever its saved dtype."""
+    at random), and it is loaded in float32 whatever its saved dtype.
+    timm: a weights file (``.safetensors``, or a torch ``.pth``/``.bin`` state dict, also
+    nested under ``state_dict`` or ``model``) for the model ``timm_name`` and ``timm_kwargs``
+    build. Every tensor must be in it with the model's shape, except the classifier's, which
+    is initialised afresh when ``num_classes`` differs from the file's (fine-tuning on other
+    classes); a tensor the model lacks is refused too."""
 
     # --- timm ---
     timm_name: str = "nf_resnet50"
     """timm: model name for ``timm.create_model(name, pretrained=False)``. Models with
-    BatchNorm (resnet50, ...) are refused; the NF-ResNets have none."""
+    BatchNorm (resnet50, ...) are refused; the NF-ResNets have none, nor do the ViTs
+    (``vit_*``, ``deit_*``: their class token and position table are tapped, README)."""
     num_classes: int | None = None
     """timm/cnn: output classes. Null: the data's number of classes."""
     in_chans: int | None = None
@@ -71,6 +78,11 @@ class ModelConfig:
     drop_path_rate: float = 0.0
     """timm: stochastic depth (timm's ``drop_path_rate``; per-example masks from the counter-based
     stream of dptrain/models/dropout.py, like dropout). 0: off."""
+    timm_kwargs: dict[str, Any] = field(default_factory=dict)
+    """timm: further keyword arguments of ``timm.create_model``, e.g. ``{img_size: 32,
+    patch_size: 4}`` for a ViT on small images (a ViT is built for one image size). An argument
+    the model does not take is refused; ``num_classes``, ``in_chans``, ``drop_path_rate`` and
+    ``pretrained`` have fields of their own (``pretrained_path`` for weights)."""
 
     # --- cnn ---
     channels: list[int] = field(default_factory=lambda: [16, 32])
@@ -109,6 +121,15 @@ class ModelConfig:
                 raise ConfigError("in_chans", f"must be >= 1, got {self.in_chans}")
             if not (0.0 <= self.drop_path_rate < 1.0):
                 raise ConfigError("drop_path_rate", f"must be in [0, 1), got {self.drop_path_rate}")
+            if not isinstance(self.timm_kwargs, dict):
+                raise ConfigError("timm_kwargs", f"must be a mapping of keyword arguments, got "
+                                                 f"{self.timm_kwargs!r}")
+            for key in self.timm_kwargs:
+                own = _TIMM_OWN_FIELDS.get(key)
+                if own is not None:
+                    raise ConfigError(f"timm_kwargs.{key}", f"set it with {own} instead")
+            if self.pretrained_path is not None and not Path(self.pretrained_path).is_file():
+                raise ConfigError("pretrained_path", f"file not found: {self.pretrained_path}")
         if self.name == "timm" and not self.timm_name:
             raise ConfigError("timm_name", "must name a timm model, e.g. nf_resnet50")
         if self.name == "cnn":
@@ -126,12 +147,21 @@ class ModelConfig:
 
 _MODEL_FIELDS = {
     **dict.fromkeys(("n_layer", "n_embd", "n_head", "n_positions", "vocab_size",
-                     "tie_embeddings", "dropout", "pretrained_path"), ("gpt2",)),
-    **dict.fromkeys(("timm_name", "drop_path_rate"), ("timm",)),
+                     "tie_embeddings", "dropout"), ("gpt2",)),
+    "pretrained_path": ("gpt2", "timm"),
+    **dict.fromkeys(("timm_name", "drop_path_rate", "timm_kwargs"), ("timm",)),
     **dict.fromkeys(("num_classes", "in_chans"), ("timm", "cnn")),
     **dict.fromkeys(("channels", "groups", "pool", "hidden"), ("cnn",)),
 }
 """Which model.name reads each family-specific field (the rest apply to every family)."""
+
+
+#: create_model's arguments that fields set: in timm_kwargs they are refused, naming the field
+_TIMM_OWN_FIELDS = {"num_classes": "model.num_classes", "in_chans": "model.in_chans",
+                    "drop_path_rate": "model.drop_path_rate",
+                    "pretrained": "model.pretrained_path", "pretrained_cfg": "model.pretrained_path",
+                    "pretrained_cfg_overlay": "model.pretrained_path",
+                    "checkpoint_path": "model.pretrained_path"}
 
 
 def _first_few(names: list[str]) -> str:
@@ -150,6 +180,54 @@ def check_no_batchnorm(model: nn.Module, field: str = "model.name") -> None:
             f"the model has BatchNorm layers ({_first_few(bad)}); BatchNorm mixes the examples "
             "of a batch, which breaks per-example clipping and the privacy guarantee. Use a "
             "model without BatchNorm (e.g. timm's nf_resnet50, or GroupNorm/LayerNorm)")
+
+
+def _load_timm_weights(model: nn.Module, path: Path) -> None:
+    """Load a timm model's weights from a local file (no hub): every tensor with the model's
+    shape, except the classifier's when its shape differs (kept as initialised: fine-tuning on
+    other classes); missing, extra or other-shaped tensors are a ConfigError."""
+    field_ = "model.pretrained_path"
+    if not path.is_file():
+        raise ConfigError(field_, f"file not found: {path}")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path), device="cpu")
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the field's error
+        raise ConfigError(field_, f"cannot read {path}: {type(e).__name__}: {e}") from None
+    for key in ("state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
+                                              for v in state.values()):
+        raise ConfigError(field_, f"{path} holds no state dict of tensors")
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    own = model.state_dict()
+    heads = getattr(model, "pretrained_cfg", {}).get("classifier") or ()
+    heads = (heads,) if isinstance(heads, str) else tuple(heads)
+    fresh = sorted(k for k, v in state.items() if k in own and v.shape != own[k].shape
+                   and any(k.startswith(h + ".") for h in heads))
+    for k in fresh:
+        del state[k]
+    missing = sorted(k for k in own if k not in state and k not in fresh)
+    extra = sorted(k for k in state if k not in own)
+    shapes = sorted(f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in state
+                    if k in own and state[k].shape != own[k].shape)
+    for what, bad in (("lacks", missing), ("has tensors the model does not", extra),
+                      ("has other shapes for", shapes)):
+        if bad:
+            raise ConfigError(field_, f"{path} {what} ({len(bad)}: {_first_few(bad)}): it is "
+                                      f"not a checkpoint of this model (model.timm_name, "
+                                      f"model.timm_kwargs)")
+    model.load_state_dict(state, strict=False)  # (every other key checked above)
+    if fresh:
+        import logging
+
+        logging.getLogger(__name__).info("%s: classifier initialised afresh (%s)", path,
+                                         ", ".join(fresh))
 
 
 def _load_pretrained_gpt2(cls, path: Path, dropout: float) -> nn.Module:
@@ -281,13 +359,22 @@ def build_model(cfg: ModelConfig, info: DataInfo) -> nn.Module:
 
             import dptrain.models.nf_tiny  # noqa: F401  (registers nf_resnet_tiny)
 
+            extra = {"drop_path_rate": cfg.drop_path_rate} if cfg.drop_path_rate else {}
             try:
-                extra = {"drop_path_rate": cfg.drop_path_rate} if cfg.drop_path_rate else {}
                 model = timm.create_model(cfg.timm_name, pretrained=False,
-                                          num_classes=num_classes, in_chans=in_chans, **extra)
+                                          num_classes=num_classes, in_chans=in_chans,
+                                          **cfg.timm_kwargs, **extra)
             except RuntimeError as e:  # timm: "Unknown model (...)"
                 raise ConfigError("model.timm_name", str(e)) from None
+            except (TypeError, ValueError, AssertionError) as e:  # an argument it does not take
+                if not cfg.timm_kwargs:
+                    raise
+                raise ConfigError("model.timm_kwargs",
+                                  f"timm.create_model({cfg.timm_name!r}, ...) refused "
+                                  f"{cfg.timm_kwargs}: {type(e).__name__}: {e}") from None
             check_no_batchnorm(model, "model.timm_name")
+            if cfg.pretrained_path is not None:
+                _load_timm_weights(model, Path(cfg.pretrained_path))
         elif cfg.name == "cnn":
             model = TinyCNN(in_chans, num_classes, list(cfg.channels), cfg.groups, cfg.pool,
                             cfg.hidden)

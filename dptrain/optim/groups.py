@@ -1,4 +1,4 @@
-"""Parameter groups by name pattern, and the GPT-2 / NF-ResNet presets.
+"""Parameter groups by name pattern, and the GPT-2 / NF-ResNet / ViT presets.
 
 Rules:
 - a pattern is a Python regex matched with ``re.search`` against the parameter's name
@@ -23,7 +23,7 @@ from dptrain.config import ConfigError
 from dptrain.optim.optimizers import OPTIMIZERS, check_options, optimizer_options
 
 __all__ = ["ParamGroupConfig", "ResolvedGroup", "resolve_groups", "PRESETS", "gpt2_groups",
-           "nfresnet_groups"]
+           "nfresnet_groups", "vit_groups"]
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
 
@@ -148,8 +148,22 @@ def nfresnet_groups(named_params: NamedParams, main: ParamGroupConfig,
         main, aux)
 
 
+_VIT_HEADS = re.compile(r"(^|\.)(head|head_dist|classifier)(\.|$)")
+
+
+def vit_groups(named_params: NamedParams, main: ParamGroupConfig,
+               aux: ParamGroupConfig) -> list[ParamGroupConfig]:
+    """Vision transformers (timm's ViT and DeiT, transformers' ViT): ``main`` (Muon) for the 2-D
+    weights of the blocks (attention and MLP projections); ``aux`` (AdamW) for the patch
+    embedding (a 4-D convolution), the class, register and distillation tokens and the position
+    table (3-D), norms, biases and the classifier."""
+    return _split(named_params, lambda n, p: p.ndim == 2 and not _VIT_HEADS.search(n),
+                  main, aux)
+
+
 PRESETS: dict[str, Callable[[NamedParams, ParamGroupConfig, ParamGroupConfig],
                             list[ParamGroupConfig]]] = {
     "gpt2": gpt2_groups,
     "nfresnet": nfresnet_groups,
+    "vit": vit_groups,
 }

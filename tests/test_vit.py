@@ -1,0 +1,139 @@
+"""Vision transformers in `dptrain train`: timm's ViT built for small images through
+``model.timm_kwargs``, the ``vit`` optimizer preset, weights from a local file
+(``model.pretrained_path`` for timm), and an exact resume of a ViT run with inner momentum and
+stochastic depth (its class token and position table are the engine's tapped parameters)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dptrain import checkpoint as ckpt
+from dptrain.cli import main
+from dptrain.config import ConfigError, load
+from dptrain.data import DataInfo
+from dptrain.models import ModelConfig, build_model
+from dptrain.trainer import RunConfig, Trainer
+
+timm = pytest.importorskip("timm")
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = str(ROOT / "configs" / "tiny_images.yaml")
+VIT = ["model.name=timm", "model.timm_name=vit_tiny_patch16_224", "model.timm_kwargs.img_size=16",
+       "model.timm_kwargs.patch_size=8", "model.timm_kwargs.depth=2",
+       "model.timm_kwargs.embed_dim=32", "model.timm_kwargs.num_heads=2", "optim.preset=vit",
+       "train.progress=false"]
+IMG = DataInfo(kind="classification", num_classes=10, in_chans=3, image_size=16)
+
+
+def _vit_cfg(**kwargs) -> ModelConfig:
+    base = {"img_size": 16, "patch_size": 8, "depth": 2, "embed_dim": 32, "num_heads": 2}
+    return ModelConfig(name="timm", timm_name="vit_tiny_patch16_224",
+                       timm_kwargs={**base, **kwargs.pop("timm_kwargs", {})}, **kwargs)
+
+
+def test_timm_kwargs_build_a_vit_for_small_images_and_the_preset_gives_muon_its_matrices(tmp_path):
+    trainer = Trainer(load(RunConfig, IMAGES, VIT), tmp_path / "run")
+    model = trainer.model
+    assert model.patch_embed.img_size == (16, 16) and len(model.blocks) == 2
+    groups = {g.label: {n for n, _ in g.named_params} for g in trainer.optimizer.groups}
+    assert groups["matrices"] == {n for n, p in model.named_parameters()
+                                  if p.ndim == 2 and n.startswith("blocks.")}
+    assert {"cls_token", "pos_embed", "patch_embed.proj.weight", "head.weight",
+            "head.bias"} <= groups["others"]
+
+
+def test_resume_of_a_vit_run_with_inner_momentum_and_stochastic_depth_is_bit_for_bit(tmp_path):
+    extra = [*VIT, "privacy.steps=4", "model.drop_path_rate=0.2",
+             "optim.inner_momentum.k_muon=2", "optim.inner_momentum.k_other=1"]
+    ref = Trainer(load(RunConfig, IMAGES, [*extra, "train.checkpoint_every=0"]), tmp_path / "ref")
+    for _ in range(4):
+        ref.private_step()
+    cfg = load(RunConfig, IMAGES, [*extra, "train.checkpoint_every=2"])
+    first = Trainer(cfg, tmp_path / "run")
+    for _ in range(2):
+        first.private_step()
+    ckpt.save(first, tmp_path / "run")
+    torch.manual_seed(999)
+    second = Trainer(cfg, tmp_path / "run")
+    ckpt.load(second, ckpt.find_latest(tmp_path / "run"))
+    for _ in range(2):
+        second.private_step()
+    want, got = ref.model.state_dict(), second.model.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert not torch.equal(want["cls_token"], first.model.state_dict()["cls_token"])
+
+
+@pytest.mark.parametrize("override, field", [
+    ("model.timm_kwargs.num_classes=3", "model.timm_kwargs.num_classes"),
+    ("model.timm_kwargs.pretrained=true", "model.timm_kwargs.pretrained"),
+    ("model.timm_kwargs.no_such_argument=1", "model.timm_kwargs"),
+    ("model.timm_kwargs=5", "model.timm_kwargs"),
+    ("model.pretrained_path=/no/such/file.safetensors", "model.pretrained_path"),
+])
+def test_bad_timm_settings_exit_2_with_one_line_naming_the_field(tmp_path, capsys, override,
+                                                                   field):
+    code = main(["train", "--config", IMAGES, "--output-dir", str(tmp_path / "out"), *VIT,
+                 override])
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line]
+    assert code == 2 and len(lines) == 1 and field in lines[0], err
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_timm_kwargs_for_another_model_family_are_refused():
+    with pytest.raises(ConfigError) as e:
+        load(RunConfig, IMAGES, ["model.timm_kwargs.img_size=16"])  # model.name: cnn
+    assert e.value.field == "model.timm_kwargs"
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "nested_pth"])
+def test_timm_weights_load_from_a_local_file_with_a_fresh_head_for_other_classes(tmp_path, kind):
+    torch.manual_seed(0)
+    source = build_model(_vit_cfg(num_classes=12), IMG)
+    state = source.state_dict()
+    if kind == "safetensors":
+        from safetensors.torch import save_file
+
+        path = tmp_path / "vit.safetensors"
+        save_file(state, str(path))
+    else:  # a training script's checkpoint: under "state_dict", with DDP's "module." prefix
+        path = tmp_path / "vit.pth"
+        torch.save({"epoch": 3, "state_dict": {"module." + k: v for k, v in state.items()}}, path)
+    torch.manual_seed(1)
+    model = build_model(_vit_cfg(pretrained_path=str(path)), IMG)  # 10 classes: a new head
+    got = model.state_dict()
+    for k, v in state.items():
+        if k.startswith("head."):
+            assert got[k].shape[0] == 10
+        else:
+            assert torch.equal(got[k], v), k
+    torch.manual_seed(1)
+    again = build_model(_vit_cfg(pretrained_path=str(path), num_classes=12), IMG)
+    for k, v in state.items():  # the same classes: the head is loaded too
+        assert torch.equal(again.state_dict()[k], v), k
+
+
+def test_timm_weights_of_another_model_are_refused_naming_what_differs(tmp_path):
+    from safetensors.torch import save_file
+
+    state = build_model(_vit_cfg(), IMG).state_dict()
+    cases = {
+        "lacks": {k: v for k, v in state.items() if k != "pos_embed"},
+        "has tensors the model does not": {**state, "extra.weight": torch.zeros(2)},
+        "has other shapes for": {**state, "pos_embed": torch.zeros(1, 9, 16)},
+    }
+    for words, bad in cases.items():
+        path = tmp_path / "w.safetensors"
+        save_file(bad, str(path))
+        with pytest.raises(ConfigError) as e:
+            build_model(_vit_cfg(pretrained_path=str(path)), IMG)
+        assert e.value.field == "model.pretrained_path" and words in e.value.message, words
+    path = tmp_path / "junk.pth"
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="cannot read"):
+        build_model(_vit_cfg(pretrained_path=str(path)), IMG)
