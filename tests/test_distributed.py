@@ -542,3 +542,15 @@ def test_a_scalar_parameter_gets_one_noise_draw():
     t = Trainer(load(RunConfig, root / "configs" / "tiny.yaml", ["train.progress=false"]))
     z = t.noise(3, "gain", torch.zeros(()))
     assert z.shape == () and float(z) == float(gaussian_noise(0, 3, "gain", 1)[0])
+
+
+def test_dp_muon_im_vit_same_on_1_and_2_fsdp_ranks():
+    # a ViT's class token and position table, owned by the root next to sharded blocks, are
+    # the engine's tapped parameters (one row per example), gathered by FSDP2 for the root's
+    # forward; with inner momentum, at each historical state
+    vit = ["model.name=timm", "model.timm_name=vit_tiny_patch16_224",
+           "model.timm_kwargs={img_size: 16, patch_size: 8, depth: 2, embed_dim: 32, "
+           "num_heads: 2}", "optim.preset=vit", "data.synthetic_train_size=96",
+           "data.synthetic_test_size=16", "privacy.sample_rate=0.1",
+           "performance.microbatch_size=8"]
+    _check(vit + IM, [(2, "fsdp")], TINY_IMAGES)
