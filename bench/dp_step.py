@@ -7,7 +7,10 @@ Models (same weights, same batch for every variant of a model):
 - gpt2: transformers GPT2LMHeadModel, 4 layers, width 256, 4 heads, vocabulary 8,192, T = 64,
   B = 32, tied embeddings, eager attention, dropout 0 (ANCHORS.md's CPU setting);
 - nfresnet: timm nf_resnet26 at 64 px, B = 16, 10 classes (nf_resnet50's shape family at half
-  the depth, to keep the run within minutes on 2 CPU cores).
+  the depth, to keep the run within minutes on 2 CPU cores);
+- vit: timm vit_small_patch16_224 built for 32 px images in 4 px patches (64 tokens and the
+  class token), depth 6, B = 16, 10 classes: its class token and position table are the
+  engine's tapped parameters.
 
 Variants (plain SGD everywhere; C = 1, sigma = 1; per-example loss = mean token loss for gpt2):
 
@@ -62,7 +65,7 @@ from gpt2_bench import _fmt, _le, build_gpt2, gpt2_batch, opacus_gpt2  # noqa: E
 
 VARIANTS = ("nonprivate", "dptrain_bookkeeping", "dptrain_two_pass", "opacus_ghost",
             "opacus_hooks")
-MODELS = ("gpt2", "nfresnet")
+MODELS = ("gpt2", "nfresnet", "vit")
 
 # Targets of issue 2 (GPT-2): DP step <= 1.2x non-private; >= 1.5x faster than Opacus ghost at
 # no more peak memory.
@@ -86,12 +89,19 @@ class ResNetShape:
     image_size: int = 64
     batch_size: int = 16
     num_classes: int = 10
+    timm_kwargs: dict = field(default_factory=dict)  # further timm.create_model arguments
+
+
+def _vit_shape() -> ResNetShape:
+    return ResNetShape(name="vit_small_patch16_224", image_size=32, batch_size=16,
+                       timm_kwargs={"img_size": 32, "patch_size": 4, "depth": 6})
 
 
 @dataclass
 class BenchConfig:
     gpt2: GPT2Shape = field(default_factory=GPT2Shape)
     resnet: ResNetShape = field(default_factory=ResNetShape)
+    vit: ResNetShape = field(default_factory=_vit_shape)
     rounds: int = 5  # timed GPT-2 rounds (every variant once per round)
     resnet_rounds: int = 3  # timed NF-ResNet rounds (a DP step there is ~10x a GPT-2 one)
     warmup: int = 1  # untimed steps per variant before the rounds
@@ -107,7 +117,8 @@ class BenchConfig:
     @classmethod
     def from_json(cls, text: str) -> "BenchConfig":
         d = json.loads(text)
-        return cls(gpt2=GPT2Shape(**d.pop("gpt2")), resnet=ResNetShape(**d.pop("resnet")), **d)
+        return cls(gpt2=GPT2Shape(**d.pop("gpt2")), resnet=ResNetShape(**d.pop("resnet")),
+                   vit=ResNetShape(**d.pop("vit")), **d)
 
 
 def default_dptrain_mode() -> str:
@@ -137,7 +148,8 @@ def build_resnet(s: ResNetShape, seed: int, device: str) -> nn.Module:
     import timm
 
     torch.manual_seed(seed)
-    return timm.create_model(s.name, num_classes=s.num_classes).to(device).train()
+    return timm.create_model(s.name, num_classes=s.num_classes,
+                             **s.timm_kwargs).to(device).train()
 
 
 def resnet_batch(s: ResNetShape, seed: int, device: str) -> tuple[Tensor, Tensor]:
@@ -246,7 +258,7 @@ def build_variant(kind: str, variant: str, cfg: BenchConfig) -> StepFn:
         batch = gpt2_batch(s, cfg.seed, dev)
         loss_fn, B = gpt2_loss, s.batch_size
     else:
-        s = cfg.resnet
+        s = cfg.vit if kind == "vit" else cfg.resnet
         model = build_resnet(s, cfg.seed, dev)
         batch = resnet_batch(s, cfg.seed, dev)
         loss_fn, B = resnet_loss, s.batch_size
@@ -315,7 +327,8 @@ def summarize(results: dict, cfg: BenchConfig) -> dict:
     *_cpu                   the same ratios from process CPU time instead of wall time
     targets_met(_cpu)       issue 2's GPT-2 targets, from wall (CPU) time
     faster_mode             the faster dptrain mode on GPT-2 (and nfresnet_faster_mode)
-    gpt2 / nfresnet         per variant: median_s, over_nonprivate, peak_mib, error
+    gpt2 / nfresnet / vit   per variant: median_s, over_nonprivate, peak_mib, error
+    (the other models' ratios with their name as prefix: nfresnet_dp_over_nonprivate, ...)
     """
     default = default_dptrain_mode()
     out: dict[str, Any] = {"benchmark": "dp_step", "default_mode": default}
@@ -381,12 +394,13 @@ def summarize(results: dict, cfg: BenchConfig) -> dict:
 
 
 def print_table(summary: dict) -> None:
-    titles = {"gpt2": "GPT-2 (transformers, stock for dptrain)", "nfresnet": "NF-ResNet (timm)"}
+    titles = {"gpt2": "GPT-2 (transformers, stock for dptrain)", "nfresnet": "NF-ResNet (timm)",
+              "vit": "ViT (timm)"}
     cfg = summary["config"]
     for kind in MODELS:
         if kind not in summary:
             continue
-        shape = cfg["gpt2"] if kind == "gpt2" else cfg["resnet"]
+        shape = cfg["gpt2"] if kind == "gpt2" else cfg["vit" if kind == "vit" else "resnet"]
         print(f"\n{titles[kind]}: {shape}")
         print(f"{'variant':<22}{'s/step':>9}{'x non-priv':>12}{'cpu s':>9}{'x (cpu)':>9}"
               f"{'peak MiB':>10}  note")
@@ -413,6 +427,9 @@ def tiny_config() -> BenchConfig:
     return BenchConfig(gpt2=GPT2Shape(num_layers=1, width=32, num_heads=2, vocab_size=64,
                                       seq_len=8, batch_size=4),
                        resnet=ResNetShape(name="nf_resnet26", image_size=32, batch_size=2),
+                       vit=ResNetShape(name="vit_tiny_patch16_224", image_size=16, batch_size=2,
+                                       timm_kwargs={"img_size": 16, "patch_size": 8,
+                                                    "depth": 1}),
                        rounds=1, resnet_rounds=1, warmup=1, memory=False)
 
 
@@ -460,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--tiny", action="store_true", help="tiny models, for tests")
     ap.add_argument("--rounds", type=int, default=None, help="override the number of rounds")
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: gpt2,nfresnet")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: gpt2,nfresnet,vit")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args(argv)

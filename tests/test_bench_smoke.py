@@ -35,6 +35,18 @@ def test_dp_step_last_line_is_json_with_required_keys(capsys):
         assert rows[variant]["median_s"] > 0
 
 
+def test_dp_step_times_the_vit_with_its_tapped_tokens(capsys):
+    dp_step = _load("dp_step")
+    dp_step.main(["--tiny", "--models", "vit", "--rounds", "1", "--no-memory"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["config"]["vit"]["timm_kwargs"]["img_size"] == 16  # built for its images
+    rows = summary["vit"]
+    assert set(rows) == set(dp_step.VARIANTS)
+    for variant in ("nonprivate", "dptrain_bookkeeping", "dptrain_two_pass"):
+        assert "error" not in rows[variant], rows[variant]
+    assert summary["vit_dp_over_nonprivate"] > 0
+
+
 def test_child_peak_measures_a_step():
     common = _load("common")
     dp_step = _load("dp_step")
