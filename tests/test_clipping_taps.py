@@ -273,25 +273,36 @@ def test_a_module_whose_submodules_have_no_trainable_parameters_takes_the_fallba
 # --------------------------------------------------------------------------------- under FSDP2
 
 class _TokenBlocks(nn.Module):
-    """A root-owned (1, 4) token, two FSDP units (``layers.N``) and a root-owned head."""
+    """A root-owned (1, 4) token, two FSDP units (``layers.N``) and a root-owned head;
+    ``index``: the token used as one row (refused)."""
 
-    def __init__(self):
+    def __init__(self, index: bool = False):
         super().__init__()
+        self.index = index
         self.tok = nn.Parameter(torch.randn(1, 4))
         self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
         self.head = nn.Linear(4, 2)
 
     def forward(self, x):
-        x = x + self.tok
+        x = x + (self.tok[0] if self.index else self.tok)
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return self.head(x)
 
 
-def _sharded_token_query(rank: int, world: int) -> dict:
+def _sharded_token_query(rank: int, world: int, sizes: tuple = (3, 4),
+                         index: bool = False) -> dict:
     from dptrain.parallel.fsdp import apply_fsdp
 
-    x = _x(3 + rank, seed=rank)
+    x = _x(sizes[rank], seed=rank)
+    if index:
+        torch.manual_seed(0)
+        model = apply_fsdp(_TokenBlocks(index=True).double())
+        try:
+            ClippingEngine(model, clip_norm=0.5).accumulate(_sq, (x,), {})
+        except ValueError as e:
+            return {"error": str(e)}
+        return {"error": None}
     torch.manual_seed(0)
     plain = _TokenBlocks().double()
     ref = reference_grads(plain, _sq, (x,))
@@ -309,9 +320,21 @@ def _sharded_token_query(rank: int, world: int) -> dict:
 def test_under_fsdp_a_root_token_is_exact_on_each_rank():
     from dptrain.parallel.dist import spawn
 
-    for r in spawn(_sharded_token_query, 2):
-        assert r["sharded"] == "DTensor"
-        assert r["err"] < 1e-12
+    # rank 1 with one example: nothing to compare there, but its check's backward must pair up
+    # with rank 0's (FSDP2 gathers the blocks again), or rank 0 would wait for ever
+    for sizes in ((3, 4), (3, 1)):
+        for r in spawn(_sharded_token_query, 2, sizes, timeout=120):
+            assert r["sharded"] == "DTensor"
+            assert r["err"] < 1e-12
+
+
+def test_under_fsdp_every_rank_refuses_a_token_used_as_one_row():
+    from dptrain.parallel.dist import spawn
+
+    errors = [r["error"] for r in spawn(_sharded_token_query, 2, (3, 1), True, timeout=120)]
+    # row 0 carries every example's gradient of the token (rows 1 and 2: none)
+    assert "parameter tok" in errors[0] and "(rows [0] of the microbatch)" in errors[0]
+    assert "parameter tok" in errors[1] and "(on another rank)" in errors[1]
 
 
 def test_a_forward_that_raises_leaves_the_parameter_in_its_module():

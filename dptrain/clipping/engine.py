@@ -56,6 +56,7 @@ from dptrain.clipping.contributions import (
 from dptrain.clipping.rows import MAX_ATTEMPTS, cannot_check, check_example_rows
 from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
 from dptrain.models.dropout import set_stream as set_dropout_stream
+from dptrain.parallel.fsdp import all_reduce_scalars
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 #: [(coefficient, state), ...]: example b's query is u_b = sum_j a_j * grad l(state_j; x_b).
@@ -748,7 +749,10 @@ class ClippingEngine:
                 loss = losses.sum()
                 live = [t for t in targets if t.requires_grad]
                 taps = [(rec, rec.output) for rec in records if rec.rule is _TAP]
-                check_taps = not self._taps_checked and B > 1 and bool(taps)
+                # (under a process group on every rank at once: FSDP2 gathers in the backward)
+                collective = (torch.distributed.is_available()
+                              and torch.distributed.is_initialized())
+                check_taps = not self._taps_checked and (B > 1 or collective) and bool(taps)
                 try:
                     grads = (torch.autograd.grad(loss, live, allow_unused=True,
                                                  retain_graph=retain or check_taps)
@@ -768,7 +772,7 @@ class ClippingEngine:
             if check_taps:
                 grabbed = [rec.G for rec in records]  # the check's backward fires the hooks too
                 self._check_tap_rows(losses, [(rec.name, leaf, index.get(id(leaf)))
-                                              for rec, leaf in taps], retain)
+                                              for rec, leaf in taps], retain, collective)
                 for rec, G in zip(records, grabbed):
                     rec.G = G
                 del grabbed
@@ -796,14 +800,16 @@ class ClippingEngine:
         return [self.names[id(p)] for t in self.taps for p in t.params.values()]
 
     def _check_tap_rows(self, losses: Tensor, taps: list[tuple[str, Tensor, Tensor | None]],
-                        retain: bool) -> None:
+                        retain: bool, collective: bool) -> None:
         """Row b of a tapped parameter's expanded leaf must reach loss b alone, or its gradient
         is not example b's (the forward indexed it, ``p[0]``, reduced it over its first
         dimension, or broadcast it against another dimension than the examples'). The rows are
         equal, so the forward's values cannot tell; the gradients can: with random weights
         w_b, the gradient of sum_b w_b loss_b must be row by row w_b times that of sum_b
         loss_b. One more backward over the retained graph, once, with a generator of its own
-        (the run's random streams are untouched)."""
+        (the run's random streams are untouched). ``collective``: every rank runs it at its
+        first query (one example: nothing to compare, but the backward's gathers must pair up)
+        and every rank refuses if any found mixed rows."""
         live = [(name, leaf, g) for name, leaf, g in taps if g is not None]
         if not live:
             return
@@ -817,22 +823,30 @@ class ClippingEngine:
         # (transformers' attention softmax); 3e-2 where the forward runs in bf16/fp16
         half = losses.dtype in _HALF or torch.is_autocast_enabled(losses.device.type)
         tol = 3e-2 if half else 1e-4
+        found = None
         for (name, leaf, g), h in zip(live, again):
             want = (w.to(g.device)[:, None] * g.detach().double().reshape(B, -1))
             got = (torch.zeros_like(want) if h is None else h.double().reshape(B, -1))
             err = (got - want).norm(dim=1)
             scale = max(float(want.norm(dim=1).max()), float(got.norm(dim=1).max()))
             bad = (err > tol * scale).nonzero().flatten().tolist() if scale > 0 else []
-            if bad:
-                raise ValueError(
-                    f"dptrain.clipping: the parameter {name}, given one row per example "
-                    f"(p.expand(B, ...): its module has submodules with parameters of their "
-                    f"own), has rows that reach other examples' losses (rows {bad[:8]} of the "
-                    f"microbatch): the forward indexes it or reduces it along its first "
-                    f"dimension (p[0], p.sum(0)), or broadcasts it against another dimension "
-                    f"than the examples', so row b's gradient is not example b's. Use it by "
-                    f"broadcasting against the examples' (B, ...) tensors or through "
-                    f"p.expand(B, ...), or move it into a module of its own")
+            if bad and found is None:
+                found = (f"rows {bad[:8]} of the microbatch", name)
+        if collective:  # every rank refuses together (or one would wait for the others)
+            anywhere = all_reduce_scalars(float(found is not None), device=losses.device,
+                                          op="max")[0] > 0
+            if anywhere and found is None:
+                found = ("on another rank", " or ".join(name for name, _, _ in live))
+        if found is not None:
+            where, name = found
+            raise ValueError(
+                f"dptrain.clipping: the parameter {name}, given one row per example "
+                f"(p.expand(B, ...): its module has submodules with parameters of their own), "
+                f"has rows that reach other examples' losses ({where}): the forward indexes "
+                f"it or reduces it along its first dimension (p[0], p.sum(0)), or broadcasts it "
+                f"against another dimension than the examples', so row b's gradient is not "
+                f"example b's. Use it by broadcasting against the examples' (B, ...) tensors "
+                f"or through p.expand(B, ...), or move it into a module of its own")
         self._taps_checked = True
 
     def _finish_rows_check(self) -> None:
