@@ -10,7 +10,9 @@ Models (same weights, same batch for every variant of a model):
   the depth, to keep the run within minutes on 2 CPU cores);
 - vit: timm vit_small_patch16_224 built for 32 px images in 4 px patches (64 tokens and the
   class token), depth 6, B = 16, 10 classes: its class token and position table are the
-  engine's tapped parameters.
+  engine's tapped parameters (given one row per example);
+- convnext: timm convnext_atto at 32 px, B = 16, 10 classes: its blocks' layer scales are
+  tapped parameters followed through the blocks' torch calls (dptrain/clipping/taps.py).
 
 Variants (plain SGD everywhere; C = 1, sigma = 1; per-example loss = mean token loss for gpt2):
 
@@ -65,7 +67,7 @@ from gpt2_bench import _fmt, _le, build_gpt2, gpt2_batch, opacus_gpt2  # noqa: E
 
 VARIANTS = ("nonprivate", "dptrain_bookkeeping", "dptrain_two_pass", "opacus_ghost",
             "opacus_hooks")
-MODELS = ("gpt2", "nfresnet", "vit")
+MODELS = ("gpt2", "nfresnet", "vit", "convnext")
 
 # Targets of issue 2 (GPT-2): DP step <= 1.2x non-private; >= 1.5x faster than Opacus ghost at
 # no more peak memory.
@@ -97,11 +99,16 @@ def _vit_shape() -> ResNetShape:
                        timm_kwargs={"img_size": 32, "patch_size": 4, "depth": 6})
 
 
+def _convnext_shape() -> ResNetShape:
+    return ResNetShape(name="convnext_atto", image_size=32, batch_size=16)
+
+
 @dataclass
 class BenchConfig:
     gpt2: GPT2Shape = field(default_factory=GPT2Shape)
     resnet: ResNetShape = field(default_factory=ResNetShape)
     vit: ResNetShape = field(default_factory=_vit_shape)
+    convnext: ResNetShape = field(default_factory=_convnext_shape)
     rounds: int = 5  # timed GPT-2 rounds (every variant once per round)
     resnet_rounds: int = 3  # timed NF-ResNet rounds (a DP step there is ~10x a GPT-2 one)
     warmup: int = 1  # untimed steps per variant before the rounds
@@ -118,7 +125,8 @@ class BenchConfig:
     def from_json(cls, text: str) -> "BenchConfig":
         d = json.loads(text)
         return cls(gpt2=GPT2Shape(**d.pop("gpt2")), resnet=ResNetShape(**d.pop("resnet")),
-                   vit=ResNetShape(**d.pop("vit")), **d)
+                   vit=ResNetShape(**d.pop("vit")), convnext=ResNetShape(**d.pop("convnext")),
+                   **d)
 
 
 def default_dptrain_mode() -> str:
@@ -258,7 +266,7 @@ def build_variant(kind: str, variant: str, cfg: BenchConfig) -> StepFn:
         batch = gpt2_batch(s, cfg.seed, dev)
         loss_fn, B = gpt2_loss, s.batch_size
     else:
-        s = cfg.vit if kind == "vit" else cfg.resnet
+        s = {"vit": cfg.vit, "convnext": cfg.convnext}.get(kind, cfg.resnet)
         model = build_resnet(s, cfg.seed, dev)
         batch = resnet_batch(s, cfg.seed, dev)
         loss_fn, B = resnet_loss, s.batch_size
@@ -395,12 +403,12 @@ def summarize(results: dict, cfg: BenchConfig) -> dict:
 
 def print_table(summary: dict) -> None:
     titles = {"gpt2": "GPT-2 (transformers, stock for dptrain)", "nfresnet": "NF-ResNet (timm)",
-              "vit": "ViT (timm)"}
+              "vit": "ViT (timm)", "convnext": "ConvNeXt (timm)"}
     cfg = summary["config"]
     for kind in MODELS:
         if kind not in summary:
             continue
-        shape = cfg["gpt2"] if kind == "gpt2" else cfg["vit" if kind == "vit" else "resnet"]
+        shape = cfg[kind if kind in ("gpt2", "vit", "convnext") else "resnet"]
         print(f"\n{titles[kind]}: {shape}")
         print(f"{'variant':<22}{'s/step':>9}{'x non-priv':>12}{'cpu s':>9}{'x (cpu)':>9}"
               f"{'peak MiB':>10}  note")
@@ -430,6 +438,9 @@ def tiny_config() -> BenchConfig:
                        vit=ResNetShape(name="vit_tiny_patch16_224", image_size=16, batch_size=2,
                                        timm_kwargs={"img_size": 16, "patch_size": 8,
                                                     "depth": 1}),
+                       convnext=ResNetShape(name="convnext_atto", image_size=32, batch_size=2,
+                                            timm_kwargs={"dims": (8, 16, 24, 32),
+                                                         "depths": (1, 1, 1, 1)}),
                        rounds=1, resnet_rounds=1, warmup=1, memory=False)
 
 
@@ -477,7 +488,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--tiny", action="store_true", help="tiny models, for tests")
     ap.add_argument("--rounds", type=int, default=None, help="override the number of rounds")
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: gpt2,nfresnet,vit")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: gpt2,nfresnet,vit,convnext")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args(argv)

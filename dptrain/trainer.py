@@ -250,8 +250,7 @@ class Trainer:
                 mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping",
                 kernels=perf.kernels)
         except ValueError as e:  # a model with parameters no layer rule can clip
-            field = "model.timm_name" if cfg.model.name == "timm" else "model.name"
-            raise ConfigError(field, str(e)) from None
+            raise ConfigError(self._model_field(), str(e)) from None
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = build_optimizer(
             cfg.optim, self.named_params, total_steps=self.plan.steps,
@@ -359,6 +358,11 @@ class Trainer:
 
         return contextlib.nullcontext()
 
+    def _model_field(self) -> str:
+        """The config field that chose the model, for the clipping engine's refusals (made at
+        construction, or over the first queries: its checks run on the model's forwards)."""
+        return "model.timm_name" if self.cfg.model.name == "timm" else "model.name"
+
     def release(self, step: int) -> tuple[dict[str, Tensor], dict]:
         """The Gaussian release of logical batch ``step``: (sum_i lam_i u_i + sigma*C*Z) / b
         for every trainable parameter, noise drawn once per coordinate even if the sample is
@@ -386,8 +390,12 @@ class Trainer:
                 active = torch.zeros(1, dtype=torch.bool) if phantom else None
                 # dropout masks: a function of (seed, step, state, example), not of the rank
                 with example_dropout(self.model, self.cfg.seed, step, chunk):
-                    stats = self.engine.accumulate(self.task.loss_fn, batch, acc,
-                                                   self.with_views(plan, step, chunk), active)
+                    try:
+                        stats = self.engine.accumulate(self.task.loss_fn, batch, acc,
+                                                       self.with_views(plan, step, chunk),
+                                                       active)
+                    except ValueError as e:  # the engine's checks refused the model
+                        raise ConfigError(self._model_field(), str(e)) from None
                 loss_sum += stats.loss_sum
                 count += stats.num_examples
                 sizes = max(sizes, (stats.states, stats.query_bytes, stats.least_query_bytes))

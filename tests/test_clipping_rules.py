@@ -698,24 +698,21 @@ def test_a_weight_shared_with_a_fallback_layer(kind, states):
     check(m, batch, m.loss, plan=[(0.7, theta1), (0.3, None)], ref=ref)
 
 
-def test_module_with_parameter_and_submodules_is_refused():
+def test_module_with_parameter_and_submodules_is_tapped():
+    # refused until 2026-12-02; now tapped (tests/test_clipping_taps.py has the cases)
     class Odd(nn.Module):
         def __init__(self):
             super().__init__()
-            self.scale = nn.Parameter(torch.ones(3))
+            self.scale = nn.Parameter(torch.rand(3) + 0.5)
             self.lin = nn.Linear(3, 3)
 
         def forward(self, x):
             return self.lin(x) * self.scale
 
-    with pytest.raises(ValueError, match=r"inner \(Odd: owns scale"):
-        ClippingEngine(_wrap(Odd()))
-
-
-def _wrap(inner):
-    m = nn.Module()
-    m.inner = inner
-    return m
+    model = nn.Sequential(Odd()).double()
+    assert [(t.name, list(t.ops)) for t in ClippingEngine(model).taps] == [("0", ["scale"])]
+    x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    check(model, (x, torch.zeros(6, 3, dtype=torch.float64)))
 
 
 def test_inplace_modified_conv_input_is_detected():

@@ -1,10 +1,12 @@
-"""Parameters of a module whose submodules have parameters of their own: a ViT's class token,
-register tokens and position table (timm, transformers), refused at construction until
-2026-12-02. The engine gives each one row per example (``p.expand(B, ...)``) for the module's
-call and reads example b's gradient from row b; a first-query check refuses a forward that does
-not keep those rows apart (``p[0]``, ``p.mean(0)``, ``p.flip(0)``). A module whose submodules
-have no trainable parameters (timm's GroupNormAct, whose activation is a submodule) takes the
-torch.func fallback, as a leaf does.
+"""Parameters of a module whose submodules have parameters of their own, refused at
+construction until 2026-12-02, now tapped (dptrain/clipping/taps.py): a ViT's class token,
+register tokens and position table (timm, transformers), given ``p.expand(B, ...)``; ConvNeXt's
+and CaiT's layer scales, NFNet's skipinit gain and any other shape, followed through the
+module's torch calls and given B rows where they meet the examples' tensors. Refused: rows that
+reach other examples' losses (``p[0]``, ``p.mean(0)``, a (T, B, d) layout), a tensor made from
+the parameter alone that escapes the module (returned, kept), a use that cannot broadcast. A
+module whose submodules have no trainable parameters (timm's GroupNormAct) takes the torch.func
+fallback, as a leaf does.
 
 Every case compares against the torch.func reference (tests/_reference.py) in float64, for
 every norm policy and both clipped-sum modes (``check``), or checks a refusal by its message.
@@ -213,20 +215,131 @@ def test_a_tapped_parameter_used_outside_its_module_is_refused():
         ClippingEngine(model).per_example_norms(_sq, (_x(3),))
 
 
-def test_a_parameter_that_cannot_be_tapped_is_refused_with_its_shape_and_the_way_out():
-    class Gamma(nn.Module):  # ConvNeXt's and CaiT's layer scale, owned by the block itself
-        def __init__(self):
-            super().__init__()
-            self.gamma = nn.Parameter(torch.ones(4))
-            self.tok = nn.Parameter(torch.zeros(1, 4))
-            self.lin = nn.Linear(4, 4)
+@pytest.mark.parametrize("name, kw", [
+    ("convnext_atto", {"dims": (8, 16, 24, 32), "depths": (1, 1, 1, 1)}),  # gamma (C,)
+    ("cait_xxs24_224", {"img_size": 16, "patch_size": 8, "depth": 1, "embed_dim": 16,
+                        "num_heads": 2}),  # gamma_1, gamma_2 (D,) next to rows taps
+    ("dm_nfnet_f0", {"channels": (16, 32, 32, 64), "depths": (1, 1, 1, 1)}),  # gain ()
+])
+def test_timm_layer_scales_and_skipinit_gains_are_exact(name, kw):
+    timm = pytest.importorskip("timm")
+    kw = dict(kw)
+    if name == "dm_nfnet_f0":  # (a narrower NFNet-F0: the config's stage widths and depths)
+        from timm.models.nfnet import NfCfg, NormFreeNet
 
-        def forward(self, x):
-            return self.lin(x + self.tok) * self.gamma
+        base = timm.models.nfnet.model_cfgs["dm_nfnet_f0"]
+        cfg = NfCfg(**{**base.__dict__, "channels": kw["channels"], "depths": kw["depths"],
+                       "stem_chs": 8, "num_features": 64, "group_size": 8})
+        model = NormFreeNet(cfg, num_classes=3)
+    else:
+        model = timm.create_model(name, pretrained=False, num_classes=3, **kw)
+    model = _randomise(model.double().train())
+    engine = ClippingEngine(model)
+    ops = {n for t in engine.taps for n in (f"{t.name}.{a}" for a in t.ops)}
+    assert ops and all(n.rsplit(".", 1)[1] in ("gamma", "gamma_1", "gamma_2", "skipinit_gain")
+                       for n in ops), ops
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check(model, _images(4, size=32 if name != "cait_xxs24_224" else 16), ce_loss)
 
-    with pytest.raises(ValueError, match=r"<root> \(Gamma: owns gamma \(4,\) and has submodules "
-                                         r"with parameters of their own\).*LayerScale"):
-        ClippingEngine(Gamma())
+
+class Scaled(nn.Module):
+    """A block that owns parameters of other shapes than (1, ...), used in ``mode``'s way."""
+
+    def __init__(self, mode: str = "gamma", d: int = 4):
+        super().__init__()
+        self.mode = mode
+        self.lin = nn.Linear(d, d)
+        self.gamma = nn.Parameter(torch.rand(d) + 0.5)
+        if mode in ("gain_inplace", "table"):
+            self.gain = nn.Parameter(torch.tensor(1.5))
+        if mode == "table":
+            self.table = nn.Parameter(torch.randn(5, 2))
+            self.register_buffer("index", torch.tensor([[0, 3], [4, 1]]))
+
+    def forward(self, x):  # x: (B, 2, d)
+        h = self.lin(x)
+        if self.mode == "gamma":  # ConvNeXt's x.mul(gamma.reshape(...)), twice
+            return h.mul(self.gamma.reshape(1, 1, -1)) + torch.tanh(h) * self.gamma
+        if self.mode == "gain_inplace":  # NFNet's out.mul_(skipinit_gain)
+            h = h * 2.0
+            h.mul_(self.gain)
+            return torch.tanh(h) * self.gamma
+        if self.mode == "table":  # a gathered table (Swin's relative positions)
+            bias = self.table[self.index].sum(-1).sum(-1, keepdim=True)  # (2, 1): per position
+            return torch.tanh(h + bias * self.gain) * self.gamma
+        if self.mode == "expanded":  # expanded to the examples before it meets them
+            return h * self.gamma.unsqueeze(0).unsqueeze(0).expand(x.shape[0], 2, -1)
+        if self.mode == "returned":
+            return self.gamma * 2.0
+        if self.mode == "kept":  # made from the parameter alone, used after the module
+            self.kept = self.gamma * 2.0
+            return h
+        if self.mode == "mean":  # the rows mixed after the meeting: h * gamma then a batch mean
+            y = h * self.gamma
+            return y - y.mean(0, keepdim=True).detach() * 0 + (self.gamma * h).mean(0)
+        if self.mode == "layout":  # a (2, B, d) layout: the rows meet positions, not examples
+            return (h.transpose(0, 1) * self.gamma).transpose(0, 1)
+        raise AssertionError(self.mode)
+
+
+class Holder(nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.block = Scaled(mode)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.block(x)
+        if self.block.mode == "kept":
+            h = h + self.block.kept
+        return self.head(h).sum(1)
+
+
+def _xy(B: int = 5):
+    return (torch.randn(B, 2, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64),
+            torch.zeros(B, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("mode", ["gamma", "gain_inplace", "table", "expanded"])
+def test_parameters_of_any_shape_used_with_the_examples_are_exact(mode):
+    torch.manual_seed(0)
+    model = Holder(mode).double()
+    engine = ClippingEngine(model)
+    assert {a for t in engine.taps for a in t.ops} == {
+        "gamma": {"gamma"}, "gain_inplace": {"gamma", "gain"}, "table": {"gamma", "gain", "table"},
+        "expanded": {"gamma"}}[mode]
+    check(model, _xy(), mse_loss)
+
+
+def test_inner_momentum_plan_over_ops_tapped_parameters_is_exact():
+    torch.manual_seed(0)
+    model = Holder("table").double()
+    batch = _xy(4)
+    g = torch.Generator().manual_seed(2)
+    theta1 = {n: p.detach() + 0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype)
+              for n, p in model.named_parameters()}
+    ref = 0.7 * reference_grads(model, mse_loss, batch) + 0.3 * reference_grads(
+        model, mse_loss, batch, theta1)
+    check(model, batch, mse_loss, plan=[(0.7, None), (0.3, theta1)], ref=ref)
+
+
+@pytest.mark.parametrize("mode, words", [
+    ("returned", r"block.gamma is a tapped parameter .* the module's forward returns a tensor "
+                 r"computed from it"),
+    ("kept", r"parameter block.gamma \(tapped: .*\) reaches the loss other than"),
+    ("mean", r"parameter block.gamma, given one row per example .* reach other examples"),
+    ("layout", r"parameter block.gamma, given one row per example .* reach other examples"),
+])
+def test_ops_tapped_parameters_that_escape_or_mix_are_refused(mode, words):
+    torch.manual_seed(0)
+    model = Holder(mode).double()
+    acc: dict = {}
+    with pytest.raises(ValueError, match=words):
+        engine = ClippingEngine(model, clip_norm=1.0)
+        engine._rows_checked = True  # (rows.py would refuse the layout too: not the subject)
+        engine.accumulate(mse_loss, _xy(2 if mode == "layout" else 5), acc)
+    assert not acc
 
 
 def test_a_module_whose_submodules_have_no_trainable_parameters_takes_the_fallback():
@@ -272,21 +385,33 @@ def test_a_module_whose_submodules_have_no_trainable_parameters_takes_the_fallba
 
 # --------------------------------------------------------------------------------- under FSDP2
 
+class _GammaBlock(nn.Module):
+    """An FSDP unit that owns a layer scale (4,) next to its Linear (an ops tap)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x)) * self.gamma
+
+
 class _TokenBlocks(nn.Module):
-    """A root-owned (1, 4) token, two FSDP units (``layers.N``) and a root-owned head;
-    ``index``: the token used as one row (refused)."""
+    """A root-owned (1, 4) token, two FSDP units (``layers.N``, with their layer scales) and a
+    root-owned head; ``index``: the token used as one row (refused)."""
 
     def __init__(self, index: bool = False):
         super().__init__()
         self.index = index
         self.tok = nn.Parameter(torch.randn(1, 4))
-        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.layers = nn.ModuleList([_GammaBlock(), _GammaBlock()])
         self.head = nn.Linear(4, 2)
 
     def forward(self, x):
         x = x + (self.tok[0] if self.index else self.tok)
         for layer in self.layers:
-            x = torch.tanh(layer(x))
+            x = layer(x)
         return self.head(x)
 
 
@@ -313,18 +438,18 @@ def _sharded_token_query(rank: int, world: int, sizes: tuple = (3, 4),
     lam = (0.5 / ref.norm(dim=1)).clamp(max=1.0)
     want = (ref * lam[:, None]).sum(0)
     got = torch.cat([acc[n].reshape(-1) for n, _ in plain.named_parameters()])
-    sharded = type(dict(model.named_parameters())["tok"]).__name__
+    sharded = {type(p).__name__ for p in model.parameters()}
     return {"err": float((got - want).norm() / want.norm()), "sharded": sharded}
 
 
-def test_under_fsdp_a_root_token_is_exact_on_each_rank():
+def test_under_fsdp_a_root_token_and_the_blocks_layer_scales_are_exact_on_each_rank():
     from dptrain.parallel.dist import spawn
 
     # rank 1 with one example: nothing to compare there, but its check's backward must pair up
     # with rank 0's (FSDP2 gathers the blocks again), or rank 0 would wait for ever
     for sizes in ((3, 4), (3, 1)):
         for r in spawn(_sharded_token_query, 2, sizes, timeout=120):
-            assert r["sharded"] == "DTensor"
+            assert r["sharded"] == {"DTensor"}
             assert r["err"] < 1e-12
 
 

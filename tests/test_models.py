@@ -214,30 +214,44 @@ def test_batchnorm_refused():
     assert e.value.field == "model.timm_name"
 
 
-def test_a_model_no_rule_can_clip_is_a_config_error_naming_the_model(monkeypatch, tmp_path):
-    """dm_nfnet's NormFreeBlock owns ``skipinit_gain`` and has submodules: no layer rule can
-    give its per-example gradient. The trainer said so with a ValueError traceback."""
+def test_a_model_the_engine_refuses_is_a_config_error_naming_the_model(monkeypatch, tmp_path,
+                                                                       capsys):
+    """A model whose layer takes two rows per example (Swin's windows) is refused by the
+    clipping engine at its first query; the trainer said so with a ValueError traceback (before
+    2026-12-02 such models, and those owning parameters next to submodules, were refused when
+    the engine was built: those parameters are tapped now, dm_nfnet's ``skipinit_gain``)."""
     import dptrain.trainer as trainer_mod
+    from dptrain.cli import main
     from dptrain.config import load
     from dptrain.trainer import RunConfig, Trainer
 
-    class GainedBlock(nn.Module):
+    class Windows(nn.Module):
         def __init__(self):
             super().__init__()
-            self.lin = nn.Linear(3 * 8 * 8, 10)
+            self.lin = nn.Linear(3 * 8 * 4, 10)
             self.skipinit_gain = nn.Parameter(torch.ones(()))
 
         def forward(self, x):
-            return self.lin(x.flatten(1)) * self.skipinit_gain
+            h = self.lin(x.reshape(2 * x.shape[0], -1))  # two windows per example
+            return h.view(x.shape[0], 2, 10).sum(1) * self.skipinit_gain
 
-    monkeypatch.setattr(trainer_mod, "build_model", lambda cfg, info: GainedBlock())
+    monkeypatch.setattr(trainer_mod, "build_model", lambda cfg, info: Windows())
+    config = Path(__file__).resolve().parents[1] / "configs" / "tiny_images.yaml"
     for name, field in (("timm", "model.timm_name"), ("cnn", "model.name")):
-        cfg = load(RunConfig, Path(__file__).resolve().parents[1] / "configs" / "tiny_images.yaml",
-                   ["data.image_size=8", f"model.name={name}", "optim.preset=null",
-                    "privacy.noise_multiplier=1.0", "privacy.epsilon=null"])
+        overrides = ["data.image_size=8", f"model.name={name}", "optim.preset=vit",
+                     "privacy.noise_multiplier=1.0", "privacy.epsilon=null",
+                     "train.progress=false"]
+        trainer = Trainer(load(RunConfig, config, overrides), tmp_path / name)
         with pytest.raises(ConfigError) as e:
-            Trainer(cfg, tmp_path / name)
-        assert e.value.field == field and "skipinit_gain" in e.value.message
+            trainer.private_step()
+        assert e.value.field == field and "lin (Linear) produced a leading dimension" in str(e.value)
+    out = tmp_path / "cli"
+    assert main(["train", "--config", str(config), "--output-dir", str(out), *overrides]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("dptrain train: error")]
+    assert "Traceback" not in err and len(errors) == 1, err
+    assert errors[0].startswith("dptrain train: error: model.name: dptrain.clipping: lin"), err
+    assert not (out / "summary.json").exists()
 
 
 def test_data_info_without_channels_leaves_them_to_the_model_config():

@@ -19,6 +19,10 @@ What a model must satisfy for this to bound each example's influence is checked,
 its structure over the first forward (``_FirstForwardCheck``), and that no example's data
 reaches another example's rows, by perturbation after the first query (rows.py).
 
+Parameters that no layer rule sees (owned by a module whose submodules have parameters of their
+own: a ViT's class token, ConvNeXt's layer scale) are tapped: each use gets one row per example
+(taps.py), and row b's gradient is example b's, checked, not assumed.
+
 Targets of the backward: float inputs that do not require grad are replaced, in a pre-hook, by
 leaves that do (cheap: the first layer's input gradient), and layers with integer inputs
 (embeddings) make their output a target. Every trainable tensor then lies on a path from the
@@ -55,6 +59,8 @@ from dptrain.clipping.contributions import (
 )
 from dptrain.clipping.rows import MAX_ATTEMPTS, cannot_check, check_example_rows
 from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
+from dptrain.clipping.taps import TAP as _TAP
+from dptrain.clipping.taps import OpTaps, Tapped, rows_tappable
 from dptrain.models.dropout import set_stream as set_dropout_stream
 from dptrain.parallel.fsdp import all_reduce_scalars
 
@@ -108,6 +114,7 @@ class _Record:
     output: Tensor | None = None
     version: int = 0
     node: Any = None  # the output's autograd node (tensor-hook captures)
+    Gq: Tensor | None = None  # an ops tap's gradient rows (taps.py), for the rows check
     name: str = ""  # the layer's name in the model (for messages)
 
 
@@ -135,33 +142,6 @@ class _Hooked:
     module: nn.Module
     rule: LayerRule
     params: dict[str, nn.Parameter] = field(default_factory=dict)
-
-
-@dataclass
-class _Tapped:
-    """Parameters of a module (no layer rule) whose submodules have parameters of their own: a
-    ViT's class token and position table. During the engine's forwards each ``p`` (leading size
-    1) is replaced, for the module's call, by ``p.expand(B, ...)``, a leaf with one row per
-    example: row b's gradient is example b's, as long as the forward keeps the rows apart
-    (checked over the first query, ``_check_tap_rows``)."""
-    name: str
-    module: nn.Module
-    params: dict[str, nn.Parameter] = field(default_factory=dict)
-
-
-def _tappable(p: Tensor) -> bool:
-    return p.dim() >= 1 and p.shape[0] == 1
-
-
-class _TapRule(LayerRule):
-    """A tapped parameter's per-example gradient: the gradient of its expanded leaf, row b for
-    example b (``saved["attr"]``: the parameter's attribute in its module)."""
-
-    def contributions(self, module, saved, G):
-        return {saved["attr"]: Dense(G.unsqueeze(1))}
-
-
-_TAP = _TapRule()
 
 
 def _swappable(p: Tensor, v: Tensor) -> bool:
@@ -428,9 +408,8 @@ class ClippingEngine:
                 self.params[n] = p
         self.hooked: list[_Hooked] = []
         #: parameters of modules with parameterised submodules, given one row per example
-        self.taps: list[_Tapped] = []
+        self.taps: list[Tapped] = []
         owned: set[int] = set()
-        unsupported = []
         for mname, m in model.named_modules():
             direct = {k: p for k, p in m._parameters.items() if p is not None and p.requires_grad}
             if not direct:
@@ -439,15 +418,10 @@ class ClippingEngine:
             if rule is None and any(p.requires_grad for c in m.children()
                                     for p in c.parameters()):
                 # a submodule has trainable parameters of its own (hooked separately): this
-                # module's parameters are tapped (one row per example) if they can be
-                untapped = [f"{k} {tuple(p.shape)}" for k, p in direct.items()
-                            if not _tappable(p)]
-                if untapped:
-                    unsupported.append(f"{mname or '<root>'} ({type(m).__name__}: owns "
-                                       f"{', '.join(untapped)} and has submodules with "
-                                       f"parameters of their own)")
-                    continue
-                self.taps.append(_Tapped(mname, m, direct))
+                # module's parameters are tapped, given one row per example (taps.py)
+                self.taps.append(Tapped(
+                    mname, m, rows={k: p for k, p in direct.items() if rows_tappable(p)},
+                    ops={k: p for k, p in direct.items() if not rows_tappable(p)}))
                 owned.update(id(p) for p in direct.values())
                 continue
             if rule is None:
@@ -460,14 +434,6 @@ class ClippingEngine:
                 rule = FALLBACK
             self.hooked.append(_Hooked(mname, m, rule, direct))
             owned.update(id(p) for p in direct.values())
-        if unsupported:
-            raise ValueError(
-                "dptrain.clipping: unsupported modules with trainable parameters: "
-                + "; ".join(unsupported) + ". A parameter of a module whose submodules have "
-                "parameters too is supported when its leading size is 1 (a class token, a "
-                "position table: the engine gives it one row per example); move any other into "
-                "a module of its own (timm's LayerScale), whose rule or torch.func fallback "
-                "then gives its per-example gradient")
         missing = [n for i, n in self.names.items() if i not in owned]
         assert not missing, f"trainable parameters not owned by any module: {missing}"
         #: batch norms, refused in training mode (checked at every query: train()/eval() can
@@ -491,32 +457,85 @@ class ClippingEngine:
 
     @contextlib.contextmanager
     def _capture(self, batch_size: int, coef: float, records: list[_Record],
-                 targets: list[Tensor]) -> Iterator[None]:
+                 targets: list[Tensor], op_taps: list) -> Iterator[None]:
         handles = []
         tap_leaves: set[int] = set()  # the tapped parameters' expanded leaves (kept in targets)
 
-        def make_tap_hooks(t: _Tapped):
-            stack: list[dict[str, Tensor]] = []  # per call of the module: the values put back
+        def make_tap_hooks(t: Tapped):
+            # per call of the module: the values put back, and the OpTaps mode entered (or None)
+            stack: list[tuple[dict[str, Tensor], OpTaps | None]] = []
 
-            def pre(module, args):
+            def record(module, attr: str, shape) -> _Record:
+                rec = _Record(module, _TAP, {"attr": attr, "shape": tuple(shape)}, coef,
+                              name=f"{t.name}.{attr}" if t.name else attr)
+                records.append(rec)
+                return rec
+
+            def pre(module, args, kwargs):
                 swapped: dict[str, Tensor] = {}
-                stack.append(swapped)
                 if not torch.is_grad_enabled():
+                    stack.append((swapped, None))
                     return
-                for attr in t.params:
+                for attr in t.rows:
                     cur = module._parameters[attr]  # (FSDP2: gathered by its pre-hook, before)
                     leaf = cur.detach().expand(batch_size, *cur.shape[1:]).requires_grad_(True)
                     swapped[attr] = cur
                     module._parameters[attr] = leaf  # type: ignore[assignment]
                     tap_leaves.add(id(leaf))
-                    rec = _Record(module, _TAP, {"attr": attr}, coef,
-                                  name=f"{t.name}.{attr}" if t.name else attr)
+                    rec = record(module, attr, cur.shape)
                     rec.target_index, rec.output, rec.version = len(targets), leaf, leaf._version
                     targets.append(leaf)
-                    records.append(rec)
+                mode = None
+                if t.ops:
+                    leaves = {}
+                    for attr in t.ops:
+                        cur = module._parameters[attr]
+                        leaf = cur.detach().requires_grad_(True)
+                        swapped[attr] = cur
+                        module._parameters[attr] = leaf  # type: ignore[assignment]
+                        tap_leaves.add(id(leaf))
+                        leaves[attr] = leaf
+                        targets.append(leaf)  # its whole gradient: "nothing is missing"
+                        op_taps.append((self.names[id(t.ops[attr])], leaf, []))
 
-            def post(module, args, output):
-                for attr, cur in stack.pop().items():
+                    def on_meet(attrs, qa, q_B, module=module, leaves=leaves,
+                                recs=op_taps[-len(t.ops):]):
+                        attrs = sorted(attrs)
+                        mine = []
+                        for attr in attrs:
+                            rec = record(module, attr, leaves[attr].shape)
+                            next(r for _, leaf, r in recs if leaf is leaves[attr]).append(rec)
+                            mine.append(rec)
+                        mine[0].output = q_B  # (for the rows check: its rows' gradient, Gq)
+
+                        def hook(g, mine=mine, qa=qa, P=[leaves[a] for a in attrs]):
+                            mine[0].Gq = g
+                            # example b's gradient of each parameter: the VJP of row b through
+                            # the parameter-made computation P -> qa, which the backward frees
+                            # after this hook
+                            per = torch.autograd.grad(qa, P, g.unsqueeze(1), retain_graph=True,
+                                                      is_grads_batched=True, allow_unused=True)
+                            for rec, grad in zip(mine, per):
+                                rec.G = grad
+
+                        q_B.register_hook(hook)
+
+                    mode = OpTaps(leaves, (args, kwargs), batch_size, t.name or "<root>",
+                                  on_meet)
+                    mode.__enter__()
+                stack.append((swapped, mode))
+
+            def post(module, args, kwargs, output):
+                swapped, mode = stack.pop()
+                if mode is not None:
+                    mode.__exit__(None, None, None)
+                    made = [o for o in torch.utils._pytree.tree_leaves(output)
+                            if mode.made_attr(o) is not None]
+                    if made and torch.is_grad_enabled():
+                        raise ValueError(mode.refusal(
+                            mode.made_attr(made[0]), "the module's forward",
+                            "returns a tensor computed from it and not from the examples"))
+                for attr, cur in swapped.items():
                     module._parameters[attr] = cur  # type: ignore[assignment]
 
             return pre, post
@@ -616,9 +635,9 @@ class ClippingEngine:
                 pre, post = make_tap_hooks(t)
                 # after FSDP2's pre-hook gathers the parameters, put back before its post-hook
                 # reshards them (prepend), and also when the forward raises (always_call)
-                handles.append(t.module.register_forward_pre_hook(pre))
-                handles.append(t.module.register_forward_hook(post, prepend=True,
-                                                              always_call=True))
+                handles.append(t.module.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(t.module.register_forward_hook(
+                    post, prepend=True, always_call=True, with_kwargs=True))
             yield
         finally:
             for handle in handles:
@@ -720,12 +739,14 @@ class ClippingEngine:
             set_dropout_stream(j)  # per-example dropout masks: entry j's own stream
             targets: list[Tensor] = []
             records: list[_Record] = []
+            op_taps: list[tuple[str, Tensor, list[_Record]]] = []  # (name, leaf, its meetings)
             check = contextlib.nullcontext()
             if not self._uses_checked:  # (sets _uses_checked once a forward passed)
                 check = _FirstForwardCheck(self, inputs, B)
             if j == 0 and not self._rows_checked:  # at the end of the query (_finish_rows_check)
                 self._pending_rows = (loss_fn, batch, view, B, state)
-            with self._state(state, seed), self._capture(B, coef, records, targets):
+            with self._state(state, seed), self._capture(B, coef, records, targets,
+                                                                     op_taps):
                 with check:  # the forward only: it keeps references to outputs while open
                     try:
                         losses = loss_fn(self.model, inputs)
@@ -734,11 +755,13 @@ class ClippingEngine:
                             raise
                         raise ValueError(
                             f"dptrain.clipping: the forward failed with the tapped parameters "
-                            f"{self._tap_names()} given one row per example (p.expand(B, "
-                            f"...)): {str(e).splitlines()[0]} If that is a shape error, the "
-                            f"forward uses such a parameter as one row (p[0], p.squeeze(0), "
-                            f"p.view(-1)): use it by broadcasting against the examples' "
-                            f"tensors, or move it into a module of its own") from e
+                            f"{self._tap_names()} given one row per example (clipping/taps.py):"
+                            f" {str(e).splitlines()[0]} If that is a shape error, the forward "
+                            f"uses such a parameter in a way that does not broadcast it over "
+                            f"the examples (p.view(-1), or after a reshape of the examples' "
+                            f"tensors): move it into a module of its own (timm's LayerScale), "
+                            f"whose rule or torch.func fallback gives its per-example "
+                            f"gradient") from e
                 if losses.shape != (B,):
                     raise ValueError(f"loss_fn must return per-example losses of shape ({B},), "
                                      f"got {tuple(losses.shape)}")
@@ -748,7 +771,7 @@ class ClippingEngine:
                     current += 1
                 loss = losses.sum()
                 live = [t for t in targets if t.requires_grad]
-                taps = [(rec, rec.output) for rec in records if rec.rule is _TAP]
+                taps = [rec for rec in records if rec.rule is _TAP]
                 # (under a process group on every rank at once: FSDP2 gathers in the backward)
                 collective = (torch.distributed.is_available()
                               and torch.distributed.is_initialized())
@@ -770,13 +793,20 @@ class ClippingEngine:
             index = {id(t): g for t, g in zip(live, grads)}
             del grads, live, targets
             if check_taps:
-                grabbed = [rec.G for rec in records]  # the check's backward fires the hooks too
-                self._check_tap_rows(losses, [(rec.name, leaf, index.get(id(leaf)))
-                                              for rec, leaf in taps], retain, collective)
+                # the check's backward fires the hooks too: what they grab is put back
+                grabbed = [rec.G for rec in records]
+                self._check_tap_rows(losses, [
+                    (rec.name, rec.output, rec.Gq if rec.target_index is None
+                     else index.get(id(rec.output))) for rec in taps], retain, collective)
                 for rec, G in zip(records, grabbed):
                     rec.G = G
                 del grabbed
+            for rec in taps:
+                if rec.target_index is None:  # an ops tap: its rows were for the check only
+                    rec.output = rec.Gq = None
             del taps
+            self._check_op_taps(op_taps, index)
+            del op_taps
             for rec in records:
                 if rec.target_index is not None:
                     if rec.output._version != rec.version:
@@ -795,6 +825,35 @@ class ClippingEngine:
         if current > 1:
             loss_total = loss_total / current
         return graphs, loss_total
+
+    def _check_op_taps(self, op_taps: list, index: dict) -> None:
+        """An ops-tapped parameter's per-example gradients must add up to its whole gradient
+        (its leaf is a target of the backward): a tensor computed from it that reached the loss
+        without meeting the examples' tensors inside its module would be missing from the
+        norms (taps.py). Every query; a sum over the examples, and a norm."""
+        half = torch.is_autocast_enabled(next(iter(self.params.values())).device.type)
+        for name, leaf, recs in op_taps:
+            total = index.get(id(leaf))
+            pers = [rec.G for rec in recs if rec.G is not None]
+            if total is None and not pers:
+                continue
+            want = (torch.zeros_like(leaf, dtype=torch.float64) if total is None
+                    else total.detach().double())
+            got = torch.zeros_like(want)
+            scale = float(want.norm())
+            for per in pers:
+                got += per.detach().double().sum(0)
+                scale += float(per.detach().double().reshape(per.shape[0], -1).norm(dim=1).sum())
+            tol = 3e-2 if half or leaf.dtype in _HALF else 1e-4
+            if float((got - want).norm()) > tol * scale:
+                raise ValueError(
+                    f"dptrain.clipping: the parameter {name} (tapped: its module has submodules "
+                    f"with parameters of their own) reaches the loss other than where the "
+                    f"forward of its module combines it with the examples' tensors (a tensor "
+                    f"made from it alone is fed to a layer, or kept and used elsewhere): part of "
+                    f"its gradient would be missing from the per-example norms. Move it into a "
+                    f"module of its own (timm's LayerScale), whose rule or torch.func fallback "
+                    f"gives its per-example gradient")
 
     def _tap_names(self) -> list[str]:
         return [self.names[id(p)] for t in self.taps for p in t.params.values()]

@@ -69,8 +69,9 @@ class ModelConfig:
     # --- timm ---
     timm_name: str = "nf_resnet50"
     """timm: model name for ``timm.create_model(name, pretrained=False)``. Models with
-    BatchNorm (resnet50, ...) are refused; the NF-ResNets have none, nor do the ViTs
-    (``vit_*``, ``deit_*``: their class token and position table are tapped, README)."""
+    BatchNorm (resnet50, ...) are refused; the NF-ResNets have none, nor do the ViTs,
+    ConvNeXts and NFNets (their tokens, position tables, layer scales and gains are tapped:
+    README, "What the engine needs of a model")."""
     num_classes: int | None = None
     """timm/cnn: output classes. Null: the data's number of classes."""
     in_chans: int | None = None

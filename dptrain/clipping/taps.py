@@ -1,0 +1,162 @@
+"""Tapped parameters: those of a module (no layer rule) whose submodules have parameters of their
+own, so that no layer rule sees their uses: a ViT's class token and position table, ConvNeXt's
+and CaiT's layer-scale ``gamma``, NFNet's scalar ``skipinit_gain``. The engine gives each use of
+such a parameter one row per example, and reads example b's gradient from row b:
+
+- **rows** (leading size 1: tokens, position tables). For the module's call the parameter is
+  replaced by ``p.expand(B, ...)``, a leaf of the backward with one row per example; the
+  forward uses it wherever it would have broadcast ``p`` over the examples.
+- **ops** (any other shape). For the module's call the parameter is replaced by a leaf ``P`` of
+  its own shape, and a ``TorchFunctionMode`` (:class:`OpTaps`) follows the module's torch
+  calls: results computed from ``P``, buffers and constants only are "parameter-made"; results
+  of the module's inputs are "example-made". At a call that takes both (``x.mul(gamma.reshape(1,
+  -1, 1, 1))``, ``out.mul_(skipinit_gain)``), each parameter-made argument ``q`` is aligned to
+  the dimensions of the example-made ones (leading 1s) and expanded to ``q_B``, with B rows on
+  the first dimension; a hook on ``q_B`` takes its gradient (B, ...): example b's cotangent of
+  ``q`` is row b, and example b's gradient of ``p`` is its vector-Jacobian product through the
+  parameter-made computation ``P -> q`` (``autograd.grad(..., is_grads_batched=True)``, inside
+  the hook, before the backward frees that computation).
+
+Two checks make this safe whatever the forward does with these tensors:
+
+- **rows reach their own losses** (once, at the first query of two or more examples, or of any
+  size on every rank under a process group): the rows of every expanded tensor are equal, so
+  the forward's values cannot tell where they go; with random weights w_b, the gradient of
+  sum_b w_b loss_b must be, row by row, w_b times that of sum_b loss_b (``p[0]``, ``p.mean(0)``,
+  a broadcast against another dimension than the examples' are refused);
+- **nothing is missing** (ops taps, every query): ``P`` is a target of the engine's backward too,
+  so autograd gives its whole gradient; the per-example gradients must add up to it. A
+  parameter-made tensor that reaches the loss some other way (returned by the module and used
+  after it, fed to a layer) would otherwise be missing from the norms.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from dptrain.clipping.contributions import Dense
+from dptrain.clipping.rules import LayerRule
+
+
+@dataclass
+class Tapped:
+    """A module's tapped parameters: ``rows`` (leading size 1) and ``ops`` (any other shape)."""
+    name: str
+    module: nn.Module
+    rows: dict[str, nn.Parameter] = field(default_factory=dict)
+    ops: dict[str, nn.Parameter] = field(default_factory=dict)
+
+    @property
+    def params(self) -> dict[str, nn.Parameter]:
+        return {**self.rows, **self.ops}
+
+
+def rows_tappable(p: Tensor) -> bool:
+    return p.dim() >= 1 and p.shape[0] == 1
+
+
+class TapRule(LayerRule):
+    """A tapped parameter's per-example gradient, (B, ...) rows reshaped to (B, *shape)
+    (``saved``: the parameter's attribute in its module and its shape)."""
+
+    def contributions(self, module, saved, G):
+        return {saved["attr"]: Dense(G.reshape(G.shape[0], *saved["shape"]))}
+
+
+TAP = TapRule()
+
+
+def _weak_set(store: dict, t: Tensor, value) -> None:
+    key = id(t)
+    store[key] = (weakref.ref(t, lambda _: store.pop(key, None)), value)
+
+
+class OpTaps(TorchFunctionMode):
+    """The ops taps of one call of a module (see the module docstring). ``params``: attribute ->
+    the leaf ``P`` put in its place; ``inputs``: the call's arguments (example-made);
+    ``on_meet(attrs, q, q_B)``: called for each expanded argument (``attrs``: the tapped
+    parameters it is made from), before the call runs."""
+
+    def __init__(self, params: dict[str, Tensor], inputs, batch_size: int, name: str, on_meet):
+        super().__init__()
+        self.B = batch_size
+        self.name = name
+        self.on_meet = on_meet
+        self.made: dict[int, tuple] = {}  # id -> (weak ref, attributes): parameter-made
+        self.examples: dict[int, tuple] = {}  # id -> (weak ref, None): example-made
+        for attr, P in params.items():
+            _weak_set(self.made, P, frozenset([attr]))
+        for t in pytree.tree_leaves(inputs):
+            if isinstance(t, Tensor):
+                _weak_set(self.examples, t, None)
+
+    def made_attr(self, t) -> frozenset | None:
+        hit = self.made.get(id(t)) if isinstance(t, Tensor) else None
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+    def _example(self, t) -> bool:
+        hit = self.examples.get(id(t)) if isinstance(t, Tensor) else None
+        return hit is not None and hit[0]() is t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        made = {id(t): self.made_attr(t) for t in leaves if self.made_attr(t) is not None}
+        examples = [t for t in leaves if self._example(t)]
+        if made and examples and torch.is_grad_enabled():
+            D = max(t.dim() for t in examples)
+            swap = {}
+            for t in leaves:
+                if id(t) in made and id(t) not in swap:
+                    swap[id(t)] = self._expand(t, D, made[id(t)], func)
+            args, kwargs = pytree.tree_map_only(
+                Tensor, lambda t: swap.get(id(t), t), (args, kwargs))
+            out = func(*args, **kwargs)
+            for o in pytree.tree_leaves(out):
+                if isinstance(o, Tensor):
+                    if o.dim() == 0 or o.shape[0] != self.B:
+                        raise ValueError(self.refusal(next(iter(made.values())), func,
+                                                       f"gave a result of shape "
+                                                       f"{tuple(o.shape)}"))
+                    _weak_set(self.examples, o, None)
+            return out
+        out = func(*args, **kwargs)
+        mark = self.examples if examples else (self.made if made else None)
+        if mark is not None:
+            value = None if examples else frozenset().union(*made.values())
+            for o in pytree.tree_leaves(out):
+                if isinstance(o, Tensor):
+                    _weak_set(mark, o, value)
+        return out
+
+    def _expand(self, q: Tensor, D: int, attrs: frozenset, func) -> Tensor:
+        """``q`` with the examples' B rows on its first dimension, for a call that broadcasts
+        it against tensors of D dimensions (first: the examples)."""
+        if q.dim() < D:
+            qa = q.reshape((1,) * (D - q.dim()) + tuple(q.shape))
+        elif q.dim() == D and q.shape[0] == 1:
+            qa = q
+        elif q.dim() == D and q.shape[0] == self.B and q.stride(0) == 0:
+            qa = q[:1]  # already expanded over the examples (``p.expand(B, ...)``)
+        else:
+            raise ValueError(self.refusal(attrs, func, f"takes it with shape {tuple(q.shape)} "
+                                                       f"next to the examples' {D}-dimensional "
+                                                       f"tensors"))
+        q_B = qa.expand(self.B, *qa.shape[1:])
+        self.on_meet(attrs, qa, q_B)
+        return q_B
+
+    def refusal(self, attrs: frozenset, func, what: str) -> str:
+        names = " and ".join(f"{self.name}.{a}" for a in sorted(attrs))
+        return (f"dptrain.clipping: {names} is a tapped parameter (its module has "
+                f"submodules with parameters of their own) and "
+                f"{getattr(func, '__name__', func)} {what}: the engine gives such a parameter one "
+                f"row per example where it meets the examples' tensors, which must broadcast it "
+                f"over their first dimension. Move it into a module of its own (timm's "
+                f"LayerScale), whose rule or torch.func fallback gives its per-example gradient")
