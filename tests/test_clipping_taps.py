@@ -473,3 +473,23 @@ def test_a_forward_that_raises_leaves_the_parameter_in_its_module():
     with pytest.raises(KeyError, match="the user's own error"):
         ClippingEngine(model).per_example_norms(_sq, (_x(3),))
     assert model._parameters["tok"] is tok and model.tok is tok
+
+
+def test_a_module_with_both_kinds_of_taps_combines_them_exactly():
+    class Both(nn.Module):  # a class token scaled by a layer scale, both the root's
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Parameter(torch.randn(1, 1, 4))
+            self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+            self.lin = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):  # x: (B, 2, 4)
+            h = torch.cat([self.tok.expand(x.shape[0], -1, -1) * self.gamma, self.lin(x)], 1)
+            return self.head(torch.tanh(h) * self.gamma).sum(1)
+
+    torch.manual_seed(0)
+    model = Both().double()
+    engine = ClippingEngine(model)
+    assert [(list(t.rows), list(t.ops)) for t in engine.taps] == [(["tok"], ["gamma"])]
+    check(model, _xy(), mse_loss)

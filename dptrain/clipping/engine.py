@@ -144,6 +144,13 @@ class _Hooked:
     params: dict[str, nn.Parameter] = field(default_factory=dict)
 
 
+def _same_elements(view: Tensor, base: Tensor) -> bool:
+    """Whether ``view`` holds ``base``'s elements in ``base``'s order (``base`` itself, or a
+    reshape of it): its gradient is then the parameter's, reshaped."""
+    return (view.numel() == base.numel() and view.is_contiguous() and base.is_contiguous()
+            and view.data_ptr() == base.data_ptr() and view.dtype == base.dtype)
+
+
 def _swappable(p: Tensor, v: Tensor) -> bool:
     """Whether ``p.data`` may be pointed at ``v`` for a while: plain tensors of the same shape,
     dtype, device and strides (sharded FSDP2 parameters are copied into instead)."""
@@ -512,15 +519,24 @@ class ClippingEngine:
                             mine[0].Gq = g
                             # example b's gradient of each parameter: the VJP of row b through
                             # the parameter-made computation P -> qa, which the backward frees
-                            # after this hook
-                            per = torch.autograd.grad(qa, P, g.unsqueeze(1), retain_graph=True,
-                                                      is_grads_batched=True, allow_unused=True)
+                            # after this hook; a reshape of the parameter itself (ConvNeXt's
+                            # gamma.reshape(1, -1, 1, 1), a gain): the rows, reshaped
+                            if len(P) == 1 and _same_elements(qa, P[0]):
+                                per = (g.reshape(g.shape[0], *P[0].shape),)
+                            else:
+                                per = torch.autograd.grad(qa, P, g.unsqueeze(1),
+                                                          retain_graph=True,
+                                                          is_grads_batched=True,
+                                                          allow_unused=True)
                             for rec, grad in zip(mine, per):
                                 rec.G = grad
 
                         q_B.register_hook(hook)
 
-                    mode = OpTaps(leaves, (args, kwargs), batch_size, t.name or "<root>",
+                    # example-made: the call's arguments, and the rows taps' leaves (one row
+                    # per example)
+                    rows = [module._parameters[a] for a in t.rows]
+                    mode = OpTaps(leaves, (args, kwargs, rows), batch_size, t.name or "<root>",
                                   on_meet)
                     mode.__enter__()
                 stack.append((swapped, mode))

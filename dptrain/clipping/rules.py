@@ -172,14 +172,26 @@ class LayerNormRule(LayerRule):
         return out
 
 
+class LayerNorm2dRule(LayerRule):
+    """timm's LayerNorm2d: nn.LayerNorm over the channels of an NCHW input (ConvNeXt), each
+    position a token: the LayerNorm rule on the input and output gradient moved to NHWC."""
+
+    def contributions(self, module, saved, G):
+        return LayerNormRule().contributions(module, {"x": saved["x"].movedim(1, -1)},
+                                             G.movedim(1, -1))
+
+
 def _register_timm_layernorm() -> None:
     """timm's LayerNorm overrides the forward (a fast-norm switch) but computes nn.LayerNorm's
-    function; its LayerNorm2d (channels of NCHW) does not, and stays with the fallback."""
+    function; its LayerNorm2d computes it over the channels of NCHW (until 2026-12-02 it took
+    the torch.func fallback, a third of a ConvNeXt's private step)."""
     try:
         from timm.layers.norm import LayerNorm as TimmLayerNorm
+        from timm.layers.norm import LayerNorm2d as TimmLayerNorm2d
     except Exception:  # pragma: no cover - timm is a dependency
         return
     register_rule(TimmLayerNorm)(LayerNormRule)
+    register_rule(TimmLayerNorm2d)(LayerNorm2dRule)
 
 
 _register_timm_layernorm()

@@ -72,6 +72,18 @@ class TapRule(LayerRule):
 TAP = TapRule()
 
 
+def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors among a torch call's arguments, also inside lists, tuples and dicts (the
+    common case, a flat tuple of tensors and scalars, without pytree's cost)."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple, dict)):
+            out.extend(t for t in pytree.tree_leaves(a) if isinstance(t, Tensor))
+    return out
+
+
 def _weak_set(store: dict, t: Tensor, value) -> None:
     key = id(t)
     store[key] = (weakref.ref(t, lambda _: store.pop(key, None)), value)
@@ -106,9 +118,15 @@ class OpTaps(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-        made = {id(t): self.made_attr(t) for t in leaves if self.made_attr(t) is not None}
-        examples = [t for t in leaves if self._example(t)]
+        leaves = _tensors(args, kwargs)
+        made = {}
+        examples = []
+        for t in leaves:
+            attrs = self.made_attr(t)
+            if attrs is not None:
+                made[id(t)] = attrs
+            elif self._example(t):
+                examples.append(t)
         if made and examples and torch.is_grad_enabled():
             D = max(t.dim() for t in examples)
             swap = {}
@@ -118,7 +136,7 @@ class OpTaps(TorchFunctionMode):
             args, kwargs = pytree.tree_map_only(
                 Tensor, lambda t: swap.get(id(t), t), (args, kwargs))
             out = func(*args, **kwargs)
-            for o in pytree.tree_leaves(out):
+            for o in (out,) if isinstance(out, Tensor) else pytree.tree_leaves(out):
                 if isinstance(o, Tensor):
                     if o.dim() == 0 or o.shape[0] != self.B:
                         raise ValueError(self.refusal(next(iter(made.values())), func,
@@ -130,7 +148,7 @@ class OpTaps(TorchFunctionMode):
         mark = self.examples if examples else (self.made if made else None)
         if mark is not None:
             value = None if examples else frozenset().union(*made.values())
-            for o in pytree.tree_leaves(out):
+            for o in (out,) if isinstance(out, Tensor) else pytree.tree_leaves(out):
                 if isinstance(o, Tensor):
                     _weak_set(mark, o, value)
         return out
