@@ -1083,10 +1083,11 @@ def test_a_parameter_registered_under_two_names_is_exact(where):
 
 def test_timm_layernorms():
     # timm's LayerNorm computes nn.LayerNorm's function (its rule); LayerNorm2d normalises the
-    # channels of NCHW input, which nn.LayerNorm's rule would get wrong (the fallback's)
+    # channels of NCHW input, which nn.LayerNorm's rule would get wrong: its own rule moves the
+    # channels last (the fallback's until 2026-12-02)
     from timm.layers.norm import LayerNorm, LayerNorm2d
 
-    from dptrain.clipping.rules import FALLBACK, LayerNormRule
+    from dptrain.clipping.rules import LayerNorm2dRule, LayerNormRule
 
     gen = torch.Generator().manual_seed(4)
     seq = nn.Sequential(nn.Linear(3, 5), LayerNorm(5), nn.Linear(5, 2)).double()
@@ -1096,10 +1097,16 @@ def test_timm_layernorms():
                 torch.randn(4, 2, generator=gen, dtype=torch.float64)))
     conv = nn.Sequential(nn.Conv2d(2, 3, 1), LayerNorm2d(3), nn.Flatten(), nn.Linear(12, 2)).double()
     randomise(conv[1], gen)
-    with pytest.warns(UserWarning, match="LayerNorm2d overrides the forward of LayerNorm"):
-        assert ClippingEngine(conv).hooked[1].rule is FALLBACK
+    assert isinstance(ClippingEngine(conv).hooked[1].rule, LayerNorm2dRule)
     check(conv, (torch.randn(4, 2, 2, 2, generator=gen, dtype=torch.float64),
                  torch.randn(4, 2, generator=gen, dtype=torch.float64)))
+    # an input whose height and width differ, and channels with no affine parameter of one kind
+    odd = nn.Sequential(nn.Conv2d(2, 3, 1), LayerNorm2d(3), nn.Flatten(), nn.Linear(18, 2))
+    odd[1].bias = None
+    odd = odd.double()
+    randomise(odd[1], gen)
+    check(odd, (torch.randn(5, 2, 2, 3, generator=gen, dtype=torch.float64),
+                torch.randn(5, 2, generator=gen, dtype=torch.float64)))
 
 
 class _FunctionalTiedHead(nn.Module):
