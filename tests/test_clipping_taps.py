@@ -334,12 +334,14 @@ def test_inner_momentum_plan_over_ops_tapped_parameters_is_exact():
 def test_ops_tapped_parameters_that_escape_or_mix_are_refused(mode, words):
     torch.manual_seed(0)
     model = Holder(mode).double()
+    gamma = model.block.gamma
     acc: dict = {}
     with pytest.raises(ValueError, match=words):
         engine = ClippingEngine(model, clip_norm=1.0)
         engine._rows_checked = True  # (rows.py would refuse the layout too: not the subject)
         engine.accumulate(mse_loss, _xy(2 if mode == "layout" else 5), acc)
     assert not acc
+    assert model.block._parameters["gamma"] is gamma  # put back, whatever refused
 
 
 def test_a_module_whose_submodules_have_no_trainable_parameters_takes_the_fallback():

@@ -543,6 +543,8 @@ class ClippingEngine:
 
             def post(module, args, kwargs, output):
                 swapped, mode = stack.pop()
+                for attr, cur in swapped.items():
+                    module._parameters[attr] = cur  # type: ignore[assignment]
                 if mode is not None:
                     mode.__exit__(None, None, None)
                     made = [o for o in torch.utils._pytree.tree_leaves(output)
@@ -551,8 +553,6 @@ class ClippingEngine:
                         raise ValueError(mode.refusal(
                             mode.made_attr(made[0]), "the module's forward",
                             "returns a tensor computed from it and not from the examples"))
-                for attr, cur in swapped.items():
-                    module._parameters[attr] = cur  # type: ignore[assignment]
 
             return pre, post
 
