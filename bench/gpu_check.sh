@@ -22,8 +22,11 @@
 #   2. GPT-2 small, random init, T = 128, DP-Muon-IM K = 2 (90): `dptrain train` for 5
 #      releases of b = 256, then private vs non-private steps: bench/gpu_check.py.
 #   3. NF-ResNet-50 at 224 px, DP-Muon + AdamW (90): the same for nf_resnet50, b = 256.
-#   4. bench/dp_step.py --device cuda --quick --no-memory (65): DP step vs non-private vs
-#      Opacus (issue 2); its per-variant memory subprocesses are skipped to fit the budget.
+#   4. bench/dp_step.py --device cuda --quick --no-memory --models gpt2,nfresnet (65): DP step
+#      vs non-private vs Opacus (issue 2); its per-variant memory subprocesses are skipped to fit
+#      the budget.
+#   4b. the same for the ViT and the ConvNeXt (40): the engine's tapped parameters on the GPU
+#      (added 2026-12-02, not run on a GPU yet).
 #   5. bench/inner_momentum.py --device cuda --quick at GPT-2 small's shape (12 x 768, 12 heads,
 #      vocabulary 50,257), T = 128, B = 16 (130): DP-Muon-IM at K = 0, 1, 2, 4 (also 1, 2, 4
 #      with performance.ghost=memory, and 4 in two microbatches of 8) vs the non-private step
@@ -42,7 +45,7 @@
 # Each part prints examples/s, peak memory (torch.cuda.max_memory_allocated and NVML) and the
 # DP/non-private ratio where it has one; each part's log (its last line one JSON object) lands
 # in bench/gpu_out/ (on the device machine: packed into $OUT/gpu_check_logs.tar.gz after every
-# part). Timeouts add up to 690 s; the parts end well before them (the dry run's tiny shapes
+# part). Timeouts add up to 730 s; the parts end well before them (the dry run's tiny shapes
 # take about 110 s on 2 CPU cores).
 #
 # `bash bench/gpu_check.sh --dry-run` runs the same parts on CPU with tiny shapes (no install;
@@ -121,7 +124,8 @@ part nf_resnet50 90 "$PY" bench/gpu_check.py --model nf_resnet50 "${CHECK_ARGS[@
   --out /tmp/gpu_check_nf
 # (the option checks read the source: a --help would import torch, seconds each)
 if grep -q -- '"--device"' bench/dp_step.py; then
-  part dp_step 65 "$PY" bench/dp_step.py "${BENCH_ARGS[@]}"
+  part dp_step 65 "$PY" bench/dp_step.py "${BENCH_ARGS[@]}" --models gpt2,nfresnet
+  part dp_step_vision 40 "$PY" bench/dp_step.py "${BENCH_ARGS[@]}" --models vit,convnext
 else
   STATUS[dp_step]="skipped (no --device)"
 fi
@@ -148,14 +152,14 @@ nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader 2>/dev/nul
 
 echo
 echo "=== summary (total $(( $(date +%s) - START )) s)"
-for k in install pytest_gpu gpt2_small nf_resnet50 dp_step inner_momentum inner_momentum_b64 \
-    products profile kernels; do
+for k in install pytest_gpu gpt2_small nf_resnet50 dp_step dp_step_vision inner_momentum \
+    inner_momentum_b64 products profile kernels; do
   printf '%-16s %s\n' "$k" "${STATUS[$k]:-not run}"
 done
 # the last JSON line of each benchmark part (its start: the device returns the last 12,000
 # characters of output, and the logs in full): throughput, peak memory, DP/non-private
-for k in gpt2_small nf_resnet50 dp_step inner_momentum inner_momentum_b64 products profile \
-    kernels; do
+for k in gpt2_small nf_resnet50 dp_step dp_step_vision inner_momentum inner_momentum_b64 \
+    products profile kernels; do
   [ -f "$RES/$k.log" ] && { printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1000; }
 done
 exit 0
