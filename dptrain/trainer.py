@@ -395,6 +395,8 @@ class Trainer:
                                                        self.with_views(plan, step, chunk),
                                                        active)
                     except ValueError as e:  # the engine's checks refused the model
+                        if not str(e).startswith("dptrain.clipping:"):
+                            raise
                         raise ConfigError(self._model_field(), str(e)) from None
                 loss_sum += stats.loss_sum
                 count += stats.num_examples

@@ -252,6 +252,15 @@ def test_a_model_the_engine_refuses_is_a_config_error_naming_the_model(monkeypat
     assert "Traceback" not in err and len(errors) == 1, err
     assert errors[0].startswith("dptrain train: error: model.name: dptrain.clipping: lin"), err
     assert not (out / "summary.json").exists()
+    # any other ValueError during the step is no verdict on the model: it stays what it is
+    trainer = Trainer(load(RunConfig, config, overrides), tmp_path / "other")
+
+    def other(*args, **kwargs):
+        raise ValueError("not the engine's")
+
+    monkeypatch.setattr(trainer.engine, "accumulate", other)
+    with pytest.raises(ValueError, match="not the engine's"):
+        trainer.private_step()
 
 
 def test_data_info_without_channels_leaves_them_to_the_model_config():

@@ -142,12 +142,13 @@ class EmbeddingRule(LayerRule):
         if module.padding_idx is not None:
             G = G * (ids != module.padding_idx).unsqueeze(-1).to(G.dtype)
         if module.max_norm is not None:
-            raise ValueError(f"nn.Embedding with max_norm is not supported (it renormalises "
-                             f"weights in the forward): {module}")
+            raise ValueError(f"dptrain.clipping: nn.Embedding with max_norm is not supported (it "
+                             f"renormalises weights in the forward): {module}")
         if module.scale_grad_by_freq:
-            raise ValueError(f"nn.Embedding with scale_grad_by_freq is not supported (it "
-                             f"divides each row's gradient by its count in the whole batch, so "
-                             f"one example's gradient depends on the others): {module}")
+            raise ValueError(f"dptrain.clipping: nn.Embedding with scale_grad_by_freq is not "
+                             f"supported (it divides each row's gradient by its count in the "
+                             f"whole batch, so one example's gradient depends on the others): "
+                             f"{module}")
         return {"weight": Outer(OneHot(ids, module.num_embeddings), G)}
 
 
