@@ -119,18 +119,33 @@ class Tokens(nn.Module):
 
     def forward(self, x):
         t = self.tok
-        if self.mode == "index":
+        B = x.shape[0]
+        if self.mode == "index":  # the parameter's own row 0 (it has one)
             t = t[0]
         elif self.mode == "mean":
             t = t.mean(0, keepdim=True)
         elif self.mode == "flip":
             t = t.flip(0)
-        elif self.mode == "squeeze":  # (d,) either way: the same broadcast
+        elif self.mode == "squeeze":
             t = t.squeeze(0)
         elif self.mode == "flat":
             t = t.view(-1)
-        elif self.mode == "twice":  # two uses, one inside a hooked layer's input
-            return self.lin(x + t) + self.lin(t) * x[:, :2]  # (t: the (B, d) leaf itself)
+        elif self.mode == "stats":  # its size and a statistic, read as a whole
+            with torch.no_grad():
+                s = t.sum() * t.numel() / len(t)
+            return self.lin(torch.tanh(x + t)) * s
+        elif self.mode == "twice":  # two uses
+            return self.lin(x + t) + self.lin(x * t)
+        elif self.mode == "queries":  # expanded to the examples, then a layer's input
+            return self.lin(t.expand(B, -1)) * x[:, :2]
+        elif self.mode == "expanded_index":  # expanded, then example 0's row for all
+            t = t.expand(B, -1)[0]
+        elif self.mode == "expanded_mean":
+            t = t.expand(B, -1).mean(0)
+        elif self.mode == "expanded_flip":
+            t = t.expand(B, -1).flip(0)
+        elif self.mode == "layer_norm":  # as a LayerNorm's weight: cannot take B rows
+            return self.lin(F.layer_norm(x, (x.shape[-1],), weight=t.view(-1)))
         return self.lin(torch.tanh(x + t))
 
 
@@ -142,19 +157,24 @@ def _sq(m, batch):
     return 0.5 * m(batch[0]).pow(2).sum(1)
 
 
-@pytest.mark.parametrize("mode", ["broadcast", "squeeze", "twice"])
+@pytest.mark.parametrize("mode", ["broadcast", "squeeze", "twice", "index", "mean", "flip",
+                                  "flat", "stats", "queries"])
 def test_a_token_used_by_broadcasting_is_exact(mode):
+    # the parameter keeps its own shape and values (reads of its size or of a statistic are the
+    # model's): it gets B rows only where it meets the examples, or where it is expanded to them
+    # (until the fuzz of 2026-12-02, (1, ...) parameters became p.expand(B, ...) for the whole
+    # call, and "stats" got B times the statistic, silently)
     torch.manual_seed(0)
     model = Tokens(mode).double()
     x = _x(5)
     check(model, (x, torch.zeros(5, 2, dtype=torch.float64)), mse_loss)
 
 
-@pytest.mark.parametrize("mode", ["index", "mean", "flip"])
+@pytest.mark.parametrize("mode", ["expanded_index", "expanded_mean", "expanded_flip"])
 def test_a_token_whose_rows_reach_other_examples_is_refused(mode):
     # the forward's values are those of the model (the rows are equal): only the gradients
-    # show that row b is not example b's; accepted, example 0 (index) would carry every
-    # example's gradient of the token
+    # show that row b is not example b's; accepted, example 0 (expanded_index) would carry
+    # every example's gradient of the token
     torch.manual_seed(0)
     model = Tokens(mode).double()
     engine = ClippingEngine(model, clip_norm=1.0)
@@ -165,8 +185,8 @@ def test_a_token_whose_rows_reach_other_examples_is_refused(mode):
     assert not acc
 
 
-def test_a_token_used_as_one_row_that_breaks_the_forward_is_refused_naming_it():
-    model = Tokens("flat").double()
+def test_a_use_that_cannot_take_b_rows_is_refused_naming_the_parameter():
+    model = Tokens("layer_norm").double()
     with pytest.raises(ValueError, match=r"tapped parameters \['tok'\] given one row per "
                                          r"example"):
         ClippingEngine(model).per_example_norms(_sq, (_x(3),))
@@ -174,7 +194,7 @@ def test_a_token_used_as_one_row_that_breaks_the_forward_is_refused_naming_it():
 
 def test_the_rows_check_waits_for_a_microbatch_of_two_and_draws_from_no_global_stream():
     torch.manual_seed(0)
-    model = Tokens("index").double()
+    model = Tokens("expanded_index").double()
     engine = ClippingEngine(model)
     engine._rows_checked = True  # (the perturbation check of rows.py is not the subject here)
     engine.per_example_norms(_sq, (_x(1),))  # one example: nothing to keep apart
@@ -235,9 +255,9 @@ def test_timm_layer_scales_and_skipinit_gains_are_exact(name, kw):
         model = timm.create_model(name, pretrained=False, num_classes=3, **kw)
     model = _randomise(model.double().train())
     engine = ClippingEngine(model)
-    ops = {n for t in engine.taps for n in (f"{t.name}.{a}" for a in t.ops)}
-    assert ops and all(n.rsplit(".", 1)[1] in ("gamma", "gamma_1", "gamma_2", "skipinit_gain")
-                       for n in ops), ops
+    scales = {n for n in engine._tap_names() if n.rsplit(".", 1)[-1] in (
+        "gamma", "gamma_1", "gamma_2", "skipinit_gain")}
+    assert scales and set(engine._tap_names()) - scales <= {"cls_token", "pos_embed"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         check(model, _images(4, size=32 if name != "cait_xxs24_224" else 16), ce_loss)
@@ -411,7 +431,7 @@ class _TokenBlocks(nn.Module):
         self.head = nn.Linear(4, 2)
 
     def forward(self, x):
-        x = x + (self.tok[0] if self.index else self.tok)
+        x = x + (self.tok.expand(x.shape[0], -1)[0] if self.index else self.tok)
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
@@ -477,7 +497,7 @@ def test_a_forward_that_raises_leaves_the_parameter_in_its_module():
     assert model._parameters["tok"] is tok and model.tok is tok
 
 
-def test_a_module_with_both_kinds_of_taps_combines_them_exactly():
+def test_a_token_expanded_to_the_examples_and_a_layer_scale_combine_exactly():
     class Both(nn.Module):  # a class token scaled by a layer scale, both the root's
         def __init__(self):
             super().__init__()
@@ -493,5 +513,41 @@ def test_a_module_with_both_kinds_of_taps_combines_them_exactly():
     torch.manual_seed(0)
     model = Both().double()
     engine = ClippingEngine(model)
-    assert [(list(t.rows), list(t.ops)) for t in engine.taps] == [(["tok"], ["gamma"])]
+    assert [list(t.ops) for t in engine.taps] == [["tok", "gamma"]]
     check(model, _xy(), mse_loss)
+
+
+class _Lookup(nn.Module):
+    """A tapped vector looked up with the examples' ids (fuzz, 2026-12-02: at B = 1 its expansion
+    indexed the rows instead, accepted and 18x off; with an id >= B, an IndexError)."""
+
+    def __init__(self, detached: bool = False):
+        super().__init__()
+        self.detached = detached
+        self.lin = nn.Linear(4, 4)
+        self.vec = nn.Parameter(torch.randn(5))
+
+    def forward(self, x):  # x: (B, 4 + 3), the last 3 columns token ids
+        if self.detached:  # a detached use and a comparison: no gradient, no rows to take
+            h = torch.tanh(self.lin(x[:, :4]))
+            return h * self.vec[:4].detach() + h.masked_fill(self.vec[:4] > 0, 0.0) * self.vec[:4]
+        ids = x[:, 4:].long()
+        return torch.tanh(self.lin(x[:, :4])) + self.vec[ids].sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("B, id_", [(1, 0), (3, 1), (3, 4)])
+def test_a_parameter_looked_up_with_the_examples_values_is_refused(B, id_):
+    torch.manual_seed(0)
+    model = _Lookup().double()
+    x = torch.cat([torch.randn(B, 4, dtype=torch.float64),
+                   torch.full((B, 3), float(id_), dtype=torch.float64)], 1)
+    with pytest.raises(ValueError, match=r"vec is a tapped parameter .* __getitem__ looks it "
+                                         r"up with the examples' values"):
+        ClippingEngine(model).per_example_norms(_sq, (x,))
+
+
+def test_a_detached_use_of_a_tapped_parameter_is_exact():
+    torch.manual_seed(0)
+    model = _Lookup(detached=True).double()
+    x = torch.cat([torch.randn(5, 4, dtype=torch.float64), torch.zeros(5, 3)], 1)
+    check(model, (x, torch.zeros(5, 4, dtype=torch.float64)), mse_loss)

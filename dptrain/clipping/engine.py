@@ -20,8 +20,8 @@ its structure over the first forward (``_FirstForwardCheck``), and that no examp
 reaches another example's rows, by perturbation after the first query (rows.py).
 
 Parameters that no layer rule sees (owned by a module whose submodules have parameters of their
-own: a ViT's class token, ConvNeXt's layer scale) are tapped: each use gets one row per example
-(taps.py), and row b's gradient is example b's, checked, not assumed.
+own: a ViT's class token, ConvNeXt's layer scale) are tapped: each use that meets the examples
+gets one row per example (taps.py), and row b's gradient is example b's, checked, not assumed.
 
 Targets of the backward: float inputs that do not require grad are replaced, in a pre-hook, by
 leaves that do (cheap: the first layer's input gradient), and layers with integer inputs
@@ -60,7 +60,7 @@ from dptrain.clipping.contributions import (
 from dptrain.clipping.rows import MAX_ATTEMPTS, cannot_check, check_example_rows
 from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
 from dptrain.clipping.taps import TAP as _TAP
-from dptrain.clipping.taps import OpTaps, Tapped, rows_tappable
+from dptrain.clipping.taps import OpTaps, Tapped
 from dptrain.models.dropout import set_stream as set_dropout_stream
 from dptrain.parallel.fsdp import all_reduce_scalars
 
@@ -114,7 +114,7 @@ class _Record:
     output: Tensor | None = None
     version: int = 0
     node: Any = None  # the output's autograd node (tensor-hook captures)
-    Gq: Tensor | None = None  # an ops tap's gradient rows (taps.py), for the rows check
+    Gq: Tensor | None = None  # a tap's gradient rows (taps.py), for the rows check
     name: str = ""  # the layer's name in the model (for messages)
 
 
@@ -426,9 +426,7 @@ class ClippingEngine:
                                     for p in c.parameters()):
                 # a submodule has trainable parameters of its own (hooked separately): this
                 # module's parameters are tapped, given one row per example (taps.py)
-                self.taps.append(Tapped(
-                    mname, m, rows={k: p for k, p in direct.items() if rows_tappable(p)},
-                    ops={k: p for k, p in direct.items() if not rows_tappable(p)}))
+                self.taps.append(Tapped(mname, m, ops=direct))
                 owned.update(id(p) for p in direct.values())
                 continue
             if rule is None:
@@ -483,20 +481,11 @@ class ClippingEngine:
                 if not torch.is_grad_enabled():
                     stack.append((swapped, None))
                     return
-                for attr in t.rows:
-                    cur = module._parameters[attr]  # (FSDP2: gathered by its pre-hook, before)
-                    leaf = cur.detach().expand(batch_size, *cur.shape[1:]).requires_grad_(True)
-                    swapped[attr] = cur
-                    module._parameters[attr] = leaf  # type: ignore[assignment]
-                    tap_leaves.add(id(leaf))
-                    rec = record(module, attr, cur.shape)
-                    rec.target_index, rec.output, rec.version = len(targets), leaf, leaf._version
-                    targets.append(leaf)
                 mode = None
                 if t.ops:
                     leaves = {}
                     for attr in t.ops:
-                        cur = module._parameters[attr]
+                        cur = module._parameters[attr]  # (FSDP2: gathered by its pre-hook)
                         leaf = cur.detach().requires_grad_(True)
                         swapped[attr] = cur
                         module._parameters[attr] = leaf  # type: ignore[assignment]
@@ -533,10 +522,7 @@ class ClippingEngine:
 
                         q_B.register_hook(hook)
 
-                    # example-made: the call's arguments, and the rows taps' leaves (one row
-                    # per example)
-                    rows = [module._parameters[a] for a in t.rows]
-                    mode = OpTaps(leaves, (args, kwargs, rows), batch_size, t.name or "<root>",
+                    mode = OpTaps(leaves, (args, kwargs), batch_size, t.name or "<root>",
                                   on_meet)
                     mode.__enter__()
                 stack.append((swapped, mode))
@@ -766,7 +752,7 @@ class ClippingEngine:
                 with check:  # the forward only: it keeps references to outputs while open
                     try:
                         losses = loss_fn(self.model, inputs)
-                    except RuntimeError as e:
+                    except (RuntimeError, IndexError) as e:
                         if self._taps_checked:
                             raise
                         raise ValueError(
@@ -812,14 +798,12 @@ class ClippingEngine:
                 # the check's backward fires the hooks too: what they grab is put back
                 grabbed = [rec.G for rec in records]
                 self._check_tap_rows(losses, [
-                    (rec.name, rec.output, rec.Gq if rec.target_index is None
-                     else index.get(id(rec.output))) for rec in taps], retain, collective)
+                    (rec.name, rec.output, rec.Gq) for rec in taps], retain, collective)
                 for rec, G in zip(records, grabbed):
                     rec.G = G
                 del grabbed
-            for rec in taps:
-                if rec.target_index is None:  # an ops tap: its rows were for the check only
-                    rec.output = rec.Gq = None
+            for rec in taps:  # (their rows were for the check only)
+                rec.output = rec.Gq = None
             del taps
             self._check_op_taps(op_taps, index)
             del op_taps
@@ -843,7 +827,7 @@ class ClippingEngine:
         return graphs, loss_total
 
     def _check_op_taps(self, op_taps: list, index: dict) -> None:
-        """An ops-tapped parameter's per-example gradients must add up to its whole gradient
+        """A tapped parameter's per-example gradients must add up to its whole gradient
         (its leaf is a target of the backward): a tensor computed from it that reached the loss
         without meeting the examples' tensors inside its module would be missing from the
         norms (taps.py). Every query; a sum over the examples, and a norm."""
@@ -889,13 +873,18 @@ class ClippingEngine:
         if not live:
             return
         B = losses.shape[0]
+        # weights 1, 1 + 1/B, ..., 2 - 1/B in a random order: any two differ by 1/B or more
+        # (random draws could nearly coincide, and mixing between those two examples would go
+        # unseen: w = 0.8199 and 0.8211 at B = 2 let a (B, C) row broadcast over positions T = B
+        # through, found by a fuzz)
         gen = torch.Generator().manual_seed(0x7A95)
-        w = torch.rand(B, generator=gen, dtype=torch.float64) + 0.5
+        w = 1.0 + torch.randperm(B, generator=gen).to(torch.float64) / B
         weighted = (losses * w.to(losses.device, losses.dtype)).sum()
         again = torch.autograd.grad(weighted, [leaf for _, leaf, _ in live], allow_unused=True,
                                     retain_graph=retain)
-        # to 1e-4 of the largest row: a float64 model may compute parts in float32
-        # (transformers' attention softmax); 3e-2 where the forward runs in bf16/fp16
+        # to 1e-4 of the row (a float64 model may compute parts in float32: transformers'
+        # attention softmax); 3e-2 where the forward runs in bf16/fp16. Rows below 1e-3 of the
+        # largest are measured against that (rounding, not mixing)
         half = losses.dtype in _HALF or torch.is_autocast_enabled(losses.device.type)
         tol = 3e-2 if half else 1e-4
         found = None
@@ -903,8 +892,9 @@ class ClippingEngine:
             want = (w.to(g.device)[:, None] * g.detach().double().reshape(B, -1))
             got = (torch.zeros_like(want) if h is None else h.double().reshape(B, -1))
             err = (got - want).norm(dim=1)
-            scale = max(float(want.norm(dim=1).max()), float(got.norm(dim=1).max()))
-            bad = (err > tol * scale).nonzero().flatten().tolist() if scale > 0 else []
+            rows = torch.maximum(want.norm(dim=1), got.norm(dim=1))
+            scale = torch.clamp(rows, min=1e-3 * float(rows.max()))
+            bad = ((err > tol * scale) & (rows.max() > 0)).nonzero().flatten().tolist()
             if bad and found is None:
                 found = (f"rows {bad[:8]} of the microbatch", name)
         if collective:  # every rank refuses together (or one would wait for the others)
@@ -915,13 +905,13 @@ class ClippingEngine:
         if found is not None:
             where, name = found
             raise ValueError(
-                f"dptrain.clipping: the parameter {name}, given one row per example "
-                f"(p.expand(B, ...): its module has submodules with parameters of their own), "
-                f"has rows that reach other examples' losses ({where}): the forward indexes "
-                f"it or reduces it along its first dimension (p[0], p.sum(0)), or broadcasts it "
-                f"against another dimension than the examples', so row b's gradient is not "
-                f"example b's. Use it by broadcasting against the examples' (B, ...) tensors "
-                f"or through p.expand(B, ...), or move it into a module of its own")
+                f"dptrain.clipping: the parameter {name}, given one row per example where it "
+                f"meets the examples (tapped: its module has submodules with parameters of "
+                f"their own), has rows that reach other examples' losses ({where}): the "
+                f"forward indexes or reduces those rows (p.expand(B, ...)[0], .mean(0)), or "
+                f"broadcasts them against another dimension than the examples' (a (T, B, d) "
+                f"layout), so row b's gradient is not example b's. Broadcast the parameter "
+                f"against the examples' (B, ...) tensors, or move it into a module of its own")
         self._taps_checked = True
 
     def _finish_rows_check(self) -> None:

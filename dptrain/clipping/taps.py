@@ -1,33 +1,36 @@
 """Tapped parameters: those of a module (no layer rule) whose submodules have parameters of their
 own, so that no layer rule sees their uses: a ViT's class token and position table, ConvNeXt's
 and CaiT's layer-scale ``gamma``, NFNet's scalar ``skipinit_gain``. The engine gives each use of
-such a parameter one row per example, and reads example b's gradient from row b:
+such a parameter that meets the examples one row per example, and reads example b's gradient
+from row b.
 
-- **rows** (leading size 1: tokens, position tables). For the module's call the parameter is
-  replaced by ``p.expand(B, ...)``, a leaf of the backward with one row per example; the
-  forward uses it wherever it would have broadcast ``p`` over the examples.
-- **ops** (any other shape). For the module's call the parameter is replaced by a leaf ``P`` of
-  its own shape, and a ``TorchFunctionMode`` (:class:`OpTaps`) follows the module's torch
-  calls: results computed from ``P``, buffers and constants only are "parameter-made"; results
-  of the module's inputs are "example-made". At a call that takes both (``x.mul(gamma.reshape(1,
-  -1, 1, 1))``, ``out.mul_(skipinit_gain)``), each parameter-made argument ``q`` is aligned to
-  the dimensions of the example-made ones (leading 1s) and expanded to ``q_B``, with B rows on
-  the first dimension; a hook on ``q_B`` takes its gradient (B, ...): example b's cotangent of
-  ``q`` is row b, and example b's gradient of ``p`` is its vector-Jacobian product through the
-  parameter-made computation ``P -> q`` (``autograd.grad(..., is_grads_batched=True)``, inside
-  the hook, before the backward frees that computation).
+For the module's call the parameter is replaced by a leaf ``P`` of its own shape and values (so
+whatever the forward reads of it, its size or a statistic, is the model's), and a
+``TorchFunctionMode`` (:class:`OpTaps`) follows the module's torch calls: results computed from
+``P``, buffers and constants only are "parameter-made"; results of the module's inputs are
+"example-made". At a call that takes both (``x.mul(gamma.reshape(1, -1, 1, 1))``,
+``out.mul_(skipinit_gain)``, ``x + pos_embed``), each parameter-made argument ``q`` is aligned to
+the dimensions of the example-made ones (leading 1s) and expanded to ``q_B``, with B rows on the
+first dimension; a parameter-made result that is already expanded over the examples
+(``cls_token.expand(B, -1, -1)``: a first dimension of B with stride 0) becomes ``q_B`` there.
+A hook on ``q_B`` takes its gradient (B, ...): example b's cotangent of ``q`` is row b, and
+example b's gradient of ``p`` is its vector-Jacobian product through the parameter-made
+computation ``P -> q`` (``autograd.grad(..., is_grads_batched=True)``, inside the hook, before
+the backward frees that computation; a plain reshape when ``q`` is a reshape of ``P``). A call
+that looks a parameter-made tensor up with the examples' values (``vec[ids]``) is refused.
 
 Two checks make this safe whatever the forward does with these tensors:
 
 - **rows reach their own losses** (once, at the first query of two or more examples, or of any
   size on every rank under a process group): the rows of every expanded tensor are equal, so
-  the forward's values cannot tell where they go; with random weights w_b, the gradient of
-  sum_b w_b loss_b must be, row by row, w_b times that of sum_b loss_b (``p[0]``, ``p.mean(0)``,
-  a broadcast against another dimension than the examples' are refused);
-- **nothing is missing** (ops taps, every query): ``P`` is a target of the engine's backward too,
-  so autograd gives its whole gradient; the per-example gradients must add up to it. A
-  parameter-made tensor that reaches the loss some other way (returned by the module and used
-  after it, fed to a layer) would otherwise be missing from the norms.
+  the forward's values cannot tell where they go; with weights w_b (1 + b/B, shuffled), the
+  gradient of sum_b w_b loss_b must be, row by row, w_b times that of sum_b loss_b
+  (``p.expand(B, ...)[0]``, a ``.mean(0)`` over the rows, a (T, B, d) layout are refused);
+- **nothing is missing** (every query): ``P`` is a target of the engine's backward too, so
+  autograd gives its whole gradient; the per-example gradients must add up to it. A
+  parameter-made tensor that reaches the loss some other way (kept and used after the module,
+  fed to a layer) would otherwise be missing from the norms; one the module returns is refused
+  at once.
 """
 
 from __future__ import annotations
@@ -46,30 +49,32 @@ from dptrain.clipping.rules import LayerRule
 
 @dataclass
 class Tapped:
-    """A module's tapped parameters: ``rows`` (leading size 1) and ``ops`` (any other shape)."""
+    """A module's tapped parameters (attribute -> parameter)."""
     name: str
     module: nn.Module
-    rows: dict[str, nn.Parameter] = field(default_factory=dict)
     ops: dict[str, nn.Parameter] = field(default_factory=dict)
 
     @property
     def params(self) -> dict[str, nn.Parameter]:
-        return {**self.rows, **self.ops}
-
-
-def rows_tappable(p: Tensor) -> bool:
-    return p.dim() >= 1 and p.shape[0] == 1
+        return self.ops
 
 
 class TapRule(LayerRule):
-    """A tapped parameter's per-example gradient, (B, ...) rows reshaped to (B, *shape)
-    (``saved``: the parameter's attribute in its module and its shape)."""
+    """A tapped parameter's per-example gradient, (B, *shape) (``saved``: the parameter's
+    attribute in its module and its shape)."""
 
     def contributions(self, module, saved, G):
         return {saved["attr"]: Dense(G.reshape(G.shape[0], *saved["shape"]))}
 
 
 TAP = TapRule()
+
+
+#: calls that look a parameter-made tensor up with the examples' values (``vec[ids]``): its
+#: expansion to B rows would index the rows instead
+_LOOKUPS = {"__getitem__", "index_select", "gather", "take", "take_along_dim", "embedding",
+            "embedding_bag", "masked_select", "index", "index_put", "index_put_", "index_add",
+            "index_copy", "scatter", "scatter_add", "put"}
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
@@ -90,7 +95,7 @@ def _weak_set(store: dict, t: Tensor, value) -> None:
 
 
 class OpTaps(TorchFunctionMode):
-    """The ops taps of one call of a module (see the module docstring). ``params``: attribute ->
+    """The taps of one call of a module (see the module docstring). ``params``: attribute ->
     the leaf ``P`` put in its place; ``inputs``: the call's arguments (example-made);
     ``on_meet(attrs, q, q_B)``: called for each expanded argument (``attrs``: the tapped
     parameters it is made from), before the call runs."""
@@ -128,6 +133,10 @@ class OpTaps(TorchFunctionMode):
             elif self._example(t):
                 examples.append(t)
         if made and examples and torch.is_grad_enabled():
+            if getattr(func, "__name__", "") in _LOOKUPS:
+                raise ValueError(self.refusal(next(iter(made.values())), func,
+                                              "looks it up with the examples' values (a table "
+                                              "indexed per example: use an nn.Embedding)"))
             D = max(t.dim() for t in examples)
             swap = {}
             for t in leaves:
@@ -145,6 +154,16 @@ class OpTaps(TorchFunctionMode):
                     _weak_set(self.examples, o, None)
             return out
         out = func(*args, **kwargs)
+        if (made and not examples and isinstance(out, Tensor) and torch.is_grad_enabled()
+                and out.requires_grad and self.B > 1 and out.dim() and out.shape[0] == self.B
+                and out.stride(0) == 0):
+            # expanded over the examples (``p.expand(B, ...)``, a ViT's class token): one row
+            # per example from here on, the same values and shape as without the engine
+            qa = out[:1]
+            q_B = qa.expand(out.shape)
+            self.on_meet(frozenset().union(*made.values()), qa, q_B)
+            _weak_set(self.examples, q_B, None)
+            return q_B
         mark = self.examples if examples else (self.made if made else None)
         if mark is not None:
             value = None if examples else frozenset().union(*made.values())
@@ -167,7 +186,8 @@ class OpTaps(TorchFunctionMode):
                                                        f"next to the examples' {D}-dimensional "
                                                        f"tensors"))
         q_B = qa.expand(self.B, *qa.shape[1:])
-        self.on_meet(attrs, qa, q_B)
+        if q_B.requires_grad:  # (made under no_grad or detached: no gradient to take)
+            self.on_meet(attrs, qa, q_B)
         return q_B
 
     def refusal(self, attrs: frozenset, func, what: str) -> str:
