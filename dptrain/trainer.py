@@ -244,13 +244,11 @@ class Trainer:
         self.model.train()
         if perf.sharding == "fsdp" and self.world > 1:
             apply_fsdp(self.model, mixed_precision=perf.fsdp_mixed_precision)
-        try:
-            self.engine = ClippingEngine(
-                self.model, clip_norm=self.plan.clip_norm, ghost=perf.ghost,
-                mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping",
-                kernels=perf.kernels)
-        except ValueError as e:  # a model with parameters no layer rule can clip
-            raise ConfigError(self._model_field(), str(e)) from None
+        # (it refuses no model when built: its checks run over the first queries, release())
+        self.engine = ClippingEngine(
+            self.model, clip_norm=self.plan.clip_norm, ghost=perf.ghost,
+            mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping",
+            kernels=perf.kernels)
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = build_optimizer(
             cfg.optim, self.named_params, total_steps=self.plan.steps,
@@ -359,8 +357,8 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _model_field(self) -> str:
-        """The config field that chose the model, for the clipping engine's refusals (made at
-        construction, or over the first queries: its checks run on the model's forwards)."""
+        """The config field that chose the model, for the clipping engine's refusals (over the
+        first queries: its checks run on the model's forwards)."""
         return "model.timm_name" if self.cfg.model.name == "timm" else "model.name"
 
     def release(self, step: int) -> tuple[dict[str, Tensor], dict]:

@@ -710,7 +710,7 @@ def test_module_with_parameter_and_submodules_is_tapped():
             return self.lin(x) * self.scale
 
     model = nn.Sequential(Odd()).double()
-    assert [(t.name, list(t.ops)) for t in ClippingEngine(model).taps] == [("0", ["scale"])]
+    assert [(t.name, list(t.params)) for t in ClippingEngine(model).taps] == [("0", ["scale"])]
     x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     check(model, (x, torch.zeros(6, 3, dtype=torch.float64)))
 

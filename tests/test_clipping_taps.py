@@ -326,7 +326,7 @@ def test_parameters_of_any_shape_used_with_the_examples_are_exact(mode):
     torch.manual_seed(0)
     model = Holder(mode).double()
     engine = ClippingEngine(model)
-    assert {a for t in engine.taps for a in t.ops} == {
+    assert {a for t in engine.taps for a in t.params} == {
         "gamma": {"gamma"}, "gain_inplace": {"gamma", "gain"}, "table": {"gamma", "gain", "table"},
         "expanded": {"gamma"}}[mode]
     check(model, _xy(), mse_loss)
@@ -513,7 +513,7 @@ def test_a_token_expanded_to_the_examples_and_a_layer_scale_combine_exactly():
     torch.manual_seed(0)
     model = Both().double()
     engine = ClippingEngine(model)
-    assert [list(t.ops) for t in engine.taps] == [["tok", "gamma"]]
+    assert [list(t.params) for t in engine.taps] == [["tok", "gamma"]]
     check(model, _xy(), mse_loss)
 
 

@@ -60,7 +60,7 @@ from dptrain.clipping.contributions import (
 from dptrain.clipping.rows import MAX_ATTEMPTS, cannot_check, check_example_rows
 from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
 from dptrain.clipping.taps import TAP as _TAP
-from dptrain.clipping.taps import OpTaps, Tapped
+from dptrain.clipping.taps import OpTaps, Tapped, same_elements, tolerance
 from dptrain.models.dropout import set_stream as set_dropout_stream
 from dptrain.parallel.fsdp import all_reduce_scalars
 
@@ -144,13 +144,6 @@ class _Hooked:
     params: dict[str, nn.Parameter] = field(default_factory=dict)
 
 
-def _same_elements(view: Tensor, base: Tensor) -> bool:
-    """Whether ``view`` holds ``base``'s elements in ``base``'s order (``base`` itself, or a
-    reshape of it): its gradient is then the parameter's, reshaped."""
-    return (view.numel() == base.numel() and view.is_contiguous() and base.is_contiguous()
-            and view.data_ptr() == base.data_ptr() and view.dtype == base.dtype)
-
-
 def _swappable(p: Tensor, v: Tensor) -> bool:
     """Whether ``p.data`` may be pointed at ``v`` for a while: plain tensors of the same shape,
     dtype, device and strides (sharded FSDP2 parameters are copied into instead)."""
@@ -200,7 +193,7 @@ class _FirstForwardCheck(TorchFunctionMode):
         self.active: dict[int, int] = {}
         self.hooked = [(h.module, h.name) for h in engine.hooked]
         self.engine = engine
-        for t in engine.taps:  # used only through their expanded leaves: any use is elsewhere
+        for t in engine.taps:  # used only through the engine's leaves: any use is elsewhere
             for p in t.params.values():
                 self.owners.setdefault(id(p), ([], engine.names[id(p)]))
         self.handles: list = []
@@ -426,7 +419,8 @@ class ClippingEngine:
                                     for p in c.parameters()):
                 # a submodule has trainable parameters of its own (hooked separately): this
                 # module's parameters are tapped, given one row per example (taps.py)
-                self.taps.append(Tapped(mname, m, ops=direct))
+                self.taps.append(Tapped(mname, m, direct,
+                                        {k: self.names[id(p)] for k, p in direct.items()}))
                 owned.update(id(p) for p in direct.values())
                 continue
             if rule is None:
@@ -464,7 +458,7 @@ class ClippingEngine:
     def _capture(self, batch_size: int, coef: float, records: list[_Record],
                  targets: list[Tensor], op_taps: list) -> Iterator[None]:
         handles = []
-        tap_leaves: set[int] = set()  # the tapped parameters' expanded leaves (kept in targets)
+        tap_leaves: set[int] = set()  # the tapped parameters' leaves (kept in targets)
 
         def make_tap_hooks(t: Tapped):
             # per call of the module: the values put back, and the OpTaps mode entered (or None)
@@ -481,50 +475,45 @@ class ClippingEngine:
                 if not torch.is_grad_enabled():
                     stack.append((swapped, None))
                     return
-                mode = None
-                if t.ops:
-                    leaves = {}
-                    for attr in t.ops:
-                        cur = module._parameters[attr]  # (FSDP2: gathered by its pre-hook)
-                        leaf = cur.detach().requires_grad_(True)
-                        swapped[attr] = cur
-                        module._parameters[attr] = leaf  # type: ignore[assignment]
-                        tap_leaves.add(id(leaf))
-                        leaves[attr] = leaf
-                        targets.append(leaf)  # its whole gradient: "nothing is missing"
-                        op_taps.append((self.names[id(t.ops[attr])], leaf, []))
+                leaves, meetings = {}, {}
+                for attr in t.params:
+                    cur = module._parameters[attr]  # (FSDP2: gathered by its pre-hook)
+                    leaf = cur.detach().requires_grad_(True)
+                    swapped[attr] = cur
+                    module._parameters[attr] = leaf  # type: ignore[assignment]
+                    tap_leaves.add(id(leaf))
+                    leaves[attr] = leaf
+                    targets.append(leaf)  # its whole gradient: "nothing is missing"
+                    meetings[attr] = []
+                    op_taps.append((t.names[attr], leaf, meetings[attr]))
 
-                    def on_meet(attrs, qa, q_B, module=module, leaves=leaves,
-                                recs=op_taps[-len(t.ops):]):
-                        attrs = sorted(attrs)
-                        mine = []
-                        for attr in attrs:
-                            rec = record(module, attr, leaves[attr].shape)
-                            next(r for _, leaf, r in recs if leaf is leaves[attr]).append(rec)
-                            mine.append(rec)
-                        mine[0].output = q_B  # (for the rows check: its rows' gradient, Gq)
+                def on_meet(attrs, qa, q_B, module=module, leaves=leaves, meetings=meetings):
+                    attrs = sorted(attrs)
+                    mine = []
+                    for attr in attrs:
+                        rec = record(module, attr, leaves[attr].shape)
+                        meetings[attr].append(rec)
+                        mine.append(rec)
+                    mine[0].output = q_B  # (for the rows check: its rows' gradient, Gq)
 
-                        def hook(g, mine=mine, qa=qa, P=[leaves[a] for a in attrs]):
-                            mine[0].Gq = g
-                            # example b's gradient of each parameter: the VJP of row b through
-                            # the parameter-made computation P -> qa, which the backward frees
-                            # after this hook; a reshape of the parameter itself (ConvNeXt's
-                            # gamma.reshape(1, -1, 1, 1), a gain): the rows, reshaped
-                            if len(P) == 1 and _same_elements(qa, P[0]):
-                                per = (g.reshape(g.shape[0], *P[0].shape),)
-                            else:
-                                per = torch.autograd.grad(qa, P, g.unsqueeze(1),
-                                                          retain_graph=True,
-                                                          is_grads_batched=True,
-                                                          allow_unused=True)
-                            for rec, grad in zip(mine, per):
-                                rec.G = grad
+                    def hook(g, mine=mine, qa=qa, P=[leaves[a] for a in attrs]):
+                        mine[0].Gq = g
+                        # example b's gradient of each parameter: the VJP of row b through the
+                        # parameter-made computation P -> qa, which the backward frees after
+                        # this hook; a reshape of the parameter itself (ConvNeXt's
+                        # gamma.reshape(1, -1, 1, 1), a gain): the rows, reshaped
+                        if len(P) == 1 and same_elements(qa, P[0]):
+                            per = (g.reshape(g.shape[0], *P[0].shape),)
+                        else:
+                            per = torch.autograd.grad(qa, P, g.unsqueeze(1), retain_graph=True,
+                                                      is_grads_batched=True, allow_unused=True)
+                        for rec, grad in zip(mine, per):
+                            rec.G = grad
 
-                        q_B.register_hook(hook)
+                    q_B.register_hook(hook)
 
-                    mode = OpTaps(leaves, (args, kwargs), batch_size, t.name or "<root>",
-                                  on_meet)
-                    mode.__enter__()
+                mode = OpTaps(leaves, (args, kwargs), batch_size, t.name or "<root>", on_meet)
+                mode.__enter__()
                 stack.append((swapped, mode))
 
             def post(module, args, kwargs, output):
@@ -831,7 +820,7 @@ class ClippingEngine:
         (its leaf is a target of the backward): a tensor computed from it that reached the loss
         without meeting the examples' tensors inside its module would be missing from the
         norms (taps.py). Every query; a sum over the examples, and a norm."""
-        half = torch.is_autocast_enabled(next(iter(self.params.values())).device.type)
+        device_type = next(iter(self.params.values())).device.type
         for name, leaf, recs in op_taps:
             total = index.get(id(leaf))
             pers = [rec.G for rec in recs if rec.G is not None]
@@ -844,8 +833,7 @@ class ClippingEngine:
             for per in pers:
                 got += per.detach().double().sum(0)
                 scale += float(per.detach().double().reshape(per.shape[0], -1).norm(dim=1).sum())
-            tol = 3e-2 if half or leaf.dtype in _HALF else 1e-4
-            if float((got - want).norm()) > tol * scale:
+            if float((got - want).norm()) > tolerance(leaf.dtype, device_type) * scale:
                 raise ValueError(
                     f"dptrain.clipping: the parameter {name} (tapped: its module has submodules "
                     f"with parameters of their own) reaches the loss other than where the "
@@ -856,17 +844,17 @@ class ClippingEngine:
                     f"gives its per-example gradient")
 
     def _tap_names(self) -> list[str]:
-        return [self.names[id(p)] for t in self.taps for p in t.params.values()]
+        return [name for t in self.taps for name in t.names.values()]
 
     def _check_tap_rows(self, losses: Tensor, taps: list[tuple[str, Tensor, Tensor | None]],
                         retain: bool, collective: bool) -> None:
-        """Row b of a tapped parameter's expanded leaf must reach loss b alone, or its gradient
-        is not example b's (the forward indexed it, ``p[0]``, reduced it over its first
-        dimension, or broadcast it against another dimension than the examples'). The rows are
-        equal, so the forward's values cannot tell; the gradients can: with random weights
-        w_b, the gradient of sum_b w_b loss_b must be row by row w_b times that of sum_b
-        loss_b. One more backward over the retained graph, once, with a generator of its own
-        (the run's random streams are untouched). ``collective``: every rank runs it at its
+        """Row b of a tapped parameter's B rows (where it met the examples) must reach loss b
+        alone, or its gradient is not example b's (the forward indexed or reduced the expanded
+        rows, ``p.expand(B, ...)[0]``, or broadcast them against another dimension than the
+        examples'). The rows are equal, so the forward's values cannot tell; the gradients can:
+        with weights w_b, the gradient of sum_b w_b loss_b must be row by row w_b times that of
+        sum_b loss_b. One more backward over the retained graph, once, with a generator of its
+        own (the run's random streams are untouched). ``collective``: every rank runs it at its
         first query (one example: nothing to compare, but the backward's gathers must pair up)
         and every rank refuses if any found mixed rows."""
         live = [(name, leaf, g) for name, leaf, g in taps if g is not None]
@@ -882,11 +870,9 @@ class ClippingEngine:
         weighted = (losses * w.to(losses.device, losses.dtype)).sum()
         again = torch.autograd.grad(weighted, [leaf for _, leaf, _ in live], allow_unused=True,
                                     retain_graph=retain)
-        # to 1e-4 of the row (a float64 model may compute parts in float32: transformers'
-        # attention softmax); 3e-2 where the forward runs in bf16/fp16. Rows below 1e-3 of the
-        # largest are measured against that (rounding, not mixing)
-        half = losses.dtype in _HALF or torch.is_autocast_enabled(losses.device.type)
-        tol = 3e-2 if half else 1e-4
+        # to the tolerance of the row; rows below 1e-3 of the largest are measured against
+        # that (rounding, not mixing)
+        tol = tolerance(losses.dtype, losses.device.type)
         found = None
         for (name, leaf, g), h in zip(live, again):
             want = (w.to(g.device)[:, None] * g.detach().double().reshape(B, -1))
@@ -1105,8 +1091,8 @@ class ClippingEngine:
                 two_pass = False
                 graphs = None
             if two_pass:
-                # tapped parameters are detached from the graph (their expanded leaves are the
-                # backward's targets): their clipped sums come from the query, as book-keeping's
+                # tapped parameters are detached from the graph (the engine's leaves stand in
+                # for them): their clipped sums come from the query, as book-keeping's
                 tapped = set(self._tap_names())
                 for name in tapped & used.keys():
                     p = self.params[name]

@@ -49,14 +49,12 @@ from dptrain.clipping.rules import LayerRule
 
 @dataclass
 class Tapped:
-    """A module's tapped parameters (attribute -> parameter)."""
+    """A module's tapped parameters (attribute -> parameter, as registered) and their names
+    in the engine (attribute -> name)."""
     name: str
     module: nn.Module
-    ops: dict[str, nn.Parameter] = field(default_factory=dict)
-
-    @property
-    def params(self) -> dict[str, nn.Parameter]:
-        return self.ops
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)
 
 
 class TapRule(LayerRule):
@@ -75,6 +73,20 @@ TAP = TapRule()
 _LOOKUPS = {"__getitem__", "index_select", "gather", "take", "take_along_dim", "embedding",
             "embedding_bag", "masked_select", "index", "index_put", "index_put_", "index_add",
             "index_copy", "scatter", "scatter_add", "put"}
+
+
+def tolerance(dtype: torch.dtype, device_type: str) -> float:
+    """The checks' relative tolerance: 1e-4 (a float64 model may compute parts in float32,
+    transformers' attention softmax), 3e-2 where the forward runs in bf16/fp16."""
+    half = dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(device_type)
+    return 3e-2 if half else 1e-4
+
+
+def same_elements(view: Tensor, base: Tensor) -> bool:
+    """Whether ``view`` holds ``base``'s elements in ``base``'s order (``base`` itself, or a
+    reshape of it): its gradient is then the parameter's, reshaped."""
+    return (view.numel() == base.numel() and view.is_contiguous() and base.is_contiguous()
+            and view.data_ptr() == base.data_ptr() and view.dtype == base.dtype)
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
