@@ -168,6 +168,25 @@ def test_nfresnet_preset_puts_conv_weights_in_muon_and_gains_biases_classifier_e
         "head.fc.weight", "head.fc.bias"])
 
 
+@pytest.mark.parametrize("name", ["convnext_atto", "convnext_tiny"])
+def test_convnext_preset_gives_muon_the_mlp_and_downsampling_matrices(name):
+    """Both MLP forms (atto's 1x1 convolutions, tiny's Linears) and the downsampling
+    convolutions are Muon's; the stem, depth-wise filters, layer scales, norms and head AdamW's."""
+    timm = pytest.importorskip("timm")
+    model = timm.create_model(name, num_classes=10, depths=(1, 1, 1, 1))
+    opt = _build({"name": "muon", "preset": "convnext"}, model=model)
+    groups = _members(opt)
+    mlp_ndim = 4 if name == "convnext_atto" else 2
+    want = [n for n, p in model.named_parameters()
+            if (".mlp.fc" in n and n.endswith("weight") and p.ndim == mlp_ndim)
+            or (".downsample.1.weight" in n and p.ndim == 4)]
+    assert groups["matrices"] == ("muon", want) and len(want) == 4 * 2 + 3
+    others = set(groups["others"][1])
+    assert {"stem.0.weight", "stages.0.blocks.0.conv_dw.weight", "stages.0.blocks.0.gamma",
+            "head.fc.weight", "head.norm.weight"} <= others
+    assert others.isdisjoint(want) and len(others) + len(want) == len(list(model.parameters()))
+
+
 def test_explicit_groups_come_before_the_preset():
     transformers = pytest.importorskip("transformers")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(

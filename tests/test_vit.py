@@ -28,6 +28,10 @@ VIT = ["model.name=timm", "model.timm_name=vit_tiny_patch16_224", "model.timm_kw
 IMG = DataInfo(kind="classification", num_classes=10, in_chans=3, image_size=16)
 
 
+def _img(size: int) -> DataInfo:
+    return DataInfo(kind="classification", num_classes=10, in_chans=3, image_size=size)
+
+
 def _vit_cfg(**kwargs) -> ModelConfig:
     base = {"img_size": 16, "patch_size": 8, "depth": 2, "embed_dim": 32, "num_heads": 2}
     return ModelConfig(name="timm", timm_name="vit_tiny_patch16_224",
@@ -74,6 +78,7 @@ def test_resume_of_a_vit_run_with_inner_momentum_and_stochastic_depth_is_bit_for
     ("model.timm_kwargs.no_such_argument=1", "model.timm_kwargs"),
     ("model.timm_kwargs=5", "model.timm_kwargs"),
     ("model.pretrained_path=/no/such/file.safetensors", "model.pretrained_path"),
+    ("model.timm_kwargs.img_size=32", "model.timm_kwargs"),  # 16-pixel images
 ])
 def test_bad_timm_settings_exit_2_with_one_line_naming_the_field(tmp_path, capsys, override,
                                                                    field):
@@ -137,3 +142,110 @@ def test_timm_weights_of_another_model_are_refused_naming_what_differs(tmp_path)
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="cannot read"):
         build_model(_vit_cfg(pretrained_path=str(path)), IMG)
+
+
+def _save(state: dict, path: Path) -> str:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    return str(path)
+
+
+def test_a_vit_file_for_other_image_and_patch_sizes_is_resampled_as_timm_does(tmp_path):
+    """timm's own loading without the hub: the position table is resampled to the model's
+    grid and the patch embedding to its patch size (the family's checkpoint_filter_fn); every
+    other tensor is loaded as it is, and the changes are logged."""
+    from timm.layers import resample_abs_pos_embed, resample_patch_embed
+
+    torch.manual_seed(0)
+    source = build_model(_vit_cfg(timm_kwargs={"img_size": 32, "patch_size": 8}), _img(32))
+    state = {k: v + 0.1 * torch.randn_like(v) for k, v in source.state_dict().items()}
+    path = _save(state, tmp_path / "vit32.safetensors")
+    for img, patch in ((16, 8), (16, 4), (48, 8)):  # grids 2, 4 (the file's), 6
+        grid = img // patch
+        model = build_model(_vit_cfg(pretrained_path=path,
+                                     timm_kwargs={"img_size": img, "patch_size": patch}),
+                            _img(img))
+        got = model.state_dict()
+        assert got["pos_embed"].shape == (1, 1 + grid * grid, 32)
+        want_pos = resample_abs_pos_embed(state["pos_embed"], (grid, grid), (4, 4),
+                                          num_prefix_tokens=1)
+        torch.testing.assert_close(got["pos_embed"], want_pos, rtol=0, atol=0)
+        assert torch.equal(got["pos_embed"], state["pos_embed"]) == (grid == 4)
+        torch.testing.assert_close(got["pos_embed"][:, :1], state["pos_embed"][:, :1])
+        want_patch = (state["patch_embed.proj.weight"] if patch == 8 else
+                      resample_patch_embed(state["patch_embed.proj.weight"], [patch, patch]))
+        torch.testing.assert_close(got["patch_embed.proj.weight"], want_patch, rtol=0, atol=0)
+        for k, v in state.items():
+            if k not in ("pos_embed", "patch_embed.proj.weight"):
+                assert torch.equal(got[k], v), k
+
+
+def test_a_colour_file_loads_into_a_grey_scale_model_by_summing_the_first_filters(tmp_path):
+    """in_chans = 1 (X-rays, MNIST) from RGB weights: timm's adapt_input_conv sums the first
+    convolution's input channels, so a grey image gives the features its RGB copy gave."""
+    torch.manual_seed(0)
+    source = build_model(_vit_cfg(), IMG)
+    path = _save(source.state_dict(), tmp_path / "rgb.safetensors")
+    grey = DataInfo(kind="classification", num_classes=10, in_chans=1, image_size=16)
+    model = build_model(_vit_cfg(pretrained_path=path), grey)
+    w = model.patch_embed.proj.weight
+    assert w.shape[1] == 1
+    torch.testing.assert_close(w, source.patch_embed.proj.weight.sum(1, keepdim=True))
+    x = torch.randn(2, 1, 16, 16)
+    source.eval(), model.eval()
+    torch.testing.assert_close(model(x), source(x.expand(-1, 3, -1, -1)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_file_that_resampling_cannot_fit_is_still_refused_naming_the_field(tmp_path):
+    """Only sizes timm's loader adapts are adapted: another width or depth is refused."""
+    wide = build_model(_vit_cfg(timm_kwargs={"embed_dim": 48, "num_heads": 2}), IMG)
+    deep = build_model(_vit_cfg(timm_kwargs={"depth": 3}), IMG)
+    for name, src in (("wide", wide), ("deep", deep)):
+        path = _save(src.state_dict(), tmp_path / f"{name}.safetensors")
+        with pytest.raises(ConfigError) as e:
+            build_model(_vit_cfg(pretrained_path=path), IMG)
+        assert e.value.field == "model.pretrained_path", name
+
+
+def test_a_convnext_trains_with_its_preset_and_inner_momentum(tmp_path):
+    """ConvNeXt (1x1-convolution MLPs, layer scales the engine taps) under `dptrain train`:
+    Muon has the MLP and downsampling weights; a step with inner momentum moves every group."""
+    overrides = ["model.name=timm", "model.timm_name=convnext_atto",
+                 "model.timm_kwargs.depths=[1, 1, 1, 1]", "model.timm_kwargs.dims=[4, 8, 8, 8]",
+                 "model.timm_kwargs.patch_size=1",  # 16-pixel images: 16, 8, 4, 2
+                 "optim.preset=convnext", "optim.inner_momentum.k_muon=1",
+                 "optim.inner_momentum.k_other=1", "train.progress=false", "privacy.steps=2"]
+    trainer = Trainer(load(RunConfig, IMAGES, overrides), tmp_path / "run")
+    model = trainer.model
+    groups = {g.label: {n for n, _ in g.named_params} for g in trainer.optimizer.groups}
+    assert groups["matrices"] == {f"stages.{i}.{w}.weight" for i in range(4)
+                                  for w in ("blocks.0.mlp.fc1", "blocks.0.mlp.fc2",
+                                            "downsample.1") if i or w != "downsample.1"}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(2):
+        trainer.private_step()
+    for label, names in groups.items():
+        moved = [n for n in names if not torch.equal(before[n], model.get_parameter(n))]
+        assert set(moved) == names, label
+
+
+@pytest.mark.parametrize("overrides, field, words", [
+    (["model.timm_name=vit_tiny_patch16_224"], "model.timm_name", "model.timm_kwargs.img_size"),
+    (["model.timm_name=convnext_atto"], "model.timm_name", "3 x 16 x 16 images"),
+    (["model.timm_name=convnext_atto", "model.timm_kwargs.depths=[1, 1]"], "model.timm_kwargs",
+     "IndexError"),
+])
+def test_a_timm_model_that_cannot_take_the_images_is_refused_when_built(tmp_path, capsys,
+                                                                         overrides, field, words):
+    """A ViT built for 224 pixels, a ConvNeXt whose downsamplings leave nothing of 16 pixels, a
+    constructor argument timm fails on: one line naming the field before anything is written,
+    not a traceback (or the clipping engine's refusal of tapped parameters) at the first step."""
+    out = tmp_path / "out"
+    code = main(["train", "--config", IMAGES, "--output-dir", str(out), "model.name=timm",
+                 "train.progress=false", *overrides])
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.startswith("dptrain train:")]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith(f"dptrain train: error: {field}: ") and words in lines[0], err
+    assert not out.exists() or not any(out.iterdir())

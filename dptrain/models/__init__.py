@@ -9,6 +9,7 @@ per-example clipping would no longer bound its influence.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -62,9 +63,13 @@ class ModelConfig:
     at random), and it is loaded in float32 whatever its saved dtype.
     timm: a weights file (``.safetensors``, or a torch ``.pth``/``.bin`` state dict, also
     nested under ``state_dict`` or ``model``) for the model ``timm_name`` and ``timm_kwargs``
-    build. Every tensor must be in it with the model's shape, except the classifier's, which
-    is initialised afresh when ``num_classes`` differs from the file's (fine-tuning on other
-    classes); a tensor the model lacks is refused too."""
+    build. A file that does not fit as it is gets what timm's own loading does, without the
+    hub: the model family's ``checkpoint_filter_fn`` (a ViT's position table and patch
+    embedding resampled to ``img_size``/``patch_size``; other repositories' layouts converted),
+    and the first convolution adapted to ``in_chans`` (grey-scale sums the RGB filters); each
+    change is logged. Then every tensor must be in it with the model's shape, except the
+    classifier's, which is initialised afresh when ``num_classes`` differs from the file's
+    (fine-tuning on other classes); a tensor the model lacks is refused too."""
 
     # --- timm ---
     timm_name: str = "nf_resnet50"
@@ -183,6 +188,31 @@ def check_no_batchnorm(model: nn.Module, field: str = "model.name") -> None:
             "model without BatchNorm (e.g. timm's nf_resnet50, or GroupNorm/LayerNorm)")
 
 
+def _check_fits_images(model: nn.Module, cfg: ModelConfig, in_chans: int,
+                       image_size: int | None) -> None:
+    """One forward of a blank image of the data's size, in eval mode without gradients and
+    without drawing random numbers: a timm model built for other images (a ViT for 224 pixels
+    given 32, a ConvNeXt whose downsamplings leave nothing of 16 pixels) is a config error here,
+    not a traceback, or a misleading refusal of the clipping engine, at the first step."""
+    if image_size is None:
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(torch.zeros(1, in_chans, image_size, image_size))
+    except (RuntimeError, AssertionError, ValueError, IndexError) as e:
+        field_ = "model.timm_kwargs" if cfg.timm_kwargs else "model.timm_name"
+        hint = ("; a ViT is built for one image size: set model.timm_kwargs.img_size"
+                if hasattr(model, "patch_embed") else "")
+        built = f" with timm_kwargs {cfg.timm_kwargs}" if cfg.timm_kwargs else ""
+        raise ConfigError(field_, f"{cfg.timm_name}{built} cannot take the data's {in_chans} x "
+                                  f"{image_size} x {image_size} images: {type(e).__name__}: "
+                                  f"{str(e).rstrip('.')}{hint}") from None
+    finally:
+        model.train(was_training)
+
+
 def _load_timm_weights(model: nn.Module, path: Path) -> None:
     """Load a timm model's weights from a local file (no hub): every tensor with the model's
     shape, except the classifier's when its shape differs (kept as initialised: fine-tuning on
@@ -207,6 +237,7 @@ def _load_timm_weights(model: nn.Module, path: Path) -> None:
         raise ConfigError(field_, f"{path} holds no state dict of tensors")
     state = {k.removeprefix("module."): v for k, v in state.items()}
     own = model.state_dict()
+    state, adapted = _adapt_timm_state(model, state, own, field_, path)
     heads = getattr(model, "pretrained_cfg", {}).get("classifier") or ()
     heads = (heads,) if isinstance(heads, str) else tuple(heads)
     fresh = sorted(k for k, v in state.items() if k in own and v.shape != own[k].shape
@@ -224,11 +255,55 @@ def _load_timm_weights(model: nn.Module, path: Path) -> None:
                                       f"not a checkpoint of this model (model.timm_name, "
                                       f"model.timm_kwargs)")
     model.load_state_dict(state, strict=False)  # (every other key checked above)
-    if fresh:
-        import logging
+    import logging
 
-        logging.getLogger(__name__).info("%s: classifier initialised afresh (%s)", path,
-                                         ", ".join(fresh))
+    log = logging.getLogger(__name__)
+    if adapted:
+        log.info("%s: adapted to the model (%s)", path, ", ".join(adapted))
+    if fresh:
+        log.info("%s: classifier initialised afresh (%s)", path, ", ".join(fresh))
+
+
+def _adapt_timm_state(model: nn.Module, state: dict, own: dict, field_: str,
+                      path: Path) -> tuple[dict, list[str]]:
+    """What timm's own pretrained loading does to a file that does not fit the model as built,
+    without the hub: the model family's ``checkpoint_filter_fn`` (a ViT's position table and
+    patch embedding resampled to ``img_size``/``patch_size``, other repositories' key layouts
+    converted), then the first convolution's input channels adapted to ``in_chans``
+    (``timm.models.adapt_input_conv``: a grey-scale model sums the RGB filters). A file that
+    already fits is returned unchanged. Returns the state and a description of each change."""
+    def fits(st):
+        return st.keys() == own.keys() and all(v.shape == own[k].shape for k, v in st.items())
+
+    if fits(state):
+        return state, []
+    before = {k: tuple(v.shape) for k, v in state.items()}
+    module = sys.modules.get(type(model).__module__)
+    filter_fn = getattr(module, "checkpoint_filter_fn", None)
+    if callable(filter_fn):
+        try:
+            state = filter_fn(dict(state), model)
+        except Exception as e:  # noqa: BLE001 - a file the family's converter cannot read
+            raise ConfigError(field_, f"{path} does not fit {type(model).__name__} and timm's "
+                                      f"checkpoint_filter_fn refused it: {type(e).__name__}: "
+                                      f"{e}") from None
+    first = getattr(model, "pretrained_cfg", {}).get("first_conv") or ()
+    for name in (first,) if isinstance(first, str) else tuple(first):
+        key = name + ".weight"
+        conv = model.get_submodule(name) if key in own else None
+        w = state.get(key)
+        if (isinstance(conv, nn.Conv2d) and conv.groups == 1 and w is not None and w.ndim == 4
+                and w.shape[1] != own[key].shape[1] and w.shape[0] == own[key].shape[0]
+                and w.shape[2:] == own[key].shape[2:]):
+            from timm.models import adapt_input_conv
+
+            state[key] = adapt_input_conv(conv.in_channels, w)
+    changed = [f"{k} {before[k]} -> {tuple(v.shape)}" for k, v in state.items()
+               if k in before and before[k] != tuple(v.shape)]
+    renamed = len(set(state) - set(before))
+    if renamed:
+        changed.append(f"{renamed} tensors renamed to the model's keys")
+    return state, changed
 
 
 def _load_pretrained_gpt2(cls, path: Path, dropout: float) -> nn.Module:
@@ -367,13 +442,15 @@ def build_model(cfg: ModelConfig, info: DataInfo) -> nn.Module:
                                           **cfg.timm_kwargs, **extra)
             except RuntimeError as e:  # timm: "Unknown model (...)"
                 raise ConfigError("model.timm_name", str(e)) from None
-            except (TypeError, ValueError, AssertionError) as e:  # an argument it does not take
+            except (TypeError, ValueError, AssertionError, IndexError, KeyError) as e:
+                # an argument it does not take, or a value its constructor cannot use
                 if not cfg.timm_kwargs:
                     raise
                 raise ConfigError("model.timm_kwargs",
                                   f"timm.create_model({cfg.timm_name!r}, ...) refused "
                                   f"{cfg.timm_kwargs}: {type(e).__name__}: {e}") from None
             check_no_batchnorm(model, "model.timm_name")
+            _check_fits_images(model, cfg, in_chans, info.image_size)
             if cfg.pretrained_path is not None:
                 _load_timm_weights(model, Path(cfg.pretrained_path))
         elif cfg.name == "cnn":

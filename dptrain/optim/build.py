@@ -213,7 +213,7 @@ def build_optimizer(
             hint = ""
             if (g.config.optimizer in MUON_FAMILY and cfg.preset is None and not cfg.groups
                     and any(p.dim() < 2 for _, p in g.named_params)):
-                hint = ("; set optim.preset (gpt2 or nfresnet) to give the vectors and "
+                hint = (f"; set optim.preset ({', '.join(PRESETS)}) to give the vectors and "
                         "embeddings to optim.aux (AdamW), or optim.groups")
             raise ConfigError(_blame(g.path), f"{e}{hint}") from None
     opt = DPOptimizer(named_params, groups, optimizers, build_filter(cfg.filter),

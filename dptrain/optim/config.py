@@ -90,7 +90,7 @@ class OptimConfig:
     """DP-MuonBC antithetic probe pairs per step. Null: 1."""
     power_iters: int | None = None
     """DP-Muon-S power iterations per step (warm-started). Null: 3."""
-    preset: Literal["gpt2", "nfresnet", "vit"] | None = None
+    preset: Literal["gpt2", "nfresnet", "vit", "convnext"] | None = None
     """Split parameters into matrices (``name``) and the rest (``aux``) by model family."""
     aux: AuxGroupConfig = field(default_factory=AuxGroupConfig)
     """The optimizer of the preset's non-matrix group."""

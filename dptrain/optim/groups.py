@@ -1,4 +1,4 @@
-"""Parameter groups by name pattern, and the GPT-2 / NF-ResNet / ViT presets.
+"""Parameter groups by name pattern, and the GPT-2 / NF-ResNet / ViT / ConvNeXt presets.
 
 Rules:
 - a pattern is a Python regex matched with ``re.search`` against the parameter's name
@@ -23,7 +23,7 @@ from dptrain.config import ConfigError
 from dptrain.optim.optimizers import OPTIMIZERS, check_options, optimizer_options
 
 __all__ = ["ParamGroupConfig", "ResolvedGroup", "resolve_groups", "PRESETS", "gpt2_groups",
-           "nfresnet_groups", "vit_groups"]
+           "nfresnet_groups", "vit_groups", "convnext_groups"]
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
 
@@ -161,9 +161,24 @@ def vit_groups(named_params: NamedParams, main: ParamGroupConfig,
                   main, aux)
 
 
+_CONVNEXT_MATRICES = re.compile(r"(\.mlp\.fc[12]|\.downsample\.\d+)\.weight$")
+
+
+def convnext_groups(named_params: NamedParams, main: ParamGroupConfig,
+                    aux: ParamGroupConfig) -> list[ParamGroupConfig]:
+    """timm's ConvNeXt: ``main`` (Muon) for the blocks' pointwise MLP weights (2-D Linear, or
+    4-D 1x1 convolutions in the ``conv_mlp`` variants: atto, femto, pico, nano) and the
+    stages' downsampling convolutions; ``aux`` (AdamW) for the stem (as a ViT's patch
+    embedding), the depth-wise 7x7 convolutions (one filter per channel: no matrix to
+    orthogonalise), the layer scales, norms, biases and the classifier."""
+    return _split(named_params,
+                  lambda n, p: p.ndim >= 2 and bool(_CONVNEXT_MATRICES.search(n)), main, aux)
+
+
 PRESETS: dict[str, Callable[[NamedParams, ParamGroupConfig, ParamGroupConfig],
                             list[ParamGroupConfig]]] = {
     "gpt2": gpt2_groups,
     "nfresnet": nfresnet_groups,
     "vit": vit_groups,
+    "convnext": convnext_groups,
 }
