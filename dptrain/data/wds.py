@@ -188,9 +188,7 @@ class WebDatasetImages:
             keep = even_subset(len(self.index["label"]), max_examples)
             self.index = {k: v[keep] for k, v in self.index.items()}
         self.labels = torch.from_numpy(self.index["label"])
-        mean, std = (IMAGENET_MEAN, IMAGENET_STD) if in_chans == 3 else ((0.5,), (0.5,))
-        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-        self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        self.mean, self.std = image_stats(in_chans)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -230,20 +228,37 @@ class WebDatasetImages:
         return f"{path}: {name}"
 
     def collate(self, indices) -> dict[str, torch.Tensor]:
-        from PIL import Image
-
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        s = self.image_size
-        arr = np.zeros((len(idx), self.in_chans, s, s), dtype=np.uint8)
-        for row, raw in enumerate(self.read_bytes(idx)):
-            try:
-                with Image.open(io.BytesIO(raw)) as img:
-                    arr[row] = center_crop_transform(img, s, self.in_chans)
-            except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-                # PIL: UnidentifiedImageError / "image file is truncated" (OSError), a broken
-                # PNG (SyntaxError), ...: one line naming the file, not a traceback mid-run
-                raise ConfigError("data.path", f"{self._where(int(idx[row]))} cannot be decoded "
-                                               f"as an image: {e}") from None
-        x = torch.from_numpy(arr).float().div_(255.0)
-        x = (x - self.mean) / self.std
-        return {"images": x.contiguous(), "labels": self.labels[torch.from_numpy(idx)].clone()}
+        raws = [io.BytesIO(raw) for raw in self.read_bytes(idx)]
+        x = decode_images(raws, lambda row: self._where(int(idx[row])), self.image_size,
+                          self.in_chans, self.mean, self.std)
+        return {"images": x, "labels": self.labels[torch.from_numpy(idx)].clone()}
+
+
+def image_stats(in_chans: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalisation of decoded images: ImageNet's mean and std for RGB, 0.5 for grey."""
+    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if in_chans == 3 else ((0.5,), (0.5,))
+    return (torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1),
+            torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+
+
+def decode_images(files, where, image_size: int, in_chans: int, mean: torch.Tensor,
+                  std: torch.Tensor) -> torch.Tensor:
+    """Decode ``files`` (paths or binary file objects) with PIL through
+    ``center_crop_transform`` into normalised float32 ``[B, C, S, S]``; a file that is no
+    image is a ConfigError naming ``where(row)``, not a traceback mid-run."""
+    from PIL import Image
+
+    s = image_size
+    arr = np.zeros((len(files), in_chans, s, s), dtype=np.uint8)
+    for row, f in enumerate(files):
+        try:
+            with Image.open(f) as img:
+                arr[row] = center_crop_transform(img, s, in_chans)
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+            # PIL: UnidentifiedImageError / "image file is truncated" (OSError), a broken
+            # PNG (SyntaxError), ...
+            raise ConfigError("data.path", f"{where(row)} cannot be decoded as an image: "
+                                           f"{e}") from None
+    x = torch.from_numpy(arr).float().div_(255.0)
+    return ((x - mean) / std).contiguous()

@@ -1,0 +1,146 @@
+"""Image classification from plain folders: ``imagefolder`` (torchvision's ImageFolder layout,
+e.g. medical images sorted by diagnosis) and ``cifar10`` (the CIFAR-10 "python version").
+
+imagefolder: ``data.path`` holds one folder per split (``data.train_file``, default ``train``;
+``data.test_file``, default ``val``), each with one sub-folder per class::
+
+    path/train/<class>/<image>.png     path/val/<class>/<image>.jpg
+
+torchvision's ``ImageFolder`` lists the images (its extensions, class folders in sorted order);
+the class index is the class folder's rank among the TRAINING split's classes, and a test class
+the training split lacks is refused (its label would mean another class). Example i is the
+i-th file in ImageFolder's order; ``collate`` decodes exactly the requested files with the
+shorter side to ``image_size / 0.875`` and a centre crop (the webdataset transform), so an
+example is a fixed function of its index, as Poisson sampling needs.
+
+cifar10: ``data.path`` is the extracted ``cifar-10-batches-py`` folder: ``data_batch_1`` ..
+``data_batch_5`` (50,000 training images) and ``test_batch`` (10,000), each a pickled dict with
+``data`` (uint8, N x 3072, channel-major 32 x 32) and ``labels``. They are read here with
+``pickle`` (no code objects: a restricted unpickler refuses anything but builtins and numpy
+arrays) rather than torchvision's ``CIFAR10``, whose loader refuses any file whose MD5 differs
+from the official archive's: a re-packed or sub-sampled copy, or a test's own files.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dptrain.config import ConfigError
+from dptrain.data import even_subset
+from dptrain.data.wds import decode_images, image_stats
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+CIFAR10_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
+CIFAR10_TEST = "test_batch"
+
+
+class ImageFolderImages:
+    """Random-access view of one split of an ImageFolder tree; see the module docstring."""
+
+    kind = "classification"
+
+    def __init__(self, samples: list[tuple[str, int]], image_size: int, in_chans: int,
+                 max_examples: int | None = None):
+        keep = even_subset(len(samples), max_examples)
+        self.paths = [samples[i][0] for i in keep]
+        self.labels = torch.tensor([samples[i][1] for i in keep], dtype=torch.int64)
+        self.image_size, self.in_chans = int(image_size), int(in_chans)
+        self.mean, self.std = image_stats(self.in_chans)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def collate(self, indices) -> dict[str, torch.Tensor]:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        files = [self.paths[i] for i in idx]
+        x = decode_images(files, lambda row: files[row], self.image_size, self.in_chans,
+                          self.mean, self.std)
+        return {"images": x, "labels": self.labels[torch.from_numpy(idx)].clone()}
+
+
+def _split_folder(root: Path | None, name: str, field: str) -> Path:
+    folder = Path(name).expanduser()
+    if not folder.is_absolute():
+        if root is None:
+            raise ConfigError("data.path", "imagefolder needs data.path (the folder holding "
+                                           "the split folders)")
+        folder = root / folder
+    if not folder.is_dir():
+        raise ConfigError(field, f"no directory {folder} (data.path/<split>/<class>/<image>)")
+    return folder
+
+
+def _list(folder: Path, field: str):
+    from torchvision.datasets import ImageFolder
+
+    try:
+        return ImageFolder(str(folder), allow_empty=False)
+    except (FileNotFoundError, RuntimeError) as e:  # no class folders, a class without images
+        raise ConfigError(field, f"{folder}: {e}") from None
+
+
+def load_imagefolder(root: Path | None, train_name: str, test_name: str, image_size: int,
+                     in_chans: int, max_train: int | None, max_test: int | None):
+    """(train, test, class names) of an ImageFolder tree; see the module docstring."""
+    from dptrain.data.wds import file_id
+
+    train_dir = _split_folder(root, train_name, "data.train_file")
+    test_dir = _split_folder(root, test_name, "data.test_file")
+    if file_id(train_dir) == file_id(test_dir):
+        raise ConfigError("data.test_file", f"{test_dir} is the training folder: the test "
+                                            f"split would hold training examples")
+    train, test = _list(train_dir, "data.train_file"), _list(test_dir, "data.test_file")
+    unknown = sorted(set(test.classes) - set(train.classes))
+    if unknown:
+        raise ConfigError("data.test_file", f"{test_dir} has classes the training split "
+                                            f"{train_dir} lacks: {', '.join(unknown[:5])}")
+    test_samples = [(p, train.class_to_idx[test.classes[y]]) for p, y in test.samples]
+    return (ImageFolderImages(train.samples, image_size, in_chans, max_train),
+            ImageFolderImages(test_samples, image_size, in_chans, max_test), train.classes)
+
+
+class _ArraysOnly(pickle.Unpickler):
+    """Unpickles dicts, lists, strings, numbers and numpy arrays; any other global (code an
+    untrusted file could run) is refused. ``_codecs.encode`` is how protocol 2 spells bytes."""
+
+    def find_class(self, module: str, name: str):
+        if ((module.split(".")[0] == "numpy" and name in ("ndarray", "dtype", "_reconstruct",
+                                                          "scalar", "_frombuffer"))
+                or (module, name) == ("_codecs", "encode")):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a CIFAR-10 batch")
+
+
+def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    if not path.is_file():
+        raise ConfigError("data.path", f"file not found: {path} (data.path: the extracted "
+                                       f"cifar-10-batches-py folder)")
+    try:
+        with open(path, "rb") as fh:
+            batch = _ArraysOnly(fh, encoding="bytes").load()
+        data = np.asarray(batch[b"data"], dtype=np.uint8)
+        labels = np.asarray(batch[b"labels"], dtype=np.int64)
+    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError("data.path", f"{path} is not a CIFAR-10 batch: "
+                                       f"{type(e).__name__}: {e}") from None
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
+        raise ConfigError("data.path", f"{path} is not a CIFAR-10 batch: data {data.shape}, "
+                                       f"{len(labels)} labels (want N x 3072 and N labels)")
+    if len(labels) and (labels.min() < 0 or labels.max() > 9):
+        raise ConfigError("data.path", f"{path} has labels outside 0..9")
+    return data.reshape(-1, 3, 32, 32), labels
+
+
+def load_cifar10(root: Path | None):
+    """((train images, labels), (test images, labels)): uint8 ``[N, 3, 32, 32]``."""
+    if root is None:
+        raise ConfigError("data.path", "cifar10 needs data.path (the extracted "
+                                       "cifar-10-batches-py folder)")
+    parts = [_cifar_batch(root / name) for name in CIFAR10_TRAIN]
+    train = (np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts]))
+    return train, _cifar_batch(root / CIFAR10_TEST)

@@ -1,0 +1,199 @@
+"""Image folders (torchvision's ImageFolder layout) and the CIFAR-10 python batches
+(dptrain/data/folders.py): what each example is, against torchvision's listing and the
+webdataset transform, and one clear error naming the field for every bad tree or file."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dptrain.config import ConfigError
+from dptrain.data import DataConfig, build_data
+from dptrain.data.wds import center_crop_transform, image_stats
+
+PIL = pytest.importorskip("PIL")
+
+
+def _tree(root: Path, split: str, classes: dict[str, int], rng, ext: str = "png") -> list:
+    """``root/split/<class>/<k>.<ext>`` random RGB images of random sizes; returns the paths."""
+    from PIL import Image
+
+    paths = []
+    for name, n in classes.items():
+        (root / split / name).mkdir(parents=True)
+        for k in range(n):
+            h, w = int(rng.integers(12, 40)), int(rng.integers(12, 40))
+            arr = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+            path = root / split / name / f"{k:03d}.{ext}"
+            Image.fromarray(arr).save(path)
+            paths.append(path)
+    return paths
+
+
+def _want(path: Path, size: int, chans: int) -> torch.Tensor:
+    from PIL import Image
+
+    with Image.open(path) as img:
+        x = torch.tensor(center_crop_transform(img, size, chans)).float().div(255)[None]
+    mean, std = image_stats(chans)
+    return ((x - mean) / std)[0]
+
+
+def test_imagefolder_examples_are_torchvisions_files_labelled_by_the_training_classes(tmp_path):
+    """Classes in sorted order of the training folder; a test split with fewer classes keeps
+    the training split's indices (malignant is 1 in both), not its own ranks (0)."""
+    from torchvision.datasets import ImageFolder
+
+    rng = np.random.default_rng(0)
+    _tree(tmp_path, "train", {"normal": 3, "benign": 2, "malignant": 4}, rng)
+    _tree(tmp_path, "val", {"malignant": 2, "normal": 1}, rng, ext="jpg")
+    task = build_data(DataConfig(name="imagefolder", path=str(tmp_path), image_size=16))
+    assert task.info.num_classes == 3 and task.info.in_chans == 3
+    listing = ImageFolder(str(tmp_path / "train"))
+    assert listing.classes == ["benign", "malignant", "normal"]
+    assert task.train.labels.tolist() == [y for _, y in listing.samples] == [0] * 2 + [1] * 4 + [2] * 3
+    assert task.test.labels.tolist() == [1, 1, 2]
+    idx = np.array([8, 0, 5, 5])
+    batch = task.train.collate(idx)
+    assert batch["images"].shape == (4, 3, 16, 16) and batch["labels"].tolist() == [2, 0, 1, 1]
+    for row, i in enumerate(idx):
+        torch.testing.assert_close(batch["images"][row],
+                                   _want(Path(listing.samples[i][0]), 16, 3), rtol=0, atol=0)
+    empty = task.train.collate(np.array([], dtype=np.int64))
+    assert empty["images"].shape == (0, 3, 16, 16) and empty["labels"].shape == (0,)
+    grey = build_data(DataConfig(name="imagefolder", path=str(tmp_path), image_size=8,
+                                 in_chans=1, max_train_examples=3))
+    assert len(grey.train) == 3 and grey.train.labels.tolist() == [0, 1, 2]  # even subset
+    torch.testing.assert_close(grey.test.collate([2])["images"][0],
+                               _want(tmp_path / "val" / "normal" / "000.jpg", 8, 1))
+
+
+def test_imagefolder_trees_that_cannot_be_trained_on_are_refused_naming_the_field(tmp_path):
+    rng = np.random.default_rng(1)
+    _tree(tmp_path, "train", {"a": 2, "b": 2}, rng)
+    _tree(tmp_path, "val", {"a": 1, "c": 1}, rng)
+    (tmp_path / "train_empty" / "a").mkdir(parents=True)
+    cases = [
+        ({}, "data.test_file", "classes the training split"),  # val has class c
+        ({"test_file": "train"}, "data.test_file", "is the training folder"),
+        ({"train_file": "nope"}, "data.train_file", "no directory"),
+        ({"train_file": "train_empty"}, "data.train_file", "train_empty"),
+        ({"path": None}, "data.path", "needs data.path"),
+    ]
+    for kw, field, words in cases:
+        cfg = {"name": "imagefolder", "path": str(tmp_path), "image_size": 8, **kw}
+        with pytest.raises(ConfigError) as e:
+            build_data(DataConfig(**cfg))
+        assert e.value.field == field and words in e.value.message, (kw, e.value)
+    (tmp_path / "val" / "c" / "000.png").rename(tmp_path / "val" / "a" / "009.png")
+    os.rmdir(tmp_path / "val" / "c")
+    (tmp_path / "train" / "b" / "001.png").write_bytes(b"not an image")
+    task = build_data(DataConfig(name="imagefolder", path=str(tmp_path), image_size=8))
+    assert task.test.labels.tolist() == [0, 0]
+    task.train.collate([0, 2])  # the readable files decode
+    with pytest.raises(ConfigError) as e:  # at the step that draws it, naming the file
+        task.train.collate([3])
+    assert e.value.field == "data.path" and "b/001.png" in e.value.message
+
+
+def _cifar(root: Path, per_batch: int, rng, *, labels=None) -> dict:
+    """The CIFAR-10 python layout: five training batches and a test batch, each a pickled
+    dict of bytes keys with ``data`` uint8 N x 3072 and ``labels``."""
+    root.mkdir(parents=True, exist_ok=True)
+    batches = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        data = rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8)
+        ys = labels if labels is not None else [int(v) for v in rng.integers(0, 10, per_batch)]
+        batch = {b"batch_label": name.encode(), b"labels": ys, b"data": data,
+                 b"filenames": [f"{name}_{k}.png".encode() for k in range(per_batch)]}
+        with open(root / name, "wb") as fh:
+            pickle.dump(batch, fh, protocol=2)
+        batches[name] = batch
+    return batches
+
+
+def test_cifar10_batches_are_read_channel_major_and_resized_on_request(tmp_path):
+    from dptrain.data.folders import CIFAR10_MEAN, CIFAR10_STD
+
+    batches = _cifar(tmp_path / "cifar-10-batches-py", 4, np.random.default_rng(2))
+    task = build_data(DataConfig(name="cifar10", path=str(tmp_path / "cifar-10-batches-py")))
+    assert len(task.train) == 20 and len(task.test) == 4 and task.info.image_size == 32
+    order = [f"data_batch_{i}" for i in range(1, 6)]
+    want_labels = sum((batches[n][b"labels"] for n in order), [])
+    assert task.train.labels.tolist() == want_labels
+    raw = batches["data_batch_3"][b"data"][1]  # example 9
+    pixel = raw.reshape(3, 32, 32)[:, 5, 7].astype(np.float64) / 255  # channel-major
+    got = task.train.collate([9])["images"][0, :, 5, 7].double()
+    want = (torch.tensor(pixel) - torch.tensor(CIFAR10_MEAN)) / torch.tensor(CIFAR10_STD)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    big = build_data(DataConfig(name="cifar10", path=str(tmp_path / "cifar-10-batches-py"),
+                                image_size=64, max_test_examples=2))
+    x = big.test.collate([1])["images"]
+    ref = F.interpolate(torch.from_numpy(batches["test_batch"][b"data"][3].reshape(1, 3, 32, 32))
+                        .float().div(255), size=(64, 64), mode="bilinear", antialias=True,
+                        align_corners=False)
+    ref = (ref - torch.tensor(CIFAR10_MEAN).view(1, 3, 1, 1)) / torch.tensor(CIFAR10_STD).view(
+        1, 3, 1, 1)
+    assert x.shape == (1, 3, 64, 64) and len(big.test) == 2  # rows 0 and 3: spread evenly
+    torch.testing.assert_close(x, ref)
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/dptrain-cifar-pwned",))
+
+
+def test_cifar10_files_that_are_not_cifar_batches_are_refused_without_running_them(tmp_path):
+    root = tmp_path / "c"
+    _cifar(root, 2, np.random.default_rng(3))
+    marker = Path("/tmp/dptrain-cifar-pwned")
+    marker.unlink(missing_ok=True)
+    with open(root / "data_batch_2", "wb") as fh:
+        pickle.dump({b"data": _Payload(), b"labels": [0]}, fh)
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="cifar10", path=str(root)))
+    assert e.value.field == "data.path" and "system is not allowed" in e.value.message
+    assert not marker.exists()
+    bad = {
+        "labels outside 0..9": dict(labels=[3, 10]),
+        "want N x 3072": None,
+    }
+    _cifar(root, 2, np.random.default_rng(3), **bad["labels outside 0..9"])
+    with pytest.raises(ConfigError, match="labels outside 0..9"):
+        build_data(DataConfig(name="cifar10", path=str(root)))
+    _cifar(root, 2, np.random.default_rng(3))
+    with open(root / "test_batch", "wb") as fh:
+        pickle.dump({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}, fh)
+    with pytest.raises(ConfigError, match="want N x 3072"):
+        build_data(DataConfig(name="cifar10", path=str(root)))
+    (root / "data_batch_5").unlink()
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="cifar10", path=str(root)))
+    assert e.value.field == "data.path" and "data_batch_5" in e.value.message
+    with pytest.raises(ConfigError) as e:
+        DataConfig(name="cifar10", path=str(root), in_chans=1).validate()
+    assert e.value.field == "in_chans"
+
+
+def test_a_run_on_an_image_folder_trains_and_scores_its_test_split(tmp_path):
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    rng = np.random.default_rng(4)
+    _tree(tmp_path / "data", "train", {"x": 6, "y": 6}, rng)
+    _tree(tmp_path / "data", "val", {"y": 3}, rng)
+    root = Path(__file__).resolve().parents[1]
+    cfg = load(RunConfig, root / "configs" / "tiny_images.yaml", [
+        "data.name=imagefolder", f"data.path={tmp_path / 'data'}", "data.image_size=16",
+        "privacy.sample_rate=0.5", "privacy.steps=1"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    assert trainer.task.info.num_classes == 2
+    trainer.private_step()
+    scores = trainer.task.evaluate(trainer.model)
+    assert scores["examples"] == 3
