@@ -344,6 +344,40 @@ def test_inner_momentum_plan_over_ops_tapped_parameters_is_exact():
     check(model, batch, mse_loss, plan=[(0.7, None), (0.3, theta1)], ref=ref)
 
 
+class NormedToken(nn.Module):
+    """A token added before a LayerNorm, which saves its weight itself for the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Parameter(torch.randn(1, 4))
+        self.norm = nn.LayerNorm(4)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(self.norm(x + self.tok))
+
+
+@pytest.mark.parametrize("first", ["other", "only"])
+def test_a_plan_led_by_another_state_than_the_current_one_is_exact(first):
+    """DiSK's plan puts its look-ahead state first; the rows check's backward runs while that
+    state is in place (run after it, it read the current values through the retained graph
+    and refused a separable model: found by a fuzz of query plans)."""
+    torch.manual_seed(0)
+    model = NormedToken().double()
+    with torch.no_grad():
+        model.norm.weight.add_(torch.rand(4, dtype=torch.float64))
+    batch = (_x(3),)
+    g = torch.Generator().manual_seed(2)
+    theta1 = {n: p.detach() + torch.randn(p.shape, generator=g, dtype=p.dtype)
+              for n, p in model.named_parameters()}
+    ref1 = reference_grads(model, _sq, batch, theta1)
+    if first == "only":
+        check(model, batch, _sq, plan=[(1.0, theta1)], ref=ref1)
+    else:
+        ref = 0.4 * ref1 + 0.6 * reference_grads(model, _sq, batch)
+        check(model, batch, _sq, plan=[(0.4, theta1), (0.6, None)], ref=ref)
+
+
 @pytest.mark.parametrize("mode, words", [
     ("returned", r"block.gamma is a tapped parameter .* the module's forward returns a tensor "
                  r"computed from it"),

@@ -781,16 +781,19 @@ class ClippingEngine:
                         "run: pass use_reentrant=False (transformers: "
                         "gradient_checkpointing_enable(gradient_checkpointing_kwargs="
                         "{'use_reentrant': False}))") from e
+                if check_taps:
+                    # at the state still in place: the retained graph reads the parameters'
+                    # values when its backward runs (a plan led by another state than the
+                    # current one, DiSK's, was refused when the check ran after it: a fuzz);
+                    # the check's backward fires the hooks too: what they grab is put back
+                    grabbed = [rec.G for rec in records]
+                    self._check_tap_rows(losses, [
+                        (rec.name, rec.output, rec.Gq) for rec in taps], retain, collective)
+                    for rec, G in zip(records, grabbed):
+                        rec.G = G
+                    del grabbed
             index = {id(t): g for t, g in zip(live, grads)}
             del grads, live, targets
-            if check_taps:
-                # the check's backward fires the hooks too: what they grab is put back
-                grabbed = [rec.G for rec in records]
-                self._check_tap_rows(losses, [
-                    (rec.name, rec.output, rec.Gq) for rec in taps], retain, collective)
-                for rec, G in zip(records, grabbed):
-                    rec.G = G
-                del grabbed
             for rec in taps:  # (their rows were for the check only)
                 rec.output = rec.Gq = None
             del taps
