@@ -3,6 +3,8 @@ of one example through functional_call."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
@@ -11,6 +13,9 @@ from torch.func import functional_call, grad, vmap
 def reference_grads(model: nn.Module, loss_fn, batch, state: dict | None = None) -> torch.Tensor:
     """(B, P) per-example gradients over the trainable parameters (named_parameters order), by
     vmap(grad) of the loss of ONE example through functional_call; ``state`` overrides values."""
+    # a copy: functional_call leaves the passed values in a module the model holds twice
+    # (nn.Sequential(a, a)), which would corrupt the model the engine is then run on
+    model = copy.deepcopy(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = {n: p.detach() for n, p in model.named_parameters()}
     if state:

@@ -221,6 +221,26 @@ def test_the_rows_check_passes_float32_and_bfloat16_autocast():
         assert engine._taps_checked
 
 
+def test_the_rows_check_passes_float32_rounding_of_rows_far_below_the_largest():
+    """A float32 ViT whose class-token rows span 100x: the two backwards' rounding reached
+    1.1e-4 of the small rows, and the check (then at 1e-4 of a row) refused it (a fuzz's
+    case). The norms are float64's to float32 accuracy."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(1533)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, depth=1,
+                              num_classes=3).train()
+    g = torch.Generator().manual_seed(1533)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    g = torch.Generator().manual_seed(1533)
+    batch = (torch.randn(5, 3, 16, 16, generator=g), torch.randint(0, 3, (5,), generator=g))
+    got = ClippingEngine(model, clip_norm=1.0).per_example_norms(ce_loss, batch)
+    want = reference_grads(model.double(), ce_loss, (batch[0].double(), batch[1])).norm(dim=1)
+    assert float(want.max() / want.min()) > 50
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=0)
+
+
 def test_a_tapped_parameter_used_outside_its_module_is_refused():
     class Outside(nn.Module):
         def __init__(self):

@@ -873,16 +873,18 @@ class ClippingEngine:
         weighted = (losses * w.to(losses.device, losses.dtype)).sum()
         again = torch.autograd.grad(weighted, [leaf for _, leaf, _ in live], allow_unused=True,
                                     retain_graph=retain)
-        # to the tolerance of the row; rows below 1e-3 of the largest are measured against
-        # that (rounding, not mixing)
-        tol = tolerance(losses.dtype, losses.device.type)
+        # to 1e-3 of the row (float32 rounding of the two backwards reached 1.1e-4 of a ViT's
+        # class-token row 100x smaller than the largest: a fuzz); rows below 1e-2 of the
+        # largest are measured against that (rounding, not mixing). Mixing rows (p[0],
+        # .mean(0), a (T, B, d) layout) moves every row by a fraction of order 1/B.
+        tol = max(tolerance(losses.dtype, losses.device.type), 1e-3)
         found = None
         for (name, leaf, g), h in zip(live, again):
             want = (w.to(g.device)[:, None] * g.detach().double().reshape(B, -1))
             got = (torch.zeros_like(want) if h is None else h.double().reshape(B, -1))
             err = (got - want).norm(dim=1)
             rows = torch.maximum(want.norm(dim=1), got.norm(dim=1))
-            scale = torch.clamp(rows, min=1e-3 * float(rows.max()))
+            scale = torch.clamp(rows, min=1e-2 * float(rows.max()))
             bad = ((err > tol * scale) & (rows.max() > 0)).nonzero().flatten().tolist()
             if bad and found is None:
                 found = (f"rows {bad[:8]} of the microbatch", name)
