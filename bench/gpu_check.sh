@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ONE prepared GPU check for an H200 session (issue 5, item 8). Finishes in under 8 minutes
 # (267 and 331 s on the H200, 2026-11-30, before part 5b): every part has its own `timeout`
-# (they add up to 690 s) and a failing part does not stop the others. Run it from the
+# (they add up to 750 s) and a failing part does not stop the others. Run it from the
 # repository root on the GPU machine:
 #
 #   here:            bash bench/fetch_gpu_wheels.sh        # bench/wheels/ (gitignored)
@@ -42,10 +42,12 @@
 #   8. kernels (45): tests/test_kernels.py compiled on the GPU (the Triton ghost-product
 #      kernel against its reference, in the engine and the trainer), then
 #      bench/ghost_kernel.py --device cuda: kernel vs torch reference on GPT-2 small's linears.
+#   9. bench/decode.py (20): 64 ImageNet-sized JPEGs decoded at 224 px on 1, 4, 8 and 16
+#      threads (performance.decode_threads) on the machine's CPU cores (added 2026-12-02).
 # Each part prints examples/s, peak memory (torch.cuda.max_memory_allocated and NVML) and the
 # DP/non-private ratio where it has one; each part's log (its last line one JSON object) lands
 # in bench/gpu_out/ (on the device machine: packed into $OUT/gpu_check_logs.tar.gz after every
-# part). Timeouts add up to 730 s; the parts end well before them (the dry run's tiny shapes
+# part). Timeouts add up to 750 s; the parts end well before them (the dry run's tiny shapes
 # take about 110 s on 2 CPU cores).
 #
 # `bash bench/gpu_check.sh --dry-run` runs the same parts on CPU with tiny shapes (no install;
@@ -148,18 +150,21 @@ else
   part kernels 45 bash -c '"$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py &&
     "$PY" bench/ghost_kernel.py --device cuda --rounds 5'
 fi
+if [ $DRY = 1 ]; then DECODE_ARGS=(--images 8 --size 32 --threads 1,2 --rounds 1)
+else DECODE_ARGS=(--images 64 --threads 1,4,8,16 --rounds 3); fi
+if [ -f bench/decode.py ]; then part decode 20 "$PY" bench/decode.py "${DECODE_ARGS[@]}"; fi
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 
 echo
 echo "=== summary (total $(( $(date +%s) - START )) s)"
 for k in install pytest_gpu gpt2_small nf_resnet50 dp_step dp_step_vision inner_momentum \
-    inner_momentum_b64 products profile kernels; do
+    inner_momentum_b64 products profile kernels decode; do
   printf '%-16s %s\n' "$k" "${STATUS[$k]:-not run}"
 done
 # the last JSON line of each benchmark part (its start: the device returns the last 12,000
 # characters of output, and the logs in full): throughput, peak memory, DP/non-private
 for k in gpt2_small nf_resnet50 dp_step dp_step_vision inner_momentum inner_momentum_b64 \
-    products profile kernels; do
+    products profile kernels decode; do
   [ -f "$RES/$k.log" ] && { printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1000; }
 done
 exit 0

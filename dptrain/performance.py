@@ -50,6 +50,11 @@ class PerformanceConfig:
     (the CPU waits on the GPU there), inline on CPU (where the draw would take cores from the
     step). The same numbers either way (tests/test_release.py); background holds this rank's
     noise of the whole model in host memory until the release."""
+    decode_threads: int | None = None
+    """Threads that decode a microbatch's image files (webdataset, imagefolder; Pillow
+    releases the GIL while it decodes and resizes); null: min(8, CPU cores); 1: in the
+    calling thread. Each file is decoded on its own into its row: the same images in the same
+    order with any number (tests/test_data_folders.py)."""
     fsdp_mixed_precision: bool = False
     """FSDP2 with bf16 parameters in forward/backward (norms, sums and reductions in fp32);
     needs ``sharding: fsdp`` (refused otherwise; on a single rank nothing is sharded and it has
@@ -60,6 +65,8 @@ class PerformanceConfig:
             raise ConfigError("microbatch_size", f"must be >= 1, got {self.microbatch_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
+        if self.decode_threads is not None and self.decode_threads < 1:
+            raise ConfigError("decode_threads", f"must be >= 1, got {self.decode_threads}")
         if self.sharding == "fsdp" and self.clipping == "two_pass":
             raise ConfigError("clipping", "two_pass needs parameter gradients from autograd, "
                                           "which FSDP2 shards; use bookkeeping with sharding")

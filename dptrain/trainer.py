@@ -29,6 +29,7 @@ from torch import Tensor
 from dptrain.clipping import ClippingEngine
 from dptrain.config import ConfigError, to_dict
 from dptrain.data import DataConfig, build_data
+from dptrain.data.wds import default_decode_threads
 from dptrain.models import ModelConfig, build_model
 from dptrain.models.dropout import example_dropout
 from dptrain.optim import OptimConfig, build_optimizer
@@ -230,6 +231,10 @@ class Trainer:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.rank, self.world = init_from_env(backend)
         self.task = build_data(cfg.data, seed=cfg.seed)
+        threads = perf.decode_threads or default_decode_threads()
+        for split in (self.task.train, self.task.test):
+            if hasattr(split, "decode_threads"):  # datasets that decode files per step
+                split.decode_threads = threads
         self.train_size = len(self.task.train)
         if self.world > 1:
             _check_ranks_agree_on_n(self.train_size, self.device)

@@ -197,3 +197,45 @@ def test_a_run_on_an_image_folder_trains_and_scores_its_test_split(tmp_path):
     trainer.private_step()
     scores = trainer.task.evaluate(trainer.model)
     assert scores["examples"] == 3
+
+
+def test_decoding_on_threads_gives_the_same_images_in_the_same_order(tmp_path):
+    """performance.decode_threads is a performance setting: any number of threads decodes
+    the same tensor (each file into its own row), and a bad file is named as with one."""
+    rng = np.random.default_rng(5)
+    _tree(tmp_path, "train", {"a": 5, "b": 6}, rng, ext="jpg")
+    _tree(tmp_path, "val", {"a": 2}, rng)
+    ds = build_data(DataConfig(name="imagefolder", path=str(tmp_path), image_size=12)).train
+    idx = np.array([10, 3, 3, 0, 7, 1, 9])
+    ds.decode_threads = 1
+    one = ds.collate(idx)
+    for threads in (2, 5):
+        ds.decode_threads = threads
+        many = ds.collate(idx)
+        assert torch.equal(many["images"], one["images"])
+        assert torch.equal(many["labels"], one["labels"])
+    (tmp_path / "train" / "b" / "002.jpg").write_bytes(b"broken")
+    (tmp_path / "train" / "b" / "004.jpg").write_bytes(b"broken too")
+    with pytest.raises(ConfigError) as e:  # rows 1 and 2 of the request are bad: row 1 named
+        ds.collate([0, 9, 7])
+    assert "b/004.jpg" in e.value.message
+
+
+def test_the_trainer_gives_image_file_datasets_their_decode_threads(tmp_path):
+    from dptrain.config import load
+    from dptrain.data.wds import default_decode_threads
+    from dptrain.trainer import RunConfig, Trainer
+
+    rng = np.random.default_rng(6)
+    _tree(tmp_path / "data", "train", {"x": 2, "y": 2}, rng)
+    _tree(tmp_path / "data", "val", {"y": 1}, rng)
+    root = Path(__file__).resolve().parents[1]
+    base = ["data.name=imagefolder", f"data.path={tmp_path / 'data'}", "data.image_size=8"]
+    for extra, want in (([], default_decode_threads()), (["performance.decode_threads=3"], 3)):
+        cfg = load(RunConfig, root / "configs" / "tiny_images.yaml", [*base, *extra])
+        trainer = Trainer(cfg, None)
+        assert trainer.task.train.decode_threads == trainer.task.test.decode_threads == want
+    with pytest.raises(ConfigError) as e:
+        load(RunConfig, root / "configs" / "tiny_images.yaml", [*base,
+                                                                "performance.decode_threads=0"])
+    assert e.value.field == "performance.decode_threads"

@@ -51,6 +51,7 @@ class ImageFolderImages:
         self.labels = torch.tensor([samples[i][1] for i in keep], dtype=torch.int64)
         self.image_size, self.in_chans = int(image_size), int(in_chans)
         self.mean, self.std = image_stats(self.in_chans)
+        self.decode_threads = 1  # (performance.decode_threads, set by the trainer)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -59,7 +60,7 @@ class ImageFolderImages:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         files = [self.paths[i] for i in idx]
         x = decode_images(files, lambda row: files[row], self.image_size, self.in_chans,
-                          self.mean, self.std)
+                          self.mean, self.std, self.decode_threads)
         return {"images": x, "labels": self.labels[torch.from_numpy(idx)].clone()}
 
 
