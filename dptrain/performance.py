@@ -50,6 +50,12 @@ class PerformanceConfig:
     (the CPU waits on the GPU there), inline on CPU (where the draw would take cores from the
     step). The same numbers either way (tests/test_release.py); background holds this rank's
     noise of the whole model in host memory until the release."""
+    collate_prefetch: Literal["auto", "background", "inline"] = "auto"
+    """When a microbatch's examples are assembled (``collate``: image files decoded, token
+    ids padded): ``background``, the next microbatch's on a thread while the current one's
+    forward and backward run; ``inline``, when it is needed; ``auto``: background with CUDA,
+    inline on CPU (where the thread would take cores from the step). The same batches either
+    way (a batch is a function of its indices; tests/test_data_folders.py)."""
     decode_threads: int | None = None
     """Threads that decode a microbatch's image files (webdataset, imagefolder; Pillow
     releases the GIL while it decodes and resizes); null: min(8, CPU cores); 1: in the

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -268,6 +269,10 @@ class Trainer:
         self.noise_prefetch = (perf.noise_prefetch == "background" or (
             perf.noise_prefetch == "auto" and self.device.type == "cuda"))
         self._noise_thread = None
+        #: the next microbatch assembled on a background thread (performance.collate_prefetch)
+        self.collate_prefetch = (perf.collate_prefetch == "background" or (
+            perf.collate_prefetch == "auto" and self.device.type == "cuda"))
+        self._collate_thread = None
         #: set (to a signal number) to stop :meth:`run` at the next step boundary, checkpointed;
         #: ``dptrain train`` sets it on SIGTERM (preemption)
         self.stop_signal: int | None = None
@@ -334,6 +339,26 @@ class Trainer:
             out.append((name, p, numel, lo, hi))
         return out
 
+    def _collated(self, chunks: list) -> Iterator[Any]:
+        """``collate`` of each chunk in order; with ``collate_prefetch`` the next chunk's is
+        assembled on a background thread while the caller works on the current one (a batch
+        is a function of its indices alone: the same batches either way)."""
+        collate = self.task.train.collate
+        if not self.collate_prefetch or len(chunks) < 2:
+            for chunk in chunks:
+                yield collate(chunk)
+            return
+        if self._collate_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._collate_thread = ThreadPoolExecutor(1, thread_name_prefix="dptrain-collate")
+        pending = self._collate_thread.submit(collate, chunks[0])
+        for i in range(len(chunks)):
+            batch = pending.result()
+            pending = (self._collate_thread.submit(collate, chunks[i + 1])
+                       if i + 1 < len(chunks) else None)
+            yield batch
+
     def _start_noise(self, step: int, slices: list):
         """Z_t of ``slices`` (:meth:`_noise_slices`), drawn on a background thread into host
         memory (pinned with CUDA): a future of name -> 1-D tensor. None when inline."""
@@ -385,11 +410,14 @@ class Trainer:
         num_micro = (busiest_microbatches(len(sample), self.world,
                                           self.cfg.performance.microbatch_size)
                      if self.world > 1 else len(chunks))
+        todo = [chunks[i] if i < len(chunks) else np.zeros(1, dtype=np.int64)
+                for i in range(num_micro)]
+        batches = self._collated(todo)
         with self._autocast():
             for i in range(num_micro):
                 phantom = i >= len(chunks)
-                chunk = np.zeros(1, dtype=np.int64) if phantom else chunks[i]
-                batch = to_device(self.task.train.collate(chunk), self.device)
+                chunk = todo[i]
+                batch = to_device(next(batches), self.device)
                 active = torch.zeros(1, dtype=torch.bool) if phantom else None
                 # dropout masks: a function of (seed, step, state, example), not of the rank
                 with example_dropout(self.model, self.cfg.seed, step, chunk):
@@ -404,7 +432,7 @@ class Trainer:
                 loss_sum += stats.loss_sum
                 count += stats.num_examples
                 sizes = max(sizes, (stats.states, stats.query_bytes, stats.least_query_bytes))
-        del indices, chunks
+        del indices, chunks, todo, batches
         self._report_query_memory(sizes)
         if self.audit is not None:  # canaries added on one rank: the sums are reduced below
             self.audit.insert(acc, step, dtype=self.engine._acc_dtype(), device=self.device,

@@ -239,3 +239,40 @@ def test_the_trainer_gives_image_file_datasets_their_decode_threads(tmp_path):
         load(RunConfig, root / "configs" / "tiny_images.yaml", [*base,
                                                                 "performance.decode_threads=0"])
     assert e.value.field == "performance.decode_threads"
+
+
+def test_prefetching_the_next_microbatch_leaves_the_run_unchanged(tmp_path, monkeypatch):
+    """performance.collate_prefetch=background assembles microbatch i + 1 on a thread while
+    i runs: every microbatch is still collated once, from the same indices in the same order,
+    and two steps give the same parameters as inline."""
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    rng = np.random.default_rng(7)
+    _tree(tmp_path / "data", "train", {"x": 10, "y": 10}, rng)
+    _tree(tmp_path / "data", "val", {"y": 1}, rng)
+    root = Path(__file__).resolve().parents[1]
+    base = ["data.name=imagefolder", f"data.path={tmp_path / 'data'}", "data.image_size=8",
+            "privacy.sample_rate=0.5", "performance.microbatch_size=3"]
+    runs = {}
+    for where in ("inline", "background"):
+        cfg = load(RunConfig, root / "configs" / "tiny_images.yaml",
+                   [*base, f"performance.collate_prefetch={where}"])
+        trainer = Trainer(cfg, None)
+        assert trainer.collate_prefetch == (where == "background")
+        seen = []
+        original = trainer.task.train.collate
+
+        def recording(indices, original=original, seen=seen):
+            seen.append(np.asarray(indices).tolist())
+            return original(indices)
+
+        monkeypatch.setattr(trainer.task.train, "collate", recording)
+        for _ in range(2):
+            trainer.private_step()
+        want = [c.tolist() for s in range(2)
+                for c in trainer.microbatches(trainer.local_sample(s))]
+        assert seen == want and len(want) > 2
+        runs[where] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    for name, value in runs["inline"].items():
+        assert torch.equal(runs["background"][name], value), name

@@ -258,6 +258,7 @@ def test_noise_drawn_in_the_background_on_cuda_gives_the_same_release(no_tf32):
     auto, inline = (_trainer("performance.device=cuda", f"performance.noise_prefetch={w}")
                     for w in ("auto", "inline"))
     assert auto.noise_prefetch and not inline.noise_prefetch
+    assert auto.collate_prefetch and inline.collate_prefetch  # (auto: background with CUDA)
     for step in range(2):
         a, _ = auto.release(step)
         b, _ = inline.release(step)
