@@ -82,8 +82,10 @@ def test_rows_check_bench_times_a_passing_check_on_both_models(capsys):
 
 def test_decode_bench_decodes_the_same_tensor_on_every_thread_count(capsys):
     decode = _load("decode")
-    summary = decode.main(["--images", "6", "--size", "16", "--threads", "1,3", "--rounds", "1"])
+    summary = decode.main(["--images", "6", "--size", "16", "--threads", "1,3", "--rounds", "1",
+                           "--prefetch"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["same_tensor"] is True and last["errors"] == {}
     assert set(last["speedup"]) == {"1", "3"} and last["speedup"]["1"] == 1.0
     assert last["images"] == 6 and summary["seconds_per_image"]["3"] > 0
+    assert last["prefetch_errors"] == {} and last["prefetch_speedup"] > 0
