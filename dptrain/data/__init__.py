@@ -294,14 +294,8 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
         (xtr, ytr), (xte, yte) = load_mnist(str(directory) if directory is not None else None)
         if cfg.in_chans not in (None, 1):  # replicate grey into C channels
             xtr, xte = (np.repeat(a, cfg.in_chans, axis=1) for a in (xtr, xte))
-        keep_tr = even_subset(len(ytr), cfg.max_train_examples)
-        keep_te = even_subset(len(yte), cfg.max_test_examples)
-        size = cfg.image_size or 28
-        train = ImageDataset(xtr[keep_tr], ytr[keep_tr], MNIST_MEAN, MNIST_STD, size)
-        test = ImageDataset(xte[keep_te], yte[keep_te], MNIST_MEAN, MNIST_STD, size)
-        info = DataInfo(kind="classification", num_classes=10, in_chans=cfg.in_chans or 1,
-                        image_size=size)
-        return Task(train=train, test=test, info=info, loss_fn=classification_loss)
+        return _images_in_memory(cfg, (xtr, ytr), (xte, yte), MNIST_MEAN, MNIST_STD,
+                                 cfg.image_size or 28)
 
     if cfg.name == "synthetic_images":
         from dptrain.data.images import synthetic_images, synthetic_templates
@@ -365,16 +359,26 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
         directory = _resolve_dir(cfg.path, None)
         if directory is not None and not directory.is_dir():
             raise ConfigError("data.path", f"file not found: no directory {directory}")
-        (xtr, ytr), (xte, yte) = load_cifar10(directory)
-        keep_tr = even_subset(len(ytr), cfg.max_train_examples)
-        keep_te = even_subset(len(yte), cfg.max_test_examples)
-        size = cfg.image_size or 32
-        train = ImageDataset(xtr[keep_tr], ytr[keep_tr], CIFAR10_MEAN, CIFAR10_STD, size)
-        test = ImageDataset(xte[keep_te], yte[keep_te], CIFAR10_MEAN, CIFAR10_STD, size)
-        info = DataInfo(kind="classification", num_classes=10, in_chans=3, image_size=size)
-        return Task(train=train, test=test, info=info, loss_fn=classification_loss)
+        train, test = load_cifar10(directory)
+        return _images_in_memory(cfg, train, test, CIFAR10_MEAN, CIFAR10_STD,
+                                 cfg.image_size or 32)
 
     raise ConfigError("data.name", f"unknown dataset {cfg.name!r}")  # pragma: no cover
+
+
+def _images_in_memory(cfg: DataConfig, train: tuple, test: tuple, mean, std,
+                      size: int) -> Task:
+    """A task of 10-class uint8 images held in memory (MNIST, CIFAR-10): each split's
+    ``max_*_examples`` spread evenly over it, normalised and resized in ``collate``."""
+    from dptrain.data.images import ImageDataset, classification_loss
+
+    splits = []
+    for (x, y), limit in ((train, cfg.max_train_examples), (test, cfg.max_test_examples)):
+        keep = even_subset(len(y), limit)
+        splits.append(ImageDataset(x[keep], y[keep], mean, std, size))
+    info = DataInfo(kind="classification", num_classes=10, in_chans=train[0].shape[1],
+                    image_size=size)
+    return Task(train=splits[0], test=splits[1], info=info, loss_fn=classification_loss)
 
 
 def _cap(n: int, limit: int | None) -> int:
