@@ -89,3 +89,9 @@ def test_decode_bench_decodes_the_same_tensor_on_every_thread_count(capsys):
     assert set(last["speedup"]) == {"1", "3"} and last["speedup"]["1"] == 1.0
     assert last["images"] == 6 and summary["seconds_per_image"]["3"] > 0
     assert last["prefetch_errors"] == {} and last["prefetch_speedup"] > 0
+
+
+def test_trainer_step_bench_times_both_tiny_configs(capsys):
+    out = _load("trainer_step").main(["--steps", "1"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == out and out["tiny.yaml"] > 0 and out["tiny_images.yaml"] > 0
