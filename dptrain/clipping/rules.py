@@ -68,7 +68,17 @@ def find_rule(module: nn.Module) -> LayerRule | None:
         if rule is not None:
             if rule.forwards or type(module).forward is klass.forward:
                 return rule
-            return None
+            return _copied_form_rule(module)
+    return _copied_form_rule(module)
+
+
+def _copied_form_rule(module: nn.Module) -> LayerRule | None:
+    """The rule of a layer whose class is one of the forms transformers copies from model to
+    model (RMSNorms, scaled word embeddings), recognised by its code; None otherwise."""
+    if _transformers_rmsnorm_form(module) is not None:
+        return _RULES[nn.RMSNorm]
+    if _scaled_embedding_scale(module) is not None:
+        return SCALED_EMBEDDING
     return None
 
 
@@ -152,6 +162,51 @@ class EmbeddingRule(LayerRule):
         return {"weight": Outer(OneHot(ids, module.num_embeddings), G)}
 
 
+class _GemmaScaledEmbeddingForm(nn.Embedding):
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
+
+
+class _BartScaledEmbeddingForm(nn.Embedding):
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.embed_scale
+
+
+def _scaled_embedding_scale(module: nn.Module) -> Tensor | float | None:
+    """transformers' scaled word embeddings (Gemma's ``*TextScaledWordEmbedding``, a buffer;
+    BART's, BioGPT's, M2M100's ``*ScaledWordEmbedding``, a number): ``nn.Embedding``'s output
+    times a scalar, recognised by the code of the forward (written out above, as
+    ``_RMS_FORMS`` below), defined on a direct subclass of ``nn.Embedding``. Returns the scale
+    as the forward applies it, or None."""
+    klass = type(module)
+    if "ScaledWordEmbedding" not in klass.__name__ or not isinstance(module, nn.Embedding):
+        return None
+    owner = next((k for k in klass.__mro__ if "forward" in vars(k)), None)
+    if owner is None or owner.__bases__ != (nn.Embedding,):
+        return None  # super() in the forward would not be nn.Embedding's
+    scale = getattr(module, "embed_scale", None)
+    if _same_code(klass.forward, _GemmaScaledEmbeddingForm.forward):
+        if isinstance(scale, Tensor) and scale.numel() == 1:
+            return scale.to(module.weight.dtype)
+    elif _same_code(klass.forward, _BartScaledEmbeddingForm.forward):
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            return scale
+    return None
+
+
+class ScaledEmbeddingRule(EmbeddingRule):
+    """``nn.Embedding`` times a scalar s: row ids[b,t] of W receives s * G[b,t]."""
+
+    def contributions(self, module, saved, G):
+        scale = _scaled_embedding_scale(module)
+        if isinstance(scale, Tensor):
+            scale = scale.to(G.dtype)
+        return super().contributions(module, saved, G * scale)
+
+
+SCALED_EMBEDDING = ScaledEmbeddingRule()
+
+
 @register_rule(nn.LayerNorm)
 class LayerNormRule(LayerRule):
     """y = xhat * gamma + beta over the trailing normalized_shape: per-example grads
@@ -196,6 +251,145 @@ def _register_timm_layernorm() -> None:
 
 
 _register_timm_layernorm()
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm: torch's, and the forms transformers' decoder LMs copy from one model to the next
+
+
+def _transformers_rms_hat(x: Tensor, eps: float, form: str) -> Tensor:
+    """xhat of a transformers RMSNorm form, with its operations in its dtypes: every form
+    normalises in float32 (whatever the input's dtype), Gemma 3n with ``pow(-0.5)`` instead
+    of ``rsqrt``; Llama's casts xhat back to the input's dtype before the weight."""
+    h = x.to(torch.float32)
+    mean_sq = h.pow(2).mean(-1, keepdim=True) + eps
+    xhat = h * (torch.pow(mean_sq, -0.5) if form == "gemma3n" else torch.rsqrt(mean_sq))
+    return xhat.to(x.dtype) if form == "llama" else xhat
+
+
+class RMSNormRule(LayerRule):
+    """y = xhat * w, xhat = x / sqrt(mean(x^2) + eps) over the trailing normalized_shape: the
+    weight's per-example gradient is sum_t G_t * xhat_t, xhat recomputed from the captured
+    input (torch's nn.RMSNorm: one fused ``rms_norm`` without a weight, as the LayerNorm rule
+    does). Also the forms of transformers' RMSNorm classes that :func:`_transformers_rmsnorm_form`
+    recognises: Gemma's ``(1 + w)`` has the same gradient, and the forms differ only in the
+    dtypes xhat is computed and meets the weight in, which the rule follows."""
+
+    def capture(self, module, args, output):
+        x = args[0]
+        # nn.RMSNorm's eps=None is the machine epsilon of the input's dtype, which a half input
+        # no longer shows once the engine has cast the capture to float32
+        eps = getattr(module, "eps", None)
+        if isinstance(module, nn.RMSNorm) and eps is None:
+            eps = torch.finfo(x.dtype).eps
+        return {"x": x.detach(), "eps": eps}
+
+    def contributions(self, module, saved, G):
+        x = saved["x"]
+        form = None if isinstance(module, nn.RMSNorm) else _transformers_rmsnorm_form(module)
+        if form is None:  # torch's nn.RMSNorm: F.rms_norm in the input's dtype
+            shape = tuple(module.normalized_shape)
+            xhat = F.rms_norm(x.to(G.dtype), shape, eps=saved["eps"])
+        else:
+            shape = tuple(module.weight.shape)
+            eps = module.eps if form in ("gemma", "gemma3n") else module.variance_epsilon
+            xhat = _transformers_rms_hat(x, eps, form).to(G.dtype)
+        B, n = x.shape[0], module.weight.numel()
+        g = (G * xhat).reshape(B, -1, n).sum(1).reshape(B, *shape)
+        return {"weight": Dense(g)}
+
+
+register_rule(nn.RMSNorm)(RMSNormRule)
+
+
+# The forward of each form of transformers' RMSNorm, written out: a class is recognised when its
+# ``forward`` (and the ``_norm`` it calls) compiles to the same code as one of these (the same
+# operations on the same attribute names), so a form transformers changes, or a class that
+# swaps in a hub kernel, no longer matches and takes the torch.func fallback. In transformers
+# 5.24 the forms cover 180 of its 200-odd RMSNorm classes (Llama's alone 142: Mistral, Qwen2,
+# Qwen3, Phi-3, OLMo, SmolLM3, ...); gated ones, which take a second input, take the fallback.
+# (Comments and names of locals aside, these must stay token for token transformers' code.)
+
+
+class _LlamaForm(nn.Module):
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class _GptOssForm(nn.Module):
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return (self.weight * hidden_states).to(input_dtype)
+
+
+class _HeliumForm(nn.Module):
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return (self.weight.to(torch.float32) * hidden_states).to(input_dtype)
+
+
+class _GemmaForm(nn.Module):
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+
+class _Gemma3nForm(nn.Module):
+    def _norm(self, hidden_states):
+        mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.eps
+        return hidden_states * torch.pow(mean_squared, -0.5)
+
+    def forward(self, hidden_states):
+        normed_output = self._norm(hidden_states.float())
+        if self.with_scale:
+            normed_output = normed_output * self.weight.float()
+        return normed_output.type_as(hidden_states)
+
+
+#: form name -> the class whose methods a recognised class's must compile to
+_RMS_FORMS = {"llama": _LlamaForm, "gptoss": _GptOssForm, "helium": _HeliumForm,
+              "gemma": _GemmaForm, "gemma3n": _Gemma3nForm}
+
+
+def _same_code(f, g) -> bool:
+    a, b = getattr(f, "__code__", None), getattr(g, "__code__", None)
+    return (a is not None and b is not None and a.co_code == b.co_code
+            and a.co_consts == b.co_consts and a.co_names == b.co_names
+            and a.co_argcount == b.co_argcount and a.co_nlocals == b.co_nlocals)
+
+
+def _transformers_rmsnorm_form(module: nn.Module) -> str | None:
+    """The form of ``module`` (see ``_RMS_FORMS``) when its class computes one of them with a
+    1-D ``weight`` as its only trainable parameter and a float epsilon; None otherwise."""
+    klass = type(module)
+    if "RMSNorm" not in klass.__name__:
+        return None
+    weight = module._parameters.get("weight")
+    if weight is None or weight.ndim != 1 or len(module._parameters) != 1:
+        return None
+    for form, ref in _RMS_FORMS.items():
+        if not _same_code(klass.forward, ref.forward):
+            continue
+        if "_norm" in vars(ref) and not _same_code(getattr(klass, "_norm", None), ref._norm):
+            continue
+        eps = getattr(module, "eps" if "_norm" in vars(ref) else "variance_epsilon", None)
+        if isinstance(eps, (int, float)) and not isinstance(eps, bool):
+            return form
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
