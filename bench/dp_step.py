@@ -12,7 +12,10 @@ Models (same weights, same batch for every variant of a model):
   class token), depth 6, B = 16, 10 classes: its class token and position table are the
   engine's tapped parameters (given one row per example);
 - convnext: timm convnext_atto at 32 px, B = 16, 10 classes: its blocks' layer scales are
-  tapped parameters followed through the blocks' torch calls (dptrain/clipping/taps.py).
+  tapped parameters followed through the blocks' torch calls (dptrain/clipping/taps.py);
+- llama: transformers LlamaForCausalLM at gpt2's sizes (4 layers, width 256, 4 heads with 2
+  key/value heads, SwiGLU MLP of 688, vocabulary 8,192, T = 64, B = 32, untied head, eager
+  attention): RMSNorm, rotary positions, grouped-query attention. Opacus runs it as it is.
 
 Variants (plain SGD everywhere; C = 1, sigma = 1; per-example loss = mean token loss for gpt2):
 
@@ -67,7 +70,7 @@ from gpt2_bench import _fmt, _le, build_gpt2, gpt2_batch, opacus_gpt2  # noqa: E
 
 VARIANTS = ("nonprivate", "dptrain_bookkeeping", "dptrain_two_pass", "opacus_ghost",
             "opacus_hooks")
-MODELS = ("gpt2", "nfresnet", "vit", "convnext")
+MODELS = ("gpt2", "nfresnet", "vit", "convnext", "llama")
 
 # Targets of issue 2 (GPT-2): DP step <= 1.2x non-private; >= 1.5x faster than Opacus ghost at
 # no more peak memory.
@@ -106,6 +109,7 @@ def _convnext_shape() -> ResNetShape:
 @dataclass
 class BenchConfig:
     gpt2: GPT2Shape = field(default_factory=GPT2Shape)
+    llama: GPT2Shape = field(default_factory=GPT2Shape)  # the same sizes, a Llama's layers
     resnet: ResNetShape = field(default_factory=ResNetShape)
     vit: ResNetShape = field(default_factory=_vit_shape)
     convnext: ResNetShape = field(default_factory=_convnext_shape)
@@ -124,7 +128,8 @@ class BenchConfig:
     @classmethod
     def from_json(cls, text: str) -> "BenchConfig":
         d = json.loads(text)
-        return cls(gpt2=GPT2Shape(**d.pop("gpt2")), resnet=ResNetShape(**d.pop("resnet")),
+        return cls(gpt2=GPT2Shape(**d.pop("gpt2")), llama=GPT2Shape(**d.pop("llama")),
+                   resnet=ResNetShape(**d.pop("resnet")),
                    vit=ResNetShape(**d.pop("vit")), convnext=ResNetShape(**d.pop("convnext")),
                    **d)
 
@@ -150,6 +155,21 @@ def gpt2_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     tok = F.cross_entropy(logits.reshape(-1, V), batch["input_ids"][:, 1:].reshape(-1),
                           reduction="none")
     return tok.view(B, Tm1).mean(1)
+
+
+def build_llama(s: GPT2Shape, seed: int, device: str) -> nn.Module:
+    """transformers LlamaForCausalLM of shape ``s``: half as many key/value heads as heads, a
+    SwiGLU MLP of 8/3 the width (rounded up to 16), untied head, eager attention, train mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=s.vocab_size, hidden_size=s.width,
+                      intermediate_size=-(-8 * s.width // 3 // 16) * 16,
+                      num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads,
+                      num_key_value_heads=max(1, s.num_heads // 2),
+                      max_position_embeddings=s.seq_len, tie_word_embeddings=False,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM._from_config(cfg, attn_implementation="eager").to(device).train()
 
 
 def build_resnet(s: ResNetShape, seed: int, device: str) -> nn.Module:
@@ -257,12 +277,19 @@ def opacus_step(model: nn.Module, batch_tensors: tuple[Tensor, ...], forward: Ca
     return step
 
 
-def build_variant(kind: str, variant: str, cfg: BenchConfig) -> StepFn:
-    """A fresh model (same seed, same weights) and the step of ``variant`` on it."""
+def build_variant(kind: str, variant: str, cfg: BenchConfig,
+                  models: list | None = None) -> StepFn:
+    """A fresh model (same seed, same weights) and the step of ``variant`` on it; the model
+    is appended to ``models`` when given (tests compare the variants' updates)."""
     dev = cfg.device
     if kind == "gpt2":
         s = cfg.gpt2
         model = build_gpt2(s, cfg.seed, dev)
+        batch = gpt2_batch(s, cfg.seed, dev)
+        loss_fn, B = gpt2_loss, s.batch_size
+    elif kind == "llama":
+        s = cfg.llama
+        model = build_llama(s, cfg.seed, dev)
         batch = gpt2_batch(s, cfg.seed, dev)
         loss_fn, B = gpt2_loss, s.batch_size
     else:
@@ -270,11 +297,22 @@ def build_variant(kind: str, variant: str, cfg: BenchConfig) -> StepFn:
         model = build_resnet(s, cfg.seed, dev)
         batch = resnet_batch(s, cfg.seed, dev)
         loss_fn, B = resnet_loss, s.batch_size
+    if models is not None:
+        models.append(model)
     if variant == "nonprivate":
         return nonprivate_step(model, loss_fn, batch, cfg.lr)
     if variant.startswith("dptrain_"):
         return dptrain_step(model, loss_fn, batch, B, cfg, variant[len("dptrain_"):])
     mode = variant[len("opacus_"):]
+    if kind == "llama":  # untied already, and no Conv1D
+        ids = batch["input_ids"]
+
+        def forward(m):
+            logits = m(input_ids=ids).logits[:, :-1]
+            return logits.reshape(-1, logits.shape[-1])
+
+        return opacus_step(model, (ids,), forward, ids[:, 1:].reshape(-1), cfg, mode,
+                           (B, s.seq_len - 1))
     if kind == "gpt2":
         # tied for hooks (they accumulate a shared weight over both uses); ghost needs it untied
         model, pos = opacus_gpt2(model, s, untie=(mode == "ghost"))
@@ -308,7 +346,7 @@ def run_model(kind: str, cfg: BenchConfig, variants=VARIANTS) -> dict:
                       f"{fallbacks[0]}", file=sys.stderr)
         except Exception as e:
             errors[v] = first_line(e)
-    rounds = cfg.rounds if kind == "gpt2" else cfg.resnet_rounds
+    rounds = cfg.rounds if kind in ("gpt2", "llama") else cfg.resnet_rounds
     times, run_errors = time_interleaved(steps, rounds=rounds, warmup=cfg.warmup,
                                          device=cfg.device)
     errors.update(run_errors)
@@ -403,12 +441,13 @@ def summarize(results: dict, cfg: BenchConfig) -> dict:
 
 def print_table(summary: dict) -> None:
     titles = {"gpt2": "GPT-2 (transformers, stock for dptrain)", "nfresnet": "NF-ResNet (timm)",
-              "vit": "ViT (timm)", "convnext": "ConvNeXt (timm)"}
+              "vit": "ViT (timm)", "convnext": "ConvNeXt (timm)",
+              "llama": "Llama (transformers, stock)"}
     cfg = summary["config"]
     for kind in MODELS:
         if kind not in summary:
             continue
-        shape = cfg[kind if kind in ("gpt2", "vit", "convnext") else "resnet"]
+        shape = cfg[kind if kind in ("gpt2", "vit", "convnext", "llama") else "resnet"]
         print(f"\n{titles[kind]}: {shape}")
         print(f"{'variant':<22}{'s/step':>9}{'x non-priv':>12}{'cpu s':>9}{'x (cpu)':>9}"
               f"{'peak MiB':>10}  note")
@@ -434,6 +473,8 @@ def tiny_config() -> BenchConfig:
     """A seconds-long smoke configuration (tests): tiny models, one round, no memory runs."""
     return BenchConfig(gpt2=GPT2Shape(num_layers=1, width=32, num_heads=2, vocab_size=64,
                                       seq_len=8, batch_size=4),
+                       llama=GPT2Shape(num_layers=1, width=32, num_heads=2, vocab_size=64,
+                                       seq_len=8, batch_size=4),
                        resnet=ResNetShape(name="nf_resnet26", image_size=32, batch_size=2),
                        vit=ResNetShape(name="vit_tiny_patch16_224", image_size=16, batch_size=2,
                                        timm_kwargs={"img_size": 16, "patch_size": 8,
@@ -459,7 +500,7 @@ def run(cfg: BenchConfig, models=MODELS) -> dict:
         print(f"[dp_step {time.perf_counter() - t0:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
     for kind in models:
-        rounds = cfg.rounds if kind == "gpt2" else cfg.resnet_rounds
+        rounds = cfg.rounds if kind in ("gpt2", "llama") else cfg.resnet_rounds
         log(f"timing {kind}: {rounds} rounds x {len(VARIANTS)} variants")
         results[kind] = run_model(kind, cfg)
     if cfg.memory:
@@ -488,7 +529,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--tiny", action="store_true", help="tiny models, for tests")
     ap.add_argument("--rounds", type=int, default=None, help="override the number of rounds")
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: gpt2,nfresnet,vit,convnext")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: gpt2,nfresnet,vit,convnext,llama")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args(argv)

@@ -95,3 +95,31 @@ def test_trainer_step_bench_times_both_tiny_configs(capsys):
     out = _load("trainer_step").main(["--steps", "1"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == out and out["tiny.yaml"] > 0 and out["tiny_images.yaml"] > 0
+
+
+def test_dp_step_llama_variants_make_the_same_update():
+    """The Llama rows compare like with like: with every example clipped (C far below the
+    norms) and no noise, one step of dptrain (both modes) and of Opacus (hooks, ghost) on the
+    stock LlamaForCausalLM moves every parameter the same way; a larger C moves them otherwise."""
+    import torch
+
+    dp_step = _load("dp_step")
+    cfg = dp_step.tiny_config()
+    cfg.noise_multiplier, cfg.lr = 0.0, 1.0
+
+    def updated(variant, clip_norm):
+        cfg.clip_norm = clip_norm
+        models: list = []
+        step = dp_step.build_variant("llama", variant, cfg, models)
+        before = [p.detach().clone() for p in models[0].parameters()]
+        step()
+        return torch.cat([(p.detach() - b).reshape(-1)
+                          for p, b in zip(models[0].parameters(), before)])
+
+    ref = updated("dptrain_bookkeeping", 1e-3)
+    assert float(ref.norm()) > 0
+    for variant in ("dptrain_two_pass", "opacus_hooks", "opacus_ghost"):
+        got = updated(variant, 1e-3)
+        assert float((got - ref).norm()) <= 1e-4 * float(ref.norm()), variant
+    other = updated("dptrain_bookkeeping", 1e-2)
+    assert float((other - ref).norm()) > 0.5 * float(ref.norm())
