@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ONE prepared GPU check for an H200 session (issue 5, item 8). Finishes in under 8 minutes
 # (267 and 331 s on the H200, 2026-11-30, before part 5b): every part has its own `timeout`
-# (they add up to 750 s) and a failing part does not stop the others. Run it from the
+# (they add up to 760 s) and a failing part does not stop the others. Run it from the
 # repository root on the GPU machine:
 #
 #   here:            bash bench/fetch_gpu_wheels.sh        # bench/wheels/ (gitignored)
@@ -25,8 +25,8 @@
 #   4. bench/dp_step.py --device cuda --quick --no-memory --models gpt2,nfresnet (65): DP step
 #      vs non-private vs Opacus (issue 2); its per-variant memory subprocesses are skipped to fit
 #      the budget.
-#   4b. the same for the ViT and the ConvNeXt (40): the engine's tapped parameters on the GPU
-#      (added 2026-12-02, not run on a GPU yet).
+#   4b. the same for the ViT, the ConvNeXt and a Llama (50): the engine's tapped parameters
+#      and its RMSNorm rule on the GPU (added 2026-12-02, not run on a GPU yet).
 #   5. bench/inner_momentum.py --device cuda --quick at GPT-2 small's shape (12 x 768, 12 heads,
 #      vocabulary 50,257), T = 128, B = 16 (130): DP-Muon-IM at K = 0, 1, 2, 4 (also 1, 2, 4
 #      with performance.ghost=memory, and 4 in two microbatches of 8) vs the non-private step
@@ -47,7 +47,7 @@
 # Each part prints examples/s, peak memory (torch.cuda.max_memory_allocated and NVML) and the
 # DP/non-private ratio where it has one; each part's log (its last line one JSON object) lands
 # in bench/gpu_out/ (on the device machine: packed into $OUT/gpu_check_logs.tar.gz after every
-# part). Timeouts add up to 750 s; the parts end well before them (the dry run's tiny shapes
+# part). Timeouts add up to 760 s; the parts end well before them (the dry run's tiny shapes
 # take about 110 s on 2 CPU cores).
 #
 # `bash bench/gpu_check.sh --dry-run` runs the same parts on CPU with tiny shapes (no install;
@@ -127,7 +127,7 @@ part nf_resnet50 90 "$PY" bench/gpu_check.py --model nf_resnet50 "${CHECK_ARGS[@
 # (the option checks read the source: a --help would import torch, seconds each)
 if grep -q -- '"--device"' bench/dp_step.py; then
   part dp_step 65 "$PY" bench/dp_step.py "${BENCH_ARGS[@]}" --models gpt2,nfresnet
-  part dp_step_vision 40 "$PY" bench/dp_step.py "${BENCH_ARGS[@]}" --models vit,convnext
+  part dp_step_vision 50 "$PY" bench/dp_step.py "${BENCH_ARGS[@]}" --models vit,convnext,llama
 else
   STATUS[dp_step]="skipped (no --device)"
 fi
