@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _reference import reference_grads
-from test_clipping_models import compare, loop_grads
+from test_clipping_models import compare, gpt2_batch, gpt2_loss, loop_grads
 import test_clipping_rules
 from test_clipping_rules import check
 
@@ -259,7 +259,7 @@ def _tiny_lm(kind: str, tied: bool, dtype):
     import transformers
 
     torch.manual_seed(0)
-    common = dict(vocab_size=53, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                   tie_word_embeddings=tied, rms_norm_eps=1e-3)
     if kind == "llama":
@@ -279,24 +279,6 @@ def _tiny_lm(kind: str, tied: bool, dtype):
     return model
 
 
-def _batch(B=4, T=9, V=53):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, V, (B, T), generator=g)
-    mask = torch.ones(B, T, dtype=torch.long)
-    for b, length in enumerate([T, 6, 3, 2][:B]):  # right padding
-        mask[b, length:] = 0
-        ids[b, length:] = 0
-    return ids, mask
-
-
-def _lm_loss(model, batch):
-    ids, mask = batch
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
-    tgt, keep = ids[:, 1:], mask[:, 1:].to(logits.dtype)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
-    return (ce.view(tgt.shape) * keep).sum(1)
-
-
 @pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("qwen2", False),
                                        ("gemma", True)])
 def test_decoder_lms(kind, tied):
@@ -308,9 +290,9 @@ def test_decoder_lms(kind, tied):
     assert len(norms) == 5 and all(isinstance(h.rule, RMSNormRule) for h in norms)
     if kind == "gemma":  # its embedding is scaled by sqrt(hidden_size)
         assert isinstance(engine.hooked[0].rule, ScaledEmbeddingRule)
-    batch = _batch()
-    ref = loop_grads(model, _lm_loss, batch)
-    compare(model, _lm_loss, batch, ref, 1e-6, ("ghost", "instantiate"),
+    batch = gpt2_batch()
+    ref = loop_grads(model, gpt2_loss, batch)
+    compare(model, gpt2_loss, batch, ref, 1e-6, ("ghost", "instantiate"),
             [("ghost", "bookkeeping"), ("instantiate", "two_pass"), ("auto", "bookkeeping")])
 
 
@@ -318,11 +300,11 @@ def test_llama_inner_momentum_query(float32_path):
     """u_b = 0.6 g_b(theta1) + 0.4 g_b(theta0) over a Llama with a tied head: norms and the
     clipped sum equal the reference built from each state's per-example gradients."""
     model = _tiny_lm("llama", True, torch.float64)
-    batch = _batch()
+    batch = gpt2_batch()
     gen = torch.Generator().manual_seed(5)
     theta1 = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype)
               for n, p in model.named_parameters()}
     plan = [(0.6, theta1), (0.4, None)]
-    ref = 0.6 * reference_grads(model, _lm_loss, batch, theta1) \
-        + 0.4 * reference_grads(model, _lm_loss, batch)
-    check(model, batch, loss_fn=_lm_loss, plan=plan, ref=ref)
+    ref = 0.6 * reference_grads(model, gpt2_loss, batch, theta1) \
+        + 0.4 * reference_grads(model, gpt2_loss, batch)
+    check(model, batch, loss_fn=gpt2_loss, plan=plan, ref=ref)
