@@ -137,6 +137,34 @@ def test_gpt2_preset_puts_matrices_in_muon_and_embeddings_head_vectors_in_adamw(
     assert opt.lr == {"matrices": 0.002, "others": 0.0035}
 
 
+@pytest.mark.parametrize("family, tie", [("llama", True), ("llama", False), ("qwen2", False)])
+def test_causal_lm_preset_gives_muon_the_decoder_layers_matrices_and_adamw_the_rest(family, tie):
+    """Llama (tied and untied head) and Qwen2 (q/k/v biases): Muon for q/k/v/o and the
+    gate/up/down projections of every decoder layer; AdamW for the token embedding, the head,
+    the norms and the biases."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(
+        family, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, tie_word_embeddings=tie)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    opt = _build({"name": "muon", "lr": 0.002, "preset": "causal_lm", "aux": {"lr": 0.01}},
+                 model=model)
+    groups = _members(opt)
+    assert groups["matrices"][0] == "muon" and groups["others"][0] == "adamw"
+    assert sorted(groups["matrices"][1]) == sorted(
+        f"model.layers.{i}.{m}.weight" for i in range(2)
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                  "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+    others = groups["others"][1]
+    norms = [f"model.layers.{i}.{n}.weight" for i in range(2)
+             for n in ("input_layernorm", "post_attention_layernorm")] + ["model.norm.weight"]
+    biases = [f"model.layers.{i}.self_attn.{x}_proj.bias" for i in range(2) for x in "qkv"]
+    head = [] if tie else ["lm_head.weight"]  # tied: the embedding's tensor, listed once
+    assert sorted(others) == sorted(["model.embed_tokens.weight", *head, *norms,
+                                     *(biases if family == "qwen2" else [])])
+    assert opt.lr == {"matrices": 0.002, "others": 0.01}
+
+
 class _ScaledStdConv(torch.nn.Module):
     """timm's ScaledStdConv2d parameters: weight (o, i, k, k), bias (o,), gain (o, 1, 1, 1)."""
 

@@ -90,8 +90,10 @@ class OptimConfig:
     """DP-MuonBC antithetic probe pairs per step. Null: 1."""
     power_iters: int | None = None
     """DP-Muon-S power iterations per step (warm-started). Null: 3."""
-    preset: Literal["gpt2", "nfresnet", "vit", "convnext"] | None = None
-    """Split parameters into matrices (``name``) and the rest (``aux``) by model family."""
+    preset: Literal["gpt2", "causal_lm", "nfresnet", "vit", "convnext"] | None = None
+    """Split parameters into matrices (``name``) and the rest (``aux``) by model family
+    (``causal_lm``: the decoder blocks' 2-D weights to ``name``; embeddings, head, norms and
+    biases to ``aux``)."""
     aux: AuxGroupConfig = field(default_factory=AuxGroupConfig)
     """The optimizer of the preset's non-matrix group."""
     groups: list[ParamGroupConfig] = field(default_factory=list)

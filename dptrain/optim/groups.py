@@ -1,4 +1,4 @@
-"""Parameter groups by name pattern, and the GPT-2 / NF-ResNet / ViT / ConvNeXt presets.
+"""Parameter groups by name pattern, and the GPT-2 / causal LM / NF-ResNet / ViT / ConvNeXt presets.
 
 Rules:
 - a pattern is a Python regex matched with ``re.search`` against the parameter's name
@@ -23,7 +23,7 @@ from dptrain.config import ConfigError
 from dptrain.optim.optimizers import OPTIMIZERS, check_options, optimizer_options
 
 __all__ = ["ParamGroupConfig", "ResolvedGroup", "resolve_groups", "PRESETS", "gpt2_groups",
-           "nfresnet_groups", "vit_groups", "convnext_groups"]
+           "causal_lm_groups", "nfresnet_groups", "vit_groups", "convnext_groups"]
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
 
@@ -135,6 +135,21 @@ def gpt2_groups(named_params: NamedParams, main: ParamGroupConfig,
     return _split(named_params, lambda n, p: p.ndim >= 2 and not _GPT2_AUX.search(n), main, aux)
 
 
+#: a numbered block of a ModuleList (``model.layers.3.``, ``transformer.h.0.``)
+_IN_BLOCK = re.compile(r"(^|\.)\d+\.")
+_EMBEDDING = re.compile(r"(^|\.)(\w*embed\w*|wte|wpe|lm_head)(\.|$)")
+
+
+def causal_lm_groups(named_params: NamedParams, main: ParamGroupConfig,
+                     aux: ParamGroupConfig) -> list[ParamGroupConfig]:
+    """transformers' decoder-only LMs (Llama, Qwen2, Mistral, ...): ``main`` (Muon) for the 2-D
+    weights inside the repeated decoder blocks (``model.layers.N``: q/k/v/o, gate/up/down
+    projections); ``aux`` (AdamW) for the token embedding, the LM head (tied or not), the
+    norms' weights and every bias (Qwen2's q/k/v biases)."""
+    return _split(named_params, lambda n, p: (p.ndim == 2 and bool(_IN_BLOCK.search(n))
+                                              and not _EMBEDDING.search(n)), main, aux)
+
+
 _CLASSIFIER = re.compile(r"(^|\.)(head|fc|classifier)(\.|$)")
 
 
@@ -178,6 +193,7 @@ def convnext_groups(named_params: NamedParams, main: ParamGroupConfig,
 PRESETS: dict[str, Callable[[NamedParams, ParamGroupConfig, ParamGroupConfig],
                             list[ParamGroupConfig]]] = {
     "gpt2": gpt2_groups,
+    "causal_lm": causal_lm_groups,
     "nfresnet": nfresnet_groups,
     "vit": vit_groups,
     "convnext": convnext_groups,
