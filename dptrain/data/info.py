@@ -16,6 +16,9 @@ class DataInfo:
     """LM: id used for right padding (masked out of attention and labels)."""
     eos_id: int | None = None
     """LM: end-of-sequence id appended to every target."""
+    bos_id: int | None = None
+    """LM: the beginning-of-sequence id every example (and generation prompt) starts with,
+    for a tokenizer that adds one (Llama's); None: none."""
     max_length: int | None = None
     """LM: longest sequence (prompt + target + EOS) in train or test, after truncation."""
     num_classes: int | None = None

