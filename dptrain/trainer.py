@@ -690,7 +690,7 @@ class Trainer:
         if out is not None and main:
             self.export(out / "final", state,
                         "model.safetensors" if ema is None else "last_iterate.safetensors")
-            ckpt.export_hf(self, out / "final")  # GPT-2: final/hf/ for transformers
+            ckpt.export_hf(self, out / "final")  # GPT-2, causal_lm: final/hf/ for transformers
             # last: summary.json marks the run finished (--resume auto then does nothing)
             tmp = out / "summary.json.tmp"
             tmp.write_text(strict_json(summary, indent=2, default=str))

@@ -19,6 +19,7 @@ from dptrain.trainer import RunConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
+TINY_LLAMA = str(ROOT / "configs" / "tiny_llama.yaml")
 FAST = ["train.progress=false", "privacy.steps=4"]
 
 
@@ -26,23 +27,26 @@ def _params(trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-def _cfg(overrides):
-    return load(RunConfig, TINY, [*FAST, *overrides])
+def _cfg(overrides, config=TINY):
+    return load(RunConfig, config, [*FAST, *overrides])
 
 
-@pytest.mark.parametrize("overrides", [
-    ["model.dropout=0.1", "optim.schedule=linear", "optim.ema_decay=0.8"],
-    ["optim.inner_momentum.k_muon=2", "optim.inner_momentum.k_other=2",
-     "optim.inner_momentum.gamma_muon=0.9", "optim.filter.name=doppler"],
-    ["optim.name=muon_bc", "optim.filter.name=disk", "optim.schedule=cosine"],
-], ids=["dropout+linear_lr+ema", "im_k2+doppler", "muon_bc+disk+cosine"])
-def test_resume_continues_bit_for_bit(tmp_path, overrides):
-    ref = Trainer(_cfg(["train.checkpoint_every=0", *overrides]), tmp_path / "ref")
+@pytest.mark.parametrize("overrides, config", [
+    (["model.dropout=0.1", "optim.schedule=linear", "optim.ema_decay=0.8"], TINY),
+    (["optim.inner_momentum.k_muon=2", "optim.inner_momentum.k_other=2",
+      "optim.inner_momentum.gamma_muon=0.9", "optim.filter.name=doppler"], TINY),
+    (["optim.name=muon_bc", "optim.filter.name=disk", "optim.schedule=cosine"], TINY),
+    # a Llama (causal_lm): its module-less attention dropout, inner momentum's history
+    (["model.dropout=0.1", "optim.inner_momentum.k_muon=1", "optim.inner_momentum.k_other=1",
+      "optim.inner_momentum.gamma_muon=0.5"], TINY_LLAMA),
+], ids=["dropout+linear_lr+ema", "im_k2+doppler", "muon_bc+disk+cosine", "causal_lm+dropout+im_k1"])
+def test_resume_continues_bit_for_bit(tmp_path, overrides, config):
+    ref = Trainer(_cfg(["train.checkpoint_every=0", *overrides], config), tmp_path / "ref")
     for _ in range(4):
         ref.private_step()
     want = _params(ref)
     # interrupted: 2 steps, checkpoint, a fresh process-like Trainer loads it and finishes
-    cfg = _cfg(["train.checkpoint_every=2", *overrides])
+    cfg = _cfg(["train.checkpoint_every=2", *overrides], config)
     first = Trainer(cfg, tmp_path / "run")
     for _ in range(2):
         first.private_step()
@@ -242,6 +246,48 @@ def test_gpt2_hf_export_loads_with_transformers_and_gives_the_same_logits(tmp_pa
         a = model(ids).logits
         b = ours.model(ids).logits
     assert torch.allclose(a, b, atol=1e-6, rtol=0)
+
+
+def test_causal_lm_hf_export_loads_with_transformers_and_continues_as_pretrained_path(
+        tmp_path, capsys):
+    """final/hf of a Llama run: AutoModelForCausalLM.from_pretrained gives the trained model's
+    logits (untied head and tied: the tied head is stored once), and a run with
+    model.pretrained_path at that folder starts from those weights and trains on."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 33, (2, 8), generator=torch.Generator().manual_seed(0))
+    for tie in ("false", "true"):
+        out = tmp_path / f"tie_{tie}"
+        assert main(["train", "--config", TINY_LLAMA, "--output-dir", str(out), *FAST,
+                     "privacy.steps=2", "train.checkpoint_every=0",
+                     f"model.tie_embeddings={tie}"]) == 0
+        hf = out / "final" / "hf"
+        model = AutoModelForCausalLM.from_pretrained(str(hf), local_files_only=True).eval()
+        assert type(model).__name__ == "LlamaForCausalLM"
+        assert json.loads((hf / "config.json").read_text())["architectures"] == [
+            "LlamaForCausalLM"]  # for transformers' pipelines
+        ours = Trainer(_cfg([f"model.tie_embeddings={tie}"], TINY_LLAMA), tmp_path / "x").model
+        ours.eval()
+        with torch.no_grad():
+            initial = ours(ids).logits
+        final = load_file(str(out / "final" / "model.safetensors"))
+        assert ("lm_head.weight" in final) == (tie == "false")
+        ours.load_state_dict(final, strict=tie == "false")
+        with torch.no_grad():
+            a, b = model(ids).logits, ours(ids).logits
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
+        assert not torch.allclose(b, initial, atol=1e-3)  # trained: not the initialisation
+    # fine-tune the exported (untied) model further: from its weights, then away from them
+    hf = tmp_path / "tie_false" / "final" / "hf"
+    more = ["model.hf_config={}", f"model.pretrained_path={hf}", "model.tie_embeddings=false"]
+    cont = Trainer(_cfg(more, TINY_LLAMA), tmp_path / "cont")
+    start = {k: v.clone() for k, v in cont.model.state_dict().items()}
+    exported = load_file(str(hf / "model.safetensors"))
+    assert all(torch.equal(start[k], v) for k, v in exported.items())
+    cont.private_step()
+    assert not all(torch.equal(start[k], v) for k, v in cont.model.state_dict().items())
+    capsys.readouterr()
 
 
 def test_checkpoints_are_ordered_by_step_number_and_stale_writes_removed(tmp_path):

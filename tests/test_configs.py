@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from dptrain.config import ConfigError, from_dict, load, validate_tree
 from dptrain.data import build_data
@@ -18,6 +19,34 @@ from dptrain.trainer import RunConfig, Trainer
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 BIG = 10_000_000  # parameters above which the test does not build the model
+#: configs whose files the user names (a pretrained checkpoint and its tokenizer): without them
+#: they are refused at load, naming these fields in turn; here they get a tiny Llama's folder
+USER_PATHS = {"e2e_llama.yaml": ("model.pretrained_path", "data.tokenizer_path")}
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    """A tiny pretrained Llama with its tokenizer, as a user would download one."""
+    from _causal_lm import E2E_DIR, save_pretrained_llama
+
+    if not (E2E_DIR / "devset.csv").is_file():
+        pytest.skip("shared E2E data not present")
+    return save_pretrained_llama(tmp_path_factory.mktemp("llama") / "ckpt")
+
+
+def _user_paths(name: str, request) -> list[str]:
+    """The overrides that supply a USER_PATHS config's files, after checking that without them
+    it is refused naming each field in turn."""
+    if name not in USER_PATHS:
+        return []
+    folder = request.getfixturevalue("llama_folder")
+    given = []
+    for field, value in zip(USER_PATHS[name], (folder, folder)):
+        with pytest.raises(ConfigError) as e:
+            load(RunConfig, next(p for p in CONFIGS if p.name == name), given)
+        assert e.value.field == field
+        given.append(f"{field}={value}")
+    return given
 
 
 def _approx_params(cfg: RunConfig) -> int:
@@ -43,8 +72,9 @@ def test_configs_exist():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
-def test_config_loads_and_builds(path, tmp_path):
-    cfg = load(RunConfig, path)
+def test_config_loads_and_builds(path, tmp_path, request):
+    user = _user_paths(path.name, request)
+    cfg = load(RunConfig, path, user)
     missing = _data_missing(cfg) if cfg.data.name in ("e2e", "mnist", "webdataset") else None
     if missing is not None:
         if path.name.startswith("dart"):
@@ -53,10 +83,50 @@ def test_config_loads_and_builds(path, tmp_path):
     if _approx_params(cfg) > BIG:
         return  # GPT-2 small: validated and its data loads; building it is too slow here
     # Build everything (data, privacy plan, model, clipping engine, optimizer) at a few steps.
-    small = load(RunConfig, path, ["privacy.steps=2", "performance.num_threads=1"])
+    small = load(RunConfig, path, [*user, "privacy.steps=2", "performance.num_threads=1"])
     trainer = Trainer(small, output_dir=tmp_path)
     assert trainer.plan.noise_multiplier > 0
     assert trainer.named_params
+
+
+def test_e2e_llama_fine_tunes_a_local_checkpoint_and_exports_it_with_its_tokenizer(
+        tmp_path, llama_folder, capsys):
+    """configs/e2e_llama.yaml with a tiny Llama folder (one step, on CPU): the run starts from
+    the checkpoint's weights, and final/hf holds the trained model and the tokenizer, which
+    transformers loads and which encodes as the run's did (BOS first)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dptrain.cli import main
+    from dptrain.data.tokenizers import build_tokenizer
+
+    out = tmp_path / "run"
+    config = next(p for p in CONFIGS if p.name == "e2e_llama.yaml")
+    code = main(["train", "--config", str(config), "--output-dir", str(out),
+                 f"model.pretrained_path={llama_folder}", f"data.tokenizer_path={llama_folder}",
+                 "data.max_train_examples=64", "data.max_test_examples=16",
+                 "privacy.sample_rate=0.25", "privacy.steps=1", "performance.dtype=float32",
+                 "performance.device=cpu", "performance.microbatch_size=8",
+                 "performance.num_threads=1", "train.checkpoint_every=0",
+                 "train.progress=false"])
+    capsys.readouterr()
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["metrics"]["nll_per_token"] > 0
+    hf = out / "final" / "hf"
+    model = AutoModelForCausalLM.from_pretrained(str(hf), local_files_only=True)
+    start = AutoModelForCausalLM.from_pretrained(str(llama_folder), local_files_only=True)
+    moved = [n for n, p in model.named_parameters()
+             if not torch.equal(p, start.get_parameter(n))]
+    assert moved  # trained from the checkpoint, one step away from it
+    assert all(torch.allclose(p, start.get_parameter(n), atol=0.1)
+               for n, p in model.named_parameters())
+    exported = AutoTokenizer.from_pretrained(str(hf), local_files_only=True)
+    ours = build_tokenizer("hf", str(llama_folder))
+    text = "name[The Vaults], eatType[pub] || The Vaults is a pub."
+    assert list(exported.encode(text)) == list(ours.hf.encode(text))
+    assert exported.encode(text)[0] == ours.bos_id
 
 
 def test_dart_without_data_names_data_path():
@@ -84,7 +154,7 @@ def test_dart_configs_read_the_official_release_layout(tmp_path):
 
 
 def test_paper_settings():
-    by = {p.name: load(RunConfig, p) for p in CONFIGS}
+    by = {p.name: load(RunConfig, p) for p in CONFIGS if p.name not in USER_PATHS}
     e2e, dart = by["e2e_paper_gpt2.yaml"], by["dart_paper_gpt2.yaml"]
     assert e2e.privacy.release_denominator(42061) == 1025
     assert dart.privacy.release_denominator(62659) == 1027

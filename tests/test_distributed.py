@@ -20,6 +20,7 @@ pytestmark = pytest.mark.distributed
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 TINY_IMAGES = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_images.yaml")
+TINY_LLAMA = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_llama.yaml")
 NF = ["model.name=timm", "model.timm_name=nf_resnet_tiny", "data.synthetic_train_size=96",
       "data.synthetic_test_size=16", "privacy.sample_rate=0.1", "privacy.steps=3",
       "performance.microbatch_size=8"]
@@ -45,8 +46,10 @@ def _train(rank: int, world: int, overrides: list[str], config: str = TINY) -> d
     from dptrain.parallel.fsdp import block_modules
 
     state = t.full_state_dict()
-    # GPT-2's tied wte/lm_head: one tensor in the gathered state too (exported once)
-    tied = (state["lm_head.weight"].data_ptr() == state["transformer.wte.weight"].data_ptr()
+    # a tied wte/lm_head (GPT-2's, a causal_lm's embed_tokens): one tensor in the gathered
+    # state too (exported once)
+    emb = next((k for k in state if k.endswith(("wte.weight", "embed_tokens.weight"))), None)
+    tied = (state["lm_head.weight"].data_ptr() == state[emb].data_ptr()
             if "lm_head.weight" in state else None)
     return {"params": {k: v.clone() for k, v in state.items()}, "tied": tied,
             "units": [isinstance(m, FSDPModule) for m in (*block_modules(t.model), t.model)],
@@ -95,6 +98,13 @@ def test_dp_muon_gpt2_with_dropout_same_on_1_2_4_ranks_and_any_microbatch():
         assert _rel(results[0]["params"], ref["params"]) <= 1e-5
         assert _rel(results[0]["release0"], ref["release0"]) <= 1e-5
         assert [sum(s) for s in zip(*(r["sizes"] for r in results))] == ref["sizes"]
+
+
+def test_dp_muon_causal_lm_same_on_1_and_2_fsdp_ranks():
+    # a Llama's decoder layers (model.layers.N) are FSDP2 units of their own; its RMSNorms,
+    # rotary positions and tied embed_tokens/lm_head under sharding
+    outs = _check(["model.tie_embeddings=true"], [(2, "fsdp")], TINY_LLAMA)
+    assert outs[0][0]["tied"] is True and len(outs[0][0]["units"]) == 3  # 2 layers + root
 
 
 def test_dp_muon_original_scale_same_on_1_and_2_fsdp_ranks():
@@ -436,6 +446,17 @@ def test_block_modules_finds_trainable_blocks_only():
     for p in m.h[1].parameters():
         p.requires_grad_(False)
     assert block_modules(m) == [m.h[0], m.h[2]]
+
+    class Decoder(nn.Module):  # transformers' Llama/Qwen2/Mistral: model.layers.N
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.embed_tokens = nn.Embedding(4, 2)
+            self.model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+            self.lm_head = nn.Linear(2, 4)
+
+    d = Decoder()
+    assert block_modules(d) == list(d.model.layers)
 
 
 def _scalars_and_rows(rank: int, world: int) -> dict:

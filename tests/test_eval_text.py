@@ -98,6 +98,50 @@ def test_batched_greedy_equals_one_by_one_and_uncached():
     assert [len(g) for g in greedy_generate(model, long, 500, eos_id=256)] == [4, 2]
 
 
+def _spiky_llama(dropout: float):
+    """A tiny Llama (rotary positions, grouped-query attention) with large weights; dropout
+    > 0 builds it with eager attention, 0 with sdpa (dptrain's choice, dptrain/models)."""
+    info = DataInfo(kind="lm", vocab_size=257, pad_id=256, eos_id=256, max_length=64)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="causal_lm", dropout=dropout, tie_embeddings=False,
+                                    hf_config={"model_type": "llama", "hidden_size": 32,
+                                               "intermediate_size": 64, "num_hidden_layers": 2,
+                                               "num_attention_heads": 4,
+                                               "num_key_value_heads": 2,
+                                               "max_position_embeddings": 64}), info)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["sdpa", "eager"])
+def test_llama_greedy_is_the_same_with_kv_cache_left_padding_and_without(dropout):
+    """The KV cache, left padding with explicit position_ids (rotary positions from 0 in every
+    row) and the no-cache path give the same tokens as each prompt alone, and as the argmax of
+    plain forwards; max_position_embeddings caps each row as n_positions caps GPT-2's."""
+    model = _spiky_llama(dropout)
+    assert model.config._attn_implementation == ("eager" if dropout else "sdpa")
+    prompts = [[10, 20, 30], [5], [7, 8, 9, 10, 11, 12, 13], [4, 4], [99, 98, 97]]
+    batched = greedy_generate(model, prompts, 6, eos_id=256, batch_size=5)
+    alone = [greedy_generate(model, [p], 6, eos_id=256, batch_size=1)[0] for p in prompts]
+    uncached = greedy_generate(model, prompts, 6, eos_id=256, batch_size=3, use_cache=False)
+    assert batched == alone == uncached
+    assert len({tuple(g) for g in batched}) > 1 and all(len(g) == 6 for g in batched)
+    seq = list(prompts[2])
+    for _ in range(len(alone[2])):
+        with torch.no_grad():
+            seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    assert seq[len(prompts[2]):] == alone[2]
+    mixed = [[5], list(range(1, 58)), [3] * 62, [9] * 40, []]
+    alone = [greedy_generate(model, [p], 30, eos_id=256, batch_size=1)[0] for p in mixed]
+    assert [len(g) for g in alone[1:4]] == [7, 2, 24]
+    for bs, cache in [(5, True), (3, True), (5, False)]:
+        assert greedy_generate(model, mixed, 30, eos_id=256, batch_size=bs,
+                               use_cache=cache) == alone
+
+
 def test_greedy_stops_at_eos():
     model = _spiky_gpt2()
     with torch.no_grad():  # make EOS the argmax everywhere

@@ -812,18 +812,31 @@ def unused_state(saved: dict, optimizer) -> list[str]:
 
 
 def export_hf(trainer, directory: Path) -> Path | None:
-    """For GPT-2: ``DIR/hf/`` (config.json + model.safetensors) loadable by transformers'
-    ``GPT2LMHeadModel.from_pretrained``; copied from ``DIR/model.safetensors``. None otherwise."""
+    """For GPT-2 and causal_lm models: ``DIR/hf/`` (config.json + model.safetensors) loadable
+    by transformers' ``from_pretrained`` (``AutoModelForCausalLM``, or ``model.pretrained_path``
+    of another run), copied from ``DIR/model.safetensors``; with ``data.tokenizer: hf`` the
+    tokenizer too, so that the folder is a complete checkpoint. None for other models."""
     model = trainer.model
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) != "gpt2" or not (directory / "model.safetensors").exists():
+    if (trainer.cfg.model.name not in ("gpt2", "causal_lm") or config is None
+            or not (directory / "model.safetensors").exists()):
         return None
     hf = Path(directory) / "hf"
     tmp = Path(directory) / f".tmp-hf-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    if not getattr(config, "architectures", None):  # built from a config: name the class
+        import copy
+
+        config = copy.deepcopy(config)
+        # (FSDP2 subclasses the model's class as FSDP<name>)
+        config.architectures = [next(c.__name__ for c in type(model).__mro__
+                                     if not c.__name__.startswith("FSDP"))]
     config.save_pretrained(str(tmp))
     shutil.copyfile(directory / "model.safetensors", tmp / "model.safetensors")
+    tokenizer = getattr(trainer.task, "tokenizer", None)
+    if getattr(tokenizer, "name", None) == "hf":
+        tokenizer.hf.save_pretrained(str(tmp))
     if hf.exists():
         shutil.rmtree(hf)
     os.replace(tmp, hf)

@@ -19,13 +19,24 @@ import torch
 
 from dptrain.parallel.fsdp import reshard
 
-__all__ = ["greedy_generate", "score_texts", "generate_and_score"]
+__all__ = ["greedy_generate", "model_positions", "score_texts", "generate_and_score"]
 
 
 def _model_device(model) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def model_positions(model) -> int | None:
+    """The longest sequence a model takes: its config's ``n_positions`` (GPT-2) or
+    ``max_position_embeddings`` (Llama, Qwen2, Mistral, ...); None if it has neither."""
+    config = getattr(model, "config", None)
+    for name in ("n_positions", "max_position_embeddings"):
+        n = getattr(config, name, None)
+        if isinstance(n, int):
+            return n
+    return None
 
 
 def _cache_kwarg(model) -> str:
@@ -54,7 +65,8 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
                     pad_id: int | None = None, batch_size: int = 16,
                     use_cache: bool = True) -> list[list[int]]:
     """Greedy continuation of each prompt (token ids), up to ``max_new_tokens`` or EOS (not
-    included), and up to the model's ``n_positions`` minus that prompt's length.
+    included), and up to the model's positions (:func:`model_positions`) minus that prompt's
+    length.
 
     Prompts are batched with LEFT padding and explicit ``position_ids`` (= position within the
     prompt), so every prompt is decoded exactly as it would be alone, whatever the batch. A
@@ -62,7 +74,7 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     limit (shorter prompts batched with a longer one) are continued in later rounds from their
     prompt plus what they generated, which greedy decoding continues identically."""
     pad = eos_id if pad_id is None else pad_id
-    n_pos = getattr(getattr(model, "config", None), "n_positions", None)
+    n_pos = model_positions(model)
     # an empty prompt starts from EOS
     seqs = [list(p) or [eos_id] for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]

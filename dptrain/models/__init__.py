@@ -1,4 +1,5 @@
-"""Models: GPT-2 (transformers), timm image models (NF-ResNet, ViT), a tiny GroupNorm CNN.
+"""Models: GPT-2 and other decoder-only causal LMs (transformers: Llama, Qwen2, Mistral, ...),
+timm image models (NF-ResNet, ViT), a tiny GroupNorm CNN.
 
 ``build_model(cfg, info)`` returns a plain ``nn.Module``; the clipping engine computes
 per-example norms from its layers (transformers' ``Conv1D`` and tied embeddings included), so
@@ -33,9 +34,11 @@ from dptrain.models.cnn import TinyCNN
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    name: Literal["gpt2", "timm", "cnn"] = "gpt2"
-    """Model family: ``gpt2`` (transformers' GPT2LMHeadModel, for LM data), ``timm`` (any timm
-    image model without BatchNorm, e.g. nf_resnet50) or ``cnn`` (tiny GroupNorm CNN, MNIST)."""
+    name: Literal["gpt2", "timm", "cnn", "causal_lm"] = "gpt2"
+    """Model family: ``gpt2`` (transformers' GPT2LMHeadModel, for LM data), ``causal_lm`` (any
+    decoder-only ``AutoModelForCausalLM`` of transformers: Llama, Qwen2, Mistral, ..., built from
+    ``hf_config`` or loaded from ``pretrained_path``), ``timm`` (any timm image model without
+    BatchNorm, e.g. nf_resnet50) or ``cnn`` (tiny GroupNorm CNN, MNIST)."""
 
     # --- gpt2 ---
     n_layer: int = 12
@@ -48,19 +51,26 @@ class ModelConfig:
     """gpt2: longest sequence the position embedding covers; must be >= the data's longest
     example (prompt + target + EOS)."""
     vocab_size: int | None = None
-    """gpt2: token vocabulary. Null: the data's vocabulary (50,257 for the GPT-2 tokenizer,
-    257 for bytes). If set, it must be >= the data's vocabulary (extra rows are unused)."""
+    """gpt2, causal_lm: token vocabulary. Null: the data's vocabulary (50,257 for the GPT-2
+    tokenizer, 257 for bytes, ``len(tokenizer)`` for ``data.tokenizer: hf``). If set, it must
+    be >= the data's vocabulary (extra rows are unused); with a checkpoint, the checkpoint's."""
     tie_embeddings: bool = True
-    """gpt2: share the input embedding and the LM head weight (GPT-2's default)."""
+    """gpt2, causal_lm: share the input embedding and the LM head weight (GPT-2's default;
+    transformers' ``tie_word_embeddings``). A checkpoint must have the same setting: Llama and
+    Mistral checkpoints have an untied head (set false), Qwen2-0.5B a tied one."""
     dropout: float = 0.0
     """gpt2: dropout probability for embeddings, attention and residuals (GPT-2 used 0.1).
-    0 by default so that a forward is deterministic; dropout is per example and allowed."""
+    causal_lm: every dropout probability of the model's config (Llama, Qwen2, Mistral: their
+    ``attention_dropout``; a family without one refuses a non-zero value). 0 by default so that
+    a forward is deterministic; dropout is per example and allowed (with dropout a causal_lm
+    runs eager attention, whose dropout dptrain's per-example masks replace; without, sdpa)."""
     pretrained_path: str | None = None
-    """gpt2: directory of a HF-format checkpoint (config.json + weights), loaded with
-    ``from_pretrained(local_files_only=True)``. Null: random initialisation from the fields
-    above. With a checkpoint, the architecture comes from it; only dropout is overridden. Every
-    tensor of the model must be in it (a partial or non-GPT-2 folder is refused, not completed
-    at random), and it is loaded in float32 whatever its saved dtype.
+    """gpt2, causal_lm: directory of a HF-format checkpoint (config.json + weights), loaded
+    with ``from_pretrained(local_files_only=True)``. Null: random initialisation from the fields
+    above (gpt2) or from ``hf_config`` (causal_lm). With a checkpoint, the architecture comes
+    from it; only dropout is overridden. Every tensor of the model must be in it (a partial or
+    foreign folder is refused, not completed at random), and it is loaded in float32 whatever
+    its saved dtype. A run's ``final/hf`` folder is such a checkpoint (training continues).
     timm: a weights file (``.safetensors``, or a torch ``.pth``/``.bin`` state dict, also
     nested under ``state_dict`` or ``model``) for the model ``timm_name`` and ``timm_kwargs``
     build. A file that does not fit as it is gets what timm's own loading does, without the
@@ -70,6 +80,18 @@ class ModelConfig:
     change is logged. Then every tensor must be in it with the model's shape, except the
     classifier's, which is initialised afresh when ``num_classes`` differs from the file's
     (fine-tuning on other classes); a tensor the model lacks is refused too."""
+
+    # --- causal_lm ---
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    """causal_lm without ``pretrained_path``: the transformers config of a model built from
+    scratch, ``AutoConfig.for_model(**hf_config)`` then ``AutoModelForCausalLM.from_config``,
+    e.g. ``{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2,
+    num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 128}``. Needs a
+    decoder-only ``model_type`` (llama, qwen2, mistral, ...); a key the config class does not
+    know is refused. ``vocab_size``, ``tie_word_embeddings`` and the dropout probabilities are
+    set by model.vocab_size, model.tie_embeddings and model.dropout; the attention
+    implementation by dptrain (sdpa, eager with dropout). With ``pretrained_path``: empty (the
+    checkpoint's config.json decides)."""
 
     # --- timm ---
     timm_name: str = "nf_resnet50"
@@ -120,6 +142,30 @@ class ModelConfig:
             if self.pretrained_path is not None and not Path(self.pretrained_path).is_dir():
                 raise ConfigError("pretrained_path",
                                   f"directory not found: {self.pretrained_path}")
+        elif self.name == "causal_lm":
+            if self.vocab_size is not None and self.vocab_size < 2:
+                raise ConfigError("vocab_size", f"must be >= 2, got {self.vocab_size}")
+            if not (0.0 <= self.dropout < 1.0):
+                raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
+            if not isinstance(self.hf_config, dict):
+                raise ConfigError("hf_config", f"must be a mapping of transformers config "
+                                               f"settings, got {self.hf_config!r}")
+            if self.pretrained_path is not None:
+                if not Path(self.pretrained_path).is_dir():
+                    raise ConfigError("pretrained_path",
+                                      f"directory not found: {self.pretrained_path}")
+                if self.hf_config:
+                    raise ConfigError("model.hf_config",
+                                      "the checkpoint in model.pretrained_path has its own "
+                                      "config.json, which decides the architecture: remove "
+                                      "model.hf_config (model.dropout sets its dropout)")
+            elif not self.hf_config:
+                raise ConfigError("model.pretrained_path",
+                                  "causal_lm needs a local checkpoint folder (config.json + "
+                                  "weights) in model.pretrained_path, or model.hf_config with "
+                                  "a model_type to build a model from scratch")
+            else:
+                scratch_config(self)  # the keys and values, before any data is read
         else:
             if self.num_classes is not None and self.num_classes < 1:
                 raise ConfigError("num_classes", f"must be >= 1, got {self.num_classes}")
@@ -152,9 +198,10 @@ class ModelConfig:
 
 
 _MODEL_FIELDS = {
-    **dict.fromkeys(("n_layer", "n_embd", "n_head", "n_positions", "vocab_size",
-                     "tie_embeddings", "dropout"), ("gpt2",)),
-    "pretrained_path": ("gpt2", "timm"),
+    **dict.fromkeys(("n_layer", "n_embd", "n_head", "n_positions"), ("gpt2",)),
+    **dict.fromkeys(("vocab_size", "tie_embeddings", "dropout"), ("gpt2", "causal_lm")),
+    "hf_config": ("causal_lm",),
+    "pretrained_path": ("gpt2", "timm", "causal_lm"),
     **dict.fromkeys(("timm_name", "drop_path_rate", "timm_kwargs"), ("timm",)),
     **dict.fromkeys(("num_classes", "in_chans"), ("timm", "cnn")),
     **dict.fromkeys(("channels", "groups", "pool", "hidden"), ("cnn",)),
@@ -306,6 +353,30 @@ def _adapt_timm_state(model: nn.Module, state: dict, own: dict, field_: str,
     return state, changed
 
 
+class _quiet_loading:
+    """transformers' loading progress bar and its LOAD REPORT (missing, mismatched, unexpected
+    tensors as a table on stderr) switched off for one ``from_pretrained``: the missing and
+    mismatched tensors are refused as one line naming model.pretrained_path
+    (:func:`_check_complete`), and a refusal prints nothing else; unexpected ones are logged
+    there at INFO (older Llama checkpoints hold their rotary ``inv_freq`` buffers: harmless)."""
+
+    def __enter__(self):
+        from transformers.utils import logging as hf_logging
+
+        self.hf_logging = hf_logging
+        self.verbosity = hf_logging.get_verbosity()
+        self.bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        return self
+
+    def __exit__(self, *exc):
+        self.hf_logging.set_verbosity(self.verbosity)
+        if self.bar:
+            self.hf_logging.enable_progress_bar()
+        return False
+
+
 def _load_pretrained_gpt2(cls, path: Path, dropout: float) -> nn.Module:
     """``cls.from_pretrained`` of a local folder, all of whose weights must be there: transformers
     fills missing or reshaped tensors with a fresh initialisation and only logs it, which would
@@ -324,21 +395,37 @@ def _load_pretrained_gpt2(cls, path: Path, dropout: float) -> nn.Module:
     if model_type is not None and model_type != "gpt2":
         raise ConfigError(field, f"{path} holds a {model_type!r} checkpoint, not GPT-2")
     try:
-        model, loading = cls.from_pretrained(
-            str(path), local_files_only=True, attn_implementation="eager",
-            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-            output_loading_info=True)
+        with _quiet_loading():
+            model, loading = cls.from_pretrained(
+                str(path), local_files_only=True, attn_implementation="eager",
+                resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True)  # listed in `loading`, refused by _check_complete
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # shapes: Runtime
         reason = " ".join(str(e).split())[:300] or type(e).__name__
         raise ConfigError(field, f"cannot load a GPT-2 checkpoint from {path}: {reason}") from None
+    _check_complete(loading, path)
+    return model.float()
+
+
+def _check_complete(loading: dict, path: Path) -> None:
+    """Refuse a checkpoint that lacks tensors of the model or has them in other shapes
+    (``from_pretrained(output_loading_info=True)``'s lists): transformers initialises those at
+    random and only logs it."""
+    import logging
+
+    extra = sorted(str(k) for k in loading.get("unexpected_keys") or ())
+    if extra:
+        logging.getLogger(__name__).info("%s: %d tensors the model does not use (%s)", path,
+                                         len(extra), _first_few(extra))
     for kind in ("missing_keys", "mismatched_keys"):
         bad = sorted(str(k if isinstance(k, str) else k[0]) for k in loading.get(kind) or ())
         if bad:
             what = "lacks" if kind == "missing_keys" else "has other shapes for"
-            raise ConfigError(field, f"the checkpoint in {path} {what} {len(bad)} of the model's "
-                                     f"tensors ({_first_few(bad)}); they would be trained from a "
-                                     f"random initialisation")
-    return model.float()
+            raise ConfigError("model.pretrained_path",
+                              f"the checkpoint in {path} {what} {len(bad)} of the model's "
+                              f"tensors ({_first_few(bad)}); they would be trained from a "
+                              f"random initialisation")
 
 
 def _build_gpt2(cfg: ModelConfig, info: DataInfo) -> nn.Module:
@@ -401,11 +488,280 @@ def _build_gpt2(cfg: ModelConfig, info: DataInfo) -> nn.Module:
     return model
 
 
+# ------------------------------------------------------------------------------ causal_lm
+
+#: hf_config keys that a field of dptrain sets (refused in hf_config, naming the field)
+_HF_OWN_KEYS = {"vocab_size": "model.vocab_size", "tie_word_embeddings": "model.tie_embeddings",
+                "dtype": "performance.dtype", "torch_dtype": "performance.dtype"}
+#: hf_config keys dptrain chooses itself (attention implementation: see _attention)
+_HF_CHOSEN_KEYS = ("attn_implementation", "_attn_implementation")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+def _decoder_only(config, model_type: str, field: str) -> None:
+    """Refuse what is not a decoder-only causal LM of text: an encoder (BERT's LM head is in
+    AutoModelForCausalLM's mapping too), an encoder-decoder or the decoder half of one (BART,
+    Marian), a model with sub-configs (Gemma 3's or LLaVA's vision tower: use their text-only
+    model type, e.g. gemma3_text)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+
+    why = None
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        why = "transformers has no causal LM for it"
+    elif (model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+          or model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+          or getattr(config, "is_encoder_decoder", False)):
+        why = "an encoder or encoder-decoder family"
+    elif getattr(type(config), "sub_configs", None):
+        why = f"a composite model ({', '.join(type(config).sub_configs)})"
+    if why is not None:
+        raise ConfigError(field, f"model_type {model_type!r} is not a decoder-only causal "
+                                 f"language model ({why}); causal_lm takes llama, qwen2, "
+                                 f"mistral and the like")
+
+
+def _config_keys(cls) -> set[str]:
+    """The settings a transformers config class knows: its fields (5.x configs are
+    dataclasses), constructor arguments, attribute aliases and what its default writes out."""
+    import dataclasses
+    import inspect
+
+    known = set(getattr(cls, "attribute_map", {}) or {})
+    if dataclasses.is_dataclass(cls):
+        known |= {f.name for f in dataclasses.fields(cls)}
+    try:
+        known |= {n for n, p in inspect.signature(cls.__init__).parameters.items()
+                  if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    except (TypeError, ValueError):
+        pass
+    try:
+        known |= set(cls().to_dict())
+    except Exception:  # noqa: BLE001 - a class without usable defaults: the rest still counts
+        pass
+    return known
+
+
+def scratch_config(cfg: ModelConfig, vocab_size: int | None = None,
+                   special: dict[str, int | None] | None = None):
+    """The transformers config of a causal_lm built from ``cfg.hf_config``: checked key by key
+    (ConfigError naming ``model.hf_config.<key>``), with model.vocab_size (or ``vocab_size``),
+    model.tie_embeddings and model.dropout applied. ``special``: token ids (bos/eos/pad) to
+    set where hf_config does not. Used by validate() too, so a dry run refuses a bad key
+    before any data is read."""
+    import re
+
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from dptrain.models.dropout import config_dropout_keys
+
+    hf = dict(cfg.hf_config)
+    model_type = hf.pop("model_type", None)
+    if not model_type or not isinstance(model_type, str):
+        raise ConfigError("model.hf_config.model_type",
+                          "required to build a causal_lm from scratch (llama, qwen2, mistral, "
+                          "...), or set model.pretrained_path")
+    for key in hf:
+        if key in _HF_OWN_KEYS:
+            raise ConfigError(f"model.hf_config.{key}", f"set it with {_HF_OWN_KEYS[key]} "
+                                                        f"instead")
+        if key in _HF_CHOSEN_KEYS:
+            raise ConfigError(f"model.hf_config.{key}",
+                              "dptrain chooses the attention implementation (sdpa; eager with "
+                              "model.dropout > 0, so that its dropout is per example)")
+    try:
+        cls = CONFIG_MAPPING[model_type]
+    except KeyError:
+        raise ConfigError("model.hf_config.model_type",
+                          f"unknown transformers model type {model_type!r}") from None
+    try:
+        config = AutoConfig.for_model(model_type, **hf)
+    except Exception as e:  # noqa: BLE001 - transformers' validators raise many kinds
+        named = re.search(r"field '(\w+)'", str(e))
+        key = named.group(1) if named and named.group(1) in hf else None
+        raise ConfigError("model.hf_config" + (f".{key}" if key else ""),
+                          f"{cls.__name__} refused it: {_one_line(e)}") from None
+    _decoder_only(config, model_type, "model.hf_config.model_type")
+    known = _config_keys(cls)
+    stored = vars(config)
+    for key in hf:  # an unknown key is kept as an attribute; a legacy one is converted
+        if key not in known and key in stored:
+            raise ConfigError(f"model.hf_config.{key}",
+                              f"not a setting of {cls.__name__} (a typo?)")
+    drops = config_dropout_keys(config)
+    for key in hf:
+        if key in drops:
+            raise ConfigError(f"model.hf_config.{key}", "set it with model.dropout instead")
+    _apply_dropout(config, cfg.dropout, "model.dropout")
+    config.tie_word_embeddings = cfg.tie_embeddings
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
+    for name, value in (special or {}).items():
+        if f"{name}_token_id" not in hf:
+            setattr(config, f"{name}_token_id", value)
+    return config
+
+
+def _apply_dropout(config, p: float, field: str) -> None:
+    """model.dropout into every dropout probability of ``config`` (a family without any
+    refuses p > 0: it would be silently ignored)."""
+    from dptrain.models.dropout import config_dropout_keys
+
+    keys = config_dropout_keys(config)
+    if p > 0 and not keys:
+        raise ConfigError(field, f"{type(config).__name__} has no dropout setting; set "
+                                 f"model.dropout to 0")
+    for key in keys:
+        setattr(config, key, p)
+
+
+def _attention(config, dropout: float) -> str:
+    """The attention implementation: sdpa (fused kernels, much faster on GPUs; exact per-example
+    norms: tests/test_causal_lm.py) unless the model has dropout, since sdpa draws its dropout
+    inside the kernel, where dptrain's per-example masks (``F.dropout``, dptrain/models/dropout.py)
+    cannot reach it: then eager, as GPT-2 here. Eager too for a family without sdpa."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if dropout > 0 or not getattr(model_cls, "_supports_sdpa", False):
+        return "eager"
+    return "sdpa"
+
+
+def _positions(config) -> int | None:
+    """The longest sequence the model's positions cover (``max_position_embeddings``; GPT-2's
+    ``n_positions`` answers to that name too), or None if the config has no such limit."""
+    n = getattr(config, "max_position_embeddings", None)
+    return n if isinstance(n, int) else None
+
+
+def _check_runs(model: nn.Module) -> None:
+    """One forward of two tokens in eval mode without gradients or random numbers: a config
+    whose shapes do not fit together (heads that do not divide the width, grouped-query heads
+    that do not divide the heads, an odd rotary dimension) is a config error here, not a
+    traceback at the first step."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long))
+    except (RuntimeError, ValueError, IndexError, AssertionError, TypeError) as e:
+        raise ConfigError("model.hf_config", f"the model it builds cannot run: "
+                                             f"{type(e).__name__}: {_one_line(e)}") from None
+    finally:
+        model.train(was_training)
+
+
+def _from_pretrained_kwargs() -> dict:
+    """float32 weights whatever the checkpoint's dtype (transformers 5: ``dtype``; 4.x:
+    ``torch_dtype``)."""
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    return {"dtype" if major >= 5 else "torch_dtype": torch.float32}
+
+
+def _load_pretrained_causal_lm(cfg: ModelConfig, path: Path, info: DataInfo) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    field_ = "model.pretrained_path"
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - no/bad config.json, unknown model type
+        raise ConfigError(field_, f"cannot read a transformers config from {path}: "
+                                  f"{_one_line(e)}") from None
+    model_type = getattr(config, "model_type", None) or ""
+    _decoder_only(config, model_type, field_)
+    vocab = config.vocab_size
+    if cfg.vocab_size is not None and cfg.vocab_size != vocab:
+        raise ConfigError("model.vocab_size", f"is {cfg.vocab_size}, but the checkpoint in "
+                                              f"model.pretrained_path has vocab_size={vocab}: "
+                                              f"remove the setting or make it {vocab}")
+    if info.vocab_size is not None and vocab < info.vocab_size:
+        raise ConfigError(field_, f"checkpoint vocabulary {vocab} < data vocabulary "
+                                  f"{info.vocab_size} (data.tokenizer_path: the checkpoint's "
+                                  f"own tokenizer?)")
+    if bool(config.tie_word_embeddings) != cfg.tie_embeddings:
+        # the checkpoint decides; say so rather than silently ignoring the field
+        raise ConfigError("model.tie_embeddings", f"the checkpoint has tie_word_embeddings="
+                                                  f"{config.tie_word_embeddings}: set "
+                                                  f"model.tie_embeddings to match")
+    n_pos = _positions(config)
+    if info.max_length is not None and n_pos is not None and n_pos < info.max_length:
+        raise ConfigError("data.max_length", f"longest example has {info.max_length} tokens but "
+                                             f"the checkpoint covers {n_pos} positions "
+                                             f"(max_position_embeddings); set data.max_length")
+    _apply_dropout(config, cfg.dropout, "model.dropout")
+    import safetensors
+
+    SafetensorError = getattr(safetensors, "SafetensorError", OSError)
+    try:
+        with _quiet_loading():
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                str(path), config=config, local_files_only=True,
+                attn_implementation=_attention(config, cfg.dropout), output_loading_info=True,
+                ignore_mismatched_sizes=True,  # listed in `loading`, refused by _check_complete
+                **_from_pretrained_kwargs())
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+        raise ConfigError(field_, f"cannot load a {model_type} checkpoint from {path}: "
+                                  f"{_one_line(e)}") from None
+    _check_complete(loading, path)
+    return model.float()
+
+
+def _build_causal_lm(cfg: ModelConfig, info: DataInfo) -> nn.Module:
+    """transformers' decoder-only LMs (Llama, Qwen2, Mistral, ...), from ``hf_config`` or a
+    local checkpoint. The clipping engine takes them as they are: Linear and Embedding rules,
+    RMSNorm by its rule or torch.func, rotary positions (no parameters), a tied or untied head."""
+    if info.kind != "lm":
+        raise ConfigError("model.name", f"causal_lm needs language-model data, got {info.kind} "
+                                        f"data")
+    if cfg.pretrained_path is not None:
+        path = Path(cfg.pretrained_path)
+        if not path.is_dir():
+            raise ConfigError("model.pretrained_path", f"directory not found: {path}")
+        model = _load_pretrained_causal_lm(cfg, path, info)
+        check_no_batchnorm(model, "model.pretrained_path")
+        return model
+    from transformers import AutoModelForCausalLM
+
+    vocab = cfg.vocab_size if cfg.vocab_size is not None else info.vocab_size
+    if vocab is None:
+        raise ConfigError("model.vocab_size", "the data has no vocabulary; set model.vocab_size")
+    if info.vocab_size is not None and vocab < info.vocab_size:
+        raise ConfigError("model.vocab_size",
+                          f"{vocab} is smaller than the data's vocabulary ({info.vocab_size})")
+    special = {"eos": info.eos_id, "pad": info.pad_id, "bos": info.bos_id}
+    config = scratch_config(cfg, vocab, special)
+    n_pos = _positions(config)
+    if info.max_length is not None and n_pos is not None and n_pos < info.max_length:
+        raise ConfigError("model.hf_config.max_position_embeddings",
+                          f"{n_pos} < longest example ({info.max_length} tokens); raise "
+                          f"model.hf_config.max_position_embeddings or set data.max_length")
+    try:
+        model = AutoModelForCausalLM.from_config(config,
+                                                 attn_implementation=_attention(config,
+                                                                                cfg.dropout))
+    except (ValueError, TypeError, RuntimeError, AssertionError, KeyError, IndexError) as e:
+        raise ConfigError("model.hf_config", f"transformers cannot build it: "
+                                             f"{type(e).__name__}: {_one_line(e)}") from None
+    check_no_batchnorm(model, "model.hf_config")
+    _check_runs(model)
+    return model
+
+
 def build_model(cfg: ModelConfig, info: DataInfo) -> nn.Module:
     """Build the model of ``cfg`` for data described by ``info`` (random init unless
     ``pretrained_path``). Raises ConfigError naming the field on any mismatch."""
     if cfg.name == "gpt2":
         model = _build_gpt2(cfg, info)
+    elif cfg.name == "causal_lm":
+        model = _build_causal_lm(cfg, info)
     else:
         if info.kind != "classification":
             raise ConfigError("model.name",

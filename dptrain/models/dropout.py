@@ -4,7 +4,9 @@ Torch's dropout draws from the process's RNG, so the masks an example gets depen
 processes it, in which microbatch, after how many other forwards: a run on W ranks, or resumed
 on another world size, takes different masks than on one rank. During the private forwards the
 trainer makes ``torch.nn.functional.dropout`` (GPT-2's ``nn.Dropout`` modules and its eager
-attention's dropout, timm's ``drop_rate``) draw its mask from a counter-based hash instead:
+attention's dropout, the eager attention of transformers' other causal LMs, which calls
+``F.dropout`` with ``config.attention_dropout`` and has no module, timm's ``drop_rate``) draw
+its mask from a counter-based hash instead:
 
     k_step  = mix64(seed_key(seed) + GAMMA * (step + 1))
     k_call  = mix64(mix64(k_step + GAMMA * (stream + 1)) + GAMMA * (call + 1))
@@ -32,6 +34,7 @@ a dropout or a stochastic-depth layer with p > 0.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from typing import Any
 
@@ -42,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from dptrain.privacy.sampling import _GAMMA, _M1, _M2, _mix64_int, _seed_key
 
-__all__ = ["ExampleDropout", "has_dropout", "hash_uniform_bits", "mix64"]
+__all__ = ["ExampleDropout", "config_dropout_keys", "has_dropout", "hash_uniform_bits", "mix64"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -82,8 +85,31 @@ def hash_uniform_bits(k_call: int, indices: Tensor, shape: tuple[int, ...]) -> T
     return _lshr(h, 40)
 
 
+#: a transformers config's dropout probabilities: ``dropout``, ``attention_dropout``,
+#: ``attn_pdrop``, ``hidden_dropout_prob``, ``dropout_rate``, ...
+_DROPOUT_KEY = re.compile(r"(^|_)(dropout|pdrop)(_prob|_rate)?$")
+
+
+def config_dropout_keys(config: Any) -> list[str]:
+    """The dropout probabilities of a transformers config (``attention_dropout`` for Llama,
+    Qwen2 and Mistral; ``attn_pdrop``, ``embd_pdrop``, ``resid_pdrop`` for GPT-2 and Phi), the
+    classification heads' excepted (``classifier_dropout``, ``summary_first_dropout``: a causal
+    LM does not run them). Some are read by ``nn.Dropout`` modules, others only by the forward
+    (Llama's attention calls ``F.dropout(p=config.attention_dropout)``), hence this list."""
+    if config is None or not hasattr(config, "to_dict"):  # a transformers config
+        return []
+    return sorted(k for k, v in vars(config).items()
+                  if _DROPOUT_KEY.search(k) and not k.startswith(("classifier", "summary"))
+                  and isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
 def has_dropout(model: nn.Module) -> bool:
-    """A dropout with p > 0, or timm's stochastic depth (``DropPath``) with drop_prob > 0."""
+    """A dropout with p > 0, or timm's stochastic depth (``DropPath``) with drop_prob > 0, or a
+    transformers model whose config sets a dropout probability > 0 (``config_dropout_keys``:
+    Llama's attention dropout is a call in its forward, not a module)."""
+    config = getattr(model, "config", None)
+    if any(getattr(config, k, 0) > 0 for k in config_dropout_keys(config)):
+        return True
     return any((isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0)
                or (type(m).__name__ == "DropPath" and getattr(m, "drop_prob", 0) > 0)
                for m in model.modules())

@@ -37,10 +37,12 @@ def is_sharded(t: Tensor) -> bool:
 
 
 def block_modules(model: nn.Module) -> list[nn.Module]:
-    """The units to shard: GPT-2 blocks (``transformer.h.N``), timm stages (``stages.N``), or
-    else the children of the largest ``nn.ModuleList``/``nn.Sequential`` of repeated blocks."""
+    """The units to shard: GPT-2 blocks (``transformer.h.N``), the decoder layers of
+    transformers' other causal LMs (``model.layers.N``: Llama, Qwen2, Mistral), timm stages
+    (``stages.N``), ``layers.N``, ``blocks.N`` (ViTs) or ``features.N``, the first of these
+    patterns that names trainable modules; none of them: no block units (the root is one)."""
     named = dict(model.named_modules())
-    for pattern in (r"^(transformer\.)?h\.\d+$", r"^stages\.\d+$", r"^layers\.\d+$",
+    for pattern in (r"^(transformer\.)?h\.\d+$", r"^stages\.\d+$", r"^(model\.)?layers\.\d+$",
                     r"^blocks\.\d+$", r"^features\.\d+$"):
         found = [m for n, m in named.items() if re.match(pattern, n)
                  and any(p.requires_grad for p in m.parameters())]
