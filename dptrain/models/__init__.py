@@ -650,7 +650,8 @@ def _check_runs(model: nn.Module) -> None:
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model(input_ids=torch.zeros(1, 2, dtype=torch.long))
-    except (RuntimeError, ValueError, IndexError, AssertionError, TypeError) as e:
+    except (RuntimeError, ValueError, IndexError, AssertionError, TypeError,
+            NotImplementedError) as e:
         raise ConfigError("model.hf_config", f"the model it builds cannot run: "
                                              f"{type(e).__name__}: {_one_line(e)}") from None
     finally:
@@ -707,7 +708,8 @@ def _load_pretrained_causal_lm(cfg: ModelConfig, path: Path, info: DataInfo) -> 
                 attn_implementation=_attention(config, cfg.dropout), output_loading_info=True,
                 ignore_mismatched_sizes=True,  # listed in `loading`, refused by _check_complete
                 **_from_pretrained_kwargs())
-    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, ImportError,
+            SafetensorError) as e:
         raise ConfigError(field_, f"cannot load a {model_type} checkpoint from {path}: "
                                   f"{_one_line(e)}") from None
     _check_complete(loading, path)
@@ -747,7 +749,8 @@ def _build_causal_lm(cfg: ModelConfig, info: DataInfo) -> nn.Module:
         model = AutoModelForCausalLM.from_config(config,
                                                  attn_implementation=_attention(config,
                                                                                 cfg.dropout))
-    except (ValueError, TypeError, RuntimeError, AssertionError, KeyError, IndexError) as e:
+    except (ValueError, TypeError, RuntimeError, AssertionError, KeyError, IndexError,
+            AttributeError, ImportError) as e:  # ImportError: a family's extra package
         raise ConfigError("model.hf_config", f"transformers cannot build it: "
                                              f"{type(e).__name__}: {_one_line(e)}") from None
     check_no_batchnorm(model, "model.hf_config")
