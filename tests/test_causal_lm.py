@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from _causal_lm import E2E_DIR, FAMILIES, TINY_LLAMA, save_pretrained_llama
+from _threads import _one_thread  # noqa: F401  (autouse: one torch thread)
 from torch import nn
 
 from dptrain.config import ConfigError, from_dict, load, validate_tree
@@ -21,15 +22,6 @@ from dptrain.models import ModelConfig, build_model
 from dptrain.models.dropout import ExampleDropout, example_dropout, has_dropout
 
 LM = DataInfo(kind="lm", vocab_size=257, pad_id=256, eos_id=256, max_length=40)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is much faster on a shared CPU (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def causal_cfg(family: str = "llama", hf: dict | None = None, **kw) -> ModelConfig:

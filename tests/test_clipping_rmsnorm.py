@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _reference import reference_grads
+from _threads import _one_thread  # noqa: F401  (autouse: one torch thread)
 from test_clipping_models import compare, gpt2_batch, gpt2_loss, loop_grads
 import test_clipping_rules
 from test_clipping_rules import check
@@ -39,14 +40,6 @@ from dptrain.clipping.rules import (
     _scaled_embedding_scale,
     _transformers_rmsnorm_form,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _sandwich(norm: nn.Module, d: int, dtype, seed: int) -> tuple[nn.Module, tuple]:

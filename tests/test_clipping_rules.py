@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from _reference import reference_grads
+from _threads import _one_thread  # noqa: F401  (autouse: one torch thread)
 
 from dptrain.clipping import ClippingEngine
 
@@ -31,14 +32,6 @@ SETTINGS = settings(max_examples=10, deadline=None, derandomize=True, database=N
 POLICIES = ("ghost", "instantiate", "auto", "memory")
 MODES = ("bookkeeping", "two_pass")
 RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------------------------------------

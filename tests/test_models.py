@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _threads import _one_thread  # noqa: F401  (autouse: one torch thread)
+
 from dptrain.config import ConfigError, from_dict, validate_tree
 from dptrain.data import DataInfo
 from dptrain.models import (ModelConfig, TinyCNN, build_model, check_no_batchnorm,
@@ -16,15 +18,6 @@ from dptrain.models import (ModelConfig, TinyCNN, build_model, check_no_batchnor
 
 LM = DataInfo(kind="lm", vocab_size=257, pad_id=256, eos_id=256, max_length=40)
 IMG = DataInfo(kind="classification", num_classes=7, in_chans=1, image_size=28)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is much faster on a shared CPU (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def gpt2_cfg(**kw):
