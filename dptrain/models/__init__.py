@@ -128,13 +128,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         refuse_unused(self)
-        if self.name == "gpt2":
-            for f in ("n_layer", "n_embd", "n_head", "n_positions"):
-                if getattr(self, f) < 1:
-                    raise ConfigError(f, f"must be >= 1, got {getattr(self, f)}")
-            if self.n_embd % self.n_head:
-                raise ConfigError("n_embd", f"must be divisible by n_head={self.n_head}, "
-                                            f"got {self.n_embd}")
+        if self.name in ("gpt2", "causal_lm"):  # the language models' shared fields
             if self.vocab_size is not None and self.vocab_size < 2:
                 raise ConfigError("vocab_size", f"must be >= 2, got {self.vocab_size}")
             if not (0.0 <= self.dropout < 1.0):
@@ -142,18 +136,18 @@ class ModelConfig:
             if self.pretrained_path is not None and not Path(self.pretrained_path).is_dir():
                 raise ConfigError("pretrained_path",
                                   f"directory not found: {self.pretrained_path}")
+        if self.name == "gpt2":
+            for f in ("n_layer", "n_embd", "n_head", "n_positions"):
+                if getattr(self, f) < 1:
+                    raise ConfigError(f, f"must be >= 1, got {getattr(self, f)}")
+            if self.n_embd % self.n_head:
+                raise ConfigError("n_embd", f"must be divisible by n_head={self.n_head}, "
+                                            f"got {self.n_embd}")
         elif self.name == "causal_lm":
-            if self.vocab_size is not None and self.vocab_size < 2:
-                raise ConfigError("vocab_size", f"must be >= 2, got {self.vocab_size}")
-            if not (0.0 <= self.dropout < 1.0):
-                raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
             if not isinstance(self.hf_config, dict):
                 raise ConfigError("hf_config", f"must be a mapping of transformers config "
                                                f"settings, got {self.hf_config!r}")
             if self.pretrained_path is not None:
-                if not Path(self.pretrained_path).is_dir():
-                    raise ConfigError("pretrained_path",
-                                      f"directory not found: {self.pretrained_path}")
                 if self.hf_config:
                     raise ConfigError("model.hf_config",
                                       "the checkpoint in model.pretrained_path has its own "
