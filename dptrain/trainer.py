@@ -61,9 +61,21 @@ class TrainConfig:
     """How many complete checkpoints to keep (the newest complete one is never deleted)."""
     progress: bool = True
     """Show a progress bar on stderr."""
+    generate_prompts: int | None = 0
+    """E2E and DART (``data.name: e2e``): at the final evaluation, greedy generations for the
+    first this many test meaning representations, scored against all their references: BLEU
+    (sacrebleu, multi-reference) and ROUGE-L (best over references) in summary.json as
+    ``test_bleu``, ``test_rouge_l``, ``test_generated_prompts``. Null: every test MR (the
+    papers' protocol); 0: none. Public test data: no privacy cost."""
+    max_new_tokens: int = 64
+    """generate_prompts: the longest generation in tokens (EOS ends one earlier; also capped by
+    the model's positions). Byte-level tokenizers need about 4x more."""
 
     def validate(self) -> None:
-        for name in ("log_every", "keep_checkpoints", "eval_batch_size"):
+        if self.generate_prompts is not None and self.generate_prompts < 0:
+            raise ConfigError("generate_prompts", f"must be >= 0 or null (every test MR), got "
+                                                  f"{self.generate_prompts}")
+        for name in ("log_every", "keep_checkpoints", "eval_batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("eval_every", "checkpoint_every"):
@@ -85,6 +97,10 @@ class RunConfig:
     def validate(self) -> None:
         if not 0 <= self.seed < 2**63:  # torch.manual_seed and numpy take these
             raise ConfigError("seed", f"must be in [0, 2**63), got {self.seed}")
+        if self.train.generate_prompts != 0 and self.data.name != "e2e":
+            raise ConfigError("train.generate_prompts",
+                              f"scores generations against E2E/DART references: it applies only "
+                              f"with data.name e2e, not {self.data.name}; set it to 0")
 
 
 class StopRequested(Exception):
@@ -544,21 +560,33 @@ class Trainer:
             return 0.0
         return ledger_epsilon(self.ledger, self.plan.delta, self.plan.accountant)
 
-    def evaluate(self) -> dict:
+    def evaluate(self, generate: bool = False) -> dict:
         """Test metrics of the model; with a parameter EMA (``optim.ema_decay``), of the average,
-        and of the last iterate as ``last_iterate_*``."""
+        and of the last iterate as ``last_iterate_*``. ``generate``: also BLEU and ROUGE-L of
+        greedy generations (``train.generate_prompts``; the final evaluation)."""
         ema = self.optimizer.ema
-        metrics = self._evaluate()
+        metrics = self._evaluate(generate)
         if ema is None:
             return metrics
         with ema.swapped_in():
-            averaged = self._evaluate()
+            averaged = self._evaluate(generate)
         return {**averaged, **{f"last_iterate_{k}": v for k, v in metrics.items()}}
 
-    def _evaluate(self) -> dict:
+    def _evaluate(self, generate: bool = False) -> dict:
+        tc = self.cfg.train
         self.model.eval()
         try:
-            metrics = self.task.evaluate(self.model, self.task.test, self.cfg.train.eval_batch_size)
+            metrics = self.task.evaluate(self.model, self.task.test, tc.eval_batch_size)
+            if generate and tc.generate_prompts != 0:
+                # every rank generates the same prompts (FSDP2's forwards are collective)
+                from dptrain.eval.text import generate_and_score
+
+                refs = self.task.test.references_by_mr(max_prompts=tc.generate_prompts)
+                scores = generate_and_score(self.model, self.task.tokenizer, refs,
+                                            max_new_tokens=tc.max_new_tokens,
+                                            batch_size=tc.eval_batch_size)
+                metrics.update(bleu=scores["bleu"], rouge_l=scores["rouge_l"],
+                               generated_prompts=scores["num_prompts"])
         finally:
             self.model.train()  # (Task.evaluate reshards FSDP2's root after its forwards)
         return metrics
@@ -658,7 +686,7 @@ class Trainer:
             self.engine.release_workspace()
             if metrics_file:
                 metrics_file.close()
-        final = self.evaluate()
+        final = self.evaluate(generate=True)
         summary = {
             "epsilon": self.epsilon(),
             "delta": self.plan.delta,
