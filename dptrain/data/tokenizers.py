@@ -53,24 +53,15 @@ class ByteTokenizer:
         return [self.encode_pair(p, t) for p, t in zip(prompts, targets)]
 
 
-class GPT2Tokenizer:
-    """GPT-2's byte-level BPE (50,257 ids; ``<|endoftext|>`` = 50256 is EOS and padding)."""
+class _TransformersTokenizer:
+    """What the transformers-backed tokenizers share: a folder loaded offline by ``loader``
+    (a transformers tokenizer class), text to ids without special tokens, and the prompt /
+    target split at the prompt's trailing whitespace."""
 
-    name = "gpt2"
-
-    def __init__(self, folder: str | Path):
-        from transformers import GPT2TokenizerFast
-
+    def __init__(self, folder: str | Path, loader):
         self.folder = str(folder)
-        self.hf = GPT2TokenizerFast.from_pretrained(self.folder, local_files_only=True)
+        self.hf = loader.from_pretrained(self.folder, local_files_only=True)
         self.vocab_size = len(self.hf)
-        eos = self.hf.eos_token_id
-        if eos is None:
-            eos = self.hf.convert_tokens_to_ids("<|endoftext|>")
-        if eos is None or eos >= self.vocab_size:
-            raise ConfigError("data.tokenizer_path", f"{folder}: no <|endoftext|> token")
-        self.eos_id = int(eos)
-        self.pad_id = self.eos_id
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
@@ -79,6 +70,29 @@ class GPT2Tokenizer:
         if not texts:
             return []
         return [list(x) for x in self.hf(list(texts), add_special_tokens=False)["input_ids"]]
+
+    @staticmethod
+    def _split(prompt: str, target: str) -> tuple[str, str]:
+        stripped = prompt.rstrip()
+        return stripped, prompt[len(stripped):] + target
+
+
+class GPT2Tokenizer(_TransformersTokenizer):
+    """GPT-2's byte-level BPE (50,257 ids; ``<|endoftext|>`` = 50256 is EOS and padding)."""
+
+    name = "gpt2"
+
+    def __init__(self, folder: str | Path):
+        from transformers import GPT2TokenizerFast
+
+        super().__init__(folder, GPT2TokenizerFast)
+        eos = self.hf.eos_token_id
+        if eos is None:
+            eos = self.hf.convert_tokens_to_ids("<|endoftext|>")
+        if eos is None or eos >= self.vocab_size:
+            raise ConfigError("data.tokenizer_path", f"{folder}: no <|endoftext|> token")
+        self.eos_id = int(eos)
+        self.pad_id = self.eos_id
 
     def decode(self, ids) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -92,11 +106,6 @@ class GPT2Tokenizer:
         stripped, rest = self._split(prompt, target)
         return self.encode(stripped), (self.encode(rest) if rest else [])
 
-    @staticmethod
-    def _split(prompt: str, target: str) -> tuple[str, str]:
-        stripped = prompt.rstrip()
-        return stripped, prompt[len(stripped):] + target
-
     def encode_pairs(self, prompts: list[str], targets: list[str]):
         """``encode_pair`` over two lists, with one batched call per distinct text."""
         split = [self._split(p, t) for p, t in zip(prompts, targets)]
@@ -105,7 +114,7 @@ class GPT2Tokenizer:
         return [(ids.get(a, []), ids.get(b, [])) for a, b in split]
 
 
-class HFTokenizer:
+class HFTokenizer(_TransformersTokenizer):
     """Any tokenizer folder transformers loads (``AutoTokenizer.from_pretrained(folder,
     local_files_only=True)``): byte-level BPEs (GPT-2, Qwen2, Llama 3) and sentencepiece-style
     ones (Llama 2, Mistral: Metaspace, a dummy-prefix space before the first word, often a BOS).
@@ -128,9 +137,7 @@ class HFTokenizer:
     def __init__(self, folder: str | Path):
         from transformers import AutoTokenizer
 
-        self.folder = str(folder)
-        self.hf = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
-        self.vocab_size = len(self.hf)
+        super().__init__(folder, AutoTokenizer)
         eos = self.hf.eos_token_id
         if eos is None:
             raise ConfigError("data.tokenizer_path", f"{folder}: the tokenizer has no EOS token "
@@ -151,14 +158,6 @@ class HFTokenizer:
                 return full[:start]
         return []
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=False))
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        if not texts:
-            return []
-        return [list(x) for x in self.hf(list(texts), add_special_tokens=False)["input_ids"]]
-
     def decode(self, ids) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=True,
                               clean_up_tokenization_spaces=False)
@@ -170,7 +169,7 @@ class HFTokenizer:
 
     def encode_pairs(self, prompts: list[str], targets: list[str]):
         """``encode_pair`` over two lists, with one batched call per distinct text."""
-        split = [GPT2Tokenizer._split(p, t) for p, t in zip(prompts, targets)]
+        split = [self._split(p, t) for p, t in zip(prompts, targets)]
         texts = sorted({x for a, b in split for x in ((a, a + b) if b else (a,))})
         ids = dict(zip(texts, self.encode_batch(texts)))
         out = []
