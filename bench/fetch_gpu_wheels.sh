@@ -8,8 +8,9 @@
 # What its image already has (Python 3.12, torch, transformers, timm, accelerate, numpy, scipy,
 # safetensors, pyyaml, tqdm, nvidia-ml-py, sacrebleu, pytest) is not fetched. Missing there and
 # needed by dptrain's train path and tests: opacus (accountants), prv-accountant, webdataset and
-# its braceexpand. All four are pure-Python wheels (py3-none-any), so the Python version here
-# does not matter; the versions are those of launch/constraints.txt's environment.
+# its braceexpand, and peft (LoRA adapters). All five are pure-Python wheels (py3-none-any), so
+# the Python version here does not matter; the versions are those of launch/constraints.txt's
+# environment.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
@@ -19,5 +20,5 @@ mkdir -p "$DEST"
 "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
   --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
   --platform any -d "$DEST" \
-  opacus==1.6.0 prv-accountant==0.2.0 webdataset==1.0.2 braceexpand==0.1.7
+  opacus==1.6.0 prv-accountant==0.2.0 webdataset==1.0.2 braceexpand==0.1.7 peft==0.21.2
 ls -l "$DEST"

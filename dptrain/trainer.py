@@ -32,6 +32,7 @@ from dptrain.config import ConfigError, to_dict
 from dptrain.data import DataConfig, build_data
 from dptrain.data.wds import default_decode_threads
 from dptrain.models import ModelConfig, build_model
+from dptrain.models.finetune import merged_state, write_adapter
 from dptrain.models.dropout import example_dropout
 from dptrain.optim import OptimConfig, build_optimizer
 from dptrain.optim.build import transposed_weights
@@ -709,16 +710,20 @@ class Trainer:
             "config": to_dict(self.cfg),
         }
         ema = self.optimizer.ema
+        evaluated = None
         if ema is not None:  # the evaluated model, the average, is the exported one
             with ema.swapped_in():  # written inside: on CPU the state dict holds the parameters
-                averaged = self.full_state_dict()  # collective under sharding
+                evaluated = self.full_state_dict()  # collective under sharding
                 if out is not None and main:
-                    self.export(out / "final", averaged)
+                    self.export(out / "final", evaluated)
         state = self.full_state_dict()  # collective under sharding: every rank takes part
         if out is not None and main:
             self.export(out / "final", state,
                         "model.safetensors" if ema is None else "last_iterate.safetensors")
             ckpt.export_hf(self, out / "final")  # GPT-2, causal_lm: final/hf/ for transformers
+            # LoRA: the adapters alone, for peft (only when they are all that was trained)
+            write_adapter(state if evaluated is None else evaluated, self.model,
+                          out / "final" / "adapter")
             # last: summary.json marks the run finished (--resume auto then does nothing)
             tmp = out / "summary.json.tmp"
             tmp.write_text(strict_json(summary, indent=2, default=str))
@@ -747,10 +752,12 @@ class Trainer:
 
     def export(self, directory: Path, state: dict[str, Tensor] | None = None,
                filename: str = "model.safetensors") -> None:
-        """The full, unsharded model: ``model.safetensors`` (tied tensors stored once)."""
+        """The full, unsharded model: ``model.safetensors`` (tied tensors stored once; LoRA
+        adapters merged into their layers, so that the file is the original architecture's)."""
         from safetensors.torch import _remove_duplicate_names, save_file
 
         state = self.full_state_dict() if state is None else state
+        state = merged_state(state, self.model)
         # _remove_duplicate_names maps a kept name to the names sharing its storage; of each
         # such group only the first name in state order is written (GPT-2: transformer.wte,
         # the name transformers' from_pretrained expects), every other tensor as it is.

@@ -39,7 +39,11 @@ def _cfg(overrides, config=TINY):
     # a Llama (causal_lm): its module-less attention dropout, inner momentum's history
     (["model.dropout=0.1", "optim.inner_momentum.k_muon=1", "optim.inner_momentum.k_other=1",
       "optim.inner_momentum.gamma_muon=0.5"], TINY_LLAMA),
-], ids=["dropout+linear_lr+ema", "im_k2+doppler", "muon_bc+disk+cosine", "causal_lm+dropout+im_k1"])
+    # LoRA (peft adapters, the rest frozen) with dropout on the adapters' input and a history
+    (["model.lora.r=2", "model.lora.dropout=0.1", "model.trainable=[ln_f]",
+      "optim.inner_momentum.k_muon=1", "optim.inner_momentum.gamma_muon=0.5"], TINY),
+], ids=["dropout+linear_lr+ema", "im_k2+doppler", "muon_bc+disk+cosine", "causal_lm+dropout+im_k1",
+        "lora+dropout+im_k1"])
 def test_resume_continues_bit_for_bit(tmp_path, overrides, config):
     ref = Trainer(_cfg(["train.checkpoint_every=0", *overrides], config), tmp_path / "ref")
     for _ in range(4):

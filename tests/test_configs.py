@@ -21,7 +21,8 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"
 BIG = 10_000_000  # parameters above which the test does not build the model
 #: configs whose files the user names (a pretrained checkpoint and its tokenizer): without them
 #: they are refused at load, naming these fields in turn; here they get a tiny Llama's folder
-USER_PATHS = {"e2e_llama.yaml": ("model.pretrained_path", "data.tokenizer_path")}
+USER_PATHS = {name: ("model.pretrained_path", "data.tokenizer_path")
+              for name in ("e2e_llama.yaml", "e2e_lora_llama.yaml")}
 
 
 @pytest.fixture(scope="module")

@@ -107,6 +107,14 @@ def test_dp_muon_causal_lm_same_on_1_and_2_fsdp_ranks():
     assert outs[0][0]["tied"] is True and len(outs[0][0]["units"]) == 3  # 2 layers + root
 
 
+def test_lora_same_on_1_and_2_fsdp_ranks_with_a_frozen_block():
+    # adapters in block 1 only: block 0 is a unit without a trainable parameter, block 1 holds
+    # frozen base weights beside the adapters, the root the trainable final norm
+    outs = _check(["model.lora.r=2", "model.lora.target_modules=[h.1.attn.c_attn,h.1.mlp.c_fc]",
+                   "model.trainable=[ln_f]"], [(2, "fsdp")])
+    assert len(outs[0][0]["units"]) == 3  # 2 blocks + root
+
+
 def test_dp_muon_original_scale_same_on_1_and_2_fsdp_ranks():
     # GPT-2's Conv1D weights are stored (in, out): only Muon's shape scale reads them as
     # (out, in); the distributed Newton-Schulz works on the stored (sharded) matrix
@@ -431,7 +439,7 @@ def test_init_from_env_joins_with_the_launcher_s_rank_and_world(monkeypatch):
     assert d.init_from_env("gloo") == (0, 1)
 
 
-def test_block_modules_finds_trainable_blocks_only():
+def test_block_modules_finds_blocks_frozen_or_not():
     from torch import nn
 
     from dptrain.parallel.fsdp import block_modules
@@ -443,8 +451,10 @@ def test_block_modules_finds_trainable_blocks_only():
 
     m = Base()
     assert block_modules(m) == list(m.h)
-    for p in m.h[1].parameters():
+    for p in m.h[1].parameters():  # frozen (fine-tuning): still a unit of its own
         p.requires_grad_(False)
+    assert block_modules(m) == list(m.h)
+    m.h[1] = nn.ReLU()  # no parameters: nothing to shard
     assert block_modules(m) == [m.h[0], m.h[2]]
 
     class Decoder(nn.Module):  # transformers' Llama/Qwen2/Mistral: model.layers.N

@@ -608,6 +608,10 @@ def check_compatible(saved_cfg: dict, cfg) -> list[str]:
     moved = []
     for section in ("model", "data"):
         was, now = saved_cfg.get(section) or {}, _plain(to_dict(getattr(cfg, section)))
+        # a field added after the checkpoint was written (model.lora, model.trainable): its
+        # run had the field's default behaviour
+        defaults = _plain(to_dict(type(getattr(cfg, section))()))
+        was = {**{k: v for k, v in defaults.items() if k not in was}, **was}
         # fields the run's kind does not read (the same kind on both sides, or "name" differs):
         # ignored then and now, e.g. the gpt2 shape a cnn run was configured with before such
         # settings were refused

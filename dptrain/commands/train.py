@@ -160,6 +160,7 @@ def _dry_run_report(trainer, out: Path, resume_path: Path | None) -> str:
     import yaml
 
     from dptrain.config import to_dict
+    from dptrain.models.finetune import describe
 
     plan, cfg = trainer.plan, trainer.cfg
     groups = [{"label": g.label, "optimizer": g.config.optimizer, "lr": g.config.lr,
@@ -177,7 +178,8 @@ def _dry_run_report(trainer, out: Path, resume_path: Path | None) -> str:
                     "clip_norm": plan.clip_norm, "expected_batch_size": plan.denominator,
                     "dataset_size": plan.dataset_size, "train_size": trainer.train_size,
                     "accountant": plan.accountant},
-        "trainable_parameters": sum(p.numel() for _, p in trainer.named_params),
+        # trainable_parameters, total_parameters (frozen ones too), lora_layers
+        **describe(trainer.model),
         "groups": groups,
         "config": to_dict(cfg),
     }

@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 from dptrain.models.cnn import TinyCNN
+from dptrain.models.finetune import LoRAConfig, apply_finetuning, validate_trainable
 
 
 @dataclass(kw_only=True)
@@ -122,12 +123,27 @@ class ModelConfig:
     hidden: int = 32
     """cnn: width of the hidden linear layer before the head (0: none)."""
 
+    # --- every family: parameter-efficient fine-tuning (dptrain/models/finetune.py) ---
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters (peft) on the model's linear layers: ``r > 0`` freezes every other
+    parameter (``model.trainable`` adds some back). The final model is written with the
+    adapters merged (a plain model of the same architecture), and, when the adapters are all
+    that was trained, ``final/adapter/`` for peft's ``PeftModel.from_pretrained``."""
+    trainable: list[str] | None = None
+    """Regexes (``re.search``) over parameter names: the parameters to train; every other one
+    is frozen. Null: every parameter (or, with ``lora.r > 0``, only the adapters). E.g.
+    ``['bias$']`` trains the biases alone (DP-BiTFiT), ``['^transformer\\.h\\.11\\.',
+    'ln_f']`` the last GPT-2 block and the final norm. With LoRA the names are peft's
+    (``...c_attn.base_layer.bias``). Each regex must match a parameter. The privacy guarantee
+    is the same: the query is the clipped gradient of the trainable parameters."""
+
     def applicability(self) -> list[tuple[str, str, dict]]:
         """Which fields each model family reads (``dptrain.config.unused_fields``)."""
         return [("model.name", self.name, _MODEL_FIELDS)]
 
     def validate(self) -> None:
         refuse_unused(self)
+        validate_trainable(self.trainable)
         if self.name in ("gpt2", "causal_lm"):  # the language models' shared fields
             if self.vocab_size is not None and self.vocab_size < 2:
                 raise ConfigError("vocab_size", f"must be >= 2, got {self.vocab_size}")
@@ -812,6 +828,7 @@ def build_model(cfg: ModelConfig, info: DataInfo) -> nn.Module:
         else:  # pragma: no cover - Literal checked by from_dict
             raise ConfigError("model.name", f"unknown model {cfg.name!r}")
     check_no_batchnorm(model)
+    apply_finetuning(model, cfg.lora, cfg.trainable)
     return model
 
 

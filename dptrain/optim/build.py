@@ -168,7 +168,10 @@ def plan_groups(cfg: OptimConfig, named_params: NamedParams) -> list[ResolvedGro
             # drive nothing, every parameter going to optim.aux
             raise ConfigError("optim.preset", f"{cfg.preset!r} gives no parameter of this "
                                               f"model to {cfg.name} (optim.name); use the "
-                                              f"model's preset or explicit optim.groups")
+                                              f"model's preset or explicit optim.groups (if "
+                                              f"model.trainable leaves no matrix of the "
+                                              f"preset to train: optim.preset null and "
+                                              f"optim.name adamw)")
         for g in preset_groups:
             specs.append(("optim" if g.name == "matrices" else "optim.aux", g, False))
     elif not cfg.groups or cfg.unmatched == "default":

@@ -40,12 +40,13 @@ def block_modules(model: nn.Module) -> list[nn.Module]:
     """The units to shard: GPT-2 blocks (``transformer.h.N``), the decoder layers of
     transformers' other causal LMs (``model.layers.N``: Llama, Qwen2, Mistral), timm stages
     (``stages.N``), ``layers.N``, ``blocks.N`` (ViTs) or ``features.N``, the first of these
-    patterns that names trainable modules; none of them: no block units (the root is one)."""
+    patterns that names modules with parameters (frozen ones too: a LoRA run's frozen blocks
+    are sharded like any others); none of them: no block units (the root is one)."""
     named = dict(model.named_modules())
     for pattern in (r"^(transformer\.)?h\.\d+$", r"^stages\.\d+$", r"^(model\.)?layers\.\d+$",
                     r"^blocks\.\d+$", r"^features\.\d+$"):
         found = [m for n, m in named.items() if re.match(pattern, n)
-                 and any(p.requires_grad for p in m.parameters())]
+                 and any(True for _ in m.parameters())]
         if found:
             return found
     return []

@@ -1,0 +1,275 @@
+"""Parameter-efficient private fine-tuning: LoRA adapters (peft) and frozen parameters.
+
+``model.lora`` injects peft's LoRA adapters into the chosen linear layers of any model family
+(``peft.inject_adapter_in_model``: the model keeps its class and its forward, each target
+``X`` becomes ``X.base_layer`` plus ``X.lora_A.default``/``X.lora_B.default``, two
+``nn.Linear``). ``model.trainable`` lists regexes of the parameters to train besides the
+adapters (DP-BiTFiT's biases, a head, the last blocks); without LoRA it selects every trained
+parameter. Everything else is frozen: ``requires_grad=False``.
+
+What freezing means for privacy: the engine clips each example's gradient over the trainable
+coordinates only (that is the whole query: frozen coordinates never change, so they release
+nothing), the release adds noise to those coordinates, and the accountant is unchanged. The
+adapters' factors are plain ``nn.Linear`` layers to the clipping engine, so their per-example
+norms are exact ghost norms; the frozen base layers only pass gradients through.
+
+Only ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2) may be LoRA targets. The final model is
+written with the adapters merged (``W + scaling * B A``; for Conv1D, whose weight is stored
+(in, out), its transpose), a plain model of the original architecture; peft's own merge is the
+reference in the tests. A weight-standardised convolution (timm's ScaledStdConv2d) is refused:
+its forward standardises the weight, so an adapter added to its output cannot be merged into it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dptrain.config import ConfigError
+
+__all__ = ["LoRAConfig", "apply_finetuning", "lora_layers", "merged_state", "adapter_state",
+           "write_adapter"]
+
+#: the name peft gives the one adapter dptrain injects
+ADAPTER = "default"
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    r: int = 0
+    """Rank of the LoRA adapters (0: no adapters). With r > 0, every parameter of the model is
+    frozen except the adapters' factors (and ``model.trainable``'s matches)."""
+    alpha: float | None = None
+    """LoRA's alpha: the adapter's output is scaled by alpha / r (alpha / sqrt(r) with
+    ``rslora``). Null: alpha = r (scale 1)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (peft's ``lora_dropout``); per-example masks like every
+    dropout of dptrain."""
+    target_modules: list[str] | None = None
+    """Names of the layers that get adapters, each a module name or its last components
+    (``c_attn`` matches ``transformer.h.0.attn.c_attn``; peft's matching). Null: peft's default
+    for the transformers model type (GPT-2: ``c_attn``; Llama, Qwen2, Mistral: ``q_proj``,
+    ``v_proj``); timm and cnn models need the list. Every target must be ``nn.Linear`` or
+    transformers' ``Conv1D``."""
+    rslora: bool = False
+    """Rank-stabilised LoRA: scale alpha / sqrt(r) instead of alpha / r (peft's
+    ``use_rslora``)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+    def validate(self) -> None:
+        if self.r < 0:
+            raise ConfigError("r", f"must be >= 0 (0: no adapters), got {self.r}")
+        if not self.enabled:
+            for name, default in (("alpha", None), ("dropout", 0.0), ("target_modules", None),
+                                  ("rslora", False)):
+                if getattr(self, name) != default:
+                    raise ConfigError(name, "applies only with model.lora.r > 0 (r is 0: no "
+                                            "adapters), so it would be ignored; remove it or "
+                                            "set model.lora.r")
+            return
+        if self.alpha is not None and not self.alpha > 0:
+            raise ConfigError("alpha", f"must be > 0 (null: r), got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
+        if self.target_modules is not None:
+            if not self.target_modules or not all(isinstance(t, str) and t.strip(".")
+                                                  for t in self.target_modules):
+                raise ConfigError("target_modules", f"must be a non-empty list of module "
+                                                    f"names, got {self.target_modules!r}")
+
+
+def validate_trainable(patterns: list[str] | None) -> None:
+    """``model.trainable``: a list of valid regexes, or null."""
+    if patterns is None:
+        return
+    if not isinstance(patterns, list) or not patterns:
+        raise ConfigError("trainable", f"must be a non-empty list of regexes over parameter "
+                                       f"names (null: every parameter), got {patterns!r}")
+    for i, p in enumerate(patterns):
+        try:
+            re.compile(p)
+        except (re.error, TypeError) as e:
+            raise ConfigError(f"trainable[{i}]", f"not a valid regex: {e}") from None
+
+
+def _lora_types() -> tuple[type, ...]:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover
+        return (nn.Linear,)
+    return (nn.Linear, Conv1D)
+
+
+def _targets(model: nn.Module, names: list[str]) -> dict[str, nn.Module]:
+    """The modules peft would give adapters: a name equal to a target or ending in
+    ``.target``. Each target must name at least one module, and each module must be exactly
+    ``nn.Linear`` or ``Conv1D``; otherwise ConfigError naming ``model.lora.target_modules``."""
+    found: dict[str, nn.Module] = {}
+    for t in names:
+        hits = {n: m for n, m in model.named_modules()
+                if n and (n == t or n.endswith("." + t))}
+        if not hits:
+            raise ConfigError("model.lora.target_modules",
+                              f"{t!r} names no module of this model")
+        found.update(hits)
+    bad = {n: type(m).__name__ for n, m in found.items() if type(m) not in _lora_types()}
+    if bad:
+        n, kind = next(iter(bad.items()))
+        raise ConfigError("model.lora.target_modules",
+                          f"{n} is a {kind}; LoRA targets must be nn.Linear or transformers' "
+                          f"Conv1D layers ({len(bad)} such module(s))")
+    return found
+
+
+def _default_targets(model: nn.Module) -> list[str]:
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    if not targets:
+        raise ConfigError("model.lora.target_modules",
+                          f"peft has no default target modules for "
+                          f"{model_type or type(model).__name__}; list the linear layers "
+                          f"to adapt")
+    return list(targets)
+
+
+def apply_finetuning(model: nn.Module, lora: LoRAConfig, trainable: list[str] | None) -> None:
+    """Inject ``lora``'s adapters (when enabled) and freeze every parameter that is neither an
+    adapter's nor matched by a ``trainable`` regex (``re.search`` on every name of a parameter,
+    tied names included). Nothing to do when both are off. Raises ConfigError naming the
+    field: a regex that matches no parameter, a target that is not a linear layer, or nothing
+    left to train."""
+    if not lora.enabled and trainable is None:
+        return
+    if lora.enabled:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        targets = lora.target_modules or _default_targets(model)
+        found = _targets(model, targets)
+        conv1d = any(type(m) is not nn.Linear for m in found.values())
+        config = LoraConfig(r=lora.r, lora_alpha=lora.alpha if lora.alpha is not None else lora.r,
+                            lora_dropout=lora.dropout, target_modules=list(targets),
+                            fan_in_fan_out=conv1d, use_rslora=lora.rslora, bias="none")
+        with warnings.catch_warnings():  # fan_in_fan_out, set per layer by peft when mixed
+            warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
+            inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        model._dptrain_lora_config = config  # for write_adapter
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for m in lora_layers(model).values():
+        for part in (m.lora_A[ADAPTER], m.lora_B[ADAPTER]):
+            for p in part.parameters():
+                p.requires_grad_(True)
+    named = list(model.named_parameters(remove_duplicate=False))
+    for i, pattern in enumerate(trainable or []):
+        rx = re.compile(pattern)
+        hits = [p for n, p in named if rx.search(n)]
+        if not hits:
+            raise ConfigError(f"model.trainable[{i}]",
+                              f"{pattern!r} matches no parameter of this model (e.g. "
+                              f"{', '.join(n for n, _ in named[:3])})")
+        for p in hits:
+            p.requires_grad_(True)
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """{module name: peft LoRA layer} of ``model`` (empty without adapters)."""
+    if "peft" not in sys.modules:  # never imported: no adapters anywhere (and no import cost)
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def merged_state(state: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    """``state`` (a full state dict of ``model``, adapters in it) as the state dict of the
+    original architecture: every LoRA layer ``X`` becomes ``X.weight = W + scaling * B A``
+    (transposed for a fan-in-fan-out Conv1D) and ``X.bias``, in the order of ``state``. The
+    state itself when the model has no adapters."""
+    layers = lora_layers(model)
+    if not layers:
+        return state
+    out: dict[str, Tensor] = {}
+    for key, value in state.items():
+        prefix, sep, rest = key.partition(".base_layer.")
+        if sep and prefix in layers:
+            if rest == "weight":
+                m = layers[prefix]
+                a = state[f"{prefix}.lora_A.{ADAPTER}.weight"]
+                b = state[f"{prefix}.lora_B.{ADAPTER}.weight"]
+                delta = (b.to(torch.float64) @ a.to(torch.float64)) * m.scaling[ADAPTER]
+                if m.fan_in_fan_out:
+                    delta = delta.T
+                value = (value.to(torch.float64) + delta).to(value.dtype)
+            out[f"{prefix}.{rest}"] = value
+        elif ".lora_" in key and key.split(".lora_")[0] in layers:
+            continue  # the factors, merged above
+        else:
+            out[key] = value
+    return out
+
+
+def adapter_state(state: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    """The adapters' tensors of ``state`` under the names peft's ``PeftModel`` saves:
+    ``base_model.model.X.lora_A.weight``."""
+    out = {}
+    for name in lora_layers(model):
+        for part in ("lora_A", "lora_B"):
+            out[f"base_model.model.{name}.{part}.weight"] = state[f"{name}.{part}.{ADAPTER}.weight"]
+    return out
+
+
+def write_adapter(state: dict[str, Tensor], model: nn.Module, directory) -> bool:
+    """Write peft's adapter folder (``adapter_config.json``, ``adapter_model.safetensors``)
+    for ``PeftModel.from_pretrained(base, directory)``. Only when the adapters are all that
+    was trained (a parameter of ``model.trainable`` is not part of a LoRA adapter, so only the
+    merged model holds it): returns whether it was written."""
+    config = getattr(model, "_dptrain_lora_config", None)
+    if config is None:
+        return False
+    adapter_params = {id(p) for m in lora_layers(model).values()
+                      for part in (m.lora_A[ADAPTER], m.lora_B[ADAPTER]) for p in part.parameters()}
+    if any(p.requires_grad and id(p) not in adapter_params for p in model.parameters()):
+        return False
+    import os
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    tmp = directory.parent / f".tmp-{directory.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config.save_pretrained(str(tmp))
+    save_file({k: v.contiguous() for k, v in adapter_state(state, model).items()},
+              str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    if directory.exists():
+        shutil.rmtree(directory)
+    os.replace(tmp, directory)
+    return True
+
+
+def describe(model: nn.Module) -> dict[str, Any]:
+    """Counts for the run's log: trainable and total parameters, adapters."""
+    seen: set[int] = set()
+    total = trainable = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return {"trainable_parameters": trainable, "total_parameters": total,
+            "lora_layers": len(lora_layers(model))}
+

@@ -1,0 +1,314 @@
+"""Parameter-efficient private fine-tuning (dptrain/models/finetune.py): LoRA adapters (peft)
+and ``model.trainable``.
+
+- the engine's per-example norms and clipped sums over the trainable coordinates only (adapter
+  factors, a tied head, norms' and biases' vectors) equal a loop of single-example gradients,
+  on GPT-2 (Conv1D targets) and a Llama (Linear targets), and for an inner-momentum query;
+- the merged final model equals peft's own merge and computes the adapted model's logits;
+- a run trains nothing but the trainable parameters, writes a plain model that transformers
+  loads and, when only adapters were trained, an adapter folder that peft loads over the base;
+- the refusals (a regex matching nothing, a target that is not a linear layer, LoRA settings
+  without a rank), exit status 2 from the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from _reference import reference_grads
+from _threads import _one_thread  # noqa: F401  (autouse: one torch thread)
+from test_clipping_models import compare, gpt2_batch, gpt2_loss, loop_grads, tiny_gpt2
+from test_clipping_rules import check
+
+from dptrain.config import ConfigError, load
+from dptrain.models.finetune import (LoRAConfig, apply_finetuning, lora_layers, merged_state,
+                                     validate_trainable)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def _trainable(model) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _randomise_b(model, seed: int = 1) -> None:
+    """peft initialises lora_B to zero (the adapted model starts as the base): draw it, so
+    that the gradients through the adapters and the merged weights are not trivial."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def _tiny_llama(tied: bool, dtype=torch.float64):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32,
+                                   tie_word_embeddings=tied)
+    return transformers.LlamaForCausalLM._from_config(
+        cfg, attn_implementation="eager").to(dtype).train()
+
+
+# ---------------------------------------------------------------------------------------------
+# which parameters train
+
+
+def test_lora_freezes_all_but_the_adapters_and_the_trainable_matches():
+    model = tiny_gpt2(torch.float64)
+    apply_finetuning(model, LoRAConfig(r=2, target_modules=["c_attn", "c_fc"]),
+                     ["ln_f", "^lm_head"])
+    names = _trainable(model)
+    # 2 blocks x 2 targets x (A, B), the final norm's weight and bias, and the tied
+    # embedding (matched by its second name, lm_head.weight; listed under its first)
+    assert sum("lora_" in n for n in names) == 8
+    assert {n for n in names if "lora_" not in n} == {
+        "transformer.ln_f.weight", "transformer.ln_f.bias", "transformer.wte.weight"}
+    assert set(lora_layers(model)) == {f"transformer.h.{i}.{m}" for i in range(2)
+                                       for m in ("attn.c_attn", "mlp.c_fc")}
+    assert all(m.fan_in_fan_out for m in lora_layers(model).values())  # Conv1D: (in, out)
+
+
+def test_trainable_alone_trains_the_matches_only():
+    model = tiny_gpt2(torch.float64)
+    apply_finetuning(model, LoRAConfig(), [r"\.bias$"])  # DP-BiTFiT
+    names = _trainable(model)
+    assert names and all(n.endswith(".bias") for n in names)
+    assert len(names) == sum(n.endswith(".bias") for n, _ in model.named_parameters())
+    untouched = tiny_gpt2(torch.float64)
+    apply_finetuning(untouched, LoRAConfig(), None)  # both off: nothing changes
+    assert all(p.requires_grad for p in untouched.parameters()) and not lora_layers(untouched)
+
+
+def test_default_targets_are_peft_s_for_the_model_type():
+    model = _tiny_llama(tied=False)
+    apply_finetuning(model, LoRAConfig(r=2), None)
+    assert sorted(lora_layers(model)) == sorted(f"model.layers.{i}.self_attn.{p}"
+                                                for i in range(2) for p in ("q_proj", "v_proj"))
+    assert not any(m.fan_in_fan_out for m in lora_layers(model).values())  # nn.Linear
+
+
+@pytest.mark.parametrize("lora, trainable, field, words", [
+    (LoRAConfig(r=2, target_modules=["wte"]), None, "model.lora.target_modules", "Embedding"),
+    (LoRAConfig(r=2, target_modules=["ln_1"]), None, "model.lora.target_modules", "LayerNorm"),
+    (LoRAConfig(r=2, target_modules=["q_proj"]), None, "model.lora.target_modules",
+     "names no module"),
+    (LoRAConfig(), ["ln_f", "nothing_like_this"], "model.trainable[1]", "matches no parameter"),
+])
+def test_refusals_name_the_field(lora, trainable, field, words):
+    model = tiny_gpt2(torch.float32)
+    with pytest.raises(ConfigError) as e:
+        apply_finetuning(model, lora, trainable)
+    assert e.value.field == field and words in e.value.message
+
+
+def test_a_timm_model_needs_target_modules():
+    import timm
+
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16,
+                              patch_size=8, num_classes=3, depth=1)
+    with pytest.raises(ConfigError, match="no default target modules"):
+        apply_finetuning(model, LoRAConfig(r=2), None)
+    apply_finetuning(model, LoRAConfig(r=2, target_modules=["qkv", "fc1"]), ["^head\\."])
+    assert len(lora_layers(model)) == 2 and "head.weight" in _trainable(model)
+
+
+@pytest.mark.parametrize("lora, field", [
+    (LoRAConfig(alpha=16), "alpha"), (LoRAConfig(target_modules=["c_attn"]), "target_modules"),
+    (LoRAConfig(r=-1), "r"), (LoRAConfig(r=4, dropout=1.0), "dropout"),
+    (LoRAConfig(r=4, alpha=0), "alpha"), (LoRAConfig(r=4, target_modules=[]), "target_modules"),
+])
+def test_lora_config_refusals(lora, field):
+    with pytest.raises(ConfigError) as e:
+        lora.validate()
+    assert e.value.field == field
+
+
+def test_trainable_must_be_valid_regexes():
+    with pytest.raises(ConfigError) as e:
+        validate_trainable(["ok", "(unclosed"])
+    assert e.value.field == "trainable[1]"
+    with pytest.raises(ConfigError):
+        validate_trainable([])
+
+
+# ---------------------------------------------------------------------------------------------
+# the clipping engine over the trainable coordinates
+
+
+MODES = [("ghost", "bookkeeping"), ("instantiate", "two_pass"), ("auto", "bookkeeping")]
+
+
+def test_gpt2_lora_norms_and_clipped_sums_equal_the_single_example_loop():
+    model = tiny_gpt2(torch.float64)
+    apply_finetuning(model, LoRAConfig(r=3, target_modules=["c_attn", "c_proj", "c_fc"]),
+                     [r"ln_2\.bias", "^lm_head"])  # tied head: wte's rows and the head's
+    _randomise_b(model)
+    batch = gpt2_batch()
+    ref = loop_grads(model, gpt2_loss, batch)
+    assert ref.shape[1] == sum(p.numel() for _, p in model.named_parameters() if p.requires_grad)
+    compare(model, gpt2_loss, batch, ref, 1e-10, ("ghost", "instantiate"), MODES)
+
+
+def test_llama_lora_with_bitfit_norms_equal_the_single_example_loop():
+    model = _tiny_llama(tied=False)
+    apply_finetuning(model, LoRAConfig(r=2, alpha=4,
+                                       target_modules=["q_proj", "v_proj", "down_proj"]),
+                     [r"norm\.weight$"])  # and the RMSNorms' weights (their ghost rule)
+    _randomise_b(model)
+    batch = gpt2_batch()
+    # transformers' RMSNorm normalises in float32: the float64 path carries its rounding
+    compare(model, gpt2_loss, batch, loop_grads(model, gpt2_loss, batch), 1e-6,
+            ("ghost", "instantiate"), MODES)
+
+
+def test_inner_momentum_query_over_the_adapters():
+    """u_b = 0.7 g_b(theta1) + 0.3 g_b(theta0), theta1 differing in the trainable tensors only
+    (the history holds nothing else)."""
+    model = tiny_gpt2(torch.float64)
+    apply_finetuning(model, LoRAConfig(r=2, target_modules=["c_attn", "c_fc"]), ["ln_f"])
+    _randomise_b(model)
+    gen = torch.Generator().manual_seed(4)
+    theta1 = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype)
+              for n, p in model.named_parameters() if p.requires_grad}
+    batch = gpt2_batch()
+    ref = 0.7 * reference_grads(model, gpt2_loss, batch, theta1) \
+        + 0.3 * reference_grads(model, gpt2_loss, batch)
+    check(model, batch, loss_fn=gpt2_loss, plan=[(0.7, theta1), (0.3, None)], ref=ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# the merged model
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_merged_state_is_peft_s_merge_and_computes_the_adapted_logits(kind):
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_gpt2(torch.float64) if kind == "gpt2" else _tiny_llama(tied=True)
+    targets = ["c_attn", "c_proj"] if kind == "gpt2" else ["q_proj", "o_proj", "up_proj"]
+    plain = {k: v.clone() for k, v in base.state_dict().items()}
+    apply_finetuning(base, LoRAConfig(r=2, alpha=6, target_modules=targets), None)
+    _randomise_b(base, seed=7)
+    ids = gpt2_batch()[0]
+    base.eval()
+    with torch.no_grad():
+        want = base(input_ids=ids).logits
+    merged = merged_state(base.state_dict(), base)
+    assert merged.keys() == plain.keys()  # the original architecture's names
+    fresh = tiny_gpt2(torch.float64) if kind == "gpt2" else _tiny_llama(tied=True)
+    fresh.load_state_dict(merged)
+    fresh.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(input_ids=ids).logits, want, rtol=1e-10, atol=1e-10)
+    # peft's own merge of the same adapters
+    ref = tiny_gpt2(torch.float64) if kind == "gpt2" else _tiny_llama(tied=True)
+    peft_model = get_peft_model(ref, LoraConfig(r=2, lora_alpha=6, target_modules=targets,
+                                                fan_in_fan_out=kind == "gpt2"))
+    adapters = {k: v for k, v in base.state_dict().items() if "lora_" in k}
+    peft_model.base_model.model.load_state_dict(adapters, strict=False)
+    ref_sd = peft_model.merge_and_unload().state_dict()
+    for k, v in merged.items():
+        torch.testing.assert_close(v, ref_sd[k], rtol=1e-12, atol=1e-12, msg=k)
+    changed = [k for k in merged if not torch.equal(merged[k], plain[k])]
+    assert changed and all(k.endswith(".weight") and any(t in k for t in targets)
+                           for k in changed)
+
+
+# ---------------------------------------------------------------------------------------------
+# runs
+
+
+def _pretrained_gpt2(folder: Path) -> Path:
+    """A tiny GPT-2 checkpoint for configs/tiny.yaml's data (32 symbols and EOS)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(3)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=33,
+                               bos_token_id=32, eos_token_id=32)).save_pretrained(folder)
+    return folder
+
+
+def test_a_lora_run_trains_the_adapters_only_and_writes_merged_and_adapter_models(tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from dptrain.trainer import RunConfig, Trainer
+
+    base_dir = _pretrained_gpt2(tmp_path / "base")
+    cfg = load(RunConfig, TINY, ["train.progress=false", "train.checkpoint_every=0",
+                                 "privacy.steps=3", f"model.pretrained_path={base_dir}",
+                                 "model.lora.r=4", "model.lora.alpha=8"])
+    t = Trainer(cfg, tmp_path / "run")
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    summary = t.run()
+    after = t.model.state_dict()
+    moved = {k for k in after if not torch.equal(after[k], before[k])}
+    # noise reaches every trainable coordinate, and nothing else
+    assert moved == {k for k in after if ".lora_" in k} and len(moved) == 4
+    assert summary["epsilon"] <= 8.0
+
+    final = tmp_path / "run" / "final"
+    exported = load_file(final / "model.safetensors")
+    assert not any("lora" in k or "base_layer" in k for k in exported)
+    hf = AutoModelForCausalLM.from_pretrained(final / "hf", local_files_only=True).eval()
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True),
+        final / "adapter").eval()
+    t.model.eval()
+    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = t.model(input_ids=ids).logits
+        torch.testing.assert_close(hf(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    assert json.loads((final / "adapter" / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_a_run_with_trainable_parameters_beside_the_adapters_writes_no_adapter(tmp_path):
+    from dptrain.trainer import RunConfig, Trainer
+
+    cfg = load(RunConfig, TINY, ["train.progress=false", "train.checkpoint_every=0",
+                                 "privacy.steps=2", "model.lora.r=2", "model.trainable=[ln_f]"])
+    t = Trainer(cfg, tmp_path / "run")
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    t.run()
+    after = t.model.state_dict()
+    assert {k for k in after if not torch.equal(after[k], before[k])} == {
+        k for k in after if ".lora_" in k or "ln_f" in k}
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+    assert not (tmp_path / "run" / "final" / "adapter").exists()
+
+
+def test_cli_refuses_a_trainable_regex_that_matches_nothing_with_exit_2(tmp_path, capsys):
+    from dptrain.cli import main
+
+    code = main(["train", "--config", TINY, "--output-dir", str(tmp_path / "run"),
+                 "train.progress=false", "model.trainable=[no_such_parameter]"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "model.trainable[0]" in err and "matches no parameter" in err
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_checkpoint_written_before_the_fields_existed_resumes():
+    from dptrain.checkpoint import check_compatible
+    from dptrain.config import to_dict
+    from dptrain.trainer import RunConfig
+
+    cfg = load(RunConfig, TINY, [])
+    saved = to_dict(cfg)
+    saved["model"] = {k: v for k, v in saved["model"].items() if k not in ("lora", "trainable")}
+    assert check_compatible(saved, cfg) == []
+    lora = load(RunConfig, TINY, ["model.lora.r=2"])
+    with pytest.raises(ConfigError) as e:
+        check_compatible(saved, lora)
+    assert e.value.field == "model.lora"
