@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ONE prepared GPU check for an H200 session (issue 5, item 8). Finishes in under 8 minutes
 # (267 and 331 s on the H200, 2026-11-30, before part 5b): every part has its own `timeout`
-# (they add up to 760 s) and a failing part does not stop the others. Run it from the
+# (they add up to 780 s) and a failing part does not stop the others. Run it from the
 # repository root on the GPU machine:
 #
 #   here:            bash bench/fetch_gpu_wheels.sh        # bench/wheels/ (gitignored)
@@ -13,7 +13,7 @@
 #   0. install (45): `pip install --no-deps --no-build-isolation -e .` (the machine has no
 #      registry: its image already holds torch, transformers, timm, accelerate, numpy, scipy,
 #      nvidia-ml-py, ...) plus the wheels it lacks from bench/wheels with --no-index --no-deps
-#      (opacus, prv-accountant, webdataset, braceexpand); falls back to PYTHONPATH=. if the
+#      (opacus, prv-accountant, webdataset, braceexpand, peft); falls back to PYTHONPATH=. if the
 #      editable install fails. Prints the GPU (nvidia-smi) and torch/CUDA versions.
 #   1. `pytest -m gpu` (60): tests/test_gpu.py's CUDA checks (engine norms vs CPU float64,
 #      counter-based noise across shard slices, bf16 autocast steps, CUDA == CPU without noise,
@@ -44,10 +44,13 @@
 #      bench/ghost_kernel.py --device cuda: kernel vs torch reference on GPT-2 small's linears.
 #   9. bench/decode.py (20): 64 ImageNet-sized JPEGs decoded at 224 px on 1, 4, 8 and 16
 #      threads (performance.decode_threads) on the machine's CPU cores (added 2026-12-02).
+#   10. bench/lora_step.py --device cuda --model llama --no-memory (20): private LoRA (peft
+#      adapters, rank 8, every block matrix) vs private full fine-tuning vs their non-private
+#      steps, and Opacus ghost on the same adapters (added 2026-12-02, not run on a GPU yet).
 # Each part prints examples/s, peak memory (torch.cuda.max_memory_allocated and NVML) and the
 # DP/non-private ratio where it has one; each part's log (its last line one JSON object) lands
 # in bench/gpu_out/ (on the device machine: packed into $OUT/gpu_check_logs.tar.gz after every
-# part). Timeouts add up to 760 s; the parts end well before them (the dry run's tiny shapes
+# part). Timeouts add up to 780 s; the parts end well before them (the dry run's tiny shapes
 # take about 110 s on 2 CPU cores).
 #
 # `bash bench/gpu_check.sh --dry-run` runs the same parts on CPU with tiny shapes (no install;
@@ -106,7 +109,7 @@ install_deps() {
   "$PY" - <<'EOF'
 import importlib
 missing = [m for m in ("dptrain.trainer", "opacus", "prv_accountant", "webdataset", "timm",
-                       "transformers", "pynvml", "safetensors", "yaml") if
+                       "transformers", "pynvml", "safetensors", "yaml", "peft") if
            importlib.util.find_spec(m.split(".")[0]) is None]
 print("missing modules:", missing or "none")
 import dptrain.trainer  # noqa: F401  (fails loudly here rather than in every part)
@@ -153,18 +156,21 @@ fi
 if [ $DRY = 1 ]; then DECODE_ARGS=(--images 8 --size 32 --threads 1,2 --rounds 1)
 else DECODE_ARGS=(--images 64 --threads 1,4,8,16 --rounds 3); fi
 if [ -f bench/decode.py ]; then part decode 20 "$PY" bench/decode.py "${DECODE_ARGS[@]}"; fi
+if [ $DRY = 1 ]; then LORA_ARGS=(--device cpu --tiny)
+else LORA_ARGS=(--device cuda --rounds 5 --no-memory); fi
+part lora 20 "$PY" bench/lora_step.py --model llama "${LORA_ARGS[@]}"
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 
 echo
 echo "=== summary (total $(( $(date +%s) - START )) s)"
 for k in install pytest_gpu gpt2_small nf_resnet50 dp_step dp_step_vision inner_momentum \
-    inner_momentum_b64 products profile kernels decode; do
+    inner_momentum_b64 products profile kernels decode lora; do
   printf '%-16s %s\n' "$k" "${STATUS[$k]:-not run}"
 done
 # the last JSON line of each benchmark part (its start: the device returns the last 12,000
 # characters of output, and the logs in full): throughput, peak memory, DP/non-private
 for k in gpt2_small nf_resnet50 dp_step dp_step_vision inner_momentum inner_momentum_b64 \
-    products profile kernels decode; do
+    products profile kernels decode lora; do
   [ -f "$RES/$k.log" ] && { printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1000; }
 done
 exit 0

@@ -123,3 +123,41 @@ def test_dp_step_llama_variants_make_the_same_update():
         assert float((got - ref).norm()) <= 1e-4 * float(ref.norm()), variant
     other = updated("dptrain_bookkeeping", 1e-2)
     assert float((other - ref).norm()) > 0.5 * float(ref.norm())
+
+
+def test_lora_step_variants_make_the_same_update_and_report_json(capsys):
+    """bench/lora_step.py compares like with like: with every example clipped and no noise,
+    dptrain's LoRA step and Opacus ghost clipping on the same adapters (lora_B drawn away from
+    peft's zeros, so both factors have gradients) move the same parameters the same way, and
+    nothing frozen. Its last line is the JSON summary."""
+    import torch
+
+    lora_step = _load("lora_step")
+    cfg = lora_step.tiny_config()
+    cfg.noise_multiplier, cfg.lr = 0.0, 1.0
+
+    def updated(variant):
+        cfg.clip_norm = 1e-3
+        models: list = []
+        step = lora_step.build_variant("llama", variant, cfg, 4, models)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for n, p in models[0].named_parameters():
+                if "lora_B" in n:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        before = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+        step()
+        return {n: (p.detach() - before[n]) for n, p in models[0].named_parameters()}
+
+    ref, got = updated("lora_dp"), updated("lora_opacus_ghost")
+    moved = {n for n, d in ref.items() if d.abs().max() > 0}
+    assert moved and all(".lora_" in n for n in moved)
+    assert any("lora_A" in n for n in moved) and any("lora_B" in n for n in moved)
+    flat = lambda d: torch.cat([d[n].reshape(-1) for n in sorted(d)])  # noqa: E731
+    assert float((flat(got) - flat(ref)).norm()) <= 1e-4 * float(flat(ref).norm())
+
+    summary = lora_step.main(["--tiny", "--model", "gpt2"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == json.loads(json.dumps(summary))
+    assert not any("error" in row for row in summary["variants"].values())
+    assert 0 < summary["trainable_fraction"] < 1 and summary["lora_dp_over_full_dp"] > 0

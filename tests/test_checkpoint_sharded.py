@@ -23,11 +23,11 @@ ARGS = ["train.progress=false", "privacy.steps=4", "train.checkpoint_every=2",
         "optim.ema_decay=0.8"]
 
 
-def _trainer(out: str):
+def _trainer(out: str, extra: tuple = ()):
     from dptrain.config import load
     from dptrain.trainer import RunConfig, Trainer
 
-    return Trainer(load(RunConfig, TINY, ARGS), out)
+    return Trainer(load(RunConfig, TINY, [*ARGS, *extra]), out)
 
 
 def _full(t) -> dict:
@@ -38,11 +38,11 @@ def _full(t) -> dict:
     return out
 
 
-def _save_at_2_then_finish(rank: int, world: int, out: str) -> dict:
+def _save_at_2_then_finish(rank: int, world: int, out: str, extra: tuple = ()) -> dict:
     """Two steps, a checkpoint, two more steps: the parameters of the run that never stopped."""
     from dptrain import checkpoint as ckpt
 
-    t = _trainer(out)
+    t = _trainer(out, extra)
     t.private_step()
     t.private_step()
     ckpt.save(t, Path(out))
@@ -51,10 +51,10 @@ def _save_at_2_then_finish(rank: int, world: int, out: str) -> dict:
     return _full(t)
 
 
-def _resume_and_finish(rank: int, world: int, out: str) -> dict:
+def _resume_and_finish(rank: int, world: int, out: str, extra: tuple = ()) -> dict:
     from dptrain import checkpoint as ckpt
 
-    t = _trainer(out)
+    t = _trainer(out, extra)
     ckpt.load(t, ckpt.find_latest(Path(out)))
     assert t.step == 2 and t.ledger.num_releases == 2
     t.private_step()
@@ -182,6 +182,28 @@ def test_dcp_checkpoint_each_rank_writes_its_part_and_reshards(tmp_path):
 
     with pytest.raises(ConfigError, match="__1_0.distcp"):
         ckpt.read(path)
+
+
+def test_a_lora_dcp_checkpoint_leaves_the_frozen_tensors_out_and_resumes(tmp_path):
+    """LoRA on 2 FSDP ranks: the checkpoint holds the adapters, the trainable final norm and
+    the optimizer state, not the frozen base (its digest instead); 2 -> 2 ranks resumes bit for
+    bit, 2 -> 1 to 1e-5, the frozen tensors rebuilt by the run."""
+    from dptrain import checkpoint as ckpt
+
+    lora = ("model.lora.r=2", "model.trainable=[ln_f]")
+    two = spawn(_save_at_2_then_finish, 2, str(tmp_path / "a"), lora)[0]
+    path = ckpt.find_latest(tmp_path / "a")
+    meta = ckpt.read_meta(path)
+    frozen = set(meta["frozen"]["keys"])
+    assert "transformer.wte.weight" in frozen and "lm_head.weight" in frozen
+    assert not frozen & set(meta["model_keys"]) and not meta["model_aliases"]
+    assert {k for k in meta["model_keys"] if k.endswith(("weight", "bias"))} == {
+        k for k in two if not k.startswith("ema/") and (".lora_" in k or "ln_f" in k)}
+    again = spawn(_resume_and_finish, 2, str(tmp_path / "a"), lora)[0]
+    for k in two:
+        assert torch.equal(two[k], again[k]), k
+    one = _resume_and_finish(0, 1, str(tmp_path / "a"), lora)
+    assert _rel(one, two) <= 1e-5
 
 
 def _rng_args(sharding: str) -> list[str]:

@@ -227,11 +227,11 @@ def test_merged_state_is_peft_s_merge_and_computes_the_adapted_logits(kind):
 # runs
 
 
-def _pretrained_gpt2(folder: Path) -> Path:
+def _pretrained_gpt2(folder: Path, seed: int = 3) -> Path:
     """A tiny GPT-2 checkpoint for configs/tiny.yaml's data (32 symbols and EOS)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=33,
                                bos_token_id=32, eos_token_id=32)).save_pretrained(folder)
     return folder
@@ -312,3 +312,36 @@ def test_a_checkpoint_written_before_the_fields_existed_resumes():
     with pytest.raises(ConfigError) as e:
         check_compatible(saved, lora)
     assert e.value.field == "model.lora"
+
+
+def test_a_checkpoint_leaves_the_frozen_base_out_and_refuses_another_base(tmp_path, capsys):
+    """A LoRA run's checkpoint holds the trained tensors (and buffers) and the frozen ones'
+    digest; a resume onto a changed base checkpoint exits 2 naming model.pretrained_path, and
+    resumes once the base is back."""
+    from dptrain import checkpoint as ckpt
+    from dptrain.cli import main
+    from dptrain.trainer import RunConfig, Trainer
+
+    base_dir = _pretrained_gpt2(tmp_path / "base")
+    overrides = ["train.progress=false", "privacy.steps=3", f"model.pretrained_path={base_dir}",
+                 "model.lora.r=2"]
+    t = Trainer(load(RunConfig, TINY, overrides), tmp_path / "run")
+    t.private_step()
+    t.private_step()
+    ckpt.save(t, tmp_path / "run")  # as a preempted run leaves it
+    state = ckpt.read(ckpt.find_latest(tmp_path / "run"))
+    params = {n for n, _ in t.model.named_parameters(remove_duplicate=False)}
+    assert {k for k in state["model"] if k in params} == {n for n, _ in t.named_params}
+    assert "transformer.h.0.attn.c_attn.base_layer.weight" in state["frozen"]["keys"]
+    assert state["frozen"] == ckpt.frozen_state(t.model)
+
+    args = ["train", "--config", TINY, "--output-dir", str(tmp_path / "run"), "--resume",
+            "auto", *overrides]
+    original = (base_dir / "model.safetensors").read_bytes()
+    _pretrained_gpt2(base_dir, seed=4)  # another base model in the same folder
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "model.pretrained_path" in err and "frozen parameters differ" in err
+    (base_dir / "model.safetensors").write_bytes(original)
+    assert main(args) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3

@@ -12,6 +12,12 @@ checkpoint (DCP re-shards; ``read`` assembles full tensors in one process).
 
 The ledger in a checkpoint counts exactly the releases that produced its parameters. In secure
 mode the privacy seed is not stored (resume then draws fresh randomness and says so).
+
+Frozen parameters (``model.lora``, ``model.trainable``) are not written: a run rebuilds them as
+it built them (from ``model.pretrained_path``, or the seed), and the checkpoint keeps their
+SHA-256 (``frozen``: over each tensor's name, shape and float64 values, so neither the world size
+nor a float32/float64 run changes it), which a resume checks before loading the rest. A LoRA run
+of a 7B model thus checkpoints its adapters and optimizer state, not 28 GB of base weights.
 """
 
 from __future__ import annotations
@@ -80,13 +86,83 @@ def _test_pause() -> None:
         time.sleep(float(pause))
 
 
+def frozen_state(model) -> dict[str, Any] | None:
+    """The frozen parameters of ``model`` as a checkpoint records them: ``{"keys": their
+    state-dict keys (every name of a tied one), "sha256": the digest over (name, shape,
+    float64 values) of each, in ``named_parameters`` order}``; None when every parameter
+    trains. Collective under FSDP (each frozen tensor is gathered in turn: call on every
+    rank)."""
+    from dptrain.parallel.fsdp import is_sharded
+
+    keys = sorted(n for n, p in model.named_parameters(remove_duplicate=False)
+                  if not p.requires_grad)
+    if not keys:
+        return None
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            continue
+        full = p.full_tensor() if is_sharded(p) else p
+        values = full.detach().to("cpu", torch.float64).contiguous()
+        digest.update(f"{name}:{tuple(values.shape)};".encode())
+        digest.update(values.numpy().data)
+    return {"keys": keys, "sha256": digest.hexdigest()}
+
+
+def _frozen(trainer) -> dict[str, Any] | None:
+    """:func:`frozen_state` of the trainer's model, computed once (frozen tensors never
+    change)."""
+    if not hasattr(trainer, "_frozen_state"):
+        trainer._frozen_state = frozen_state(trainer.model)
+    return trainer._frozen_state
+
+
+def check_frozen(saved: dict[str, Any] | None, mine: dict[str, Any] | None,
+                 path: Path) -> None:
+    """Refuse to resume onto other frozen tensors than the checkpoint's run trained over (a
+    ``model.pretrained_path`` whose files changed): the checkpoint does not hold them."""
+    if saved is None:  # every tensor is in the checkpoint
+        return
+    if mine is None or mine["keys"] != saved["keys"]:
+        raise ConfigError("model.trainable", f"checkpoint {path} was written with other frozen "
+                                             f"parameters than this model has")
+    if mine["sha256"] != saved["sha256"]:
+        raise ConfigError("model.pretrained_path",
+                          f"the frozen parameters differ from those of the checkpoint's run "
+                          f"(SHA-256 {mine['sha256'][:12]}... here, {saved['sha256'][:12]}... "
+                          f"in {path}): the checkpoint holds only the trained ones, so a resume "
+                          f"needs the same base model (the same pretrained files, or the same "
+                          f"seed without them)")
+
+
+def restore_model(model, state: dict[str, Any], path: Path,
+                  frozen: dict[str, Any] | None = None) -> None:
+    """Load a whole (unsharded) checkpoint's ``state["model"]`` into ``model``: every key of
+    the model except the frozen ones the checkpoint left out (checked to be the same tensors
+    first; ``frozen``: :func:`frozen_state` of ``model``, computed when not given)."""
+    saved = state.get("frozen")
+    if saved is not None:
+        check_frozen(saved, frozen_state(model) if frozen is None else frozen, path)
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    left_out = set(saved["keys"]) if saved is not None else set()
+    bad = sorted(set(missing) - left_out) + sorted(unexpected)
+    if bad:
+        raise ValueError(f"the model's tensors do not match the checkpoint's: "
+                         f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}")
+
+
 def capture(trainer) -> dict[str, Any]:
     """Everything a run is, as one picklable dict (replicated, unsharded states)."""
     assert trainer.ledger.num_releases == trainer.step, "ledger and step disagree"
+    frozen = _frozen(trainer)
+    model = trainer.model.state_dict()
+    if frozen is not None:
+        model = {k: v for k, v in model.items() if k not in set(frozen["keys"])}
     return {
         "format": 1,
         "step": trainer.step,
-        "model": trainer.model.state_dict(),
+        "model": model,
+        "frozen": frozen,  # the parameters left out (rebuilt by the run), and their digest
         "optimizer": trainer.optimizer.state_dict(),
         "ledger": trainer.ledger.to_dict(),
         "plan": vars(trainer.plan),
@@ -329,6 +405,11 @@ def _save_dcp(trainer, output_dir: Path) -> Path | None:
     optim = _map_optimizer(trainer, trainer.optimizer.state_dict(),
                            lambda i, v, p: put(v, p), put)
     model, aliases = _dedup(trainer.model)
+    frozen = _frozen(trainer)  # collective: every rank
+    if frozen is not None:  # not written: the run rebuilds them (tied names: both frozen)
+        skip = set(frozen["keys"])
+        model = {k: v for k, v in model.items() if k not in skip}
+        aliases = {k: v for k, v in aliases.items() if k not in skip}
     dcp.save({"model": model, "optim": tensors}, checkpoint_id=str(tmp))
     rngs = _rank_rngs(trainer)
     mine = {f.name: _sha256(f) for f in sorted(tmp.glob(f"__{rank}_*.distcp"))}
@@ -342,6 +423,7 @@ def _save_dcp(trainer, output_dir: Path) -> Path | None:
             "optimizer": optim,
             "model_keys": list(model),
             "model_aliases": aliases,  # tied names (GPT-2's lm_head.weight -> wte's), stored once
+            "frozen": frozen,
             "ledger": trainer.ledger.to_dict(),
             "plan": vars(trainer.plan),
             "train_size": trainer.train_size,
@@ -411,7 +493,8 @@ def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
     from dptrain.parallel.fsdp import is_sharded
 
     model = get_model_state_dict(trainer.model)
-    model = {k: v for k, v in model.items() if k not in meta.get("model_aliases", {})}
+    saved = set(meta["model_keys"])  # without the frozen tensors, when it left them out
+    model = {k: v for k, v in model.items() if k in saved}
     targets: dict[str, Any] = {}
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -745,6 +828,9 @@ def load(trainer, path: Path, verified: bool = False) -> None:
                   "run (another dptrain or opacus version); the ledger records each release's "
                   "sigma, and the planned releases stay within the target, but the run will not "
                   "repeat the checkpoint's bit for bit", file=sys.stderr)
+    # the tensors a checkpoint left out (frozen) must be the ones rebuilt here (collective
+    # under FSDP: every rank)
+    check_frozen(state.get("frozen"), _frozen(trainer), path)
     try:
         if _sharded(trainer) and state.get("format") == 2:
             _load_dcp_sharded(trainer, state, path)  # each rank reads its own rows
@@ -753,7 +839,7 @@ def load(trainer, path: Path, verified: bool = False) -> None:
             if _sharded(trainer):
                 _load_sharded(trainer, state)
             else:
-                trainer.model.load_state_dict(state["model"])
+                restore_model(trainer.model, state, path, frozen=_frozen(trainer))
                 # filter/history states onto their parameters' device (torch optimizers do it)
                 trainer.optimizer.load_state_dict(_map_optimizer(
                     trainer, state["optimizer"], lambda i, v, p: v,

@@ -268,6 +268,7 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     # a matrix's rank at float64 precision, and float32 gradients would give the exact null
     # directions (every GPT-2 c_proj gradient is orthogonal to the ones vector, by the next
     # LayerNorm's backward) a rounding-level singular value that it counts as a direction
+    frozen = ckpt.frozen_state(model)  # (model.lora, model.trainable) as the run built them
     model = model.double()
     sigma, C = float(plan["noise_multiplier"]), float(plan["clip_norm"])
     b = int(plan["denominator"])
@@ -279,7 +280,7 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
                                 release_noise_std=sigma * C / b, seed=cfg.seed,
                                 ns_dtype=perf.newton_schulz_dtype,
                                 transposed=transposed_weights(model))
-    model.load_state_dict(state["model"])
+    ckpt.restore_model(model, state, path, frozen=frozen)
     try:
         optimizer.load_state_dict(state["optimizer"])
     except ConfigError:

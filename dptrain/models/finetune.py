@@ -22,10 +22,13 @@ its forward standardises the weight, so an adapter added to its output cannot be
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -147,8 +150,8 @@ def apply_finetuning(model: nn.Module, lora: LoRAConfig, trainable: list[str] | 
     """Inject ``lora``'s adapters (when enabled) and freeze every parameter that is neither an
     adapter's nor matched by a ``trainable`` regex (``re.search`` on every name of a parameter,
     tied names included). Nothing to do when both are off. Raises ConfigError naming the
-    field: a regex that matches no parameter, a target that is not a linear layer, or nothing
-    left to train."""
+    field: a regex that matches no parameter, a target that names no module or one that is not
+    a linear layer."""
     if not lora.enabled and trainable is None:
         return
     if lora.enabled:
@@ -233,7 +236,8 @@ def write_adapter(state: dict[str, Tensor], model: nn.Module, directory) -> bool
     """Write peft's adapter folder (``adapter_config.json``, ``adapter_model.safetensors``)
     for ``PeftModel.from_pretrained(base, directory)``. Only when the adapters are all that
     was trained (a parameter of ``model.trainable`` is not part of a LoRA adapter, so only the
-    merged model holds it): returns whether it was written."""
+    merged model holds it) and the targets are all Linear or all Conv1D (peft's config has one
+    ``fan_in_fan_out``): returns whether it was written."""
     config = getattr(model, "_dptrain_lora_config", None)
     if config is None:
         return False
@@ -241,10 +245,8 @@ def write_adapter(state: dict[str, Tensor], model: nn.Module, directory) -> bool
                       for part in (m.lora_A[ADAPTER], m.lora_B[ADAPTER]) for p in part.parameters()}
     if any(p.requires_grad and id(p) not in adapter_params for p in model.parameters()):
         return False
-    import os
-    import shutil
-    from pathlib import Path
-
+    if len({m.fan_in_fan_out for m in lora_layers(model).values()}) > 1:
+        return False  # Conv1D and Linear targets: one adapter_config cannot describe both
     from safetensors.torch import save_file
 
     directory = Path(directory)
