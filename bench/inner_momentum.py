@@ -141,6 +141,7 @@ class BenchConfig:
     noise_multiplier: float = 1.0
     lr: float = 1e-3
     seed: int = 0
+    lora: int = 0  # > 0: LoRA adapters of this rank on every block matrix, the rest frozen
 
     @classmethod
     def from_json(cls, text: str) -> "BenchConfig":
@@ -155,6 +156,19 @@ class BenchConfig:
         out += [f"k{k}_memory" for k in self.memory_ks]
         out += [naive_variant(n, self.naive_k) for n in self.naive]
         return out
+
+
+def build_model(cfg: BenchConfig, device: str | None = None) -> nn.Module:
+    """The benchmark's GPT-2; with ``cfg.lora``, ``model.lora``'s adapters (rank cfg.lora,
+    alpha 2r) on c_attn, c_proj and c_fc and everything else frozen, so that the query, its
+    per-example buffer and the history cover the adapters alone."""
+    model = build_gpt2(cfg.gpt2, cfg.seed, device or cfg.device)
+    if cfg.lora:
+        from dptrain.models.finetune import LoRAConfig, apply_finetuning
+
+        apply_finetuning(model, LoRAConfig(r=cfg.lora, alpha=2 * cfg.lora,
+                                           target_modules=["c_attn", "c_proj", "c_fc"]), None)
+    return model
 
 
 def naive_variant(kind: str, K: int) -> str:
@@ -250,8 +264,8 @@ def noise_draw_seconds(cfg: BenchConfig, repeats: int = 3) -> float:
     (dptrain.privacy.noise, copied to the device): the per-release cost that ``noise="ahead"``
     leaves out of the steps."""
     with torch.device("meta"):
-        model = build_gpt2(cfg.gpt2, cfg.seed, "meta")
-    shapes = {n: p.shape for n, p in model.named_parameters()}
+        model = build_model(cfg, "meta")
+    shapes = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
     times = []
     for r in range(repeats):
         t0 = time.perf_counter()
@@ -485,7 +499,7 @@ def _conv1d_params(m: nn.Module):
 def build_variant(variant: str, cfg: BenchConfig) -> StepFn:
     """A fresh model (same seed, same weights), the batch, and the step of ``variant``."""
     s = cfg.gpt2
-    model = build_gpt2(s, cfg.seed, cfg.device)
+    model = build_model(cfg)
     batch = gpt2_batch(s, cfg.seed, cfg.device)
     if variant == "nonprivate":
         return nonprivate_step(model, batch, cfg)
@@ -515,7 +529,7 @@ def held_bytes(cfg: BenchConfig) -> dict[str, dict[str, int]]:
     from dptrain.clipping import ClippingEngine
     from dptrain.clipping.contributions import state_bytes
 
-    model = build_gpt2(cfg.gpt2, cfg.seed, cfg.device)
+    model = build_model(cfg)
     batch = gpt2_batch(cfg.gpt2, cfg.seed, cfg.device)
     engine = ClippingEngine(model)
     B = cfg.gpt2.batch_size
@@ -943,7 +957,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--heads", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--lora", type=int, default=0,
+                    help="LoRA rank: adapters on every block matrix, the rest frozen "
+                         "(model.lora); needs --naive none")
     args = ap.parse_args(argv)
+    if args.lora and args.naive != "none":
+        ap.error("--lora needs --naive none (the naive IMs run the whole model)")
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     cfg = tiny_config() if args.tiny else BenchConfig()
     if args.quick:
@@ -958,6 +977,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         cfg.ks = sorted(set(cfg.ks) | {cfg.naive_k})
     if args.no_memory:
         cfg.memory = False
+    cfg.lora = args.lora
     for attr, name in (("batch_size", "batch_size"), ("layers", "num_layers"),
                        ("width", "width"), ("heads", "num_heads"), ("vocab", "vocab_size"),
                        ("seq_len", "seq_len")):

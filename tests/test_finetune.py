@@ -101,6 +101,8 @@ def test_default_targets_are_peft_s_for_the_model_type():
     (LoRAConfig(r=2, target_modules=["ln_1"]), None, "model.lora.target_modules", "LayerNorm"),
     (LoRAConfig(r=2, target_modules=["q_proj"]), None, "model.lora.target_modules",
      "names no module"),
+    (LoRAConfig(r=2, target_modules=["lm_head"]), None, "model.lora.target_modules",
+     "tied to transformer.wte.weight"),
     (LoRAConfig(), ["ln_f", "nothing_like_this"], "model.trainable[1]", "matches no parameter"),
 ])
 def test_refusals_name_the_field(lora, trainable, field, words):

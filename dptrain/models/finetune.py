@@ -130,6 +130,16 @@ def _targets(model: nn.Module, names: list[str]) -> dict[str, nn.Module]:
         raise ConfigError("model.lora.target_modules",
                           f"{n} is a {kind}; LoRA targets must be nn.Linear or transformers' "
                           f"Conv1D layers ({len(bad)} such module(s))")
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    for n, m in found.items():
+        shared = [x for x in names[id(m.weight)] if x != f"{n}.weight"]
+        if shared:  # the merged weight would no longer be the tied one
+            raise ConfigError("model.lora.target_modules",
+                              f"{n}'s weight is tied to {shared[0]}: an adapter on it could "
+                              f"not be merged into one tied tensor (untie the embeddings, "
+                              f"model.tie_embeddings: false, or leave {n} out)")
     return found
 
 

@@ -46,7 +46,7 @@ def block_modules(model: nn.Module) -> list[nn.Module]:
     for pattern in (r"^(transformer\.)?h\.\d+$", r"^stages\.\d+$", r"^(model\.)?layers\.\d+$",
                     r"^blocks\.\d+$", r"^features\.\d+$"):
         found = [m for n, m in named.items() if re.match(pattern, n)
-                 and any(True for _ in m.parameters())]
+                 and next(m.parameters(), None) is not None]
         if found:
             return found
     return []
