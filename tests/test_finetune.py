@@ -160,6 +160,20 @@ def test_gpt2_lora_norms_and_clipped_sums_equal_the_single_example_loop():
     compare(model, gpt2_loss, batch, ref, 1e-10, ("ghost", "instantiate"), MODES)
 
 
+@pytest.mark.parametrize("lora, trainable", [
+    (LoRAConfig(), [r"\.bias$"]),  # DP-BiTFiT: every weight frozen, every bias trained
+    # an adapter beside its own base layer's trained bias, and the position table
+    (LoRAConfig(r=2, target_modules=["c_attn"]), [r"c_attn\.base_layer\.bias", "wpe"]),
+], ids=["bitfit", "lora+base_bias+wpe"])
+def test_frozen_weights_with_trained_biases_equal_the_single_example_loop(lora, trainable):
+    model = tiny_gpt2(torch.float64)
+    apply_finetuning(model, lora, trainable)
+    _randomise_b(model)
+    batch = gpt2_batch()
+    compare(model, gpt2_loss, batch, loop_grads(model, gpt2_loss, batch), 1e-10,
+            ("ghost", "instantiate"), MODES)
+
+
 def test_llama_lora_with_bitfit_norms_equal_the_single_example_loop():
     model = _tiny_llama(tied=False)
     apply_finetuning(model, LoRAConfig(r=2, alpha=4,
