@@ -18,6 +18,8 @@ written with the adapters merged (``W + scaling * B A``; for Conv1D, whose weigh
 (in, out), its transpose), a plain model of the original architecture; peft's own merge is the
 reference in the tests. A weight-standardised convolution (timm's ScaledStdConv2d) is refused:
 its forward standardises the weight, so an adapter added to its output cannot be merged into it.
+So is a layer whose weight is tied to another (GPT-2's lm_head): the merged weight would no
+longer be the one tied tensor.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from torch import Tensor, nn
 
 from dptrain.config import ConfigError
 
-__all__ = ["LoRAConfig", "apply_finetuning", "lora_layers", "merged_state", "adapter_state",
-           "write_adapter"]
+__all__ = ["LoRAConfig", "apply_finetuning", "validate_trainable", "lora_layers", "merged_state",
+           "adapter_state", "write_adapter", "describe"]
 
 #: the name peft gives the one adapter dptrain injects
 ADAPTER = "default"
