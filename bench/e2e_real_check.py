@@ -147,10 +147,14 @@ def score_generation(d: Path, prompts: int, max_new_tokens: int) -> None:
     from dptrain.models import build_model
     from dptrain.trainer import RunConfig
 
+    from dptrain.models.finetune import LoRAConfig
+
     s = json.loads((d / "summary.json").read_text())
     cfg = from_dict(RunConfig, s["config"])
     torch.set_num_threads(cfg.performance.num_threads or 1)
     task = build_data(cfg.data, seed=cfg.seed)
+    # a LoRA run's final model has its adapters merged: the original architecture, no adapters
+    cfg.model.lora, cfg.model.trainable = LoRAConfig(), None
     model = build_model(cfg.model, task.info)
     load_model(model, str(d / "final" / "model.safetensors"))
     model.eval()
