@@ -104,3 +104,37 @@ def test_data_without_references_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "train.generate_prompts" in err and "synthetic_lm" in err
     assert not (tmp_path / "o").exists()
+
+
+def _run_to_summary(rank: int, world: int, folder: str, extra: tuple) -> dict:
+    """A whole run (``Trainer.run``: training, the final evaluation with generation) on this
+    rank; its summary."""
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    args = _args(Path(folder), "train.generate_prompts=null", "train.max_new_tokens=12",
+                 "train.progress=false", "train.checkpoint_every=0", *extra)
+    overrides = args[args.index("--output-dir") + 2:]
+    t = Trainer(load(RunConfig, CONFIGS / "e2e_small.yaml", overrides),
+                Path(folder) / f"out{world}" if rank == 0 else None)
+    return t.run()
+
+
+@pytest.mark.distributed
+def test_two_fsdp_ranks_score_the_generations_of_the_one_rank_run(tmp_path):
+    """Every rank generates (FSDP2's forwards are collective): 2 sharded ranks finish with the
+    1-rank run's test NLL, BLEU and ROUGE-L over every test MR. Trained without noise for 40
+    steps, so that the greedy generations score well above 0."""
+    from dptrain.parallel.dist import spawn
+
+    _write_e2e(tmp_path / "e2e")
+    learn = ("privacy.noise_multiplier=0", "privacy.epsilon=null", "privacy.steps=40",
+             "optim.lr=0.05", "optim.aux.lr=0.05")
+    one = spawn(_run_to_summary, 1, str(tmp_path), learn)[0]
+    two = spawn(_run_to_summary, 2, str(tmp_path), (*learn, "performance.sharding=fsdp"))
+    assert one["test_generated_prompts"] == len(MRS)
+    assert one["test_bleu"] > 5 and one["test_rouge_l"] > 20
+    for s in two:  # every rank reports the same scores
+        assert s["test_generated_prompts"] == len(MRS)
+        for k in ("nll_per_token", "bleu", "rouge_l"):
+            assert s[f"test_{k}"] == pytest.approx(one[f"test_{k}"], rel=1e-5, abs=1e-9), k
