@@ -186,6 +186,26 @@ def test_llama_lora_with_bitfit_norms_equal_the_single_example_loop():
             ("ghost", "instantiate"), MODES)
 
 
+@pytest.mark.parametrize("trainable", [None, [r"^head\.", "cls_token", "pos_embed"]],
+                         ids=["adapters", "adapters+head+tapped_tokens"])
+def test_vit_lora_norms_equal_the_reference(trainable):
+    """timm's ViT with adapters on the attention and MLP matrices; its class token and position
+    table (tapped parameters of the engine) frozen, or trained beside the adapters."""
+    import timm
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16,
+                              patch_size=8, num_classes=3, depth=2).double()
+    apply_finetuning(model, LoRAConfig(r=2, target_modules=["qkv", "fc1", "attn.proj"]),
+                     trainable)
+    _randomise_b(model)
+    gen = torch.Generator().manual_seed(2)
+    batch = (torch.randn(4, 3, 16, 16, generator=gen, dtype=torch.float64),
+             torch.tensor([0, 1, 2, 1]))
+    check(model, batch, loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"))
+
+
 def test_inner_momentum_query_over_the_adapters():
     """u_b = 0.7 g_b(theta1) + 0.3 g_b(theta0), theta1 differing in the trainable tensors only
     (the history holds nothing else)."""
@@ -361,3 +381,18 @@ def test_a_checkpoint_leaves_the_frozen_base_out_and_refuses_another_base(tmp_pa
     (base_dir / "model.safetensors").write_bytes(original)
     assert main(args) == 0
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+
+
+def test_the_frozen_digest_is_the_same_in_float32_and_float64_and_sees_one_changed_value():
+    from dptrain.checkpoint import frozen_state
+
+    model = tiny_gpt2(torch.float32)
+    apply_finetuning(model, LoRAConfig(r=2), None)
+    digest = frozen_state(model)
+    assert frozen_state(model.double()) == digest  # a float64 run of the same weights
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[3, 5] += 1e-12  # not a float32 value now
+    changed = frozen_state(model)
+    assert changed["keys"] == digest["keys"] and changed["sha256"] != digest["sha256"]
+    full = tiny_gpt2(torch.float32)
+    assert frozen_state(full) is None  # nothing frozen: the checkpoint holds everything

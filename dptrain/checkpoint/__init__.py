@@ -15,7 +15,7 @@ mode the privacy seed is not stored (resume then draws fresh randomness and says
 
 Frozen parameters (``model.lora``, ``model.trainable``) are not written: a run rebuilds them as
 it built them (from ``model.pretrained_path``, or the seed), and the checkpoint keeps their
-SHA-256 (``frozen``: over each tensor's name, shape and float64 values, so neither the world size
+SHA-256 (``frozen``: over each tensor's name, shape and values, so neither the world size
 nor a float32/float64 run changes it), which a resume checks before loading the rest. A LoRA run
 of a 7B model thus checkpoints its adapters and optimizer state, not 28 GB of base weights.
 """
@@ -89,8 +89,9 @@ def _test_pause() -> None:
 def frozen_state(model) -> dict[str, Any] | None:
     """The frozen parameters of ``model`` as a checkpoint records them: ``{"keys": their
     state-dict keys (every name of a tied one), "sha256": the digest over (name, shape,
-    float64 values) of each, in ``named_parameters`` order}``; None when every parameter
-    trains. Collective under FSDP (each frozen tensor is gathered in turn: call on every
+    values) of each, in ``named_parameters`` order}``; None when every parameter trains. The
+    values are hashed as float32 when that is exact, so a float32 run and a float64 run of the
+    same weights agree. Collective under FSDP (each frozen tensor is gathered in turn: call on every
     rank)."""
     from dptrain.parallel.fsdp import is_sharded
 
@@ -102,9 +103,14 @@ def frozen_state(model) -> dict[str, Any] | None:
     for name, p in model.named_parameters():
         if p.requires_grad:
             continue
-        full = p.full_tensor() if is_sharded(p) else p
-        values = full.detach().to("cpu", torch.float64).contiguous()
-        digest.update(f"{name}:{tuple(values.shape)};".encode())
+        full = (p.full_tensor() if is_sharded(p) else p).detach().to("cpu")
+        # the float32 values when they are exact (any float32/bf16/fp16 tensor, and a float64
+        # copy of one): the same bytes for a float32 and a float64 run, half of float64's
+        values = full.to(torch.float32)
+        if full.dtype == torch.float64 and not torch.equal(values.to(torch.float64), full):
+            values = full
+        values = values.contiguous()
+        digest.update(f"{name}:{tuple(values.shape)}:{values.dtype};".encode())
         digest.update(values.numpy().data)
     return {"keys": keys, "sha256": digest.hexdigest()}
 
