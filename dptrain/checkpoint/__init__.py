@@ -91,8 +91,8 @@ def frozen_state(model) -> dict[str, Any] | None:
     state-dict keys (every name of a tied one), "sha256": the digest over (name, shape,
     values) of each, in ``named_parameters`` order}``; None when every parameter trains. The
     values are hashed as float32 when that is exact, so a float32 run and a float64 run of the
-    same weights agree. Collective under FSDP (each frozen tensor is gathered in turn: call on every
-    rank)."""
+    same weights agree. Collective under FSDP (each frozen tensor is gathered in turn: call on
+    every rank)."""
     from dptrain.parallel.fsdp import is_sharded
 
     keys = sorted(n for n, p in model.named_parameters(remove_duplicate=False)
@@ -163,7 +163,8 @@ def capture(trainer) -> dict[str, Any]:
     frozen = _frozen(trainer)
     model = trainer.model.state_dict()
     if frozen is not None:
-        model = {k: v for k, v in model.items() if k not in set(frozen["keys"])}
+        skip = set(frozen["keys"])
+        model = {k: v for k, v in model.items() if k not in skip}
     return {
         "format": 1,
         "step": trainer.step,
