@@ -2,10 +2,11 @@
 step, in one run.
 
     python bench/lora_step.py [--model gpt2|llama] [--rank 8] [--rounds 5] [--threads 1]
-                              [--no-memory] [--tiny]
+                              [--no-memory] [--tiny] [--layers L --width D --heads H --vocab V
+                              --seq-len T --batch-size B]
 
 The model, weights and batch are dp_step.py's (GPT-2 or Llama at 4 layers, width 256,
-vocabulary 8,192, T = 64, B = 32). Variants:
+vocabulary 8,192, T = 64, B = 32; the shape options change them). Variants:
 
 - full_nonprivate, full_dp: dp_step.py's non-private step and dptrain's private step (default
   clipping mode, counter-based noise on every coordinate, SGD);
@@ -182,9 +183,20 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="tiny models, one round (tests)")
+    for flag, help_ in (("--layers", "blocks"), ("--width", "hidden width"),
+                        ("--heads", "attention heads"), ("--vocab", "vocabulary"),
+                        ("--seq-len", "tokens per example (T)"),
+                        ("--batch-size", "examples per step (B)")):
+        ap.add_argument(flag, type=int, default=None, help=f"{help_} (default: dp_step.py's)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     cfg = tiny_config() if args.tiny else BenchConfig()
+    for shape in (cfg.gpt2, cfg.llama):
+        for arg, name in (("layers", "num_layers"), ("width", "width"), ("heads", "num_heads"),
+                          ("vocab", "vocab_size"), ("seq_len", "seq_len"),
+                          ("batch_size", "batch_size")):
+            if getattr(args, arg) is not None:
+                setattr(shape, name, getattr(args, arg))
     if not args.tiny:
         cfg.rounds = args.rounds
     cfg.memory = not args.no_memory and not args.tiny
