@@ -174,7 +174,7 @@ def test_frozen_weights_with_trained_biases_equal_the_single_example_loop(lora, 
             ("ghost", "instantiate"), MODES)
 
 
-def test_llama_lora_with_bitfit_norms_equal_the_single_example_loop():
+def test_llama_lora_with_trained_norm_weights_equals_the_single_example_loop():
     model = _tiny_llama(tied=False)
     apply_finetuning(model, LoRAConfig(r=2, alpha=4,
                                        target_modules=["q_proj", "v_proj", "down_proj"]),
