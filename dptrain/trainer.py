@@ -723,7 +723,7 @@ class Trainer:
             ckpt.export_hf(self, out / "final")  # GPT-2, causal_lm: final/hf/ for transformers
             # LoRA: the adapters alone, for peft (only when they are all that was trained)
             write_adapter(state if evaluated is None else evaluated, self.model,
-                          out / "final" / "adapter")
+                          self.cfg.model.lora, out / "final" / "adapter")
             # last: summary.json marks the run finished (--resume auto then does nothing)
             tmp = out / "summary.json.tmp"
             tmp.write_text(strict_json(summary, indent=2, default=str))

@@ -167,24 +167,19 @@ def apply_finetuning(model: nn.Module, lora: LoRAConfig, trainable: list[str] | 
     if not lora.enabled and trainable is None:
         return
     if lora.enabled:
-        from peft import LoraConfig, inject_adapter_in_model
+        from peft import inject_adapter_in_model
 
         targets = lora.target_modules or _default_targets(model)
         found = _targets(model, targets)
         conv1d = any(type(m) is not nn.Linear for m in found.values())
-        config = LoraConfig(r=lora.r, lora_alpha=lora.alpha if lora.alpha is not None else lora.r,
-                            lora_dropout=lora.dropout, target_modules=list(targets),
-                            fan_in_fan_out=conv1d, use_rslora=lora.rslora, bias="none")
         with warnings.catch_warnings():  # fan_in_fan_out, set per layer by peft when mixed
             warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
-            inject_adapter_in_model(config, model, adapter_name=ADAPTER)
-        model._dptrain_lora_config = config  # for write_adapter
+            inject_adapter_in_model(_peft_config(lora, targets, conv1d), model,
+                                    adapter_name=ADAPTER)
     for p in model.parameters():
         p.requires_grad_(False)
-    for m in lora_layers(model).values():
-        for part in (m.lora_A[ADAPTER], m.lora_B[ADAPTER]):
-            for p in part.parameters():
-                p.requires_grad_(True)
+    for p in _adapter_parameters(lora_layers(model)):
+        p.requires_grad_(True)
     named = list(model.named_parameters(remove_duplicate=False))
     for i, pattern in enumerate(trainable or []):
         rx = re.compile(pattern)
@@ -197,6 +192,15 @@ def apply_finetuning(model: nn.Module, lora: LoRAConfig, trainable: list[str] | 
             p.requires_grad_(True)
 
 
+def _peft_config(lora: LoRAConfig, targets: list[str], fan_in_fan_out: bool):
+    """peft's ``LoraConfig`` of ``lora`` (what is injected, and what ``final/adapter`` says)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha if lora.alpha is not None else lora.r,
+                      lora_dropout=lora.dropout, target_modules=list(targets),
+                      fan_in_fan_out=fan_in_fan_out, use_rslora=lora.rslora, bias="none")
+
+
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """{module name: peft LoRA layer} of ``model`` (empty without adapters)."""
     if "peft" not in sys.modules:  # never imported: no adapters anywhere (and no import cost)
@@ -204,6 +208,12 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     from peft.tuners.lora import LoraLayer
 
     return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def _adapter_parameters(layers: dict[str, nn.Module]) -> list[nn.Parameter]:
+    """The LoRA factors' weights of ``layers`` (:func:`lora_layers`)."""
+    return [p for m in layers.values() for part in (m.lora_A[ADAPTER], m.lora_B[ADAPTER])
+            for p in part.parameters()]
 
 
 def merged_state(state: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
@@ -244,21 +254,24 @@ def adapter_state(state: dict[str, Tensor], model: nn.Module) -> dict[str, Tenso
     return out
 
 
-def write_adapter(state: dict[str, Tensor], model: nn.Module, directory) -> bool:
+def write_adapter(state: dict[str, Tensor], model: nn.Module, lora: LoRAConfig,
+                  directory) -> bool:
     """Write peft's adapter folder (``adapter_config.json``, ``adapter_model.safetensors``)
     for ``PeftModel.from_pretrained(base, directory)``. Only when the adapters are all that
     was trained (a parameter of ``model.trainable`` is not part of a LoRA adapter, so only the
     merged model holds it) and the targets are all Linear or all Conv1D (peft's config has one
     ``fan_in_fan_out``): returns whether it was written."""
-    config = getattr(model, "_dptrain_lora_config", None)
-    if config is None:
+    layers = lora_layers(model)
+    if not lora.enabled or not layers:
         return False
-    adapter_params = {id(p) for m in lora_layers(model).values()
-                      for part in (m.lora_A[ADAPTER], m.lora_B[ADAPTER]) for p in part.parameters()}
+    adapter_params = {id(p) for p in _adapter_parameters(layers)}
     if any(p.requires_grad and id(p) not in adapter_params for p in model.parameters()):
         return False
-    if len({m.fan_in_fan_out for m in lora_layers(model).values()}) > 1:
+    fan_in_fan_out = {m.fan_in_fan_out for m in layers.values()}
+    if len(fan_in_fan_out) > 1:
         return False  # Conv1D and Linear targets: one adapter_config cannot describe both
+    config = _peft_config(lora, lora.target_modules or _default_targets(model),
+                          fan_in_fan_out.pop())
     from safetensors.torch import save_file
 
     directory = Path(directory)
