@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dptrain.optim import Muon, MuonBC, MuonS
-from dptrain.optim.muon import heat_bias_correction, power_iteration, probe_seed
+from dptrain.optim.muon import heat_bias_correction, top_singular_value, probe_seed
 from dptrain.optim.newton_schulz import MUON_COEFFICIENTS, newton_schulz, smooth_newton_schulz
 
 LR, MU = 0.01, 0.95
@@ -235,33 +235,105 @@ def test_muon_bc_without_noise_is_muon_with_smooth_ns():
 
 # --- DP-Muon-S ------------------------------------------------------------------------------
 
-def test_power_iteration_on_a_zero_matrix_keeps_its_vector():
+def test_top_singular_value_of_a_zero_matrix_keeps_its_vector():
     v = torch.tensor([0.6, 0.8])
-    sigma, v_new = power_iteration(torch.zeros(3, 2), v, 3)
+    sigma, v_new = top_singular_value(torch.zeros(3, 2), v, 3)
     assert sigma == 0 and torch.equal(v_new, v)
 
 
-def test_muon_s_sigma1_is_within_1e_3_of_the_svd():
+@pytest.mark.parametrize("shape, noise", [((20, 30), 0.05), ((20, 30), 5.0), ((64, 48), 1.0),
+                                          ((40, 200), 5.0)])
+def test_muon_s_sigma1_is_within_1e_3_of_the_svd_on_noisy_releases(shape, noise):
+    # the issue's test, on releases dominated by noise as well: the heavy-ball momentum of such
+    # releases has a flat top of the spectrum (sigma_2/sigma_1 ~0.95-0.99), where three
+    # warm-started power iterations (the earlier method) left sigma_1 2-12% low
     gen = torch.Generator().manual_seed(0)
-    shape = (20, 30)
     base = torch.randn(*shape, dtype=torch.float64, generator=gen)
     W = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64))
-    opt = MuonS([("w", W)], lr=LR, momentum=0.9, power_iters=3)
-    for _ in range(8):  # warm starts: 3 power steps per optimizer step
-        W.grad = base + 0.05 * torch.randn(*shape, dtype=torch.float64, generator=gen)
+    opt = MuonS([("w", W)], lr=LR, momentum=0.9)
+    errors = []
+    for _ in range(6):  # the first step starts cold, the others from the last Ritz vector
+        W.grad = base + noise * torch.randn(*shape, dtype=torch.float64, generator=gen)
         opt.step()
-    state = opt.state[W]
-    sigma_svd = torch.linalg.svdvals(state["momentum_buffer"])[0]
-    assert abs(state["sigma"] - sigma_svd) / sigma_svd < 1e-3
+        state = opt.state[W]
+        sigma_svd = torch.linalg.svdvals(state["momentum_buffer"])[0]
+        errors.append(float(abs(state["sigma"] - sigma_svd) / sigma_svd))
+    assert max(errors) < 1e-3, errors
 
 
-def test_muon_s_power_iteration_is_warm_started_from_the_seeded_vector():
-    # one power step per optimizer step from the last step's vector; the first vector is
-    # randn(c) from torch.Generator(probe_seed("muon_s_power", seed, name)), normalised
+def test_three_power_steps_would_miss_the_issues_accuracy():
+    # what the test above guards against: plain power iteration, 3 warm-started steps per
+    # optimizer step, on the same noisy momentum as its (20, 30), noise 5 case
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(20, 30, dtype=torch.float64, generator=gen)
+    M, v = torch.zeros(20, 30, dtype=torch.float64), torch.ones(30, dtype=torch.float64) / 30**0.5
+    errors = []
+    for _ in range(6):
+        M = 0.9 * M + base + 5.0 * torch.randn(20, 30, dtype=torch.float64, generator=gen)
+        for _ in range(3):
+            w = M.T @ (M @ v)
+            v = w / torch.linalg.vector_norm(w)
+        sigma = torch.linalg.vector_norm(M @ v)
+        errors.append(float(1 - sigma / torch.linalg.svdvals(M)[0]))
+    assert max(errors) > 1e-2
+
+
+def _lanczos_reference(M: torch.Tensor, v: torch.Tensor, steps: int):
+    # Lanczos on A = M^T M written out: an orthonormal basis of span{v, Av, ..., A^(steps-1) v}
+    # by QR, the projected matrix Q^T A Q and its top eigenpair
+    A = M.T @ M
+    K = [v]
+    for _ in range(steps - 1):
+        K.append(A @ K[-1])
+    Q, _ = torch.linalg.qr(torch.stack(K, dim=1))
+    values, vectors = torch.linalg.eigh(Q.T @ A @ Q)
+    y = Q @ vectors[:, -1]
+    return values[-1].sqrt(), y * torch.sign(y @ v)
+
+
+@pytest.mark.parametrize("steps", [2, 3, 5])
+def test_top_singular_value_is_the_krylov_spaces_best_estimate(steps):
+    # with tol 0 it takes exactly `steps` products: sigma_1 and the next step's warm start are
+    # the top Ritz pair of span{v, Av, ..., A^(steps-1) v}
+    gen = torch.Generator().manual_seed(steps)
+    M = torch.randn(9, 7, dtype=torch.float64, generator=gen)
+    v = torch.randn(7, dtype=torch.float64, generator=gen)
+    v = v / torch.linalg.vector_norm(v)
+    calls = []
+    sigma, y = top_singular_value(M, v, steps, tol=0.0, reduce=calls.append)
+    want_sigma, want_y = _lanczos_reference(M, v, steps)
+    assert len(calls) == steps
+    torch.testing.assert_close(sigma, want_sigma, rtol=1e-10, atol=0)
+    torch.testing.assert_close(y * torch.sign(y @ v), want_y, rtol=0, atol=1e-8)
+    assert sigma < torch.linalg.svdvals(M)[0]  # a lower bound until it has converged
+
+
+def test_top_singular_value_stops_at_the_residual_tolerance():
+    # sigma_1 = 3, well apart from the rest: a loose tolerance stops early with a lower bound
+    # within it; a tight one agrees with the SVD to float64 rounding
+    gen = torch.Generator().manual_seed(1)
+    U, _ = torch.linalg.qr(torch.randn(30, 20, dtype=torch.float64, generator=gen))
+    V, _ = torch.linalg.qr(torch.randn(20, 20, dtype=torch.float64, generator=gen))
+    S = torch.cat([torch.tensor([3.0], dtype=torch.float64),
+                   torch.linspace(1.0, 0.1, 19, dtype=torch.float64)])
+    M = U @ torch.diag(S) @ V.T
+    v = torch.ones(20, dtype=torch.float64) / 20**0.5
+    loose_calls, tight_calls = [], []
+    loose, _ = top_singular_value(M, v, 50, tol=1e-2, reduce=loose_calls.append)
+    tight, _ = top_singular_value(M, v, 50, tol=1e-12, reduce=tight_calls.append)
+    assert len(loose_calls) < len(tight_calls) <= 20
+    assert 3 * (1 - 1e-2) <= loose <= 3
+    torch.testing.assert_close(tight, torch.tensor(3.0, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_muon_s_sigma_is_warm_started_from_the_seeded_vector():
+    # the first step's vector is randn(c) from torch.Generator(probe_seed("muon_s_power", seed,
+    # name)), normalised; each later step starts from the last step's top Ritz vector
     gen = torch.Generator().manual_seed(3)
-    shape, seed = (7, 5), 11
+    shape, seed, steps = (7, 5), 11, 3
     W = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64))
-    opt = MuonS([("w", W)], lr=LR, seed=seed, momentum=0.9, power_iters=1, ns_dtype="float64")
+    opt = MuonS([("w", W)], lr=LR, seed=seed, momentum=0.9, power_iters=steps, power_tol=0.0,
+                ns_dtype="float64")
     v = torch.randn(shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(
         probe_seed("muon_s_power", seed, "w")))
     v = v / torch.linalg.vector_norm(v)
@@ -271,12 +343,10 @@ def test_muon_s_power_iteration_is_warm_started_from_the_seeded_vector():
         W.grad = G.clone()
         opt.step()
         M = 0.9 * M + G
-        u = M @ v
-        w = M.T @ (u / torch.linalg.vector_norm(u))
-        sigma = torch.linalg.vector_norm(w)
-        v = w / sigma
-        torch.testing.assert_close(opt.state[W]["sigma"], sigma, rtol=1e-12, atol=0)
-        torch.testing.assert_close(opt.state[W]["power_vector"], v, rtol=1e-12, atol=1e-14)
+        sigma, v = _lanczos_reference(M, v, steps)
+        got = opt.state[W]["power_vector"]
+        torch.testing.assert_close(opt.state[W]["sigma"], sigma, rtol=1e-10, atol=0)
+        torch.testing.assert_close(got * torch.sign(got @ v), v, rtol=0, atol=1e-8)
 
 
 @pytest.mark.parametrize("wd", [0.0, 0.3])

@@ -32,7 +32,7 @@ __all__ = ["OptimConfig", "AuxGroupConfig", "ParamGroupConfig", "FilterConfig"]
 # Top-level fields that are options of the ``name`` optimizer (null: that optimizer's default).
 _OPTION_FIELDS = ("momentum", "nesterov", "weight_decay", "betas", "eps", "ns_steps",
                   "ns_coefficients", "scale", "momentum_style", "bc_lambda", "bc_kappa",
-                  "bc_gamma_ns", "bc_probes", "power_iters")
+                  "bc_gamma_ns", "bc_probes", "power_iters", "power_tol")
 
 
 @dataclass(kw_only=True)
@@ -89,7 +89,11 @@ class OptimConfig:
     bc_probes: int | None = None
     """DP-MuonBC antithetic probe pairs per step. Null: 1."""
     power_iters: int | None = None
-    """DP-Muon-S power iterations per step (warm-started). Null: 3."""
+    """DP-Muon-S: the most products with M^T M per step for sigma_1 (Lanczos steps,
+    warm-started from the last step's vector; >= 2). Null: 50."""
+    power_tol: float | None = None
+    """DP-Muon-S: stop once the top Ritz pair's residual is at most this fraction of its value
+    (0: always ``power_iters`` steps). Null: 1e-4."""
     preset: Literal["gpt2", "causal_lm", "nfresnet", "vit", "convnext"] | None = None
     """Split parameters into matrices (``name``) and the rest (``aux``) by model family
     (``causal_lm``: the decoder blocks' 2-D weights to ``name``; embeddings, head, norms and

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from dptrain.optim.newton_schulz import newton_schulz, smooth_newton_schulz
 
-__all__ = ["Muon", "MuonBC", "MuonS", "heat_bias_correction", "power_iteration", "probe_seed"]
+__all__ = ["Muon", "MuonBC", "MuonS", "heat_bias_correction", "top_singular_value", "probe_seed"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -326,28 +326,66 @@ class MuonBC(Muon):
                                     kappa=group["bc_kappa"])
 
 
-def power_iteration(M: Tensor, v: Tensor, num_iters: int) -> tuple[Tensor, Tensor]:
-    """sigma_1(M) and its right singular vector by ``num_iters`` power steps from ``v`` (unit).
+def top_singular_value(M: Tensor, v: Tensor, num_iters: int, tol: float = 0.0,
+                    reduce: Callable[[Tensor], None] | None = None) -> tuple[Tensor, Tensor]:
+    """sigma_1(M) and its right singular vector by Lanczos on M^T M from ``v`` (unit): the
+    power iteration's products, at most ``num_iters`` of them, with the estimate the best one
+    in their Krylov space (the largest eigenvalue of the Lanczos tridiagonal T, vectors fully
+    reorthogonalised) instead of the last iterate's. Stops once the top Ritz pair's residual
+    ``beta_j |s_j|`` is at most ``tol`` times its value (``tol`` 0: exactly ``num_iters``
+    products), which bounds the distance from sigma_1^2's estimate to an eigenvalue of M^T M.
 
-    Returns (sigma, v_new); a zero matrix leaves ``v`` unchanged and gives sigma = 0.
+    ``M`` may be this rank's rows of a matrix split by rows over ranks: ``reduce`` then sums a
+    c-vector across them in place (one all-reduce per product), and every rank, holding the
+    same sums, takes the same steps and stops after the same one.
+
+    Returns (sigma, v_new), v_new the top Ritz vector (the next step's warm start); a zero
+    matrix leaves ``v`` unchanged and gives sigma = 0.
     """
     tiny = torch.finfo(M.dtype).tiny
-    sigma = torch.zeros((), dtype=M.dtype, device=M.device)
+    basis = [v]
+    alphas: list[float] = []
+    betas: list[float] = []
     for _ in range(num_iters):
-        u = M @ v
-        u = u / (torch.linalg.vector_norm(u) + tiny)
-        w = M.mT @ u
-        sigma = torch.linalg.vector_norm(w)
-        v = torch.where(sigma > 0, w / (sigma + tiny), v)
-    return sigma, v
+        q = basis[-1]
+        w = M.mT @ (M @ q)
+        if reduce is not None:
+            reduce(w)
+        alphas.append(float(torch.dot(q, w)))
+        Q = torch.stack(basis, dim=1)
+        for _ in range(2):  # classical Gram-Schmidt twice: full reorthogonalisation
+            w = w - Q @ (Q.mT @ w)
+        beta = float(torch.linalg.vector_norm(w))
+        theta, s = _top_ritz(alphas, betas)
+        if beta <= tiny or beta * abs(s[-1]) <= tol * theta:
+            break
+        betas.append(beta)
+        basis.append(w / beta)
+    if theta <= 0:
+        return torch.zeros((), dtype=M.dtype, device=M.device), v
+    y = Q @ s.to(dtype=Q.dtype, device=Q.device)
+    y = y / torch.linalg.vector_norm(y)
+    return torch.tensor(math.sqrt(theta), dtype=M.dtype, device=M.device), y
+
+
+def _top_ritz(alphas: list[float], betas: list[float]) -> tuple[float, Tensor]:
+    """The largest eigenvalue of the symmetric tridiagonal matrix with diagonal ``alphas`` and
+    off-diagonal ``betas`` (float64, on the CPU), and its unit eigenvector."""
+    T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+    if betas:
+        off = torch.tensor(betas, dtype=torch.float64)
+        T += torch.diag(off, 1) + torch.diag(off, -1)
+    values, vectors = torch.linalg.eigh(T)
+    return float(values[-1]), vectors[:, -1]
 
 
 class MuonS(torch.optim.Optimizer):
     """DP-Muon-S ("Spectral Gradient Orthogonalization"): the update sigma_1(M) * U V^T.
 
     M_t = beta*M_{t-1} + G_t (heavy ball); for a matrix, W <- W - lr * sigma_1(M_t) * NS_J(M_t),
-    sigma_1 by ``power_iters`` power iterations warm-started from the previous step's vector
-    (kept in the state); parameters with < 2 dims take the heavy-ball SGD step W <- W - lr*M_t.
+    sigma_1 by Lanczos on M^T M (``top_singular_value``: at most ``power_iters`` products, fewer
+    once the residual is within ``power_tol``) warm-started from the previous step's top Ritz
+    vector (kept in the state); parameters with < 2 dims take the heavy-ball SGD step W <- W - lr*M_t.
 
     Warnings:
     - U V^T is approximated by Newton–Schulz; the default Polar Express coefficients get much
@@ -363,7 +401,8 @@ class MuonS(torch.optim.Optimizer):
         *,
         seed: int = 0,
         momentum: float = 0.9,
-        power_iters: int = 3,
+        power_iters: int = 50,
+        power_tol: float = 1e-4,
         ns_steps: int = 5,
         ns_coefficients: Literal["muon", "polar_express"] = "polar_express",
         ns_dtype: str | torch.dtype = "float32",
@@ -372,9 +411,12 @@ class MuonS(torch.optim.Optimizer):
     ):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if power_iters < 1:
-            raise ValueError(f"power_iters must be >= 1, got {power_iters}")
-        defaults = dict(lr=lr, momentum=momentum, power_iters=power_iters, ns_steps=ns_steps,
+        if power_iters < 2:  # one product leaves the warm start where it was
+            raise ValueError(f"power_iters must be >= 2, got {power_iters}")
+        if not 0.0 <= power_tol < 1.0:
+            raise ValueError(f"power_tol must be in [0, 1), got {power_tol}")
+        defaults = dict(lr=lr, momentum=momentum, power_iters=power_iters, power_tol=power_tol,
+                        ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, ns_dtype=_dtype_name(ns_dtype),
                         weight_decay=weight_decay, eps=eps, noise_gain=1.0)
         super().__init__(params, defaults)
@@ -386,9 +428,8 @@ class MuonS(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Sharded parameters (FSDP2 DTensors, rows split over ranks): the momentum buffers stay
-        this rank's rows; sigma_1 by the same power iteration with its two products reduced
-        across ranks (``_sharded_power_iteration``: one all-reduce of a c-vector and one of a
-        scalar per iteration, the c-vector replicated); U V^T by ``distributed_newton_schulz``."""
+        this rank's rows; sigma_1 by the same Lanczos steps with each product M^T M q summed
+        across ranks (one all-reduce of a c-vector per step, the vectors replicated); U V^T by ``distributed_newton_schulz``."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -425,8 +466,9 @@ class MuonS(torch.optim.Optimizer):
                 continue
             sharded = _DTensor is not None and isinstance(todo[0][0], _DTensor)
             for p, M_rc, rc, state in todo:
-                power = _sharded_power_iteration if sharded else power_iteration
-                sigma, v = power(M_rc, state["power_vector"], group["power_iters"])
+                sigma, v = top_singular_value(M_rc, state["power_vector"], group["power_iters"],
+                                           group["power_tol"],
+                                           reduce=_all_reduce if sharded else None)
                 state["power_vector"].copy_(v)
                 state["sigma"].copy_(sigma)
             dtype = DTYPES[group["ns_dtype"]]
@@ -447,23 +489,7 @@ class MuonS(torch.optim.Optimizer):
         return loss
 
 
-def _sharded_power_iteration(M_local: Tensor, v: Tensor, num_iters: int
-                             ) -> tuple[Tensor, Tensor]:
-    """``power_iteration`` on the (r, c) matrix whose rows are split over the ranks (each holds
-    ``M_local``, its rows; ``v`` replicated): u = M v stays sharded, its norm and M^T u are
-    summed across ranks. Same steps as the single-process function, so the same sigma_1 and
-    vector up to float summation order."""
+def _all_reduce(t: Tensor) -> None:
     import torch.distributed as dist
 
-    tiny = torch.finfo(M_local.dtype).tiny
-    sigma = torch.zeros((), dtype=M_local.dtype, device=M_local.device)
-    for _ in range(num_iters):
-        u = M_local @ v
-        sq = torch.linalg.vector_norm(u).square().reshape(1)
-        dist.all_reduce(sq)
-        u = u / (sq.sqrt()[0] + tiny)
-        w = M_local.mT @ u
-        dist.all_reduce(w)
-        sigma = torch.linalg.vector_norm(w)
-        v = torch.where(sigma > 0, w / (sigma + tiny), v)
-    return sigma, v
+    dist.all_reduce(t)

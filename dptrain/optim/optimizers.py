@@ -87,6 +87,7 @@ OPTION_TYPES: dict[str, Any] = {
     "scale": Literal["match_rms_adamw", "original"],
     "momentum_style": Literal["accumulate", "ema"], "bc_lambda": float, "bc_kappa": float,
     "bc_gamma_ns": float, "bc_probes": int, "power_iters": int,
+    "power_tol": float,
 }
 
 
@@ -107,7 +108,8 @@ _OPTION_RANGES: dict[str, tuple[Any, str]] = {
     "bc_kappa": (lambda x: _finite(x) and x > 0, "must be finite and > 0"),
     "bc_gamma_ns": (lambda x: _finite(x) and x > 0, "must be finite and > 0"),
     "bc_probes": (lambda x: x >= 1, "must be >= 1"),
-    "power_iters": (lambda x: x >= 1, "must be >= 1"),
+    "power_iters": (lambda x: x >= 2, "must be >= 2"),
+    "power_tol": (lambda x: 0.0 <= x < 1.0, "must be in [0, 1)"),
 }
 
 
