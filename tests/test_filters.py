@@ -118,10 +118,11 @@ def test_im_paper_convention_reads_kappa_as_the_weight_of_the_previous_state():
 
 @pytest.mark.parametrize("make", [
     lambda: DopplerFilter([-0.6, 0.1], [0.3, 0.2, 0.1]),
+    lambda: DopplerFilter([-0.6, 0.1], [0.3, 0.2, 0.1], "step_response"),
     lambda: DopplerFilter([], [0.5, 0.5]),
     lambda: DopplerFilter([-0.9], [0.1]),
     lambda: DiSKFilter(0.3, 0.5),
-], ids=["doppler_p2_q2", "doppler_fir", "doppler_ema", "disk"])
+], ids=["doppler_p2_q2", "doppler_p2_q2_step_response", "doppler_fir", "doppler_ema", "disk"])
 @pytest.mark.parametrize("cut", [1, 2, 3])
 def test_a_filter_restored_from_its_state_dict_continues_bit_for_bit(make, cut):
     # through torch.save/load, as a checkpoint stores it; the resume tests use DOPPLER's
@@ -160,21 +161,47 @@ def test_a_filter_restored_from_its_state_dict_continues_bit_for_bit(make, cut):
     assert all(same(a, b) for a, b in zip(want, got))
 
 
-@pytest.mark.parametrize("a,b", [([-0.9], [0.1]), ([-1.2, 0.5], [0.2, 0.1]), ([], [0.5, 0.5])])
-def test_doppler_is_the_bias_corrected_iir_filter(a, b):
-    """m = lfilter(b, [1, *a], g), c = lfilter(b, [1, *a], ones): output m_t / c_t."""
+@pytest.mark.parametrize("correction", ["paper", "step_response"])
+@pytest.mark.parametrize("a,b", [([-0.9], [0.1]), ([-1.2, 0.5], [0.2, 0.1]), ([], [0.5, 0.5]),
+                                 ([-0.6, 0.08], [0.2, 0.1, 0.1])])
+def test_doppler_is_the_bias_corrected_iir_filter(a, b, correction):
+    """m = lfilter(b, [1, *a], g); output m_t / c_t with c the same recursion fed sum(b) at
+    every step (the DOPPLER paper's c_t = -sum a_tau c_{t-tau} + sum_tau b_tau, c = 0 before
+    step 0) or, for step_response, the filter's response to a constant 1: lfilter(b, [1, *a],
+    ones)."""
     T = 7
     gen = np.random.default_rng(0)
     g = gen.standard_normal((T, 3))
     m = scipy.signal.lfilter(b, [1.0, *a], g, axis=0)
-    c = scipy.signal.lfilter(b, [1.0, *a], np.ones(T))
-    f = DopplerFilter(a, b)
+    if correction == "paper":
+        c = scipy.signal.lfilter([sum(b)], [1.0, *a], np.ones(T))
+    else:
+        c = scipy.signal.lfilter(b, [1.0, *a], np.ones(T))
+    f = DopplerFilter(a, b, correction)
     p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
     for t in range(T):
         p.grad = torch.tensor(g[t])
         f.apply([("p", p)])
         np.testing.assert_allclose(p.grad.numpy(), m[t] / c[t], rtol=1e-12, atol=1e-12)
         assert f.noise_gain() == pytest.approx(b[0] / c[t])
+
+
+def test_doppler_paper_and_step_response_differ_only_in_the_first_q_steps_of_an_fir():
+    # b = [0.5, 0.5], a = []: a constant input g gives m = 0.5 g at step 0 (the release before
+    # step 0 counts as 0), then g. paper divides by sum(b) = 1 at every step, so its first
+    # output is g / 2; step_response divides by b_0 = 0.5 there and passes g unchanged
+    outs = {}
+    for correction in ("paper", "step_response"):
+        f = DopplerFilter([], [0.5, 0.5], correction)
+        p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        outs[correction] = []
+        for _ in range(3):
+            p.grad = torch.tensor([1.5, -2.0], dtype=torch.float64)
+            f.apply([("p", p)])
+            outs[correction].append(p.grad.clone())
+    g = torch.tensor([1.5, -2.0], dtype=torch.float64)
+    assert [o.tolist() for o in outs["paper"]] == [(g / 2).tolist(), g.tolist(), g.tolist()]
+    assert [o.tolist() for o in outs["step_response"]] == [g.tolist()] * 3
 
 
 def test_doppler_constant_input_passes_unchanged():
@@ -189,8 +216,13 @@ def test_doppler_constant_input_passes_unchanged():
 @pytest.mark.parametrize("filt,field", [
     ({"name": "doppler", "a": [-1.1], "b": [0.1]}, "optim.filter.a"),
     ({"name": "doppler", "b": []}, "optim.filter.b"),
-    ({"name": "doppler", "a": [], "b": [0.0, 1.0]}, "optim.filter.b"),  # c_0 = b_0 = 0
-    ({"name": "doppler", "a": [], "b": [1.0, -1.0, 0.5]}, "optim.filter.b"),  # c_1 = 0
+    # step_response: c_0 = b_0 = 0; c_1 = b_0 + b_1 = 0
+    ({"name": "doppler", "a": [], "b": [0.0, 1.0], "correction": "step_response"},
+     "optim.filter.b"),
+    ({"name": "doppler", "a": [], "b": [1.0, -1.0, 0.5], "correction": "step_response"},
+     "optim.filter.b"),
+    ({"name": "doppler", "a": [], "b": [1.0, -1.0]}, "optim.filter.b"),  # paper: sum(b) = 0
+    ({"name": "disk", "correction": "step_response"}, "optim.filter.correction"),
     ({"name": "disk", "kappa": 0.0}, "optim.filter.kappa"),
     ({"name": "disk", "gamma": -1.0}, "optim.filter.gamma"),
     # another filter's settings would be ignored (DiSK's gain without DiSK: no filter at all)

@@ -49,12 +49,18 @@ class FilterConfig:
     Default [-0.9] with b = [0.1]: the first-order EMA m_t = 0.9 m_{t-1} + 0.1 g_t."""
     b: list[float] = field(default_factory=lambda: [0.1])
     """DOPPLER: feed-forward coefficients b_0..b_q (b_0 multiplies the current release)."""
+    correction: Literal["paper", "step_response"] = "paper"
+    """DOPPLER: the normaliser c_t = -sum a_tau c_{t-tau} + B_t. paper: B_t = sum of all b (the
+    DOPPLER paper's equation; releases before step 0 count as 0, so with q >= 1 the first q
+    outputs are scaled down). step_response: B_t = b_0 + ... + b_min(q, t), the filter's
+    response to a constant 1 from step 0, so a constant gradient passes unchanged from the
+    first step. The two agree for q = 0 (the default EMA)."""
 
     def applicability(self) -> list[tuple[str, str, dict]]:
         """Which fields each filter reads (``dptrain.config.unused_fields``)."""
         return [("optim.filter.name", self.name,
                  {**dict.fromkeys(("kappa", "gamma", "convention"), ("disk",)),
-                  **dict.fromkeys(("a", "b"), ("doppler",))})]
+                  **dict.fromkeys(("a", "b", "correction"), ("doppler",))})]
 
     def validate(self) -> None:
         refuse_unused(self)
@@ -84,7 +90,7 @@ class FilterConfig:
             tol = 1e-9 * sum(abs(x) for x in self.b)
             c_hist: list[float] = []
             for t in range(max(1000, 10 * (len(self.a) + len(self.b)))):
-                c = sum(self.b[: t + 1]) - sum(a * cp for a, cp in zip(self.a, c_hist))
+                c = doppler_normaliser(self.a, self.b, self.correction, c_hist, t)
                 if abs(c) <= tol:
                     raise ConfigError("b", f"the normaliser c_t is 0 at step {t} (b_0 = 0 or "
                                            "a cancellation): the filter's output m_t / c_t is "
@@ -95,6 +101,14 @@ class FilterConfig:
     def disk_gain(self) -> float:
         """kappa in the DiSK paper's convention (the weight of the new release)."""
         return self.kappa if self.convention == "disk_paper" else 1.0 - self.kappa
+
+
+def doppler_normaliser(a: list[float], b: list[float], correction: str, c_hist: list[float],
+                       t: int) -> float:
+    """DOPPLER's c_t at step ``t`` (from 0) from c_{t-1}, c_{t-2}, ... (``c_hist``, newest
+    first): -sum a_tau c_{t-tau} plus all of b (``paper``) or b_0..b_t (``step_response``)."""
+    fed = b if correction == "paper" else b[: t + 1]
+    return sum(fed) - sum(a_tau * c for a_tau, c in zip(a, c_hist))
 
 
 class Filter:
@@ -181,24 +195,23 @@ class DopplerFilter(Filter):
     """DOPPLER low-pass filter with its bias correction, on every coordinate:
 
         m_t = -sum_{tau=1..p} a_tau m_{t-tau} + sum_{tau=0..q} b_tau g_{t-tau}
-        c_t = -sum_{tau=1..p} a_tau c_{t-tau} + sum_{tau=0..min(q,t)} b_tau
+        c_t = -sum_{tau=1..p} a_tau c_{t-tau} + sum_{tau=0..q} b_tau      (``paper``)
+              (or sum_{tau=0..min(q,t)} b_tau: ``step_response``)
         output m_t / c_t                 (terms before t = 0 are 0)
     """
 
-    def __init__(self, a: list[float], b: list[float]):
-        assert len(b) >= 1
+    def __init__(self, a: list[float], b: list[float], correction: str = "paper"):
+        assert len(b) >= 1 and correction in ("paper", "step_response")
         self.a = [float(x) for x in a]
         self.b = [float(x) for x in b]
+        self.correction = correction
         self.num_steps = 0
         self.c_hist: list[float] = []  # c_{t-1}, c_{t-2}, ... (newest first, len <= p)
         self.m_hist: dict[str, list[Tensor]] = {}  # m_{t-1}, ... (newest first, len <= p)
         self.g_hist: dict[str, list[Tensor]] = {}  # g_{t-1}, ... (newest first, len <= q)
 
     def _next_c(self) -> float:
-        t = self.num_steps
-        c = sum(self.b[: min(len(self.b), t + 1)])
-        c -= sum(a * cp for a, cp in zip(self.a, self.c_hist))
-        return c
+        return doppler_normaliser(self.a, self.b, self.correction, self.c_hist, self.num_steps)
 
     @torch.no_grad()
     def apply(self, named_params: NamedParams) -> None:
@@ -248,7 +261,7 @@ class DopplerFilter(Filter):
 FILTERS = {
     "none": lambda cfg: Filter(),
     "disk": lambda cfg: DiSKFilter(cfg.disk_gain(), cfg.gamma),
-    "doppler": lambda cfg: DopplerFilter(cfg.a, cfg.b),
+    "doppler": lambda cfg: DopplerFilter(cfg.a, cfg.b, cfg.correction),
 }
 
 
