@@ -109,15 +109,22 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(path, f"expected an integer, got {value!r}")
+                value = int(value)
+            else:
+                raise ConfigError(path, f"expected an integer, got {value!r}")
+        # every integer meets int64 (torch sizes, numpy, the C long of set_num_threads)
+        if not -2**63 <= value < 2**63:
+            raise ConfigError(path, f"{value!r} is beyond int64's range (9.2e18)")
         return value
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(path, f"expected a number, got {value!r}")
         number = None
         if isinstance(value, (int, float)):
-            number = float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an integer of more than 308 digits
+                raise ConfigError(path, f"{value!r} is beyond float32's range (3.4e38)") from None
         elif isinstance(value, str):
             number = _parse_fraction(value)
             if number is None:
@@ -369,8 +376,13 @@ def load_yaml(path: str | Path) -> dict:
 def load(cls: type, path: str | Path | None = None, overrides: list[str] = ()) -> Any:
     """Read YAML (optional), apply ``key.sub=value`` overrides, build and validate ``cls``."""
     data = load_yaml(path) if path is not None else {}
+    given: set[str] = set()
     for text in overrides:
         keys, value = parse_override(text)
+        key = ".".join(keys)
+        if key in given:  # as a YAML file's duplicate key is refused: one would be dropped
+            raise ConfigError(key, "given twice on the command line; which one is meant?")
+        given.add(key)
         apply_override(data, keys, value)
     obj = from_dict(cls, data)
     validate_tree(obj)

@@ -138,6 +138,37 @@ def test_resume_with_another_optimizer_structure_exits_2(tmp_path, capsys, finis
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize("content, words", [
+    ({"foo": 1}, "lacks step, optimizer, ledger, config, rng"),
+    ([1, 2], "holds a list"),
+    ("drop ledger", "lacks ledger"),
+])
+def test_a_checkpoint_with_intact_checksums_but_other_content_exits_2(tmp_path, capsys, finished,
+                                                                     content, words):
+    # state.pt replaced and the marker rewritten to vouch for it: written by something else
+    import hashlib
+
+    import torch
+
+    out = unfinished_copy(finished, tmp_path / "copy")
+    step_dir = sorted((out / "checkpoints").glob("step-*"))[-1]
+    state_pt = step_dir / "state.pt"
+    if content == "drop ledger":
+        state = torch.load(state_pt, weights_only=False)
+        del state["ledger"]
+        content = state
+    torch.save(content, state_pt)
+    marker = json.loads((step_dir / ckpt.MARKER).read_text())
+    marker["sha256"]["state.pt"] = hashlib.sha256(state_pt.read_bytes()).hexdigest()
+    marker["bytes"]["state.pt"] = state_pt.stat().st_size
+    (step_dir / ckpt.MARKER).write_text(json.dumps(marker))
+    before = snapshot(out)
+    code, err = train(capsys, tmp_path / "other", "--resume", str(step_dir))
+    line = one_line(err)
+    assert code == 2 and "resume" in line and words in line and "not written by dptrain" in line
+    assert snapshot(out) == before
+
+
 @pytest.mark.parametrize("override, field", [("optim.name=muon_s", "optim.name"),
                                              ("optim.aux.optimizer=sgd", "optim.aux.optimizer")])
 def test_resume_with_another_optimizer_in_a_group_names_it(tmp_path, capsys, finished, override,

@@ -144,6 +144,16 @@ def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys
      "optim.inner_momentum.k_muon"),
     ("train.eval_every=-1", "train.eval_every"),
     ("train.checkpoint_every=-1", "train.checkpoint_every"),
+    # an integer of 401 digits for a number was an OverflowError in float()
+    ("privacy.epsilon=1%s" % ("0" * 400), "privacy.epsilon"),
+    ("optim.aux.kwargs={weight_decay: 1%s}" % ("0" * 400), "optim.aux.kwargs.weight_decay"),
+    # beyond int64: OverflowErrors in torch.set_num_threads, the schedule, numpy
+    ("performance.num_threads=9223372036854775808", "performance.num_threads"),
+    ("optim.warmup_steps=1%s" % ("0" * 400), "optim.warmup_steps"),
+    ("privacy.expected_batch_size=18446744073709551616", "privacy.expected_batch_size"),
+    # two values for one key: which one is meant (a YAML file's duplicate key is refused too)
+    (("privacy.epsilon=1", "privacy.epsilon=2"), "privacy.epsilon"),
+    (("model.lora.r=2", "model.lora.alpha=.inf"), "model.lora.alpha"),  # NaN loss in the run
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_field(tmp_path, capsys, override, field):
     overrides = override if isinstance(override, tuple) else (override,)
@@ -273,6 +283,29 @@ def test_a_finished_run_is_never_overwritten(tmp_path, capsys):
     code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out))
     assert code == 2 and "output-dir" in err
     assert (out / "summary.json").read_bytes() == before
+
+
+def test_a_final_model_in_the_output_dir_is_not_overwritten(tmp_path, capsys):
+    # a folder with only final/ (a copied model, or a run whose metrics were moved away)
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "model.safetensors").write_bytes(b"mine")
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out))
+    assert code == 2 and err.count("\n") == 1 and "output-dir" in err and "final/" in err
+    assert (out / "final" / "model.safetensors").read_bytes() == b"mine"
+
+
+@pytest.mark.parametrize("summary", ["{not json", '{"epsilon": 1}', "[1, 2]"])
+def test_resume_auto_over_a_summary_without_its_config_exits_2(tmp_path, capsys, summary):
+    # "nothing to do" only for a finished run whose config is this one: one that cannot be
+    # read cannot be compared, and its folder may hold another run
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text(summary)
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                           "--resume", "auto")
+    assert code == 2 and err.count("\n") == 1 and "output-dir" in err and "summary.json" in err
+    assert (out / "summary.json").read_text() == summary
 
 
 def test_resume_with_a_changed_privacy_setting_exits_2(tmp_path, capsys):

@@ -123,6 +123,24 @@ def test_bad_metrics_exit_2_naming_run(tmp_path, capsys, lines, what):
     assert not (run / "metrics.png").exists()
 
 
+@pytest.mark.parametrize("lines,summary,what", [
+    ([ROW % 1, '{"step": "x", "epsilon": 1.0}'], None, "metrics.jsonl:2 is not a metrics row"),
+    ([ROW % 1, '{"step": null}'], None, "metrics.jsonl:2 is not a metrics row"),
+    ([ROW % 1, '"a string"'], None, "metrics.jsonl:2 is not a metrics row"),
+    ([ROW % 1], "{not json", "summary.json is unreadable"),
+    ([ROW % 1], "[1, 2]", "summary.json is not a run summary"),
+    ([ROW % 1], '{"epsilon": 1.0}', "summary.json is not a run summary"),
+    ([ROW % 1], '{"steps": 1, "metrics": "x"}', "summary.json is not a run summary"),
+])
+def test_malformed_run_files_exit_2_naming_run(tmp_path, capsys, lines, summary, what):
+    run = _fake_run(tmp_path, lines)
+    if summary is not None:
+        (run / "summary.json").write_text(summary)
+    code, _, err = _run(capsys, "plot", "--run", str(run))
+    assert code == 2 and err.count("\n") == 1 and "--run" in err and what in err, err
+    assert not (run / "metrics.png").exists()
+
+
 def test_a_directory_without_metrics_exits_2(tmp_path, capsys):
     code, _, err = _run(capsys, "plot", "--run", str(tmp_path / "nothing"))
     assert code == 2 and "--run: no metrics.jsonl" in err

@@ -147,6 +147,16 @@ def test_timm_weights_of_another_model_are_refused_naming_what_differs(tmp_path)
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="cannot read"):
         build_model(_vit_cfg(pretrained_path=str(path)), IMG)
+    # a pickle that the weights-only loader refuses: torch explains over several paragraphs,
+    # the error keeps its first line (the CLI's error is one line)
+    torch.save({"w": torch.zeros(2), "other": object.__new__(_Opaque)}, path)
+    with pytest.raises(ConfigError, match="cannot read") as e:
+        build_model(_vit_cfg(pretrained_path=str(path)), IMG)
+    assert "\n" not in e.value.message and "Weights only load failed" in e.value.message
+
+
+class _Opaque:
+    pass
 
 
 def _save(state: dict, path: Path) -> str:

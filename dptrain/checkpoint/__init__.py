@@ -771,10 +771,22 @@ def read_meta(path: Path, verified: bool = False) -> dict[str, Any]:
         raise ConfigError("resume", f"checkpoint {path} is unusable: {problem}")
     name = "meta.pt" if (path / "meta.pt").is_file() else "state.pt"
     try:
-        return torch.load(path / name, map_location="cpu", weights_only=False)
+        state = torch.load(path / name, map_location="cpu", weights_only=False)
     except Exception as e:  # intact checksums but unreadable: written by something else
         raise ConfigError("resume", f"checkpoint {path} is unusable: cannot read {name} "
                                     f"({type(e).__name__}: {e})") from None
+    missing = ([k for k in _REQUIRED if k not in state] if isinstance(state, dict)
+               else None)
+    if missing is None or missing or not isinstance(state["config"], dict):
+        what = (f"lacks {', '.join(missing)}" if missing else
+                f"holds a {type(state).__name__}" if missing is None else "has no config mapping")
+        raise ConfigError("resume", f"checkpoint {path} is unusable: its {name} {what}; it was "
+                                    "not written by dptrain train")
+    return state
+
+
+_REQUIRED = ("step", "optimizer", "ledger", "config", "rng")
+"""What every checkpoint's state.pt / meta.pt holds (``save`` writes more)."""
 
 
 def read(path: Path, verified: bool = False) -> dict[str, Any]:

@@ -54,9 +54,27 @@ def read_rows(path: Path) -> list[dict]:
                       "left out", file=sys.stderr)
                 continue
             raise ConfigError("--run", f"{path}:{i} is not a JSON line") from None
-        if not isinstance(rows[-1], dict) or "step" not in rows[-1]:
-            raise ConfigError("--run", f"{path}:{i} is not a metrics row (no step)")
+        step = rows[-1].get("step") if isinstance(rows[-1], dict) else None
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ConfigError("--run", f"{path}:{i} is not a metrics row (no integer step)")
     return rows
+
+
+def read_summary(path: Path) -> dict | None:
+    """A finished run's ``summary.json`` (None when there is none yet); ConfigError naming
+    ``--run`` when it is not what ``dptrain train`` writes."""
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError("--run", f"{path} is unreadable: {e}") from None
+    ok = (isinstance(summary, dict) and isinstance(summary.get("steps"), int)
+          and isinstance(summary.get("metrics", {}), dict))
+    if not ok:
+        raise ConfigError("--run", f"{path} is not a run summary (an object with an integer "
+                                   "steps and a metrics mapping)")
+    return summary
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,14 +92,13 @@ def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("--output", "needs matplotlib (pip install 'dptrain[plot]')")
     rows = read_rows(metrics)
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    summary = read_summary(run_dir / "summary.json")
 
     series = metric_series(rows, summary)
     if not series:
         raise ConfigError("--run", f"{metrics} has no numbers to draw yet")
     last = rows[-1] if rows else {}
-    eps = summary["epsilon"] if summary else last.get("epsilon")
+    eps = summary.get("epsilon") if summary else last.get("epsilon")
     steps = summary["steps"] if summary else last.get("step")
     title = f"{run_dir.resolve().name}: step {steps}" + (
         f", epsilon {eps:.3g}" if isinstance(eps, (int, float)) else "")

@@ -67,8 +67,11 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
             saved = json.loads((out / "summary.json").read_text()).get("config")
         except (OSError, ValueError, AttributeError):
             saved = None
-        if isinstance(saved, dict):
-            ckpt.check_compatible(saved, cfg)
+        if not isinstance(saved, dict):
+            raise ConfigError("output-dir", f"{out / 'summary.json'} is unreadable or holds no "
+                                            "config, so whether it is this run's cannot be "
+                                            "checked; move it away, or choose another directory")
+        ckpt.check_compatible(saved, cfg)
         if os.environ.get("RANK", "0") == "0":
             print(f"dptrain train: {out} holds a finished run (summary.json); nothing to do",
                   file=sys.stderr)
@@ -88,9 +91,9 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         raise ConfigError("output-dir", f"{out} already holds a finished run; choose another "
                                         "directory")
     if args.resume is None and _holds_a_run(out):
-        raise ConfigError("output-dir", f"{out} holds an unfinished run (checkpoints or "
-                                        "metrics.jsonl); pass --resume auto to continue it, or "
-                                        "choose another directory")
+        raise ConfigError("output-dir", f"{out} holds an unfinished run (checkpoints, "
+                                        "metrics.jsonl or final/); pass --resume auto to "
+                                        "continue it, or choose another directory")
     if cfg.privacy.secure_mode and resume_path is not None:
         _check_secure_resume(resume_path)
         _check_secure_branch(resume_path, out)
@@ -242,8 +245,10 @@ def _metrics_steps(path: Path) -> list[int]:
 
 
 def _holds_a_run(out: Path) -> bool:
-    """``out`` has a checkpoint or logged steps of an earlier run (a fresh run would mix in)."""
-    return (any((out / "checkpoints").glob("step-*")) or bool(_metrics_steps(out / "metrics.jsonl")))
+    """``out`` has a checkpoint, logged steps or a final model of an earlier run (a fresh run
+    would mix in, or overwrite it)."""
+    return (any((out / "checkpoints").glob("step-*")) or bool(_metrics_steps(out / "metrics.jsonl"))
+            or any((out / "final").glob("*")))
 
 
 def _check_explicit_resume(out: Path, path: Path) -> None:

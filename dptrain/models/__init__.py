@@ -285,7 +285,9 @@ def _load_timm_weights(model: nn.Module, path: Path) -> None:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the field's error
-        raise ConfigError(field_, f"cannot read {path}: {type(e).__name__}: {e}") from None
+        # the first line: torch's weights-only refusal explains itself over several paragraphs
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(field_, f"cannot read {path}: {type(e).__name__}: {first}") from None
     for key in ("state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]

@@ -24,6 +24,8 @@ longer be the one tied tensor.
 
 from __future__ import annotations
 
+import math
+
 import os
 import re
 import shutil
@@ -81,8 +83,8 @@ class LoRAConfig:
                                             "adapters), so it would be ignored; remove it or "
                                             "set model.lora.r")
             return
-        if self.alpha is not None and not self.alpha > 0:
-            raise ConfigError("alpha", f"must be > 0 (null: r), got {self.alpha}")
+        if self.alpha is not None and not (self.alpha > 0 and math.isfinite(self.alpha)):
+            raise ConfigError("alpha", f"must be finite and > 0 (null: r), got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
         if self.target_modules is not None:
