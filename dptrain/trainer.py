@@ -178,8 +178,19 @@ def plan_privacy(cfg: PrivacyConfig, train_size: int) -> PrivacyPlan:
 PUBLIC_SEED_WARNING = (
     "privacy.seed is set, and it determines the Poisson samples and the noise: anyone who knows "
     "it (it is in the config, summary.json and the checkpoints) can remove the noise, so epsilon "
-    "holds only against an adversary without it. For a release, train with "
+    "holds only against an adversary without it, and runs that share it share their noise (the "
+    "difference of two such models has none). For a release, train with "
     "privacy.secure_mode=true privacy.seed=null (see docs/privacy.md).")
+
+
+def delta_warning(delta: float, n: int) -> str | None:
+    """A line for a delta at or above 1/N (N: the examples the accounting assumes), at which
+    (epsilon, delta)-DP allows publishing one example in the clear; None otherwise."""
+    if delta * n < 1.0:
+        return None
+    return (f"privacy.delta = {delta:g} is at least 1/N = 1/{n}: (epsilon, delta)-DP then allows "
+            f"a mechanism that publishes one example in the clear; choose delta well below "
+            f"1/N (e.g. {1 / (10 * n):.1g})")
 
 
 def guarantee(cfg) -> str:
@@ -189,7 +200,8 @@ def guarantee(cfg) -> str:
                 "the run writes: the noise seed came from OS entropy and was never written")
     return ("experiment: privacy.seed (in this summary's config and in the checkpoints) "
             "determines the sampling and the noise; epsilon holds only against an adversary "
-            "who does not know it (secure_mode: false)")
+            "who does not know it, and for this run alone: runs with the same seed share their "
+            "noise (secure_mode: false)")
 
 
 def _check_ranks_agree_on_n(n: int, device: torch.device) -> None:
@@ -608,6 +620,9 @@ class Trainer:
             metrics_file = open(out / "metrics.jsonl", "a")
         if main and not self.cfg.privacy.secure_mode:
             print(f"dptrain: {PUBLIC_SEED_WARNING}", file=sys.stderr)
+        small_delta = delta_warning(self.cfg.privacy.delta, self.plan.dataset_size)
+        if main and small_delta is not None:
+            print(f"dptrain: warning: {small_delta}", file=sys.stderr)
         bar = tqdm(total=self.plan.steps, initial=self.step, disable=not (tc.progress and main),
                    desc="dptrain", unit="step", dynamic_ncols=True)
         # Secure mode: metrics rows are written only once a checkpoint covers their step (with

@@ -308,6 +308,20 @@ def test_resume_auto_over_a_summary_without_its_config_exits_2(tmp_path, capsys,
     assert (out / "summary.json").read_text() == summary
 
 
+@pytest.mark.parametrize("dry", [True, False])
+def test_a_delta_at_or_above_one_over_n_is_warned_about(tmp_path, capsys, dry):
+    # tiny.yaml trains on 256 examples: delta 1/256 allows publishing one in the clear
+    args = ["train", "--config", TINY, "privacy.steps=1", *(["--dry-run"] if dry else [])]
+    for delta, warned in (("0.00390625", True), ("0.0039", False), ("1e-5", False)):
+        code, _, err = run_cli(capsys, *args, f"privacy.delta={delta}", "train.checkpoint_every=0",
+                               f"--output-dir={tmp_path / delta}")
+        assert code == 0, err
+        lines = [x for x in err.splitlines() if "warning: privacy.delta" in x]
+        assert len(lines) == int(warned), err
+        if warned:
+            assert "1/N = 1/256" in lines[0]
+
+
 def test_resume_with_a_changed_privacy_setting_exits_2(tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),

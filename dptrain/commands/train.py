@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
     from dptrain import checkpoint as ckpt
     from dptrain.config import load
-    from dptrain.trainer import PUBLIC_SEED_WARNING, RunConfig, StopRequested, Trainer
+    from dptrain.trainer import (PUBLIC_SEED_WARNING, RunConfig, StopRequested, Trainer,
+                                 delta_warning)
 
     cfg = load(RunConfig, args.config, args.overrides)
     if args.output_dir is not None and not args.output_dir.strip():
@@ -112,6 +113,9 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         if trainer.rank == 0:
             if not cfg.privacy.secure_mode:  # as the run would say
                 print(f"dptrain: {PUBLIC_SEED_WARNING}", file=sys.stderr)
+            small_delta = delta_warning(cfg.privacy.delta, trainer.plan.dataset_size)
+            if small_delta is not None:
+                print(f"dptrain: warning: {small_delta}", file=sys.stderr)
             print(_dry_run_report(trainer, out, resume_path), end="")
         return 0
     if cfg.privacy.secure_mode and resume_path is not None:
