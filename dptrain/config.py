@@ -376,13 +376,8 @@ def load_yaml(path: str | Path) -> dict:
 def load(cls: type, path: str | Path | None = None, overrides: list[str] = ()) -> Any:
     """Read YAML (optional), apply ``key.sub=value`` overrides, build and validate ``cls``."""
     data = load_yaml(path) if path is not None else {}
-    given: set[str] = set()
-    for text in overrides:
-        keys, value = parse_override(text)
-        key = ".".join(keys)
-        if key in given:  # as a YAML file's duplicate key is refused: one would be dropped
-            raise ConfigError(key, "given twice on the command line; which one is meant?")
-        given.add(key)
+    for text in overrides:  # in order: a key given twice takes its last value, so that a
+        keys, value = parse_override(text)  # script can add settings after a user's
         apply_override(data, keys, value)
     obj = from_dict(cls, data)
     validate_tree(obj)

@@ -151,8 +151,6 @@ def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys
     ("performance.num_threads=9223372036854775808", "performance.num_threads"),
     ("optim.warmup_steps=1%s" % ("0" * 400), "optim.warmup_steps"),
     ("privacy.expected_batch_size=18446744073709551616", "privacy.expected_batch_size"),
-    # two values for one key: which one is meant (a YAML file's duplicate key is refused too)
-    (("privacy.epsilon=1", "privacy.epsilon=2"), "privacy.epsilon"),
     (("model.lora.r=2", "model.lora.alpha=.inf"), "model.lora.alpha"),  # NaN loss in the run
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_field(tmp_path, capsys, override, field):
