@@ -265,6 +265,13 @@ class Trainer:
         for split in (self.task.train, self.task.test):
             if hasattr(split, "decode_threads"):  # datasets that decode files per step
                 split.decode_threads = threads
+        if hasattr(self.task.train, "skip_undecodable"):
+            # a file that no format can read (a wrong data.path, another format) fails here,
+            # on a fixed prefix of the training set, before any release; one damaged file met
+            # later is an example with clip factor 0 (release()), not an error at the step that
+            # sampled it, which would say when it was sampled
+            self.task.train.collate(np.arange(min(8, len(self.task.train))))
+            self.task.train.skip_undecodable = True
         self.train_size = len(self.task.train)
         if self.world > 1:
             _check_ranks_agree_on_n(self.train_size, self.device)
@@ -368,6 +375,19 @@ class Trainer:
             out.append((name, p, numel, lo, hi))
         return out
 
+    def _report_undecodable(self, step: int) -> None:
+        """The training images of this step that could not be decoded (each added nothing to
+        the release), as warnings on this rank's stderr; never in secure mode, where the
+        step would tell that the example was sampled then."""
+        failed = getattr(self.task.train, "undecodable", None)
+        if not failed:
+            return
+        if not self.cfg.privacy.secure_mode:
+            for message in failed:
+                print(f"dptrain: warning: step {step}: data.path: {message}; the example adds "
+                      "nothing to the releases (clip factor 0)", file=sys.stderr)
+        failed.clear()
+
     def _collated(self, chunks: list) -> Iterator[Any]:
         """``collate`` of each chunk in order; with ``collate_prefetch`` the next chunk's is
         assembled on a background thread while the caller works on the current one (a batch
@@ -447,7 +467,9 @@ class Trainer:
                 phantom = i >= len(chunks)
                 chunk = todo[i]
                 batch = to_device(next(batches), self.device)
-                active = torch.zeros(1, dtype=torch.bool) if phantom else None
+                # False: a phantom example, or an image that could not be decoded
+                decoded = batch.pop("decoded", None) if isinstance(batch, dict) else None
+                active = torch.zeros(1, dtype=torch.bool) if phantom else decoded
                 # dropout masks: a function of (seed, step, state, example), not of the rank
                 with example_dropout(self.model, self.cfg.seed, step, chunk):
                     try:
@@ -463,6 +485,7 @@ class Trainer:
                 sizes = max(sizes, (stats.states, stats.query_bytes, stats.least_query_bytes))
         del indices, chunks, todo, batches
         self._report_query_memory(sizes)
+        self._report_undecodable(step)
         if self.audit is not None:  # canaries added on one rank: the sums are reduced below
             self.audit.insert(acc, step, dtype=self.engine._acc_dtype(), device=self.device,
                               add=self.rank == 0)

@@ -276,3 +276,60 @@ def test_prefetching_the_next_microbatch_leaves_the_run_unchanged(tmp_path, monk
         runs[where] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     for name, value in runs["inline"].items():
         assert torch.equal(runs["background"][name], value), name
+
+
+def _folder_trainer(tmp_path, *extra):
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load(RunConfig, root / "configs" / "tiny_images.yaml", [
+        "data.name=imagefolder", f"data.path={tmp_path / 'data'}", "data.image_size=8",
+        "privacy.sample_rate=0.5", "performance.microbatch_size=3", "performance.dtype=float64",
+        *extra])
+    return Trainer(cfg, None)
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_a_damaged_training_image_adds_nothing_and_does_not_say_when_it_was_sampled(
+        tmp_path, monkeypatch, capsys, secure):
+    # An error at the step that samples a damaged file would tell when that example was
+    # sampled. It is an example with clip factor 0 instead: the release equals the one of the
+    # same step with the file's example left out of the sample (same noise: same seed, step).
+    rng = np.random.default_rng(8)
+    _tree(tmp_path / "data", "train", {"x": 8, "y": 8}, rng)
+    _tree(tmp_path / "data", "val", {"y": 1}, rng)
+    (tmp_path / "data" / "train" / "y" / "005.png").write_bytes(b"not an image")  # index 13
+    extra = ["privacy.secure_mode=true", "privacy.seed=null"] if secure else []
+    trainer = _folder_trainer(tmp_path, *extra)
+    capsys.readouterr()
+    sample = np.array([1, 4, 9, 13, 15])
+
+    def release_of(indices):
+        monkeypatch.setattr(trainer, "sample", lambda step: indices)
+        released, stats = trainer.release(0)
+        return released, stats
+
+    with_bad, stats = release_of(sample)
+    err = capsys.readouterr().err
+    without, stats_without = release_of(sample[sample != 13])
+    for name in with_bad:
+        torch.testing.assert_close(with_bad[name], without[name], rtol=1e-12, atol=1e-15)
+    named = [line for line in err.splitlines() if "y/005.png" in line]
+    if secure:
+        assert named == []
+    else:
+        assert len(named) == 1 and "step 0" in named[0] and "adds nothing" in named[0]
+    assert trainer.task.train.undecodable == []  # reported (or not), then forgotten
+
+
+def test_an_unreadable_training_set_is_refused_before_the_first_release(tmp_path):
+    # a fixed prefix of the training set (not a sample) is decoded when the trainer is built:
+    # a wrong format or a damaged first file is one error naming data.path, as before
+    rng = np.random.default_rng(9)
+    _tree(tmp_path / "data", "train", {"x": 3, "y": 3}, rng)
+    _tree(tmp_path / "data", "val", {"y": 1}, rng)
+    (tmp_path / "data" / "train" / "x" / "001.png").write_bytes(b"not an image")
+    with pytest.raises(ConfigError) as e:
+        _folder_trainer(tmp_path)
+    assert e.value.field == "data.path" and "x/001.png" in e.value.message

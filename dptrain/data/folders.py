@@ -31,7 +31,7 @@ import torch
 
 from dptrain.config import ConfigError
 from dptrain.data import even_subset
-from dptrain.data.wds import decode_images, image_stats
+from dptrain.data.wds import ImageDecoding, image_stats
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -39,7 +39,7 @@ CIFAR10_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR10_TEST = "test_batch"
 
 
-class ImageFolderImages:
+class ImageFolderImages(ImageDecoding):
     """Random-access view of one split of an ImageFolder tree; see the module docstring."""
 
     kind = "classification"
@@ -59,9 +59,7 @@ class ImageFolderImages:
     def collate(self, indices) -> dict[str, torch.Tensor]:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         files = [self.paths[i] for i in idx]
-        x = decode_images(files, lambda row: files[row], self.image_size, self.in_chans,
-                          self.mean, self.std, self.decode_threads)
-        return {"images": x, "labels": self.labels[torch.from_numpy(idx)].clone()}
+        return self._decode(files, lambda row: files[row], idx)
 
 
 def _split_folder(root: Path | None, name: str, field: str) -> Path:

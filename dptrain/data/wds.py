@@ -175,7 +175,43 @@ def center_crop_transform(img, image_size: int, in_chans: int) -> np.ndarray:
     return np.ascontiguousarray(arr.transpose(2, 0, 1))
 
 
-class WebDatasetImages:
+class ImageDecoding:
+    """For image datasets that decode files per step: when the trainer turns
+    ``skip_undecodable`` on (the training split), a file that cannot be decoded does not stop
+    the run at the step that sampled it (which would tell when that example was sampled): the
+    batch's ``decoded`` mask marks it, the trainer gives it clip factor 0 (it adds nothing to
+    the release, as a fixed function of the example), and its message is kept in
+    ``undecodable`` for the trainer to show (not in secure mode)."""
+
+    skip_undecodable = False
+    decode_threads = 1  # (performance.decode_threads, set by the trainer)
+    image_size: int
+    in_chans: int
+    mean: torch.Tensor
+    std: torch.Tensor
+    labels: torch.Tensor
+
+    @property
+    def undecodable(self) -> list[str]:
+        if "_undecodable" not in self.__dict__:
+            self._undecodable: list[str] = []
+        return self._undecodable
+
+    def _decode(self, files, where, idx) -> dict[str, torch.Tensor]:
+        failed: list[tuple[int, str]] | None = [] if self.skip_undecodable else None
+        x = decode_images(files, where, self.image_size, self.in_chans, self.mean, self.std,
+                          self.decode_threads, failed)
+        batch = {"images": x, "labels": self.labels[torch.from_numpy(idx)].clone()}
+        if failed is not None:
+            decoded = torch.ones(len(idx), dtype=torch.bool)
+            for row, message in failed:
+                decoded[row] = False
+                self.undecodable.append(message)
+            batch["decoded"] = decoded
+        return batch
+
+
+class WebDatasetImages(ImageDecoding):
     """Random-access view of WebDataset shards; see the module docstring."""
 
     kind = "classification"
@@ -233,9 +269,7 @@ class WebDatasetImages:
     def collate(self, indices) -> dict[str, torch.Tensor]:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         raws = [io.BytesIO(raw) for raw in self.read_bytes(idx)]
-        x = decode_images(raws, lambda row: self._where(int(idx[row])), self.image_size,
-                          self.in_chans, self.mean, self.std, self.decode_threads)
-        return {"images": x, "labels": self.labels[torch.from_numpy(idx)].clone()}
+        return self._decode(raws, lambda row: self._where(int(idx[row])), idx)
 
 
 def image_stats(in_chans: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,11 +294,14 @@ def _decode_pool(threads: int) -> ThreadPoolExecutor:
 
 
 def decode_images(files, where, image_size: int, in_chans: int, mean: torch.Tensor,
-                  std: torch.Tensor, threads: int = 1) -> torch.Tensor:
+                  std: torch.Tensor, threads: int = 1,
+                  failed: list[tuple[int, str]] | None = None) -> torch.Tensor:
     """Decode ``files`` (paths or binary file objects) with PIL through
     ``center_crop_transform`` into normalised float32 ``[B, C, S, S]``, on ``threads``
     threads (each file into its own row: the same result with any number); a file that is no
-    image is a ConfigError naming ``where(row)`` (the first such row), not a traceback mid-run."""
+    image is a ConfigError naming ``where(row)`` (the first such row), not a traceback mid-run.
+    With ``failed`` (a list), such a file is not an error: its row is all zeros and
+    (row, message) is appended to ``failed``."""
     from PIL import Image
 
     s = image_size
@@ -285,8 +322,13 @@ def decode_images(files, where, image_size: int, in_chans: int, mean: torch.Tens
         errors = list(_decode_pool(threads).map(one, rows))
     else:
         errors = [one(row) for row in rows]
-    for row, e in enumerate(errors):
-        if e is not None:
-            raise ConfigError("data.path", f"{where(row)} cannot be decoded as an image: {e}")
+    bad = [(row, f"{where(row)} cannot be decoded as an image: {e}")
+           for row, e in enumerate(errors) if e is not None]
+    if bad and failed is None:
+        raise ConfigError("data.path", bad[0][1])
     x = torch.from_numpy(arr).float().div_(255.0)
-    return ((x - mean) / std).contiguous()
+    x = ((x - mean) / std).contiguous()
+    for row, message in bad:
+        x[row] = 0.0
+        failed.append((row, message))
+    return x
