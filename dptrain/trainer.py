@@ -98,6 +98,12 @@ class RunConfig:
     def validate(self) -> None:
         if not 0 <= self.seed < 2**63:  # torch.manual_seed and numpy take these
             raise ConfigError("seed", f"must be in [0, 2**63), got {self.seed}")
+        o = self.optim
+        if o.ema_decay > 0 and o.ema_start_step >= self.privacy.steps:
+            raise ConfigError("optim.ema_start_step",
+                              f"{o.ema_start_step} is not before the run's last step "
+                              f"(privacy.steps = {self.privacy.steps}): the average would "
+                              f"never start, and the exported model would be the last iterate")
         if self.train.generate_prompts != 0 and self.data.name != "e2e":
             raise ConfigError("train.generate_prompts",
                               f"scores generations against E2E/DART references: it applies only "

@@ -152,6 +152,10 @@ def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys
     ("optim.warmup_steps=1%s" % ("0" * 400), "optim.warmup_steps"),
     ("privacy.expected_batch_size=18446744073709551616", "privacy.expected_batch_size"),
     (("model.lora.r=2", "model.lora.alpha=.inf"), "model.lora.alpha"),  # NaN loss in the run
+    # an average that never starts (tiny.yaml: 4 steps): the "average" would be the last iterate
+    (("optim.ema_decay=0.9", "optim.ema_start_step=4"), "optim.ema_start_step"),
+    # explicit groups' leftovers go to the preset's groups when there is one (tiny.yaml: gpt2)
+    ("optim.unmatched=default", "optim.unmatched"),
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_field(tmp_path, capsys, override, field):
     overrides = override if isinstance(override, tuple) else (override,)

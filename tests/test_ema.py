@@ -84,7 +84,7 @@ def test_ema_is_post_processing_and_the_run_reports_and_exports_both_models(tmp_
     assert not (tmp_path / "plain" / "final" / "last_iterate.safetensors").exists()
 
 
-@pytest.mark.parametrize("start", [0, 2, 3, 4])
+@pytest.mark.parametrize("start", [0, 2, 3])  # (4, the last step: refused, test_cli_train)
 def test_a_real_run_averages_exactly_the_iterates_after_the_start_step(start):
     # a 4-step float64 run: the average is the decay-weighted mean of theta_{start+1..4}
     decay, steps = 0.5, 4
@@ -98,9 +98,6 @@ def test_a_real_run_averages_exactly_the_iterates_after_the_start_step(start):
     ema, used = t.optimizer.ema, thetas[start:]
     assert ema.count == len(used)
     for n, _ in t.named_params:
-        if not used:  # the start step at the end: the average is the last iterate
-            assert torch.equal(ema.values[n], thetas[-1][n]), n
-            continue
         w = [decay ** (len(used) - 1 - s) for s in range(len(used))]
         want = sum(wi * th[n] for wi, th in zip(w, used)) / sum(w)
         torch.testing.assert_close(ema.values[n], want, rtol=1e-10, atol=1e-12)

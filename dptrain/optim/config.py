@@ -140,7 +140,11 @@ class OptimConfig:
         """Settings only some schedules read (``dptrain.config.unused_fields``). Not refused:
         ``ema_start_step`` with ``ema_decay: 0``, and the inner-momentum gammas with K = 0 (a
         sweep includes the switched-off point; K = 0 is DP-Muon whatever gamma)."""
-        return [("optim.schedule", self.schedule, {"min_lr_ratio": ("linear", "cosine")})]
+        return [("optim.schedule", self.schedule, {"min_lr_ratio": ("linear", "cosine")}),
+                # with a preset its groups take the leftovers of explicit groups. (``aux``
+                # without a preset is not refused: ``optim.preset=null`` on a config with a
+                # preset and its aux group is how a run switches to one optimizer)
+                ("optim.preset", self.preset or "null", {"unmatched": ("null",)})]
 
     def validate(self) -> None:
         refuse_unused(self)
