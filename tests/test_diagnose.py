@@ -340,17 +340,24 @@ def test_output_paths_are_checked_before_the_work(plain_run, tmp_path, capsys, m
 
     monkeypatch.setattr(probes, "load_run", never)
     (tmp_path / "afile").write_text("x")
-    same = tmp_path / "same.out"
+    same = tmp_path / "same.json"
+    summary = Path(plain_run) / "summary.json"
+    before = summary.read_bytes()
     for extra, option in [(["--output", tmp_path / "afile" / "r.json"], "--output"),
                           (["--output", tmp_path / "ok.json",  # not the run's default file
                             "--plot", tmp_path / "afile" / "sub" / "p.png"], "--plot"),
                           (["--output", same, "--plot", same], "--plot"),  # PNG over the JSON
-                          (["--output", same, "--plot", tmp_path / "." / "same.out"], "--plot")]:
+                          # each file named for what it holds: JSON in a .png, a PNG in a .txt
+                          (["--output", tmp_path / "r.png"], "--output"),
+                          (["--output", same, "--plot", tmp_path / "p.txt"], "--plot"),
+                          # never the run's own summary, even with --force
+                          (["--output", summary, "--force"], "--output")]:
         code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "2",
                                *extra)
         lines = [line for line in err.strip().splitlines() if line]
         assert code == 2 and len(lines) == 1 and option in lines[0], err
     assert not same.exists() and (tmp_path / "afile").read_text() == "x"
+    assert summary.read_bytes() == before
 
 
 def test_relocated_settings_are_reported(plain_run, tmp_path, capsys):
@@ -671,9 +678,10 @@ def test_two_outputs_naming_one_file_are_refused(tmp_path):
     (tmp_path / "sub").mkdir()
     for second in (a, tmp_path / "sub" / ".." / "report.json"):
         with pytest.raises(ConfigError) as e:
-            check_new_files((("--output", a), ("--plot", second)), force=False)
+            check_new_files((("--output", a, ()), ("--plot", second, ())), force=False)
         assert e.value.field == "--plot" and "also the --output file" in e.value.message
-    check_new_files((("--output", a), ("--plot", None), ("--x", tmp_path / "b.png")), False)
+    check_new_files((("--output", a, ()), ("--plot", None, ()), ("--x", tmp_path / "b.png", ())),
+                    False)
     assert not a.exists()
 
 

@@ -3,14 +3,28 @@
 import os
 
 
-def check_new_file(option: str, path, force: bool) -> None:
-    """An output file a command is about to write: never a directory, and never an existing
-    file unless ``force`` (nothing written before is lost). ConfigError naming ``option``."""
+JSON = (".json",)
+FIGURES = (".png", ".pdf", ".svg")
+"""The suffixes of the files the commands write: a report, a figure (its format)."""
+RUN_FILES = ("summary.json", "metrics.jsonl")
+"""What ``dptrain train`` writes at the top of a run directory: never another command's output."""
+
+
+def check_new_file(option: str, path, force: bool, suffixes: tuple[str, ...] = ()) -> None:
+    """An output file a command is about to write: never a directory, never an existing file
+    unless ``force`` (nothing written before is lost), and, with ``suffixes``, named for what
+    it holds (which also keeps ``--force`` off a run's own metrics.jsonl, checkpoints and, for
+    a figure, summary.json). ConfigError naming ``option``."""
     from pathlib import Path
 
     from dptrain.config import ConfigError
 
     path = Path(path)
+    if suffixes and path.suffix.lower() not in suffixes:
+        names = ", ".join(suffixes[:-1]) + (" or " if len(suffixes) > 1 else "") + suffixes[-1]
+        raise ConfigError(option, f"must end in {names}, got {path.name}")
+    if path.name in RUN_FILES and (path.parent / "metrics.jsonl").is_file():
+        raise ConfigError(option, f"{path} is a run's own file; write elsewhere")
     if path.is_dir():
         raise ConfigError(option, f"{path} is a directory")
     if path.exists() and not force:
@@ -37,17 +51,17 @@ def check_can_create(option: str, directory, target=None) -> None:
 
 
 def check_new_files(files, force: bool) -> None:
-    """:func:`check_new_file` of each ``(option, path)`` (None: not asked for), and no two
-    options naming one file (the later write would replace the earlier output)."""
+    """:func:`check_new_file` of each ``(option, path, suffixes)`` (path None: not asked for),
+    and no two options naming one file (the later write would replace the earlier output)."""
     from pathlib import Path
 
     from dptrain.config import ConfigError
 
     seen: dict = {}
-    for option, path in files:
+    for option, path, suffixes in files:
         if path is None:
             continue
-        check_new_file(option, path, force)
+        check_new_file(option, path, force, suffixes)
         key = Path(path).resolve()
         if key in seen:
             raise ConfigError(option, f"{path} is also the {seen[key]} file")

@@ -18,7 +18,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from dptrain.commands import check_new_files
+from dptrain.commands import FIGURES, JSON, check_new_files
 from dptrain.config import ConfigError
 from dptrain.telemetry import strict_json
 
@@ -68,7 +68,8 @@ def _parse(args: argparse.Namespace) -> tuple[int, float, int]:
     seed = _number("--audit-seed", args.audit_seed, int)
     if seed < 0:
         raise ConfigError("--audit-seed", f"must be >= 0, got {seed}")
-    check_new_files((("--output", args.output), ("--plot", args.plot)), args.force)
+    check_new_files((("--output", args.output, JSON), ("--plot", args.plot, FIGURES)),
+                    args.force)
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("--plot", "needs matplotlib (pip install 'dptrain[plot]')")
     return m, confidence, seed

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from dptrain.commands import check_new_files
+from dptrain.commands import FIGURES, JSON, check_new_files
 from dptrain.config import ConfigError
 from dptrain.telemetry import strict_json
 
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else (
         Path(args.run) / "diagnostics.json" if args.run is not None else None)
     plot = Path(args.plot) if args.plot else None
-    check_new_files((("--output", output), ("--plot", plot)), args.force)
+    check_new_files((("--output", output, JSON), ("--plot", plot, FIGURES)), args.force)
     if plot is not None:
         try:
             import matplotlib  # noqa: F401

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from dptrain.commands import check_new_file
+from dptrain.commands import FIGURES, check_new_file
 from dptrain.config import ConfigError
 
 PROG = "dptrain plot"
@@ -82,13 +82,10 @@ def run(args: argparse.Namespace) -> int:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise ConfigError("--run", f"no metrics.jsonl in {run_dir}")
-    from dptrain.diagnostics.plotting import FORMATS, metric_series, plot_metrics
+    from dptrain.diagnostics.plotting import metric_series, plot_metrics
 
     output = Path(args.output) if args.output is not None else run_dir / "metrics.png"
-    if output.suffix.lower().lstrip(".") not in FORMATS:
-        # (which also keeps --force from replacing the run's metrics.jsonl or summary.json)
-        raise ConfigError("--output", f"must end in .png, .pdf or .svg, got {output.name}")
-    check_new_file("--output", output, args.force)
+    check_new_file("--output", output, args.force, FIGURES)
     if importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("--output", "needs matplotlib (pip install 'dptrain[plot]')")
     rows = read_rows(metrics)
