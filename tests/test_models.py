@@ -356,6 +356,19 @@ def test_fewer_input_channels_than_the_data_has_are_refused():
     assert e.value.field == "model.in_chans"
 
 
+def test_nf_resnet_tiny_takes_timms_nf_resnet_keywords_and_refuses_others():
+    # its entrypoint used to drop keywords it did not list; timm's NF-ResNets overlay them on
+    # their NfCfg, so an unknown one is an error naming model.timm_kwargs
+    rgb = DataInfo(kind="classification", num_classes=3, in_chans=3, image_size=16)
+    model = build_model(ModelConfig(name="timm", timm_name="nf_resnet_tiny",
+                                    timm_kwargs={"stem_chs": 8}), rgb)
+    assert model.stem.conv.out_channels == 8
+    with pytest.raises(ConfigError) as e:
+        build_model(ModelConfig(name="timm", timm_name="nf_resnet_tiny",
+                                timm_kwargs={"foo": 1}), rgb)
+    assert e.value.field == "model.timm_kwargs" and "foo" in e.value.message
+
+
 def test_gpt2_positions_may_equal_the_longest_example():
     model = build_model(gpt2_cfg(n_positions=40), LM)  # LM.max_length == 40
     assert model.config.n_positions == 40

@@ -16,6 +16,8 @@ def nf_resnet_tiny(pretrained: bool = False, **kwargs) -> NormFreeNet:
     # timm's _nfres_cfg (nf_resnet26/50/101) with fewer blocks and channels
     cfg = NfCfg(depths=(1, 1, 1, 1), channels=(32, 64, 128, 256), stem_type="7x7_pool",
                 stem_chs=16, bottle_ratio=0.25, act_layer="relu", attn_layer=None)
-    known = ("num_classes", "in_chans", "global_pool", "output_stride", "drop_rate",
-             "drop_path_rate")
-    return NormFreeNet(cfg, **{k: v for k, v in kwargs.items() if k in known})
+    # timm's create_model passes its own plumbing (pretrained_cfg, its overlay, cache_dir); every
+    # other keyword goes to NormFreeNet, which overlays what it does not take onto cfg, so an
+    # unknown one is a TypeError there, as for timm's own NF-ResNets
+    plumbing = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
+    return NormFreeNet(cfg, **{k: v for k, v in kwargs.items() if k not in plumbing})
