@@ -91,6 +91,20 @@ def test_decode_bench_decodes_the_same_tensor_on_every_thread_count(capsys):
     assert last["prefetch_errors"] == {} and last["prefetch_speedup"] > 0
 
 
+def test_muon_s_sigma_bench_restores_lanczos_and_measures_both_methods(capsys):
+    import dptrain.optim.muon as muon
+
+    before = muon.top_singular_value
+    out = _load("muon_s_sigma").main(["--width", "16", "--steps", "3", "--rounds", "1",
+                                      "--noise", "5"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == out and muon.top_singular_value is before  # the variant's patch undone
+    # the old method's error on noise-dominated momentum, and Lanczos' float32 rounding
+    assert out["max_sigma_error"]["power3"] > 1e-2 > 1e-5 > out["max_sigma_error"]["lanczos"]
+    assert 2 <= out["lanczos_products_per_matrix"]["min"] <= out["lanczos_products_per_matrix"][
+        "max"] <= 50 and out["seconds_per_step"]["lanczos"] > 0
+
+
 def test_trainer_step_bench_times_both_tiny_configs(capsys):
     out = _load("trainer_step").main(["--steps", "1"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
