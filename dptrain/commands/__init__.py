@@ -11,10 +11,10 @@ RUN_FILES = ("summary.json", "metrics.jsonl")
 
 
 def check_new_file(option: str, path, force: bool, suffixes: tuple[str, ...] = ()) -> None:
-    """An output file a command is about to write: never a directory, never an existing file
-    unless ``force`` (nothing written before is lost), and, with ``suffixes``, named for what
-    it holds (which also keeps ``--force`` off a run's own metrics.jsonl, checkpoints and, for
-    a figure, summary.json). ConfigError naming ``option``."""
+    """An output file a command is about to write: never a directory, never a run's own
+    summary.json or metrics.jsonl (``RUN_FILES``, even with ``force``), never another existing
+    file unless ``force`` (nothing written before is lost), and, with ``suffixes``, named for
+    what it holds (a report's JSON under a .png name). ConfigError naming ``option``."""
     from pathlib import Path
 
     from dptrain.config import ConfigError

@@ -327,7 +327,7 @@ class MuonBC(Muon):
 
 
 def top_singular_value(M: Tensor, v: Tensor, num_iters: int, tol: float = 0.0,
-                    reduce: Callable[[Tensor], None] | None = None) -> tuple[Tensor, Tensor]:
+                       reduce: Callable[[Tensor], None] | None = None) -> tuple[Tensor, Tensor]:
     """sigma_1(M) and its right singular vector by Lanczos on M^T M from ``v`` (unit): the
     power iteration's products, at most ``num_iters`` of them, with the estimate the best one
     in their Krylov space (the largest eigenvalue of the Lanczos tridiagonal T, vectors fully
@@ -385,7 +385,8 @@ class MuonS(torch.optim.Optimizer):
     M_t = beta*M_{t-1} + G_t (heavy ball); for a matrix, W <- W - lr * sigma_1(M_t) * NS_J(M_t),
     sigma_1 by Lanczos on M^T M (``top_singular_value``: at most ``power_iters`` products, fewer
     once the residual is within ``power_tol``) warm-started from the previous step's top Ritz
-    vector (kept in the state); parameters with < 2 dims take the heavy-ball SGD step W <- W - lr*M_t.
+    vector (kept in the state); parameters with < 2 dims take the heavy-ball SGD step
+    W <- W - lr*M_t.
 
     Warnings:
     - U V^T is approximated by Newton–Schulz; the default Polar Express coefficients get much
@@ -416,8 +417,8 @@ class MuonS(torch.optim.Optimizer):
         if not 0.0 <= power_tol < 1.0:
             raise ValueError(f"power_tol must be in [0, 1), got {power_tol}")
         defaults = dict(lr=lr, momentum=momentum, power_iters=power_iters, power_tol=power_tol,
-                        ns_steps=ns_steps,
-                        ns_coefficients=ns_coefficients, ns_dtype=_dtype_name(ns_dtype),
+                        ns_steps=ns_steps, ns_coefficients=ns_coefficients,
+                        ns_dtype=_dtype_name(ns_dtype),
                         weight_decay=weight_decay, eps=eps, noise_gain=1.0)
         super().__init__(params, defaults)
         self.seed = int(seed)
@@ -429,7 +430,8 @@ class MuonS(torch.optim.Optimizer):
     def step(self, closure=None):
         """Sharded parameters (FSDP2 DTensors, rows split over ranks): the momentum buffers stay
         this rank's rows; sigma_1 by the same Lanczos steps with each product M^T M q summed
-        across ranks (one all-reduce of a c-vector per step, the vectors replicated); U V^T by ``distributed_newton_schulz``."""
+        across ranks (one all-reduce of a c-vector per step, the vectors replicated); U V^T by
+        ``distributed_newton_schulz``."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -467,8 +469,8 @@ class MuonS(torch.optim.Optimizer):
             sharded = _DTensor is not None and isinstance(todo[0][0], _DTensor)
             for p, M_rc, rc, state in todo:
                 sigma, v = top_singular_value(M_rc, state["power_vector"], group["power_iters"],
-                                           group["power_tol"],
-                                           reduce=_all_reduce if sharded else None)
+                                              group["power_tol"],
+                                              reduce=_all_reduce if sharded else None)
                 state["power_vector"].copy_(v)
                 state["sigma"].copy_(sigma)
             dtype = DTYPES[group["ns_dtype"]]
