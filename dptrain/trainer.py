@@ -98,6 +98,12 @@ class RunConfig:
     def validate(self) -> None:
         if not 0 <= self.seed < 2**63:  # torch.manual_seed and numpy take these
             raise ConfigError("seed", f"must be in [0, 2**63), got {self.seed}")
+        if (self.performance.decode_threads is not None
+                and self.data.name not in ("webdataset", "imagefolder")):
+            raise ConfigError("performance.decode_threads",
+                              f"applies only to data that decodes image files (webdataset, "
+                              f"imagefolder), not {self.data.name}, so it would be ignored; "
+                              f"remove it")
         o = self.optim
         if o.ema_decay > 0 and o.ema_start_step >= self.privacy.steps:
             raise ConfigError("optim.ema_start_step",

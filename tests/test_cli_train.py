@@ -156,6 +156,7 @@ def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys
     (("optim.ema_decay=0.9", "optim.ema_start_step=4"), "optim.ema_start_step"),
     # explicit groups' leftovers go to the preset's groups when there is one (tiny.yaml: gpt2)
     ("optim.unmatched=default", "optim.unmatched"),
+    ("performance.decode_threads=4", "performance.decode_threads"),  # tiny.yaml: synthetic text
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_field(tmp_path, capsys, override, field):
     overrides = override if isinstance(override, tuple) else (override,)
