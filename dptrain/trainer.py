@@ -205,6 +205,24 @@ def delta_warning(delta: float, n: int) -> str | None:
             f"1/N (e.g. {1 / (10 * n):.1g})")
 
 
+def truncation_note(task, max_length) -> str | None:
+    """A line for examples cut short at ``data.max_length`` (their EOS and the end of their
+    target lost: a model trained on them is not taught to stop; a cut test target changes the
+    test NLL's tokens; an example left without a target token adds nothing, while it still
+    counts in N and b), or None when none was."""
+    parts = []
+    for name in ("train", "test"):
+        split = getattr(task, name)
+        cut, empty = getattr(split, "truncated", 0), getattr(split, "no_target", 0)
+        if cut:
+            parts.append(f"{cut} of {len(split)} {name} examples"
+                         + (f" ({empty} of them left without a target token)" if empty else ""))
+    if not parts:
+        return None
+    return (f"data.max_length = {max_length} cuts {' and '.join(parts)} short: their EOS and "
+            f"the end of their target are lost")
+
+
 def guarantee(cfg) -> str:
     """What the reported epsilon means for this run's seed handling (written to summary.json)."""
     if cfg.secure_mode:
@@ -658,6 +676,9 @@ class Trainer:
         small_delta = delta_warning(self.cfg.privacy.delta, self.plan.dataset_size)
         if main and small_delta is not None:
             print(f"dptrain: warning: {small_delta}", file=sys.stderr)
+        cut = truncation_note(self.task, self.cfg.data.max_length)
+        if main and cut is not None:
+            print(f"dptrain: note: {cut}", file=sys.stderr)
         bar = tqdm(total=self.plan.steps, initial=self.step, disable=not (tc.progress and main),
                    desc="dptrain", unit="step", dynamic_ncols=True)
         # Secure mode: metrics rows are written only once a checkpoint covers their step (with

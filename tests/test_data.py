@@ -154,7 +154,12 @@ def test_dart_json_gives_one_example_per_annotation_with_linearised_triples(tmp_
                                            "record 0"),
                                           ('[{"tripleset": [["a", "b", "c"]]}]', "record 0"),
                                           ('[{"tripleset": [["a", "b", "c"]], '
-                                           '"annotations": []}]', "no annotated examples")])
+                                           '"annotations": []}]', "no annotated examples"),
+                                          # a null text was the reference "None"
+                                          ('[{"tripleset": [["a", "b", "c"]], '
+                                           '"annotations": [{"text": null}]}]',
+                                           "record 0: not a DART record (ValueError: an "
+                                           "annotation's text is None")])
 def test_damaged_dart_json_names_the_field(tmp_path, text, problem):
     (tmp_path / "train.json").write_text(text)
     (tmp_path / "test.json").write_text('[{"tripleset": [["a", "b", "c"]], '
@@ -492,6 +497,30 @@ def test_e2e_cut_examples_keep_prompt_lengths_within_their_length(tmp_path):
     assert (ds.lengths <= 20).all() and (ds.prompt_lengths <= ds.lengths).all()
     assert ds.lengths.tolist()[:2] == [20, 20]
     assert ds.prompt_lengths.tolist()[:2] == [20, len(b"name[Zizzi] || ")]
+
+
+def test_e2e_cut_examples_are_counted_and_a_length_that_leaves_no_target_is_refused(tmp_path):
+    from dptrain.trainer import truncation_note
+
+    # CSV6's prompts are 15-30 bytes ("name[Zizzi] || " 15); its longest example 57 with EOS
+    task = _csv_task(tmp_path, max_length=20)
+    prompts = [len(p) for p in (b"name[Aromi], food[Chinese] || ", b"name[Zizzi] || ",
+                                b"name[Aromi], food[Chinese] || ", b"name[Cotto] || ",
+                                b"name[Wildwood] || ", b"name[Zizzi] || ")]
+    assert task.train.truncated == 6 and task.test.truncated == 6  # every example is cut
+    assert task.train.no_target == sum(p >= 20 for p in prompts) == 2
+    note = truncation_note(task, 20)
+    assert "6 of 6 train examples (2 of them left without a target token)" in note
+    assert "6 of 6 test examples" in note
+    (tmp_path / "long").mkdir()
+    assert truncation_note(_csv_task(tmp_path / "long", max_length=256), 256) is None
+    # a length every prompt fills: the losses would all be 0 (a run on noise alone)
+    (tmp_path / "short").mkdir()
+    with pytest.raises(ConfigError) as e:
+        _csv_task(tmp_path / "short", max_length=14)
+    assert e.value.field == "data.max_length" and "no example of train.csv" in e.value.message
+    longest = len(b"name[Aromi], food[Chinese] || Aromi serves Chinese food.") + 1
+    assert f"longest example is {longest} tokens" in e.value.message
 
 
 # ---------------------------------------------------------------- targets, losses ---------------

@@ -50,7 +50,7 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
     from dptrain import checkpoint as ckpt
     from dptrain.config import load
     from dptrain.trainer import (PUBLIC_SEED_WARNING, RunConfig, StopRequested, Trainer,
-                                 delta_warning)
+                                 delta_warning, truncation_note)
 
     cfg = load(RunConfig, args.config, args.overrides)
     if args.output_dir is not None and not args.output_dir.strip():
@@ -116,6 +116,9 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
             small_delta = delta_warning(cfg.privacy.delta, trainer.plan.dataset_size)
             if small_delta is not None:
                 print(f"dptrain: warning: {small_delta}", file=sys.stderr)
+            cut = truncation_note(trainer.task, cfg.data.max_length)
+            if cut is not None:
+                print(f"dptrain: note: {cut}", file=sys.stderr)
             print(_dry_run_report(trainer, out, resume_path), end="")
         return 0
     if cfg.privacy.secure_mode and resume_path is not None:

@@ -48,6 +48,9 @@ class LMDataset:
             raise ValueError("one prompt length per sequence")
         self.lengths = np.array([len(s) for s in self.sequences], dtype=np.int64)
         self.pad_id = int(pad_id)
+        #: examples cut short at ``data.max_length`` (their EOS and the end of the target
+        #: lost), and of those the ones left without any target token (they add nothing)
+        self.truncated = self.no_target = 0
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -169,8 +172,10 @@ def read_dart_json(path: Path, field: str) -> tuple[list[str], list[str]]:
                 raise ValueError("every triple needs subject, relation and object")
             mr = dart_mr(triples)
             for ann in rec["annotations"]:
+                if not isinstance(ann["text"], str):  # null would become the text "None"
+                    raise ValueError(f"an annotation's text is {ann['text']!r}, not a string")
                 mrs.append(mr)
-                refs.append(str(ann["text"]).strip())
+                refs.append(ann["text"].strip())
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(field, f"{path}, record {i}: not a DART record "
                                      f"({type(e).__name__}: {e})") from None
@@ -180,21 +185,29 @@ def read_dart_json(path: Path, field: str) -> tuple[list[str], list[str]]:
 
 
 def _encode_examples(tokenizer, prompts: list[str], targets: list[str] | None,
-                     max_length: int | None) -> tuple[list[np.ndarray], np.ndarray]:
+                     max_length: int | None) -> tuple[list[np.ndarray], np.ndarray, dict]:
+    """Token sequences ``prompt + target + EOS`` cut to ``max_length``, the prompts' lengths,
+    and what the cut did: ``{"truncated": examples cut, "no_target": of those, the ones whose
+    prompt alone fills max_length (no target token left), "longest": the longest example's
+    length with its EOS}``."""
     eos = tokenizer.eos_id
     seqs, plens = [], []
     if targets is None:
         targets = [None] * len(prompts)
     encoded = tokenizer.encode_pairs(prompts, [t if t is not None else "" for t in targets])
+    cut = {"truncated": 0, "no_target": 0, "longest": 0}
     for (pi, ti), t in zip(encoded, targets):
         seq = list(pi) + (list(ti) + [eos] if t is not None else [])
         plen = len(pi)
+        cut["longest"] = max(cut["longest"], len(seq))
         if max_length is not None and len(seq) > max_length:
             seq = seq[:max_length]
             plen = min(plen, max_length)
+            cut["truncated"] += 1
+            cut["no_target"] += t is not None and plen == len(seq)
         seqs.append(np.asarray(seq, dtype=np.int64))
         plens.append(plen)
-    return seqs, np.asarray(plens, dtype=np.int64)
+    return seqs, np.asarray(plens, dtype=np.int64), cut
 
 
 def load_e2e_split(path: Path, field: str, tokenizer, max_length: int | None,
@@ -209,9 +222,18 @@ def load_e2e_split(path: Path, field: str, tokenizer, max_length: int | None,
     keep = even_subset(len(mrs), max_examples)
     mrs_k = [mrs[j] for j in keep]
     refs_k = [refs[j] for j in keep] if refs is not None else None
-    seqs, plens = _encode_examples(tokenizer, [e2e_prompt(m) for m in mrs_k], refs_k, max_length)
-    return E2EDataset(seqs, plens, tokenizer.pad_id, mrs_k,
+    seqs, plens, cut = _encode_examples(tokenizer, [e2e_prompt(m) for m in mrs_k], refs_k,
+                                        max_length)
+    if refs_k is not None and cut["no_target"] == len(seqs):
+        # every loss 0 (a run on noise alone), or a test NLL over no token
+        raise ConfigError("data.max_length", f"{max_length} leaves no example of {path.name} a "
+                                             f"target token (the prompts alone fill it; the "
+                                             f"longest example is {cut['longest']} tokens with "
+                                             f"its EOS): raise it")
+    data = E2EDataset(seqs, plens, tokenizer.pad_id, mrs_k,
                       refs_k if refs_k is not None else [None] * len(mrs_k), groups)
+    data.truncated, data.no_target = cut["truncated"], cut["no_target"]
+    return data
 
 
 def synthetic_lm(n: int, vocab: int, max_length: int, rng: np.random.Generator,
