@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from dptrain import checkpoint as ckpt
 from dptrain import trainer as trainer_mod
@@ -668,3 +669,27 @@ def test_a_resume_is_refused_when_the_releases_made_and_the_rest_exceed_the_targ
     line = one_line(err)
     assert code == 2 and line.startswith("dptrain train: error: privacy.steps"), line
     assert snapshot(first) == before
+
+
+@pytest.mark.parametrize("filt", [["optim.filter.name=disk"],
+                                  ["optim.filter.name=doppler", "optim.filter.a=[-0.5]",
+                                   "optim.filter.b=[0.3,0.2]"]], ids=["disk", "doppler"])
+@pytest.mark.parametrize("dtypes", [("float32", "float64"), ("float64", "float32")])
+def test_a_filter_resumes_under_another_dtype(tmp_path, capsys, filt, dtypes):
+    # the filter's saved tensors come back in the checkpoint's dtype; mixing them with the
+    # parameters' was a RuntimeError at the first resumed step (lerp_ of float and double)
+    first, then = dtypes
+    a = tmp_path / "a"
+    code, err = train(capsys, a, *filt, "privacy.steps=3", "train.checkpoint_every=1",
+                      f"performance.dtype={first}")
+    assert code == 0, err
+    code, err = train(capsys, tmp_path / "b", "--resume", str(a / "checkpoints" / "step-00000002"),
+                      *filt, "privacy.steps=3", f"performance.dtype={then}")
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    got, want = (load_file(str(d / "final" / "model.safetensors")) for d in (tmp_path / "b", a))
+    assert {str(t.dtype) for t in got.values()} == {f"torch.{then}"}
+    # one step in the other precision: the same run up to that precision's rounding
+    for k in want:
+        torch.testing.assert_close(got[k].double(), want[k].double(), rtol=1e-4, atol=1e-5)

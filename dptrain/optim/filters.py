@@ -111,6 +111,22 @@ def doppler_normaliser(a: list[float], b: list[float], correction: str, c_hist: 
     return sum(fed) - sum(a_tau * c for a_tau, c in zip(a, c_hist))
 
 
+def _in_param_dtypes(states: list[dict], named_params: NamedParams) -> None:
+    """Cast stored filter tensors (name -> tensor or list of tensors) to their parameter's
+    dtype where they differ: a checkpoint of a float32 run resumed with ``performance.dtype``
+    float64 (or back) loads them in the dtype they were saved in."""
+    dtypes = {n: p.dtype for n, p in named_params}
+    for state in states:
+        for n, v in state.items():
+            want = dtypes.get(n)
+            if want is None:
+                continue
+            if isinstance(v, list):
+                state[n] = [t if t.dtype == want else t.to(want) for t in v]
+            elif v.dtype != want:
+                state[n] = v.to(want)
+
+
 class Filter:
     """The identity: the query is the gradient at the current parameters, the output the release."""
 
@@ -155,6 +171,7 @@ class DiSKFilter(Filter):
     def query_plan(self, named_params: NamedParams) -> QueryPlan:
         if not self.x_prev or self.c == 0.0:
             return [(1.0, None)]
+        _in_param_dtypes([self.x_prev, self.g], named_params)
         with torch.no_grad():
             ahead = {n: p.detach() + self.gamma * (p.detach() - self.x_prev[n])
                      for n, p in named_params}
@@ -165,6 +182,7 @@ class DiSKFilter(Filter):
 
     @torch.no_grad()
     def apply(self, named_params: NamedParams) -> None:
+        _in_param_dtypes([self.x_prev, self.g], named_params)
         for n, p in named_params:
             if p.grad is None:
                 continue
@@ -215,6 +233,7 @@ class DopplerFilter(Filter):
 
     @torch.no_grad()
     def apply(self, named_params: NamedParams) -> None:
+        _in_param_dtypes([self.m_hist, self.g_hist], named_params)
         c_t = self._next_c()
         p_len, q_len = len(self.a), len(self.b) - 1
         for n, p in named_params:
