@@ -693,3 +693,24 @@ def test_a_filter_resumes_under_another_dtype(tmp_path, capsys, filt, dtypes):
     # one step in the other precision: the same run up to that precision's rounding
     for k in want:
         torch.testing.assert_close(got[k].double(), want[k].double(), rtol=1e-4, atol=1e-5)
+
+
+def test_resume_path_into_another_unfinished_run_is_refused(tmp_path, capsys, finished):
+    # a seed=1 run killed after step 2; resuming the finished (seed 0) run's step 3 into its
+    # directory pruned its step-1 checkpoint and continued its metrics with the other run's
+    other = tmp_path / "other"
+    code, err = train(capsys, other, "seed=1", "privacy.steps=2", "train.checkpoint_every=1",
+                      "train.keep_checkpoints=4")
+    assert code == 0, err
+    (other / "summary.json").unlink()
+    shutil.rmtree(other / "final")
+    before = snapshot(other)
+    code, err = train(capsys, other, "--resume", str(finished / "checkpoints" / "step-00000003"))
+    line = one_line(err)
+    assert code == 2 and "output-dir" in line and "holds another run" in line
+    assert snapshot(other) == before
+    # its own checkpoint resumes into it
+    code, err = train(capsys, other, "--resume", str(other / "checkpoints" / "step-00000002"),
+                      "seed=1", "privacy.steps=2", "train.checkpoint_every=1",
+                      "train.keep_checkpoints=4")
+    assert code == 0, err

@@ -259,8 +259,9 @@ def _holds_a_run(out: Path) -> bool:
 
 
 def _check_explicit_resume(out: Path, path: Path) -> None:
-    """``--resume PATH`` continues from PATH and writes into ``out``: never over a finished run
-    or over checkpoints of later steps (nothing written before is lost)."""
+    """``--resume PATH`` continues from PATH and writes into ``out``: never over a finished run,
+    over checkpoints of later steps, or into a directory holding another run's outputs
+    (nothing written before is lost)."""
     from dptrain import checkpoint as ckpt
 
     if (out / "summary.json").exists():
@@ -272,6 +273,12 @@ def _check_explicit_resume(out: Path, path: Path) -> None:
         raise ConfigError("output-dir", f"{out} holds checkpoints after step {step} (step "
                                         f"{later[-1]}), which resuming from {path} would "
                                         "overwrite; resume into another --output-dir")
+    own = Path(path).resolve().parent == (out / "checkpoints").resolve()
+    if not own and _holds_a_run(out):  # its checkpoints would be pruned as this run's, its
+        # metrics rows continued by another run's
+        raise ConfigError("output-dir", f"{out} holds another run (checkpoints, metrics.jsonl "
+                                        f"or final/); resume {path} into its own run "
+                                        "directory or an empty one")
 
 
 def _check_secure_resume(path: Path | None, run_dir: Path | None = None) -> None:
