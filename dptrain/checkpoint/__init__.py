@@ -323,6 +323,7 @@ def _map_optimizer(trainer, sd: dict, fn_opt, fn_other) -> dict:
     """Apply ``fn_opt(i_opt, v, p)`` to torch-optimizer state tensors and ``fn_other(v, p)`` to
     filter, history and EMA tensors (p: the parameter the tensor belongs to, found by name or
     index)."""
+    trainer.optimizer.check_groups(sd)  # before indexing this run's optimizers by the saved
     by_name, opt_params = _param_maps(trainer)
     out = dict(sd)
     out["optimizers"] = []

@@ -114,12 +114,17 @@ class DPOptimizer:
             "ema": self.ema.state_dict() if self.ema is not None else None,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_groups(self, state: dict) -> None:
+        """ValueError unless ``state`` (a :meth:`state_dict`) has this run's parameter groups:
+        the same labels with the same parameters, in order."""
         mine = [[g.label, [n for n, _ in g.named_params]] for g in self.groups]
         if [[label, list(names)] for label, names in state["groups"]] != mine:
             raise ValueError("optimizer state has different parameter groups than this run "
                              f"(saved: {[x[0] for x in state['groups']]}, "
                              f"here: {[x[0] for x in mine]})")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_groups(state)
         saved_kinds = state.get("group_optimizers")  # absent in checkpoints before 2026-12-01
         for i, g in enumerate(self.groups):
             if saved_kinds is not None and saved_kinds[i] != g.config.optimizer:
