@@ -220,6 +220,7 @@ def test_bad_e2e_data_exits_2_with_one_line(tmp_path, capsys, train_csv, test_cs
     (tmp_path / "data" / "test.csv").write_bytes(test_csv)
     overrides = ["data.name=e2e", "data.tokenizer=bytes", f"data.path={tmp_path / 'data'}",
                  "data.train_file=train.csv", "data.test_file=test.csv",
+                 "data.max_length=null",  # (tiny.yaml's 16 bytes would leave no target)
                  *(e.format(empty=tmp_path / "empty", garbage=tmp_path / "garbage")
                    for e in extra)]
     code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
