@@ -626,6 +626,20 @@ class Trainer:
             return 0.0
         return ledger_epsilon(self.ledger, self.plan.delta, self.plan.accountant)
 
+    def print_start_notes(self) -> None:
+        """What a run says on stderr before its first step (the dry run says it too): the
+        seed's meaning without secure mode, a delta at or above 1/N, examples cut at
+        ``data.max_length``."""
+        lines = [] if self.cfg.privacy.secure_mode else [PUBLIC_SEED_WARNING]
+        small_delta = delta_warning(self.cfg.privacy.delta, self.plan.dataset_size)
+        if small_delta is not None:
+            lines.append(f"warning: {small_delta}")
+        cut = truncation_note(self.task, self.cfg.data.max_length)
+        if cut is not None:
+            lines.append(f"note: {cut}")
+        for line in lines:
+            print(f"dptrain: {line}", file=sys.stderr)
+
     def evaluate(self, generate: bool = False) -> dict:
         """Test metrics of the model; with a parameter EMA (``optim.ema_decay``), of the average,
         and of the last iterate as ``last_iterate_*``. ``generate``: also BLEU and ROUGE-L of
@@ -671,14 +685,8 @@ class Trainer:
         if out is not None and main:
             out.mkdir(parents=True, exist_ok=True)
             metrics_file = open(out / "metrics.jsonl", "a")
-        if main and not self.cfg.privacy.secure_mode:
-            print(f"dptrain: {PUBLIC_SEED_WARNING}", file=sys.stderr)
-        small_delta = delta_warning(self.cfg.privacy.delta, self.plan.dataset_size)
-        if main and small_delta is not None:
-            print(f"dptrain: warning: {small_delta}", file=sys.stderr)
-        cut = truncation_note(self.task, self.cfg.data.max_length)
-        if main and cut is not None:
-            print(f"dptrain: note: {cut}", file=sys.stderr)
+        if main:
+            self.print_start_notes()
         bar = tqdm(total=self.plan.steps, initial=self.step, disable=not (tc.progress and main),
                    desc="dptrain", unit="step", dynamic_ncols=True)
         # Secure mode: metrics rows are written only once a checkpoint covers their step (with

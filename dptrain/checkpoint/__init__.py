@@ -776,14 +776,16 @@ def read_meta(path: Path, verified: bool = False) -> dict[str, Any]:
     except Exception as e:  # intact checksums but unreadable: written by something else
         raise ConfigError("resume", f"checkpoint {path} is unusable: cannot read {name} "
                                     f"({type(e).__name__}: {e})") from None
-    missing = ([k for k in _REQUIRED if k not in state] if isinstance(state, dict)
-               else None)
-    if missing is None or missing or not isinstance(state["config"], dict):
-        what = (f"lacks {', '.join(missing)}" if missing else
-                f"holds a {type(state).__name__}" if missing is None else "has no config mapping")
-        raise ConfigError("resume", f"checkpoint {path} is unusable: its {name} {what}; it was "
-                                    "not written by dptrain train")
-    return state
+    if not isinstance(state, dict):
+        what = f"holds a {type(state).__name__}"
+    elif missing := [k for k in _REQUIRED if k not in state]:
+        what = f"lacks {', '.join(missing)}"
+    elif not isinstance(state["config"], dict):
+        what = "has no config mapping"
+    else:
+        return state
+    raise ConfigError("resume", f"checkpoint {path} is unusable: its {name} {what}; it was not "
+                                "written by dptrain train")
 
 
 _REQUIRED = ("step", "optimizer", "ledger", "config", "rng")

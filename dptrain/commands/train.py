@@ -49,8 +49,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
     from dptrain import checkpoint as ckpt
     from dptrain.config import load
-    from dptrain.trainer import (PUBLIC_SEED_WARNING, RunConfig, StopRequested, Trainer,
-                                 delta_warning, truncation_note)
+    from dptrain.trainer import RunConfig, StopRequested, Trainer
 
     cfg = load(RunConfig, args.config, args.overrides)
     if args.output_dir is not None and not args.output_dir.strip():
@@ -111,14 +110,7 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         if resume_path is not None:  # its settings against these, into memory only
             ckpt.load(trainer, resume_path, verified=args.resume == "auto")
         if trainer.rank == 0:
-            if not cfg.privacy.secure_mode:  # as the run would say
-                print(f"dptrain: {PUBLIC_SEED_WARNING}", file=sys.stderr)
-            small_delta = delta_warning(cfg.privacy.delta, trainer.plan.dataset_size)
-            if small_delta is not None:
-                print(f"dptrain: warning: {small_delta}", file=sys.stderr)
-            cut = truncation_note(trainer.task, cfg.data.max_length)
-            if cut is not None:
-                print(f"dptrain: note: {cut}", file=sys.stderr)
+            trainer.print_start_notes()  # as the run would say
             print(_dry_run_report(trainer, out, resume_path), end="")
         return 0
     if cfg.privacy.secure_mode and resume_path is not None:
