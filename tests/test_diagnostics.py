@@ -466,3 +466,46 @@ def test_wedin_threshold_is_exact_where_floor_of_the_ratio_is_off_by_one(x, gap,
         B += 1
     assert B == expected
     assert wedin_threshold(X, sigma, 1.0) == expected
+
+
+# ---- degenerate spectra and non-finite entries ---------------------------------------------
+
+
+@pytest.mark.parametrize("X", [
+    1e-30 * torch.diag(torch.tensor([3.0, 1.0], dtype=torch.float64)),  # ratio ~ 1e30
+    torch.diag(torch.tensor([1e-300, 0.0], dtype=torch.float64)),  # gap 1e-300: ratio ~ 1e300
+])
+def test_wedin_threshold_of_a_tiny_gap_returns_without_settling_forever(X):
+    """B - 1 and B are the same float above 2^53: the settling loops used never to end."""
+    B = wedin_threshold(X, 1.0, 1.0)
+    gap = float(X[0, 0] - X[1, 1])
+    assert isinstance(B, int) and B >= 2 ** 52
+    assert B == pytest.approx(2 * math.sqrt(2) / gap, rel=1e-12)
+
+
+def test_wedin_threshold_none_for_a_rounding_level_or_unrepresentable_gap():
+    Q, _ = torch.linalg.qr(torch.randn(50, 50, dtype=torch.float64,
+                                       generator=torch.Generator().manual_seed(0)))
+    assert 0 < spectral_gap(Q).gap < 1e-13  # an orthogonal matrix: a gap of rounding noise
+    assert wedin_threshold(Q, 1.0, 1.0) is None
+    # a subnormal gap: sigma*C*(sqrt(r)+sqrt(c)) / gap overflows to inf (was an OverflowError)
+    sub = torch.diag(torch.tensor([1e-310, 0.0], dtype=torch.float64))
+    assert wedin_threshold(sub, 1.0, 1.0) is None
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_entries_give_nan_not_an_exception_or_a_zero_polar_factor(bad):
+    X = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    Y = X.clone()
+    Y[2, 1] = bad
+    assert torch.isnan(polar(Y)).all() and polar(Y).shape == Y.shape
+    assert torch.isnan(singular_values(Y)).all() and singular_values(Y).shape == (4,)
+    assert math.isnan(polar_error(Y, X)) and math.isnan(polar_error(X, Y))
+    assert math.isnan(effective_rank(Y)) and math.isnan(spectral_gap(Y).gap)
+    assert wedin_threshold(Y, 1.0, 1.0) is None
+    out = summarize(X, {"bad": Y}, noise_multiplier=1.0, clip_norm=1.0, batch_size=8)
+    cand = out["candidates"]["bad"]
+    assert math.isnan(cand["polar_error"]) and math.isnan(cand["sigma_1"])
+    json.dumps(out)  # NaN is still a JSON float (as other degenerate values are)
+    # the finite reference is unaffected
+    assert out["reference"]["wedin_threshold"] == wedin_threshold(X, 1.0, 1.0)

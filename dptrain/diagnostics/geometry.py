@@ -73,9 +73,17 @@ def _check_same_shape(X: Tensor, Y: Tensor) -> None:
         raise ValueError(f"shapes differ: {tuple(X.shape)} and {tuple(Y.shape)}")
 
 
+def _finite(M: Tensor) -> bool:
+    return bool(torch.isfinite(M).all())
+
+
 def singular_values(X: Tensor) -> Tensor:
-    """Singular values of ``as_matrix(X)`` in float64, descending, length min(r, c)."""
-    return torch.linalg.svdvals(as_matrix(X))
+    """Singular values of ``as_matrix(X)`` in float64, descending, length min(r, c); all NaN
+    when X holds a NaN or an infinity (the SVD would fail or return NaN silently)."""
+    M = as_matrix(X)
+    if not _finite(M):
+        return torch.full((min(M.shape),), math.nan, dtype=torch.float64, device=M.device)
+    return torch.linalg.svdvals(M)
 
 
 def polar(X: Tensor) -> Tensor:
@@ -85,9 +93,13 @@ def polar(X: Tensor) -> Tensor:
     result is the partial isometry U_k V_k^T over the k nonzero singular values (a singular
     value <= max(r, c) * eps64 * sigma_1 counts as zero), which is unique and is also what
     Newton–Schulz produces (an odd polynomial maps a zero singular value to zero).
-    So polar(X) has singular values 1 (k times) and 0, and polar(0) = 0.
+    So polar(X) has singular values 1 (k times) and 0, and polar(0) = 0. A matrix holding a
+    NaN or an infinity has no polar factor: the result is all NaN (not the zero matrix an
+    infinite entry's NaN singular values would otherwise give).
     """
     M = as_matrix(X)
+    if not _finite(M):
+        return torch.full_like(M, math.nan).reshape(X.shape)
     U, S, Vh = torch.linalg.svd(M, full_matrices=False)
     if S.numel() == 0:
         return torch.zeros_like(M).reshape(X.shape)
@@ -228,18 +240,29 @@ def wedin_threshold(X: Tensor, noise_multiplier: float, clip_norm: float) -> int
     sigma*C*(sqrt(r)+sqrt(c))/B is the typical operator norm of the release noise
     (entries N(0, (sigma*C/B)^2)) on an r x c matrix; by Wedin's theorem the top singular
     subspace of X survives the noise once that norm is below X's spectral gap. X is the clean
-    (clipped, noise-free) mean gradient. Returns None when the gap is 0 (no batch suffices).
+    (clipped, noise-free) mean gradient. Returns None when no batch suffices: the gap is 0 or
+    within float64 rounding of it (<= max(r, c) * eps64 * sigma_1, polar's rank cutoff; e.g. an
+    orthogonal matrix), too small for the ratio to be a finite float, or not a number (X holds
+    a NaN or an infinity). Above 2^52 the float ratio has no integer resolution left and its
+    ceiling is returned as it is.
     """
     if noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
     if clip_norm <= 0:
         raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
     M = as_matrix(X)
+    s = singular_values(M)
+    sigma_1 = float(s[0]) if s.numel() else 0.0
     gap = spectral_gap(M).gap
-    if gap <= 0.0:
+    if not gap > max(M.shape) * _EPS64 * sigma_1:  # also NaN
         return None
     shape = (M.shape[0], M.shape[1])
-    B = max(1, math.floor(_noise_op_norm(noise_multiplier, clip_norm, shape, 1.0) / gap) + 1)
+    ratio = _noise_op_norm(noise_multiplier, clip_norm, shape, 1.0) / gap
+    if not math.isfinite(ratio):
+        return None
+    B = max(1, math.floor(ratio) + 1)
+    if B >= 2 ** 52:  # B - 1 and B are (nearly) the same float: nothing left to settle
+        return B
     # Settle float rounding against the defining strict inequality itself.
     while not _noise_op_norm(noise_multiplier, clip_norm, shape, B) < gap:
         B += 1
@@ -250,7 +273,7 @@ def wedin_threshold(X: Tensor, noise_multiplier: float, clip_norm: float) -> int
 
 def _matrix_stats(X: Tensor) -> dict:
     M = as_matrix(X)
-    s = torch.linalg.svdvals(M)
+    s = singular_values(M)
     gap = spectral_gap(M)
     return {
         "shape": list(X.shape),
