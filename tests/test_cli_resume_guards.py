@@ -715,3 +715,17 @@ def test_resume_path_into_another_unfinished_run_is_refused(tmp_path, capsys, fi
                       "seed=1", "privacy.steps=2", "train.checkpoint_every=1",
                       "train.keep_checkpoints=4")
     assert code == 0, err
+
+
+def test_changed_performance_settings_at_a_resume_are_named(tmp_path, capsys, finished):
+    # they do not change the mechanism (allowed), but they change the arithmetic: the resumed
+    # run no longer repeats the checkpoint's run bit for bit, and stderr says why
+    step = str(finished / "checkpoints" / "step-00000003")
+    code, err = train(capsys, tmp_path / "branch", "--resume", step,
+                      "performance.microbatch_size=1", "performance.clipping=two_pass")
+    assert code == 0
+    line = [x for x in err.splitlines() if "performance settings differ" in x]
+    assert len(line) == 1 and ("(performance.clipping: 'auto' -> 'two_pass'; "
+                               "performance.microbatch_size: 16 -> 1)") in line[0]
+    code, err = train(capsys, tmp_path / "same", "--resume", step)
+    assert code == 0 and "performance settings differ" not in err

@@ -720,11 +720,12 @@ def check_compatible(saved_cfg: dict, cfg) -> list[str]:
     return moved
 
 
-def optim_changes(saved_cfg: dict, cfg) -> list[str]:
-    """The ``optim`` settings (which a resume may change) that differ from the checkpoint's
-    config, as ``optim.key.sub: old -> new`` lines; ``(not set)`` stands for a key that one side
-    lacks (an entry of a group's kwargs, or a setting newer than the checkpoint)."""
-    def flat(d: dict, prefix: str = "optim.") -> dict:
+def section_changes(saved_cfg: dict, cfg, section: str = "optim") -> list[str]:
+    """The settings of ``section`` (``optim`` or ``performance``: a resume may change them) that
+    differ from the checkpoint's config, as ``section.key.sub: old -> new`` lines; ``(not set)``
+    stands for a key that one side lacks (an entry of a group's kwargs, or a setting newer than
+    the checkpoint)."""
+    def flat(d: dict, prefix: str = f"{section}.") -> dict:
         out = {}
         for k, v in d.items():
             if isinstance(v, dict):  # (an empty mapping sets nothing)
@@ -733,7 +734,8 @@ def optim_changes(saved_cfg: dict, cfg) -> list[str]:
                 out[f"{prefix}{k}"] = repr(v)
         return out
 
-    was, now = flat(_plain(saved_cfg.get("optim") or {})), flat(_plain(to_dict(cfg.optim)))
+    was = flat(_plain(saved_cfg.get(section) or {}))
+    now = flat(_plain(to_dict(getattr(cfg, section))))
     return [f"{k}: {was.get(k, '(not set)')} -> {now.get(k, '(not set)')}"
             for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
 
@@ -880,7 +882,7 @@ def load(trainer, path: Path, verified: bool = False) -> None:
               file=sys.stderr)
     # what the user changed (in config keys), then what that changes in the optimizer's
     # parameter groups (and what a performance setting does: ns_dtype)
-    changed = "; ".join(optim_changes(state["config"], trainer.cfg))
+    changed = "; ".join(section_changes(state["config"], trainer.cfg, "optim"))
     groups = "; ".join(trainer.optimizer.changed_settings)
     if groups:
         groups = f"parameter groups: {groups}"
@@ -888,6 +890,12 @@ def load(trainer, path: Path, verified: bool = False) -> None:
     if changed and trainer.rank == 0:
         print(f"dptrain train: optimizer settings differ from the checkpoint's, this config's "
               f"apply: {changed}", file=sys.stderr)
+    perf = section_changes(state["config"], trainer.cfg, "performance")
+    if perf and trainer.rank == 0:
+        print(f"dptrain train: performance settings differ from the checkpoint's "
+              f"({'; '.join(perf)}): the privacy mechanism is the same, but the arithmetic "
+              f"is not, so the run will not repeat the checkpoint's run bit for bit",
+              file=sys.stderr)
     trainer.ledger = ledger
     trainer.step = state["step"]
     ranks = state["rng"].get("torch_ranks")
