@@ -856,10 +856,11 @@ class ClippingEngine:
         rows, ``p.expand(B, ...)[0]``, or broadcast them against another dimension than the
         examples'). The rows are equal, so the forward's values cannot tell; the gradients can:
         with weights w_b, the gradient of sum_b w_b loss_b must be row by row w_b times that of
-        sum_b loss_b. One more backward over the retained graph, once, with a generator of its
-        own (the run's random streams are untouched). ``collective``: every rank runs it at its
-        first query (one example: nothing to compare, but the backward's gathers must pair up)
-        and every rank refuses if any found mixed rows."""
+        sum_b loss_b. One more backward over the retained graph, with a generator of its own
+        (the run's random streams are untouched), until a query of two or more examples has
+        been checked. ``collective``: every rank runs it at each query until then (one example:
+        nothing to compare, but the backward's gathers must pair up); it is done on every rank
+        once any rank compared, and every rank refuses if any found mixed rows."""
         live = [(name, leaf, g) for name, leaf, g in taps if g is not None]
         if not live:
             return
@@ -888,11 +889,15 @@ class ClippingEngine:
             bad = ((err > tol * scale) & (rows.max() > 0)).nonzero().flatten().tolist()
             if bad and found is None:
                 found = (f"rows {bad[:8]} of the microbatch", name)
+        compared = B > 1  # one example (a phantom, or a rank's share of one) compares nothing
         if collective:  # every rank refuses together (or one would wait for the others)
-            anywhere = all_reduce_scalars(float(found is not None), device=losses.device,
-                                          op="max")[0] > 0
-            if anywhere and found is None:
+            anywhere, compared_anywhere = all_reduce_scalars(
+                float(found is not None), float(compared), device=losses.device, op="max")
+            if anywhere > 0 and found is None:
                 found = ("on another rank", " or ".join(name for name, _, _ in live))
+            # done once some rank compared rows: then every rank is (the same flag everywhere,
+            # so that the ranks' next checks, if any, pair up)
+            compared = compared_anywhere > 0
         if found is not None:
             where, name = found
             raise ValueError(
@@ -903,7 +908,7 @@ class ClippingEngine:
                 f"broadcasts them against another dimension than the examples' (a (T, B, d) "
                 f"layout), so row b's gradient is not example b's. Broadcast the parameter "
                 f"against the examples' (B, ...) tensors, or move it into a module of its own")
-        self._taps_checked = True
+        self._taps_checked = compared
 
     def _finish_rows_check(self) -> None:
         """Row b of every hooked input and loss b depend on example b alone (rows.py): checked
@@ -911,10 +916,11 @@ class ClippingEngine:
         done (its captures, per-example buffers and graphs released by then, so the check's
         forwards do not raise the step's peak), before its clipped sum reaches the caller. In
         one process, a microbatch where no replaced example reached a layer (one example, all
-        alike, only labels differing) leaves it for the next, up to MAX_ATTEMPTS; with a
-        process group every rank checks at its first query, whatever it found, so that all
-        ranks run the check's forwards together (FSDP gathers in each). A refusal leaves it
-        due."""
+        alike, only labels differing) leaves it for the next, up to MAX_ATTEMPTS. With a
+        process group every rank checks at each query until some rank's check was done
+        (ranks whose share is one example compare nothing), so that all ranks run the check's
+        forwards together (FSDP gathers in each); the ranks must run as many queries (the
+        trainer's phantom microbatches). A refusal leaves it due."""
         pending, self._pending_rows = self._pending_rows, None
         if pending is None:
             return
@@ -923,12 +929,15 @@ class ClippingEngine:
         with self._state(state):  # the plan's first entry: dropout stream 0
             done = check_example_rows(self.model, [(h.name, h.module) for h in self.hooked],
                                       loss_fn, batch, B, 0, view=view, collective=collective)
-        self._rows_attempts += B > 1
-        if not (done or collective) and self._rows_attempts >= MAX_ATTEMPTS:
+        # (under a process group every check is a round of forwards on every rank, and the
+        # ranks must count alike: their microbatch sizes differ)
+        self._rows_attempts += 1 if collective else B > 1
+        if not done and self._rows_attempts >= MAX_ATTEMPTS:
             cannot_check(f"in {self._rows_attempts} microbatches no example that differs from "
-                         f"another reached a layer's input (inputs alike, only labels differ?)")
+                         f"another reached a layer's input (inputs alike, only labels differ, "
+                         f"or one example per rank?)")
             done = True
-        self._rows_checked = done or collective
+        self._rows_checked = done
 
     def _contributions(self, records: list[_Record]) -> dict[str, list[Contribution]]:
         per_param: dict[str, list[Contribution]] = {}

@@ -265,7 +265,8 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
     microbatch, and a sixth (the microbatch again) if rows moved on any rank; otherwise a
     microbatch with nothing to replace runs none, and the sixth runs only when rows moved.
     Returns whether the check is done: False when no replacement reached a layer's input; True
-    when one did, or when the forward cannot be checked (a warning says so)."""
+    when one did, or when the forward cannot be checked (a warning says so). ``collective``:
+    the same answer on every rank (done when done on any), and a refusal on every rank."""
     sources = _replacements(batch, B) if B > 1 else []
     if not sources and not collective:
         return False
@@ -308,18 +309,35 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
         device = next(iter(model.parameters()), torch.empty(0)).device
         again_needed = all_reduce_scalars(float(again_needed), device=device, op="max")[0] > 0
     again = forwards(batch)[0] if again_needed else None
+    done, refusal = reached, None
     if problem is None and stored is None:
-        return reached
-    if _differ(control, again, slots, directions):
+        pass
+    elif _differ(control, again, slots, directions):
         cannot_check("two forwards of the same microbatch from the same randomness gave "
                      "different values")
-        return True
-    if stored is not None:
-        raise ValueError(stored)
-    if problem == _CALLS:
+        done = True
+    elif stored is not None:
+        refusal = stored
+    elif problem == _CALLS:
         cannot_check("its layer calls or their shapes change when some examples change")
-        return True
-    raise ValueError(problem)
+        done = True
+    else:
+        refusal = problem
+    if collective:
+        # one outcome for every rank: done once any rank compared examples (a rank whose share
+        # was one example compared nothing; it is not done because another's check ran); a
+        # refusal anywhere is a refusal everywhere (a rank that went on would wait for the
+        # refusing one at its next collective)
+        device = next(iter(model.parameters()), torch.empty(0)).device
+        any_done, any_refusal = all_reduce_scalars(float(done), float(refusal is not None),
+                                                   device=device, op="max")
+        done = any_done > 0
+        if any_refusal > 0 and refusal is None:
+            refusal = ("dptrain.clipping: another rank found that the model does not keep the "
+                       "examples of a microbatch apart (its message names the layer)")
+    if refusal is not None:
+        raise ValueError(refusal)
+    return done
 
 
 _CALLS = "layer calls differ"
