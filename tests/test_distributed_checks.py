@@ -113,3 +113,52 @@ def test_tapped_rows_are_checked_after_first_shares_of_one_example():
     for seen in out:
         assert seen[0] == ("accepted", False)
         assert seen[1][0] == "refused" and "parameter tok" in seen[1][1]
+
+
+class OutsideUse(nn.Module):
+    """A tied head written as ``F.linear(h, self.emb.weight)`` in the root's forward: a use of
+    the embedding's weight that its module's hooks do not see (its gradient would be missing
+    from the norms)."""
+
+    def __init__(self, V: int = 11, d: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.fc = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d)])
+
+    def forward(self, x):
+        h = self.emb(x)
+        for fc in self.fc:
+            h = h + torch.tanh(fc(h))
+        return F.linear(h, self.emb.weight)
+
+
+def _lm(model, batch):
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(
+        x.shape[0], -1).sum(1)
+
+
+def _outside(rank, world):
+    from dptrain.clipping import ClippingEngine
+    from dptrain.parallel.fsdp import apply_fsdp
+
+    torch.manual_seed(0)
+    model = OutsideUse()
+    if world > 1:
+        apply_fsdp(model)  # the forward uses gathered copies, other objects than the shards
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 11, (4, 5), generator=g), torch.randint(0, 11, (4, 5), generator=g))
+    try:
+        ClippingEngine(model, clip_norm=1.0).accumulate(_lm, batch, {})
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_parameter_used_outside_its_module_is_refused_under_fsdp_too(world):
+    # it was accepted on 2 FSDP ranks (the check knew the sharded parameters only), and that
+    # use's share of the gradient was dropped from the norms and the sum
+    for r in spawn(_outside, world, timeout=200):
+        assert "emb.weight is used outside the forward of the module that owns it" in r

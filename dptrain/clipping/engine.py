@@ -161,8 +161,9 @@ class _FirstForwardCheck(TorchFunctionMode):
     parameter and gives a result autograd tracks, outside the forward of every hooked module
     owning it. Attribute reads and queries (``.dtype``, ``.data``, ``is_floating_point()``),
     ``detach()`` and calls under ``no_grad`` are not uses.
-    Sharded (FSDP2) runs gather parameters into other tensors during the forward, which this
-    check does not see: it covers the unsharded model.
+    Sharded (FSDP2) runs register gathered parameters, other tensors, in the modules during
+    the forward: a trainable parameter not known by its identity is looked up in the modules'
+    slots at its use.
 
     It also refuses a hooked layer's output (or a same-shaped result of it) that an op
     broadcasts against a tensor of more dimensions made from the batch (a weight is not one):
@@ -196,6 +197,13 @@ class _FirstForwardCheck(TorchFunctionMode):
         for t in engine.taps:  # used only through the engine's leaves: any use is elsewhere
             for p in t.params.values():
                 self.owners.setdefault(id(p), ([], engine.names[id(p)]))
+        #: (module, attribute, name): where each hooked parameter is registered, to find the
+        #: tensors FSDP2 registers there during the forward (its gathered parameters, other
+        #: objects than the sharded ones above; a tapped one's gathered copy is the one the
+        #: taps see meet the examples, and is not looked up)
+        self.slots = [(h.module, a, engine.names[id(p)])
+                      for h in engine.hooked for a, p in h.params.items()]
+        self.strangers: set[int] = set()  # parameters found in no slot (frozen, or foreign)
         self.handles: list = []
         #: id -> (weak reference, shape, layer name): hooked outputs and same-shaped results of
         #: them. Weak: keeping them would hold memory the forward frees; an entry leaves when its
@@ -272,7 +280,7 @@ class _FirstForwardCheck(TorchFunctionMode):
                 isinstance(o, Tensor) and o.requires_grad
                 for o in torch.utils._pytree.tree_leaves(out)):
             for a in torch.utils._pytree.tree_leaves((args, kwargs)):
-                owner = self.owners.get(id(a)) if isinstance(a, Tensor) else None
+                owner = self._owner(a) if isinstance(a, Tensor) else None
                 if owner is not None and not any(self.active.get(m) for m in owner[0]):
                     raise ValueError(
                         f"dptrain.clipping: the trainable parameter {owner[1]} is used outside "
@@ -282,6 +290,26 @@ class _FirstForwardCheck(TorchFunctionMode):
                         f"through a module (a tied head: an nn.Linear whose weight is the "
                         f"embedding's)")
         return out
+
+    def _owner(self, a: Tensor) -> tuple[list[int], str] | None:
+        """(the ids of the modules owning ``a``, its name) if ``a`` is a trainable parameter
+        (a tapped one: by identity only), or one registered now in a hooked module's slot of
+        one; else None."""
+        owner = self.owners.get(id(a))
+        if (owner is None and isinstance(a, nn.Parameter) and a.requires_grad
+                and id(a) not in self.strangers):
+            # FSDP2 registers gathered copies in the modules for the forward: look them up
+            found: dict[int, tuple[list[int], str]] = {}
+            for module, attr, name in self.slots:
+                now = module._parameters.get(attr)
+                if now is not None and id(now) not in self.owners:
+                    ids, _ = found.get(id(now), ([], name))
+                    found[id(now)] = (ids + [id(module)], name)
+            self.owners.update(found)
+            owner = self.owners.get(id(a))
+            if owner is None:
+                self.strangers.add(id(a))
+        return owner
 
     def _check_rows(self, func, args, kwargs, out) -> None:
         tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
