@@ -631,7 +631,10 @@ class Trainer:
         seed's meaning without secure mode, a delta at or above 1/N, examples cut at
         ``data.max_length``."""
         lines = [] if self.cfg.privacy.secure_mode else [PUBLIC_SEED_WARNING]
-        small_delta = delta_warning(self.cfg.privacy.delta, self.plan.dataset_size)
+        # (the examples sampled from, or a larger public N: privacy.dataset_size need not be
+        # the training set's length)
+        small_delta = delta_warning(self.cfg.privacy.delta,
+                                    max(self.train_size, self.plan.dataset_size))
         if small_delta is not None:
             lines.append(f"warning: {small_delta}")
         cut = truncation_note(self.task, self.cfg.data.max_length)

@@ -178,27 +178,50 @@ def test_calibration_matches_opacus_and_reaches_target(eps, delta, q, steps):
     assert epsilon(Ledger([(sigma * 0.97, q, steps)]), delta, "rdp") > achieved
 
 
-def test_prv_calibration_delegates_to_opacus(monkeypatch):
-    import opacus.accountants.utils as outils
-
-    calls = []
-
-    def spy(**kwargs):
-        result = get_noise_multiplier(**kwargs)
-        calls.append((kwargs, result))
-        return result
-
-    monkeypatch.setattr(outils, "get_noise_multiplier", spy)
-    eps, delta, q, steps = 3.0, 1e-5, 0.01, 100
-    sigma = calibrate_noise_multiplier(eps, delta, q, steps, epsilon_tolerance=0.1)
-    assert len(calls) == 1
-    kwargs, result = calls[0]
-    assert sigma == result
-    assert kwargs == dict(target_epsilon=eps, target_delta=delta, sample_rate=q, steps=steps,
-                          accountant="prv", epsilon_tolerance=0.1)
+@pytest.mark.parametrize("eps, q, steps, tol", [(3.0, 0.01, 100, 0.1), (1.0, 0.05, 50, 0.01)])
+def test_prv_calibration_finds_opacus_sigma(eps, q, steps, tol):
+    # the same search as opacus' get_noise_multiplier, probe for probe, where no PRV grid is
+    # too large: the same sigma, bit for bit
+    delta = 1e-5
+    sigma = calibrate_noise_multiplier(eps, delta, q, steps, epsilon_tolerance=tol)
+    assert sigma == get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q,
+                                         steps=steps, accountant="prv", epsilon_tolerance=tol)
     # the achieved epsilon, computed like PRVAccountant.get_epsilon, meets the target
     achieved = epsilon(Ledger([(sigma, q, steps)]), delta, "prv")
-    assert eps - 0.1 - 1e-12 <= achieved <= eps
+    assert eps - tol - 1e-12 <= achieved <= eps
+
+
+def test_prv_calibration_builds_no_grid_above_the_limit(monkeypatch):
+    # opacus' search built every probe's PRV grid: 1e5 steps at q = 0.001 took a minute and
+    # 6.8 GB, 1e6 steps did not end in minutes (8.6 GB); a probe over the limit takes RDP's
+    # bound. Here the limit is lowered so that the search's first probes exceed it.
+    from opacus.accountants import PRVAccountant
+
+    import dptrain.privacy.accounting as acc_mod
+
+    eps, delta, q, steps = 2.0, 1e-5, 0.02, 200
+    unguarded = get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q,
+                                     steps=steps, accountant="prv", epsilon_tolerance=0.01)
+    final = acc_mod._prv_grid_size([(unguarded, q, steps)], delta, acc_mod.DEFAULT_EPS_ERROR)
+    monkeypatch.setattr(acc_mod, "PRV_MAX_DOMAIN", int(final * 1.5))
+    sizes = []
+    real = PRVAccountant.get_epsilon
+
+    def spy(self, delta, **kwargs):
+        sizes.append(acc_mod._prv_grid_size(self.history, delta, kwargs.get("eps_error", 0.01)))
+        return real(self, delta, **kwargs)
+
+    monkeypatch.setattr(PRVAccountant, "get_epsilon", spy)
+    get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q, steps=steps,
+                         accountant="prv", epsilon_tolerance=0.01)
+    assert max(sizes) > acc_mod.PRV_MAX_DOMAIN  # opacus' own search: some probe over it
+    sizes.clear()
+    sigma = calibrate_noise_multiplier(eps, delta, q, steps)
+    assert sizes and max(sizes) <= acc_mod.PRV_MAX_DOMAIN
+    # RDP judged the probes over the limit: never less noise than opacus' answer, and the
+    # target met (within the tolerance, PRV at the sigma found)
+    assert sigma >= unguarded
+    assert eps - 0.01 - 1e-12 <= epsilon(Ledger([(sigma, q, steps)]), delta, "prv") <= eps
 
 
 def test_calibration_rejects_bad_input():
@@ -213,17 +236,17 @@ def test_calibration_rejects_bad_input():
 
 
 def test_calibration_names_steps_when_the_accountant_breaks_down(monkeypatch):
-    import opacus.accountants.utils as outils
+    import dptrain.privacy.accounting as acc_mod
 
     with pytest.raises(ConfigError) as e:
         calibrate_noise_multiplier(8.0, 1e-5, 0.01, 10**9 + 1, accountant="rdp")
     assert e.value.field == "steps"
     for exc in (MemoryError("Unable to allocate 34.2 GiB"),
                 ValueError("Maximum allowed size exceeded")):
-        def broken(**kwargs):
+        def broken(*args):
             raise exc
 
-        monkeypatch.setattr(outils, "get_noise_multiplier", broken)
+        monkeypatch.setattr(acc_mod, "_search_sigma", broken)
         with pytest.raises(ConfigError) as e:
             calibrate_noise_multiplier(8.0, 1e-5, 0.01, 10**9, accountant="prv")
         assert e.value.field == "steps" and str(exc) in e.value.message
@@ -425,3 +448,16 @@ def test_check_plan_and_would_exceed():
     assert not would_exceed(before_last, sigma, 0.02, 1e-5, None, "rdp")
     assert before_last.num_releases == 99  # not modified
     assert Budget.would_exceed(Ledger(), 0.0, 0.02, 1e-5, 100.0)
+
+
+def test_the_tolerance_bound_accepts_its_own_printed_lower_end():
+    # 1e-9 * 1000 is 1.0000000000000002e-06 in floats: 1e-06, printed as the lower end of the
+    # range, was refused
+    sigma = calibrate_noise_multiplier(1000.0, 1e-5, 1.0, 1, accountant="rdp",
+                                       epsilon_tolerance=1e-6)
+    achieved = epsilon(Ledger([(sigma, 1.0, 1)]), 1e-5, "rdp")
+    assert 1000.0 - 1e-6 - 1e-9 <= achieved <= 1000.0
+    with pytest.raises(ConfigError) as e:
+        calibrate_noise_multiplier(1000.0, 1e-5, 1.0, 1, accountant="rdp",
+                                   epsilon_tolerance=0.99e-6)
+    assert e.value.field == "epsilon_tolerance"

@@ -324,6 +324,13 @@ def test_a_delta_at_or_above_one_over_n_is_warned_about(tmp_path, capsys, dry):
         assert len(lines) == int(warned), err
         if warned:
             assert "1/N = 1/256" in lines[0]
+    # a smaller public N (privacy.dataset_size) does not hide it: the run samples from 256
+    # examples; a larger one is the N checked
+    for n, warned in (("100", "1/256"), ("1000", "1/1000")):
+        code, _, err = run_cli(capsys, *args, "privacy.delta=0.005", "train.checkpoint_every=0",
+                               f"privacy.dataset_size={n}", f"--output-dir={tmp_path / n}")
+        lines = [x for x in err.splitlines() if "warning: privacy.delta" in x]
+        assert code == 0 and len(lines) == 1 and f"1/N = {warned}" in lines[0], err
 
 
 def test_resume_with_a_changed_privacy_setting_exits_2(tmp_path, capsys):

@@ -174,23 +174,29 @@ def _rdp_epsilon(history, delta: float) -> float:
     return float(acc.get_epsilon(delta=delta))
 
 
-def _prv_epsilon(history, delta: float, eps_error: float) -> float:
+def _prv_grid_size(history, delta: float, eps_error: float) -> int | None:
+    """The points of the grid opacus' PRV accountant would build for ``history`` (a cheap
+    RDP-based bound it computes first), or None where this opacus has no ``_get_domain``."""
     from opacus.accountants import PRVAccountant
     from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
 
+    get_domain = getattr(PRVAccountant(), "_get_domain", None)
+    if get_domain is None:
+        return None
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        return get_domain(prvs=[PoissonSubsampledGaussianPRV(q, s) for s, q, _ in history],
+                          num_self_compositions=[n for _, _, n in history],
+                          eps_error=eps_error, delta_error=delta / 1000).size  # opacus' default
+
+
+def _prv_epsilon(history, delta: float, eps_error: float) -> float:
+    from opacus.accountants import PRVAccountant
+
     acc = PRVAccountant()
     acc.history = list(history)
-    delta_error = delta / 1000  # opacus' default
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         try:
-            size = None
-            get_domain = getattr(acc, "_get_domain", None)
-            if get_domain is not None:  # a cheap RDP-based bound on the grid PRV would build
-                domain = get_domain(
-                    prvs=[PoissonSubsampledGaussianPRV(q, s) for s, q, _ in history],
-                    num_self_compositions=[n for _, _, n in history],
-                    eps_error=eps_error, delta_error=delta_error)
-                size = domain.size
+            size = _prv_grid_size(history, delta, eps_error)
             if size is not None and size > PRV_MAX_DOMAIN:
                 reason = f"its grid would need {size} points (> {PRV_MAX_DOMAIN})"
             else:
@@ -242,16 +248,15 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
     """Smallest sigma (to ``epsilon_tolerance``; None: :func:`default_epsilon_tolerance`) with
     ``steps`` releases at rate ``sample_rate`` spending at most ``epsilon`` at ``delta``.
 
-    Delegates to ``opacus.accountants.utils.get_noise_multiplier`` (its doubling then bisection
-    search); the returned sigma's epsilon, computed by :func:`epsilon`, is <= the target and
+    Runs ``opacus.accountants.utils.get_noise_multiplier``'s doubling then bisection search on
+    opacus' accountants (:func:`_search_sigma`: the same probes, with PRV grids bounded in
+    size); the returned sigma's epsilon, computed by :func:`epsilon`, is <= the target and
     within ``epsilon_tolerance`` of it. Where PRV cannot be used (a target above
     ``PRV_MAX_CALIBRATION_EPSILON``, or a PRV failure at the sigma found), the search is redone
     with the RDP accountant, with an :class:`AccountingWarning`: RDP's bound is then within the
     tolerance of the target, and PRV's epsilon of that sigma, where it can be computed, may be
     further below. Raises ConfigError (a ValueError) naming the bad argument.
     """
-    from opacus.accountants.utils import get_noise_multiplier
-
     if not (isinstance(epsilon, numbers.Real) and epsilon > 0 and math.isfinite(epsilon)):
         raise ConfigError("epsilon", f"must be > 0 and finite, got {epsilon}")
     if not (isinstance(delta, numbers.Real) and 0.0 < delta < 1.0):
@@ -277,7 +282,9 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
         raise ConfigError("epsilon_tolerance", f"must be > 0, got {epsilon_tolerance}")
     # below ~1e-9 relative the search's float rounding cannot meet it (it looped forever), and a
     # tolerance >= epsilon would accept any sigma up to the doubling's first bracket
-    if not (1e-9 * epsilon <= epsilon_tolerance < epsilon):
+    # (with a relative slack: 1e-9 * 1000 is 1.0000000000000002e-06 in floats, and the printed
+    # lower end, 1e-06, was refused)
+    if not (1e-9 * epsilon * (1 - 1e-12) <= epsilon_tolerance < epsilon):
         raise ConfigError("epsilon_tolerance", f"must be in [1e-9 x epsilon, epsilon) = "
                                                f"[{1e-9 * epsilon:.3g}, {epsilon:g}), got "
                                                f"{epsilon_tolerance:g}")
@@ -298,15 +305,16 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"), \
                 warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_OPACUS_NOTES, category=UserWarning)
-            sigma = get_noise_multiplier(
-                target_epsilon=float(epsilon), target_delta=float(delta),
-                sample_rate=float(sample_rate), steps=int(steps), accountant=accountant,
-                epsilon_tolerance=float(epsilon_tolerance))
+            sigma = _search_sigma(float(epsilon), float(delta), float(sample_rate),
+                                  int(steps), accountant, float(epsilon_tolerance))
     except ValueError as e:
         if "budget is too low" in str(e):
+            hint = ("; the prv accountant certifies smaller epsilons" if accountant == "rdp"
+                    else "")
             raise ConfigError("epsilon", f"{epsilon} at delta={delta} is unreachable with "
-                                         f"{steps} steps at sample rate {sample_rate} "
-                                         f"(sigma would exceed 1e6)") from None
+                                         f"{steps} steps at sample rate {sample_rate}: no "
+                                         f"sigma up to {_MAX_SIGMA:.0e} gets the {accountant} "
+                                         f"accountant's bound below it{hint}") from None
         if "small values of delta" in str(e):  # opacus' PRV: float error would dominate
             hint = "; use accountant rdp or a larger delta" if accountant == "prv" else ""
             raise ConfigError("delta", f"{delta} is too small for the {accountant} accountant "
@@ -332,6 +340,56 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
             return with_rdp(f"the PRV accountant cannot be used at the calibrated sigma "
                             f"{float(sigma):.6g}")
     return float(sigma)
+
+
+_MAX_SIGMA = 1e6  # opacus.accountants.utils.MAX_SIGMA
+
+
+def _search_sigma(epsilon: float, delta: float, q: float, steps: int, accountant: str,
+                  tolerance: float) -> float:
+    """opacus' ``get_noise_multiplier`` search, probe for probe (sigma doubled from 20 until
+    the target is met, then bisection until within ``tolerance`` below it; the bracket's upper
+    end is returned), except that a PRV probe whose grid would exceed ``PRV_MAX_DOMAIN`` points
+    takes RDP's epsilon, an upper bound of PRV's: opacus builds every probe's grid, and a probe
+    far below the answer needed GBs (1e6 steps at q = 0.001: over 8 GB and minutes). A probe
+    judged by the looser bound can only raise the bracket's lower end, so the sigma found is
+    the same or slightly larger (more noise), never below the target's. Raises opacus' errors
+    (ValueError "The privacy budget is too low." past sigma 1e6)."""
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    by_rdp: dict[float, int] = {}  # PRV probes judged by RDP: sigma -> PRV's grid size
+
+    def probe(sigma: float) -> float:
+        history = [(sigma, q, steps)]
+        if accountant == "prv":
+            size = _prv_grid_size(history, delta, DEFAULT_EPS_ERROR)
+            if size is None or size <= PRV_MAX_DOMAIN:
+                acc = PRVAccountant()
+                acc.history = history
+                return acc.get_epsilon(delta=delta, eps_error=DEFAULT_EPS_ERROR)
+            by_rdp[sigma] = size
+        acc = RDPAccountant()
+        acc.history = history
+        return acc.get_epsilon(delta=delta)
+
+    eps_high, sigma_low, sigma_high = math.inf, 0.0, 10.0
+    while eps_high > epsilon:
+        sigma_high = 2 * sigma_high
+        eps_high = probe(sigma_high)
+        if sigma_high > _MAX_SIGMA:
+            raise ValueError("The privacy budget is too low.")
+    while epsilon - eps_high > tolerance:
+        sigma = (sigma_low + sigma_high) / 2
+        eps = probe(sigma)
+        if eps < epsilon:
+            sigma_high, eps_high = sigma, eps
+        else:
+            sigma_low = sigma
+    if sigma_high in by_rdp:
+        warnings.warn(f"PRV's grid at sigma {sigma_high:.6g} would need {by_rdp[sigma_high]} "
+                      f"points (> {PRV_MAX_DOMAIN}); calibrated to the RDP bound there",
+                      AccountingWarning, stacklevel=4)
+    return sigma_high
 
 
 def _epsilon_of(sigma: float, q: float, steps: int, delta: float, accountant: str) -> float:
