@@ -498,10 +498,23 @@ def _scalars_and_rows(rank: int, world: int) -> dict:
     def unsupported(*a, **k):
         raise RuntimeError("reduce_scatter: not supported by this backend")
 
-    for n in names:
-        setattr(dist, n, unsupported)
+    def out_of_memory(*a, **k):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
     try:
+        for n in names:
+            setattr(dist, n, unsupported)
         rows_fallback = reduce_sum(full.clone(), w).clone()
+        # another failure (on one rank, typically) is raised, not sent to the all-reduce
+        # while the other ranks' reduce-scatter went ahead
+        for n in names:
+            setattr(dist, n, out_of_memory)
+        before = len(calls)
+        try:
+            reduce_sum(full.clone(), w)
+            other_error = None
+        except RuntimeError as e:
+            other_error = (str(e), len(calls) - before)
     finally:
         for n, f in saved.items():
             setattr(dist, n, f)
@@ -509,6 +522,7 @@ def _scalars_and_rows(rank: int, world: int) -> dict:
     # secure mode: rank 0's OS-entropy seed is every rank's
     trainer_mod.secure_seed = lambda: 1000 + rank
     return {"sums": sums, "maxima": maxima, "rows": rows, "rows_fallback": rows_fallback,
+            "other_error": other_error,
             "all_reduces": all_reduces, "fallback_all_reduces": len(calls) - all_reduces,
             "flat": flat_range(w), "local_rows": local_rows(w),
             "secure_seed": trainer_mod._shared_secure_seed(world)}
@@ -524,6 +538,8 @@ def test_scalars_and_sharded_rows_are_reduced_over_the_ranks():
     # with reduce-scatter, no rank all-reduces (receives) the whole gradient
     assert a["all_reduces"] == b["all_reduces"] == 0
     assert a["fallback_all_reduces"] == b["fallback_all_reduces"] == 1
+    assert a["other_error"] == b["other_error"] == (
+        "CUDA out of memory. Tried to allocate 2.00 GiB", 0)
     assert a["secure_seed"] == b["secure_seed"] == 1000
     assert a["local_rows"] == (0, 3) and b["local_rows"] == (3, 5)
     assert a["flat"] == (20, 0, 12) and b["flat"] == (20, 12, 20)

@@ -91,6 +91,13 @@ def local_rows(p: Tensor) -> tuple[int, int]:
     return shard_bounds(p.shape[0], dist.get_rank(), dist.get_world_size())
 
 
+def _unsupported(e: BaseException) -> bool:
+    """Whether a collective's error says the backend does not implement it."""
+    text = str(e).lower()
+    return any(w in text for w in ("not supported", "does not support", "unsupported",
+                                   "not implemented", "unimplemented"))
+
+
 def reduce_sum(full: Tensor, p: Tensor) -> Tensor:
     """Sum ``full`` (this rank's clipped sum, shaped like the whole parameter) over ranks and
     return the part this rank keeps: its row shard for a sharded parameter, else everything."""
@@ -108,7 +115,12 @@ def reduce_sum(full: Tensor, p: Tensor) -> Tensor:
     try:
         # torch >= 2.14 names it reduce_scatter_single; 2.11 has reduce_scatter_tensor
         getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, padded)
-    except (RuntimeError, NotImplementedError):  # backends without reduce_scatter (old gloo)
+    except (RuntimeError, NotImplementedError) as e:  # backends without it (old gloo)
+        # only for a backend that lacks the collective, which every rank lacks alike: another
+        # failure on one rank (out of memory) must not send it to all_reduce while the others'
+        # reduce_scatter went ahead (mismatched collectives hang)
+        if not (isinstance(e, NotImplementedError) or _unsupported(e)):
+            raise
         dist.all_reduce(padded)
         out = padded[rank * chunk:(rank + 1) * chunk]
     start, end = shard_bounds(rows, rank, world)
