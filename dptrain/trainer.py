@@ -792,20 +792,25 @@ class Trainer:
             "config": to_dict(self.cfg),
         }
         ema = self.optimizer.ema
-        evaluated = None
+        # LoRA: the adapters alone, for peft (only when they are all that was trained), of the
+        # evaluated model
+        adapter = (lambda sd: write_adapter(sd, self.model, self.cfg.model.lora,
+                                            out / "final" / "adapter"))
         if ema is not None:  # the evaluated model, the average, is the exported one
-            with ema.swapped_in():  # written inside: on CPU the state dict holds the parameters
+            # written inside: on CPU the state dict holds the parameters themselves, which
+            # leaving the block sets back to the last iterate (final/adapter held that one)
+            with ema.swapped_in():
                 evaluated = self.full_state_dict()  # collective under sharding
                 if out is not None and main:
                     self.export(out / "final", evaluated)
+                    adapter(evaluated)
         state = self.full_state_dict()  # collective under sharding: every rank takes part
         if out is not None and main:
             self.export(out / "final", state,
                         "model.safetensors" if ema is None else "last_iterate.safetensors")
             ckpt.export_hf(self, out / "final")  # GPT-2, causal_lm: final/hf/ for transformers
-            # LoRA: the adapters alone, for peft (only when they are all that was trained)
-            write_adapter(state if evaluated is None else evaluated, self.model,
-                          self.cfg.model.lora, out / "final" / "adapter")
+            if ema is None:
+                adapter(state)
             # last: summary.json marks the run finished (--resume auto then does nothing)
             tmp = out / "summary.json.tmp"
             tmp.write_text(strict_json(summary, indent=2, default=str))

@@ -309,6 +309,40 @@ def test_a_lora_run_trains_the_adapters_only_and_writes_merged_and_adapter_model
     assert json.loads((final / "adapter" / "adapter_config.json").read_text())["r"] == 4
 
 
+def test_with_ema_the_adapter_is_the_average_like_the_merged_and_hf_models(tmp_path):
+    # on CPU the EMA's state dict held the parameters themselves, set back to the last iterate
+    # when the average was swapped out, before final/adapter was written from it
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from dptrain.trainer import RunConfig, Trainer
+
+    base_dir = _pretrained_gpt2(tmp_path / "base")
+    cfg = load(RunConfig, TINY, ["train.progress=false", "train.checkpoint_every=0",
+                                 "privacy.steps=3", f"model.pretrained_path={base_dir}",
+                                 "model.lora.r=4", "model.lora.alpha=8", "optim.ema_decay=0.5"])
+    t = Trainer(cfg, tmp_path / "run")
+    t.run()
+    final = tmp_path / "run" / "final"
+    hf = AutoModelForCausalLM.from_pretrained(final / "hf", local_files_only=True).eval()
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True),
+        final / "adapter").eval()
+    t.model.eval()
+    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        average = hf(input_ids=ids).logits
+        last = t.model(input_ids=ids).logits  # the last iterate, left in the model
+        assert (average - last).abs().max() > 1e-4  # the two differ: the check can fail
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, average, rtol=1e-5,
+                                   atol=1e-5)
+    with t.optimizer.ema.swapped_in():
+        for k, v in load_file(final / "adapter" / "adapter_model.safetensors").items():
+            name = k.replace("base_model.model.", "").replace(".weight", ".default.weight")
+            assert torch.equal(v, t.model.state_dict()[name]), k
+
+
 def test_a_run_with_trainable_parameters_beside_the_adapters_writes_no_adapter(tmp_path):
     from dptrain.trainer import RunConfig, Trainer
 
