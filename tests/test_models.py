@@ -114,8 +114,12 @@ def test_gpt2_pretrained_path_refuses_partial_or_foreign_checkpoints(tmp_path):
     tensors = load_file(good / "model.safetensors")
     wider = json.loads((good / "config.json").read_text())
     wider["n_embd"] = 64
+    # a tied config with a separate head in the weights: transformers left them untied
+    # (a logged warning only), and the run trained an untied head while tie_embeddings said tied
+    head = {**tensors, "lm_head.weight": torch.randn_like(tensors["transformer.wte.weight"])}
     cases = {"lacks": variant("missing", weights={k: v for k, v in tensors.items()
                                                    if ".h.1." not in k}),
+             "ties the head": variant("tied_with_head", weights=head),
              "cannot load": variant("corrupt", weights=b"garbage" * 10),
              "other shapes": variant("shape", config=wider)}
     bert = tmp_path / "bert"

@@ -417,7 +417,24 @@ def _load_pretrained_gpt2(cls, path: Path, dropout: float) -> nn.Module:
         reason = " ".join(str(e).split())[:300] or type(e).__name__
         raise ConfigError(field, f"cannot load a GPT-2 checkpoint from {path}: {reason}") from None
     _check_complete(loading, path)
+    _check_tied(model, path)
     return model.float()
+
+
+def _check_tied(model: nn.Module, path: Path) -> None:
+    """Refuse a checkpoint whose config ties the head to the embedding but whose files store a
+    head that differs from it: transformers then leaves the two untied (a logged warning only),
+    and the run would train an untied head while model.tie_embeddings says tied."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and emb is not None and head.weight is not emb.weight:
+        raise ConfigError("model.pretrained_path",
+                          f"{path}'s config.json ties the head to the input embedding "
+                          f"(tie_word_embeddings: true), but its weights hold a separate head "
+                          f"that differs from the embedding: drop the head's tensor from the "
+                          f"weights, or set tie_word_embeddings: false there and "
+                          f"model.tie_embeddings=false")
 
 
 def _check_complete(loading: dict, path: Path) -> None:
@@ -725,6 +742,7 @@ def _load_pretrained_causal_lm(cfg: ModelConfig, path: Path, info: DataInfo) -> 
         raise ConfigError(field_, f"cannot load a {model_type} checkpoint from {path}: "
                                   f"{_one_line(e)}") from None
     _check_complete(loading, path)
+    _check_tied(model, path)
     return model.float()
 
 
