@@ -264,3 +264,23 @@ def test_a_timm_model_that_cannot_take_the_images_is_refused_when_built(tmp_path
     assert code == 2 and "Traceback" not in err and len(lines) == 1, err
     assert lines[0].startswith(f"dptrain train: error: {field}: ") and words in lines[0], err
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_nf_resnet_tiny_weights_load_with_a_fresh_head_and_grey_scale_filters(tmp_path):
+    # dptrain's registered test model had no pretrained_cfg (timm's NF-ResNets do): a file for
+    # other classes or channels was refused ("other shapes for head.fc") instead of adapted
+    def cfg(**kw):
+        return ModelConfig(name="timm", timm_name="nf_resnet_tiny", **kw)
+
+    torch.manual_seed(0)
+    source = build_model(cfg(num_classes=12), IMG)
+    path = _save(source.state_dict(), tmp_path / "nf.safetensors")
+    grey = DataInfo(kind="classification", num_classes=10, in_chans=1, image_size=16)
+    model = build_model(cfg(pretrained_path=path), grey)
+    got, want = model.state_dict(), source.state_dict()
+    assert got["head.fc.weight"].shape == (10, want["head.fc.weight"].shape[1])
+    torch.testing.assert_close(got["stem.conv.weight"],
+                               want["stem.conv.weight"].sum(1, keepdim=True))
+    for k, v in want.items():
+        if not k.startswith(("head.fc.", "stem.conv.weight")):
+            assert torch.equal(got[k], v), k

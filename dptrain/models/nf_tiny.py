@@ -20,4 +20,11 @@ def nf_resnet_tiny(pretrained: bool = False, **kwargs) -> NormFreeNet:
     # other keyword goes to NormFreeNet, which overlays what it does not take onto cfg, so an
     # unknown one is a TypeError there, as for timm's own NF-ResNets
     plumbing = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
-    return NormFreeNet(cfg, **{k: v for k, v in kwargs.items() if k not in plumbing})
+    model = NormFreeNet(cfg, **{k: v for k, v in kwargs.items() if k not in plumbing})
+    # what timm's own NF-ResNets carry (build_model_with_cfg sets it): the names of the first
+    # convolution and the classifier, by which a weights file is adapted to in_chans and a
+    # classifier for other num_classes is initialised afresh (dptrain.models' timm loading)
+    model.pretrained_cfg = model.default_cfg = {
+        "architecture": "nf_resnet_tiny", "num_classes": model.num_classes,
+        "first_conv": "stem.conv", "classifier": "head.fc"}
+    return model
