@@ -273,10 +273,22 @@ def _pretrained_gpt2(folder: Path, seed: int = 3) -> Path:
     return folder
 
 
-def test_a_lora_run_trains_the_adapters_only_and_writes_merged_and_adapter_models(tmp_path):
+def _reloaded(final, base_dir):
+    """A run's final/hf, and the base model with final/adapter, as transformers and peft load
+    them (eval mode), and token ids to compare their logits on."""
     from peft import PeftModel
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(final / "hf", local_files_only=True).eval()
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True),
+        final / "adapter").eval()
+    return hf, peft_model, torch.randint(0, 32, (2, 12),
+                                         generator=torch.Generator().manual_seed(0))
+
+
+def test_a_lora_run_trains_the_adapters_only_and_writes_merged_and_adapter_models(tmp_path):
+    from safetensors.torch import load_file
 
     from dptrain.trainer import RunConfig, Trainer
 
@@ -296,12 +308,8 @@ def test_a_lora_run_trains_the_adapters_only_and_writes_merged_and_adapter_model
     final = tmp_path / "run" / "final"
     exported = load_file(final / "model.safetensors")
     assert not any("lora" in k or "base_layer" in k for k in exported)
-    hf = AutoModelForCausalLM.from_pretrained(final / "hf", local_files_only=True).eval()
-    peft_model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True),
-        final / "adapter").eval()
+    hf, peft_model, ids = _reloaded(final, base_dir)
     t.model.eval()
-    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = t.model(input_ids=ids).logits
         torch.testing.assert_close(hf(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
@@ -312,9 +320,7 @@ def test_a_lora_run_trains_the_adapters_only_and_writes_merged_and_adapter_model
 def test_with_ema_the_adapter_is_the_average_like_the_merged_and_hf_models(tmp_path):
     # on CPU the EMA's state dict held the parameters themselves, set back to the last iterate
     # when the average was swapped out, before final/adapter was written from it
-    from peft import PeftModel
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     from dptrain.trainer import RunConfig, Trainer
 
@@ -325,12 +331,8 @@ def test_with_ema_the_adapter_is_the_average_like_the_merged_and_hf_models(tmp_p
     t = Trainer(cfg, tmp_path / "run")
     t.run()
     final = tmp_path / "run" / "final"
-    hf = AutoModelForCausalLM.from_pretrained(final / "hf", local_files_only=True).eval()
-    peft_model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True),
-        final / "adapter").eval()
+    hf, peft_model, ids = _reloaded(final, base_dir)
     t.model.eval()
-    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         average = hf(input_ids=ids).logits
         last = t.model(input_ids=ids).logits  # the last iterate, left in the model
