@@ -58,7 +58,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     """gpt2, causal_lm: share the input embedding and the LM head weight (GPT-2's default;
     transformers' ``tie_word_embeddings``). A checkpoint must have the same setting: Llama and
-    Mistral checkpoints have an untied head (set false), Qwen2-0.5B a tied one."""
+    Mistral checkpoints have an untied head (set false), Qwen2-0.5B a tied one. A tied
+    checkpoint whose weights hold a head that differs from its embedding is refused."""
     dropout: float = 0.0
     """gpt2: dropout probability for embeddings, attention and residuals (GPT-2 used 0.1).
     causal_lm: every dropout probability of the model's config (Llama, Qwen2, Mistral: their
