@@ -102,6 +102,48 @@ def test_imagefolder_trees_that_cannot_be_trained_on_are_refused_naming_the_fiel
     assert e.value.field == "data.path" and "b/001.png" in e.value.message
 
 
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_a_linked_image_is_refused_twice_in_training_or_as_a_test_image(tmp_path, link):
+    # torchvision lists a link as another file: a training image linked under a second name
+    # was two examples (N inflated, sensitivity 2C when both are drawn), and a test image
+    # linking to a training one was scored as held out
+    rng = np.random.default_rng(2)
+    _tree(tmp_path, "train", {"a": 2, "b": 2}, rng)
+    _tree(tmp_path, "val", {"a": 1, "b": 1}, rng)
+    make = os.symlink if link == "symlink" else os.link
+    cfg = {"name": "imagefolder", "path": str(tmp_path), "image_size": 8}
+    assert len(build_data(DataConfig(**cfg)).train) == 4
+    make(tmp_path / "train" / "a" / "000.png", tmp_path / "val" / "b" / "leak.png")
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(**cfg))
+    assert e.value.field == "data.test_file" and "leak.png" in e.value.message
+    assert "training image" in e.value.message and "a/000.png" in e.value.message
+    (tmp_path / "val" / "b" / "leak.png").unlink()
+    make(tmp_path / "train" / "a" / "000.png", tmp_path / "train" / "b" / "copy.png")
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(**cfg))
+    assert e.value.field == "data.train_file" and "same file" in e.value.message
+    assert "copy.png" in e.value.message and "a/000.png" in e.value.message
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I"])
+def test_sixteen_bit_grey_images_are_scaled_to_eight_bits_not_clipped(tmp_path, mode):
+    # convert("L") clips 16-bit values at 255: a mid-grey scan came out white
+    from PIL import Image
+
+    a = (np.arange(32 * 32).reshape(32, 32) * 64).astype(np.uint16)  # 0 .. 65472
+    img = Image.fromarray(a) if mode == "I;16" else Image.fromarray(a.astype(np.int32))
+    assert img.mode == mode
+    # the same as the 8-bit image with 0..65535 mapped onto 0..255
+    eight = Image.fromarray(((a.astype(np.int64) * 255 + 32767) // 65535).astype(np.uint8))
+    for chans in (1, 3):
+        got = center_crop_transform(img, 16, chans)
+        assert np.array_equal(got, center_crop_transform(eight, 16, chans))
+        assert 100 < got.mean() < 155  # mid-grey on average, not clipped to 255
+    with pytest.raises(ValueError, match="float"):
+        center_crop_transform(Image.fromarray(a.astype(np.float32)), 8, 1)
+
+
 def _cifar(root: Path, per_batch: int, rng, *, labels=None) -> dict:
     """The CIFAR-10 python layout: five training batches and a test batch, each a pickled
     dict of bytes keys with ``data`` uint8 N x 3072 and ``labels``."""

@@ -11,7 +11,10 @@ the class index is the class folder's rank among the TRAINING split's classes, a
 the training split lacks is refused (its label would mean another class). Example i is the
 i-th file in ImageFolder's order; ``collate`` decodes exactly the requested files with the
 shorter side to ``image_size / 0.875`` and a centre crop (the webdataset transform), so an
-example is a fixed function of its index, as Poisson sampling needs.
+example is a fixed function of its index, as Poisson sampling needs. A file listed twice (a
+symbolic or hard link to another listed image) is refused: it would be two examples of one
+record; so is a test image that is a training one. 16-bit grey images are scaled to 8 bits
+(``wds._eight_bit``).
 
 cifar10: ``data.path`` is the extracted ``cifar-10-batches-py`` folder: ``data_batch_1`` ..
 ``data_batch_5`` (50,000 training images) and ``test_batch`` (10,000), each a pickled dict with
@@ -98,6 +101,21 @@ def load_imagefolder(root: Path | None, train_name: str, test_name: str, image_s
     if unknown:
         raise ConfigError("data.test_file", f"{test_dir} has classes the training split "
                                             f"{train_dir} lacks: {', '.join(unknown[:5])}")
+    # one example per file: a link (symbolic or hard) to an image already listed would count
+    # it twice in N and let it be drawn twice in a step (sensitivity 2C), as for shards
+    # (expand_shards); and no test image may be a training one
+    owner: dict[tuple[int, int], str] = {}
+    for path, _ in train.samples:
+        first = owner.setdefault(file_id(Path(path)), path)
+        if first != path:
+            raise ConfigError("data.train_file", f"{path} and {first} are the same file (a "
+                                                 f"link): one example would be counted twice; "
+                                                 f"remove one")
+    for path, _ in test.samples:
+        if file_id(Path(path)) in owner:
+            raise ConfigError("data.test_file", f"{path} is the training image "
+                                                f"{owner[file_id(Path(path))]} (a link): the "
+                                                f"test split would hold training examples")
     test_samples = [(p, train.class_to_idx[test.classes[y]]) for p, y in test.samples]
     return (ImageFolderImages(train.samples, image_size, in_chans, max_train),
             ImageFolderImages(test_samples, image_size, in_chans, max_test), train.classes)

@@ -154,11 +154,30 @@ def _scan_shard(path: Path, base_plus_ext) -> dict[str, dict]:
     return samples
 
 
+def _eight_bit(img):
+    """A 16-bit grey image (PNG, TIFF: Pillow's modes ``I;16*``, and ``I``, as which 16-bit
+    files open too) scaled to 8 bits, 0..65535 onto 0..255: ``convert`` clips at 255, and a
+    medical scan came out almost all white. 32-bit float images (``F``) have no fixed range:
+    refused (ValueError: undecodable) rather than guessed. Other modes as they are."""
+    from PIL import Image
+
+    if img.mode.startswith("I;16") or img.mode == "I":
+        a = np.asarray(img).astype(np.int64)
+        if a.min() < 0 or a.max() > 65535:
+            raise ValueError(f"a {img.mode} image with values outside 0..65535 (32-bit "
+                             f"integers): convert it to 8 or 16 bits")
+        return Image.fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), mode="L")
+    if img.mode == "F":
+        raise ValueError("a 32-bit float image (mode F) has no fixed range: convert it to 8 "
+                         "or 16 bits")
+    return img
+
+
 def center_crop_transform(img, image_size: int, in_chans: int) -> np.ndarray:
     """PIL image -> uint8 ``[C, S, S]``: shorter side to ``S / 0.875``, centre crop S."""
     from PIL import Image
 
-    img = img.convert("L" if in_chans == 1 else "RGB")
+    img = _eight_bit(img).convert("L" if in_chans == 1 else "RGB")
     w, h = img.size
     short = max(image_size, int(round(image_size / CROP_FRACTION)))
     scale = short / min(w, h)
