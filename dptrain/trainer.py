@@ -302,6 +302,12 @@ class Trainer:
             # sampled it, which would say when it was sampled
             self.task.train.collate(np.arange(min(8, len(self.task.train))))
             self.task.train.skip_undecodable = True
+        if hasattr(self.task.test, "skip_undecodable") and len(self.task.test):
+            # the same for the test split: a wrong folder fails here; a damaged image met by
+            # an evaluation is left out of its metrics (said on stderr), rather than stopping
+            # the run at its end, after training
+            self.task.test.collate(np.arange(min(8, len(self.task.test))))
+            self.task.test.skip_undecodable = True
         self.train_size = len(self.task.train)
         if self.world > 1:
             _check_ranks_agree_on_n(self.train_size, self.device)
@@ -672,6 +678,13 @@ class Trainer:
                                generated_prompts=scores["num_prompts"])
         finally:
             self.model.train()  # (Task.evaluate reshards FSDP2's root after its forwards)
+        failed = getattr(self.task.test, "undecodable", None)
+        if failed:
+            if self.rank == 0:
+                print(f"dptrain: warning: {len(failed)} test image(s) could not be decoded and "
+                      f"are left out of the test metrics ({metrics.get('examples')} examples "
+                      f"scored): {'; '.join(failed[:3])}", file=sys.stderr)
+            failed.clear()
         return metrics
 
     # ---------------------------------------------------------------------------------- the run

@@ -375,3 +375,38 @@ def test_an_unreadable_training_set_is_refused_before_the_first_release(tmp_path
     with pytest.raises(ConfigError) as e:
         _folder_trainer(tmp_path)
     assert e.value.field == "data.path" and "x/001.png" in e.value.message
+
+
+def test_a_damaged_test_image_is_left_out_of_the_metrics_not_the_end_of_the_run(tmp_path,
+                                                                               capsys):
+    # it was a ConfigError at the evaluation, at the end of the run after training; now the
+    # metrics are those of the other test images, and stderr names the file
+    rng = np.random.default_rng(10)
+    _tree(tmp_path / "data", "train", {"x": 4, "y": 4}, rng)
+    _tree(tmp_path / "data", "val", {"x": 12, "y": 2}, rng)
+    trainer = _folder_trainer(tmp_path)
+    whole = trainer.evaluate()
+    assert whole["examples"] == 14
+    # the image at index 11 of the test split, damaged after the start-up check of the first 8
+    (tmp_path / "data" / "val" / "x" / "011.png").write_bytes(b"not an image")
+    capsys.readouterr()
+    metrics = trainer.evaluate()
+    err = capsys.readouterr().err
+    assert metrics["examples"] == 13
+    named = [line for line in err.splitlines() if "x/011.png" in line]
+    assert len(named) == 1 and "left out of the test metrics" in named[0]
+    # the metrics of the other 13, by hand: the model's loss on the decodable images
+    keep = np.array([i for i in range(14) if i != 11])
+    batch = trainer.task.test.collate(keep)
+    trainer.model.eval()
+    with torch.no_grad():
+        logits = trainer.model(batch["images"].to(torch.float64))
+    trainer.model.train()
+    want = F.cross_entropy(logits, batch["labels"], reduction="mean")
+    assert metrics["loss"] == pytest.approx(float(want), rel=1e-9)
+    assert trainer.task.test.undecodable == []
+    # a damaged file among the first 8 fails when the trainer is built, naming data.path
+    (tmp_path / "data" / "val" / "x" / "002.png").write_bytes(b"not an image")
+    with pytest.raises(ConfigError) as e:
+        _folder_trainer(tmp_path)
+    assert e.value.field == "data.path" and "x/002.png" in e.value.message

@@ -140,7 +140,9 @@ def classification_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 @torch.no_grad()
 def classification_evaluate(model, dataset, batch_size: int = 256) -> dict:
-    """``accuracy`` and mean cross-entropy ``loss`` over the dataset, and ``examples``."""
+    """``accuracy`` and mean cross-entropy ``loss`` over the dataset, and ``examples`` (those
+    scored: a batch's ``decoded`` mask, where the dataset skips damaged files, leaves rows
+    out)."""
     from dptrain.data.lm import _model_device
 
     was_training = model.training
@@ -151,8 +153,14 @@ def classification_evaluate(model, dataset, batch_size: int = 256) -> dict:
     try:
         for s in range(0, len(dataset), batch_size):
             batch = dataset.collate(np.arange(s, min(s + batch_size, len(dataset))))
-            x = batch["images"].to(device=device, dtype=dtype)
-            y = batch["labels"].to(device)
+            x, y = batch["images"], batch["labels"]
+            decoded = batch.get("decoded")  # (images that could not be decoded: left out)
+            if decoded is not None and not bool(decoded.all()):
+                x, y = x[decoded], y[decoded]
+                if len(y) == 0:
+                    continue
+            x = x.to(device=device, dtype=dtype)
+            y = y.to(device)
             out = model(x)
             logits = out.logits if hasattr(out, "logits") else out
             if logits.dtype in (torch.float16, torch.bfloat16):
