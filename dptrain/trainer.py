@@ -295,19 +295,16 @@ class Trainer:
         for split in (self.task.train, self.task.test):
             if hasattr(split, "decode_threads"):  # datasets that decode files per step
                 split.decode_threads = threads
-        if hasattr(self.task.train, "skip_undecodable"):
-            # a file that no format can read (a wrong data.path, another format) fails here,
-            # on a fixed prefix of the training set, before any release; one damaged file met
-            # later is an example with clip factor 0 (release()), not an error at the step that
-            # sampled it, which would say when it was sampled
-            self.task.train.collate(np.arange(min(8, len(self.task.train))))
-            self.task.train.skip_undecodable = True
-        if hasattr(self.task.test, "skip_undecodable") and len(self.task.test):
-            # the same for the test split: a wrong folder fails here; a damaged image met by
-            # an evaluation is left out of its metrics (said on stderr), rather than stopping
-            # the run at its end, after training
-            self.task.test.collate(np.arange(min(8, len(self.task.test))))
-            self.task.test.skip_undecodable = True
+        for split in (self.task.train, self.task.test):
+            if hasattr(split, "skip_undecodable") and len(split):
+                # a file that no format can read (a wrong data.path, another format) fails
+                # here, on a fixed prefix of the split, before any release; one damaged file
+                # met later is, in training, an example with clip factor 0 (release()), not an
+                # error at the step that sampled it, which would say when it was sampled; in
+                # an evaluation, left out of its metrics (said on stderr), rather than stopping
+                # the run at its end
+                split.collate(np.arange(min(8, len(split))))
+                split.skip_undecodable = True
         self.train_size = len(self.task.train)
         if self.world > 1:
             _check_ranks_agree_on_n(self.train_size, self.device)
@@ -831,7 +828,9 @@ class Trainer:
         return summary
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """The whole model's state on CPU (gathered from all ranks when sharded)."""
+        """The whole model's state on CPU (gathered from all ranks when sharded). Unsharded on
+        CPU its tensors are the parameters' own storage, not copies: use it before the
+        parameters change (an EMA swapped out)."""
         if self.world > 1 and self.cfg.performance.sharding == "fsdp":
             from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                                  get_model_state_dict)

@@ -304,31 +304,29 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
     # one more forward of the microbatch, to tell mixing from a forward that is not
     # deterministic, where rows or written buffers moved: under a process group on every rank
     # if on any
-    again_needed = problem is not None or stored is not None
-    if collective:
-        device = next(iter(model.parameters()), torch.empty(0)).device
-        again_needed = all_reduce_scalars(float(again_needed), device=device, op="max")[0] > 0
+    moved = problem is not None or stored is not None
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    again_needed = (all_reduce_scalars(float(moved), device=device, op="max")[0] > 0
+                    if collective else moved)
     again = forwards(batch)[0] if again_needed else None
     done, refusal = reached, None
-    if problem is None and stored is None:
-        pass
-    elif _differ(control, again, slots, directions):
-        cannot_check("two forwards of the same microbatch from the same randomness gave "
-                     "different values")
-        done = True
-    elif stored is not None:
-        refusal = stored
-    elif problem == _CALLS:
-        cannot_check("its layer calls or their shapes change when some examples change")
-        done = True
-    else:
-        refusal = problem
+    if moved:
+        if _differ(control, again, slots, directions):
+            cannot_check("two forwards of the same microbatch from the same randomness gave "
+                         "different values")
+            done = True
+        elif stored is not None:
+            refusal = stored
+        elif problem == _CALLS:
+            cannot_check("its layer calls or their shapes change when some examples change")
+            done = True
+        else:
+            refusal = problem
     if collective:
         # one outcome for every rank: done once any rank compared examples (a rank whose share
         # was one example compared nothing; it is not done because another's check ran); a
         # refusal anywhere is a refusal everywhere (a rank that went on would wait for the
         # refusing one at its next collective)
-        device = next(iter(model.parameters()), torch.empty(0)).device
         any_done, any_refusal = all_reduce_scalars(float(done), float(refusal is not None),
                                                    device=device, op="max")
         done = any_done > 0

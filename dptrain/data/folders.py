@@ -112,10 +112,11 @@ def load_imagefolder(root: Path | None, train_name: str, test_name: str, image_s
                                                  f"link): one example would be counted twice; "
                                                  f"remove one")
     for path, _ in test.samples:
-        if file_id(Path(path)) in owner:
-            raise ConfigError("data.test_file", f"{path} is the training image "
-                                                f"{owner[file_id(Path(path))]} (a link): the "
-                                                f"test split would hold training examples")
+        first = owner.get(file_id(Path(path)))
+        if first is not None:
+            raise ConfigError("data.test_file", f"{path} is the training image {first} (a "
+                                                f"link): the test split would hold training "
+                                                f"examples")
     test_samples = [(p, train.class_to_idx[test.classes[y]]) for p, y in test.samples]
     return (ImageFolderImages(train.samples, image_size, in_chans, max_train),
             ImageFolderImages(test_samples, image_size, in_chans, max_test), train.classes)

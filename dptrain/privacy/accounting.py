@@ -309,11 +309,13 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
                                   int(steps), accountant, float(epsilon_tolerance))
     except ValueError as e:
         if "budget is too low" in str(e):
+            from opacus.accountants.utils import MAX_SIGMA
+
             hint = ("; the prv accountant certifies smaller epsilons" if accountant == "rdp"
                     else "")
             raise ConfigError("epsilon", f"{epsilon} at delta={delta} is unreachable with "
                                          f"{steps} steps at sample rate {sample_rate}: no "
-                                         f"sigma up to {_MAX_SIGMA:.0e} gets the {accountant} "
+                                         f"sigma up to {MAX_SIGMA:.0e} gets the {accountant} "
                                          f"accountant's bound below it{hint}") from None
         if "small values of delta" in str(e):  # opacus' PRV: float error would dominate
             hint = "; use accountant rdp or a larger delta" if accountant == "prv" else ""
@@ -342,9 +344,6 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
     return float(sigma)
 
 
-_MAX_SIGMA = 1e6  # opacus.accountants.utils.MAX_SIGMA
-
-
 def _search_sigma(epsilon: float, delta: float, q: float, steps: int, accountant: str,
                   tolerance: float) -> float:
     """opacus' ``get_noise_multiplier`` search, probe for probe (sigma doubled from 20 until
@@ -356,6 +355,7 @@ def _search_sigma(epsilon: float, delta: float, q: float, steps: int, accountant
     the same or slightly larger (more noise), never below the target's. Raises opacus' errors
     (ValueError "The privacy budget is too low." past sigma 1e6)."""
     from opacus.accountants import PRVAccountant, RDPAccountant
+    from opacus.accountants.utils import MAX_SIGMA
 
     by_rdp: dict[float, int] = {}  # PRV probes judged by RDP: sigma -> PRV's grid size
 
@@ -376,7 +376,7 @@ def _search_sigma(epsilon: float, delta: float, q: float, steps: int, accountant
     while eps_high > epsilon:
         sigma_high = 2 * sigma_high
         eps_high = probe(sigma_high)
-        if sigma_high > _MAX_SIGMA:
+        if sigma_high > MAX_SIGMA:
             raise ValueError("The privacy budget is too low.")
     while epsilon - eps_high > tolerance:
         sigma = (sigma_low + sigma_high) / 2
