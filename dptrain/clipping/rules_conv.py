@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dptrain.clipping.contributions import MAX_INSTANTIATE_NUMEL, Dense, Factored, Outer
+from dptrain.clipping.contributions import (MAX_INSTANTIATE_NUMEL, Dense, Factored, Outer,
+                                           sq_rows)
 from dptrain.clipping.rules import FALLBACK, LayerRule, register_rule
 
 _conv_backward = torch.ops.aten.convolution_backward
@@ -47,6 +48,10 @@ _conv_backward = torch.ops.aten.convolution_backward
 # choice matches the measured faster form on 50 of its 54 layers (the other four: ties within
 # 2.5 ms): the stem and stages.0 instantiated, stages.1 mixed, stages.2-3 ghost.
 _MEM_WEIGHT = 100.0
+#: A weight-standardised conv's ghost row ``||g - m1 1||^2 - n (2 - r) m2^2`` below this many
+#: ulps of ``||g - m1 1||^2`` is taken as lost to cancellation (relative error of a kept row at
+#: most about 100 / 2^16, i.e. 1.5e-3 in its square, for sums of up to 10^4 terms).
+_CANCELLATION_ULPS = 2.0 ** 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,6 +368,7 @@ class StdConvWeight(Factored):
         self.state = state
         self.coef = 1.0
         self.supports_ghost = state.geom.groups == 1
+        self._doubtful = None  # (examples, their instantiated rows) from ghost_sq_norms
 
     def cost(self, form):
         st = self.state
@@ -388,12 +394,48 @@ class StdConvWeight(Factored):
         nm2 = (G * st.P()).sum(2)  # (B, O): n * m2
         st._R = None
         rows = centred - (2.0 - r) * nm2 * nm2 / st.n
-        return (rows.clamp_min(0) * a_over_s * a_over_s).sum(1)
+        sq = (rows.clamp_min(0) * a_over_s * a_over_s).sum(1)
+        # ``rows`` is a difference of two terms of size ``centred`` and has an absolute rounding
+        # error of a few ulps of ``centred``. Where it is not well above that (the gradient of
+        # W_eff nearly along the direction the standardisation removes: with fan-in 2 always,
+        # since both are then multiples of (1, -1)), the difference is rounding noise and could
+        # be 0 for a large gradient. Those examples' rows are computed from their instantiated
+        # per-example gradients, the same VJP as the clipped sum's. The clipped sum then adds
+        # those examples as these instantiated rows (their contribution is then exactly what
+        # was measured: the VJP itself loses digits in this case, ~2^-24 var/eps relative).
+        doubtful = (rows < _CANCELLATION_ULPS * torch.finfo(rows.dtype).eps * centred).any(1)
+        self._doubtful = None
+        if bool(doubtful.any()):
+            idx = doubtful.nonzero().squeeze(1)
+            pulled = self._pulled_rows(idx)
+            sq = sq.clone()
+            sq[idx] = sq_rows(pulled)
+            self._doubtful = (idx, pulled)
+        return sq
+
+    def _pulled_rows(self, idx: Tensor) -> Tensor:
+        """(len(idx), *weight_shape): the per-example raw-weight gradients of examples ``idx``."""
+        st = self.state
+        if st._pulled is not None:
+            return st._pulled[0][idx]
+        from torch.func import vmap
+
+        eff = per_example_conv_weight_grad(st.G[idx], st.x[idx], st.weight_shape, st.geom)
+        return vmap(lambda e: st.pull_one(e)[0])(eff)
 
     def weighted_sum(self, w):
         st = self.state
+        extra = None
+        if self._doubtful is not None:
+            idx, pulled = self._doubtful
+            self._doubtful = None
+            wd = w.to(pulled.dtype)[idx.to(w.device)]
+            extra = (pulled * wd.view(-1, *([1] * (pulled.dim() - 1)))).sum(0)
+            w = w.clone()
+            w[idx.to(w.device)] = 0
         eff = conv_weight_grad(_scale_batch(st.G, w), st.x, st.weight_shape, st.geom)
-        return st.pull_one(eff)[0]
+        out = st.pull_one(eff)[0]
+        return out if extra is None else out + extra.to(out.dtype)
 
 
 class StdConvGain(Factored):
