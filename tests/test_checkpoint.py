@@ -114,6 +114,59 @@ def test_damaged_checkpoints_are_detected_and_skipped(tmp_path, capsys):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # each step once
 
 
+@pytest.mark.parametrize("bitflip_newest", [False, True])
+def test_when_every_checkpoint_is_damaged_each_is_named(tmp_path, capsys, bitflip_newest):
+    # the quiet first look (sizes) found none, so the look that reports never ran: the run
+    # said only "no complete checkpoint" and then its own checkpoints pruned the damaged ones.
+    # With a bit flip in the newest (which passes the sizes), the reporting look runs once.
+    out = _finished_run(tmp_path, capsys)
+    root = out / "checkpoints"
+    names = sorted(p.name for p in root.glob("step-*"))
+    for name in names[:-1] if bitflip_newest else names:
+        f = root / name / "state.pt"
+        f.write_bytes(f.read_bytes()[:1000])
+    if bitflip_newest:
+        _flip_a_byte(root / names[-1] / "state.pt")
+    (out / "summary.json").unlink()
+    assert main(["train", "--config", TINY, "--output-dir", str(out), "--resume", "auto",
+                 *FAST, "train.checkpoint_every=1", "train.keep_checkpoints=3"]) == 0
+    err = capsys.readouterr().err
+    for name in names:
+        assert err.count(f"skipping damaged checkpoint {root / name}") == 1, (name, err)
+    assert "no intact checkpoint" in err and "named above" in err and "starting afresh" in err
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("marker", [
+    {"sha256": ["state.pt"], "step": 1}, {"sha256": {}, "step": 1}, [1, 2],
+    {"sha256": {"state.pt": 7}}, {"sha256": {"../state.pt": "0" * 64}},
+    {"sha256": {"state.pt": "0" * 64}, "bytes": {"state.pt": "12"}}],
+    ids=["list", "vouches-for-nothing", "not-a-mapping", "digest-not-text", "path", "size-text"])
+def test_a_misshapen_marker_is_a_damaged_checkpoint(tmp_path, capsys, marker):
+    # valid JSON of another shape was indexed as if it were the marker: a TypeError traceback,
+    # or (vouching for no file) a truncated state.pt taken as intact
+    out = tmp_path / "run"
+    t = Trainer(_cfg(["train.checkpoint_every=1"]), out)
+    t.private_step()
+    older = ckpt.save(t, out)
+    t.private_step()
+    path = ckpt.save(t, out)
+    (path / ckpt.MARKER).write_text(json.dumps(marker))
+    (path / "state.pt").write_bytes((path / "state.pt").read_bytes()[:100])
+    assert ckpt.verify(path) == "corrupt COMPLETE marker"
+    assert ckpt.find_latest(out) == older
+    assert "corrupt COMPLETE marker" in capsys.readouterr().err
+    code = main(["train", "--config", TINY, "--output-dir", str(tmp_path / "branch"),
+                 "--resume", str(path), *FAST, "train.checkpoint_every=1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "resume" in err and "corrupt COMPLETE marker" in err
+
+
 @pytest.mark.parametrize("damage", ["truncate", "bitflip", "no_marker"])
 def test_resume_path_to_a_damaged_checkpoint_exits_2(tmp_path, capsys, damage):
     out = tmp_path / "run"

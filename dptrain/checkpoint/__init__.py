@@ -533,6 +533,11 @@ def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
     trainer.optimizer.load_state_dict(optim)
 
 
+def has_step_dirs(output_dir: Path) -> bool:
+    """Whether ``output_dir`` holds any ``step-*`` checkpoint directory, intact or not."""
+    return bool(_step_dirs(_root(output_dir)))
+
+
 def _marked(root: Path) -> list[Path]:
     """``root``'s checkpoint directories that carry a COMPLETE marker, oldest first."""
     return [p for p in _step_dirs(root) if (p / MARKER).exists()]
@@ -581,6 +586,20 @@ def _prune(root: Path, keep: int, newest: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _well_formed(sums, sizes) -> bool:
+    """A marker's checksums: plain file names (one of them ``state.pt`` or ``meta.pt``) to
+    64-digit hex digests; its sizes: names to non-negative integers."""
+    def plain(name) -> bool:
+        return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name \
+            and "\\" not in name
+
+    return (isinstance(sums, dict) and isinstance(sizes, dict)
+            and ("state.pt" in sums or "meta.pt" in sums)
+            and all(plain(k) and isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
+                    for k, v in sums.items())
+            and all(plain(k) and type(v) is int and v >= 0 for k, v in sizes.items()))
+
+
 def _quick_check(path: Path) -> tuple[str | None, dict[str, str]]:
     """(problem or None, the marker's checksums): the marker, and each file's presence and
     size, without hashing."""
@@ -591,6 +610,9 @@ def _quick_check(path: Path) -> tuple[str | None, dict[str, str]]:
         info = json.loads(marker.read_text())
         sums, sizes = info["sha256"], info.get("bytes", {})
     except Exception:
+        return "corrupt COMPLETE marker", {}
+    if not _well_formed(sums, sizes):
+        # valid JSON of another shape (or vouching for no state): never indexed as if it were
         return "corrupt COMPLETE marker", {}
     for fname in sorted(sums):
         f = path / fname

@@ -99,9 +99,10 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         _check_secure_branch(resume_path, out)
     trainer = Trainer(cfg, out)
     stop.trainer, trainer.stop_signal = trainer, stop.stop_signal
+    reported = False  # whether a look at the checkpoints named the damaged ones
     if args.resume == "auto" and resume_path is not None:
         # the checksums, hashed by the ranks in turn (each file read once in all)
-        resume_path = ckpt.find_latest(out, collective=True)
+        resume_path, reported = ckpt.find_latest(out, collective=True), True
     if cfg.privacy.secure_mode and args.resume == "auto":
         # again on what the checksums chose: a damaged newest checkpoint sends the run back to
         # an older one (or to none, step 0), whose later releases have outputs on disk
@@ -116,7 +117,13 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
     if cfg.privacy.secure_mode and resume_path is not None:
         _record_secure_resume(resume_path, out, write=trainer.rank == 0)
     if args.resume == "auto" and resume_path is None and trainer.rank == 0:
-        print(f"dptrain train: no complete checkpoint in {out}; starting afresh",
+        # the first look was quiet, and the collective one (which reports) runs only when that
+        # found a checkpoint: name the damaged ones here, before step 1's checkpoint prunes them
+        if not reported:
+            ckpt.find_latest(out, shallow=True)
+        damaged = ckpt.has_step_dirs(out)
+        print(f"dptrain train: no {'intact' if damaged else 'complete'} checkpoint in {out}"
+              f"{' (the damaged ones are named above)' if damaged else ''}; starting afresh",
               file=sys.stderr)
     if args.resume is not None and resume_path is None and trainer.rank == 0:
         _drop_metrics_after(out / "metrics.jsonl", 0)  # rows of a run killed before step 1's checkpoint
