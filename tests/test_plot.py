@@ -111,6 +111,24 @@ def test_a_line_being_written_is_left_out(tmp_path, capsys):
     assert "2 panels: loss, epsilon spent" in stdout
 
 
+def test_a_last_line_cut_inside_a_character_is_left_out(tmp_path, capsys):
+    run = _fake_run(tmp_path, [ROW % 1, ROW % 2])
+    with open(run / "metrics.jsonl", "ab") as f:  # "é" is 2 bytes: the first one written
+        f.write('{"step": 3, "note": "é'.encode()[:-1])
+    code, stdout, err = _run(capsys, "plot", "--run", str(run))
+    assert code == 0 and "metrics.jsonl:3 is incomplete" in err
+
+
+def test_metrics_that_are_not_text_exit_2_naming_run(tmp_path, capsys):
+    # it was a UnicodeDecodeError traceback
+    run = _fake_run(tmp_path, [])
+    (run / "metrics.jsonl").write_bytes(b"\xff\xfe\x00garbage\n" + (ROW % 2).encode() + b"\n")
+    code, _, err = _run(capsys, "plot", "--run", str(run))
+    assert code == 2 and err.count("\n") == 1 and "--run" in err
+    assert "metrics.jsonl:1 is not a JSON line" in err
+    assert not (run / "metrics.png").exists()
+
+
 @pytest.mark.parametrize("lines,what", [
     ([ROW % 1, "not json", ROW % 3], "metrics.jsonl:2 is not a JSON line"),
     ([ROW % 1, '{"epsilon": 1.0}'], "metrics.jsonl:2 is not a metrics row"),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dptrain.telemetry import jsonable, strict_json
+from dptrain.telemetry import jsonable, strict_json, write_json
 
 
 def _refuse(name):
@@ -49,6 +49,44 @@ def test_strict_json_refuses_a_non_finite_number_that_jsonable_did_not_see():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the window needs Linux")
+def test_a_report_or_figure_that_fails_half_way_leaves_the_old_file(tmp_path, monkeypatch):
+    # --force over an existing report or figure wrote into it directly: a failure part-way
+    # (a full disk, an interrupt) left a cut file where the old one was
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from dptrain.diagnostics import plotting
+
+    report = tmp_path / "out" / "report.json"
+    write_json(report, {"a": 1.0})
+    assert json.loads(report.read_text()) == {"a": 1.0}
+    with pytest.raises(TypeError):
+        write_json(report, {"a": 2.0, "b": object()})  # refused before anything is written
+    assert json.loads(report.read_text()) == {"a": 1.0}
+    write_json(report, {"a": math.inf})
+    assert json.loads(report.read_text()) == {"a": "inf"}
+
+    fig_path = tmp_path / "fig.png"
+    fig = Figure()
+    fig.add_subplot().plot([1, 2], [3, 4])
+    plotting._save(fig, fig_path)
+    before = fig_path.read_bytes()
+    assert before[:8] == b"\x89PNG\r\n\x1a\n"
+
+    def cut(self, fname, **kwargs):
+        with open(fname, "wb") as f:
+            f.write(b"\x89PN")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", cut)
+    with pytest.raises(OSError):
+        plotting._save(fig, fig_path)
+    assert fig_path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fig.png", "out"]  # no temporary left
+
+
 def test_cpu_peak_memory_is_the_resident_high_water_mark_of_its_window():
     # in a fresh process (started by this large test process: its own peak must not show): a
     # 1 GiB tensor, written so that its pages are resident, lifts the peak above its size;

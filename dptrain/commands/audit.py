@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
-from pathlib import Path
 
 from dptrain.commands import FIGURES, JSON, check_new_files
 from dptrain.config import ConfigError
-from dptrain.telemetry import strict_json
+from dptrain.telemetry import write_json
 
 PROG = "dptrain audit"
 DEFAULT_CANARIES = 1000
@@ -128,9 +127,7 @@ def run(args: argparse.Namespace) -> int:
         "scores": scores.tolist(), "canary_included": canaries.included.tolist(),
     }
     if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(strict_json(report, indent=2) + "\n")
+        write_json(args.output, report)
     if args.plot:
         from dptrain.diagnostics.plotting import plot_audit_scores
 

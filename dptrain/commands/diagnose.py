@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from pathlib import Path
 
 from dptrain.commands import FIGURES, JSON, check_new_files
 from dptrain.config import ConfigError
-from dptrain.telemetry import strict_json
+from dptrain.telemetry import write_json
 
 PROG = "dptrain diagnose"
 DEFAULT_PROBE_EXAMPLES = 64
@@ -167,13 +166,6 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _write_json(path: Path, report: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(strict_json(report, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def run(args: argparse.Namespace) -> int:
     from dptrain.diagnostics.probes import ImQuery, diagnose, load_run, resolve_checkpoint
 
@@ -215,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(render(report))
     if output is not None:
-        _write_json(output, report)
+        write_json(output, report)
         print(f"wrote {output}")
     if plot is not None:
         from dptrain.diagnostics import plot_spectra

@@ -41,14 +41,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def read_rows(path: Path) -> list[dict]:
     """The rows of a ``metrics.jsonl``; an unreadable last line (one being written) is left
     out with a note, one elsewhere is an error naming its line."""
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise ConfigError("--run", f"cannot read {path}: {e.strerror or e}") from None
     rows = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+        try:  # bytes: a line cut inside a multi-byte character is an incomplete line too
+            rows.append(json.loads(line.decode("utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError):
             if i == len(lines):
                 print(f"{PROG}: note: {path}:{i} is incomplete (still being written?); "
                       "left out", file=sys.stderr)

@@ -165,9 +165,9 @@ FORMATS = ("png", "pdf", "svg")
 def _save(fig, path: str | Path) -> Path:
     """Lay out ``fig`` and write it at ``path`` (parent directories created), as PDF or SVG
     where the suffix says so, else as PNG."""
+    from dptrain.telemetry import replace_atomically
+
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    suffix = path.suffix.lower().lstrip(".")
-    fig.savefig(path, format=suffix if suffix in FORMATS else "png")
-    return path
+    suffix = Path(path).suffix.lower().lstrip(".")
+    return replace_atomically(
+        path, lambda tmp: fig.savefig(tmp, format=suffix if suffix in FORMATS else "png"))

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where memory is measured: the CLI starts without it
     import torch
 
-__all__ = ["jsonable", "strict_json", "peak_memory_bytes"]
+__all__ = ["jsonable", "strict_json", "write_json", "replace_atomically", "peak_memory_bytes"]
 
 
 def jsonable(obj: Any) -> Any:
@@ -30,6 +32,26 @@ def jsonable(obj: Any) -> Any:
 def strict_json(obj: Any, **kwargs) -> str:
     """``json.dumps`` of :func:`jsonable` ``(obj)``, refusing any non-finite number left."""
     return json.dumps(jsonable(obj), allow_nan=False, **kwargs)
+
+
+def replace_atomically(path: str | Path, write) -> Path:
+    """``write(tmp)`` into a temporary file beside ``path`` (parents created), then renamed over
+    ``path``: a write that fails half-way leaves what was at ``path`` as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """:func:`strict_json` of ``obj`` (indented) written at ``path`` atomically."""
+    text = strict_json(obj, indent=2) + "\n"  # before anything is written: it may refuse
+    return replace_atomically(path, lambda tmp: tmp.write_text(text))
 
 
 def peak_memory_bytes(device: torch.device, reset: bool = False) -> int:
