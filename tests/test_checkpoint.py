@@ -136,6 +136,29 @@ def test_when_every_checkpoint_is_damaged_each_is_named(tmp_path, capsys, bitfli
     assert "no intact checkpoint" in err and "named above" in err and "starting afresh" in err
 
 
+def test_a_copy_under_another_name_is_neither_resumed_from_nor_pruned(tmp_path, capsys):
+    # "step-*" matched a person's copy ``step-00000002-backup`` (marker and all): it sorted as
+    # the oldest checkpoint, and the next checkpoint's pruning deleted it
+    import shutil
+
+    out = tmp_path / "run"
+    t = Trainer(_cfg(["train.checkpoint_every=1", "train.keep_checkpoints=2"]), out)
+    t.private_step()
+    path = ckpt.save(t, out)
+    backup = path.with_name(path.name + "-backup")
+    shutil.copytree(path, backup)
+    for _ in range(3):
+        t.private_step()
+        ckpt.save(t, out)
+    assert backup.is_dir() and ckpt.verify(backup) is None
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step-00000001-backup", "step-00000003", "step-00000004"]
+    assert ckpt.find_latest(out).name == "step-00000004"
+    for p in (out / "checkpoints").glob("step-0000000[34]"):
+        shutil.rmtree(p)
+    assert ckpt.find_latest(out) is None and not ckpt.has_step_dirs(out)
+
+
 def _flip_a_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -544,10 +544,11 @@ def _marked(root: Path) -> list[Path]:
 
 
 def _step_dirs(root: Path) -> list[Path]:
-    """``root``'s ``step-*`` directories by step number, oldest first (the 8-digit names sort
-    as text only below 10^8 steps)."""
-    return sorted(Path(root).glob("step-*"),
-                  key=lambda p: (-1 if step_of(p) is None else step_of(p), p.name))
+    """``root``'s ``step-NNNNNNNN`` directories by step number, oldest first (the 8-digit names
+    sort as text only below 10^8 steps). Other names (``step-00000100-backup``, a person's copy)
+    are not this writer's: never resumed from, counted or pruned."""
+    return sorted((p for p in Path(root).glob("step-*") if step_of(p) is not None),
+                  key=lambda p: (step_of(p), p.name))
 
 
 def step_of(path: Path) -> int | None:
