@@ -492,6 +492,83 @@ def test_stdconv_ghost_norm_survives_cancellation(case):
                 assert float(acc["weight"].norm()) <= C * (1 + slack), (policy, mode, b)
 
 
+class _Cancelling(nn.Module):
+    """Two uses of one parameter whose per-use gradients are ~1e4 times their sum (the
+    example's gradient): two tokens through a Linear, a Linear called twice, two positions of
+    a Conv1d, or one embedding row looked up twice."""
+
+    def __init__(self, kind, d=16):
+        super().__init__()
+        self.kind = kind
+        self.layer = {"tokens": nn.Linear(d, d, bias=False), "twice": nn.Linear(d, d, bias=False),
+                      "conv": nn.Conv1d(d, d, 1, bias=False), "embedding": nn.Embedding(10, d)
+                      }[kind]
+
+    def forward(self, x):
+        if self.kind == "tokens":
+            y = self.layer(x)
+            return y[:, 0] - y[:, 1]
+        if self.kind == "twice":
+            return self.layer(x[:, 0]) - self.layer(x[:, 1])
+        if self.kind == "conv":
+            y = self.layer(x.transpose(1, 2))
+            return y[:, :, 0] - y[:, :, 1]
+        e = self.layer(x)
+        return e[:, 0] - (1 - 1e-4) * e[:, 1]
+
+
+@pytest.mark.parametrize("kind", ["tokens", "twice", "conv", "embedding"])
+def test_ghost_norms_whose_terms_cancel_are_recomputed(kind):
+    """The ghost sum sum_{t,s} (L_t·L_s)(R_t·R_s) is rounded relative to its terms: when the
+    per-use gradients are ~1e4 times their sum, float32 left noise, clamped to a norm of 0 for
+    an example ~100 C away, which then added its whole gradient (up to 154 C). Such sums are
+    recomputed (float64); each example's norm matches float64 and its contribution is <= C."""
+    torch.manual_seed(0)
+    model = _Cancelling(kind)
+    gen = torch.Generator().manual_seed(1)
+    B, d = 4, 16
+    if kind == "embedding":
+        x = torch.tensor([[3, 3], [5, 5], [1, 2], [7, 7]])
+    else:
+        base = torch.randn(B, 1, d, generator=gen)
+        x = torch.cat([base + 1e-4 * torch.randn(B, 1, d, generator=gen), base], 1)
+    batch = (x, 1e5 * torch.randn(B, d, generator=gen))
+    ref = reference_grads(copy.deepcopy(model).double(), mse_loss,
+                          (x if kind == "embedding" else x.double(), batch[1].double())).norm(dim=1)
+    C = 1.0
+    assert float(ref.min()) > 10 * C  # every example is to be clipped
+    for policy in ("ghost", "auto", "memory"):
+        got = ClippingEngine(model, ghost=policy).per_example_norms(mse_loss, batch).double()
+        assert float(((got - ref).abs() / ref).max()) < 1e-3, (policy, got, ref)
+        for mode in MODES:
+            for b in range(B):
+                acc = {}
+                ClippingEngine(model, clip_norm=C, ghost=policy, mode=mode).accumulate(
+                    mse_loss, (x[b:b + 1], batch[1][b:b + 1]), acc)
+                norm = float(torch.cat([v.reshape(-1) for v in acc.values()]).norm())
+                assert norm <= C * (1 + 1e-3), (policy, mode, b, norm)
+
+
+def test_uncorrelated_terms_are_not_recomputed(monkeypatch):
+    # the recomputation is for cancelling sums only: tokens of ordinary data never take it
+    from dptrain.clipping import engine
+
+    calls = []
+    recompute = engine.refine_cancelled
+    monkeypatch.setattr(engine, "refine_cancelled", lambda *a: calls.append(1) or recompute(*a))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 50))
+    ids = torch.randint(0, 50, (8, 64))
+    batch = (ids, torch.randn(8, 64, 50))
+    ClippingEngine(model, ghost="ghost").per_example_norms(mse_loss, batch)
+    assert calls == []
+    x = torch.randn(4, 1, 16)  # and a cancelling model does take it
+    m2 = _Cancelling("tokens")
+    ClippingEngine(m2, ghost="ghost").per_example_norms(
+        mse_loss, (torch.cat([x + 1e-4 * torch.randn(4, 1, 16), x], 1), 1e5 * torch.randn(4, 16)))
+    assert calls == [1]
+
+
 class Scaler(nn.Module):
     """A layer no rule knows: y = tanh(x * w) + b."""
 

@@ -394,6 +394,81 @@ def squared_norms(contribs: list[Contribution],
     return sq, contribs
 
 
+#: A ghost squared norm below this many ulps of its rounding scale (see :func:`rounding_scale`)
+#: is taken as lost to cancellation and recomputed (:func:`refine_cancelled`).
+CANCELLATION_ULPS = 2.0 ** 16
+
+
+def rounding_scale(contribs: list[Contribution]) -> Tensor | None:
+    """(B,) the scale of the rounding error of :func:`squared_norms`' ghost sums, per example:
+    sum_u coef_u^2 sum_t |L_t|^2 |R_t|^2 (a Dense one: coef^2 |g|^2), i.e. the sum of the
+    squared norms of the per-token (per-use) terms. Each product (L_t·L_s)(R_t·R_s) is rounded
+    relative to |L_t||L_s||R_t||R_s|, so the sum's error is a few ulps of this scale times
+    sqrt(dims) however small the sum itself: when the terms nearly cancel (per-token gradients
+    far larger than their sum, the example's gradient) the ghost sum is noise, and could be 0
+    for a gradient far above the clip norm. Uncorrelated terms give a sum about equal to the
+    scale. None for a lone Factored form (which guards its own formula)."""
+    if len(contribs) == 1 and isinstance(contribs[0], Factored):
+        return None
+    q = None
+    for c in contribs:
+        if isinstance(c, Outer):
+            r = torch.linalg.vector_norm(c.R, dim=-1).square()  # (B, T)
+            if not isinstance(c.L, OneHot):
+                r = r * torch.linalg.vector_norm(c.L, dim=-1).square().to(r.dtype)
+            term = r.sum(1)
+        elif isinstance(c, Dense):
+            term = sq_rows(c.g)
+        else:
+            return None
+        term = term * (c.coef * c.coef)
+        q = term if q is None else q + term.to(q.dtype)
+    return q
+
+
+def cancelled(sq: Tensor, scale: Tensor | None) -> Tensor | None:
+    """(B,) bool: ghost squared norms ``sq`` within rounding of 0 at ``scale``, or None."""
+    if scale is None:
+        return None
+    eps = torch.finfo(sq.dtype).eps
+    return sq < CANCELLATION_ULPS * eps * scale.to(sq.dtype)
+
+
+def _take(c: Contribution, idx: Tensor, dtype: torch.dtype) -> Contribution:
+    """Examples ``idx`` of ``c`` in ``dtype`` (plain Outer or Dense)."""
+    if isinstance(c, Dense):
+        return Dense(c.g[idx].to(dtype), c.coef)
+    R = c.R[idx].to(dtype)
+    L = OneHot(c.L.ids[idx], c.L.num) if isinstance(c.L, OneHot) else c.L[idx].to(dtype)
+    return Outer(L, R, c.coef)
+
+
+def refine_cancelled(contribs: list[Contribution], sq: Tensor, doubt: Tensor) -> Tensor:
+    """``sq`` with the examples where ``doubt`` recomputed: the ghost sums again in float64
+    (the same cancellation then costs 29 fewer bits), and an example still within float64's
+    rounding from its per-example gradient instantiated in float64. Rare by construction (the
+    per-token terms of those examples cancel to within 2^16 ulps), so one example at a time."""
+    idx = doubt.nonzero().squeeze(1)
+    sub = [_take(c, idx, torch.float64) for c in contribs]
+    sq64 = None
+    for i, u in enumerate(sub):
+        for j in range(i, len(sub)):
+            v = sub[j]
+            term = inner(u, v) * (u.coef * v.coef * (1.0 if i == j else 2.0))
+            sq64 = term if sq64 is None else sq64 + term
+    still = cancelled(sq64, rounding_scale(sub))
+    for k in still.nonzero().squeeze(1).tolist():
+        g = None
+        for c in sub:
+            one = _take(c, idx[k:k + 1], torch.float64)
+            part = (one.g if isinstance(one, Dense) else instantiate(one)).reshape(-1) * c.coef
+            g = part if g is None else g + part
+        sq64[k] = g.square().sum()
+    out = sq.clone()
+    out[idx] = sq64.to(sq.dtype)
+    return out
+
+
 def sq_rows(g: Tensor) -> Tensor:
     """(B,) squared norms of the rows of g (B, ...), without a squared copy of g."""
     g = g.reshape(g.shape[0], -1)

@@ -49,10 +49,13 @@ from dptrain.clipping.contributions import (
     Kernels,
     Outer,
     add_instantiated,
+    cancelled,
     choose_form_states,
     clipped_sum,
     drop_examples,
     first_write_order,
+    refine_cancelled,
+    rounding_scale,
     sq_rows,
     squared_norms,
     state_bytes,
@@ -1012,6 +1015,7 @@ class ClippingEngine:
         query's entries are released as they are consumed."""
         sq = torch.zeros(B, device=device, dtype=dtype)
         used = {}
+        ghost = []  # (name, squared norms, examples whose ghost sum is within rounding of 0)
         for name in list(query.forms):
             total = query.dense.pop(name, None)
             if total is not None:  # instantiated, states already summed
@@ -1019,6 +1023,16 @@ class ClippingEngine:
                 used[name] = [Dense(total, 1.0)]
             else:
                 s, used[name] = squared_norms(query.lists.pop(name), self.kernels)
+                doubt = cancelled(s, rounding_scale(used[name]))
+                if doubt is not None:
+                    ghost.append((name, s, doubt))
+                    continue
+            sq = sq + s.to(dtype)
+        # one device sync for all parameters; the recomputation itself is rare
+        if ghost and bool(torch.stack([d for _, _, d in ghost]).any()):
+            ghost = [(n, refine_cancelled(used[n], s, d) if bool(d.any()) else s, d)
+                     for n, s, d in ghost]
+        for _, s, _ in ghost:
             sq = sq + s.to(dtype)
         return sq.clamp_min(0).sqrt(), used
 

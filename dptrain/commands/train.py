@@ -99,10 +99,11 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         _check_secure_branch(resume_path, out)
     trainer = Trainer(cfg, out)
     stop.trainer, trainer.stop_signal = trainer, stop.stop_signal
-    reported = False  # whether a look at the checkpoints named the damaged ones
-    if args.resume == "auto" and resume_path is not None:
-        # the checksums, hashed by the ranks in turn (each file read once in all)
-        resume_path, reported = ckpt.find_latest(out, collective=True), True
+    if args.resume == "auto":
+        # the checksums, hashed by the ranks in turn (each file read once in all), of rank 0's
+        # list, whatever each rank's first look found: a rank whose view of a shared file
+        # system lags must not skip the collectives the others enter. It names the damaged.
+        resume_path = ckpt.find_latest(out, collective=True)
     if cfg.privacy.secure_mode and args.resume == "auto":
         # again on what the checksums chose: a damaged newest checkpoint sends the run back to
         # an older one (or to none, step 0), whose later releases have outputs on disk
@@ -117,10 +118,6 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
     if cfg.privacy.secure_mode and resume_path is not None:
         _record_secure_resume(resume_path, out, write=trainer.rank == 0)
     if args.resume == "auto" and resume_path is None and trainer.rank == 0:
-        # the first look was quiet, and the collective one (which reports) runs only when that
-        # found a checkpoint: name the damaged ones here, before step 1's checkpoint prunes them
-        if not reported:
-            ckpt.find_latest(out, shallow=True)
         damaged = ckpt.has_step_dirs(out)
         print(f"dptrain train: no {'intact' if damaged else 'complete'} checkpoint in {out}"
               f"{' (the damaged ones are named above)' if damaged else ''}; starting afresh",
