@@ -208,12 +208,12 @@ def nonprivate_step(model: nn.Module, loss_fn, batch, lr: float) -> StepFn:
 
 
 def dptrain_step(model: nn.Module, loss_fn, batch, batch_size: int, cfg: BenchConfig,
-                 mode: str) -> StepFn:
+                 mode: str, ghost: str = "auto") -> StepFn:
     """accumulate -> + sigma*C*Z (every coordinate, dptrain's counter-based noise) -> / b -> SGD."""
     from dptrain.clipping import ClippingEngine
     from dptrain.privacy.noise import gaussian_noise
 
-    engine = ClippingEngine(model, clip_norm=cfg.clip_norm, mode=mode)
+    engine = ClippingEngine(model, clip_norm=cfg.clip_norm, mode=mode, ghost=ghost)
     opt = torch.optim.SGD(list(engine.params.values()), lr=cfg.lr)
     std = cfg.noise_multiplier * cfg.clip_norm
     b = batch_size  # public release denominator

@@ -80,6 +80,22 @@ def test_rows_check_bench_times_a_passing_check_on_both_models(capsys):
         assert r["check_over_step"] == pytest.approx(r["check_s"] / r["private_step_s"])
 
 
+def test_cancellation_guard_bench_restores_the_check_and_sees_it_run(capsys):
+    # the variant without the check must not leave it off, and the check must have run (no
+    # example flagged in these batches)
+    from dptrain.clipping import engine
+
+    real = (engine.rounding_scale, engine.cancelled)
+    bench = _load("cancellation_guard")
+    bench.main(["--tiny", "--rounds", "1", "--ghost", "ghost"])
+    assert (engine.rounding_scale, engine.cancelled) == real
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for kind in ("gpt2", "nfresnet"):
+        r = summary[kind]
+        assert r["flagged_examples"] == 0 and r["parameter_checks"] > 0 and r["guarded_s"] > 0
+        assert r["guard_over_unguarded"] == pytest.approx(r["guarded_s"] / r["unguarded_s"])
+
+
 def test_decode_bench_decodes_the_same_tensor_on_every_thread_count(capsys):
     decode = _load("decode")
     summary = decode.main(["--images", "6", "--size", "16", "--threads", "1,3", "--rounds", "1",
