@@ -3,14 +3,14 @@ step without it, on the same model and microbatch.
 
     python bench/cancellation_guard.py [--rounds N] [--ghost auto|ghost] [--device cpu|cuda]
 
-The check (dptrain/clipping/contributions.py: ``rounding_scale``, ``cancelled``) computes, per
-parameter in ghost form, the rounding scale sum_t |L_t|^2 |R_t|^2 of its ghost sum (a norm of
-each factor's rows) and compares; one device sync for all parameters; a flagged example (none
-in these batches) is recomputed in float64. Models and batches are bench/dp_step.py's (GPT-2
+The check (dptrain/clipping/contributions.py: ``squared_norms_scaled``, ``cancelled``) reads, per
+parameter in ghost form, the rounding scale sum_t |L_t|^2 |R_t|^2 of its ghost sum off the
+diagonals of the Gram matrices it builds, and compares; one device sync for all parameters; a
+flagged example (none in these batches) is recomputed in float64. Models and batches are bench/dp_step.py's (GPT-2
 4x256, vocabulary 8,192, T 64, B 32; timm nf_resnet26 at 64 px, B 16; its weight-standardised
 convs carry their own check, which stays on in both variants). ``--ghost ghost`` puts every
 matrix in ghost form (the check's largest share). The variant without the check is the same
-engine with ``rounding_scale`` returning None. The last line is one JSON object:
+engine with ``cancelled`` returning None (the diagonals are still read). The last line is one JSON object:
 ``guard_over_unguarded`` per model (ratio of medians of interleaved rounds).
 """
 
@@ -59,7 +59,6 @@ def steps_of(kind: str, cfg: BenchConfig, ghost: str) -> dict:
         s, build = cfg.resnet, build_resnet
         batch, loss_fn = resnet_batch(s, cfg.seed, dev), resnet_loss
     B = s.batch_size
-    real = engine.rounding_scale
     counted = {"flagged": 0, "checks": 0}
     flag = engine.cancelled
 
@@ -75,12 +74,11 @@ def steps_of(kind: str, cfg: BenchConfig, ghost: str) -> dict:
                             ghost)
 
         def run():
-            engine.rounding_scale = real if guarded else (lambda contribs: None)
-            engine.cancelled = counting
+            engine.cancelled = counting if guarded else (lambda sq, scale: None)
             try:
                 step()
             finally:
-                engine.rounding_scale, engine.cancelled = real, flag
+                engine.cancelled = flag
         return run
 
     return {"guarded": variant(True), "unguarded": variant(False)}, counted

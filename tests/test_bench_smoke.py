@@ -85,10 +85,10 @@ def test_cancellation_guard_bench_restores_the_check_and_sees_it_run(capsys):
     # example flagged in these batches)
     from dptrain.clipping import engine
 
-    real = (engine.rounding_scale, engine.cancelled)
+    real = engine.cancelled
     bench = _load("cancellation_guard")
     bench.main(["--tiny", "--rounds", "1", "--ghost", "ghost"])
-    assert (engine.rounding_scale, engine.cancelled) == real
+    assert engine.cancelled is real
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for kind in ("gpt2", "nfresnet"):
         r = summary[kind]

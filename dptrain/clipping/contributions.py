@@ -141,13 +141,25 @@ def _ll(a: Tensor | OneHot, b: Tensor | OneHot) -> Tensor:
 
 
 def _outer_inner(u: Outer, v: Outer, kernels: Kernels = "torch") -> Tensor:
+    return _outer_inner_scaled(u, v, kernels)[0]
+
+
+def _outer_inner_scaled(u: Outer, v: Outer, kernels: Kernels = "torch",
+                        scale: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(<u_b, v_b>, and with ``scale`` for u is v, sum_t |L_t|^2 |R_t|^2: the Gram matrices'
+    diagonals, read for free; see :func:`rounding_scale`)."""
     if kernels == "triton" and not isinstance(u.L, OneHot) and not isinstance(v.L, OneHot):
         from dptrain.kernels.ghost import outer_inner
 
-        return outer_inner(u.L, u.R) if u is v else outer_inner(u.L, u.R, v.L, v.R)
+        if u is v:
+            return outer_inner(u.L, u.R), rounding_scale([Outer(u.L, u.R)]) if scale else None
+        return outer_inner(u.L, u.R, v.L, v.R), None
     rr = torch.bmm(u.R, v.R.transpose(1, 2))  # (B, Tu, Tv)
-    ll = _ll(u.L, v.L)
-    return (ll.to(rr.dtype) * rr).sum(dim=(1, 2))
+    ll = _ll(u.L, v.L).to(rr.dtype)
+    q = None
+    if scale and u is v:
+        q = (ll.diagonal(dim1=1, dim2=2) * rr.diagonal(dim1=1, dim2=2)).sum(1)
+    return (ll * rr).sum(dim=(1, 2)), q
 
 
 def instantiate(c: Outer | Factored) -> Tensor:
@@ -381,17 +393,38 @@ def squared_norms(contribs: list[Contribution],
     Factored one instantiated as a Dense unless it is alone and has a ghost form). A parameter
     in instantiated form never comes here: the engine sums its states as they arrive
     (:func:`add_instantiated`). ``kernels``: see :func:`inner`."""
+    sq, _, contribs = squared_norms_scaled(contribs, kernels)
+    return sq, contribs
+
+
+def squared_norms_scaled(contribs: list[Contribution], kernels: Kernels = "torch"
+                         ) -> tuple[Tensor, Tensor | None, list[Contribution]]:
+    """:func:`squared_norms`, with the squared norms' :func:`rounding_scale` in the middle
+    (None for a lone Factored form, which guards its own formula), read off the Gram matrices'
+    diagonals where the torch path builds them."""
     if len(contribs) == 1 and isinstance(contribs[0], Factored) and contribs[0].supports_ghost:
         c = contribs[0]
-        return c.ghost_sq_norms() * (c.coef * c.coef), contribs
+        return c.ghost_sq_norms() * (c.coef * c.coef), None, contribs
     contribs = [Dense(instantiate(c), c.coef) if isinstance(c, Factored) else c for c in contribs]
-    sq = None
+    sq = scale = None
     for i, u in enumerate(contribs):
         for j in range(i, len(contribs)):
             v = contribs[j]
-            term = inner(u, v, kernels) * (u.coef * v.coef * (1.0 if i == j else 2.0))
+            w = u.coef * v.coef * (1.0 if i == j else 2.0)
+            q = None
+            if i != j:
+                term = inner(u, v, kernels)
+            elif isinstance(u, Outer):
+                term, q = _outer_inner_scaled(u, u, kernels, scale=True)
+            else:
+                term = inner(u, u, kernels)
+                q = term  # a Dense term's scale is its own square
+            term = term * w
             sq = term if sq is None else sq + term
-    return sq, contribs
+            if q is not None:
+                q = q * w
+                scale = q if scale is None else scale + q.to(scale.dtype)
+    return sq, scale, contribs
 
 
 #: A ghost squared norm below this many ulps of its rounding scale (see :func:`rounding_scale`)

@@ -55,9 +55,8 @@ from dptrain.clipping.contributions import (
     drop_examples,
     first_write_order,
     refine_cancelled,
-    rounding_scale,
     sq_rows,
-    squared_norms,
+    squared_norms_scaled,
     state_bytes,
 )
 from dptrain.clipping.rows import MAX_ATTEMPTS, cannot_check, check_example_rows
@@ -1022,8 +1021,8 @@ class ClippingEngine:
                 s = sq_rows(total)
                 used[name] = [Dense(total, 1.0)]
             else:
-                s, used[name] = squared_norms(query.lists.pop(name), self.kernels)
-                doubt = cancelled(s, rounding_scale(used[name]))
+                s, scale, used[name] = squared_norms_scaled(query.lists.pop(name), self.kernels)
+                doubt = cancelled(s, scale)
                 if doubt is not None:
                     ghost.append((name, s, doubt))
                     continue
@@ -1199,7 +1198,7 @@ class _Query:
       input and output gradient are released: memory B x the parameter's size whatever the
       number of states, and no separate pass to sum the states' gradients;
     - "ghost": the contributions are kept (the cross terms between states need every state's
-      factors) and paired up by ``squared_norms`` once all states are in.
+      factors) and paired up by ``squared_norms_scaled`` once all states are in.
 
     The result is the same as collecting every contribution first (only the summation order of
     the instantiated gradient differs).
