@@ -120,11 +120,43 @@ def _reference_uniform(seed: int, step: int, i: int) -> float:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
         return z ^ (z >> 31)
 
-    k0 = int.from_bytes(hashlib.blake2b(str(seed).encode("ascii"), digest_size=8,
+    k1 = int.from_bytes(hashlib.blake2b(f"{seed}:{step}".encode("ascii"), digest_size=8,
                                         person=b"dptrain-sample").digest(), "little")
-    k1 = mix64((k0 + gamma * (step + 1)) & mask)
     h = mix64(mix64((k1 + gamma * (i + 1)) & mask) ^ k1)
     return (h >> 11) * 2.0 ** -53
+
+
+def _unmix64(z: int) -> int:
+    """The inverse of SplitMix64's finaliser."""
+    mask = (1 << 64) - 1
+
+    def unxorshift(z, k):
+        x = z
+        for _ in range(64 // k + 1):
+            x = z ^ (x >> k)
+        return x & mask
+
+    z = unxorshift(z, 31)
+    z = (z * pow(0x94D049BB133111EB, -1, 1 << 64)) & mask
+    z = unxorshift(z, 27)
+    z = (z * pow(0xBF58476D1CE4E5B9, -1, 1 << 64)) & mask
+    return unxorshift(z, 30)
+
+
+def test_one_steps_key_gives_no_other_steps_key():
+    # the step keys were mix64(k0 + GAMMA (t + 1)): mix64 is invertible, so the key of one
+    # step (recoverable from its batches, in principle: the mixer is not a PRF) gave k0 and
+    # every other step's batch. Now each is a one-way hash of (seed, step).
+    from dptrain.privacy.sampling import _GAMMA, _mix64_int, _step_key
+
+    mask = (1 << 64) - 1
+    for z in (0, 1, 2 ** 63 + 5, mask):
+        assert _unmix64(_mix64_int(z)) == z  # the inverse is right
+    seed = 2 ** 127 + 12345
+    for t in range(5):
+        k0 = (_unmix64(_step_key(seed, t)) - _GAMMA * (t + 1)) & mask  # as the old chain
+        assert _mix64_int(k0 + _GAMMA * (t + 2)) != _step_key(seed, t + 1)
+        assert _step_key(seed, t) != _step_key(seed, t + 1)
 
 
 def test_uniforms_follow_the_documented_construction():

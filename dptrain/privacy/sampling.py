@@ -10,8 +10,7 @@ resumed run needs nothing but the step counter.
 Construction (all arithmetic modulo 2**64, ``mix64`` is SplitMix64's finaliser, a bijection
 of 64-bit words)::
 
-    k0   = blake2b-64(decimal(seed), person="dptrain-sample")  # any Python int is a valid seed
-    k1   = mix64(k0 + GAMMA * (t + 1))                          # per-step key
+    k1   = blake2b-64(decimal(seed) ":" decimal(t), person="dptrain-sample")  # per-step key
     x_i  = k1 + GAMMA * (i + 1)                                 # SplitMix64 counter for i
     h_i  = mix64(mix64(x_i) XOR k1)                             # second round decorrelates steps
     u_i  = (h_i >> 11) * 2**-53                                 # 53 random bits -> [0, 1)
@@ -22,7 +21,11 @@ then holds with probability ``ceil(q * 2**53) / 2**53`` (= q up to 1.1e-16).
 
 This is a statistical pseudo-random function, not a cryptographic one: in secure mode its
 unpredictability rests on the seed (OS entropy, never written anywhere), see
-``dptrain.privacy.noise.secure_seed`` and docs/privacy.md.
+``dptrain.privacy.noise.secure_seed`` and docs/privacy.md. Each step's key is a one-way hash of
+(seed, step) (any Python int is a valid seed): a step key recovered from that step's batches
+(``mix64`` is invertible, so it is the only secret of a step) says nothing of another step's
+batch. Until 2026-12-03 the step keys were ``mix64(k0 + GAMMA (t + 1))`` with
+``k0 = blake2b-64(seed)``, so one step's key gave k0 and every batch of the run.
 """
 
 from __future__ import annotations
@@ -84,10 +87,14 @@ def _seed_key(seed: int) -> int:
 
 
 def _step_key(seed: int, step: int) -> int:
+    """The step's 64-bit key, a one-way function of (seed, step)."""
     step = _check_int("step", step)
     if step >= _MASK64:
         raise ValueError(f"step must be < 2**64 - 1, got {step}")
-    return _mix64_int(_seed_key(seed) + _GAMMA * (step + 1))
+    _seed_key(seed)  # the seed's type check
+    h = hashlib.blake2b(f"{int(seed)}:{step}".encode("ascii"), digest_size=8,
+                        person=b"dptrain-sample")
+    return int.from_bytes(h.digest(), "little")
 
 
 def _uniforms_for(k1: int, idx: np.ndarray) -> np.ndarray:
