@@ -120,6 +120,50 @@ def load_average() -> str:
         return "-"
 
 
+def model_variants_bench(doc: str, argv: list[str] | None, variants, summarize, *, make_config,
+                    models: str, rounds: int, extra_args=None) -> dict:
+    """The main of a benchmark that times a few variants of one step per model (interleaved
+    rounds), with the options --rounds, --threads, --device, --models, --tiny (and
+    ``extra_args(parser)``'s). For each model, ``variants(kind, cfg, args)`` gives the step
+    functions; ``summarize(times, extra)`` (with ``extra`` variants' second return value, if a
+    pair) the model's entry and one line for stderr. Prints, and returns, one JSON object as
+    the last line: machine, commit, date, options, each model's entry, load averages."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--models", default=models, help="comma-separated: gpt2,nfresnet")
+    ap.add_argument("--tiny", action="store_true", help="tiny models, for tests")
+    if extra_args is not None:
+        extra_args(ap)
+    args = ap.parse_args(argv)
+    cfg = make_config(args.tiny)
+    cfg.device = args.device
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_start = load_average()
+    t0 = time.perf_counter()
+    out: dict = {"machine": machine_description(args.device), "git_commit": git_commit(),
+                 "date": now_utc(), "rounds": args.rounds, "threads": torch.get_num_threads(),
+                 **{k: v for k, v in vars(args).items()
+                    if k not in ("rounds", "threads", "device", "models", "tiny")}}
+    name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    for kind in (m for m in args.models.split(",") if m):
+        steps = variants(kind, cfg, args)
+        steps, extra = steps if isinstance(steps, tuple) else (steps, None)
+        times, errors = time_interleaved(steps, rounds=args.rounds, warmup=1, device=args.device)
+        if errors:
+            raise SystemExit(f"{name}: {kind}: {errors}")
+        out[kind], line = summarize(times, extra)
+        print(f"{kind}: {line}", file=sys.stderr)
+    out["load_average"] = {"start": load_start, "end": load_average()}
+    out["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(out), flush=True)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # peak memory
 

@@ -207,6 +207,14 @@ def nonprivate_step(model: nn.Module, loss_fn, batch, lr: float) -> StepFn:
     return step
 
 
+def gpt2_or_resnet(kind: str, cfg: BenchConfig):
+    """(sizes, build, batch, loss_fn) of the gpt2 or the nfresnet model, on cfg.device."""
+    if kind == "gpt2":
+        return cfg.gpt2, build_gpt2, gpt2_batch(cfg.gpt2, cfg.seed, cfg.device), gpt2_loss
+    s = cfg.resnet
+    return s, build_resnet, resnet_batch(s, cfg.seed, cfg.device), resnet_loss
+
+
 def dptrain_step(model: nn.Module, loss_fn, batch, batch_size: int, cfg: BenchConfig,
                  mode: str, ghost: str = "auto") -> StepFn:
     """accumulate -> + sigma*C*Z (every coordinate, dptrain's counter-based noise) -> / b -> SGD."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ONE prepared GPU check for an H200 session (issue 5, item 8). Finishes in under 8 minutes
 # (267 and 331 s on the H200, 2026-11-30, before part 5b): every part has its own `timeout`
-# (they add up to 810 s) and a failing part does not stop the others. Run it from the
+# (they add up to 835 s) and a failing part does not stop the others. Run it from the
 # repository root on the GPU machine:
 #
 #   here:            bash bench/fetch_gpu_wheels.sh        # bench/wheels/ (gitignored)
@@ -53,7 +53,7 @@
 # Each part prints examples/s, peak memory (torch.cuda.max_memory_allocated and NVML) and the
 # DP/non-private ratio where it has one; each part's log (its last line one JSON object) lands
 # in bench/gpu_out/ (on the device machine: packed into $OUT/gpu_check_logs.tar.gz after every
-# part). Timeouts add up to 810 s; the parts end well before them (the dry run's tiny shapes
+# part). Timeouts add up to 835 s; the parts end well before them (the dry run's tiny shapes
 # take about 110 s on 2 CPU cores).
 #
 # `bash bench/gpu_check.sh --dry-run` runs the same parts on CPU with tiny shapes (no install;
@@ -165,12 +165,16 @@ part lora 20 "$PY" bench/lora_step.py --model llama "${LORA_ARGS[@]}"
 if [ $DRY = 1 ]; then MUON_S_ARGS=(--device cpu --width 32 --steps 2 --rounds 1)
 else MUON_S_ARGS=(--device cuda --layers 4 --rounds 3); fi
 part muon_s 30 "$PY" bench/muon_s_sigma.py "${MUON_S_ARGS[@]}"
+# the ghost norms' cancellation check: its one device sync per query, on the GPU
+if [ $DRY = 1 ]; then GUARD_ARGS=(--device cpu --tiny --rounds 1)
+else GUARD_ARGS=(--device cuda --rounds 7); fi
+part guard 25 "$PY" bench/cancellation_guard.py "${GUARD_ARGS[@]}"
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 
 echo
 echo "=== summary (total $(( $(date +%s) - START )) s)"
 for k in install pytest_gpu gpt2_small nf_resnet50 dp_step dp_step_vision inner_momentum \
-    inner_momentum_b64 products profile kernels decode lora muon_s; do
+    inner_momentum_b64 products profile kernels decode lora muon_s guard; do
   printf '%-16s %s\n' "$k" "${STATUS[$k]:-not run}"
 done
 # the last JSON line of each benchmark part (its start: the device returns the last 12,000

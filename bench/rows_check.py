@@ -14,36 +14,12 @@ the check adds to the run's first step. The last line printed is one JSON object
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (  # noqa: E402
-    git_commit,
-    load_average,
-    machine_description,
-    median,
-    now_utc,
-    ratio_of_medians,
-    time_interleaved,
-)
-from dp_step import (  # noqa: E402
-    MODELS,
-    BenchConfig,
-    build_gpt2,
-    build_resnet,
-    dptrain_step,
-    gpt2_batch,
-    gpt2_loss,
-    resnet_batch,
-    resnet_loss,
-    tiny_config,
-)
+from common import median, model_variants_bench, ratio_of_medians  # noqa: E402
+from dp_step import MODELS, BenchConfig, dptrain_step, gpt2_or_resnet, tiny_config  # noqa: E402
 
 
 def steps_of(kind: str, cfg: BenchConfig) -> dict:
@@ -51,12 +27,7 @@ def steps_of(kind: str, cfg: BenchConfig) -> dict:
     from dptrain.clipping.rows import check_example_rows
 
     dev = cfg.device
-    if kind == "gpt2":
-        s = cfg.gpt2
-        build, batch, loss_fn = build_gpt2, gpt2_batch(s, cfg.seed, dev), gpt2_loss
-    else:
-        s = cfg.resnet
-        build, batch, loss_fn = build_resnet, resnet_batch(s, cfg.seed, dev), resnet_loss
+    s, build, batch, loss_fn = gpt2_or_resnet(kind, cfg)
     B = s.batch_size
     checked = build(s, cfg.seed, dev)
     hooked = [(h.name, h.module) for h in ClippingEngine(checked).hooked]
@@ -69,38 +40,18 @@ def steps_of(kind: str, cfg: BenchConfig) -> dict:
                                          "bookkeeping")}
 
 
+def summarize(times, _extra) -> tuple[dict, str]:
+    r = {"check_s": median(times.wall["check"]),
+         "private_step_s": median(times.wall["private_step"]),
+         "check_over_step": ratio_of_medians(times.wall["check"], times.wall["private_step"])}
+    return r, (f"check {r['check_s']:.3f} s, private step {r['private_step_s']:.3f} s, "
+               f"check / step {r['check_over_step']:.2f}")
+
+
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: gpt2,nfresnet")
-    ap.add_argument("--tiny", action="store_true", help="tiny models, for tests")
-    args = ap.parse_args(argv)
-    cfg = tiny_config() if args.tiny else BenchConfig()
-    cfg.device = args.device
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    load_start = load_average()
-    t0 = time.perf_counter()
-    out: dict = {"machine": machine_description(args.device), "git_commit": git_commit(),
-                 "date": now_utc(), "rounds": args.rounds, "threads": torch.get_num_threads()}
-    for kind in (m for m in args.models.split(",") if m):
-        times, errors = time_interleaved(steps_of(kind, cfg), rounds=args.rounds, warmup=1,
-                                         device=args.device)
-        if errors:
-            raise SystemExit(f"rows_check: {kind}: {errors}")
-        out[kind] = {"check_s": median(times.wall["check"]),
-                     "private_step_s": median(times.wall["private_step"]),
-                     "check_over_step": ratio_of_medians(times.wall["check"],
-                                                         times.wall["private_step"])}
-        r = out[kind]
-        print(f"{kind}: check {r['check_s']:.3f} s, private step {r['private_step_s']:.3f} s, "
-              f"check / step {r['check_over_step']:.2f}", file=sys.stderr)
-    out["load_average"] = {"start": load_start, "end": load_average()}
-    out["elapsed_s"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(out), flush=True)
-    return out
+    return model_variants_bench(__doc__, argv, lambda kind, cfg, args: steps_of(kind, cfg),
+                                summarize, make_config=lambda tiny: tiny_config() if tiny
+                                else BenchConfig(), models=",".join(MODELS), rounds=5)
 
 
 if __name__ == "__main__":
