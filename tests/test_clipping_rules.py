@@ -549,6 +549,65 @@ def test_ghost_norms_whose_terms_cancel_are_recomputed(kind):
                 assert norm <= C * (1 + 1e-3), (policy, mode, b, norm)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exactly_cancelling_examples_among_others_get_their_own_norms(dtype):
+    # examples 0 and 2 have two identical tokens with opposite output gradients: gradient 0,
+    # ghost sum exactly 0 against a large scale, in float64 too, so they are instantiated. The
+    # instantiation took batch positions from the flagged subset: example 2 read past its end
+    # (IndexError), and a flagged subset other than a prefix took other examples' gradients.
+    torch.manual_seed(0)
+    model = _Cancelling("tokens").to(dtype)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 2, 16, generator=gen, dtype=dtype)
+    x[0, 1], x[2, 1] = x[0, 0], x[2, 0]
+    batch = (x, 10 * torch.randn(4, 16, generator=gen, dtype=dtype))
+    ref = reference_grads(copy.deepcopy(model).double(), mse_loss,
+                          tuple(t.double() for t in batch)).norm(dim=1)
+    assert float(ref[[0, 2]].max()) < 1e-6 and float(ref[[1, 3]].min()) > 1.0
+    for policy in ("ghost", "auto"):
+        got = ClippingEngine(model, ghost=policy).per_example_norms(mse_loss, batch).double()
+        assert float(got[[0, 2]].max()) < 1e-6, (policy, got)
+        torch.testing.assert_close(got[[1, 3]], ref[[1, 3]], rtol=RTOL[dtype], atol=0)
+
+
+def test_stdconv_positions_that_cancel_are_recomputed():
+    # the weight-standardised conv's ghost row starts from sum_{t,s} L_t L_s (R_t·R_s) over
+    # positions, itself a ghost sum: two near-equal positions with opposite output gradients
+    # left float32 noise there (norms 0.73-2.26 times the truth, contributions up to 1.37 C)
+    from timm.layers import StdConv2d
+
+    torch.manual_seed(3)
+    conv = StdConv2d(8, 4, 1, bias=False)
+    with torch.no_grad():
+        conv.weight.normal_()
+
+    class TwoPositions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, x):
+            y = self.conv(x).flatten(2)
+            return y[:, :, 0] - y[:, :, 1]
+
+    model = TwoPositions()
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(16, 8, 1, 1, generator=gen)
+    x = torch.cat([base + 1e-3 * torch.randn(16, 8, 1, 1, generator=gen), base], 3)
+    batch = (x, 1e4 * torch.randn(16, 4, generator=gen))
+    ref = reference_grads(copy.deepcopy(model).double(), mse_loss,
+                          tuple(t.double() for t in batch)).norm(dim=1)
+    C = float(ref.min()) / 10
+    for policy in ("ghost", "auto"):
+        got = ClippingEngine(model, ghost=policy).per_example_norms(mse_loss, batch).double()
+        assert float(((got - ref).abs() / ref).max()) < 1e-3, policy
+        for b in range(4):
+            acc = {}
+            ClippingEngine(model, clip_norm=C, ghost=policy).accumulate(
+                mse_loss, (x[b:b + 1], batch[1][b:b + 1]), acc)
+            assert float(acc["conv.weight"].norm()) <= C * (1 + 1e-3), (policy, b)
+
+
 def test_uncorrelated_terms_are_not_recomputed(monkeypatch):
     # the recomputation is for cancelling sums only: tokens of ordinary data never take it
     from dptrain.clipping import engine

@@ -490,10 +490,10 @@ def refine_cancelled(contribs: list[Contribution], sq: Tensor, doubt: Tensor) ->
             term = inner(u, v) * (u.coef * v.coef * (1.0 if i == j else 2.0))
             sq64 = term if sq64 is None else sq64 + term
     still = cancelled(sq64, rounding_scale(sub))
-    for k in still.nonzero().squeeze(1).tolist():
+    for k in still.nonzero().squeeze(1).tolist():  # k: a position in ``sub`` (not in the batch)
         g = None
         for c in sub:
-            one = _take(c, idx[k:k + 1], torch.float64)
+            one = _take(c, torch.tensor([k], device=idx.device), torch.float64)
             part = (one.g if isinstance(one, Dense) else instantiate(one)).reshape(-1) * c.coef
             g = part if g is None else g + part
         sq64[k] = g.square().sum()

@@ -390,20 +390,25 @@ class StdConvWeight(Factored):
         G = st.Gf()  # (B, O, T)
         RR = torch.bmm(R.transpose(1, 2), R)  # (B, T, T)
         centred = (G * torch.bmm(G, RR)).sum(2)  # (B, O): ||g_bo - m1 1||^2
+        # centred is itself a ghost sum over pairs of positions: its rounding scale is
+        # sum_t L_t^2 |R_t|^2 (see contributions.rounding_scale)
+        scale = (G * G * RR.diagonal(dim1=1, dim2=2).unsqueeze(1)).sum(2)  # (B, O)
         del RR
         nm2 = (G * st.P()).sum(2)  # (B, O): n * m2
         st._R = None
         rows = centred - (2.0 - r) * nm2 * nm2 / st.n
         sq = (rows.clamp_min(0) * a_over_s * a_over_s).sum(1)
         # ``rows`` is a difference of two terms of size ``centred`` and has an absolute rounding
-        # error of a few ulps of ``centred``. Where it is not well above that (the gradient of
-        # W_eff nearly along the direction the standardisation removes: with fan-in 2 always,
-        # since both are then multiples of (1, -1)), the difference is rounding noise and could
-        # be 0 for a large gradient. Those examples' rows are computed from their instantiated
+        # error of a few ulps of ``centred`` and of its scale. Where it is not well above that
+        # (the gradient of W_eff nearly along the direction the standardisation removes: with
+        # fan-in 2 always, since both are then multiples of (1, -1); or positions whose terms
+        # cancel), the difference is rounding noise and could be 0, or far below the truth, for
+        # a large gradient. Those examples' rows are computed from their instantiated
         # per-example gradients, the same VJP as the clipped sum's. The clipped sum then adds
         # those examples as these instantiated rows (their contribution is then exactly what
         # was measured: the VJP itself loses digits in this case, ~2^-24 var/eps relative).
-        doubtful = (rows < _CANCELLATION_ULPS * torch.finfo(rows.dtype).eps * centred).any(1)
+        tol = _CANCELLATION_ULPS * torch.finfo(rows.dtype).eps
+        doubtful = (rows < tol * (centred + scale)).any(1)
         self._doubtful = None
         if bool(doubtful.any()):
             idx = doubtful.nonzero().squeeze(1)
