@@ -373,6 +373,30 @@ def test_a_secure_checkpoint_is_resumed_into_one_directory_only(tmp_path, capsys
     assert snapshot(a) == before
 
 
+def test_a_branched_secure_checkpoint_is_refused_when_only_the_checksummed_look_finds_it(
+        tmp_path, capsys, monkeypatch):
+    # a rank whose first look (no process group yet) saw no checkpoint, as with a lagging
+    # shared file system, skipped the branch check; the checksummed look then found one
+    from dptrain import checkpoint as ckpt
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    extra = ("train.checkpoint_every=2", "privacy.steps=4", *SECURE)
+    _crash_at(monkeypatch, 3)
+    assert main(["train", "--config", TINY, "--output-dir", str(a), *extra]) == 130
+    step2 = str(a / "checkpoints" / "step-00000002")
+    assert main(["train", "--config", TINY, "--output-dir", str(b), "--resume", step2,
+                 *extra]) == 130  # the branch into B is recorded
+    monkeypatch.undo()
+    capsys.readouterr()
+    real = ckpt.find_latest
+    monkeypatch.setattr(ckpt, "find_latest",
+                        lambda out, **kw: None if kw.get("shallow") else real(out, **kw))
+    before = snapshot(a)
+    code, err = train(capsys, a, "--resume", "auto", *extra)
+    assert code == 2 and str(b.resolve()) in one_line(err)
+    assert snapshot(a) == before
+
+
 def test_overrides_before_and_after_options_all_apply(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train", "privacy.steps=1", "--config", TINY, "--output-dir", str(out),

@@ -108,6 +108,8 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         # again on what the checksums chose: a damaged newest checkpoint sends the run back to
         # an older one (or to none, step 0), whose later releases have outputs on disk
         _check_secure_resume(resume_path, run_dir=out)
+        if resume_path is not None:  # (the first look may have found none on this rank)
+            _check_secure_branch(resume_path, out)
     if args.dry_run:
         if resume_path is not None:  # its settings against these, into memory only
             ckpt.load(trainer, resume_path, verified=args.resume == "auto")
