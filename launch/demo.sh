@@ -3,7 +3,7 @@
 # DP-Muon (conv weights) + AdamW (the rest) at epsilon = 3, delta = 1e-5; prints test accuracy
 # and the epsilon spent. Extra arguments are config overrides, e.g. privacy.epsilon=8.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)"  # (quiet with CDPATH)
 source "$ROOT/launch/setup.sh"
 cd "$ROOT"
 OUT="${DPTRAIN_DEMO_DIR:-runs/demo-$(date +%Y%m%d-%H%M%S)}"

@@ -2,7 +2,7 @@
 # Create .venv at the repository root when missing and install dptrain into it.
 # Sourced by launch/demo.sh and launch/test.sh; a fresh clone needs nothing else.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)"  # (quiet with CDPATH)
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
 # (a venv without pip is a half-made one, e.g. python3-venv missing when it was created)

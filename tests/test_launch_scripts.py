@@ -1,0 +1,32 @@
+"""launch/test.sh as people call it: from another directory, and with CDPATH exported."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _collect(cwd: Path, *args: str, script: str = str(ROOT / "launch" / "test.sh"),
+             **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", script, *args, "--collect-only", "-q"],
+        cwd=cwd, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "DPTRAIN_TEST_WORKERS": "0", **env})
+
+
+def test_a_test_file_named_from_the_tests_directory_is_that_file():
+    # it was looked up from the repository root after test.sh's cd: "file or directory not
+    # found", and the whole tests/ directory added as a target
+    r = _collect(ROOT / "tests", "test_plot.py::test_a_line_being_written_is_left_out")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "1 test collected" in r.stdout or r.stdout.strip().splitlines()[-1].endswith(": 1")
+
+
+def test_an_exported_cdpath_leaves_the_root_alone():
+    # with CDPATH exported, `cd launch/..` prints the directory, and ROOT held it twice
+    r = _collect(ROOT, "tests/test_plot.py", script="launch/test.sh", CDPATH=".")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tests/test_plot.py: " in r.stdout and "test_launch_scripts" not in r.stdout
