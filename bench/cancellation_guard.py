@@ -34,8 +34,8 @@ def steps_of(kind: str, cfg: BenchConfig, ghost: str) -> dict:
     counted = {"flagged": 0, "checks": 0}
     flag = engine.cancelled
 
-    def counting(sq, scale):
-        doubt = flag(sq, scale)
+    def counting(sq, scale, *rest):
+        doubt = flag(sq, scale, *rest)
         if doubt is not None:
             counted["flagged"] += int(doubt.sum())
             counted["checks"] += 1
@@ -46,7 +46,7 @@ def steps_of(kind: str, cfg: BenchConfig, ghost: str) -> dict:
                             ghost)
 
         def run():
-            engine.cancelled = counting if guarded else (lambda sq, scale: None)
+            engine.cancelled = counting if guarded else (lambda *args: None)
             try:
                 step()
             finally:

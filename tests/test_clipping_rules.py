@@ -608,6 +608,62 @@ def test_stdconv_positions_that_cancel_are_recomputed():
             assert float(acc["conv.weight"].norm()) <= C * (1 + 1e-3), (policy, b)
 
 
+@pytest.mark.parametrize("scale", [1e6, 1e10])
+def test_an_exact_norm_is_the_norm_of_what_is_added(scale):
+    # two identical tokens of size `scale` with opposite output gradients: gradient 0. The norm
+    # was refined to 0 (lam = 1), but the clipped sum, formed in float32 from the factors (or
+    # by the second backward, or from another rounding of the instantiated rows), added their
+    # rounding residue: up to 1.9e4 C. Now the refined rows are what is added, and two_pass
+    # takes rows held per example from the query.
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64, bias=False)
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(64, generator=gen)
+    x = (torch.randn(1, 1, 64, generator=gen) * scale).expand(1, 2, 64).contiguous()
+
+    def loss_fn(m, batch):
+        y = m(batch[0])
+        return ((y[:, 0] - y[:, 1]) * w).sum(-1)
+
+    for policy in POLICIES:
+        for mode in MODES:
+            acc = {}
+            ClippingEngine(model, clip_norm=1.0, ghost=policy, mode=mode).accumulate(
+                loss_fn, (x,), acc)
+            assert float(acc["weight"].norm()) <= 1.0 + 1e-6, (policy, mode)
+
+
+def test_many_alike_tokens_just_above_the_threshold_keep_the_bound():
+    # T = 1024 tokens, half one vector and half a nearby one, with opposite signs: alike terms
+    # round alike, so the error grows with T; the threshold grows with T / 256 to match
+    from dptrain.clipping.contributions import CANCELLATION_TOKENS, CANCELLATION_ULPS
+
+    T, d = 1024, 64
+    eps = torch.finfo(torch.float32).eps
+    worst = 0.0
+    for seed in range(6):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(d, generator=gen)
+        # |delta|^2 / |x|^2 at 1.5 times the threshold (sq = T^2 |delta|^2 / 4, scale = T |x|^2)
+        r = (1.5 * CANCELLATION_ULPS * (T / CANCELLATION_TOKENS) * eps * 4 / T) ** 0.5
+        delta = torch.randn(d, generator=gen)
+        delta = delta / delta.norm() * x.norm() * r
+        X = torch.cat([x.expand(T // 2, d), (x + delta).expand(T // 2, d)]).unsqueeze(0)
+        sign = torch.cat([torch.ones(T // 2), -torch.ones(T // 2)])
+        model = nn.Linear(d, 1, bias=False)
+
+        def loss_fn(m, batch):
+            return (m(batch[0]).squeeze(-1) * sign).sum(1)
+
+        true = float((sign[:, None].double() * X[0].double()).sum(0).norm())
+        C = true / 100
+        acc = {}
+        ClippingEngine(model, clip_norm=C, ghost="ghost").accumulate(loss_fn, (X.contiguous(),),
+                                                                      acc)
+        worst = max(worst, float(acc["weight"].norm()) / C)
+    assert worst <= 1 + 1e-3, worst
+
+
 def test_uncorrelated_terms_are_not_recomputed(monkeypatch):
     # the recomputation is for cancelling sums only: tokens of ordinary data never take it
     from dptrain.clipping import engine

@@ -95,6 +95,17 @@ class Dense:
     coef: float = 1.0
 
 
+@dataclass
+class Rows:
+    """Per-example gradients of a few examples only: ``g[k]`` is example ``idx[k]``'s (flattened
+    like the parameter). In a parameter's list it replaces those examples' share of the other
+    contributions, which the clipped sum then weights 0 (:func:`refine_cancelled`)."""
+
+    idx: Tensor  # (k,) int64
+    g: Tensor  # (k, numel)
+    coef: float = 1.0
+
+
 class Factored:
     """Base of layer-specific contributions (see the module docstring). Subclasses set ``coef``
     and implement ``instantiate``; ``ghost_sq_norms`` and ``weighted_sum`` when
@@ -121,7 +132,7 @@ class Factored:
         return 0.0 if form == "instantiate" else float("inf")
 
 
-Contribution = Outer | Dense | Factored
+Contribution = Outer | Dense | Factored | Rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,19 +439,24 @@ def squared_norms_scaled(contribs: list[Contribution], kernels: Kernels = "torch
 
 
 #: A ghost squared norm below this many ulps of its rounding scale (see :func:`rounding_scale`)
-#: is taken as lost to cancellation and recomputed (:func:`refine_cancelled`).
+#: is taken as lost to cancellation (:func:`refine_cancelled`), times T / 256 for sums over more
+#: than 256 tokens: terms that are alike round alike, and their errors then add up over the T^2
+#: products instead of cancelling (measured: about 0.4 T ulps of the scale, with half the tokens
+#: one vector and half a nearby one); so a kept sum is within about 1.5e-3 of its value.
 CANCELLATION_ULPS = 2.0 ** 16
+CANCELLATION_TOKENS = 256
 
 
 def rounding_scale(contribs: list[Contribution]) -> Tensor | None:
     """(B,) the scale of the rounding error of :func:`squared_norms`' ghost sums, per example:
     sum_u coef_u^2 sum_t |L_t|^2 |R_t|^2 (a Dense one: coef^2 |g|^2), i.e. the sum of the
     squared norms of the per-token (per-use) terms. Each product (L_t·L_s)(R_t·R_s) is rounded
-    relative to |L_t||L_s||R_t||R_s|, so the sum's error is a few ulps of this scale times
-    sqrt(dims) however small the sum itself: when the terms nearly cancel (per-token gradients
-    far larger than their sum, the example's gradient) the ghost sum is noise, and could be 0
-    for a gradient far above the clip norm. Uncorrelated terms give a sum about equal to the
-    scale. None for a lone Factored form (which guards its own formula)."""
+    relative to |L_t||L_s||R_t||R_s|, so the sum's error is a few ulps of this scale (more for
+    many alike tokens, see :data:`CANCELLATION_ULPS`) however small the sum itself: when the
+    terms nearly cancel (per-token gradients far larger than their sum, the example's gradient)
+    the ghost sum is noise, and could be 0 for a gradient far above the clip norm. Uncorrelated
+    terms give a sum about equal to the scale. None for a lone Factored form (which guards its
+    own formula)."""
     if len(contribs) == 1 and isinstance(contribs[0], Factored):
         return None
     q = None
@@ -459,12 +475,18 @@ def rounding_scale(contribs: list[Contribution]) -> Tensor | None:
     return q
 
 
-def cancelled(sq: Tensor, scale: Tensor | None) -> Tensor | None:
+def tokens(contribs: list[Contribution]) -> int:
+    """The number of per-token (per-use) terms of a parameter's ghost sum: its Outer
+    contributions' T, summed."""
+    return sum(c.dims()[1] for c in contribs if isinstance(c, Outer))
+
+
+def cancelled(sq: Tensor, scale: Tensor | None, n_tokens: int = 1) -> Tensor | None:
     """(B,) bool: ghost squared norms ``sq`` within rounding of 0 at ``scale``, or None."""
     if scale is None:
         return None
-    eps = torch.finfo(sq.dtype).eps
-    return sq < CANCELLATION_ULPS * eps * scale.to(sq.dtype)
+    ulps = CANCELLATION_ULPS * max(1.0, n_tokens / CANCELLATION_TOKENS)
+    return sq < ulps * torch.finfo(sq.dtype).eps * scale.to(sq.dtype)
 
 
 def _take(c: Contribution, idx: Tensor, dtype: torch.dtype) -> Contribution:
@@ -476,30 +498,31 @@ def _take(c: Contribution, idx: Tensor, dtype: torch.dtype) -> Contribution:
     return Outer(L, R, c.coef)
 
 
-def refine_cancelled(contribs: list[Contribution], sq: Tensor, doubt: Tensor) -> Tensor:
-    """``sq`` with the examples where ``doubt`` recomputed: the ghost sums again in float64
-    (the same cancellation then costs 29 fewer bits), and an example still within float64's
-    rounding from its per-example gradient instantiated in float64. Rare by construction (the
-    per-token terms of those examples cancel to within 2^16 ulps), so one example at a time."""
+def refine_cancelled(contribs: list[Contribution], sq: Tensor, doubt: Tensor
+                     ) -> tuple[Tensor, list[Contribution]]:
+    """(``sq``, ``contribs``) with the examples where ``doubt`` taken out of the ghost form: each
+    one's gradient of this parameter is instantiated, summed in float64 from its float32
+    factors (whose products float64 holds exactly), rounded to the working dtype, and its
+    squared norm is that of the rounded rows, which the clipped sum then adds as they are
+    (a :class:`Rows` contribution; the others weight those examples 0). So the norm is the norm
+    of what is added, however far the factors' terms cancel: a clipped sum formed from the
+    factors would add their rounding residue, ~eps |L_t||R_t|, unrelated to the norm (1.9e4 C
+    for identical tokens of size 1e10 with opposite output gradients). Rare by construction;
+    one example at a time, the memory of one per-example gradient of the parameter each."""
     idx = doubt.nonzero().squeeze(1)
-    sub = [_take(c, idx, torch.float64) for c in contribs]
-    sq64 = None
-    for i, u in enumerate(sub):
-        for j in range(i, len(sub)):
-            v = sub[j]
-            term = inner(u, v) * (u.coef * v.coef * (1.0 if i == j else 2.0))
-            sq64 = term if sq64 is None else sq64 + term
-    still = cancelled(sq64, rounding_scale(sub))
-    for k in still.nonzero().squeeze(1).tolist():  # k: a position in ``sub`` (not in the batch)
+    dtype = sq.dtype
+    rows = []
+    for b in idx.tolist():
         g = None
-        for c in sub:
-            one = _take(c, torch.tensor([k], device=idx.device), torch.float64)
+        for c in contribs:
+            one = _take(c, torch.tensor([b], device=idx.device), torch.float64)
             part = (one.g if isinstance(one, Dense) else instantiate(one)).reshape(-1) * c.coef
             g = part if g is None else g + part
-        sq64[k] = g.square().sum()
+        rows.append(g.to(dtype))
+    g = torch.stack(rows)
     out = sq.clone()
-    out[idx] = sq64.to(sq.dtype)
-    return out
+    out[idx] = sq_rows(g.double()).to(dtype)
+    return out, [*contribs, Rows(idx, g)]
 
 
 def sq_rows(g: Tensor) -> Tensor:
@@ -525,6 +548,10 @@ def drop_examples(c: Contribution, keep: Tensor) -> Contribution:
 
     if isinstance(c, Dense):
         return Dense(rows(c.g), c.coef)
+    if isinstance(c, Rows):
+        k = keep.to(c.g.device)[c.idx.to(c.g.device)].view(-1, 1)
+        return Rows(c.idx, torch.where(k, c.g, torch.zeros((), dtype=c.g.dtype, device=c.g.device)),
+                    c.coef)
     if type(c) is Outer:
         L = c.L if isinstance(c.L, OneHot) else rows(c.L)
         return Outer(L, rows(c.R), c.coef)
@@ -535,8 +562,19 @@ def clipped_sum(contribs: list[Contribution], lam: Tensor, shape: torch.Size,
                 dtype: torch.dtype) -> Tensor:
     """sum_b lam_b * sum_u coef_u * c_u[b], reshaped to the parameter's shape."""
     total = None
+    taken = [c for c in contribs if isinstance(c, Rows)]
+    rest = lam
+    if taken:  # those examples are added as their rows only
+        rest = lam.clone()
+        for c in taken:
+            rest[c.idx.to(lam.device)] = 0
     for c in contribs:
-        w = (lam * c.coef).to(dtype)
+        if isinstance(c, Rows):
+            w = (lam[c.idx.to(lam.device)] * c.coef).to(dtype)
+            part = (c.g.to(dtype) * w[:, None]).sum(0)
+            total = part.reshape(shape) if total is None else total + part.reshape(shape)
+            continue
+        w = (rest * c.coef).to(dtype)
         if isinstance(c, Factored):
             part = c.weighted_sum(w).to(dtype)
         elif isinstance(c, Outer) and (fast := c.fast_weighted_sum(w, dtype)) is not None:

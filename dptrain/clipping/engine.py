@@ -58,6 +58,7 @@ from dptrain.clipping.contributions import (
     sq_rows,
     squared_norms_scaled,
     state_bytes,
+    tokens,
 )
 from dptrain.clipping.rows import MAX_ATTEMPTS, cannot_check, check_example_rows
 from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
@@ -1010,8 +1011,9 @@ class ClippingEngine:
         return per_param
 
     def _norms(self, query: "_Query", B: int, device, dtype):
-        """Per-example norms of the query; returns (norms, forms kept for the clipped sum). The
-        query's entries are released as they are consumed."""
+        """Per-example norms of the query; returns (norms, forms kept for the clipped sum,
+        whether some examples' ghost sums were within rounding of 0 and had their rows
+        instantiated). The query's entries are released as they are consumed."""
         sq = torch.zeros(B, device=device, dtype=dtype)
         used = {}
         ghost = []  # (name, squared norms, examples whose ghost sum is within rounding of 0)
@@ -1022,18 +1024,18 @@ class ClippingEngine:
                 used[name] = [Dense(total, 1.0)]
             else:
                 s, scale, used[name] = squared_norms_scaled(query.lists.pop(name), self.kernels)
-                doubt = cancelled(s, scale)
+                doubt = cancelled(s, scale, tokens(used[name]))
                 if doubt is not None:
                     ghost.append((name, s, doubt))
                     continue
             sq = sq + s.to(dtype)
         # one device sync for all parameters; the recomputation itself is rare
-        if ghost and bool(torch.stack([d for _, _, d in ghost]).any()):
-            ghost = [(n, refine_cancelled(used[n], s, d) if bool(d.any()) else s, d)
-                     for n, s, d in ghost]
-        for _, s, _ in ghost:
+        refined = bool(ghost) and bool(torch.stack([d for _, _, d in ghost]).any())
+        for name, s, doubt in ghost:
+            if refined and bool(doubt.any()):
+                s, used[name] = refine_cancelled(used[name], s, doubt)
             sq = sq + s.to(dtype)
-        return sq.clamp_min(0).sqrt(), used
+        return sq.clamp_min(0).sqrt(), used, refined
 
     def _exact(self):
         """The engine's own arithmetic (contributions, norms, clipped sums) in float32 or float64
@@ -1086,7 +1088,7 @@ class ClippingEngine:
         query = self._query(plan)
         self._forward_backward(loss_fn, batch, plan, False, query)
         with self._exact():
-            norms, _ = self._norms(query, B, device, dtype)
+            norms, _, _ = self._norms(query, B, device, dtype)
         del query
         self._finish_rows_check()
         return norms
@@ -1129,8 +1131,13 @@ class ClippingEngine:
         out = {} if self._pending_rows is not None else acc
         # the engine's own arithmetic in float32/64, whatever the caller's autocast
         with self._exact():
-            norms, used = self._norms(query, B, device, dtype)
+            norms, used, refined = self._norms(query, B, device, dtype)
             del query  # memory: only the forms used by the clipped sum are kept
+            if refined:
+                # some examples' rows were instantiated (cancelling terms): the second backward
+                # would add their float32 residue instead (mode is a performance setting)
+                two_pass = False
+                graphs = None
             # Sensitive: per-example norms and clip factors; discard after use.
             lam = self.clip_factors(norms)
             if active is not None:
@@ -1147,14 +1154,21 @@ class ClippingEngine:
                 graphs = None
             if two_pass:
                 # tapped parameters are detached from the graph (the engine's leaves stand in
-                # for them): their clipped sums come from the query, as book-keeping's
+                # for them): their clipped sums come from the query, as book-keeping's. So do
+                # those held as per-example gradients (instantiated, biases, norms), and a
+                # standardised conv with rows instantiated for cancellation: the norm was taken
+                # of those very rows, where the second backward would round its own way (under
+                # cancelling terms, a few % of C apart)
                 tapped = set(self._tap_names())
-                for name in tapped & used.keys():
+                from_query = {n for n, cs in used.items()
+                              if n in tapped or all(isinstance(c, Dense) for c in cs)
+                              or any(getattr(c, "_doubtful", None) is not None for c in cs)}
+                for name in from_query:
                     p = self.params[name]
                     self._add(out, name, clipped_sum(used.pop(name), lam, p.shape, dtype))
                 del used
-                names = [n for n in self.params if n not in tapped]
-                for coef, state, _, losses in graphs:
+                names = [n for n in self.params if n not in tapped and n not in from_query]
+                for coef, state, _, losses in graphs if names else ():
                     with self._state(state):
                         weighted = (losses * lam.to(losses.dtype)).sum()
                         grads = torch.autograd.grad(weighted, [self.params[n] for n in names],
