@@ -123,8 +123,11 @@ class Factored:
         """sum_b w_b * g_b, parameter-shaped (coefficient NOT applied)."""
         raise NotImplementedError
 
-    def ghost_sq_norms(self) -> Tensor:
-        """(B,) squared norms of g_b without instantiating (coefficient NOT applied)."""
+    def ghost_sq_norms(self) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """(B,) squared norms of g_b without instantiating (coefficient NOT applied), and None
+        or (idx, rows): examples whose ghost formula was within rounding of 0, with their
+        instantiated gradients (k, numel), whose norms are in the first result and which the
+        clipped sum adds as they are (a :class:`Rows` contribution)."""
         raise NotImplementedError
 
     def cost(self, form: str) -> float:
@@ -415,7 +418,10 @@ def squared_norms_scaled(contribs: list[Contribution], kernels: Kernels = "torch
     diagonals where the torch path builds them."""
     if len(contribs) == 1 and isinstance(contribs[0], Factored) and contribs[0].supports_ghost:
         c = contribs[0]
-        return c.ghost_sq_norms() * (c.coef * c.coef), None, contribs
+        sq, rows = c.ghost_sq_norms()
+        if rows is not None:
+            contribs = [c, Rows(rows[0], rows[1], c.coef)]
+        return sq * (c.coef * c.coef), None, contribs
     contribs = [Dense(instantiate(c), c.coef) if isinstance(c, Factored) else c for c in contribs]
     sq = scale = None
     for i, u in enumerate(contribs):

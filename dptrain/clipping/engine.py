@@ -48,6 +48,7 @@ from dptrain.clipping.contributions import (
     Dense,
     Kernels,
     Outer,
+    Rows,
     add_instantiated,
     cancelled,
     choose_form_states,
@@ -1155,14 +1156,14 @@ class ClippingEngine:
             if two_pass:
                 # tapped parameters are detached from the graph (the engine's leaves stand in
                 # for them): their clipped sums come from the query, as book-keeping's. So do
-                # those held as per-example gradients (instantiated, biases, norms), and a
-                # standardised conv with rows instantiated for cancellation: the norm was taken
-                # of those very rows, where the second backward would round its own way (under
-                # cancelling terms, a few % of C apart)
+                # those held as per-example gradients (instantiated, biases, norms), and those
+                # with rows instantiated for cancellation: the norm was taken of those very rows,
+                # where the second backward would round its own way (under cancelling terms, a
+                # few % of C apart)
                 tapped = set(self._tap_names())
                 from_query = {n for n, cs in used.items()
                               if n in tapped or all(isinstance(c, Dense) for c in cs)
-                              or any(getattr(c, "_doubtful", None) is not None for c in cs)}
+                              or any(isinstance(c, Rows) for c in cs)}
                 for name in from_query:
                     p = self.params[name]
                     self._add(out, name, clipped_sum(used.pop(name), lam, p.shape, dtype))

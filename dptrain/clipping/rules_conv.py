@@ -368,7 +368,6 @@ class StdConvWeight(Factored):
         self.state = state
         self.coef = 1.0
         self.supports_ghost = state.geom.groups == 1
-        self._doubtful = None  # (examples, their instantiated rows) from ghost_sq_norms
 
     def cost(self, form):
         st = self.state
@@ -404,19 +403,18 @@ class StdConvWeight(Factored):
         # fan-in 2 always, since both are then multiples of (1, -1); or positions whose terms
         # cancel), the difference is rounding noise and could be 0, or far below the truth, for
         # a large gradient. Those examples' rows are computed from their instantiated
-        # per-example gradients, the same VJP as the clipped sum's. The clipped sum then adds
-        # those examples as these instantiated rows (their contribution is then exactly what
-        # was measured: the VJP itself loses digits in this case, ~2^-24 var/eps relative).
+        # per-example gradients, the same VJP as the clipped sum's, which then adds those
+        # examples as these rows (their contribution is then exactly what was measured: the
+        # VJP itself loses digits in this case, ~2^-24 var/eps relative).
         tol = _CANCELLATION_ULPS * torch.finfo(rows.dtype).eps
         doubtful = (rows < tol * (centred + scale)).any(1)
-        self._doubtful = None
-        if bool(doubtful.any()):
-            idx = doubtful.nonzero().squeeze(1)
-            pulled = self._pulled_rows(idx)
-            sq = sq.clone()
-            sq[idx] = sq_rows(pulled)
-            self._doubtful = (idx, pulled)
-        return sq
+        if not bool(doubtful.any()):
+            return sq, None
+        idx = doubtful.nonzero().squeeze(1)
+        pulled = self._pulled_rows(idx).reshape(idx.numel(), -1)
+        sq = sq.clone()
+        sq[idx] = sq_rows(pulled)
+        return sq, (idx, pulled)
 
     def _pulled_rows(self, idx: Tensor) -> Tensor:
         """(len(idx), *weight_shape): the per-example raw-weight gradients of examples ``idx``."""
@@ -430,17 +428,8 @@ class StdConvWeight(Factored):
 
     def weighted_sum(self, w):
         st = self.state
-        extra = None
-        if self._doubtful is not None:
-            idx, pulled = self._doubtful
-            self._doubtful = None
-            wd = w.to(pulled.dtype)[idx.to(w.device)]
-            extra = (pulled * wd.view(-1, *([1] * (pulled.dim() - 1)))).sum(0)
-            w = w.clone()
-            w[idx.to(w.device)] = 0
         eff = conv_weight_grad(_scale_batch(st.G, w), st.x, st.weight_shape, st.geom)
-        out = st.pull_one(eff)[0]
-        return out if extra is None else out + extra.to(out.dtype)
+        return st.pull_one(eff)[0]
 
 
 class StdConvGain(Factored):
