@@ -237,7 +237,11 @@ def part_train(config: str, overrides: list[str], device: str, out: Path) -> dic
         peak_allocated_mib=mem.peak_mib if device == "cuda" else None,
         peak_rss_above_start_mib=None if device == "cuda" else mem.above_start_mib,
         train_loss_last=rows[-1]["train_loss"], test_metrics=summary.get("metrics"),
-        epsilon=summary.get("epsilon"))
+        epsilon=summary.get("epsilon"),
+        # the run's own NVML telemetry (dptrain.telemetry.gpu), beside this script's monitor
+        run_gpu_telemetry={k: rows[-1].get(k) for k in (
+            "gpu_util_pct", "gpu_power_w", "gpu_memory_used_gib")},
+        run_gpu_energy_kwh=summary.get("gpu_energy_kwh"))
     return res
 
 

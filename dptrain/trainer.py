@@ -43,6 +43,7 @@ from dptrain.privacy.config import PrivacyConfig
 from dptrain.privacy.noise import block_share, gaussian_noise, secure_seed
 from dptrain.privacy.sampling import poisson_sample, shard_indices
 from dptrain.telemetry import peak_memory_bytes, strict_json
+from dptrain.telemetry.gpu import GpuMonitor
 from dptrain.parallel.dist import init_from_env
 from dptrain.parallel.fsdp import (all_reduce_scalars, apply_fsdp, as_grad, flat_range,
                                    is_sharded, reduce_sum)
@@ -624,6 +625,36 @@ class Trainer:
                                      device=self.device, op="max")
         return peak / 2**30
 
+    def _gpu_row(self, gpu: GpuMonitor) -> dict[str, float]:
+        """NVML's view of the GPUs since the last row (``dptrain.telemetry.gpu``): utilisation
+        and power, means over the ranks that report them, and device memory in use, the highest
+        rank's; nothing for ranks without CUDA. Collective with several CUDA ranks."""
+        if self.device.type != "cuda":  # the same on every rank: no collective on CPU runs
+            return {}
+        w = gpu.window() or {}
+        has_power = "gpu_power_w" in w
+        n, util, n_power, power = all_reduce_scalars(
+            float(bool(w)), w.get("gpu_util_pct", 0.0), float(has_power),
+            w.get("gpu_power_w", 0.0), device=self.device)
+        (memory,) = all_reduce_scalars(w.get("gpu_memory_used_gib", 0.0), device=self.device,
+                                       op="max")
+        row = {}
+        if n:
+            row.update(gpu_util_pct=util / n, gpu_memory_used_gib=memory)
+        if n_power:
+            row["gpu_power_w"] = power / n_power
+        return row
+
+    def _gpu_energy_kwh(self, gpu: GpuMonitor) -> float | None:
+        """The energy every rank's GPU used during training, summed, in kWh (NVML's counter);
+        None without it. Collective with several CUDA ranks."""
+        if self.device.type != "cuda":
+            return None
+        joules = gpu.energy_j()
+        n, total = all_reduce_scalars(float(joules is not None), joules or 0.0,
+                                      device=self.device)
+        return total / 3.6e6 if n == self.world else None
+
     def epsilon(self) -> float:
         if self.ledger.num_releases == 0:
             return 0.0
@@ -720,6 +751,9 @@ class Trainer:
         start = time.time()
         peak_gib = None  # the highest peak_memory_gib of this process's rows (none: secure mode)
         peak_memory_bytes(self.device, reset=True)  # rows measure the steps, not the build
+        gpu = GpuMonitor(self.device).start()  # off (and silent) without CUDA
+        if main and gpu.reason and self.device.type == "cuda":
+            print(f"dptrain: no GPU telemetry in metrics.jsonl: {gpu.reason}", file=sys.stderr)
         try:
             # the step of the newest checkpoint in this run's directory (a run resumed there
             # starts at one; step 0 needs none; a branch resumed from another run's checkpoint
@@ -754,9 +788,11 @@ class Trainer:
                         row["time"] = time.time() - start
                         row["peak_memory_gib"] = self._peak_memory_gib()
                         peak_gib = max(peak_gib or 0.0, row["peak_memory_gib"])
+                        row.update(self._gpu_row(gpu))
                     if tc.eval_every and self.step % tc.eval_every == 0 and not last:
                         row.update({f"test_{k}": v for k, v in self.evaluate().items()})
                         peak_memory_bytes(self.device, reset=True)  # the next row: training
+                        gpu.window()  # likewise
                     if metrics_file:
                         pending.append(strict_json(row) + "\n")
                         if not held:
@@ -775,6 +811,7 @@ class Trainer:
             flush()
         finally:
             bar.close()
+            gpu.close()
             # the per-example buffers of multi-state queries (private data): not needed now
             self.engine.release_workspace()
             if metrics_file:
@@ -798,6 +835,7 @@ class Trainer:
             "git_commit": git_commit(),
             "train_seconds": time.time() - start,
             "peak_memory_gib": peak_gib,
+            "gpu_energy_kwh": self._gpu_energy_kwh(gpu),
             "inner_momentum_memory": self.query_memory,
             "config": to_dict(self.cfg),
         }
