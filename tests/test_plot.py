@@ -52,6 +52,17 @@ def test_series_group_the_row_keys_into_panels():
     assert metric_series([{"step": 1, "lr": 0.1}]) == {"learning rate": {"lr": ([1], [0.1])}}
 
 
+def test_gpu_telemetry_is_drawn_beside_the_memory_peak_and_in_panels_of_its_own():
+    rows = [{"step": s, "peak_memory_gib": 1.0 * s, "gpu_memory_used_gib": 1.5 * s,
+             "gpu_util_pct": 80.0 + s, "gpu_power_w": 300.0 + s} for s in (1, 2)]
+    s = metric_series(rows)
+    assert list(s) == ["peak memory (GiB)", "GPU utilisation (%)", "GPU power (W)"]
+    assert s["peak memory (GiB)"] == {"peak_memory_gib": ([1, 2], [1.0, 2.0]),
+                                      "gpu_memory_used_gib": ([1, 2], [1.5, 3.0])}
+    assert s["GPU utilisation (%)"] == {"gpu_util_pct": ([1, 2], [81.0, 82.0])}
+    assert s["GPU power (W)"] == {"gpu_power_w": ([1, 2], [301.0, 302.0])}
+
+
 def _run(capsys, *args) -> tuple[int, str, str]:
     code = main(list(args))
     cap = capsys.readouterr()

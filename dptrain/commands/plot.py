@@ -4,7 +4,8 @@
 
 Reads ``DIR/metrics.jsonl`` (and ``DIR/summary.json`` once the run has finished, for the final
 test metrics) and draws one panel per quantity: the training and test losses, epsilon spent,
-each parameter group's learning rate, peak memory and every other test metric
+each parameter group's learning rate, peak memory (with NVML's device memory on CUDA), GPU
+utilisation and power, and every other test metric
 (``dptrain.diagnostics.plotting.metric_series``). A run still in progress can be plotted: a
 last line it is writing is left out. The default output is ``DIR/metrics.png``; an existing
 file is kept unless ``--force``.

@@ -74,7 +74,10 @@ not worth a panel."""
 
 _LOSSES = ("loss", "nll_per_token")
 
-_PANELS = {"epsilon": "epsilon spent", "peak_memory_gib": "peak memory (GiB)"}
+_PANELS = {"epsilon": "epsilon spent", "peak_memory_gib": "peak memory (GiB)",
+           # NVML's device memory beside PyTorch's peak: the gap is the context, NCCL, the cache
+           "gpu_memory_used_gib": "peak memory (GiB)",
+           "gpu_util_pct": "GPU utilisation (%)", "gpu_power_w": "GPU power (W)"}
 """Panel titles of row keys (others: the key, ``test_`` as "test ")."""
 
 Series = dict[str, tuple[list[int], list[float]]]
