@@ -800,6 +800,18 @@ def test_webdataset_damaged_shards_are_config_errors_naming_data_path(tmp_path):
         w.write({"__key__": "a", "jpg": b"\xff\xd8", "cls": b"\xff\xfe"})
     with pytest.raises(ConfigError, match="a.cls is not an integer label"):
         build()
+    # a file name with a dot before its extension: webdataset's key ends at the first dot, so
+    # the error names the member and that rule, not only the (surprising) key
+    with tarfile.open(train, "w") as tf:
+        for name, data in (("n01.0026.jpg", b"\xff\xd8"), ("n01.0026.cls", b"3")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    with pytest.raises(ConfigError, match=r"sample 'n01' has no image \(it has n01.0026.jpg; "
+                                          r"webdataset's key is a file name up to its first "
+                                          r"dot") as e:
+        build()
+    assert e.value.field == "data.path"
     train.unlink()
     (tmp_path / "imagenet-train-000001.tar").mkdir()  # matches *train*.tar, not a shard
     with pytest.raises(ConfigError, match="no shard matches") as e:

@@ -96,7 +96,10 @@ def index_shards(shards: list[Path]) -> dict[str, np.ndarray]:
         for key, rec in samples.items():
             if "img" not in rec or "cls" not in rec:
                 missing = "image" if "img" not in rec else "cls label"
-                raise ConfigError("data.path", f"{path}: sample {key!r} has no {missing}")
+                raise ConfigError("data.path", (
+                    f"{path}: sample {key!r} has no {missing} (it has {rec['member']}; "
+                    "webdataset's key is a file name up to its first dot, so "
+                    "'n01.0026.jpg' is the sample 'n01' with the extension '0026.jpg')"))
             shard_ids.append(s)
             offsets.append(rec["img"][0])
             sizes.append(rec["img"][1])
@@ -121,7 +124,7 @@ def _scan_shard(path: Path, base_plus_ext) -> dict[str, dict]:
             if prefix is None or Path(prefix).name.startswith("__"):
                 continue
             ext = ext.lower()
-            rec = samples.setdefault(prefix, {})
+            rec = samples.setdefault(prefix, {"member": m.name})  # (named by errors)
             part = "img" if ext in IMAGE_EXTS else "cls" if ext in LABEL_EXTS else None
             if part is not None and part in rec:
                 # one example must be one sample: a key seen twice in a shard would merge

@@ -1,9 +1,10 @@
 """E2E generation quality: greedy decoding from ``mr || `` prompts, BLEU and ROUGE-L.
 
 - BLEU: ``sacrebleu.corpus_bleu`` with every reference of a prompt (variable counts are padded
-  with ``None``, which sacrebleu ignores), default 13a tokenisation, 0-100.
+  with ``None``, which sacrebleu ignores), default 13a tokenisation, case-sensitive, 0-100.
 - ROUGE-L: ``rouge_score`` F-measure of each hypothesis against each of its references, the
-  maximum over references, averaged over prompts, times 100.
+  maximum over references, averaged over prompts, times 100 (its tokenizer lower-cases, so
+  case does not count here).
 
 These are the metrics as the brief defines them; the official E2E scripts (mteval BLEU,
 pycocoevalcap ROUGE-L) give slightly different numbers.
