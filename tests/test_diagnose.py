@@ -420,6 +420,24 @@ def test_mistakes_exit_2_with_one_line_naming_the_option(request, tmp_path, caps
     assert not out.exists()
 
 
+@pytest.mark.parametrize("which, k", [("plain", "1,0.9"), ("im", "3,0.9")])
+def test_a_history_too_short_is_refused_before_any_forward(request, tmp_path, capsys,
+                                                           monkeypatch, which, k):
+    """docs/diagnostics.md: a history shorter than K is checked before any work. It used to be
+    refused after a forward and backward of every probe example."""
+    from dptrain.diagnostics import probes
+
+    def computed(*a, **kw):
+        raise AssertionError("clip factors computed before the history was checked")
+
+    monkeypatch.setattr(probes, "clip_factors", computed)
+    run_dir = request.getfixturevalue(f"{which}_run")
+    code, _, err = run_cli(capsys, "diagnose", "--run", run_dir, "--compare-im", k,
+                           "--probe-examples", "2", "--output", tmp_path / "never.json")
+    assert code == 2 and "--compare-im" in err and "past states" in err
+    assert not (tmp_path / "never.json").exists()
+
+
 # -------------------------------------------------------------------------- pure helpers
 
 def test_probe_indices_are_evenly_spaced_over_the_whole_split():

@@ -368,6 +368,17 @@ def test_gradient_snr_of_zero_signal_and_zero_noise_is_nan():
     assert gradient_snr(torch.zeros(2, 2), torch.ones(2, 2)) == 0.0
 
 
+def test_gradient_snr_refuses_other_shapes_and_gives_nan_for_non_finite_entries():
+    # as every other function: a (4, 3) gradient against (3, 4) noise is a mistake, not 1.0
+    with pytest.raises(ValueError, match="shapes differ"):
+        gradient_snr(torch.ones(4, 3), torch.ones(3, 4))
+    for bad in (math.inf, -math.inf, math.nan):
+        X = torch.ones(3, 3)
+        X[1, 2] = bad
+        assert math.isnan(gradient_snr(X, torch.ones(3, 3)))  # was inf (or nan for NaN)
+        assert math.isnan(gradient_snr(torch.ones(3, 3), X))  # was 0.0
+
+
 # ---- summarize(): the per-candidate fields by hand -----------------------------------------
 
 

@@ -193,9 +193,13 @@ def normalized_residual(G: Tensor, lam: Tensor) -> float:
 
 
 def gradient_snr(G: Tensor, N: Tensor) -> float:
-    """||G||_F / ||N||_F: signal (a gradient) over noise (e.g. the release noise); inf if N = 0."""
+    """||G||_F / ||N||_F: signal (a gradient) over noise (e.g. the release noise); inf if N = 0,
+    nan if either holds a NaN or an infinity."""
+    _check_same_shape(G, N)
     n = _fro(N)
     g = _fro(G)
+    if not (math.isfinite(g) and math.isfinite(n)):
+        return math.nan
     if n == 0.0:
         return math.nan if g == 0.0 else math.inf
     return g / n

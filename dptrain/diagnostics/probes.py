@@ -505,10 +505,11 @@ def diagnose(run: LoadedRun, *, probe_examples: int = 64, params: str | None = N
     m = len(indices)
 
     plan_cur: list = [(1.0, None)]
+    # the IM plan first: a history too short for it is refused before any forward or backward
+    plan, am, aa = im_plan(run, compare_im) if compare_im is not None else (None, None, None)
     norms_cur, lam_cur = clip_factors(run, indices, plan_cur)
     im = None
     if compare_im is not None:
-        plan, am, aa = im_plan(run, compare_im)
         if len(plan) == 1 and plan[0][1] is None:  # K = 0 or gamma = 0: the same query
             norms_im, lam_im = norms_cur, lam_cur
         else:
