@@ -696,6 +696,10 @@ class ClippingEngine:
                         else:  # FSDP2 gathers from the parameter's own storage: copy into it
                             saved[n] = p.data.clone()
                             p.data.copy_(v)
+                # autocast keeps its low-precision copies of the weights, keyed by the
+                # parameter, until its outermost region ends: neither a swap nor a copy shows
+                # in them, so without this the state's forward would use the current weights
+                torch.clear_autocast_cache()
                 yield
             finally:
                 with torch.no_grad():
@@ -703,6 +707,7 @@ class ClippingEngine:
                         self.params[n].data = v
                     for n, v in saved.items():
                         self.params[n].data.copy_(v)
+                torch.clear_autocast_cache()  # (and the state's copies must not outlive it)
 
     # -----------------------------------------------------------------------------------------
     # the private query of one microbatch
