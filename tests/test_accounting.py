@@ -315,6 +315,24 @@ def test_a_refused_plan_is_one_error_with_the_fallback_note_inside():
         assert check_plan(unbounded, 0.001) > 1e5
 
 
+def test_a_plan_above_its_target_by_more_than_rounding_is_refused():
+    from dptrain.privacy.accounting import check_plan
+
+    def plan(target):
+        return PrivacyConfig(sample_rate=0.01, noise_multiplier=0.7, seed=0, steps=200,
+                             accountant="rdp", epsilon=target, delta=1e-5)
+
+    eps = check_plan(plan(None), 0.7)
+    assert check_plan(plan(eps), 0.7) == eps  # exactly at the target: spent, not exceeded
+    with pytest.raises(ConfigError) as e:  # 5e-10 over it: accepted under the old 1e-9 slack
+        check_plan(plan(eps * (1 - 5e-10)), 0.7)
+    assert e.value.field == "privacy.noise_multiplier"
+    # a calibrated sigma passes its own plan (the search ends strictly under the target)
+    sigma = calibrate_noise_multiplier(eps, 1e-5, 0.01, 200, accountant="rdp",
+                                       epsilon_tolerance=1e-9 * eps)
+    assert check_plan(plan(eps), sigma) <= eps
+
+
 def test_calibration_names_delta_when_it_is_too_small_for_prv():
     with pytest.raises(ConfigError) as e:
         calibrate_noise_multiplier(1.0, 1e-30, 0.01, 100, accountant="prv")

@@ -59,6 +59,10 @@ MAX_TARGET_EPSILON = 1e6
 PRV_MAX_CALIBRATION_EPSILON = 100.0
 """Above this target, :func:`calibrate_noise_multiplier` with ``prv`` calibrates to RDP's bound
 (with an :class:`AccountingWarning`): opacus' PRV search there takes minutes, or never ends."""
+EPSILON_ROUNDING = 1e-12
+"""How far (relative) a plan's epsilon may be above its target: float rounding only (a sigma
+calibrated just under the target, recomputed by another route). It was 1e-9, which let a plan
+through 1.4e-9 above its target."""
 MAX_STEPS = 10**9
 """Most releases a plan may have. Far beyond any training run; opacus' accountants break down
 numerically on larger counts (PRV cannot allocate its grid, RDP's bound turns negative near
@@ -246,7 +250,9 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
                                accountant: str = "prv",
                                epsilon_tolerance: float | None = None) -> float:
     """Smallest sigma (to ``epsilon_tolerance``; None: :func:`default_epsilon_tolerance`) with
-    ``steps`` releases at rate ``sample_rate`` spending at most ``epsilon`` at ``delta``.
+    ``steps`` releases at rate ``sample_rate`` spending at most ``epsilon`` at ``delta``
+    (where epsilon is flat in sigma, near PRV's 0.01 floor, the first sigma within the
+    tolerance: docs/privacy.md, "Calibration").
 
     Runs ``opacus.accountants.utils.get_noise_multiplier``'s doubling then bisection search on
     opacus' accountants (:func:`_search_sigma`: the same probes, with PRV grids bounded in
@@ -338,7 +344,7 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
             warnings.filterwarnings("ignore", category=AccountingWarning)
             warnings.filterwarnings("ignore", message=_OPACUS_NOTES, category=UserWarning)
             achieved = _epsilon_of(sigma, sample_rate, steps, delta, "prv")
-        if achieved > epsilon * (1 + 1e-9):
+        if achieved > epsilon * (1 + EPSILON_ROUNDING):
             return with_rdp(f"the PRV accountant cannot be used at the calibrated sigma "
                             f"{float(sigma):.6g}")
     return float(sigma)
@@ -444,8 +450,8 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None) -> float:
                               f"accountant can handle ({type(e).__name__})") from None
         raise ConfigError("privacy.steps",
                           _accountant_failed(cfg.accountant, cfg.steps, e)) from None
-    # 1e-9 relative: a calibrated sigma meets the target up to the search's float rounding
-    if cfg.epsilon is not None and eps > cfg.epsilon * (1 + 1e-9):
+    # a calibrated sigma meets the target, up to the float rounding of another route to it
+    if cfg.epsilon is not None and eps > cfg.epsilon * (1 + EPSILON_ROUNDING):
         field_name = ("privacy.noise_multiplier" if cfg.noise_multiplier is not None
                       else "privacy.steps")
         raise ConfigError(
