@@ -479,3 +479,11 @@ def test_the_tolerance_bound_accepts_its_own_printed_lower_end():
         calibrate_noise_multiplier(1000.0, 1e-5, 1.0, 1, accountant="rdp",
                                    epsilon_tolerance=0.99e-6)
     assert e.value.field == "epsilon_tolerance"
+
+
+def test_a_target_under_prvs_error_margin_is_refused_saying_why():
+    # PRV reports eps(delta - delta_error) + 0.01: no sigma gets it to 0.005
+    with pytest.raises(ConfigError) as e:
+        calibrate_noise_multiplier(0.005, 1e-5, 0.01, 100, accountant="prv")
+    assert e.value.field == "epsilon" and "unreachable" in e.value.message
+    assert "error margin of 0.01" in e.value.message

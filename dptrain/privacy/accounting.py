@@ -318,6 +318,8 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
             from opacus.accountants.utils import MAX_SIGMA
 
             hint = ("; the prv accountant certifies smaller epsilons" if accountant == "rdp"
+                    else f"; PRV's bound includes its error margin of {DEFAULT_EPS_ERROR:g}, "
+                         f"so it never goes below that" if epsilon <= 2 * DEFAULT_EPS_ERROR
                     else "")
             raise ConfigError("epsilon", f"{epsilon} at delta={delta} is unreachable with "
                                          f"{steps} steps at sample rate {sample_rate}: no "
