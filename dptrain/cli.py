@@ -10,7 +10,9 @@ import argparse
 import importlib.util
 import sys
 
-from dptrain.config import ConfigError
+from dptrain.config import ConfigError, check_path_name
+
+_PATH_OPTIONS = ("config", "output_dir", "resume", "run", "checkpoint", "output", "plot")
 
 
 def _commands():
@@ -50,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
+        for attr in _PATH_OPTIONS:  # a name too long for the OS: one line, not an OSError
+            value = getattr(args, attr, None)
+            if isinstance(value, str) and not (attr == "resume" and value == "auto"):
+                name = attr.replace("_", "-")  # (train names its options without dashes)
+                check_path_name(name if args.command == "train" else f"--{name}", value)
         return int(commands[args.command].run(args) or 0)
     except ConfigError as e:
         print(f"dptrain {args.command}: error: {e}", file=sys.stderr)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
@@ -183,13 +184,39 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+NAME_MAX, PATH_MAX = 255, 4095
+"""The longest file name and path (bytes) the checks accept: Linux's and macOS' limits."""
+
+
+def check_path_name(field: str, value: str | None) -> None:
+    """A path the operating system would refuse by its length is a ConfigError naming
+    ``field`` (``Path.is_file`` and its kin raise ``OSError`` "File name too long" for it,
+    where a missing file gives False)."""
+    if not value:
+        return
+    encoded = os.fsencode(value)
+    part = max(encoded.split(b"/"), key=len)
+    if len(part) > NAME_MAX or len(encoded) > PATH_MAX:
+        what = (f"a name of {len(part)} bytes (at most {NAME_MAX})" if len(part) > NAME_MAX
+                else f"{len(encoded)} bytes (at most {PATH_MAX})")
+        raise ConfigError(field, f"is not a usable path: {what}; it starts {value[:60]!r}")
+
+
+def _is_path_field(name: str) -> bool:
+    return name == "path" or name.endswith(("_path", "_file"))
+
+
 def validate_tree(obj: Any, path: str = "") -> None:
-    """Call ``validate()`` on every nested config, children first, prefixing field paths."""
+    """Call ``validate()`` on every nested config, children first, prefixing field paths;
+    path fields (``path``, ``*_path``, ``*_file``) are first checked by
+    :func:`check_path_name`."""
     if not dataclasses.is_dataclass(obj):
         return
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         sub = f"{path}.{f.name}" if path else f.name
+        if _is_path_field(f.name) and isinstance(value, str):
+            check_path_name(sub, value)
         if dataclasses.is_dataclass(value):
             validate_tree(value, sub)
         elif isinstance(value, list):
@@ -334,8 +361,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(key or text, "an override must look like key.sub=value")
+    if not raw.strip():  # `key=` meant null, silently: for some keys the opposite of intended
+        raise ConfigError(key, "has no value (write key=null for null, key='' for an empty "
+                               "string)")
     try:
-        value = safe_load(raw, key) if raw.strip() else None
+        value = safe_load(raw, key)
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -354,6 +384,7 @@ def apply_override(data: dict, keys: list[str], value: Any) -> None:
 
 
 def load_yaml(path: str | Path) -> dict:
+    check_path_name("config", str(path))
     path = Path(path)
     if not path.is_file():
         raise ConfigError("config", f"file not found: {path}")
@@ -365,12 +396,43 @@ def load_yaml(path: str | Path) -> dict:
     except OSError as e:
         raise ConfigError("config", f"cannot read {path}: {e.strerror or e}") from None
     try:
-        data = safe_load(text) or {}
+        data = safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError("config", f"{path} is not valid YAML: {_yaml_error_line(e)}") from None
+    if data is None:  # an empty (or truncated, or mistyped) file would be the whole default run
+        raise ConfigError("config", f"{path} holds no settings (write {{}} to take every "
+                                    "default: GPT-2 small on E2E)")
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping at the top level")
     return data
+
+
+def _section_type(cls: type, keys: list[str]) -> type | None:
+    """The config class (dataclass) at ``keys`` under ``cls``; None for a plain field (a
+    number, a list, a free mapping such as ``model.timm_kwargs``) or an unknown key."""
+    tp: Any = cls
+    for k in keys:
+        if not dataclasses.is_dataclass(tp):
+            return None
+        hint = typing.get_type_hints(tp).get(k)
+        if hint is None:
+            return None
+        if get_origin(hint) in (Union, types.UnionType):  # Section | None
+            sections = [a for a in get_args(hint) if dataclasses.is_dataclass(a)]
+            hint = sections[0] if len(sections) == 1 else None
+        tp = hint
+    return tp if dataclasses.is_dataclass(tp) else None
+
+
+def _apply(cls: type, data: dict, keys: list[str], value: Any) -> None:
+    """One override; a mapping given to a config section sets the keys it names and keeps the
+    section's others (``privacy={epsilon: 3}`` is ``privacy.epsilon=3``: it used to replace the
+    whole section, dropping the file's steps and sample rate)."""
+    if isinstance(value, dict) and value and _section_type(cls, keys) is not None:
+        for k, v in value.items():
+            _apply(cls, data, [*keys, str(k)], v)
+    else:
+        apply_override(data, keys, value)
 
 
 def load(cls: type, path: str | Path | None = None, overrides: list[str] = ()) -> Any:
@@ -378,7 +440,7 @@ def load(cls: type, path: str | Path | None = None, overrides: list[str] = ()) -
     data = load_yaml(path) if path is not None else {}
     for text in overrides:  # in order: a key given twice takes its last value, so that a
         keys, value = parse_override(text)  # script can add settings after a user's
-        apply_override(data, keys, value)
+        _apply(cls, data, keys, value)
     obj = from_dict(cls, data)
     validate_tree(obj)
     return obj

@@ -39,7 +39,7 @@ from dptrain.optim.build import transposed_weights
 from dptrain.performance import PerformanceConfig, check_kernels
 from dptrain.privacy.accounting import (Ledger, calibrate_noise_multiplier, check_plan,
                                         epsilon as ledger_epsilon)
-from dptrain.privacy.config import PrivacyConfig
+from dptrain.privacy.config import NOISE_TAIL, PrivacyConfig, noise_fits
 from dptrain.privacy.noise import block_share, gaussian_noise, secure_seed
 from dptrain.privacy.sampling import poisson_sample, shard_indices
 from dptrain.telemetry import peak_memory_bytes, strict_json
@@ -183,6 +183,11 @@ def plan_privacy(cfg: PrivacyConfig, train_size: int) -> PrivacyPlan:
             raise ConfigError(f"privacy.{e.field}", e.message) from None
     else:
         sigma = cfg.noise_multiplier
+    if not noise_fits(sigma, cfg.clip_norm):
+        raise ConfigError(
+            "privacy.noise_multiplier" if cfg.noise_multiplier is not None else "privacy.clip_norm",
+            f"noise std sigma * C = {sigma:g} * {cfg.clip_norm:g} is too large: the noise "
+            f"(up to {NOISE_TAIL:g} times it) would overflow float32 and the model would be NaN")
     eps = check_plan(cfg, sigma)  # ConfigError naming the field if over the budget
     return PrivacyPlan(cfg.sample_rate, sigma, cfg.clip_norm, b, cfg.steps, cfg.delta,
                        cfg.accountant, eps, n)

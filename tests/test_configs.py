@@ -390,3 +390,99 @@ def test_docs_config_md_is_the_generated_key_reference_and_every_key_is_document
     assert {"seed", "privacy.delta", "optim.filter.kappa", "optim.groups[].pattern",
             "optim.inner_momentum.k_muon", "train.keep_checkpoints"} <= keys
     assert "optim.filter" not in keys and len(keys) == len(rows)
+
+
+# ------------------------------------------------------------- a config fuzz's findings (exit 2)
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+TINY_IMAGES = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_images.yaml")
+
+
+def _dry_run(capsys, *argv) -> tuple[int, str]:
+    from dptrain.cli import main
+
+    code = main(["train", "--dry-run", *argv])
+    return code, capsys.readouterr().err.strip()
+
+
+LONG = "x" * 300  # a file name of 300 bytes: Path.is_file raised OSError "File name too long"
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--config", LONG], "config"),
+    (["--config", TINY, "--output-dir", f"/tmp/{LONG}"], "output-dir"),
+    (["--config", TINY, "--output-dir", "{out}", "--resume", f"/tmp/{LONG}"], "resume"),
+    (["--config", TINY, "--output-dir", "{out}", f"model.pretrained_path={LONG}"],
+     "model.pretrained_path"),
+    (["--config", TINY_IMAGES, "--output-dir", "{out}", "model.name=timm",
+      "model.timm_name=nf_resnet_tiny", f"model.pretrained_path={LONG}"], "model.pretrained_path"),
+    (["--config", TINY, "--output-dir", "{out}", "data.name=e2e", f"data.path={LONG}"],
+     "data.path"),
+    (["--config", TINY, "--output-dir", "{out}", "data.name=e2e", f"data.train_file=a/{LONG}"],
+     "data.train_file"),
+    (["--config", TINY, "--output-dir", "{out}", "data.name=e2e", "data.path=" + "/a" * 2100],
+     "data.path"),  # every name short, the path over 4,095 bytes
+])
+def test_paths_too_long_for_the_os_are_one_line_naming_the_field(tmp_path, capsys, argv, field):
+    argv = [a.format(out=tmp_path / "out") for a in argv]
+    code, err = _dry_run(capsys, *argv, "privacy.noise_multiplier=1")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"dptrain train: error: {field}: is not a usable path"), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_mapping_given_to_a_section_sets_its_keys_and_keeps_the_others():
+    base = load(RunConfig, TINY)
+    cfg = load(RunConfig, TINY, ["privacy={epsilon: 3, clip_norm: 0.5}"])
+    # it replaced the whole section: steps 4 -> 100, sample rate 0.125 -> 0.01, rdp -> prv
+    assert (cfg.privacy.epsilon, cfg.privacy.clip_norm) == (3.0, 0.5)
+    assert (cfg.privacy.steps, cfg.privacy.sample_rate, cfg.privacy.accountant) == (
+        base.privacy.steps, base.privacy.sample_rate, base.privacy.accountant)
+    # nested sections merge too; a free mapping (timm_kwargs) is one value, replaced whole
+    cfg = load(RunConfig, TINY, ["optim={inner_momentum: {k_muon: 2}}"])
+    assert cfg.optim.inner_momentum.k_muon == 2 and cfg.optim.name == base.optim.name
+    cfg = load(RunConfig, TINY_IMAGES, ["model.name=timm", "model.timm_name=vit_tiny_patch16_224",
+                                        "model.timm_kwargs={img_size: 16, patch_size: 4}",
+                                        "model.timm_kwargs={patch_size: 8}"])
+    assert cfg.model.timm_kwargs == {"patch_size": 8}
+    with pytest.raises(ConfigError) as e:  # an unknown key inside still names itself
+        load(RunConfig, TINY, ["privacy={epsilom: 3}"])
+    assert e.value.field == "privacy.epsilom"
+
+
+def test_an_override_without_a_value_and_a_config_without_settings_are_refused(tmp_path):
+    # `key=` silently meant null: train.generate_prompts= was "every test MR", not 0
+    with pytest.raises(ConfigError) as e:
+        load(RunConfig, TINY, ["privacy.epsilon="])
+    assert e.value.field == "privacy.epsilon" and "key=null" in e.value.message
+    assert load(RunConfig, TINY, ["privacy.epsilon=null",
+                                  "privacy.noise_multiplier=1"]).privacy.epsilon is None
+    for text in ("", "# only a comment\n", "null\n"):  # was the whole default run
+        (tmp_path / "c.yaml").write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load(RunConfig, tmp_path / "c.yaml")
+        assert e.value.field == "config" and "holds no settings" in e.value.message
+    (tmp_path / "c.yaml").write_text("{}\n")  # every default, said so
+    assert load(RunConfig, tmp_path / "c.yaml") == load(RunConfig, None)
+
+
+@pytest.mark.parametrize("name", ["foo/bar", "hf-hub:timm/resnet18", "local-dir:/tmp"])
+def test_timm_names_that_timm_would_fetch_or_read_from_a_folder_are_refused(name):
+    with pytest.raises(ConfigError) as e:  # a ValueError, a Hub download, a FileNotFoundError
+        load(RunConfig, TINY_IMAGES, ["model.name=timm", f"model.timm_name={name}"])
+    assert e.value.field == "model.timm_name" and "registered" in e.value.message
+
+
+@pytest.mark.parametrize("overrides, field, words", [
+    (["privacy.epsilon=5e-324"], "privacy.epsilon", "too small"),  # named epsilon_tolerance
+    (["privacy.epsilon=null", "privacy.noise_multiplier=1e30", "privacy.clip_norm=1e30"],
+     "privacy.noise_multiplier", "overflow float32"),  # trained to a NaN model, exit 0
+    (["privacy.epsilon=null", "privacy.noise_multiplier=1", "privacy.clip_norm=1e-45"],
+     "privacy.clip_norm", "smallest normal"),
+])
+def test_privacy_values_float32_cannot_carry_are_refused(tmp_path, capsys, overrides, field,
+                                                         words):
+    code, err = _dry_run(capsys, "--config", TINY, "--output-dir", str(tmp_path / "o"),
+                         *overrides)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"dptrain train: error: {field}: ") and words in err, err

@@ -195,6 +195,12 @@ class ModelConfig:
                 raise ConfigError("pretrained_path", f"file not found: {self.pretrained_path}")
         if self.name == "timm" and not self.timm_name:
             raise ConfigError("timm_name", "must name a timm model, e.g. nf_resnet50")
+        if self.name == "timm" and any(c in self.timm_name for c in ":/"):
+            # timm reads "org/name", "hf-hub:..." and "local-dir:..." from the Hub or a folder
+            raise ConfigError("timm_name", f"{self.timm_name!r} is not a timm model name: "
+                                           "dptrain builds timm models by their registered "
+                                           "names (e.g. nf_resnet50), offline; their weights "
+                                           "come from model.pretrained_path")
         if self.name == "cnn":
             if not self.channels or any(c < 1 for c in self.channels):
                 raise ConfigError("channels", f"must be a non-empty list of positive integers, "

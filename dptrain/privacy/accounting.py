@@ -284,6 +284,10 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
                                      f"multiplier itself), got {epsilon:g}")
     if epsilon_tolerance is None:
         epsilon_tolerance = default_epsilon_tolerance(epsilon)
+        if not 0 < epsilon_tolerance < epsilon:
+            # (epsilon 5e-324: 1% of it is 0) the caller named no tolerance: name epsilon
+            raise ConfigError("epsilon", f"{epsilon:g} is too small to calibrate sigma for "
+                                         "(its default tolerance, 1% of it, underflows)")
     if not (epsilon_tolerance > 0) or not math.isfinite(epsilon_tolerance):
         raise ConfigError("epsilon_tolerance", f"must be > 0, got {epsilon_tolerance}")
     # below ~1e-9 relative the search's float rounding cannot meet it (it looped forever), and a

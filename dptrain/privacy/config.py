@@ -13,6 +13,18 @@ from typing import Literal
 from dptrain.config import ConfigError
 from dptrain.privacy.accounting import MAX_STEPS
 
+FLOAT32_TINY = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e38
+NOISE_TAIL = 40.0
+"""No float64 Gaussian draw exceeds ~38.5 standard deviations: sigma * C * NOISE_TAIL must fit
+in float32 (``noise_fits``)."""
+
+
+def noise_fits(sigma: float, clip_norm: float) -> bool:
+    """Whether every noise value sigma * C * Z can be held in float32 (not inf, nor NaN in the
+    model after it)."""
+    return sigma * clip_norm * NOISE_TAIL < FLOAT32_MAX
+
 
 @dataclass(kw_only=True)
 class PrivacyConfig:
@@ -59,6 +71,9 @@ class PrivacyConfig:
                                        f"handle more releases), got {self.steps}")
         if not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
             raise ConfigError("clip_norm", f"must be > 0, got {self.clip_norm}")
+        if self.clip_norm < FLOAT32_TINY:  # clip factors C/||u|| and the noise flush to 0
+            raise ConfigError("clip_norm", f"{self.clip_norm:g} is below float32's smallest "
+                                           f"normal number ({FLOAT32_TINY:.3g})")
         if self.noise_multiplier is not None and not (self.noise_multiplier >= 0
                                                       and math.isfinite(self.noise_multiplier)):
             raise ConfigError("noise_multiplier",
