@@ -83,6 +83,22 @@ def test_largest_lower_bound_is_the_bound_of_a_perfect_audit():
     assert canaries_needed(3.0, delta) == 1000 and canaries_needed(5.3, delta) > 1000
     assert canaries_needed(8.0, delta) is None  # the delta term grows with m
     assert canaries_needed(float("inf"), 0.0) is None
+    # the ceiling peaks between doublings (5.603 at 2,000, 5.733 near 3,300, 5.718 at 4,000):
+    # a claim of 5.72 was "no number of canaries can"
+    m = canaries_needed(5.72, delta)
+    assert m is not None and 2000 < m < 4000 and largest_lower_bound(m, delta) > 5.72
+    assert canaries_needed(5.74, delta) is None
+
+
+@pytest.mark.parametrize("m, r, v, delta, significance", [
+    (50, 5, 5, 0.0, 0.05), (50, 5, 5, 1e-5, 0.05), (200, 20, 16, 0.0, 0.05),
+    (200, 20, 16, 1e-6, 0.05)])
+def test_the_reported_bound_is_itself_rejected(m, r, v, delta, significance):
+    """brentq's point lies within its xtol of the root on either side: it used to be reported
+    as is, with p-values up to 0.0500000216 at significance 0.05 (not quite a rejection)."""
+    eps = epsilon_lower_bound(m, r, v, delta, significance)
+    assert eps > 0 and one_run_p_value(m, r, v, eps, delta) <= significance
+    assert one_run_p_value(m, r, v, eps + 1e-5, delta) > significance  # and still tight
 
 
 def _gdp_epsilon(mu: float, delta: float) -> float:
