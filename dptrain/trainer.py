@@ -66,7 +66,8 @@ class TrainConfig:
     generate_prompts: int | None = 0
     """E2E and DART (``data.name: e2e``): at the final evaluation, greedy generations for the
     first this many test meaning representations, scored against all their references: BLEU
-    (sacrebleu, multi-reference) and ROUGE-L (best over references) in summary.json as
+    (sacrebleu, multi-reference, case-sensitive) and ROUGE-L (best over references;
+    rouge_score lower-cases) in summary.json as
     ``test_bleu``, ``test_rouge_l``, ``test_generated_prompts``. Null: every test MR (the
     papers' protocol); 0: none. Public test data: no privacy cost."""
     max_new_tokens: int = 64
