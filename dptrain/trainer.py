@@ -30,6 +30,7 @@ from torch import Tensor
 from dptrain.clipping import ClippingEngine
 from dptrain.config import ConfigError, to_dict
 from dptrain.data import DataConfig, build_data
+from dptrain.data.fingerprint import index_fingerprint
 from dptrain.data.wds import default_decode_threads
 from dptrain.models import ModelConfig, build_model
 from dptrain.models.finetune import merged_state, write_adapter
@@ -241,18 +242,25 @@ def guarantee(cfg) -> str:
             "noise (secure_mode: false)")
 
 
-def _check_ranks_agree_on_n(n: int, device: torch.device) -> None:
+def _check_ranks_agree_on_data(n: int, fingerprint: int | None, device: torch.device) -> None:
     """Every rank samples S_t over its own copy of the training set and takes its share by
-    position: ranks that see different N (node-local copies of the data that differ) would
-    process some sampled examples twice (sensitivity 2C) and drop others. Refuse to start."""
+    position: ranks that see different N, or the same N in another order or content
+    (node-local copies of the data that differ; ``dptrain.data.fingerprint``), would process
+    some sampled examples twice (sensitivity 2C) and drop others. Refuse to start."""
     import torch.distributed as dist
 
-    t = torch.tensor([n, -n], dtype=torch.int64, device=device)
+    fp = -1 if fingerprint is None else fingerprint
+    t = torch.tensor([n, -n, fp, -fp], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     hi, lo = int(t[0]), -int(t[1])
     if hi != lo:
         raise ConfigError("data", f"the ranks see training sets of different sizes (from {lo} "
                                   f"to {hi} examples; this rank {n}): every rank must read the "
+                                  "same data")
+    if int(t[2]) != -int(t[3]):
+        raise ConfigError("data", f"the ranks see different training sets of {n} examples "
+                                  "(their index digests differ: other files, labels or order; "
+                                  "dptrain/data/fingerprint.py): every rank must read the "
                                   "same data")
 
 
@@ -314,7 +322,8 @@ class Trainer:
                 split.skip_undecodable = True
         self.train_size = len(self.task.train)
         if self.world > 1:
-            _check_ranks_agree_on_n(self.train_size, self.device)
+            _check_ranks_agree_on_data(self.train_size, index_fingerprint(self.task.train),
+                                       self.device)
         self.plan = plan_privacy(cfg.privacy, self.train_size)
         # Sensitive in secure mode: the seed is never written anywhere.
         self._privacy_seed = (_shared_secure_seed(self.world) if cfg.privacy.secure_mode

@@ -492,6 +492,29 @@ def test_ranks_that_see_different_training_set_sizes_refuse_to_start():
     assert spawn(_n_on_each_rank, 2, [64, 64]) == [None, None]
 
 
+def _data_on_each_rank(rank: int, world: int, seeds: list[int]):
+    from dptrain.config import ConfigError, load
+    from dptrain.trainer import RunConfig, Trainer
+
+    try:  # the top-level seed draws the synthetic data: the same N, other examples
+        Trainer(load(RunConfig, TINY, ["train.progress=false", "train.checkpoint_every=0",
+                                       f"seed={seeds[rank]}"]))
+        return None
+    except ConfigError as e:
+        return str(e)
+
+
+def test_ranks_that_see_the_same_number_of_other_examples_refuse_to_start():
+    from dptrain.parallel.dist import spawn
+
+    # node-local copies that differ with the same N: index i would be one example on rank 0
+    # and another on rank 1, so an example could be in both ranks' shares; only N was compared
+    errors = spawn(_data_on_each_rank, 2, [0, 1])
+    assert all(e is not None and e.startswith("data:") and "index digests differ" in e
+               for e in errors), errors
+    assert spawn(_data_on_each_rank, 2, [3, 3]) == [None, None]
+
+
 def test_a_fallback_past_damaged_checkpoints_keeps_the_checkpoints_it_writes(tmp_path, capsys,
                                                                             monkeypatch):
     # keep_checkpoints=1: the run's only checkpoint (step 3) is damaged, so --resume auto

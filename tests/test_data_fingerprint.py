@@ -1,0 +1,97 @@
+"""dptrain.data.fingerprint: the index digest the ranks compare at start-up. Equal for the same
+examples in the same order (wherever the copy lives), different when an example, a label or
+the order differs."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from dptrain.data.fingerprint import index_fingerprint
+
+
+def test_in_memory_images_and_token_sequences():
+    from dptrain.data.images import ImageDataset
+    from dptrain.data.lm import LMDataset
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (6, 1, 4, 4), dtype=np.uint8)
+    labels = np.arange(6) % 3
+
+    def imgs(x, y):
+        return index_fingerprint(ImageDataset(x, y, 0.5, 0.5))
+
+    base = imgs(images, labels)
+    assert 0 <= base < 2**62 and base == imgs(images.copy(), labels.copy())
+    assert imgs(images[[1, 0, 2, 3, 4, 5]], labels[[1, 0, 2, 3, 4, 5]]) != base  # order
+    other = images.copy()
+    other[5, 0, 3, 3] ^= 1  # one pixel
+    assert imgs(other, labels) != base
+    assert imgs(images, (labels + 1) % 3) != base
+
+    seqs = [np.array([1, 2, 3]), np.array([4, 5]), np.array([6])]
+
+    def lm(s, p):
+        return index_fingerprint(LMDataset(s, p, pad_id=0))
+
+    base = lm(seqs, [1, 1, 0])
+    assert base == lm([s.copy() for s in seqs], [1, 1, 0])
+    assert lm(seqs, [1, 2, 0]) != base  # where the target starts
+    assert lm([np.array([1, 2]), np.array([3, 4, 5]), np.array([6])], [1, 1, 0]) != base
+    assert index_fingerprint(object()) is None  # another kind: only N is compared
+
+
+def _image_folder(root, names, rng):
+    from PIL import Image
+
+    for split, items in (("train", names), ("val", [("cat", "v.png"), ("dog", "w.png")])):
+        for cls, name in items:
+            (root / split / cls).mkdir(parents=True, exist_ok=True)
+            arr = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+            Image.fromarray(arr).save(root / split / cls / name)
+
+
+def test_image_folders_by_class_and_file_name_wherever_the_copy_lives(tmp_path):
+    from dptrain.data.folders import load_imagefolder
+
+    rng = np.random.default_rng(1)
+    names = [("cat", "a.png"), ("cat", "b.png"), ("dog", "c.png")]
+    _image_folder(tmp_path / "node0", names, rng)
+    _image_folder(tmp_path / "node1", names, rng)  # other pixels, same names: not read
+    _image_folder(tmp_path / "node2", [("cat", "a.png"), ("cat", "b2.png"), ("dog", "c.png")],
+                  rng)
+
+    def fp(root):
+        train, _, _ = load_imagefolder(root, "train", "val", 8, 3, None, None)
+        return index_fingerprint(train)
+
+    assert fp(tmp_path / "node0") == fp(tmp_path / "node1")
+    assert fp(tmp_path / "node2") != fp(tmp_path / "node0")
+
+
+def test_webdataset_shards_by_name_layout_and_label(tmp_path):
+    import webdataset as wds
+
+    from dptrain.data.wds import WebDatasetImages
+
+    def shard(path, samples):
+        with wds.TarWriter(str(path)) as w:
+            for key, img, cls in samples:
+                w.write({"__key__": key, "jpg": img, "cls": str(cls).encode()})
+
+    from PIL import Image
+
+    def jpeg(v):
+        buf = io.BytesIO()
+        Image.fromarray(np.full((8, 8, 3), v, np.uint8)).save(buf, format="JPEG")
+        return buf.getvalue()
+
+    samples = [("a", jpeg(10), 0), ("b", jpeg(200), 1)]
+    for d, s in (("x", samples), ("y", samples), ("z", samples[::-1]),
+                 ("w", [("a", jpeg(10), 1), ("b", jpeg(200), 1)])):
+        (tmp_path / d).mkdir()
+        shard(tmp_path / d / "train-000000.tar", s)
+    fp = {d: index_fingerprint(WebDatasetImages([tmp_path / d / "train-000000.tar"], 8))
+          for d in "xyzw"}
+    assert fp["x"] == fp["y"] and fp["z"] != fp["x"] and fp["w"] != fp["x"]
