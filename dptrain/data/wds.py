@@ -348,8 +348,9 @@ def decode_images(files, where, image_size: int, in_chans: int, mean: torch.Tens
            for row, e in enumerate(errors) if e is not None]
     if bad and failed is None:
         raise ConfigError("data.path", bad[0][1])
-    x = torch.from_numpy(arr).float().div_(255.0)
-    x = ((x - mean) / std).contiguous()
+    # in place: the out-of-place form held 3.3x the batch in temporaries (+1.3 GiB for 33k
+    # images at 32 pixels)
+    x = torch.from_numpy(arr).float().div_(255.0).sub_(mean).div_(std)
     for row, message in bad:
         x[row] = 0.0
         failed.append((row, message))
