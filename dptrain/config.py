@@ -203,12 +203,12 @@ def check_path_name(field: str, value: str | None) -> None:
 
 
 def _is_path_field(name: str) -> bool:
-    return name == "path" or name.endswith(("_path", "_file"))
+    return name == "path" or name.endswith(("_path", "_file", "_dir"))
 
 
 def validate_tree(obj: Any, path: str = "") -> None:
     """Call ``validate()`` on every nested config, children first, prefixing field paths;
-    path fields (``path``, ``*_path``, ``*_file``) are first checked by
+    path fields (``path``, ``*_path``, ``*_file``, ``*_dir``) are first checked by
     :func:`check_path_name`."""
     if not dataclasses.is_dataclass(obj):
         return

@@ -191,3 +191,11 @@ def test_lora_step_variants_make_the_same_update_and_report_json(capsys):
     assert json.loads(last) == json.loads(json.dumps(summary))
     assert not any("error" in row for row in summary["variants"].values())
     assert 0 < summary["trainable_fraction"] < 1 and summary["lora_dp_over_full_dp"] > 0
+
+
+def test_wds_index_bench_gives_the_same_index_three_ways(capsys):
+    bench = _load("wds_index")
+    bench.main(["--samples", "300", "--shards", "3", "--rounds", "1"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary["seconds"]) == {"no cache", "empty cache", "filled cache"}
+    assert summary["samples"] == 300 and summary["speedup"] > 0

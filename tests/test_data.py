@@ -1106,3 +1106,57 @@ def test_webdataset_images_are_normalised_with_imagenet_statistics(tmp_path):
         want = (px - mean.double()) / std.double() if c == 3 else (px - 0.5) / 0.5
         torch.testing.assert_close(ds.collate([2])["images"][0].double(), want,
                                    rtol=0, atol=1e-5)
+
+
+def test_webdataset_index_cache_is_read_back_while_the_shard_is_unchanged(tmp_path, monkeypatch):
+    """data.index_cache_dir: a shard's index is scanned once and read back after; a shard
+    written again, a damaged or foreign entry are scanned afresh; a cache that cannot be
+    written changes nothing but the speed."""
+    import dptrain.data.wds as wds_mod
+
+    rng = np.random.default_rng(5)
+    _write_shards(tmp_path, "imagenet-train", 2, 3, rng)
+    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
+    cache = tmp_path / "cache"
+    scans = []
+    real_scan = wds_mod._scan_shard
+    monkeypatch.setattr(wds_mod, "_scan_shard", lambda p, b: scans.append(p.name) or
+                        real_scan(p, b))
+
+    def build(cache_dir=cache):
+        return build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                                     index_cache_dir=None if cache_dir is None
+                                     else str(cache_dir))).train
+
+    plain = build(None).index
+    assert len(scans) == 3  # 2 training shards + 1 validation shard
+    scans.clear()
+    first = build().index
+    assert len(scans) == 3 and len(list(cache.glob("*.npz"))) == 3
+    scans.clear()
+    again = build().index
+    assert scans == []  # read back: no header scanned
+    for index in (first, again):
+        assert all(np.array_equal(index[k], plain[k]) for k in plain)
+    # the training shards written again: their entries no longer match; validation's does
+    _write_shards(tmp_path, "imagenet-train", 2, 3, np.random.default_rng(6))
+    scans.clear()
+    cached = build().index
+    assert sorted(scans) == ["imagenet-train-000000.tar", "imagenet-train-000001.tar"]
+    fresh = build(None).index
+    assert all(np.array_equal(cached[k], fresh[k]) for k in fresh)
+    assert not np.array_equal(fresh["offset"], plain["offset"])
+    # damaged and foreign entries: scanned afresh, never trusted
+    for entry in cache.glob("*.npz"):
+        entry.write_bytes(b"not a zip")
+    scans.clear()
+    assert np.array_equal(build().index["offset"], fresh["offset"]) and len(scans) == 3
+    for entry in cache.glob("*.npz"):
+        np.savez(entry, key=np.asarray("another shard"), offset=np.zeros(3, np.int64),
+                 size=np.zeros(3, np.int64), label=np.zeros(3, np.int64))
+    scans.clear()
+    assert np.array_equal(build().index["offset"], fresh["offset"]) and len(scans) == 3
+    # a cache that cannot be written (a file where the folder should be): built all the same
+    blocked = tmp_path / "blocked"
+    blocked.write_text("")
+    assert np.array_equal(build(blocked).index["label"], fresh["label"])

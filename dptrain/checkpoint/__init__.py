@@ -687,7 +687,7 @@ def find_latest(output_dir: Path, *, shallow: bool = False, collective: bool = F
 #: not compared: a checksum of the private data written into every checkpoint would be a function
 #: of that data outside the guarantee (it would confirm a guessed record).
 RELOCATABLE = frozenset({("data", "path"), ("data", "test_file"), ("data", "max_test_examples"),
-                         ("model", "pretrained_path")})
+                         ("data", "index_cache_dir"), ("model", "pretrained_path")})
 
 
 def check_compatible(saved_cfg: dict, cfg) -> list[str]:

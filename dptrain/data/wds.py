@@ -26,6 +26,7 @@ import glob
 import io
 import os
 import tarfile
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -80,36 +81,86 @@ def file_id(path: Path) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def index_shards(shards: list[Path]) -> dict[str, np.ndarray]:
-    """Scan the shards' tar headers: per sample its shard, image offset, image size, label."""
+def index_shards(shards: list[Path], cache_dir: str | Path | None = None) -> dict[str, np.ndarray]:
+    """Scan the shards' tar headers: per sample its shard, image offset, image size, label.
+    With ``cache_dir`` (``data.index_cache_dir``), each shard's index is kept there and read
+    back while the shard is unchanged (:func:`_cached_shard_index`)."""
     from webdataset.tariterators import base_plus_ext
 
-    shard_ids, offsets, sizes, labels = [], [], [], []
+    parts = []
     for s, path in enumerate(shards):
-        try:
-            samples = _scan_shard(path, base_plus_ext)
-        except (tarfile.TarError, OSError, EOFError) as e:
-            # tarfile reads member headers lazily: a truncated or damaged shard fails while
-            # the members are iterated, not when it is opened
-            raise ConfigError("data.path", f"{path} is not a readable uncompressed tar shard: "
-                                           f"{e}") from None
-        for key, rec in samples.items():
-            if "img" not in rec or "cls" not in rec:
-                missing = "image" if "img" not in rec else "cls label"
-                raise ConfigError("data.path", (
-                    f"{path}: sample {key!r} has no {missing} (it has {rec['member']}; "
-                    "webdataset's key is a file name up to its first dot, so "
-                    "'n01.0026.jpg' is the sample 'n01' with the extension '0026.jpg')"))
-            shard_ids.append(s)
-            offsets.append(rec["img"][0])
-            sizes.append(rec["img"][1])
-            labels.append(rec["cls"])
-    return {
-        "shard": np.asarray(shard_ids, dtype=np.int64),
-        "offset": np.asarray(offsets, dtype=np.int64),
-        "size": np.asarray(sizes, dtype=np.int64),
-        "label": np.asarray(labels, dtype=np.int64),
-    }
+        offsets, sizes, labels = (_cached_shard_index(path, Path(cache_dir), base_plus_ext)
+                                  if cache_dir is not None else
+                                  _shard_index(path, base_plus_ext))
+        parts.append((np.full(len(labels), s, dtype=np.int64), offsets, sizes, labels))
+    columns = list(zip(*parts)) if parts else [[]] * 4
+    return {k: np.concatenate(c).astype(np.int64) if len(c) else np.zeros(0, np.int64)
+            for k, c in zip(("shard", "offset", "size", "label"), columns)}
+
+
+def _shard_index(path: Path, base_plus_ext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(image offsets, image sizes, labels) of one shard's samples, in member order."""
+    try:
+        samples = _scan_shard(path, base_plus_ext)
+    except (tarfile.TarError, OSError, EOFError) as e:
+        # tarfile reads member headers lazily: a truncated or damaged shard fails while
+        # the members are iterated, not when it is opened
+        raise ConfigError("data.path", f"{path} is not a readable uncompressed tar shard: "
+                                       f"{e}") from None
+    offsets, sizes, labels = [], [], []
+    for key, rec in samples.items():
+        if "img" not in rec or "cls" not in rec:
+            missing = "image" if "img" not in rec else "cls label"
+            raise ConfigError("data.path", (
+                f"{path}: sample {key!r} has no {missing} (it has {rec['member']}; "
+                "webdataset's key is a file name up to its first dot, so "
+                "'n01.0026.jpg' is the sample 'n01' with the extension '0026.jpg')"))
+        offsets.append(rec["img"][0])
+        sizes.append(rec["img"][1])
+        labels.append(rec["cls"])
+    return (np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64),
+            np.asarray(labels, dtype=np.int64))
+
+
+INDEX_CACHE_FORMAT = 1
+
+
+def _cached_shard_index(path: Path, cache_dir: Path, base_plus_ext):
+    """:func:`_shard_index` through a cache file per shard in ``cache_dir``, named by a digest
+    of (format, resolved path, size, modification time in ns, inode) and holding that key too:
+    a shard written again gets a new entry. A missing, unreadable or foreign entry is scanned
+    and written afresh (atomically: ranks may write the same entry at once); a cache that
+    cannot be written is skipped. Reading ImageNet's 1,281,167 headers takes about a minute
+    per rank (Python's tarfile; BENCHMARKS.md), and every resume pays it again without this."""
+    import hashlib
+
+    from dptrain.telemetry import replace_atomically
+
+    try:
+        st = path.stat()
+        key = (f"{INDEX_CACHE_FORMAT}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}"
+               f"\0{st.st_ino}")
+    except OSError:
+        return _shard_index(path, base_plus_ext)  # (its own error, naming data.path)
+    entry = cache_dir / (hashlib.blake2b(key.encode("utf-8", "surrogateescape"),
+                                         digest_size=16).hexdigest() + ".npz")
+    try:
+        with np.load(entry, allow_pickle=False) as z:
+            if str(z["key"]) == key:
+                return z["offset"], z["size"], z["label"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        pass  # not there yet, or damaged: scanned again below
+    offsets, sizes, labels = _shard_index(path, base_plus_ext)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as fh:
+            np.savez(fh, key=np.asarray(key), offset=offsets, size=sizes, label=labels)
+
+    try:
+        replace_atomically(entry, write)
+    except OSError:
+        pass  # a read-only or full cache: the index was built all the same
+    return offsets, sizes, labels
 
 
 def _scan_shard(path: Path, base_plus_ext) -> dict[str, dict]:
@@ -239,11 +290,11 @@ class WebDatasetImages(ImageDecoding):
     kind = "classification"
 
     def __init__(self, shards: list[Path], image_size: int, in_chans: int = 3,
-                 max_examples: int | None = None):
+                 max_examples: int | None = None, index_cache_dir: str | Path | None = None):
         self.shards = [Path(s) for s in shards]
         self.image_size = int(image_size)
         self.in_chans = int(in_chans)
-        self.index = index_shards(self.shards)
+        self.index = index_shards(self.shards, index_cache_dir)
         if max_examples is not None and max_examples < len(self.index["label"]):
             keep = even_subset(len(self.index["label"]), max_examples)
             self.index = {k: v[keep] for k, v in self.index.items()}
