@@ -469,13 +469,14 @@ def test_a_resume_from_moved_data_files_continues_and_says_so(tmp_path, capsys):
     assert code == 2 and "data.train_file" in one_line(err)
 
 
-def _n_on_each_rank(rank: int, world: int, sizes: list[int]):
+def _start_on_each_rank(rank: int, world: int, overrides: list[str]):
+    """A Trainer built with this rank's override: None, or its ConfigError's line."""
     from dptrain.config import ConfigError, load
     from dptrain.trainer import RunConfig, Trainer
 
     try:
         Trainer(load(RunConfig, TINY, ["train.progress=false", "train.checkpoint_every=0",
-                                       f"data.synthetic_train_size={sizes[rank]}"]))
+                                       overrides[rank]]))
         return None
     except ConfigError as e:
         return str(e)
@@ -486,22 +487,11 @@ def test_ranks_that_see_different_training_set_sizes_refuse_to_start():
 
     # 10,500 vs 10,000 examples: sharding S_t by position would process some examples on both
     # ranks (sensitivity 2C) and drop others
-    errors = spawn(_n_on_each_rank, 2, [10_500, 10_000])
+    errors = spawn(_start_on_each_rank, 2, ["data.synthetic_train_size=10500",
+                                            "data.synthetic_train_size=10000"])
     assert all(e is not None and e.startswith("data:") and "10000" in e and "10500" in e
                for e in errors)
-    assert spawn(_n_on_each_rank, 2, [64, 64]) == [None, None]
-
-
-def _data_on_each_rank(rank: int, world: int, seeds: list[int]):
-    from dptrain.config import ConfigError, load
-    from dptrain.trainer import RunConfig, Trainer
-
-    try:  # the top-level seed draws the synthetic data: the same N, other examples
-        Trainer(load(RunConfig, TINY, ["train.progress=false", "train.checkpoint_every=0",
-                                       f"seed={seeds[rank]}"]))
-        return None
-    except ConfigError as e:
-        return str(e)
+    assert spawn(_start_on_each_rank, 2, ["data.synthetic_train_size=64"] * 2) == [None, None]
 
 
 def test_ranks_that_see_the_same_number_of_other_examples_refuse_to_start():
@@ -509,10 +499,11 @@ def test_ranks_that_see_the_same_number_of_other_examples_refuse_to_start():
 
     # node-local copies that differ with the same N: index i would be one example on rank 0
     # and another on rank 1, so an example could be in both ranks' shares; only N was compared
-    errors = spawn(_data_on_each_rank, 2, [0, 1])
+    # (the top-level seed draws the synthetic data: the same N, other examples)
+    errors = spawn(_start_on_each_rank, 2, ["seed=0", "seed=1"])
     assert all(e is not None and e.startswith("data:") and "index digests differ" in e
                for e in errors), errors
-    assert spawn(_data_on_each_rank, 2, [3, 3]) == [None, None]
+    assert spawn(_start_on_each_rank, 2, ["seed=3"] * 2) == [None, None]
 
 
 def test_a_fallback_past_damaged_checkpoints_keeps_the_checkpoints_it_writes(tmp_path, capsys,
