@@ -428,7 +428,7 @@ def _apply(cls: type, data: dict, keys: list[str], value: Any) -> None:
     """One override; a mapping given to a config section sets the keys it names and keeps the
     section's others (``privacy={epsilon: 3}`` is ``privacy.epsilon=3``: it used to replace the
     whole section, dropping the file's steps and sample rate)."""
-    if isinstance(value, dict) and value and _section_type(cls, keys) is not None:
+    if isinstance(value, dict) and _section_type(cls, keys) is not None:  # ({}: no change)
         for k, v in value.items():
             _apply(cls, data, [*keys, str(k)], v)
     else:

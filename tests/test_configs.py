@@ -445,6 +445,7 @@ def test_a_mapping_given_to_a_section_sets_its_keys_and_keeps_the_others():
                                         "model.timm_kwargs={img_size: 16, patch_size: 4}",
                                         "model.timm_kwargs={patch_size: 8}"])
     assert cfg.model.timm_kwargs == {"patch_size": 8}
+    assert load(RunConfig, TINY, ["privacy={}"]) == base  # it reset the section to defaults
     with pytest.raises(ConfigError) as e:  # an unknown key inside still names itself
         load(RunConfig, TINY, ["privacy={epsilom: 3}"])
     assert e.value.field == "privacy.epsilom"
