@@ -194,12 +194,24 @@ def check_path_name(field: str, value: str | None) -> None:
     where a missing file gives False)."""
     if not value:
         return
-    encoded = os.fsencode(value)
-    part = max(encoded.split(b"/"), key=len)
-    if len(part) > NAME_MAX or len(encoded) > PATH_MAX:
-        what = (f"a name of {len(part)} bytes (at most {NAME_MAX})" if len(part) > NAME_MAX
-                else f"{len(encoded)} bytes (at most {PATH_MAX})")
-        raise ConfigError(field, f"is not a usable path: {what}; it starts {value[:60]!r}")
+    if "{" in value:  # a shard pattern (webdataset): the names it stands for are the paths
+        import itertools
+
+        from braceexpand import braceexpand
+
+        try:
+            names = list(itertools.islice(braceexpand(value), 1000))
+        except Exception:  # noqa: BLE001 -- not a pattern after all: the text is the path
+            names = [value]
+    else:
+        names = [value]
+    for name in names:
+        encoded = os.fsencode(name)
+        part = max(encoded.split(b"/"), key=len)
+        if len(part) > NAME_MAX or len(encoded) > PATH_MAX:
+            what = (f"a name of {len(part)} bytes (at most {NAME_MAX})"
+                    if len(part) > NAME_MAX else f"{len(encoded)} bytes (at most {PATH_MAX})")
+            raise ConfigError(field, f"is not a usable path: {what}; it starts {name[:60]!r}")
 
 
 def _is_path_field(name: str) -> bool:
@@ -435,12 +447,18 @@ def _apply(cls: type, data: dict, keys: list[str], value: Any) -> None:
         apply_override(data, keys, value)
 
 
+def apply_overrides(cls: type, data: dict, overrides) -> None:
+    """``key.sub=value`` overrides into ``data`` (the raw settings of ``cls``), in order: a key
+    given twice takes its last value, so that a script can add settings after a user's."""
+    for text in overrides:
+        keys, value = parse_override(text)
+        _apply(cls, data, keys, value)
+
+
 def load(cls: type, path: str | Path | None = None, overrides: list[str] = ()) -> Any:
     """Read YAML (optional), apply ``key.sub=value`` overrides, build and validate ``cls``."""
     data = load_yaml(path) if path is not None else {}
-    for text in overrides:  # in order: a key given twice takes its last value, so that a
-        keys, value = parse_override(text)  # script can add settings after a user's
-        _apply(cls, data, keys, value)
+    apply_overrides(cls, data, overrides)
     obj = from_dict(cls, data)
     validate_tree(obj)
     return obj

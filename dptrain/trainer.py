@@ -827,6 +827,8 @@ class Trainer:
         finally:
             bar.close()
             gpu.close()
+            if main and gpu.reason and gpu.reason.startswith("NVML sampling stopped"):
+                print(f"dptrain: GPU telemetry ended early: {gpu.reason}", file=sys.stderr)
             # the per-example buffers of multi-state queries (private data): not needed now
             self.engine.release_workspace()
             if metrics_file:

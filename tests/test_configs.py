@@ -431,6 +431,18 @@ def test_paths_too_long_for_the_os_are_one_line_naming_the_field(tmp_path, capsy
     assert not (tmp_path / "out").exists()
 
 
+def test_a_shard_pattern_is_checked_name_by_name():
+    # 40 shards listed in braces are one 291-byte text, but every name is 16 bytes
+    shards = "{" + ",".join(f"train-{i:06d}" for i in range(40)) + "}.tar"
+    cfg = load(RunConfig, TINY_IMAGES, ["data.name=webdataset", f"data.train_file={shards}",
+                                        "data.path=/data"])
+    assert cfg.data.train_file == shards
+    with pytest.raises(ConfigError) as e:  # a name it stands for is too long: refused
+        load(RunConfig, TINY_IMAGES, ["data.name=webdataset", "data.path=/data",
+                                      "data.train_file={a,%s}.tar" % ("x" * 300)])
+    assert e.value.field == "data.train_file" and "a name of 304 bytes" in e.value.message
+
+
 def test_a_mapping_given_to_a_section_sets_its_keys_and_keeps_the_others():
     base = load(RunConfig, TINY)
     cfg = load(RunConfig, TINY, ["privacy={epsilon: 3, clip_norm: 0.5}"])

@@ -1108,6 +1108,24 @@ def test_webdataset_images_are_normalised_with_imagenet_statistics(tmp_path):
                                    rtol=0, atol=1e-5)
 
 
+def _members(path):
+    """(name, bytes) of a tar's members, in order."""
+    import tarfile
+
+    with tarfile.open(path) as tf:
+        return [(m.name, tf.extractfile(m).read()) for m in tf if m.isfile()]
+
+
+def _tar(path, members):
+    import tarfile
+
+    with tarfile.open(path, "w") as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
 def test_webdataset_index_cache_is_read_back_while_the_shard_is_unchanged(tmp_path, monkeypatch):
     """data.index_cache_dir: a shard's index is scanned once and read back after; a shard
     written again, a damaged or foreign entry are scanned afresh; a cache that cannot be
@@ -1146,6 +1164,24 @@ def test_webdataset_index_cache_is_read_back_while_the_shard_is_unchanged(tmp_pa
     fresh = build(None).index
     assert all(np.array_equal(cached[k], fresh[k]) for k in fresh)
     assert not np.array_equal(fresh["offset"], plain["offset"])
+    # a shard copied over in place with its timestamps kept (cp -p, rsync -t --inplace): the
+    # same size, mtime and inode, other order; its change time tells the cache
+    import os
+    import shutil
+
+    shard = tmp_path / "imagenet-train-000000.tar"
+    reordered = tmp_path / "reordered.tar"
+    samples = sorted(_members(shard))
+    _tar(reordered, samples[::-1])
+    assert reordered.stat().st_size == shard.stat().st_size
+    st = shard.stat()
+    shutil.copyfile(reordered, shard)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (shard.stat().st_ino, shard.stat().st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
+    reordered.unlink()
+    fresh = build(None).index
+    assert not np.array_equal(fresh["label"], cached["label"])
+    assert np.array_equal(build().index["label"], fresh["label"])
     # damaged and foreign entries: scanned afresh, never trusted
     for entry in cache.glob("*.npz"):
         entry.write_bytes(b"not a zip")

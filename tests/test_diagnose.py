@@ -360,6 +360,20 @@ def test_output_paths_are_checked_before_the_work(plain_run, tmp_path, capsys, m
     assert summary.read_bytes() == before
 
 
+def test_a_mapping_override_of_a_checkpoints_section_keeps_its_other_keys():
+    """As on the command line of train: ``data={max_test_examples: 7}`` sets that key. Here,
+    without --config, it used to replace the checkpoint's whole data section (data.name fell
+    back to its default, e2e)."""
+    from dptrain.config import load
+    from dptrain.diagnostics.probes import _build_config
+    from dptrain.trainer import RunConfig, to_dict
+
+    saved = to_dict(load(RunConfig, TINY))
+    cfg = _build_config(saved, None, ["data={max_test_examples: 7}"])
+    assert cfg.data.max_test_examples == 7 and cfg.data.name == saved["data"]["name"]
+    assert cfg.data.name != to_dict(RunConfig())["data"]["name"]
+
+
 def test_relocated_settings_are_reported(plain_run, tmp_path, capsys):
     js = tmp_path / "r.json"
     code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "2",

@@ -222,3 +222,16 @@ def test_secure_mode_rows_hold_no_gpu_telemetry(tmp_path, monkeypatch, secure):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     assert all(("gpu_util_pct" in row) != secure for row in rows)
+
+
+def test_a_device_nvml_cannot_sample_leaves_the_monitor_off_not_the_run_down(cuda_props):
+    class NoUtilisation(FakeNVML):  # some MIG slices: "Not Supported"
+        def nvmlDeviceGetUtilizationRates(self, h):
+            raise self.NVMLError("Not Supported")
+
+    nvml = NoUtilisation([0], [0])
+    mon = GpuMonitor(CUDA, nvml=nvml).start()  # it raised, before the run's first step
+    assert not mon.active and "Not Supported" in mon.reason and nvml.shutdowns == 1
+    assert mon.window() is None and mon.energy_j() is None
+    mon.close()
+    assert nvml.shutdowns == 1

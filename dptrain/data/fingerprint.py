@@ -7,10 +7,10 @@ on one rank and at index j on another: it could be in two ranks' shares (sensiti
 others are dropped. The trainer refuses to start when the digests differ.
 
 What is hashed is what fixes the examples' identity and order, cheaply: the tensors of
-in-memory sets (images, labels, token ids, prompt lengths); an image folder's class/file names
-and labels (not the files' bytes: 1.28M reads); webdataset shards' names and their index
-(each member's offset and size, and the label). A dataset of another kind gives None and only
-its length is compared.
+in-memory sets (images, labels, token ids, prompt lengths); an image folder's file paths below
+their common folder, and labels (not the files' bytes: 1.28M reads); webdataset shards' names
+and their index (each member's offset and size, and the label). A dataset of another kind
+gives None and only its length is compared.
 """
 
 from __future__ import annotations
@@ -50,9 +50,17 @@ def index_fingerprint(dataset: Any) -> int | None:
                 else np.zeros(0, np.int64))
     elif isinstance(dataset, ImageFolderImages):
         # class folder and file name: the roots of node-local copies may differ
-        for p in dataset.paths:  # (string operations: 1.28M Path objects take seconds)
-            tail = "/".join(str(p).replace(os.sep, "/").rsplit("/", 2)[-2:])
-            h.update(f"{tail}\0".encode("utf-8", "surrogateescape"))
+        # each path below the files' common folder (class/file, or class/sub/file: torchvision
+        # lists nested folders too): the roots of node-local copies may differ. String
+        # operations: 1.28M Path objects take seconds. The common prefix of all the paths is
+        # that of the first and the last in sorted order.
+        paths = [str(p).replace(os.sep, "/") for p in dataset.paths]
+        if paths:
+            lo, hi = min(paths), max(paths)
+            common = next((i for i, (a, b) in enumerate(zip(lo, hi)) if a != b), len(lo))
+            cut = lo.rfind("/", 0, common + 1) + 1
+            for p in paths:
+                h.update(f"{p[cut:]}\0".encode("utf-8", "surrogateescape"))
         _update(h, dataset.labels.numpy())
     elif isinstance(dataset, WebDatasetImages):
         for s in dataset.shards:

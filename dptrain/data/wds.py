@@ -25,6 +25,7 @@ from __future__ import annotations
 import glob
 import io
 import os
+import sys
 import tarfile
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -127,10 +128,11 @@ INDEX_CACHE_FORMAT = 1
 
 def _cached_shard_index(path: Path, cache_dir: Path, base_plus_ext):
     """:func:`_shard_index` through a cache file per shard in ``cache_dir``, named by a digest
-    of (format, resolved path, size, modification time in ns, inode) and holding that key too:
-    a shard written again gets a new entry. A missing, unreadable or foreign entry is scanned
-    and written afresh (atomically: ranks may write the same entry at once); a cache that
-    cannot be written is skipped. Reading ImageNet's 1,281,167 headers takes about a minute
+    of (format, resolved path, size, modification and change times in ns, inode) and holding
+    that key too: a shard written again, or copied over with its timestamps kept, gets a new
+    entry. A missing, unreadable or foreign entry is scanned and written afresh (atomically:
+    ranks may write the same entry at once); a cache that cannot be written is said once and
+    skipped. Reading ImageNet's 1,281,167 headers takes about a minute
     per rank (Python's tarfile; BENCHMARKS.md), and every resume pays it again without this."""
     import hashlib
 
@@ -138,8 +140,9 @@ def _cached_shard_index(path: Path, cache_dir: Path, base_plus_ext):
 
     try:
         st = path.stat()
+        # ctime too: a copy that keeps the timestamps (cp -p, rsync -t) sets mtime, not ctime
         key = (f"{INDEX_CACHE_FORMAT}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}"
-               f"\0{st.st_ino}")
+               f"\0{st.st_ctime_ns}\0{st.st_ino}")
     except OSError:
         return _shard_index(path, base_plus_ext)  # (its own error, naming data.path)
     entry = cache_dir / (hashlib.blake2b(key.encode("utf-8", "surrogateescape"),
@@ -158,9 +161,15 @@ def _cached_shard_index(path: Path, cache_dir: Path, base_plus_ext):
 
     try:
         replace_atomically(entry, write)
-    except OSError:
-        pass  # a read-only or full cache: the index was built all the same
+    except OSError as e:  # a read-only or full cache: the index was built all the same
+        if cache_dir not in _UNWRITABLE:
+            _UNWRITABLE.add(cache_dir)
+            print(f"dptrain: note: data.index_cache_dir {cache_dir} cannot be written "
+                  f"({e.strerror or e}); the shards' index is not cached", file=sys.stderr)
     return offsets, sizes, labels
+
+
+_UNWRITABLE: set[Path] = set()  # cache folders already said to be unwritable (said once)
 
 
 def _scan_shard(path: Path, base_plus_ext) -> dict[str, dict]:

@@ -50,10 +50,9 @@ from torch import Tensor, nn
 
 from dptrain.config import (
     ConfigError,
-    apply_override,
+    apply_overrides,
     from_dict,
     load,
-    parse_override,
     reset_unused,
     to_dict,
     validate_tree,
@@ -221,9 +220,7 @@ def _build_config(saved: dict, config_path: str | Path | None, overrides: Sequen
     stored = from_dict(RunConfig, copy.deepcopy(saved))
     reset_unused(stored)
     data = to_dict(stored)
-    for text in overrides:
-        keys, value = parse_override(text)
-        apply_override(data, keys, value)
+    apply_overrides(RunConfig, data, overrides)
     cfg = from_dict(RunConfig, data)
     validate_tree(cfg)
     return cfg

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,9 @@ def replace_atomically(path: str | Path, write) -> Path:
     ``path``: a write that fails half-way leaves what was at ``path`` as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # the pid and a random token: ranks on other nodes writing one shared file system may
+    # share a pid
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         write(tmp)
         os.replace(tmp, path)

@@ -129,9 +129,16 @@ class GpuMonitor:
                 return
 
     def start(self) -> GpuMonitor:
+        """Starts the sampling; never raises: a device whose NVML cannot report utilisation
+        or memory (some MIG slices) leaves the monitor off, with its ``reason``."""
         if self.active and self._thread is None:
-            self._energy_start_mj = self._energy_counter_mj()
-            self.sample()  # a first reading: a window shorter than the interval is not empty
+            try:
+                self._energy_start_mj = self._energy_counter_mj()
+                self.sample()  # a first reading: a window shorter than the interval is not empty
+            except Exception as e:  # noqa: BLE001
+                self.reason = f"NVML cannot sample this device ({type(e).__name__}: {e})"
+                self.close()
+                return self
             self._thread = threading.Thread(target=self._loop, name="dptrain-nvml", daemon=True)
             self._thread.start()
         return self
@@ -168,7 +175,8 @@ class GpuMonitor:
             self._thread.join(timeout=5 * self.interval + 1.0)
             self._thread = None
         if self._nvml is not None:
-            self._closed_energy_j = self.energy_j()
+            self._closed_energy_j = self.energy_j() if self._last_sample is not None or \
+                self._energy_start_mj is not None else None
             nvml, self._nvml = self._nvml, None
             try:
                 nvml.nvmlShutdown()
