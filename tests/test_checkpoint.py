@@ -231,6 +231,28 @@ def test_secure_mode_resume_says_it_draws_fresh_randomness(tmp_path, capsys):
     assert t2.step == 1 and t2.ledger.num_releases == 1
 
 
+def _secure_resume_note(rank: int, world: int, out: str) -> str:
+    import contextlib
+    import io
+
+    cfg = _cfg(["privacy.secure_mode=true", "privacy.seed=null", "train.checkpoint_every=1"])
+    t = Trainer(cfg, out)
+    t.private_step()
+    ckpt.save(t, Path(out))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        ckpt.load(Trainer(cfg, out), ckpt.find_latest(Path(out)))
+    return err.getvalue()
+
+
+def test_a_secure_resume_on_several_ranks_says_so_once(tmp_path):
+    from dptrain.parallel.dist import spawn
+
+    # it was printed by every rank (three lines under torchrun with three ranks)
+    notes = spawn(_secure_resume_note, 2, str(tmp_path))
+    assert ["fresh randomness" in n for n in notes] == [True, False], notes
+
+
 @pytest.mark.parametrize("override", [
     "privacy.noise_multiplier=0.9", "privacy.sample_rate=0.25", "privacy.clip_norm=2.0",
     "privacy.steps=5", "privacy.delta=1e-6", "privacy.accountant=prv", "privacy.epsilon=8",

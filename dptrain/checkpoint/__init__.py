@@ -931,8 +931,9 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         elif state["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     if trainer.cfg.privacy.secure_mode:
-        print("dptrain: secure mode: resuming with fresh randomness (a new privacy seed from OS "
-              "entropy; exact replay is impossible by design)", file=sys.stderr)
+        if trainer.rank == 0:  # (said once, as the "resumed from" line)
+            print("dptrain: secure mode: resuming with fresh randomness (a new privacy seed "
+                  "from OS entropy; exact replay is impossible by design)", file=sys.stderr)
     else:
         assert state["privacy_seed"] == trainer._privacy_seed
 
