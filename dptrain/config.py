@@ -137,7 +137,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(path, f"expected a number, got {value!r}")
         # every number meets float32 tensors (lr 1e300 was a RuntimeError in the first step);
         # inf and nan are left to each field's own check and message
-        if math.isfinite(number) and abs(number) > _FLOAT32_MAX:
+        if math.isfinite(number) and abs(number) > FLOAT32_MAX:
             raise ConfigError(path, f"{value!r} is beyond float32's range (3.4e38)")
         return number
     if tp is str:
@@ -151,7 +151,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     raise ConfigError(path, f"expected {_type_name(tp)}, got {value!r}")
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
+"""float32's largest number and smallest normal one: every config number meets float32 tensors."""
 
 
 def from_dict(cls: type, data: dict, path: str = "") -> Any:

@@ -49,7 +49,6 @@ def index_fingerprint(dataset: Any) -> int | None:
         _update(h, np.concatenate(dataset.sequences) if dataset.sequences
                 else np.zeros(0, np.int64))
     elif isinstance(dataset, ImageFolderImages):
-        # class folder and file name: the roots of node-local copies may differ
         # each path below the files' common folder (class/file, or class/sub/file: torchvision
         # lists nested folders too): the roots of node-local copies may differ. String
         # operations: 1.28M Path objects take seconds. The common prefix of all the paths is

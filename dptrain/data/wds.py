@@ -88,15 +88,15 @@ def index_shards(shards: list[Path], cache_dir: str | Path | None = None) -> dic
     back while the shard is unchanged (:func:`_cached_shard_index`)."""
     from webdataset.tariterators import base_plus_ext
 
-    parts = []
+    columns: dict[str, list[np.ndarray]] = {"shard": [], "offset": [], "size": [], "label": []}
     for s, path in enumerate(shards):
         offsets, sizes, labels = (_cached_shard_index(path, Path(cache_dir), base_plus_ext)
                                   if cache_dir is not None else
                                   _shard_index(path, base_plus_ext))
-        parts.append((np.full(len(labels), s, dtype=np.int64), offsets, sizes, labels))
-    columns = list(zip(*parts)) if parts else [[]] * 4
-    return {k: np.concatenate(c).astype(np.int64) if len(c) else np.zeros(0, np.int64)
-            for k, c in zip(("shard", "offset", "size", "label"), columns)}
+        for k, v in zip(columns, (np.full(len(labels), s), offsets, sizes, labels)):
+            columns[k].append(v)
+    return {k: np.concatenate([*v, np.zeros(0, np.int64)]).astype(np.int64)
+            for k, v in columns.items()}
 
 
 def _shard_index(path: Path, base_plus_ext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

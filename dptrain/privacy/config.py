@@ -10,11 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from dptrain.config import ConfigError
+from dptrain.config import FLOAT32_MAX, FLOAT32_TINY, ConfigError
 from dptrain.privacy.accounting import MAX_STEPS
 
-FLOAT32_TINY = 1.1754943508222875e-38
-FLOAT32_MAX = 3.4028234663852886e38
 NOISE_TAIL = 40.0
 """No float64 Gaussian draw exceeds ~38.5 standard deviations: sigma * C * NOISE_TAIL must fit
 in float32 (``noise_fits``)."""

@@ -175,8 +175,7 @@ class GpuMonitor:
             self._thread.join(timeout=5 * self.interval + 1.0)
             self._thread = None
         if self._nvml is not None:
-            self._closed_energy_j = self.energy_j() if self._last_sample is not None or \
-                self._energy_start_mj is not None else None
+            self._closed_energy_j = self.energy_j()
             nvml, self._nvml = self._nvml, None
             try:
                 nvml.nvmlShutdown()
