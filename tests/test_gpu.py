@@ -13,7 +13,9 @@ and CPU smoke tests of the GPU script's Python parts (bench/gpu_check.py --tiny 
   differs by device: with sigma = 0 the parameters match;
 - the audit's canaries on CUDA release exactly C/b at their coordinates when present;
 - the engine's row check on CUDA: GPT-2 with dropout passes and keeps the CUDA RNG, a batch mean
-  is refused.
+  is refused;
+- with TF32 on (matmuls and cuDNN's default convolutions) the engine's norms are those without
+  it, bit for bit, and one clipped example adds C (its query runs in IEEE float32).
 """
 
 from __future__ import annotations
@@ -80,6 +82,48 @@ def _to(batch, device, dtype=None):
         v = v.to(device)
         out[k] = v.to(dtype) if (dtype is not None and v.is_floating_point()) else v
     return out
+
+
+@pytest.fixture()
+def tf32_on():
+    """TF32 for float32 matmuls (``set_float32_matmul_precision("high")``) and cuDNN's default
+    TF32 convolutions, put back afterwards."""
+    before = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    yield
+    torch.set_float32_matmul_precision(before[0])
+    torch.backends.cudnn.allow_tf32 = before[1]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("kind", ["gpt2", "nf"])
+@pytest.mark.parametrize("mode", ["bookkeeping", "two_pass"])
+def test_the_query_ignores_tf32_and_one_example_adds_at_most_c(kind, mode, tf32_on):
+    """The engine's query runs in IEEE float32 whatever the process's TF32 settings
+    (dptrain/clipping/precision.py): its norms are those without TF32, bit for bit, and one
+    clipped example adds C to 1e-5 (TF32 products round norms and sums ~1e-3 apart)."""
+    from dptrain.clipping import ClippingEngine, per_example_grad_norms
+
+    task, model = _task_and_model(kind)
+    model = model.cuda().eval()  # (dropout off: the two norm calls see the same function)
+    loss = _lm_loss_same_dtype if kind == "gpt2" else _ce_loss
+    batch = _to(task.train.collate(np.arange(4)), "cuda")
+    got = per_example_grad_norms(model, loss, batch)
+    assert torch.get_float32_matmul_precision() == "high"  # the process's setting is back
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    exact = per_example_grad_norms(model, loss, batch)
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    assert torch.equal(got, exact)
+    one = {k: v[:1] for k, v in batch.items()}
+    C = float(exact[0]) / 50
+    acc: dict = {}
+    ClippingEngine(model, clip_norm=C, ghost="ghost", mode=mode).accumulate(loss, one, acc)
+    added = float(torch.cat([v.reshape(-1).double() for v in acc.values()]).norm())
+    assert abs(added / C - 1) <= 1e-5, added / C
 
 
 @pytest.mark.gpu

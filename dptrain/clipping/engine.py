@@ -61,6 +61,7 @@ from dptrain.clipping.contributions import (
     state_bytes,
     tokens,
 )
+from dptrain.clipping.precision import ieee_float32
 from dptrain.clipping.rows import MAX_ATTEMPTS, cannot_check, check_example_rows
 from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
 from dptrain.clipping.taps import TAP as _TAP
@@ -754,6 +755,19 @@ class ClippingEngine:
                     f"gradient depends on the others and no clip bounds its influence. Use "
                     f"GroupNorm or LayerNorm, or keep it in eval mode (running statistics)")
         self._check_plan(plan)
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "dptrain.clipping: called with autograd disabled (torch.no_grad() or "
+                "torch.inference_mode()): the per-example gradients need the backward; call it "
+                "outside those contexts")
+        # the whole query in IEEE float32 products (precision.py): TF32 or bf16 products
+        # would round the norms and the clipped sums apart, and two_pass's second backward,
+        # like the engine's checks, must see the same output gradients as the first
+        with ieee_float32():
+            return self._evaluate_states(loss_fn, batch, plan, retain, query)
+
+    def _evaluate_states(self, loss_fn: LossFn, batch: Any, plan: QueryPlan, retain: bool,
+                         query: "_Query"):
         B = batch_size_of(batch)
         self._pending_rows = None
         graphs = []
@@ -963,7 +977,8 @@ class ClippingEngine:
             return
         loss_fn, batch, view, B, state = pending
         collective = torch.distributed.is_available() and torch.distributed.is_initialized()
-        with self._state(state):  # the plan's first entry: dropout stream 0
+        # (its forwards round as the query's did: IEEE products, see _forward_backward)
+        with self._state(state), ieee_float32():  # the plan's first entry: dropout stream 0
             done = check_example_rows(self.model, [(h.name, h.module) for h in self.hooked],
                                       loss_fn, batch, B, 0, view=view, collective=collective)
         # (under a process group every check is a round of forwards on every rank, and the
@@ -1047,9 +1062,14 @@ class ClippingEngine:
         """The engine's own arithmetic (contributions, norms, clipped sums) in float32 or float64
         even inside a caller's autocast (``performance.dtype=bfloat16``): a norm whose Gram
         products autocast rounded to bf16 can be ~0.4% short of the norm of what the clipped
-        sum adds, and then a clipped example would add more than C."""
+        sum adds, and then a clipped example would add more than C. For the same reason its
+        float32 products are IEEE, whatever TF32 or bf16 setting the process chose
+        (``precision.py``; the forwards and backwards too, see ``_forward_backward``)."""
         device = next(iter(self.params.values())).device
-        return torch.autocast(device.type, enabled=False)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(device.type, enabled=False))
+        stack.enter_context(ieee_float32())
+        return stack
 
     def _query(self, plan: QueryPlan) -> "_Query":
         """A query with reusable instantiated buffers when the plan has several states: their

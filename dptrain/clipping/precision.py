@@ -1,0 +1,74 @@
+"""IEEE float32 products for the clipping engine's own arithmetic.
+
+PyTorch lets a process trade float32 accuracy for speed: TF32 on NVIDIA GPUs (on by default for
+cuDNN convolutions; ``torch.set_float32_matmul_precision("high")`` for matmuls) and bf16 on CPUs
+with AMX or AVX512-BF16 (``set_float32_matmul_precision("medium")``, or
+``torch.backends.mkldnn.*.fp32_precision``). Such products round to about 1e-3. The engine takes
+a clipped example's norm and its clipped sum from two different products of the same factors
+(ghost norms: Gram matrices; the sum: one weighted product), so under TF32 or bf16 they differ
+by about that much, and one example could add about C(1 + 1e-3) instead of at most C; the
+cancellation check's float32 threshold (``refine_cancelled``) would not hold either. So the
+engine's arithmetic (contributions, norms, clipped sums, two_pass's second backward) runs
+inside :func:`ieee_float32`, whatever the process chose. The model's forward and backward keep
+the process's setting: they only define the function whose per-example gradients are clipped.
+
+PyTorch raises when its legacy flags (``allow_tf32``, ``set_float32_matmul_precision``) and the
+``fp32_precision`` attributes of ``torch.backends`` disagree, so both are set together and both
+are put back as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+_BACKENDS = torch.backends
+
+
+def _precision_objects() -> list:
+    """The ``fp32_precision`` holders of one operator family each (PyTorch >= 2.9)."""
+    objects = []
+    for path in ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv",
+                 "mkldnn.rnn"):
+        obj = _BACKENDS
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if obj is not None and hasattr(obj, "fp32_precision"):
+            objects.append(obj)
+    return objects
+
+
+@contextlib.contextmanager
+def ieee_float32() -> Iterator[None]:
+    """float32 matmuls and convolutions in IEEE float32 (no TF32, no bf16) on every backend,
+    the process's settings restored on exit. About 30 us per use."""
+    objects = _precision_objects()
+    saved = [obj.fp32_precision for obj in objects]
+    # the legacy values; None where the getter raises (the process mixed the two APIs itself)
+    try:
+        legacy_matmul = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        legacy_matmul = None
+    try:
+        legacy_cudnn = torch.backends.cudnn.allow_tf32
+    except RuntimeError:
+        legacy_cudnn = None
+    try:
+        # the legacy setters set the new attributes too, so that the two agree
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+        for obj in objects:
+            obj.fp32_precision = "ieee"
+        yield
+    finally:
+        if legacy_matmul is not None:
+            torch.set_float32_matmul_precision(legacy_matmul)
+        if legacy_cudnn is not None:
+            torch.backends.cudnn.allow_tf32 = legacy_cudnn
+        for obj, value in zip(objects, saved):
+            obj.fp32_precision = value
+

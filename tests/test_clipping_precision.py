@@ -1,0 +1,232 @@
+"""The clipping engine's query in IEEE float32, whatever TF32/bf16 setting the process chose.
+
+``torch.set_float32_matmul_precision("medium")`` (a common line in training scripts) makes float32
+matmuls bf16 on CPUs with AMX/AVX512-BF16; ``"high"`` and cuDNN's default make them TF32 on
+NVIDIA GPUs. Either rounds products to ~1e-3. Before the fix, under ``"medium"`` on this project's
+Sapphire Rapids VM, one clipped example added up to 1.001 C (the ghost norm and the clipped sum
+rounded apart), and a timm ViT's cls_token was refused by the tap check (its rows rounded apart
+from autograd's). Now the whole query runs in IEEE products (``dptrain/clipping/precision.py``),
+and the process's settings are put back afterwards, legacy and new API alike.
+
+The flag tests run anywhere; the bound and the bit-for-bit tests only tell the old code from the
+new on a CPU whose bf16 products differ from IEEE (skipped elsewhere), and on CUDA with TF32
+(tests/test_gpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _threads import _one_thread  # noqa: F401  (autouse: one torch thread)
+
+from dptrain.clipping import ClippingEngine, per_example_grad_norms
+from dptrain.clipping.precision import _precision_objects, ieee_float32
+
+B = torch.backends
+
+
+def _state() -> tuple:
+    """Every fp32 precision attribute, and the legacy getters (None where they raise)."""
+    def read(get):
+        try:
+            return get()
+        except RuntimeError:
+            return None
+
+    new = tuple(obj.fp32_precision for obj in _precision_objects())
+    legacy = (read(torch.get_float32_matmul_precision), read(lambda: B.cuda.matmul.allow_tf32),
+              read(lambda: B.cudnn.allow_tf32))
+    return new, legacy
+
+
+@pytest.fixture()
+def restore_precision():
+    """Put the process's precision settings back by hand (not through the code under test)."""
+    objects = _precision_objects()
+    saved = [obj.fp32_precision for obj in objects]
+    legacy = torch.get_float32_matmul_precision()
+    extra = [(obj, obj.fp32_precision) for obj in (B, B.cudnn, B.mkldnn)]
+    yield
+    torch.set_float32_matmul_precision(legacy)
+    for obj, value in extra:
+        obj.fp32_precision = value
+    for obj, value in zip(objects, saved):
+        obj.fp32_precision = value
+
+
+def _set_high():
+    torch.set_float32_matmul_precision("high")
+
+
+def _set_medium():
+    torch.set_float32_matmul_precision("medium")
+
+
+def _set_new_api_tf32():
+    B.cuda.matmul.fp32_precision = "tf32"
+    B.mkldnn.conv.fp32_precision = "bf16"
+
+
+def _set_legacy_cudnn_off():
+    B.cudnn.allow_tf32 = False
+
+
+def _set_root_tf32():
+    B.fp32_precision = "tf32"
+
+
+SETTINGS = {"default": lambda: None, "high": _set_high, "medium": _set_medium,
+            "new_api": _set_new_api_tf32, "legacy_cudnn_off": _set_legacy_cudnn_off,
+            "root_tf32": _set_root_tf32}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_ieee_inside_and_the_process_settings_back_after(setting, restore_precision):
+    SETTINGS[setting]()
+    before = _state()
+    with ieee_float32():
+        new, legacy = _state()
+        assert set(new) == {"ieee"}, new
+        # the legacy getters agree with the new attributes (PyTorch raises on a mix)
+        assert legacy == ("highest", False, False), legacy
+        with ieee_float32():  # nested: still IEEE, and the outer one's state is kept
+            pass
+        assert _state() == (new, legacy)
+    assert _state() == before
+
+
+def test_the_settings_are_back_after_an_error(restore_precision):
+    _set_medium()
+    before = _state()
+    with pytest.raises(ZeroDivisionError):
+        with ieee_float32():
+            1 / 0
+    assert _state() == before
+
+
+def _bf16_products_differ() -> bool:
+    """Whether this CPU's bf16 products (AMX/AVX512-BF16) make a float32 matmul inexact."""
+    a = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    exact = a @ a.T
+    before = B.mkldnn.matmul.fp32_precision
+    B.mkldnn.matmul.fp32_precision = "bf16"
+    try:
+        rounded = a @ a.T
+    finally:
+        B.mkldnn.matmul.fp32_precision = before
+    return not torch.equal(exact, rounded)
+
+
+bf16_cpu = pytest.mark.skipif(not _bf16_products_differ(),
+                              reason="this CPU's float32 products are IEEE under 'medium' too")
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 256)
+        self.b = nn.Linear(256, 10)
+
+    def forward(self, x):  # (B, T, 64): per-token products, ghost norms over 32 tokens
+        return self.b(torch.tanh(self.a(x))).mean(1)
+
+
+class _StdConvNet(nn.Module):
+    def __init__(self):
+        from timm.layers import ScaledStdConv2d
+
+        super().__init__()
+        self.conv = ScaledStdConv2d(3, 8, 3, stride=2)
+        self.gn = nn.GroupNorm(2, 8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.gn(F.relu(self.conv(x), inplace=True))).mean((2, 3)))
+
+
+def _ce(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1], reduction="none")
+
+
+def _cases():
+    torch.manual_seed(0)
+    yield _Mlp(), (torch.randn(1, 32, 64) * 30, torch.tensor([2]))
+    torch.manual_seed(1)
+    yield _StdConvNet(), (torch.randn(1, 3, 8, 8) * 30, torch.tensor([1]))
+
+
+@bf16_cpu
+@pytest.mark.parametrize("mode", ["bookkeeping", "two_pass"])
+def test_one_clipped_example_adds_at_most_c_under_bf16_products(mode, restore_precision):
+    _set_medium()
+    B.mkldnn.conv.fp32_precision = "bf16"
+    C = 1e-3
+    worst = 0.0
+    for model, batch in _cases():
+        for seed in range(4):
+            torch.manual_seed(seed)
+            x = batch[0] * (1 + seed)
+            acc: dict = {}
+            ClippingEngine(model, clip_norm=C, ghost="ghost", mode=mode).accumulate(
+                _ce, (x, batch[1]), acc)
+            added = float(torch.cat([v.reshape(-1).double() for v in acc.values()]).norm())
+            worst = max(worst, abs(added / C - 1))
+    assert worst <= 1e-5, worst  # before the fix: up to 1e-3
+
+
+@bf16_cpu
+def test_norms_under_bf16_products_are_the_ieee_norms_bit_for_bit(restore_precision):
+    for model, batch in _cases():
+        exact = per_example_grad_norms(model, _ce, batch)
+        _set_medium()
+        B.mkldnn.conv.fp32_precision = "bf16"
+        assert torch.equal(per_example_grad_norms(model, _ce, batch), exact)
+        torch.set_float32_matmul_precision("highest")
+        B.mkldnn.conv.fp32_precision = "none"
+
+
+@bf16_cpu
+def test_a_vit_cls_token_is_not_refused_under_bf16_products(restore_precision):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=8, depth=2,
+                              embed_dim=32, num_heads=2, num_classes=4)
+    batch = (torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3]))
+    exact = per_example_grad_norms(model, _ce, batch)
+    _set_medium()
+    # before the fix: ValueError "the parameter cls_token ... has rows that reach other
+    # examples' losses"
+    assert torch.equal(per_example_grad_norms(model, _ce, batch), exact)
+
+
+class _HeadOutsideItsModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+
+    def forward(self, x):
+        return F.linear(torch.tanh(self.emb(x)).mean(1), self.emb.weight)
+
+
+def _lm(model, x):
+    return F.cross_entropy(model(x), x[:, 0], reduction="none")
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_autograd_disabled_is_an_error_not_zero_norms(context):
+    """Under no_grad the engine returned all-zero norms and added nothing (the release was pure
+    noise); an engine whose first call ran so then skipped its model checks for good."""
+    torch.manual_seed(0)
+    model = _HeadOutsideItsModule()
+    x = torch.randint(0, 10, (4, 3))
+    engine = ClippingEngine(model, clip_norm=1.0)
+    with context(), pytest.raises(RuntimeError, match="autograd disabled"):
+        engine.per_example_norms(_lm, x)
+    with context(), pytest.raises(RuntimeError, match="autograd disabled"):
+        engine.accumulate(_lm, x, {})
+    # the first call with autograd still checks the model (the weight used outside its module)
+    with pytest.raises(ValueError, match="outside the forward of the module"):
+        engine.per_example_norms(_lm, x)
