@@ -9,7 +9,8 @@ What `dptrain train` does for every logical batch, written out for a model and d
 2. per microbatch, clip each example's COMPLETE gradient to norm C and add it into a running
    sum (``ClippingEngine.accumulate``: ghost norms, no per-example gradient of the whole model);
 3. once per logical batch, add Gaussian noise of std sigma*C to every coordinate and divide by
-   the public denominator b = floor(q N) (``dptrain.privacy.noise.gaussian_noise``): the release;
+   the public denominator b = max(1, floor(q N)) (``dptrain.privacy.noise.gaussian_noise``,
+   ``dptrain.privacy.config.expected_batch_size``): the release;
 4. post-processing, free of privacy cost: Muon on the weight matrices, AdamW on the rest;
 5. record the release in a ``Ledger``; ``epsilon(ledger, delta)`` is opacus' PRV accountant.
 
@@ -19,8 +20,6 @@ epsilon 4 at delta 1e-5 (sigma calibrated by ``calibrate_noise_multiplier``).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +27,7 @@ from torch import nn
 from dptrain.clipping import ClippingEngine
 from dptrain.optim import Muon
 from dptrain.privacy.accounting import Ledger, calibrate_noise_multiplier, epsilon
+from dptrain.privacy.config import expected_batch_size
 from dptrain.privacy.noise import gaussian_noise
 from dptrain.privacy.sampling import poisson_sample
 
@@ -62,7 +62,7 @@ def release(step: int, engine: ClippingEngine, X, y, sigma: float) -> dict[str, 
     acc: dict[str, torch.Tensor] = {}  # the unnoised clipped sum: private, never logged
     for chunk in indices.split(MICROBATCH):
         engine.accumulate(loss_fn, (X[chunk], y[chunk]), acc)
-    b = math.floor(Q * len(X))  # public: never the sampled count, which is private
+    b = expected_batch_size(Q, len(X))  # public: never the sampled count, which is private
     out = {}
     for name, p in engine.params.items():
         s = acc.pop(name, torch.zeros_like(p))  # an empty batch still releases noise

@@ -5,7 +5,6 @@ the same counter-based noise, and its epsilon is opacus' PRV accountant's."""
 from __future__ import annotations
 
 import importlib.util
-import math
 from pathlib import Path
 
 import pytest
@@ -24,11 +23,18 @@ def example():
     return mod
 
 
-def test_release_is_clipped_per_example_gradients_plus_noise_over_b(example):
+@pytest.mark.parametrize("q, n, b", [(None, None, 100), (0.29, 100, 29)])
+def test_release_is_clipped_per_example_gradients_plus_noise_over_b(example, monkeypatch, q, n,
+                                                                    b):
+    """b = max(1, floor(q N)) with q N read to 1e-9, as the trainer's: q = 0.29, N = 100 is
+    28.999999999999996 in floating point, where the example's floor(q N) divided by 28."""
     from dptrain.clipping import ClippingEngine
     from dptrain.privacy.noise import gaussian_noise
     from dptrain.privacy.sampling import poisson_sample
 
+    if q is not None:
+        monkeypatch.setattr(example, "Q", q)
+        monkeypatch.setattr(example, "N", n)
     X, y = example.make_data(example.N)
     model = example.make_model()
     engine = ClippingEngine(model, clip_norm=example.C)
@@ -39,7 +45,6 @@ def test_release_is_clipped_per_example_gradients_plus_noise_over_b(example):
         return torch.nn.functional.cross_entropy(out, t[None])
 
     sigma = 0.7
-    b = math.floor(example.Q * example.N)
     clipped_some = False
     for step in range(2):
         got = example.release(step, engine, X, y, sigma)

@@ -98,8 +98,13 @@ class PrivacyConfig:
         if self.expected_batch_size is not None:
             return self.expected_batch_size
         n = self.dataset_size if self.dataset_size is not None else dataset_size
-        qn = self.sample_rate * n
-        # q = 0.29, N = 100: the product is 28.999999999999996 in binary floating point, and
-        # floor would give 28 where the config means 29 (b is public: post-processing only)
-        near = round(qn)
-        return max(1, near if abs(qn - near) <= 1e-9 * max(1.0, qn) else math.floor(qn))
+        return expected_batch_size(self.sample_rate, n)
+
+
+def expected_batch_size(sample_rate: float, dataset_size: int) -> int:
+    """The public denominator b = max(1, floor(q N)) of a release, with q N read to a relative
+    1e-9: q = 0.29, N = 100 gives 28.999999999999996 in binary floating point, and a plain floor
+    would give 28 where 29 is meant. Never the sampled count, which is private."""
+    qn = sample_rate * dataset_size
+    near = round(qn)
+    return max(1, near if abs(qn - near) <= 1e-9 * max(1.0, qn) else math.floor(qn))
