@@ -100,6 +100,7 @@ def test_resume_auto_on_a_finished_run_does_nothing(tmp_path, capsys, finished):
         code, err = train(capsys, out, "--resume", "auto", override)
         line = one_line(err)
         assert code == 2 and line.split("error: ")[1].startswith(field + ":"), line
+        assert "the finished run (summary.json)" in line, line  # not "the checkpoint"
     assert snapshot(out) == before
 
 

@@ -279,6 +279,36 @@ def test_an_output_dir_that_cannot_be_made_is_refused_before_any_work(tmp_path, 
     assert (tmp_path / "afile").read_text() == "x"
 
 
+@pytest.mark.parametrize("name, kind", [("checkpoints", "file"), ("final", "file"),
+                                        ("metrics.jsonl", "dir"), ("summary.json", "dir"),
+                                        ("secure_resumes.jsonl", "dir")])
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_path_of_the_wrong_kind_in_the_output_dir_is_refused_before_any_work(
+        tmp_path, capsys, monkeypatch, name, kind, resume):
+    """A file named checkpoints raised FileExistsError (exit 1) at the first checkpoint, one
+    named final after the whole run had trained; a folder named metrics.jsonl IsADirectoryError."""
+    import dptrain.trainer as trainer_module
+
+    def never(*a, **k):
+        raise AssertionError("the trainer was built before the output dir was checked")
+
+    monkeypatch.setattr(trainer_module, "Trainer", never)
+    out = tmp_path / "run"
+    out.mkdir()
+    if kind == "file":
+        (out / name).write_text("mine")
+    else:
+        (out / name).mkdir()
+    before = sorted(p.name for p in out.iterdir())
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                           *(["--resume", "auto"] if resume else []))
+    lines = [line for line in err.strip().splitlines() if line]
+    assert code == 2 and len(lines) == 1 and "output-dir" in lines[0] and name in lines[0], err
+    assert sorted(p.name for p in out.iterdir()) == before
+    if kind == "file":
+        assert (out / name).read_text() == "mine"
+
+
 def test_a_finished_run_is_never_overwritten(tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),

@@ -58,6 +58,7 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
     if out.exists() and not out.is_dir():
         raise ConfigError("output-dir", f"{out} exists and is not a directory")
     check_can_create("output-dir", out)  # before the data and the model are built
+    _check_layout(out)
     resume_path = None
     if args.resume == "auto" and (out / "summary.json").exists():
         # summary.json is written last: the run is finished (a requeued job lands here), and
@@ -71,7 +72,7 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
             raise ConfigError("output-dir", f"{out / 'summary.json'} is unreadable or holds no "
                                             "config, so whether it is this run's cannot be "
                                             "checked; move it away, or choose another directory")
-        ckpt.check_compatible(saved, cfg)
+        ckpt.check_compatible(saved, cfg, source="the finished run (summary.json)")
         if os.environ.get("RANK", "0") == "0":
             print(f"dptrain train: {out} holds a finished run (summary.json); nothing to do",
                   file=sys.stderr)
@@ -247,6 +248,28 @@ def _json_rows(path: Path) -> list[tuple[str, dict]]:
 
 def _metrics_steps(path: Path) -> list[int]:
     return [int(row.get("step", 0)) for _, row in _json_rows(path)]
+
+
+#: what a run writes in its output directory: name -> whether it is a directory
+_LAYOUT = {"checkpoints": True, "final": True, "metrics.jsonl": False, "summary.json": False,
+           "secure_resumes.jsonl": False}
+
+
+def _check_layout(out: Path) -> None:
+    """Each path a run writes in ``out`` is absent, or of the kind it writes (a directory, a
+    file) and writable: a file named ``checkpoints`` raised FileExistsError at the first
+    checkpoint, and one named ``final`` after the whole run had trained."""
+    for name, is_dir in _LAYOUT.items():
+        path = out / name
+        if not path.exists() and not path.is_symlink():
+            continue
+        if path.is_dir() != is_dir:
+            kind = "a directory" if is_dir else "a file"
+            raise ConfigError("output-dir", f"{path} exists and is not {kind}, which a run "
+                                            f"writes there; move it away, or choose another "
+                                            f"directory")
+        if not os.access(path, os.W_OK | (os.X_OK if is_dir else 0)):
+            raise ConfigError("output-dir", f"cannot write {path}: it is not writable")
 
 
 def _holds_a_run(out: Path) -> bool:
