@@ -1126,6 +1126,29 @@ def _tar(path, members):
             tf.addfile(info, io.BytesIO(data))
 
 
+@pytest.mark.parametrize("shard_mode, entry_mode", [(0o600, 0o600), (0o640, 0o640),
+                                                    (0o644, 0o644), (0o444, 0o644)])
+def test_webdataset_index_cache_entries_are_no_more_readable_than_their_shard(
+        tmp_path, shard_mode, entry_mode):
+    """An entry holds its shard's labels: a 0600 shard's entry was 0644 under umask 022."""
+    import os
+
+    rng = np.random.default_rng(5)
+    _write_shards(tmp_path, "imagenet-train", 1, 3, rng)
+    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
+    for shard in tmp_path.glob("*.tar"):
+        shard.chmod(shard_mode)
+    cache = tmp_path / "cache"
+    old = os.umask(0o022)
+    try:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                              index_cache_dir=str(cache)))
+    finally:
+        os.umask(old)
+    modes = [p.stat().st_mode & 0o777 for p in cache.glob("*.npz")]
+    assert modes == [entry_mode] * 2, [oct(m) for m in modes]
+
+
 def test_webdataset_index_cache_is_read_back_while_the_shard_is_unchanged(tmp_path, monkeypatch):
     """data.index_cache_dir: a shard's index is scanned once and read back after; a shard
     written again, a damaged or foreign entry are scanned afresh; a cache that cannot be

@@ -158,6 +158,9 @@ def _cached_shard_index(path: Path, cache_dir: Path, base_plus_ext):
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as fh:
             np.savez(fh, key=np.asarray(key), offset=offsets, size=sizes, label=labels)
+        # the entry holds the shard's labels: readable by no one the shard is not readable by
+        # (the umask alone would give a 0600 shard's labels a 0644 copy)
+        os.chmod(tmp, 0o600 | (st.st_mode & 0o044))
 
     try:
         replace_atomically(entry, write)
