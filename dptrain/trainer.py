@@ -108,6 +108,11 @@ class RunConfig:
                               f"imagefolder), not {self.data.name}, so it would be ignored; "
                               f"remove it")
         o = self.optim
+        if o.filter.name == "doppler":  # c_t != 0 at every step of this run, not a prefix only
+            try:
+                o.filter.check_normaliser(self.privacy.steps)
+            except ConfigError as e:
+                raise ConfigError(f"optim.filter.{e.field}", e.message) from None
         if o.ema_decay > 0 and o.ema_start_step >= self.privacy.steps:
             raise ConfigError("optim.ema_start_step",
                               f"{o.ema_start_step} is not before the run's last step "

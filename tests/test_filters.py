@@ -231,9 +231,56 @@ def test_doppler_constant_input_passes_unchanged():
     ({"name": "doppler", "convention": "im_paper"}, "optim.filter.convention"),
     ({"a": [-0.5]}, "optim.filter.a"),
     ({"name": "disk", "b": [0.2]}, "optim.filter.b"),
+    # DiSK's query weight c = (1 - kappa)/(kappa gamma) past 2^24: kappa 5e-324 divided by
+    # zero, gamma 5e-324 made c infinite (a NaN model, exit 0), 1e-300 overflowed at step 2
+    ({"name": "disk", "kappa": 5e-324}, "optim.filter.kappa"),
+    ({"name": "disk", "kappa": 1e-300}, "optim.filter.kappa"),
+    ({"name": "disk", "gamma": 5e-324}, "optim.filter.gamma"),
+    ({"name": "disk", "gamma": 1e-8}, "optim.filter.gamma"),
+    ({"name": "disk", "convention": "im_paper", "kappa": 0.99999999}, "optim.filter.kappa"),
+    # poles exactly on the unit circle, which np.roots put at 0.9999999999999999 (and
+    # 0.9999999999999998): the noise grew without bound
+    ({"name": "doppler", "a": [0.5, 1.0]}, "optim.filter.a"),
+    ({"name": "doppler", "a": [-1.9, 1.0]}, "optim.filter.a"),
+    ({"name": "doppler", "a": [-2.0, 1.0]}, "optim.filter.a"),  # a double pole at 1
 ])
 def test_bad_filter_settings_name_their_field(filt, field):
     cfg = from_dict(OptimConfig, {"filter": filt})
     with pytest.raises(ConfigError) as e:
         validate_tree(cfg, "optim")
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("kappa, gamma", [(0.01, 0.001), (1.0, 1e-300), (0.7, 1e-6)])
+def test_disk_weights_below_2_24_are_accepted(kappa, gamma):
+    cfg = from_dict(OptimConfig, {"filter": {"name": "disk", "kappa": kappa, "gamma": gamma}})
+    validate_tree(cfg, "optim")  # (kappa = 1: c = 0, the filter off, whatever gamma)
+
+
+def test_poles_inside_the_unit_circle_agree_with_their_moduli():
+    from dptrain.optim.filters import poles_inside_unit_circle
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        a = rng.uniform(-2.5, 2.5, size=rng.integers(1, 5)).tolist()
+        r = float(np.abs(np.roots([1.0, *a])).max())
+        if abs(r - 1.0) > 1e-6:
+            assert poles_inside_unit_circle(a) == (r < 1.0), (a, r)
+    assert poles_inside_unit_circle([]) and poles_inside_unit_circle([-0.9])
+    assert not poles_inside_unit_circle([-1.0]) and not poles_inside_unit_circle([1.0])
+
+
+def test_a_normaliser_that_reaches_0_after_the_checked_prefix_is_refused_for_the_run():
+    """c_t of a = [-0.999], b = [-1, 1.0001563366255024] (step_response) reaches 8.5e-14 at step
+    2,000, past the 1,000 steps FilterConfig checks alone: the run's config checks every step."""
+    from dptrain.trainer import RunConfig
+
+    filt = {"name": "doppler", "a": [-0.999], "b": [-1.0, 1.0001563366255024],
+            "correction": "step_response"}
+    validate_tree(from_dict(OptimConfig, {"filter": filt}), "optim")  # the prefix: fine
+    short = from_dict(RunConfig, {"optim": {"filter": filt}, "privacy": {"steps": 1500}})
+    validate_tree(short)
+    long = from_dict(RunConfig, {"optim": {"filter": filt}, "privacy": {"steps": 3000}})
+    with pytest.raises(ConfigError) as e:
+        validate_tree(long)
+    assert e.value.field == "optim.filter.b" and "step 2000" in e.value.message

@@ -71,6 +71,19 @@ class FilterConfig:
                 raise ConfigError("kappa", f"must be in [0, 1) (im_paper), got {self.kappa}")
             if not (self.gamma > 0.0 and math.isfinite(self.gamma)):
                 raise ConfigError("gamma", f"must be finite and > 0, got {self.gamma}")
+            k = self.disk_gain()
+            if k < 1.0:
+                # the query's weights c and 1 - c sum to 1; past c = 2^24 float32 cannot hold
+                # that sum (5e-324 made c infinite, 1e-300 overflowed float32 at step 2)
+                ratio = (1.0 - k) / k  # (float division gives inf, not an error, past the range)
+                c = ratio / self.gamma
+                if not c < _MAX_DISK_C:
+                    field_, value = ("kappa", self.kappa) if ratio >= _MAX_DISK_C else (
+                        "gamma", self.gamma)
+                    raise ConfigError(field_, f"{value} makes DiSK's query weight "
+                                              f"c = (1 - kappa) / (kappa * gamma) = {c:.3g}, "
+                                              f"past 2^24: its weights c and 1 - c, which sum "
+                                              f"to 1, cancel below float32's precision")
         if self.name == "doppler":
             if not self.b:
                 raise ConfigError("b", "needs at least b_0")
@@ -80,27 +93,52 @@ class FilterConfig:
                     raise ConfigError(name, f"must be finite numbers, got {coefs}")
             if sum(self.b) == 0.0:
                 raise ConfigError("b", "the coefficients sum to 0: the filter passes no signal")
-            poles = np.roots([1.0, *self.a]) if self.a else np.array([])
-            if np.any(np.abs(poles) >= 1.0):
+            if not poles_inside_unit_circle(self.a):
+                poles = np.roots([1.0, *self.a])
                 raise ConfigError("a", f"unstable filter: poles {poles.tolist()} must lie "
                                        "strictly inside the unit circle")
             # the output is m_t / c_t: c_t (public, from a and b only) must never be 0. A
-            # stable filter's c_t converges to sum(b) / (1 + sum(a)) != 0, so a long enough
-            # prefix decides it.
-            tol = 1e-9 * sum(abs(x) for x in self.b)
-            c_hist: list[float] = []
-            for t in range(max(1000, 10 * (len(self.a) + len(self.b)))):
-                c = doppler_normaliser(self.a, self.b, self.correction, c_hist, t)
-                if abs(c) <= tol:
-                    raise ConfigError("b", f"the normaliser c_t is 0 at step {t} (b_0 = 0 or "
-                                           "a cancellation): the filter's output m_t / c_t is "
-                                           "undefined there")
-                c_hist.insert(0, c)
-                del c_hist[len(self.a):]
+            # stable filter's c_t converges to sum(b) / (1 + sum(a)) != 0, so a long prefix
+            # decides it; RunConfig checks the whole run (check_normaliser) too
+            self.check_normaliser(max(1000, 10 * (len(self.a) + len(self.b))))
+
+    def check_normaliser(self, steps: int) -> None:
+        """DOPPLER: ConfigError naming ``b`` if c_t is 0 (to 1e-9 of sum |b|) at a step t <
+        ``steps``: with a pole near 1 it can reach 0 only after thousands of steps."""
+        tol = 1e-9 * sum(abs(x) for x in self.b)
+        c_hist: list[float] = []
+        for t in range(steps):
+            c = doppler_normaliser(self.a, self.b, self.correction, c_hist, t)
+            if abs(c) <= tol:
+                raise ConfigError("b", f"the normaliser c_t is 0 at step {t} (b_0 = 0 or a "
+                                       "cancellation): the filter's output m_t / c_t is "
+                                       "undefined there")
+            c_hist.insert(0, c)
+            del c_hist[len(self.a):]
 
     def disk_gain(self) -> float:
         """kappa in the DiSK paper's convention (the weight of the new release)."""
         return self.kappa if self.convention == "disk_paper" else 1.0 - self.kappa
+
+
+#: the largest DiSK query weight c = (1 - kappa) / (kappa * gamma) accepted (float32's 2^24)
+_MAX_DISK_C = float(2**24)
+
+
+def poles_inside_unit_circle(a: list[float]) -> bool:
+    """Whether every root of z^p + a_1 z^(p-1) + ... + a_p lies strictly inside the unit
+    circle, decided exactly (Schur-Cohn step-down in rational arithmetic on the float
+    coefficients' exact values): ``np.roots`` put the poles of z^2 + 0.5 z + 1, which lie on
+    the circle, at |p| = 0.9999999999999999."""
+    from fractions import Fraction
+
+    c = [Fraction(1), *(Fraction(x) for x in a)]
+    while len(c) > 1:
+        k = c[-1] / c[0]
+        if abs(k) >= 1:
+            return False
+        c = [(c[i] - k * c[-1 - i]) / (1 - k * k) for i in range(len(c) - 1)]
+    return True
 
 
 def doppler_normaliser(a: list[float], b: list[float], correction: str, c_hist: list[float],
