@@ -432,3 +432,19 @@ def test_the_frozen_digest_is_the_same_in_float32_and_float64_and_sees_one_chang
     assert changed["keys"] == digest["keys"] and changed["sha256"] != digest["sha256"]
     full = tiny_gpt2(torch.float32)
     assert frozen_state(full) is None  # nothing frozen: the checkpoint holds everything
+
+
+
+def test_the_adapter_config_lists_its_targets_sorted(tmp_path):
+    """peft keeps target_modules as a set: its order in adapter_config.json followed each
+    process's string hashing (PYTHONHASHSEED), so two runs of one config wrote different
+    bytes. Sorted now (with 7 targets the old order was sorted in 1 process of 5,040)."""
+    from dptrain.models.finetune import write_adapter
+
+    model = _tiny_llama(False, torch.float32)
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = LoRAConfig(r=2, target_modules=names)
+    apply_finetuning(model, lora, None)
+    assert write_adapter(model.state_dict(), model, lora, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == sorted(names) and config["r"] == 2

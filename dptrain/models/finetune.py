@@ -24,8 +24,8 @@ longer be the one tied tensor.
 
 from __future__ import annotations
 
+import json
 import math
-
 import os
 import re
 import shutil
@@ -281,6 +281,13 @@ def write_adapter(state: dict[str, Tensor], model: nn.Module, lora: LoRAConfig,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     config.save_pretrained(str(tmp))
+    # peft keeps target_modules as a set, written in the order of this process's string
+    # hashing: sorted, so that two runs of one config write the same bytes
+    path = tmp / "adapter_config.json"
+    written = json.loads(path.read_text())
+    if isinstance(written.get("target_modules"), list):
+        written["target_modules"] = sorted(written["target_modules"])
+        path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     save_file({k: v.contiguous() for k, v in adapter_state(state, model).items()},
               str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
     if directory.exists():
