@@ -18,7 +18,9 @@ class PerformanceConfig:
     microbatch_size: int = 32
     """Examples per forward/backward; a logical batch is split into microbatches of this size."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
-    """Compute dtype of the forward/backward (norms and sums are accumulated in float32+)."""
+    """Compute dtype of the forward/backward (norms and sums are accumulated in float32+).
+    bfloat16 is autocast. float32 products in the private query are IEEE whatever TF32/bf16
+    setting the process chose (dptrain/clipping/precision.py)."""
     num_threads: int | None = None
     """torch intra-op threads; null keeps torch's default."""
     clipping: Literal["auto", "bookkeeping", "two_pass"] = "auto"
