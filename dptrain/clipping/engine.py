@@ -99,13 +99,24 @@ def _to_float(v: Any) -> Any:
 
 
 def batch_size_of(batch: Any) -> int:
+    """The number of examples: the leading dimension of the batch's first tensor (a tensor,
+    or the first value of a dict, list or tuple, recursively)."""
     if isinstance(batch, Tensor):
+        if batch.dim() == 0:
+            raise ValueError("dptrain.clipping: the batch's first tensor is a scalar; it must "
+                             "have the examples along its first dimension")
         return batch.shape[0]
+    if isinstance(batch, (dict, list, tuple)) and len(batch) == 0:
+        raise ValueError(f"dptrain.clipping: the batch is an empty {type(batch).__name__}; "
+                         f"it must hold a tensor with the examples along its first dimension")
     if isinstance(batch, dict):
         return batch_size_of(next(iter(batch.values())))
     if isinstance(batch, (list, tuple)):
         return batch_size_of(batch[0])
-    raise TypeError(f"cannot tell the batch size of {type(batch).__name__}")
+    raise TypeError(f"dptrain.clipping: cannot tell the batch size of a "
+                    f"{type(batch).__name__}: the batch must be a tensor, or a dict, list or "
+                    f"tuple whose first value is one, with the examples along its first "
+                    f"dimension")
 
 
 @dataclass
