@@ -49,7 +49,8 @@ class PrivacyConfig:
     dataset_size: int | None = None
     """Public dataset size N. Null: the training set's length (treated as public)."""
     expected_batch_size: int | None = None
-    """Public release denominator b. Null: floor(q * N)."""
+    """Public release denominator b. Null: max(1, floor(q * N)), q * N read to a relative 1e-9
+    (``expected_batch_size``: q = 0.29, N = 100 gives 29)."""
     seed: int | None = 0
     """Seed of the counter-based sampling and noise streams. Null with secure_mode."""
     secure_mode: bool = False
