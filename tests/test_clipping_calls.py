@@ -51,3 +51,21 @@ def test_a_batch_without_examples_along_a_first_dimension_is_one_clear_error(bat
     model = nn.Linear(3, 2)
     with pytest.raises(error, match=words):
         per_example_grad_norms(model, lambda m, b: m(b).sum(1), batch)
+
+
+def test_two_pass_under_autocast_is_refused():
+    """Its second backward ran in bf16 while the norms were float32: one clipped example added
+    up to 1.0019 C (a timm StdConv net). The trainer refused the combination; the engine did not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    batch = (torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))
+
+    def ce(m, b):
+        return F.cross_entropy(m(b[0]), b[1], reduction="none")
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match="two_pass"):
+            ClippingEngine(model, clip_norm=1.0, mode="two_pass").accumulate(ce, batch, {})
+        acc: dict = {}
+        ClippingEngine(model, clip_norm=1.0, mode="bookkeeping").accumulate(ce, batch, acc)
+    assert set(acc) == {n for n, _ in model.named_parameters()}

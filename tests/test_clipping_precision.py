@@ -48,9 +48,11 @@ def restore_precision():
     objects = _precision_objects()
     saved = [obj.fp32_precision for obj in objects]
     legacy = torch.get_float32_matmul_precision()
+    legacy_cudnn = B.cudnn.allow_tf32
     extra = [(obj, obj.fp32_precision) for obj in (B, B.cudnn, B.mkldnn)]
     yield
     torch.set_float32_matmul_precision(legacy)
+    B.cudnn.allow_tf32 = legacy_cudnn
     for obj, value in extra:
         obj.fp32_precision = value
     for obj, value in zip(objects, saved):
@@ -78,9 +80,13 @@ def _set_root_tf32():
     B.fp32_precision = "tf32"
 
 
+def _set_parent_mkldnn_bf16():
+    B.mkldnn.fp32_precision = "bf16"  # (after which the legacy cuDNN getter raises)
+
+
 SETTINGS = {"default": lambda: None, "high": _set_high, "medium": _set_medium,
             "new_api": _set_new_api_tf32, "legacy_cudnn_off": _set_legacy_cudnn_off,
-            "root_tf32": _set_root_tf32}
+            "root_tf32": _set_root_tf32, "parent_mkldnn_bf16": _set_parent_mkldnn_bf16}
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
@@ -96,6 +102,35 @@ def test_ieee_inside_and_the_process_settings_back_after(setting, restore_precis
             pass
         assert _state() == (new, legacy)
     assert _state() == before
+
+
+def test_a_legacy_flag_that_cannot_be_read_is_left_as_it_was():
+    """With a parent attribute set, the legacy cuDNN getter raises; the context used to set
+    the hidden legacy flag to False and leave it so: the process's later getter then raised
+    where it returned True before. (In a fresh process: restoring any attribute by hand makes
+    PyTorch's per-family defaults explicit, which changes how a parent setting propagates.)"""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from dptrain.clipping.precision import ieee_float32
+B = torch.backends
+B.mkldnn.fp32_precision = "bf16"
+if CALL:
+    with ieee_float32():
+        pass
+B.cudnn.conv.fp32_precision = "tf32"
+B.cudnn.rnn.fp32_precision = "tf32"
+try:
+    print(B.cudnn.allow_tf32)
+except RuntimeError:
+    print("raises")
+"""
+    outputs = [subprocess.run([sys.executable, "-c", f"CALL = {call}\n" + script], check=True,
+                              capture_output=True, text=True).stdout.strip()
+               for call in (False, True)]
+    assert outputs == ["True", "True"], outputs
 
 
 def test_the_settings_are_back_after_an_error(restore_precision):

@@ -1153,6 +1153,12 @@ class ClippingEngine:
         dtype = self._acc_dtype()
         device = next(iter(self.params.values())).device
         two_pass = self.mode == "two_pass"
+        if two_pass and torch.is_autocast_enabled(device.type):
+            # (the trainer refuses performance.dtype=bfloat16 with two_pass for this reason)
+            raise ValueError("dptrain.clipping: mode='two_pass' under autocast: the second "
+                             "backward's gradients are low precision while the norms are "
+                             "float32, so a clipped example could add more than C (1.0019 C "
+                             "measured); use mode='bookkeeping' under autocast")
         query = self._query(plan)
         graphs, loss_total = self._forward_backward(loss_fn, batch, plan, two_pass, query)
         num_examples = int(active.sum()) if active is not None else B

@@ -58,9 +58,13 @@ def ieee_float32() -> Iterator[None]:
     except RuntimeError:
         legacy_cudnn = None
     try:
-        # the legacy setters set the new attributes too, so that the two agree
-        torch.set_float32_matmul_precision("highest")
-        torch.backends.cudnn.allow_tf32 = False
+        # the legacy setters set the new attributes too, so that the two agree; a legacy flag
+        # that cannot be read is left alone (it could not be put back: the operators follow
+        # the new attributes, and its getter raises inside as it did outside)
+        if legacy_matmul is not None:
+            torch.set_float32_matmul_precision("highest")
+        if legacy_cudnn is not None:
+            torch.backends.cudnn.allow_tf32 = False
         for obj in objects:
             obj.fp32_precision = "ieee"
         yield
