@@ -14,7 +14,9 @@ the process's setting: they only define the function whose per-example gradients
 
 PyTorch raises when its legacy flags (``allow_tf32``, ``set_float32_matmul_precision``) and the
 ``fp32_precision`` attributes of ``torch.backends`` disagree, so both are set together and both
-are put back as they were.
+are put back as they were. One thing cannot be put back: cuDNN's conv and rnn start at an
+implicit default that reads ``"tf32"``; written back, ``"tf32"`` is explicit, so a parent
+attribute the process sets later (``torch.backends.cudnn.fp32_precision``) no longer reaches them.
 """
 
 from __future__ import annotations
