@@ -747,8 +747,13 @@ class Trainer:
         main = self.rank == 0  # only rank 0 writes files and shows progress
         metrics_file = None
         if out is not None and main:
-            out.mkdir(parents=True, exist_ok=True)
-            metrics_file = open(out / "metrics.jsonl", "a")
+            try:  # (before the first release; the CLI checked the folder, but root passes
+                # every access check, and a file system can refuse anyway)
+                out.mkdir(parents=True, exist_ok=True)
+                metrics_file = open(out / "metrics.jsonl", "a")
+            except OSError as e:
+                raise ConfigError("output-dir", f"cannot write {out}: "
+                                                f"{e.strerror or e}") from None
         if main:
             self.print_start_notes()
         bar = tqdm(total=self.plan.steps, initial=self.step, disable=not (tc.progress and main),

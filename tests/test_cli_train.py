@@ -309,6 +309,15 @@ def test_a_path_of_the_wrong_kind_in_the_output_dir_is_refused_before_any_work(
         assert (out / name).read_text() == "mine"
 
 
+def test_an_output_dir_the_file_system_refuses_exits_2_before_any_release(capsys):
+    """/proc refuses a new folder even to root, whom os.access lets through: a traceback and
+    exit 1 from the trainer's mkdir before."""
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
+                           "/proc/dptrain-test-no-such-folder")
+    lines = [line for line in err.strip().splitlines() if line]
+    assert code == 2 and len(lines) == 1 and "output-dir" in lines[0], err
+
+
 def test_a_finished_run_is_never_overwritten(tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
