@@ -34,6 +34,7 @@ w.r.t. the pre-in-place value, which is what the layer rules need.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal
@@ -439,8 +440,26 @@ class ClippingEngine:
                  ghost: Literal["auto", "ghost", "instantiate", "memory"] = "auto",
                  mode: Literal["bookkeeping", "two_pass"] = "bookkeeping",
                  kernels: Kernels = "torch"):
+        from dptrain.config import FLOAT32_TINY
+
+        if clip_norm is not None:
+            # NaN or inf made every clip factor 1 (no clipping at all), a negative C flipped
+            # the sum's sign, 0 released noise only
+            if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)):
+                raise TypeError(f"dptrain.clipping: clip_norm must be a number or None, got "
+                                f"{type(clip_norm).__name__}")
+            if not (math.isfinite(clip_norm) and clip_norm >= FLOAT32_TINY):
+                raise ValueError(f"dptrain.clipping: clip_norm must be finite and at least "
+                                 f"float32's smallest normal ({FLOAT32_TINY:.3g}), got "
+                                 f"{clip_norm}")
+        for name, value, allowed in (("ghost", ghost, ("auto", "ghost", "instantiate", "memory")),
+                                     ("mode", mode, ("bookkeeping", "two_pass")),
+                                     ("kernels", kernels, ("torch", "triton"))):
+            if value not in allowed:  # (an unknown string was read as the default)
+                raise ValueError(f"dptrain.clipping: {name} must be one of {allowed}, got "
+                                 f"{value!r}")
         self.model = model
-        self.clip_norm = clip_norm
+        self.clip_norm = float(clip_norm) if clip_norm is not None else None
         self.ghost = ghost
         self.mode = mode
         self.kernels = kernels
@@ -730,7 +749,16 @@ class ClippingEngine:
         coefficient 0, or no value), and every state value has its parameter's shape (global,
         or the local shard's when sharded; a value is never broadcast)."""
         for entry in plan:
+            if not isinstance(entry, (tuple, list)) or len(entry) < 2:
+                raise ValueError(f"dptrain.clipping: a plan entry must be (coefficient, state "
+                                 f"or None[, seed[, view]]), got {entry!r}")
             coef, state = entry[0], entry[1]
+            values = coef.values() if isinstance(coef, dict) else [coef]
+            if not all(isinstance(a, (int, float)) and not isinstance(a, bool)
+                       and math.isfinite(a) for a in values):
+                # a NaN coefficient made the clipped sum NaN
+                raise ValueError(f"dptrain.clipping: a plan's coefficients must be finite "
+                                 f"numbers, got {coef!r}")
             unknown = sorted(set(coef) - self.params.keys()) if isinstance(coef, dict) else []
             if unknown:
                 raise ValueError(f"dptrain.clipping: a plan's coefficients name {unknown}, which "
@@ -815,9 +843,17 @@ class ClippingEngine:
                             f"tensors): move it into a module of its own (timm's LayerScale), "
                             f"whose rule or torch.func fallback gives its per-example "
                             f"gradient") from e
+                if not isinstance(losses, Tensor):
+                    raise TypeError(f"loss_fn must return a tensor of per-example losses of "
+                                    f"shape ({B},), got {type(losses).__name__}")
                 if losses.shape != (B,):
                     raise ValueError(f"loss_fn must return per-example losses of shape ({B},), "
                                      f"got {tuple(losses.shape)}")
+                if not losses.requires_grad and self.params:
+                    # (an empty sum, silently: the release would be noise only)
+                    raise ValueError("dptrain.clipping: loss_fn's losses do not depend on the "
+                                     "trainable parameters (detached, or computed without "
+                                     "autograd): there is no gradient to clip")
                 if not state:  # the current parameters (as in _state)
                     d = losses.detach()
                     loss_total = d if loss_total is None else loss_total + d

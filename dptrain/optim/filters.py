@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dptrain.config import ConfigError, refuse_unused
+from dptrain.config import FLOAT32_TINY, ConfigError, refuse_unused
 
 __all__ = ["FilterConfig", "Filter", "IdentityFilter", "DiSKFilter", "DopplerFilter", "FILTERS",
            "build_filter", "QueryPlan"]
@@ -105,14 +105,16 @@ class FilterConfig:
     def check_normaliser(self, steps: int) -> None:
         """DOPPLER: ConfigError naming ``b`` if c_t is 0 (to 1e-9 of sum |b|) at a step t <
         ``steps``: with a pole near 1 it can reach 0 only after thousands of steps."""
-        tol = 1e-9 * sum(abs(x) for x in self.b)
+        # (relative to b; and float32's smallest normal: b = [1e-300] gave c_t = 0 in float32,
+        # and 0/0 gradients)
+        tol = max(1e-9 * sum(abs(x) for x in self.b), FLOAT32_TINY)
         c_hist: list[float] = []
         for t in range(steps):
             c = doppler_normaliser(self.a, self.b, self.correction, c_hist, t)
             if abs(c) <= tol:
-                raise ConfigError("b", f"the normaliser c_t is 0 at step {t} (b_0 = 0 or a "
-                                       "cancellation): the filter's output m_t / c_t is "
-                                       "undefined there")
+                raise ConfigError("b", f"the normaliser c_t is 0 at step {t} (b_0 = 0, a "
+                                       "cancellation, or below float32's range): the "
+                                       "filter's output m_t / c_t is undefined there")
             c_hist.insert(0, c)
             del c_hist[len(self.a):]
 
@@ -198,7 +200,8 @@ class DiSKFilter(Filter):
     """
 
     def __init__(self, kappa: float, gamma: float):
-        assert 0.0 < kappa <= 1.0 and gamma > 0.0
+        # (built directly, as in a loop of one's own: the config's checks, naming the field)
+        FilterConfig(name="disk", kappa=kappa, gamma=gamma).validate()
         self.kappa = float(kappa)
         self.gamma = float(gamma)
         self.c = (1.0 - self.kappa) / (self.kappa * self.gamma)
@@ -257,7 +260,11 @@ class DopplerFilter(Filter):
     """
 
     def __init__(self, a: list[float], b: list[float], correction: str = "paper"):
-        assert len(b) >= 1 and correction in ("paper", "step_response")
+        if correction not in ("paper", "step_response"):
+            raise ConfigError("correction", f"must be paper or step_response, got "
+                                            f"{correction!r}")
+        # (built directly: the config's checks, stability and c_t != 0 included)
+        FilterConfig(name="doppler", a=list(a), b=list(b), correction=correction).validate()
         self.a = [float(x) for x in a]
         self.b = [float(x) for x in b]
         self.correction = correction

@@ -87,6 +87,17 @@ def probe_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def _check_finite(**values: float) -> None:
+    """ValueError naming the first argument that is not a finite number >= 0: NaN or inf made
+    the weights NaN after one step, a negative lr a silent step uphill. (eps = 0 is the exact
+    iteration the tests compare with; the config refuses it: a zero release would give NaN.)"""
+    for name, v in values.items():
+        if isinstance(v, Tensor):
+            continue  # (a tensor lr, as torch.optim allows: the caller's own)
+        if isinstance(v, bool) or not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+
+
 class Muon(torch.optim.Optimizer):
     """DP-Muon (Eq. 7 of Kim and Fan): momentum, Newton–Schulz, shape-scaled step.
 
@@ -120,6 +131,7 @@ class Muon(torch.optim.Optimizer):
         eps: float = 1e-7,
         transposed: frozenset[str] = frozenset(),
     ):
+        _check_finite(lr=lr, weight_decay=weight_decay, eps=eps)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if scale not in SCALES:
@@ -286,8 +298,9 @@ class MuonBC(Muon):
         eps: float = 1e-7,
         transposed: frozenset[str] = frozenset(),
     ):
-        if release_noise_std < 0:
-            raise ValueError(f"release_noise_std must be >= 0, got {release_noise_std}")
+        if not (math.isfinite(release_noise_std) and release_noise_std >= 0):  # (NaN: NaN weights)
+            raise ValueError(f"release_noise_std must be finite and >= 0, got {release_noise_std}")
+        _check_finite(bc_lambda=bc_lambda, bc_kappa=bc_kappa, bc_gamma_ns=bc_gamma_ns)
         if bc_kappa <= 0 or bc_probes < 1 or bc_gamma_ns < 0:
             raise ValueError("need bc_kappa > 0, bc_probes >= 1 and bc_gamma_ns >= 0")
         super().__init__(params, lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
@@ -410,6 +423,7 @@ class MuonS(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         eps: float = 1e-7,
     ):
+        _check_finite(lr=lr, weight_decay=weight_decay, eps=eps)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if power_iters < 2:  # one product leaves the warm start where it was

@@ -54,6 +54,8 @@ Coefficients = Literal["muon", "polar_express"]
 
 
 def _schedule(coefficients: Coefficients, steps: int) -> list[tuple[float, float, float]]:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be an int >= 0 (0: X normalised only), got {steps!r}")
     if coefficients == "muon":
         return [MUON_COEFFICIENTS] * steps
     if coefficients == "polar_express":

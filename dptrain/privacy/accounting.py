@@ -423,6 +423,11 @@ def would_exceed(ledger: Ledger, sigma: float, q: float, delta: float,
     ``target_epsilon``. ``None`` (no budget) never exceeds. Costs one accountant call."""
     if target_epsilon is None:
         return False
+    if (isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float))
+            or not (math.isfinite(target_epsilon) and target_epsilon > 0)):
+        # (a NaN budget never tripped: every comparison with NaN is False)
+        raise ConfigError("epsilon", f"the budget must be a finite number > 0 or None, got "
+                                     f"{target_epsilon!r}")
     after = ledger.copy()
     after.record(sigma, q, count)
     return epsilon(after, delta, accountant, eps_error=eps_error) > target_epsilon

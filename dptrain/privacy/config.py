@@ -106,6 +106,14 @@ def expected_batch_size(sample_rate: float, dataset_size: int) -> int:
     """The public denominator b = max(1, floor(q N)) of a release, with q N read to a relative
     1e-9: q = 0.29, N = 100 gives 28.999999999999996 in binary floating point, and a plain floor
     would give 28 where 29 is meant. Never the sampled count, which is private."""
+    import numbers
+
+    if isinstance(sample_rate, bool) or not (isinstance(sample_rate, numbers.Real)
+                                             and 0.0 < sample_rate <= 1.0):
+        raise ConfigError("sample_rate", f"must be a number in (0, 1], got {sample_rate!r}")
+    if (isinstance(dataset_size, bool) or not isinstance(dataset_size, numbers.Integral)
+            or dataset_size < 1):
+        raise ConfigError("dataset_size", f"must be an int >= 1, got {dataset_size!r}")
     qn = sample_rate * dataset_size
     near = round(qn)
     return max(1, near if abs(qn - near) <= 1e-9 * max(1.0, qn) else math.floor(qn))

@@ -133,6 +133,11 @@ def inclusion_uniforms(seed: int, step: int, indices, *, chunk_size: int = DEFAU
 
 
 def _check_rate(q) -> float:
+    import numbers
+
+    if isinstance(q, bool) or not isinstance(q, numbers.Real):
+        # (True sampled everyone, "0.5" was parsed: the Ledger refuses both for the same q)
+        raise TypeError(f"sample rate must be a real number, got {type(q).__name__}")
     q = float(q)
     if not (0.0 <= q <= 1.0):
         raise ValueError(f"sample rate must be in [0, 1], got {q}")

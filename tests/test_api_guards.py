@@ -1,0 +1,158 @@
+"""Bad arguments to the public Python API (a loop of one's own, examples/own_loop.py) are one
+clear error naming the argument, where a fuzz found them silently wrong:
+
+- ``ClippingEngine(clip_norm=nan or inf)`` made every clip factor 1 (no clipping at all: one
+  example added 24.7 against C = 1), a negative C flipped the sum's sign, 0 released noise only;
+- unknown ``ghost``/``mode``/``kernels`` strings were read as the defaults (``mode="two-pass"``);
+- a NaN plan coefficient made the clipped sum NaN; a detached loss left the sum empty;
+- ``would_exceed`` never tripped with a NaN budget;
+- ``MuonBC(release_noise_std=nan)``, ``Muon(lr=nan, eps=nan, ...)`` made the weights NaN;
+- DOPPLER ``b = [1e-300]``: c_t = 0 in float32, 0/0 gradients;
+- ``expected_batch_size(2.0, 100)`` gave 200, ``(True, 100)`` 100.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _threads import _one_thread  # noqa: F401  (autouse: one torch thread)
+
+from dptrain.clipping import ClippingEngine
+from dptrain.config import ConfigError
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    batch = (torch.randn(6, 5) * 10, torch.randint(0, 3, (6,)))
+
+    def loss(m, b):
+        return F.cross_entropy(m(b[0]), b[1], reduction="none")
+
+    return model, batch, loss
+
+
+@pytest.mark.parametrize("C", [math.nan, math.inf, -1.0, 0.0, 1e-45, True, "1"])
+def test_a_clip_norm_that_is_not_a_positive_finite_number_is_refused(C):
+    model, _, _ = _setup()
+    with pytest.raises((ValueError, TypeError), match="clip_norm"):
+        ClippingEngine(model, clip_norm=C)
+
+
+@pytest.mark.parametrize("kwargs", [{"mode": "two-pass"}, {"ghost": "foo"}, {"ghost": None},
+                                    {"kernels": "cuda"}])
+def test_unknown_engine_settings_are_refused_not_read_as_the_defaults(kwargs):
+    model, _, _ = _setup()
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        ClippingEngine(model, clip_norm=1.0, **kwargs)
+
+
+@pytest.mark.parametrize("plan", [[(math.nan, None)], [({"weight": math.inf}, None)],
+                                  [(1.0,)], [1.0]])
+def test_a_plan_with_a_non_finite_coefficient_or_a_malformed_entry_is_refused(plan):
+    model, batch, loss = _setup()
+    acc: dict = {}
+    with pytest.raises(ValueError, match="plan"):
+        ClippingEngine(model, clip_norm=1.0).accumulate(loss, batch, acc, plan=plan)
+    assert acc == {}
+
+
+def test_losses_that_do_not_depend_on_the_parameters_are_refused():
+    model, batch, loss = _setup()
+    with pytest.raises(ValueError, match="do not depend on the trainable parameters"):
+        ClippingEngine(model, clip_norm=1.0).accumulate(
+            lambda m, b: loss(m, b).detach(), batch, {})
+
+
+@pytest.mark.parametrize("budget", [math.nan, math.inf, 0.0, -1.0, True])
+def test_would_exceed_refuses_a_budget_that_no_comparison_can_trip(budget):
+    from dptrain.privacy.accounting import Ledger, would_exceed
+
+    ledger = Ledger()
+    ledger.record(1.0, 0.05, 60)
+    with pytest.raises(ConfigError, match="budget"):
+        would_exceed(ledger, 1.0, 0.05, 1e-5, budget)
+    assert would_exceed(ledger, 1.0, 0.05, 1e-5, 1e6) is False
+
+
+@pytest.mark.parametrize("kwargs", [{"lr": math.nan}, {"lr": -0.02}, {"lr": math.inf},
+                                    {"weight_decay": math.nan}, {"weight_decay": -1.0},
+                                    {"eps": -1e-7}, {"eps": math.nan}])
+def test_muon_refuses_non_finite_or_negative_hyper_parameters(kwargs):
+    from dptrain.optim import Muon
+
+    W = nn.Parameter(torch.zeros(4, 3))
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        Muon([W], **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"release_noise_std": math.nan},
+                                    {"release_noise_std": math.inf}, {"bc_lambda": math.nan},
+                                    {"bc_gamma_ns": math.nan}])
+def test_muon_bc_refuses_non_finite_settings(kwargs):
+    from dptrain.optim.muon import MuonBC
+
+    W = nn.Parameter(torch.zeros(4, 3))
+    args = {"release_noise_std": 0.1, "seed": 0, **kwargs}
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        MuonBC([W], **args)
+
+
+def test_a_doppler_normaliser_below_float32s_range_is_refused():
+    from dptrain.config import from_dict, validate_tree
+    from dptrain.optim import OptimConfig
+
+    cfg = from_dict(OptimConfig, {"filter": {"name": "doppler", "a": [-0.9], "b": [1e-300]}})
+    with pytest.raises(ConfigError) as e:
+        validate_tree(cfg, "optim")
+    assert e.value.field == "optim.filter.b" and "float32" in e.value.message
+
+
+@pytest.mark.parametrize("steps", [-1, True, 2.5])
+def test_newton_schulz_refuses_a_step_count_that_is_not_a_count(steps):
+    from dptrain.optim import newton_schulz
+
+    with pytest.raises(ValueError, match="steps"):
+        newton_schulz(torch.randn(4, 6), steps=steps)
+
+
+@pytest.mark.parametrize("q, n, field", [(2.0, 100, "sample_rate"), (-0.5, 100, "sample_rate"),
+                                         (True, 100, "sample_rate"),
+                                         (math.nan, 100, "sample_rate"),
+                                         (0.5, -100, "dataset_size"),
+                                         (0.5, 100.7, "dataset_size")])
+def test_expected_batch_size_refuses_what_is_not_a_rate_and_a_size(q, n, field):
+    from dptrain.privacy.config import expected_batch_size
+
+    with pytest.raises(ConfigError) as e:
+        expected_batch_size(q, n)
+    assert e.value.field == field
+    assert expected_batch_size(0.29, 100) == 29
+
+
+@pytest.mark.parametrize("q", [True, "0.5", torch.tensor(0.5)])
+def test_poisson_sampling_refuses_a_rate_that_is_not_a_real_number(q):
+    """True sampled every example, a string was parsed: the Ledger refuses both."""
+    from dptrain.privacy.sampling import poisson_sample
+
+    with pytest.raises(TypeError, match="sample rate"):
+        poisson_sample(0, 0, 100, q)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda f: f.DiSKFilter(0.0, 0.5), "kappa"), (lambda f: f.DiSKFilter(0.7, 1e-300), "gamma"),
+    (lambda f: f.DopplerFilter([-1.5], [0.1]), "a"), (lambda f: f.DopplerFilter([-0.9], [0.0]), "b"),
+    (lambda f: f.DopplerFilter([math.nan], [0.1]), "a"), (lambda f: f.DopplerFilter([], []), "b"),
+    (lambda f: f.DopplerFilter([], [1.0], "foo"), "correction")])
+def test_filters_built_directly_run_the_configs_checks(make, field):
+    """They asserted (gone under python -O) or accepted an unstable or NaN filter."""
+    import dptrain.optim.filters as filters
+
+    with pytest.raises(ConfigError) as e:
+        make(filters)
+    assert e.value.field == field
