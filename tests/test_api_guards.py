@@ -156,3 +156,21 @@ def test_filters_built_directly_run_the_configs_checks(make, field):
     with pytest.raises(ConfigError) as e:
         make(filters)
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("kwargs, field", [({"name": "foo"}, "optim.name"),
+                                           ({"convention": "foo"}, "optim.filter.convention")])
+def test_a_config_built_in_python_with_a_name_outside_its_choices_is_refused(kwargs, field):
+    """from_dict checked the choices; a dataclass built directly skipped that: name="foo" was a
+    KeyError in build_optimizer, convention="foo" read as im_paper (its kappa range unchecked)."""
+    from dptrain.config import validate_tree
+    from dptrain.optim import OptimConfig
+    from dptrain.optim.filters import FilterConfig
+
+    if "convention" in kwargs:
+        cfg = OptimConfig(filter=FilterConfig(name="disk", **kwargs))
+    else:
+        cfg = OptimConfig(**kwargs)
+    with pytest.raises(ConfigError) as e:
+        validate_tree(cfg, "optim")
+    assert e.value.field == field
