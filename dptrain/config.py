@@ -221,6 +221,27 @@ def _is_path_field(name: str) -> bool:
     return name == "path" or name.endswith(("_path", "_file", "_dir"))
 
 
+def _scalar_fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` already has the scalar type ``hint`` names (bool, int, float, str,
+    optionally | None); True for every other kind of hint (lists, mappings, dataclasses)."""
+    args = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    if value is None:
+        return type(None) in args or not any(a in (bool, int, float, str) for a in args)
+    kinds = [a for a in args if a is not type(None)]
+    if not kinds or any(a not in (bool, int, float, str) for a in kinds):
+        return True  # (not a plain scalar hint: from_dict's conversion and validate() check it)
+    for a in kinds:
+        if a is bool and isinstance(value, bool):
+            return True
+        if a is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if a is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if a is str and isinstance(value, str):
+            return True
+    return False
+
+
 @functools.lru_cache(maxsize=None)
 def _hints(cls: type) -> dict:
     return typing.get_type_hints(cls)
@@ -242,6 +263,8 @@ def validate_tree(obj: Any, path: str = "") -> None:
         # im_paper) is refused here too
         if get_origin(hint) is Literal and value not in get_args(hint):
             raise ConfigError(sub, f"must be one of {_type_name(hint)}, got {value!r}")
+        if not _scalar_fits(value, hint):  # (PrivacyConfig(steps=2.5) passed validate())
+            raise ConfigError(sub, f"expected {_type_name(hint)}, got {value!r}")
         if _is_path_field(f.name) and isinstance(value, str):
             check_path_name(sub, value)
         if dataclasses.is_dataclass(value):

@@ -174,3 +174,18 @@ def test_a_config_built_in_python_with_a_name_outside_its_choices_is_refused(kwa
     with pytest.raises(ConfigError) as e:
         validate_tree(cfg, "optim")
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("kwargs, field", [({"steps": 2.5}, "privacy.steps"),
+                                           ({"steps": True}, "privacy.steps"),
+                                           ({"clip_norm": "1"}, "privacy.clip_norm"),
+                                           ({"secure_mode": 1}, "privacy.secure_mode")])
+def test_a_config_built_in_python_with_a_value_of_the_wrong_type_is_refused(kwargs, field):
+    """PrivacyConfig(steps=2.5).validate() passed: from_dict's conversion was all that checked
+    the types."""
+    from dptrain.config import validate_tree
+    from dptrain.privacy.config import PrivacyConfig
+
+    with pytest.raises(ConfigError) as e:
+        validate_tree(PrivacyConfig(**kwargs), "privacy")
+    assert e.value.field == field
