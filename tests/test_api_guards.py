@@ -189,3 +189,33 @@ def test_a_config_built_in_python_with_a_value_of_the_wrong_type_is_refused(kwar
     with pytest.raises(ConfigError) as e:
         validate_tree(PrivacyConfig(**kwargs), "privacy")
     assert e.value.field == field
+
+
+def test_an_engine_for_norms_only_refuses_to_clip_and_a_frozen_model_is_refused():
+    model, batch, loss = _setup()
+    with pytest.raises(ValueError, match="clip_norm=None"):
+        ClippingEngine(model).accumulate(loss, batch, {})  # (an AssertionError before)
+    frozen = nn.Linear(5, 3).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ClippingEngine(frozen, clip_norm=1.0)  # (a StopIteration at the first query before)
+
+
+@pytest.mark.parametrize("active", [torch.ones(6), torch.ones(6, dtype=torch.long),
+                                    torch.ones(5, dtype=torch.bool), [True] * 6])
+def test_an_active_mask_that_is_not_a_bool_row_per_example_is_refused(active):
+    model, batch, loss = _setup()
+    with pytest.raises(ValueError, match="active must be a bool tensor of shape"):
+        ClippingEngine(model, clip_norm=1.0).accumulate(loss, batch, {}, active=active)
+
+
+@pytest.mark.parametrize("kwargs, field", [({"epsilon": True}, "epsilon"),
+                                           ({"epsilon": "4"}, "epsilon"),
+                                           ({"sample_rate": True}, "sample_rate"),
+                                           ({"delta": "1e-5"}, "delta")])
+def test_calibration_refuses_what_is_not_a_number(kwargs, field):
+    from dptrain.privacy.accounting import calibrate_noise_multiplier
+
+    args = {"epsilon": 4.0, "delta": 1e-5, "sample_rate": 0.05, "steps": 60, **kwargs}
+    with pytest.raises(ConfigError) as e:
+        calibrate_noise_multiplier(**args)
+    assert e.value.field == field

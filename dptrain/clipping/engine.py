@@ -469,6 +469,9 @@ class ClippingEngine:
             if p.requires_grad:
                 self.names[id(p)] = n
                 self.params[n] = p
+        if not self.params:  # (a StopIteration at the first query before)
+            raise ValueError(f"dptrain.clipping: {type(model).__name__} has no trainable "
+                             f"parameters (requires_grad=True): there is nothing to clip")
         self.hooked: list[_Hooked] = []
         #: parameters of modules with parameterised submodules, given one row per example
         self.taps: list[Tapped] = []
@@ -1169,7 +1172,9 @@ class ClippingEngine:
     def clip_factors(self, norms: Tensor) -> Tensor:
         """lam_b = min(1, C / ||u_b||) (1 for a zero gradient, 0 for a non-finite norm: a NaN
         norm must never leave an example unclipped)."""
-        assert self.clip_norm is not None
+        if self.clip_norm is None:
+            raise ValueError("dptrain.clipping: this engine was built with clip_norm=None, for "
+                             "norms only; clipping needs ClippingEngine(model, clip_norm=C)")
         C = torch.as_tensor(self.clip_norm, dtype=norms.dtype, device=norms.device)
         lam = torch.where(norms > C, C / norms.clamp_min(torch.finfo(norms.dtype).tiny), 1.0)
         return torch.where(torch.isfinite(norms), lam, 0.0)
@@ -1183,7 +1188,14 @@ class ClippingEngine:
         sampled examples still takes part in FSDP's collectives — whose clip factor is 0, so
         it adds exactly nothing to the sum."""
         plan = plan or [(1.0, None)]
+        if self.clip_norm is None:  # (before any forward)
+            self.clip_factors(torch.zeros(0))
         B = batch_size_of(batch)
+        if active is not None and not (isinstance(active, Tensor) and active.dtype == torch.bool
+                                       and tuple(active.shape) == (B,)):
+            raise ValueError(f"dptrain.clipping: active must be a bool tensor of shape ({B},), "
+                             f"got {type(active).__name__} "
+                             f"{getattr(active, 'dtype', '')} {tuple(getattr(active, 'shape', ()))}")
         if B == 0:
             return StepStats()
         dtype = self._acc_dtype()

@@ -263,11 +263,15 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
     tolerance of the target, and PRV's epsilon of that sigma, where it can be computed, may be
     further below. Raises ConfigError (a ValueError) naming the bad argument.
     """
-    if not (isinstance(epsilon, numbers.Real) and epsilon > 0 and math.isfinite(epsilon)):
+    # (bool is a Real: epsilon=True calibrated for 1.0; a string said "must be > 0, got 4")
+    for name, value in (("epsilon", epsilon), ("delta", delta), ("sample_rate", sample_rate)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ConfigError(name, f"must be a number, got {value!r}")
+    if not (epsilon > 0 and math.isfinite(epsilon)):
         raise ConfigError("epsilon", f"must be > 0 and finite, got {epsilon}")
-    if not (isinstance(delta, numbers.Real) and 0.0 < delta < 1.0):
+    if not 0.0 < delta < 1.0:
         raise ConfigError("delta", f"must be in (0, 1), got {delta}")
-    if not (isinstance(sample_rate, numbers.Real) and 0.0 < sample_rate <= 1.0):
+    if not 0.0 < sample_rate <= 1.0:
         raise ConfigError("sample_rate", f"must be in (0, 1], got {sample_rate}")
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ConfigError("steps", f"must be an integer >= 1, got {steps}")
