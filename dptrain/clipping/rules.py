@@ -286,13 +286,13 @@ class RMSNormRule(LayerRule):
 
     def contributions(self, module, saved, G):
         x = saved["x"]
-        form = None if isinstance(module, nn.RMSNorm) else _transformers_rmsnorm_form(module)
-        if form is None:  # torch's nn.RMSNorm: F.rms_norm in the input's dtype
+        match = None if isinstance(module, nn.RMSNorm) else _transformers_rmsnorm_match(module)
+        if match is None:  # torch's nn.RMSNorm: F.rms_norm in the input's dtype
             shape = tuple(module.normalized_shape)
             xhat = F.rms_norm(x.to(G.dtype), shape, eps=saved["eps"])
         else:
+            form, eps = match
             shape = tuple(module.weight.shape)
-            eps = module.eps if form in ("gemma", "gemma3n") else module.variance_epsilon
             xhat = _transformers_rms_hat(x, eps, form).to(G.dtype)
         B, n = x.shape[0], module.weight.numel()
         g = (G * xhat).reshape(B, -1, n).sum(1).reshape(B, *shape)
@@ -305,9 +305,10 @@ register_rule(nn.RMSNorm)(RMSNormRule)
 # The forward of each form of transformers' RMSNorm, written out: a class is recognised when its
 # ``forward`` (and the ``_norm`` it calls) compiles to the same code as one of these (the same
 # operations on the same attribute names), so a form transformers changes, or a class that
-# swaps in a hub kernel, no longer matches and takes the torch.func fallback. In transformers
-# 5.24 the forms cover 180 of its 200-odd RMSNorm classes (Llama's alone 142: Mistral, Qwen2,
-# Qwen3, Phi-3, OLMo, SmolLM3, ...); gated ones, which take a second input, take the fallback.
+# swaps in a hub kernel, no longer matches and takes the torch.func fallback. The forms cover
+# 179 of transformers 5.24's 213 RMSNorm classes and 181 of 5.25's 218 (Llama's alone 142 and
+# 144: Mistral, Qwen2, Qwen3, Phi-3, OLMo, SmolLM3, ...; 5.25 renamed Gemma 3n's eps, hence its
+# second variant); gated ones, which take a second input, take the fallback.
 # (Comments and names of locals aside, these must stay token for token transformers' code.)
 
 
@@ -360,9 +361,22 @@ class _Gemma3nForm(nn.Module):
         return normed_output.type_as(hidden_states)
 
 
-#: form name -> the class whose methods a recognised class's must compile to
-_RMS_FORMS = {"llama": _LlamaForm, "gptoss": _GptOssForm, "helium": _HeliumForm,
-              "gemma": _GemmaForm, "gemma3n": _Gemma3nForm}
+class _Gemma3nVarianceEpsilonForm(_Gemma3nForm):
+    """transformers 5.25 renamed Gemma 3n's ``eps`` to ``variance_epsilon``."""
+
+    def _norm(self, hidden_states):
+        mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon
+        return hidden_states * torch.pow(mean_squared, -0.5)
+
+
+#: form name -> (class whose methods a recognised class's must compile to, the attribute its
+#: epsilon is read from), one per way transformers has written the form
+_RMS_FORMS = {"llama": [(_LlamaForm, "variance_epsilon")],
+              "gptoss": [(_GptOssForm, "variance_epsilon")],
+              "helium": [(_HeliumForm, "variance_epsilon")],
+              "gemma": [(_GemmaForm, "eps")],
+              "gemma3n": [(_Gemma3nForm, "eps"),
+                          (_Gemma3nVarianceEpsilonForm, "variance_epsilon")]}
 
 
 def _same_code(f, g) -> bool:
@@ -372,24 +386,32 @@ def _same_code(f, g) -> bool:
             and a.co_argcount == b.co_argcount and a.co_nlocals == b.co_nlocals)
 
 
-def _transformers_rmsnorm_form(module: nn.Module) -> str | None:
-    """The form of ``module`` (see ``_RMS_FORMS``) when its class computes one of them with a
-    1-D ``weight`` as its only trainable parameter and a float epsilon; None otherwise."""
+def _transformers_rmsnorm_match(module: nn.Module) -> tuple[str, float] | None:
+    """(form, epsilon) of ``module`` (see ``_RMS_FORMS``) when its class computes one of them
+    with a 1-D ``weight`` as its only trainable parameter and a float epsilon; None otherwise."""
     klass = type(module)
     if "RMSNorm" not in klass.__name__:
         return None
     weight = module._parameters.get("weight")
     if weight is None or weight.ndim != 1 or len(module._parameters) != 1:
         return None
-    for form, ref in _RMS_FORMS.items():
-        if not _same_code(klass.forward, ref.forward):
-            continue
-        if "_norm" in vars(ref) and not _same_code(getattr(klass, "_norm", None), ref._norm):
-            continue
-        eps = getattr(module, "eps" if "_norm" in vars(ref) else "variance_epsilon", None)
-        if isinstance(eps, (int, float)) and not isinstance(eps, bool):
-            return form
+    for form, variants in _RMS_FORMS.items():
+        for ref, eps_name in variants:
+            if not _same_code(klass.forward, ref.forward):
+                continue
+            norm = getattr(ref, "_norm", None)
+            if norm is not None and not _same_code(getattr(klass, "_norm", None), norm):
+                continue
+            eps = getattr(module, eps_name, None)
+            if isinstance(eps, (int, float)) and not isinstance(eps, bool):
+                return form, float(eps)
     return None
+
+
+def _transformers_rmsnorm_form(module: nn.Module) -> str | None:
+    """The form of ``module`` (see :func:`_transformers_rmsnorm_match`), or None."""
+    match = _transformers_rmsnorm_match(module)
+    return None if match is None else match[0]
 
 
 # ---------------------------------------------------------------------------------------------
