@@ -219,3 +219,28 @@ def test_calibration_refuses_what_is_not_a_number(kwargs, field):
     with pytest.raises(ConfigError) as e:
         calibrate_noise_multiplier(**args)
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("eps_error", [0.0, -1.0, math.nan, True, "0.01"])
+def test_epsilon_refuses_an_eps_error_that_is_not_a_positive_number(eps_error):
+    """0, -1 and NaN fell back to RDP behind a note about opacus' internals; a string was a
+    TypeError inside opacus."""
+    from dptrain.privacy.accounting import Ledger, epsilon
+
+    ledger = Ledger()
+    ledger.record(1.0, 0.05, 60)
+    with pytest.raises(ConfigError) as e:
+        epsilon(ledger, 1e-5, eps_error=eps_error)
+    assert e.value.field == "eps_error"
+    with pytest.raises(TypeError, match="Ledger"):
+        epsilon(ledger.history, 1e-5)
+
+
+@pytest.mark.parametrize("sigma, C", [(math.nan, 1.0), (math.inf, 1.0), (1.0, math.nan),
+                                      (1.0, math.inf), (True, 1.0)])
+def test_wedin_threshold_refuses_a_non_finite_noise_or_clip_norm(sigma, C):
+    """NaN or inf returned None ("no batch size suffices") instead of an error."""
+    from dptrain.diagnostics import wedin_threshold
+
+    with pytest.raises(ValueError, match="noise_multiplier|clip_norm"):
+        wedin_threshold(torch.randn(5, 4, generator=torch.Generator().manual_seed(0)), sigma, C)

@@ -250,10 +250,12 @@ def wedin_threshold(X: Tensor, noise_multiplier: float, clip_norm: float) -> int
     a NaN or an infinity). Above 2^52 the float ratio has no integer resolution left and its
     ceiling is returned as it is.
     """
-    if noise_multiplier < 0:
-        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
-    if clip_norm <= 0:
-        raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
+    # (NaN or inf returned None, "no batch suffices", instead of an error)
+    if isinstance(noise_multiplier, bool) or not (math.isfinite(noise_multiplier)
+                                                  and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier}")
+    if isinstance(clip_norm, bool) or not (math.isfinite(clip_norm) and clip_norm > 0):
+        raise ValueError(f"clip_norm must be finite and > 0, got {clip_norm}")
     M = as_matrix(X)
     s = singular_values(M)
     sigma_1 = float(s[0]) if s.numel() else 0.0

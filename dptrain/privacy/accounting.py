@@ -230,6 +230,13 @@ def epsilon(ledger: Ledger, delta: float, accountant: str = "prv", *,
     """
     delta = _check_delta(delta)
     _check_accountant(accountant)
+    if not isinstance(ledger, Ledger):
+        raise TypeError(f"ledger must be a dptrain Ledger, got {type(ledger).__name__}")
+    if (isinstance(eps_error, bool) or not isinstance(eps_error, numbers.Real)
+            or not (math.isfinite(eps_error) and eps_error > 0)):
+        # (0, -1 and NaN fell back to RDP behind a note about opacus' internals; a string was
+        # a TypeError from opacus)
+        raise ConfigError("eps_error", f"must be a finite number > 0, got {eps_error!r}")
     history = [(s, q, n) for s, q, n in ledger.history if n > 0]
     if not history:
         return 0.0
