@@ -63,6 +63,7 @@ from dptrain.clipping.contributions import (
     tokens,
 )
 from dptrain.clipping.precision import ieee_float32
+from dptrain.config import FLOAT32_TINY
 from dptrain.clipping.rows import MAX_ATTEMPTS, cannot_check, check_example_rows
 from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
 from dptrain.clipping.taps import TAP as _TAP
@@ -440,8 +441,6 @@ class ClippingEngine:
                  ghost: Literal["auto", "ghost", "instantiate", "memory"] = "auto",
                  mode: Literal["bookkeeping", "two_pass"] = "bookkeeping",
                  kernels: Kernels = "torch"):
-        from dptrain.config import FLOAT32_TINY
-
         if clip_norm is not None:
             # NaN or inf made every clip factor 1 (no clipping at all), a negative C flipped
             # the sum's sign, 0 released noise only
@@ -852,7 +851,7 @@ class ClippingEngine:
                 if losses.shape != (B,):
                     raise ValueError(f"loss_fn must return per-example losses of shape ({B},), "
                                      f"got {tuple(losses.shape)}")
-                if not losses.requires_grad and self.params:
+                if not losses.requires_grad:
                     # (an empty sum, silently: the release would be noise only)
                     raise ValueError("dptrain.clipping: loss_fn's losses do not depend on the "
                                      "trainable parameters (detached, or computed without "
@@ -1169,12 +1168,15 @@ class ClippingEngine:
         self._finish_rows_check()
         return norms
 
-    def clip_factors(self, norms: Tensor) -> Tensor:
-        """lam_b = min(1, C / ||u_b||) (1 for a zero gradient, 0 for a non-finite norm: a NaN
-        norm must never leave an example unclipped)."""
+    def _require_clip_norm(self) -> None:
         if self.clip_norm is None:
             raise ValueError("dptrain.clipping: this engine was built with clip_norm=None, for "
                              "norms only; clipping needs ClippingEngine(model, clip_norm=C)")
+
+    def clip_factors(self, norms: Tensor) -> Tensor:
+        """lam_b = min(1, C / ||u_b||) (1 for a zero gradient, 0 for a non-finite norm: a NaN
+        norm must never leave an example unclipped)."""
+        self._require_clip_norm()
         C = torch.as_tensor(self.clip_norm, dtype=norms.dtype, device=norms.device)
         lam = torch.where(norms > C, C / norms.clamp_min(torch.finfo(norms.dtype).tiny), 1.0)
         return torch.where(torch.isfinite(norms), lam, 0.0)
@@ -1188,8 +1190,7 @@ class ClippingEngine:
         sampled examples still takes part in FSDP's collectives — whose clip factor is 0, so
         it adds exactly nothing to the sum."""
         plan = plan or [(1.0, None)]
-        if self.clip_norm is None:  # (before any forward)
-            self.clip_factors(torch.zeros(0))
+        self._require_clip_norm()  # (before any forward)
         B = batch_size_of(batch)
         if active is not None and not (isinstance(active, Tensor) and active.dtype == torch.bool
                                        and tuple(active.shape) == (B,)):

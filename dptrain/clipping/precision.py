@@ -1,4 +1,4 @@
-"""IEEE float32 products for the clipping engine's own arithmetic.
+"""IEEE float32 products for the clipping engine's query.
 
 PyTorch lets a process trade float32 accuracy for speed: TF32 on NVIDIA GPUs (on by default for
 cuDNN convolutions; ``torch.set_float32_matmul_precision("high")`` for matmuls) and bf16 on CPUs
@@ -8,9 +8,10 @@ a clipped example's norm and its clipped sum from two different products of the 
 (ghost norms: Gram matrices; the sum: one weighted product), so under TF32 or bf16 they differ
 by about that much, and one example could add about C(1 + 1e-3) instead of at most C; the
 cancellation check's float32 threshold (``refine_cancelled``) would not hold either. So the
-engine's arithmetic (contributions, norms, clipped sums, two_pass's second backward) runs
-inside :func:`ieee_float32`, whatever the process chose. The model's forward and backward keep
-the process's setting: they only define the function whose per-example gradients are clipped.
+engine's whole query (every state's forward and backward, the contributions, norms and clipped
+sums, two_pass's second backward, the rows check) runs inside :func:`ieee_float32`, whatever
+the process chose: two_pass's second backward and the engine's checks must see the same output
+gradients as the first backward. Everything outside the query keeps the process's setting.
 
 PyTorch raises when its legacy flags (``allow_tf32``, ``set_float32_matmul_precision``) and the
 ``fp32_precision`` attributes of ``torch.backends`` disagree, so both are set together and both

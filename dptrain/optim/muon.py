@@ -298,9 +298,8 @@ class MuonBC(Muon):
         eps: float = 1e-7,
         transposed: frozenset[str] = frozenset(),
     ):
-        if not (math.isfinite(release_noise_std) and release_noise_std >= 0):  # (NaN: NaN weights)
-            raise ValueError(f"release_noise_std must be finite and >= 0, got {release_noise_std}")
-        _check_finite(bc_lambda=bc_lambda, bc_kappa=bc_kappa, bc_gamma_ns=bc_gamma_ns)
+        _check_finite(release_noise_std=release_noise_std, bc_lambda=bc_lambda,
+                      bc_kappa=bc_kappa, bc_gamma_ns=bc_gamma_ns)
         if bc_kappa <= 0 or bc_probes < 1 or bc_gamma_ns < 0:
             raise ValueError("need bc_kappa > 0, bc_probes >= 1 and bc_gamma_ns >= 0")
         super().__init__(params, lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,

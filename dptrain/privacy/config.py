@@ -7,6 +7,7 @@ Performance settings (microbatch size, dtype, threads, clipping implementation) 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
@@ -106,8 +107,6 @@ def expected_batch_size(sample_rate: float, dataset_size: int) -> int:
     """The public denominator b = max(1, floor(q N)) of a release, with q N read to a relative
     1e-9: q = 0.29, N = 100 gives 28.999999999999996 in binary floating point, and a plain floor
     would give 28 where 29 is meant. Never the sampled count, which is private."""
-    import numbers
-
     if isinstance(sample_rate, bool) or not (isinstance(sample_rate, numbers.Real)
                                              and 0.0 < sample_rate <= 1.0):
         raise ConfigError("sample_rate", f"must be a number in (0, 1], got {sample_rate!r}")

@@ -31,6 +31,7 @@ batch. Until 2026-12-03 the step keys were ``mix64(k0 + GAMMA (t + 1))`` with
 from __future__ import annotations
 
 import hashlib
+import numbers
 
 import numpy as np
 
@@ -133,8 +134,6 @@ def inclusion_uniforms(seed: int, step: int, indices, *, chunk_size: int = DEFAU
 
 
 def _check_rate(q) -> float:
-    import numbers
-
     if isinstance(q, bool) or not isinstance(q, numbers.Real):
         # (True sampled everyone, "0.5" was parsed: the Ledger refuses both for the same q)
         raise TypeError(f"sample rate must be a real number, got {type(q).__name__}")
