@@ -244,3 +244,18 @@ def test_wedin_threshold_refuses_a_non_finite_noise_or_clip_norm(sigma, C):
 
     with pytest.raises(ValueError, match="noise_multiplier|clip_norm"):
         wedin_threshold(torch.randn(5, 4, generator=torch.Generator().manual_seed(0)), sigma, C)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda g: g.polar_error([[1.0, 0.0]], torch.eye(2)[:1]), "X"),
+    (lambda g: g.cosine_error(torch.ones(2), [1.0, 1.0]), "Y"),
+    (lambda g: g.singular_values([[1.0, 2.0], [3.0, 4.0]]), "X"),
+    (lambda g: g.clipped_mean([[1.0], [2.0]], torch.ones(2)), "G"),
+    (lambda g: g.normalized_residual(torch.ones(2, 3), [1.0, 0.5]), "lam"),
+    (lambda g: g.gradient_snr(torch.ones(2), [1.0, 1.0]), "N"),
+])
+def test_the_geometry_functions_name_an_argument_that_is_not_a_tensor(call, name):
+    # a list raised AttributeError: 'list' object has no attribute 'dim' (or 'shape')
+    from dptrain.diagnostics import geometry
+    with pytest.raises(TypeError, match=rf"^{name} must be a torch.Tensor, got list"):
+        call(geometry)

@@ -285,6 +285,9 @@ def test_a_resume_with_another_k_keeps_the_newest_states():
     other = InnerMomentumHistory(InnerMomentumConfig(k_muon=2), [("v", w)], {"v"}, seed=0)
     with pytest.raises(ValueError, match="other parameters"):
         other.load_state_dict(state)
+    # a state of another shape: copy_ into the parameter would broadcast (1,) over (2,)
+    with pytest.raises(ValueError, match=r"w has shape \(1,\), the parameter \(2,\)"):
+        _history(2, w).load_state_dict({"states": [{"w": torch.zeros(1)}]})
 
 
 def test_a_loaded_history_does_not_write_into_the_loaded_tensors():

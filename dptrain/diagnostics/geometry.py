@@ -56,8 +56,16 @@ PRIVACY_NOTE = (
 _EPS64 = torch.finfo(torch.float64).eps
 
 
+def _require_tensors(**named: object) -> None:
+    """A list or an array is refused by name (it raised an AttributeError on ``.dim()``)."""
+    for name, x in named.items():
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
 def as_matrix(X: Tensor) -> Tensor:
     """``X`` as a float64 matrix: 2-D as is, N-D (N > 2) as (shape[0], prod(shape[1:]))."""
+    _require_tensors(X=X)
     if X.dim() < 2:
         raise ValueError(f"expected a matrix (>= 2 dims), got a tensor of shape {tuple(X.shape)}")
     X = X.detach().to(torch.float64)
@@ -69,6 +77,7 @@ def _fro(X: Tensor) -> float:
 
 
 def _check_same_shape(X: Tensor, Y: Tensor) -> None:
+    _require_tensors(X=X, Y=Y)
     if X.shape != Y.shape:
         raise ValueError(f"shapes differ: {tuple(X.shape)} and {tuple(Y.shape)}")
 
@@ -138,6 +147,7 @@ def cosine_error(X: Tensor, Y: Tensor) -> float:
 
 
 def _per_example(G: Tensor, lam: Tensor) -> tuple[Tensor, Tensor]:
+    _require_tensors(G=G, lam=lam)
     if G.dim() < 1 or G.shape[0] == 0:
         raise ValueError(f"G must hold m >= 1 per-example tensors G[m, ...], got shape {tuple(G.shape)}")
     if lam.shape != (G.shape[0],):
@@ -195,6 +205,7 @@ def normalized_residual(G: Tensor, lam: Tensor) -> float:
 def gradient_snr(G: Tensor, N: Tensor) -> float:
     """||G||_F / ||N||_F: signal (a gradient) over noise (e.g. the release noise); inf if N = 0,
     nan if either holds a NaN or an infinity."""
+    _require_tensors(G=G, N=N)
     _check_same_shape(G, N)
     n = _fro(N)
     g = _fro(G)

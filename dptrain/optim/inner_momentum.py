@@ -121,13 +121,18 @@ class InnerMomentumHistory:
         """Restore the saved states, newest first. A resume may change K (an optimizer setting,
         free of privacy cost): the newest ``depth`` states are kept, so theta_{t-j} stays the
         j-th; a checkpoint without a history (inner momentum off) gives an empty one, and K_t
-        grows from 0 again. A state must hold exactly this run's trainable parameters."""
+        grows from 0 again. A state must hold exactly this run's trainable parameters, in their shapes."""
         self.states.clear()
         saved = [] if state is None else list(state["states"])
         for s in saved[:self.depth]:
             if set(s) != set(self.names):
                 raise ValueError("inner-momentum history of other parameters than this run's "
                                  f"(saved {len(s)}, here {len(self.names)})")
+            wrong = [n for n in self.names if tuple(s[n].shape) != tuple(self.params[n].shape)]
+            if wrong:  # copy_ would broadcast a (1, d) state into (n, d) without a word
+                n = wrong[0]
+                raise ValueError(f"inner-momentum history: {n} has shape {tuple(s[n].shape)}, "
+                                 f"the parameter {tuple(self.params[n].shape)}")
             # copies: push() reuses a state's storage, which must not be the caller's tensors
             self.states.append({n: v.to(device=self.params[n].device,
                                         dtype=self.params[n].dtype, copy=True)
