@@ -142,6 +142,40 @@ def test_the_settings_are_back_after_an_error(restore_precision):
     assert _state() == before
 
 
+def test_two_threads_queries_overlapping_keep_ieee_until_the_last_leaves(restore_precision):
+    """Thread A enters, thread B enters, A leaves while B's query runs: B must still see IEEE
+    (before the count, A put "medium" back under B), and the process gets "medium" back when B
+    leaves (before, B had saved "ieee" and left it so)."""
+    import threading
+
+    _set_medium()
+    before = _state()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, tuple] = {}
+
+    def thread_a():
+        with ieee_float32():
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def thread_b():
+        a_in.wait(10)
+        with ieee_float32():
+            b_in.set()
+            a_out.wait(10)
+            seen["b after a left"] = _state()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    new, legacy = seen["b after a left"]
+    assert set(new) == {"ieee"} and legacy == ("highest", False, False), seen
+    assert _state() == before
+
+
 def _bf16_products_differ() -> bool:
     """Whether this CPU's bf16 products (AMX/AVX512-BF16) make a float32 matmul inexact."""
     a = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))

@@ -23,6 +23,7 @@ attribute the process sets later (``torch.backends.cudnn.fp32_precision``) no lo
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import torch
@@ -45,10 +46,16 @@ def _precision_objects() -> list:
     return objects
 
 
-@contextlib.contextmanager
-def ieee_float32() -> Iterator[None]:
-    """float32 matmuls and convolutions in IEEE float32 (no TF32, no bf16) on every backend,
-    the process's settings restored on exit. About 30 us per use."""
+# Process-wide flags, shared by every thread: the first query to enter sets IEEE and saves the
+# process's settings, the last to leave puts them back. Without the count, a second engine's
+# query in another thread would save "ieee" as the process's setting, and the first to leave
+# would restore TF32/bf16 under the other's running query.
+_lock = threading.Lock()
+_depth = 0
+_saved: tuple | None = None
+
+
+def _save_and_set_ieee() -> tuple:
     objects = _precision_objects()
     saved = [obj.fp32_precision for obj in objects]
     # the legacy values; None where the getter raises (the process mixed the two APIs itself)
@@ -60,6 +67,7 @@ def ieee_float32() -> Iterator[None]:
         legacy_cudnn = torch.backends.cudnn.allow_tf32
     except RuntimeError:
         legacy_cudnn = None
+    state = (objects, saved, legacy_matmul, legacy_cudnn)
     try:
         # the legacy setters set the new attributes too, so that the two agree; a legacy flag
         # that cannot be read is left alone (it could not be put back: the operators follow
@@ -70,12 +78,37 @@ def ieee_float32() -> Iterator[None]:
             torch.backends.cudnn.allow_tf32 = False
         for obj in objects:
             obj.fp32_precision = "ieee"
+    except BaseException:
+        _restore(state)
+        raise
+    return state
+
+
+def _restore(state: tuple) -> None:
+    objects, saved, legacy_matmul, legacy_cudnn = state
+    if legacy_matmul is not None:
+        torch.set_float32_matmul_precision(legacy_matmul)
+    if legacy_cudnn is not None:
+        torch.backends.cudnn.allow_tf32 = legacy_cudnn
+    for obj, value in zip(objects, saved):
+        obj.fp32_precision = value
+
+
+@contextlib.contextmanager
+def ieee_float32() -> Iterator[None]:
+    """float32 matmuls and convolutions in IEEE float32 (no TF32, no bf16) on every backend,
+    the process's settings restored when the last query (of any thread) leaves. About 30 us
+    per use."""
+    global _depth, _saved
+    with _lock:
+        if _depth == 0:
+            _saved = _save_and_set_ieee()
+        _depth += 1
+    try:
         yield
     finally:
-        if legacy_matmul is not None:
-            torch.set_float32_matmul_precision(legacy_matmul)
-        if legacy_cudnn is not None:
-            torch.backends.cudnn.allow_tf32 = legacy_cudnn
-        for obj, value in zip(objects, saved):
-            obj.fp32_precision = value
-
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                state, _saved = _saved, None
+                _restore(state)
