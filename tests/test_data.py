@@ -170,6 +170,59 @@ def test_damaged_dart_json_names_the_field(tmp_path, text, problem):
     assert e.value.field == "data.train_file" and problem in str(e.value)
 
 
+@pytest.mark.parametrize("text,problem", [
+    # an unquoted comma shifted the columns: ('name[B]', 'area[riverside]') was the pair
+    ('mr,ref\nname[B], area[riverside],B is by the river.\n', "line 2: 3 field(s), the header has 2"),
+    # an unclosed quote swallowed the next row into this one's reference
+    ('mr,ref\n"name[A]","A is good"\n"name[B]","B is great\nname[C],"C"\n', "not valid CSV"),
+    # a stray quote inside a quoted field was kept as part of it
+    ('mr,ref\n"name[B]","B is "great" really"\n', "not valid CSV"),
+    ('mr,ref\n"name[A]",""\n', "line 2: the 'ref' field is empty"),
+    ('mr,ref\n"  ","A"\n', "line 2: the 'mr' field is empty"),
+    ('mr,mr,ref\n"a","b","c"\n', "2 'mr' columns"),
+    # a file of meaning representations only trained on prompts alone: every loss 0
+    ('MR\n"name[A]"\n"name[B]"\n', "no 'ref' column: a training file needs a reference"),
+])
+def test_damaged_e2e_csv_names_the_field(tmp_path, text, problem):
+    (tmp_path / "train.csv").write_text(text, encoding="utf-8")
+    (tmp_path / "test.csv").write_text('mr,ref\n"a[b]","c"\n')
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
+                              train_file="train.csv", test_file="test.csv"))
+    assert e.value.field == "data.train_file" and problem in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("records,problem", [
+    ([{"tripleset": [["a", "b", "c"]], "annotations": [{"text": "  "}]}],
+     "an annotation's text is empty"),
+    ([{"tripleset": ["abc"], "annotations": [{"text": "x"}]}], "every triple needs"),
+    ([{"tripleset": [["a", "b", None]], "annotations": [{"text": "x"}]}], "every triple needs"),
+])
+def test_damaged_dart_triples_and_texts_are_refused(tmp_path, records, problem):
+    import json
+
+    (tmp_path / "train.json").write_text(json.dumps(records))
+    (tmp_path / "test.json").write_text(json.dumps(DART_RECORDS))
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
+                              train_file="train.json", test_file="test.json"))
+    assert e.value.field == "data.train_file" and problem in str(e.value), str(e.value)
+
+
+def test_dart_records_without_annotations_are_left_out_with_a_note(tmp_path, capsys):
+    import json
+
+    records = [DART_RECORDS[0], {"tripleset": [["x", "y", "z"]], "annotations": []},
+               DART_RECORDS[1]]
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.json").write_text(json.dumps(records))
+    task = build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
+                                 train_file="train.json", test_file="test.json"))
+    assert len(task.train) == 3 and len(task.test.references_by_mr()) == 2
+    err = capsys.readouterr().err
+    assert err.count("1 of 3 DART records have no annotations and are left out") == 2
+
+
 def test_e2e_test_file_that_is_the_training_file_is_refused(tmp_path):
     # e.g. data.test_file=devset.csv in E2E-small, which trains on devset.csv: the "test"
     # metrics (and dptrain diagnose's public probes) would be of training records

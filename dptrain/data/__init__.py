@@ -279,7 +279,7 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
                               f"split would hold training examples")
         tok = build_tokenizer(cfg.tokenizer, cfg.tokenizer_path)
         train = load_e2e_split(train_path, "data.train_file", tok, cfg.max_length,
-                               cfg.max_train_examples)
+                               cfg.max_train_examples, references=True)
         test = load_e2e_split(test_path, "data.test_file", tok, cfg.max_length,
                               cfg.max_test_examples)
         info = DataInfo(kind="lm", vocab_size=tok.vocab_size, pad_id=tok.pad_id,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import sys
 from collections import OrderedDict
 from pathlib import Path
 
@@ -114,21 +115,31 @@ def read_e2e_csv(path: Path, field: str) -> tuple[list[str], list[str] | None]:
         raise ConfigError(field, f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     except OSError as e:
         raise ConfigError(field, f"cannot read {path}: {e.strerror or e}") from None
-    reader = csv.reader(io.StringIO(text, newline=""))
+    # strict: an unclosed or stray quote is an error, not a field that swallows the next rows
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     try:
         header = [h.strip().lower() for h in next(reader)]
         if "mr" not in header:
             raise ConfigError(field, f"{path} has no 'mr' column (columns: {header})")
+        for name in ("mr", "ref"):
+            if header.count(name) > 1:
+                raise ConfigError(field, f"{path} has {header.count(name)} '{name}' columns "
+                                         f"(columns: {header})")
         i_mr = header.index("mr")
         i_ref = header.index("ref") if "ref" in header else None
-        need = max(i_mr, i_ref if i_ref is not None else 0) + 1
         mrs, refs = [], []
         for row in reader:
             if not row:
                 continue
-            if len(row) < need:
+            # more fields than the header: an unquoted comma, which shifts the columns
+            if len(row) != len(header):
                 raise ConfigError(field, f"{path}, line {reader.line_num}: {len(row)} "
-                                         f"field(s), the header has {len(header)}")
+                                         f"field(s), the header has {len(header)} (a field "
+                                         f"with a comma must be quoted)")
+            for name, i in (("mr", i_mr), ("ref", i_ref)):
+                if i is not None and not row[i].strip():
+                    raise ConfigError(field, f"{path}, line {reader.line_num}: the '{name}' "
+                                             f"field is empty")
             mrs.append(row[i_mr].strip())
             if i_ref is not None:
                 refs.append(row[i_ref].strip())
@@ -165,15 +176,24 @@ def read_dart_json(path: Path, field: str) -> tuple[list[str], list[str]]:
     if not isinstance(records, list):
         raise ConfigError(field, f"{path} is not DART JSON: expected a list of records")
     mrs, refs = [], []
+    unannotated = 0
     for i, rec in enumerate(records):
         try:
             triples = rec["tripleset"]
-            if not triples or any(len(t) != 3 for t in triples):
-                raise ValueError("every triple needs subject, relation and object")
+            # strings: a triple "abc" would pass as a, b, c; null would become the text None
+            if not triples or any(not isinstance(t, list) or len(t) != 3
+                                  or not all(isinstance(x, str) and x.strip() for x in t)
+                                  for t in triples):
+                raise ValueError("every triple needs subject, relation and object, non-empty "
+                                 "strings")
             mr = dart_mr(triples)
+            if not rec["annotations"]:
+                unannotated += 1
             for ann in rec["annotations"]:
                 if not isinstance(ann["text"], str):  # null would become the text "None"
                     raise ValueError(f"an annotation's text is {ann['text']!r}, not a string")
+                if not ann["text"].strip():
+                    raise ValueError("an annotation's text is empty")
                 mrs.append(mr)
                 refs.append(ann["text"].strip())
         except (KeyError, TypeError, ValueError) as e:
@@ -181,6 +201,9 @@ def read_dart_json(path: Path, field: str) -> tuple[list[str], list[str]]:
                                      f"({type(e).__name__}: {e})") from None
     if not mrs:
         raise ConfigError(field, f"{path} holds no annotated examples")
+    if unannotated:  # nothing to train on or to score against: said, not dropped in silence
+        print(f"dptrain: note: {path.name}: {unannotated} of {len(records)} DART records have "
+              f"no annotations and are left out", file=sys.stderr)
     return mrs, refs
 
 
@@ -211,9 +234,16 @@ def _encode_examples(tokenizer, prompts: list[str], targets: list[str] | None,
 
 
 def load_e2e_split(path: Path, field: str, tokenizer, max_length: int | None,
-                   max_examples: int | None) -> E2EDataset:
+                   max_examples: int | None, *, references: bool = False) -> E2EDataset:
+    """One split of E2E (CSV) or DART (JSON); ``references=True`` (the training split): a file
+    without a 'ref' column is refused (every example would be a prompt alone, loss 0, and the
+    run a release of noise alone)."""
     reader = read_dart_json if path.suffix.lower() == ".json" else read_e2e_csv
     mrs, refs = reader(path, field)
+    if references and refs is None:
+        raise ConfigError(field, f"{path} has no 'ref' column: a training file needs a "
+                                 f"reference for every example (a file of meaning "
+                                 f"representations only, like testset.csv, can be a test file)")
     groups: OrderedDict[str, list[str]] = OrderedDict()
     for j, mr in enumerate(mrs):
         groups.setdefault(mr, [])
