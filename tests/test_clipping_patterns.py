@@ -375,6 +375,26 @@ def test_a_layer_with_parameters_its_rule_does_not_compute_is_refused():
         ClippingEngine(m, clip_norm=1.0).per_example_norms(sq_loss, (x,))
 
 
+@pytest.mark.parametrize("build, words", [
+    (lambda: nn.MultiheadAttention(8, 2), r"0 \(MultiheadAttention\): torch.nn.MultiheadAttention"),
+    (lambda: nn.MultiheadAttention(8, 2, kdim=3, vdim=3), r"0 \(MultiheadAttention\)"),
+    (lambda: nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)),
+     r"0.parametrizations.weight \(ParametrizationList\): parametrizations"),
+    (lambda: nn.utils.parametrizations.orthogonal(nn.Linear(8, 8)),
+     r"0.parametrizations.weight \(ParametrizationList\): parametrizations"),
+])
+def test_multihead_attention_and_parametrizations_are_refused_by_name_at_construction(build,
+                                                                                      words):
+    # they failed in the first forward with torch's own error (MHA with kdim: "not enough
+    # values to unpack"), or were refused by a rows check that named something else
+    with pytest.raises(ValueError, match=words):
+        ClippingEngine(nn.Sequential(build(), nn.Linear(8, 1)), clip_norm=1.0)
+    frozen = nn.MultiheadAttention(8, 2)
+    frozen.in_proj_weight.requires_grad_(False)
+    frozen.in_proj_bias.requires_grad_(False)
+    ClippingEngine(nn.Sequential(frozen), clip_norm=1.0)  # only its out_proj (a Linear) trains
+
+
 def test_a_plan_state_with_a_frozen_parameter_is_refused_naming_it():
     # (it failed with a bare KeyError)
     torch.manual_seed(0)

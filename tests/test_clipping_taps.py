@@ -192,6 +192,36 @@ def test_a_use_that_cannot_take_b_rows_is_refused_naming_the_parameter():
         ClippingEngine(model).per_example_norms(_sq, (_x(3),))
 
 
+@pytest.mark.parametrize("B", [2, 3])
+def test_a_torch_check_that_raises_on_the_rows_is_wrapped_naming_the_parameters(B, monkeypatch):
+    # torch's own checks raise ValueError / AssertionError too: nn.MultiheadAttention with kdim
+    # (now refused at construction, let through here) failed with a bare "not enough values to
+    # unpack" (B = 2) or "expecting query weights shape of (8, 8)" (B = 3)
+    import dptrain.clipping.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_refuse_unsupported", lambda name, m: None)
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(8, 2, kdim=3, vdim=3, batch_first=True)
+
+        def forward(self, q, kv):
+            return self.mha(q, kv, kv, need_weights=False)[0].sum(1)
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    q, kv = torch.randn(B, 4, 8, generator=g), torch.randn(B, 5, 3, generator=g)
+    def loss(m, batch):
+        return 0.5 * m(*batch).pow(2).sum(1)
+
+    with pytest.raises(ValueError, match=r"the forward failed with the tapped parameters "
+                                         r"\['mha.q_proj_weight', 'mha.k_proj_weight', "
+                                         r"'mha.v_proj_weight', 'mha.in_proj_bias'\] given one "
+                                         r"row per example"):
+        ClippingEngine(Attention()).per_example_norms(loss, (q, kv))
+
+
 def test_the_rows_check_waits_for_a_microbatch_of_two_and_draws_from_no_global_stream():
     torch.manual_seed(0)
     model = Tokens("expanded_index").double()

@@ -422,6 +422,29 @@ def _check_reached(records: list[_Record], losses: Tensor) -> None:
         rec.node = None
 
 
+def _refuse_unsupported(name: str, m: nn.Module) -> None:
+    """Modules with trainable parameters of their own that no rule, tap or fallback handles;
+    refused by name at construction (they failed in the first forward, with torch's own error,
+    or were refused by a check that named something else)."""
+    from torch.nn.utils import parametrize
+
+    where = f"{name} ({type(m).__name__})" if name else type(m).__name__
+    if isinstance(m, nn.MultiheadAttention):
+        raise ValueError(
+            f"dptrain.clipping: {where}: torch.nn.MultiheadAttention computes its input "
+            f"projections from its own parameters (in_proj_weight / q_proj_weight ...) inside "
+            f"F.multi_head_attention_forward, which has no per-example rule. Build the "
+            f"attention from nn.Linear layers (as transformers' and timm's models do; "
+            f"Opacus's DPMultiheadAttention is such a module) and the engine clips it exactly")
+    if isinstance(m, parametrize.ParametrizationList):
+        raise ValueError(
+            f"dptrain.clipping: {where}: parametrizations (torch.nn.utils.parametrize: "
+            f"parametrizations.weight_norm, orthogonal, spectral_norm, ...) are not supported: "
+            f"the layer's weight is computed from {sorted(m._parameters)}, whose gradient the "
+            f"layer's rule does not give. Remove the parametrization (parametrize."
+            f"remove_parametrizations) or train without it")
+
+
 class ClippingEngine:
     """Per-example norms and clipped sums for ``model``'s trainable parameters.
 
@@ -479,6 +502,7 @@ class ClippingEngine:
             direct = {k: p for k, p in m._parameters.items() if p is not None and p.requires_grad}
             if not direct:
                 continue
+            _refuse_unsupported(mname, m)
             rule = find_rule(m)
             if rule is None and any(p.requires_grad for c in m.children()
                                     for p in c.parameters()):
@@ -833,7 +857,8 @@ class ClippingEngine:
                 with check:  # the forward only: it keeps references to outputs while open
                     try:
                         losses = loss_fn(self.model, inputs)
-                    except (RuntimeError, IndexError) as e:
+                    # (torch's own shape checks raise ValueError or AssertionError too)
+                    except (RuntimeError, IndexError, ValueError, AssertionError) as e:
                         if self._taps_checked:
                             raise
                         raise ValueError(
