@@ -1,7 +1,7 @@
 """Noise draw per release and per rank for replicated ranks (``performance.sharding=none``).
 
     python bench/noise_draw.py [--model gpt2|gpt2-medium] [--worlds 1,2,4,8] [--rounds 3]
-                               [--threads 1]
+                               [--threads 1] [--secure]
 
 Every release draws sigma*C*Z for every trainable coordinate (dptrain.privacy.noise: numpy
 Philox blocks of 65,536 values, drawn on the CPU). With replicated ranks, each rank used to draw
@@ -15,6 +15,11 @@ GPT-2 small (124 M) or medium (355 M), the seconds one rank spends drawing noise
 The ranks of one node share its cores, so the node's CPU seconds per release are W x ``all``
 before and about ``all`` after. Interleaved rounds (bench/common.py); the last line printed is
 one JSON object with the medians and ``all_over_share`` per W.
+
+``--secure`` adds secure mode's streams to the same rounds: ``all, secure`` (the whole of Z from
+ChaCha20, four normals per value) and the Poisson sample of an ImageNet-sized training set
+(1,281,167 examples, q = 1024/N) with the default and the secure function; the JSON gets
+``secure_over_default`` for both.
 """
 
 from __future__ import annotations
@@ -57,9 +62,12 @@ def shares(params: list[tuple[str, int]], rank: int, world: int):
         yield name, numel, lo, hi
 
 
-def draw(params: list[tuple[str, int]], rank: int, world: int) -> int:
-    return sum(gaussian_noise(1234, 7, name, numel, lo, hi).numel()
+def draw(params: list[tuple[str, int]], rank: int, world: int, secure: bool = False) -> int:
+    return sum(gaussian_noise(1234, 7, name, numel, lo, hi, secure=secure).numel()
                for name, numel, lo, hi in shares(params, rank, world))
+
+
+IMAGENET = 1_281_167
 
 
 def slowest_rank(params, world: int) -> float:
@@ -79,6 +87,8 @@ def main() -> None:
     ap.add_argument("--worlds", default="2,4,8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--secure", action="store_true",
+                    help="also time secure mode's ChaCha20 noise and sampling")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     params = gpt2_numels(*SHAPES[args.model])
@@ -95,6 +105,14 @@ def main() -> None:
         return run
 
     steps = {"all": lambda: draw(params, 0, 1), **{f"share {w}": share_step(w) for w in worlds}}
+    if args.secure:
+        from dptrain.privacy.sampling import poisson_sample
+
+        q = 1024 / IMAGENET
+        steps.update({"all, secure": lambda: draw(params, 0, 1, secure=True),
+                      "sample": lambda: poisson_sample(1234, 7, IMAGENET, q),
+                      "sample, secure": lambda: poisson_sample(1234, 7, IMAGENET, q,
+                                                               secure=True)})
     print(f"{args.model}: {total / 1e6:.1f} M coordinates, {len(params)} tensors; "
           f"{args.threads} thread(s); {machine_description()}; load {load_average()}", flush=True)
     times, errors = time_interleaved(steps, rounds=args.rounds, warmup=1)
@@ -111,6 +129,14 @@ def main() -> None:
         result["share_s"][w] = t_share
         result["all_over_share"][w] = t_all / t_share
         print(f"| {w} | {t_all:.3f} | {t_share:.3f} | {t_all / t_share:.2f} |")
+    if args.secure:
+        result["secure_over_default"] = {}
+        print("\n| draw | default s | secure s | secure / default |")
+        print("|---|---|---|---|")
+        for label, key in (("all of Z", "all"), (f"Poisson sample, N = {IMAGENET:,}", "sample")):
+            t0, t1 = median(times.wall[key]), median(times.wall[f"{key}, secure"])
+            result["secure_over_default"][key] = t1 / t0
+            print(f"| {label} | {t0:.4f} | {t1:.4f} | {t1 / t0:.2f} |")
     print(json.dumps(result))
 
 

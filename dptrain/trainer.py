@@ -373,7 +373,8 @@ class Trainer:
 
     def sample(self, step: int) -> np.ndarray:
         """S_t: sorted indices of the examples Poisson-sampled at ``step``. Sensitive."""
-        return poisson_sample(self._privacy_seed, step, self.train_size, self.plan.sample_rate)
+        return poisson_sample(self._privacy_seed, step, self.train_size, self.plan.sample_rate,
+                              secure=self.cfg.privacy.secure_mode)
 
     def local_sample(self, step: int) -> np.ndarray:
         """This rank's share of S_t (contiguous, balanced; may be empty). Sensitive."""
@@ -413,7 +414,7 @@ class Trainer:
         ``device`` (default: the run's). Every draw of the trainer goes through here."""
         return gaussian_noise(self._privacy_seed, step, name, numel, start, end,
                               device=self.device if device is None else device,
-                              dtype=self._noise_dtype(p))
+                              dtype=self._noise_dtype(p), secure=self.cfg.privacy.secure_mode)
 
     def _noise_slices(self) -> list[tuple[str, Tensor, int, int, int]]:
         """(name, parameter, numel, start, end) of the noise this rank adds, per trainable

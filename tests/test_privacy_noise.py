@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 from scipy import stats
 
-from dptrain.privacy.noise import BLOCK, block_key, gaussian_noise, secure_seed
+from dptrain.privacy.noise import (BLOCK, SECURE_DRAWS, block_key, chacha20, gaussian_noise,
+                                   secure_seed)
 
 NUMEL = 3 * BLOCK + 1234
 
@@ -232,3 +233,74 @@ def test_block_share_partitions_whole_blocks_over_the_ranks():
         owners = {next(r for r in range(world) if block_share(100, i, r, world) == (0, 100))
                   for i in range(world)}
         assert len(owners) == world
+
+
+# ------------------------------------------------------------------ secure mode: ChaCha20 streams
+
+# RFC 8439, appendix A.1: the ChaCha20 block function with an all-zero nonce, test vectors #1
+# (key 0, block counter 0), #2 (key 0, counter 1) and #3 (key 00..00 01, counter 1). The key is
+# read as a little-endian integer; the stream's 64-bit words are its keystream's bytes.
+RFC8439 = [
+    (0, 0, "76b8e0ada0f13d90405d6ae55386bd28bdd219b8a08ded1aa836efcc8b770dc7"
+           "da41597c5157488d7724e03fb8d84a376a43b8f41518a11cc387b669b2ee6586"),
+    (0, 1, "9f07e7be5551387a98ba977c732d080dcb0f29a048e3656912c6533e32ee7aed"
+           "29b721769ce64e43d57133b074d839d531ed1f28510afb45ace10a1f4b794d6f"),
+    (1 << 248, 1, "3aeb5224ecf849929b9d828db1ced4dd832025e8018b8160b82284f3c949aa5a"
+                  "8eca00bbb4a73bdad192b5c42f73f2fd4e273644c8b36125a64addeb006c13a0"),
+]
+
+
+@pytest.mark.parametrize("key, counter, keystream", RFC8439)
+def test_the_secure_generator_is_chacha20(key, counter, keystream):
+    words = chacha20(key).random_raw(8 * (counter + 1))[8 * counter:]
+    assert words.astype("<u8").tobytes().hex() == keystream
+
+
+def test_secure_noise_is_four_chacha20_normals_over_two():
+    # an independent re-derivation: block k is ChaCha20 keyed with the secure block key, four
+    # rows of BLOCK standard normals (numpy's Generator), summed and halved in float64
+    def block(k: int) -> np.ndarray:
+        g = np.random.Generator(chacha20(block_key(3, 2, "w", k, secure=True)))
+        return g.standard_normal((4, BLOCK)).sum(axis=0) / 2
+
+    assert SECURE_DRAWS == 4
+    ref = np.concatenate([block(0)[-5:], block(1)[:5]])
+    z64 = gaussian_noise(3, 2, "w", 2 * BLOCK + 10, BLOCK - 5, BLOCK + 5, dtype=torch.float64,
+                         secure=True)
+    assert np.array_equal(z64.numpy(), ref)
+    z = gaussian_noise(3, 2, "w", 2 * BLOCK + 10, BLOCK - 5, BLOCK + 5, secure=True)
+    assert np.array_equal(z.numpy(), ref.astype(np.float32))
+
+
+def test_secure_noise_keys_are_256_bit_and_another_stream():
+    k = block_key(3, 2, "w", 0, secure=True)
+    assert block_key(3, 2, "w", 0) != k % 2 ** 128  # other personalisation: not a prefix
+    assert k.bit_length() > 128  # a 256-bit digest (all under 2^128: p = 2^-128)
+    a = gaussian_noise(5, 1, "w", 1000)
+    b = gaussian_noise(5, 1, "w", 1000, secure=True)
+    assert abs(np.corrcoef(a.numpy(), b.numpy())[0, 1]) < 6 / math.sqrt(1000)
+
+
+def test_secure_noise_slices_concatenate_to_the_full_draw():
+    n = 2 * BLOCK + 77
+    full = gaussian_noise(11, 4, "layer.weight", n, secure=True)
+    bounds = [0, 5, BLOCK + 3, 2 * BLOCK, n]
+    parts = [gaussian_noise(11, 4, "layer.weight", n, a, b, secure=True)
+             for a, b in zip(bounds, bounds[1:])]
+    assert torch.equal(torch.cat(parts), full)
+
+
+def test_secure_noise_is_standard_normal():
+    z = torch.cat([gaussian_noise(s, 0, "w", 4 * BLOCK, dtype=torch.float64, secure=True)
+                   for s in range(2)]).numpy()
+    n = z.size
+    assert abs(z.mean()) < 6 / math.sqrt(n)
+    assert abs(z.std() - 1) < 6 / math.sqrt(2 * n)
+    assert stats.kstest(z, "norm").pvalue > 1e-6
+    p3 = 2 * stats.norm.sf(3)
+    assert abs(np.mean(np.abs(z) > 3) - p3) < 6 * math.sqrt(p3 * (1 - p3) / n)
+
+
+def test_secure_must_be_a_bool():
+    with pytest.raises(TypeError, match="secure must be a bool"):
+        gaussian_noise(0, 0, "w", 10, secure="yes")

@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from scipy import stats
 
+from dptrain.privacy.noise import chacha20
 from dptrain.privacy.sampling import (
+    SECURE_CHUNK,
     PoissonSampler,
     inclusion_uniforms,
     poisson_sample,
@@ -252,3 +254,54 @@ def test_busiest_rank_microbatch_count_from_the_sample_size_alone():
                 explicit = max(-(-len(shard_indices(np.arange(n), r, world)) // mb)
                                for r in range(world))
                 assert busiest_microbatches(n, world, mb) == explicit, (n, world, mb)
+
+
+# ------------------------------------------------------------ secure mode: a ChaCha20 function
+
+
+def _secure_reference(seed: int, step: int, i: int) -> float:
+    """u_i of the module docstring, re-derived one index at a time."""
+    c, r = divmod(i, SECURE_CHUNK)
+    key = hashlib.blake2b(f"{seed}:{step}:{c}".encode(), digest_size=32,
+                          person=b"dptrain-samp-cs").digest()
+    w = int(chacha20(int.from_bytes(key, "little")).random_raw(r + 1)[r])
+    return (w >> 11) * 2.0 ** -53
+
+
+def test_secure_uniforms_follow_the_documented_construction():
+    idx = [0, 1, 7, SECURE_CHUNK - 1, SECURE_CHUNK, 3 * SECURE_CHUNK + 5]
+    got = inclusion_uniforms(2 ** 100 + 3, 9, idx, secure=True)
+    assert got.tolist() == [_secure_reference(2 ** 100 + 3, 9, i) for i in idx]
+    # another stream than the default one
+    assert not np.array_equal(got, inclusion_uniforms(2 ** 100 + 3, 9, idx))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 1000, SECURE_CHUNK + 1, 1 << 20])
+def test_secure_sample_is_the_indices_under_q_for_any_chunking(chunk_size):
+    n, q = 2 * SECURE_CHUNK + 123, 0.01
+    u = inclusion_uniforms(5, 3, np.arange(n), secure=True)
+    expected = np.flatnonzero(u < q)
+    got = poisson_sample(5, 3, n, q, chunk_size=chunk_size, secure=True)
+    np.testing.assert_array_equal(got, expected)
+    # a smaller dataset is a prefix: inclusion does not depend on N
+    np.testing.assert_array_equal(poisson_sample(5, 3, 1000, q, secure=True),
+                                  expected[expected < 1000])
+    assert PoissonSampler(5, q, n, secure=True).sample(3).tolist() == expected.tolist()
+
+
+def test_secure_uniforms_are_uniform_and_steps_independent():
+    n = 200_000
+    a = inclusion_uniforms(1, 0, np.arange(n), secure=True)
+    b = inclusion_uniforms(1, 1, np.arange(n), secure=True)
+    assert stats.kstest(a, "uniform").pvalue > 1e-6
+    assert abs(np.corrcoef(a, b)[0, 1]) < 6 / math.sqrt(n)
+    rate = np.mean(a < 0.05)
+    assert abs(rate - 0.05) < 6 * math.sqrt(0.05 * 0.95 / n)
+
+
+def test_secure_must_be_a_bool():
+    for call in (lambda: poisson_sample(0, 0, 10, 0.5, secure=1),
+                 lambda: inclusion_uniforms(0, 0, [1], secure=None),
+                 lambda: PoissonSampler(0, 0.5, 10, secure="true")):
+        with pytest.raises(TypeError, match="secure must be a bool"):
+            call()

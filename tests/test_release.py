@@ -250,3 +250,30 @@ def test_muon_bc_is_told_the_release_noise_std_sigma_C_over_b():
     bc = t.optimizer.optimizers[0]
     assert type(bc).__name__ == "MuonBC"
     assert bc.release_noise_std == pytest.approx(1.1 * 0.5 / 32, rel=1e-12)
+
+
+def test_secure_mode_samples_and_adds_noise_from_the_chacha20_streams(monkeypatch):
+    # the OS-entropy seed replaced by a known one: the trainer's samples and its released noise
+    # (here a pure-noise release) are the secure streams' for that seed, not the default ones'
+    import dptrain.trainer as trainer_module
+    from dptrain.privacy.noise import gaussian_noise
+    from dptrain.privacy.sampling import poisson_sample
+
+    seed = 2 ** 127 + 12345
+    monkeypatch.setattr(trainer_module, "secure_seed", lambda: seed)
+    t = make("privacy.secure_mode=true", "privacy.seed=null")
+    n, q = t.train_size, t.plan.sample_rate
+    samples = [t.sample(s) for s in range(5)]
+    assert all(len(x) for x in samples)
+    assert all(np.array_equal(x, poisson_sample(seed, s, n, q, secure=True))
+               for s, x in enumerate(samples))
+    assert not np.array_equal(samples[0], poisson_sample(seed, 0, n, q))
+    t = make("privacy.secure_mode=true", "privacy.seed=null", "privacy.sample_rate=0.0001",
+             "privacy.noise_multiplier=2.0", "privacy.epsilon=null")
+    step = next(s for s in range(50) if len(t.sample(s)) == 0)
+    out = released(t, step)
+    sigma, C, b = t.plan.noise_multiplier, t.plan.clip_norm, t.plan.denominator
+    for name, p in t.named_params:
+        z = gaussian_noise(seed, step, name, p.numel(), secure=True).view_as(p)
+        torch.testing.assert_close(out[name], (sigma * C * z / b).to(out[name].dtype))
+        assert not torch.equal(z, gaussian_noise(seed, step, name, p.numel()).view_as(p))

@@ -55,7 +55,9 @@ class PrivacyConfig:
     seed: int | None = 0
     """Seed of the counter-based sampling and noise streams. Null with secure_mode."""
     secure_mode: bool = False
-    """Draw the seed from OS entropy and never write it anywhere (exact replay impossible)."""
+    """Draw the seed from OS entropy and never write it anywhere (exact replay impossible); the
+    sampling and noise streams are ChaCha20's (a CSPRNG), each noise value the sum of four
+    normals over 2 as in Opacus's secure mode (docs/privacy.md)."""
 
     def validate(self) -> None:
         if self.epsilon is not None and not (self.epsilon > 0 and math.isfinite(self.epsilon)):

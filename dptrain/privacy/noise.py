@@ -28,18 +28,28 @@ could get identical noise (a birthday collision is expected after ~65,000 blocks
 has ~1,900 blocks per release). Two releases with a shared noise block reveal the difference of
 their clipped sums on it exactly. With 128-bit keys a collision has probability ~n^2 / 2^129.
 
-Secure mode: :func:`secure_seed` returns a 128-bit seed from the OS entropy pool. Philox is a
-counter-based generator built for statistical quality, not a cryptographically secure PRNG; what
-secure mode promises here is only that the seed is unpredictable and never written to logs,
-metrics or checkpoints, so an adversary without access to the training process's memory cannot
-reproduce or predict the noise. It does not protect against floating-point attacks on the
-Gaussian sampler (e.g. Mironov's least-significant-bit attack on textbook samplers); see
-docs/privacy.md.
+Secure mode (``secure=True``; the trainer passes ``privacy.secure_mode``): the seed comes from
+the OS entropy pool (:func:`secure_seed`) and is never written to logs, metrics or checkpoints,
+and the stream is a cryptographically secure one:
+
+- block ``k`` is drawn by ChaCha20 (``randomgen.ChaCha``, 20 rounds), keyed with the 256-bit
+  ``block_key(..., secure=True)`` (blake2b-256 of the same encoding, another personalisation);
+  ChaCha20 is a stream cipher, so without the key its output cannot be told from uniform bits;
+- each value is ``(n1 + n2 + n3 + n4) / 2`` of four standard normals of that stream (in float64),
+  the mitigation of floating-point attacks on the sampler that Opacus's secure mode uses
+  (Holohan and Braghin, 2021): a sum of several draws fills in the gaps that a single sampler's
+  floating-point output leaves. It is a mitigation, not a proof; the released float32 values are
+  still floating-point numbers (docs/privacy.md).
+
+The price is drawing time: about 8x Philox's per block (BENCHMARKS.md, "Secure-mode noise").
+Philox (the default, ``secure=False``) is built for statistical quality and is reproducible from
+``privacy.seed``, which is what experiments need; it is not a CSPRNG.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import numbers
 import secrets
 import threading
@@ -48,7 +58,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-__all__ = ["BLOCK", "gaussian_noise", "block_key", "block_share", "secure_seed"]
+__all__ = ["BLOCK", "SECURE_DRAWS", "chacha20", "gaussian_noise", "block_key", "block_share",
+           "secure_seed"]
 
 BLOCK = 1 << 16
 
@@ -62,8 +73,10 @@ def _check_int(name: str, value, minimum: int | None = 0) -> int:
     return value
 
 
-def block_key(seed: int, step: int, key: str, block: int) -> int:
-    """128-bit Philox key of noise block ``block`` of parameter ``key`` at ``step``.
+def block_key(seed: int, step: int, key: str, block: int, *, secure: bool = False) -> int:
+    """128-bit Philox key of noise block ``block`` of parameter ``key`` at ``step``; with
+    ``secure=True`` the 256-bit ChaCha20 key of that block (another personalisation, so the two
+    streams share nothing).
 
     The encoding is unambiguous (decimal integers and a length-prefixed UTF-8 key, separated),
     so distinct ``(seed, step, key, block)`` give distinct hash inputs; any Python int is a seed.
@@ -75,12 +88,33 @@ def block_key(seed: int, step: int, key: str, block: int) -> int:
         raise TypeError(f"key must be a str (a parameter name), got {key!r}")
     kb = key.encode("utf-8")
     msg = b"%d\x00%d\x00%d\x00%d:" % (seed, step, block, len(kb)) + kb
-    digest = hashlib.blake2b(msg, digest_size=16, person=b"dptrain-noise-v2").digest()
+    if secure:
+        digest = hashlib.blake2b(msg, digest_size=32, person=b"dptrain-noise-cs").digest()
+    else:
+        digest = hashlib.blake2b(msg, digest_size=16, person=b"dptrain-noise-v2").digest()
     return int.from_bytes(digest, "little")
 
 
-def _draw_block(k: int, length: int, dtype) -> np.ndarray:
-    return np.random.Generator(np.random.Philox(key=k)).standard_normal(length, dtype=dtype)
+SECURE_DRAWS = 4
+"""Standard normals summed per value in secure mode (the sum is divided by sqrt(4) = 2)."""
+
+
+def chacha20(key: int):
+    """numpy ``BitGenerator`` of ChaCha20 (20 rounds) keyed with the 256-bit ``key``."""
+    try:
+        from randomgen import ChaCha
+    except ImportError as e:  # a dependency in pyproject; named if an environment lacks it
+        raise ImportError("privacy.secure_mode draws with ChaCha20 from the randomgen package: "
+                          "pip install randomgen") from e
+    return ChaCha(key=key, rounds=20)
+
+
+def _draw_block(k: int, length: int, secure: bool) -> np.ndarray:
+    """The float64 standard normals of one block keyed with ``k``."""
+    if not secure:
+        return np.random.Generator(np.random.Philox(key=k)).standard_normal(length)
+    z = np.random.Generator(chacha20(k)).standard_normal((SECURE_DRAWS, length))
+    return z.sum(axis=0) * (1.0 / math.sqrt(SECURE_DRAWS))
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
@@ -100,11 +134,12 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 def gaussian_noise(seed: int, step: int, key: str, numel: int, start: int = 0,
                    end: int | None = None, *, device="cpu",
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   dtype: torch.dtype = torch.float32, secure: bool = False) -> torch.Tensor:
     """Standard normal values of global coordinates ``[start, end)`` of ``key``'s noise.
 
     Returns a 1-D tensor of ``end - start`` elements on ``device`` in ``dtype``. ``end`` defaults
-    to ``numel``; ``start == end`` gives an empty tensor. Blocks are drawn on up to
+    to ``numel``; ``start == end`` gives an empty tensor. ``secure``: the ChaCha20 stream of
+    secure mode (see the module docstring), another stream than the default's. Blocks are drawn on up to
     ``torch.get_num_threads()`` threads (numpy releases the GIL while drawing); the values do
     not depend on how many.
     """
@@ -117,6 +152,8 @@ def gaussian_noise(seed: int, step: int, key: str, numel: int, start: int = 0,
                          f"numel={numel}")
     if not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+    if not isinstance(secure, bool):
+        raise TypeError(f"secure must be a bool, got {secure!r}")
     device = torch.device(device)
     if end == start:
         return torch.empty(0, dtype=dtype, device=device)
@@ -129,7 +166,7 @@ def gaussian_noise(seed: int, step: int, key: str, numel: int, start: int = 0,
     def fill(k: int) -> None:
         b0 = k * BLOCK
         block_len = min(BLOCK, numel - b0)
-        z = _draw_block(block_key(seed, step, key, k), block_len, np.float64)
+        z = _draw_block(block_key(seed, step, key, k, secure=secure), block_len, secure)
         lo, hi = max(start, b0), min(end, b0 + block_len)
         out[lo - start:hi - start] = z[lo - b0:hi - b0]
 
@@ -161,8 +198,8 @@ def block_share(numel: int, index: int, rank: int, world: int) -> tuple[int, int
 def secure_seed() -> int:
     """A 128-bit seed from the OS entropy pool (``secrets``), for secure mode.
 
-    Keep it in memory only; never log, print or checkpoint it. The noise generator keyed with it
-    is still not a CSPRNG (see the module docstring): the guarantee is unpredictability of the
-    seed, not cryptographic strength of the stream.
+    Keep it in memory only; never log, print or checkpoint it. Pass ``secure=True`` to
+    :func:`gaussian_noise` and to the sampler with it, so that the streams keyed with it are
+    ChaCha20's (see the module docstring).
     """
     return secrets.randbits(128)

@@ -19,13 +19,23 @@ of 64-bit words)::
 ``mix64`` is a bijection, distinct indices of one step get distinct 64-bit hashes. ``u < q``
 then holds with probability ``ceil(q * 2**53) / 2**53`` (= q up to 1.1e-16).
 
-This is a statistical pseudo-random function, not a cryptographic one: in secure mode its
-unpredictability rests on the seed (OS entropy, never written anywhere), see
-``dptrain.privacy.noise.secure_seed`` and docs/privacy.md. Each step's key is a one-way hash of
-(seed, step) (any Python int is a valid seed): a step key recovered from that step's batches
-(``mix64`` is invertible, so it is the only secret of a step) says nothing of another step's
-batch. Until 2026-12-03 the step keys were ``mix64(k0 + GAMMA (t + 1))`` with
+This is a statistical pseudo-random function, not a cryptographic one. Each step's key is a
+one-way hash of (seed, step) (any Python int is a valid seed): a step key recovered from that
+step's batches (``mix64`` is invertible, so it is the only secret of a step) says nothing of
+another step's batch. Until 2026-12-03 the step keys were ``mix64(k0 + GAMMA (t + 1))`` with
 ``k0 = blake2b-64(seed)``, so one step's key gave k0 and every batch of the run.
+
+Secure mode (``secure=True``; the trainer passes ``privacy.secure_mode``) uses a cryptographic
+pseudo-random function instead, so that the batches cannot be predicted, nor one step's batch
+inferred from another's, without the seed::
+
+    K_{t,c} = blake2b-256(decimal(seed) ":" decimal(t) ":" decimal(c), person="dptrain-samp-cs")
+    u_i     = (w_i >> 11) * 2**-53,   w_i = word (i mod 2**16) of ChaCha20 keyed K_{t, i // 2**16}
+
+(``w_i`` the 64-bit little-endian words of the ChaCha20 keystream, ``dptrain.privacy.noise.
+chacha20``). It is a pure function of ``(seed, t, i)`` too, so everything above about chunks,
+world sizes and resumes holds; it is another stream, so a secure run's batches are not those of
+the same seed without secure mode (secure mode never reuses a seed anyway).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ __all__ = [
     "PoissonSampler",
     "shard_indices",
     "DEFAULT_CHUNK",
+    "SECURE_CHUNK",
 ]
 
 _MASK64 = (1 << 64) - 1
@@ -110,13 +121,47 @@ def _uniforms_for(k1: int, idx: np.ndarray) -> np.ndarray:
     return x.astype(np.float64) * _INV_2_53
 
 
-def inclusion_uniforms(seed: int, step: int, indices, *, chunk_size: int = DEFAULT_CHUNK
-                       ) -> np.ndarray:
+SECURE_CHUNK = 1 << 16
+"""Indices per ChaCha20 key in secure mode (a fixed part of the definition of u_i)."""
+
+
+def _secure_key(seed: int, step: int, chunk: int) -> int:
+    step = _check_int("step", step)
+    _seed_key(seed)  # the seed's type check
+    h = hashlib.blake2b(f"{int(seed)}:{step}:{chunk}".encode("ascii"), digest_size=32,
+                        person=b"dptrain-samp-cs")
+    return int.from_bytes(h.digest(), "little")
+
+
+def _secure_uniforms(seed: int, step: int, chunk: int, length: int) -> np.ndarray:
+    """u of the first ``length`` indices of secure chunk ``chunk``."""
+    from dptrain.privacy.noise import chacha20
+
+    w = chacha20(_secure_key(seed, step, chunk)).random_raw(length)
+    w >>= np.uint64(11)
+    return w.astype(np.float64) * _INV_2_53
+
+
+def _secure_range(seed: int, step: int, lo: int, hi: int) -> np.ndarray:
+    """u of the indices ``[lo, hi)``, from the secure chunks that overlap them."""
+    out = np.empty(hi - lo, dtype=np.float64)
+    for c in range(lo // SECURE_CHUNK, (hi - 1) // SECURE_CHUNK + 1) if hi > lo else ():
+        c0 = c * SECURE_CHUNK
+        a, b = max(lo, c0), min(hi, c0 + SECURE_CHUNK)
+        out[a - lo:b - lo] = _secure_uniforms(seed, step, c, b - c0)[a - c0:]
+    return out
+
+
+def inclusion_uniforms(seed: int, step: int, indices, *, chunk_size: int = DEFAULT_CHUNK,
+                       secure: bool = False) -> np.ndarray:
     """Uniform numbers in [0, 1), one per entry of ``indices``, each a pure function of
     ``(seed, step, index)``. Example ``i`` is in the batch of ``step`` iff its number is < q.
 
     ``indices`` must be non-negative integers (any shape; the result has the same shape).
+    ``secure``: secure mode's ChaCha20 function (module docstring); it draws the whole of every
+    2**16-index chunk that an index falls in.
     """
+    _check_secure(secure)
     k1 = _step_key(seed, step)
     idx = np.asarray(indices)
     if idx.size and not np.issubdtype(idx.dtype, np.integer):
@@ -127,10 +172,22 @@ def inclusion_uniforms(seed: int, step: int, indices, *, chunk_size: int = DEFAU
     flat = idx.reshape(-1)
     out = np.empty(flat.shape, dtype=np.float64)
     chunk_size = _check_int("chunk_size", chunk_size, 1)
+    if secure:
+        chunks, where = np.unique(flat // SECURE_CHUNK, return_inverse=True)
+        for n, c in enumerate(chunks.tolist()):
+            sel = where == n
+            u = _secure_uniforms(seed, step, c, SECURE_CHUNK)
+            out[sel] = u[flat[sel] - c * SECURE_CHUNK]
+        return out.reshape(idx.shape)
     for lo in range(0, flat.size, chunk_size):
         hi = min(lo + chunk_size, flat.size)
         out[lo:hi] = _uniforms_for(k1, flat[lo:hi])
     return out.reshape(idx.shape)
+
+
+def _check_secure(secure) -> None:
+    if not isinstance(secure, bool):
+        raise TypeError(f"secure must be a bool, got {secure!r}")
 
 
 def _check_rate(q) -> float:
@@ -144,21 +201,27 @@ def _check_rate(q) -> float:
 
 
 def poisson_sample(seed: int, step: int, dataset_size: int, q: float, *,
-                   chunk_size: int = DEFAULT_CHUNK) -> np.ndarray:
+                   chunk_size: int = DEFAULT_CHUNK, secure: bool = False) -> np.ndarray:
     """Sorted int64 indices ``i < dataset_size`` with ``u(seed, step, i) < q``.
 
     The set may be empty (it must then still be released: noise only). Works in chunks of
     ``chunk_size`` indices, so memory stays O(chunk_size + q*N) for any N; the result does not
-    depend on ``chunk_size``.
+    depend on ``chunk_size``. ``secure``: secure mode's ChaCha20 function (module docstring),
+    which works in its own chunks of ``SECURE_CHUNK`` indices instead.
     """
     n = _check_int("dataset_size", dataset_size)
     q = _check_rate(q)
     chunk_size = _check_int("chunk_size", chunk_size, 1)
+    _check_secure(secure)
     k1 = _step_key(seed, step)
     parts = []
-    for lo in range(0, n, chunk_size):
-        idx = np.arange(lo, min(lo + chunk_size, n), dtype=np.int64)
-        parts.append(idx[_uniforms_for(k1, idx) < q])
+    # secure mode works in its own chunks of 2**16 indices (one ChaCha20 key each, drawn whole)
+    step_size = SECURE_CHUNK if secure else chunk_size
+    for lo in range(0, n, step_size):
+        hi = min(lo + step_size, n)
+        idx = np.arange(lo, hi, dtype=np.int64)
+        u = _secure_range(seed, step, lo, hi) if secure else _uniforms_for(k1, idx)
+        parts.append(idx[u < q])
     if not parts:
         return np.empty(0, dtype=np.int64)
     return np.concatenate(parts)
@@ -171,8 +234,10 @@ class PoissonSampler:
     """
 
     def __init__(self, seed: int, sample_rate: float, dataset_size: int, *,
-                 chunk_size: int = DEFAULT_CHUNK):
+                 chunk_size: int = DEFAULT_CHUNK, secure: bool = False):
         _seed_key(seed)  # type check
+        _check_secure(secure)
+        self.secure = secure
         self.seed = int(seed)
         self.sample_rate = _check_rate(sample_rate)
         self.dataset_size = _check_int("dataset_size", dataset_size)
@@ -181,7 +246,7 @@ class PoissonSampler:
     def sample(self, step: int) -> np.ndarray:
         """Sorted int64 indices of the logical batch of ``step`` (possibly empty)."""
         return poisson_sample(self.seed, step, self.dataset_size, self.sample_rate,
-                              chunk_size=self.chunk_size)
+                              chunk_size=self.chunk_size, secure=self.secure)
 
     @property
     def expected_size(self) -> float:
@@ -189,7 +254,7 @@ class PoissonSampler:
 
     def __repr__(self) -> str:  # the seed is deliberately not shown (secure mode)
         return (f"PoissonSampler(sample_rate={self.sample_rate}, "
-                f"dataset_size={self.dataset_size})")
+                f"dataset_size={self.dataset_size}, secure={self.secure})")
 
 
 def shard_indices(indices, rank: int, world_size: int) -> np.ndarray:
