@@ -41,7 +41,7 @@ from dptrain.performance import PerformanceConfig, check_kernels
 from dptrain.privacy.accounting import (Ledger, calibrate_noise_multiplier, check_plan,
                                         epsilon as ledger_epsilon)
 from dptrain.privacy.config import NOISE_TAIL, PrivacyConfig, noise_fits
-from dptrain.privacy.noise import block_share, gaussian_noise, secure_seed
+from dptrain.privacy.noise import block_share, chacha20, gaussian_noise, secure_seed
 from dptrain.privacy.sampling import poisson_sample, shard_indices
 from dptrain.telemetry import peak_memory_bytes, strict_json
 from dptrain.telemetry.gpu import GpuMonitor
@@ -274,6 +274,10 @@ def _shared_secure_seed(world: int) -> int:
     (never written). All ranks must draw the same Poisson sample (each takes its share of it:
     with per-rank seeds an example could be in two ranks' shares, doubling its sensitivity) and,
     when replicated, the same noise."""
+    try:
+        chacha20(0)  # secure mode's generator, found now rather than at the first release
+    except ImportError as e:
+        raise ConfigError("privacy.secure_mode", str(e)) from None
     seed = secure_seed()
     if world > 1:
         import torch.distributed as dist

@@ -305,3 +305,20 @@ def test_secure_must_be_a_bool():
                  lambda: PoissonSampler(0, 0.5, 10, secure="true")):
         with pytest.raises(TypeError, match="secure must be a bool"):
             call()
+
+
+def test_secure_uniforms_of_scattered_indices_in_any_order_and_shape():
+    n = 3 * SECURE_CHUNK + 100
+    full = inclusion_uniforms(4, 2, np.arange(n), secure=True)
+    rng = np.random.default_rng(0)
+    pick = rng.permutation(n)[:6000]
+    np.testing.assert_array_equal(inclusion_uniforms(4, 2, pick, secure=True), full[pick])
+    np.testing.assert_array_equal(inclusion_uniforms(4, 2, pick.reshape(60, 100), secure=True),
+                                  full[pick].reshape(60, 100))
+    np.testing.assert_array_equal(inclusion_uniforms(4, 2, [5, 5, 5], secure=True), full[[5] * 3])
+    assert inclusion_uniforms(4, 2, np.zeros(0, dtype=np.int64), secure=True).shape == (0,)
+    # one index per chunk, far apart: each chunk drawn only up to that index
+    far = np.arange(300) * SECURE_CHUNK + 7
+    assert inclusion_uniforms(4, 2, far, secure=True).tolist() == [
+        _secure_reference(4, 2, int(i)) for i in far[:3]] + inclusion_uniforms(
+        4, 2, far[3:], secure=True).tolist()

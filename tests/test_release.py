@@ -277,3 +277,14 @@ def test_secure_mode_samples_and_adds_noise_from_the_chacha20_streams(monkeypatc
         z = gaussian_noise(seed, step, name, p.numel(), secure=True).view_as(p)
         torch.testing.assert_close(out[name], (sigma * C * z / b).to(out[name].dtype))
         assert not torch.equal(z, gaussian_noise(seed, step, name, p.numel()).view_as(p))
+
+
+def test_secure_mode_without_randomgen_is_a_config_error_when_the_trainer_is_built(monkeypatch):
+    # (it failed at the first step's noise draw, after the run had started)
+    import sys
+
+    monkeypatch.setitem(sys.modules, "randomgen", None)  # import randomgen raises ImportError
+    with pytest.raises(ConfigError) as e:
+        make("privacy.secure_mode=true", "privacy.seed=null")
+    assert e.value.field == "privacy.secure_mode" and "pip install randomgen" in e.value.message
+    make("privacy.seed=3")  # the default streams do not need it

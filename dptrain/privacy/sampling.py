@@ -158,8 +158,8 @@ def inclusion_uniforms(seed: int, step: int, indices, *, chunk_size: int = DEFAU
     ``(seed, step, index)``. Example ``i`` is in the batch of ``step`` iff its number is < q.
 
     ``indices`` must be non-negative integers (any shape; the result has the same shape).
-    ``secure``: secure mode's ChaCha20 function (module docstring); it draws the whole of every
-    2**16-index chunk that an index falls in.
+    ``secure``: secure mode's ChaCha20 function (module docstring); each 2**16-index chunk that
+    an index falls in is drawn up to the largest index asked of it.
     """
     _check_secure(secure)
     k1 = _step_key(seed, step)
@@ -173,11 +173,17 @@ def inclusion_uniforms(seed: int, step: int, indices, *, chunk_size: int = DEFAU
     out = np.empty(flat.shape, dtype=np.float64)
     chunk_size = _check_int("chunk_size", chunk_size, 1)
     if secure:
-        chunks, where = np.unique(flat // SECURE_CHUNK, return_inverse=True)
-        for n, c in enumerate(chunks.tolist()):
-            sel = where == n
-            u = _secure_uniforms(seed, step, c, SECURE_CHUNK)
-            out[sel] = u[flat[sel] - c * SECURE_CHUNK]
+        # the indices sorted and grouped by chunk; each chunk's stream drawn up to the largest
+        # offset asked of it (a prefix of the chunk's words): scattered indices cost one short
+        # draw each, not a whole chunk and a mask over every index
+        order = np.argsort(flat, kind="stable")
+        chunk = flat[order] // SECURE_CHUNK
+        starts = np.flatnonzero(np.r_[True, chunk[1:] != chunk[:-1]]) if flat.size else []
+        for g0, g1 in zip(starts, [*starts[1:], flat.size]):
+            at = order[g0:g1]
+            c = int(chunk[g0])
+            r = flat[at] - c * SECURE_CHUNK
+            out[at] = _secure_uniforms(seed, step, c, int(r.max()) + 1)[r]
         return out.reshape(idx.shape)
     for lo in range(0, flat.size, chunk_size):
         hi = min(lo + chunk_size, flat.size)
