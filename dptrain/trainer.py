@@ -247,6 +247,54 @@ def guarantee(cfg) -> str:
             "noise (secure_mode: false)")
 
 
+RANK_LOCAL_SETTINGS = frozenset({
+    "data.path", "data.train_file", "data.test_file", "data.tokenizer_path",
+    "data.index_cache_dir", "model.pretrained_path", "performance.num_threads",
+    "performance.decode_threads", "performance.noise_prefetch", "performance.collate_prefetch",
+    "train.progress"})
+"""Settings that may differ between ranks: where a node keeps its copy of the files (the data's
+content is compared by its digest, ``_check_ranks_agree_on_data``) and how fast a rank works
+on its own. Every other setting must be the same on every rank."""
+
+
+def _flat_settings(cfg, prefix: str = "") -> dict:
+    """``{"privacy.clip_norm": 1.0, ...}``: one entry per setting (a dict-valued setting, such
+    as ``model.timm_kwargs``, is one entry)."""
+    import dataclasses
+
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            out.update(_flat_settings(v, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = to_dict(v)
+    return out
+
+
+def _check_ranks_agree_on_config(cfg) -> None:
+    """Every rank must run one configuration: a rank with another clip norm, noise multiplier
+    or epsilon adds its examples at another sensitivity or noise than the accountant assumes
+    (the summary still reports the others' epsilon), one with another privacy.seed samples
+    another S_t (an example in two ranks' shares), and others hang in a collective. A
+    node-local config file or launcher line that differs is refused on every rank, naming the
+    first setting that differs, before any data is read."""
+    import torch.distributed as dist
+
+    mine = {k: v for k, v in _flat_settings(cfg).items()
+            if k not in RANK_LOCAL_SETTINGS}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for rank, theirs in enumerate(every):
+        if theirs != every[0]:
+            key = next(k for k in sorted(set(theirs) | set(every[0]))
+                       if theirs.get(k) != every[0].get(k))
+            raise ConfigError(key, f"rank {rank} runs with {theirs.get(key)!r}, rank 0 with "
+                                   f"{every[0].get(key)!r}: every rank must run the same "
+                                   f"configuration (a node-local config file or launcher "
+                                   f"line that differs?)")
+
+
 def _check_ranks_agree_on_data(n: int, fingerprint: int | None, device: torch.device) -> None:
     """Every rank samples S_t over its own copy of the training set and takes its share by
     position: ranks that see different N, or the same N in another order or content
@@ -314,6 +362,8 @@ class Trainer:
         check_kernels(perf, self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.rank, self.world = init_from_env(backend)
+        if self.world > 1:
+            _check_ranks_agree_on_config(cfg)
         self.task = build_data(cfg.data, seed=cfg.seed)
         threads = perf.decode_threads or default_decode_threads()
         for split in (self.task.train, self.task.test):

@@ -284,6 +284,28 @@ def test_an_existing_output_is_kept_without_force(tmp_path, capsys):
     assert out.read_text() == "earlier"
 
 
+def test_a_write_that_fails_after_the_run_exits_2_naming_the_option_after_the_verdict(
+        tmp_path, capsys, monkeypatch):
+    # a full disk after the run: a traceback and exit 1 (the "EXCEEDS" code) before, and the
+    # verdict line, printed after the writes, was lost with the run
+    import errno
+
+    import dptrain.commands.audit as audit_command
+    from dptrain.cli import main
+
+    def full(path, obj):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(audit_command, "write_json", full)
+    out = tmp_path / "audit.json"
+    code = main(["audit", "--config", TINY, "--canaries", "100", "--output", str(out), *RUN,
+                 "privacy.steps=2"])
+    captured = capsys.readouterr()
+    assert code == 2 and not out.exists()
+    assert "guesses correct: epsilon >= " in captured.out + captured.err  # the verdict
+    assert f"--output: cannot write {out}: No space left on device" in captured.err
+
+
 def _cli_audit(rank: int, world: int, out: str, overrides: list[str]) -> int:
     from dptrain.cli import main
 

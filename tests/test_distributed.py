@@ -601,3 +601,33 @@ def test_dp_muon_im_vit_same_on_1_and_2_fsdp_ranks():
            "data.synthetic_test_size=16", "privacy.sample_rate=0.1",
            "performance.microbatch_size=8"]
     _check(vit + IM, [(2, "fsdp")], TINY_IMAGES)
+
+
+def _build_with(rank: int, world: int, per_rank: list[list[str]]):
+    from dptrain.config import ConfigError, load
+    from dptrain.trainer import RunConfig, Trainer
+
+    try:
+        Trainer(load(RunConfig, TINY, ["train.progress=false", *per_rank[rank]]))
+    except ConfigError as e:
+        return e.field, e.message
+    return "built"
+
+
+@pytest.mark.parametrize("per_rank, field, words", [
+    # rank 1 clipped at 5 and rank 0 noised for 1: the summary said epsilon 7.992 (audit)
+    ([[], ["privacy.clip_norm=5.0"]], "privacy.clip_norm", "rank 1 runs with 5.0, rank 0 with 1.0"),
+    # another S_t on rank 1: an example in two ranks' shares, then a hang in a collective
+    ([["privacy.seed=3"], ["privacy.seed=4"]], "privacy.seed", "rank 1 runs with 4, rank 0 with 3"),
+    ([[], [], ["optim.lr=0.5"]], "optim.lr", "rank 2 runs with 0.5"),
+])
+def test_ranks_with_another_configuration_are_refused_on_every_rank(per_rank, field, words):
+    out = spawn(_build_with, len(per_rank), per_rank, timeout=240)
+    assert all(r[0] == field and words in r[1] for r in out), out
+
+
+def test_ranks_may_differ_in_where_they_keep_files_and_how_many_threads_they_use(tmp_path):
+    per_rank = [["performance.num_threads=1"],
+                ["performance.num_threads=2", "performance.noise_prefetch=background",
+                 "performance.collate_prefetch=inline", "train.progress=true"]]
+    assert spawn(_build_with, 2, per_rank, timeout=240) == ["built", "built"]

@@ -105,6 +105,21 @@ def test_plot_draws_a_real_run_and_keeps_an_existing_figure(tmp_path, capsys):
         assert (out / name).read_bytes() == before
 
 
+def test_a_figure_the_file_system_refuses_exits_2_naming_output(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import dptrain.diagnostics.plotting as plotting
+
+    def refused(series, path, **kw):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(plotting, "plot_metrics", refused)
+    run = _fake_run(tmp_path, [ROW % 1, ROW % 2])
+    code, _, err = _run(capsys, "plot", "--run", str(run))
+    assert code == 2 and err.count("\n") == 1
+    assert f"--output: cannot write {run / 'metrics.png'}: Read-only file system" in err
+
+
 def _fake_run(tmp_path, lines: list[str]) -> Path:
     run = tmp_path / "run"
     run.mkdir()

@@ -1,5 +1,6 @@
 """The ``dptrain`` subcommands (one module each) and what they share."""
 
+import contextlib
 import os
 
 
@@ -66,3 +67,17 @@ def check_new_files(files, force: bool) -> None:
         if key in seen:
             raise ConfigError(option, f"{path} is also the {seen[key]} file")
         seen[key] = option
+
+
+@contextlib.contextmanager
+def writing(option: str, path):
+    """Around the write of a command's output file, after its work: a file system that refuses
+    it (``check_can_create`` asks ``os.access``, which says yes to root and to /proc) is one
+    line naming ``option`` and exit 2, not a traceback. Print the results before."""
+    from dptrain.config import ConfigError
+
+    try:
+        yield
+    except OSError as e:
+        raise ConfigError(option, f"cannot write {path}: {e.strerror or e} (the results were "
+                                  f"printed above)") from None

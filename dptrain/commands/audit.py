@@ -17,7 +17,7 @@ import argparse
 import importlib.util
 import sys
 
-from dptrain.commands import FIGURES, JSON, check_new_files
+from dptrain.commands import FIGURES, JSON, check_new_files, writing
 from dptrain.config import ConfigError
 from dptrain.telemetry import write_json
 
@@ -126,18 +126,11 @@ def run(args: argparse.Namespace) -> int:
         # is the number of included canaries (from the result)
         "scores": scores.tolist(), "canary_included": canaries.included.tolist(),
     }
-    if args.output:
-        write_json(args.output, report)
-    if args.plot:
-        from dptrain.diagnostics.plotting import plot_audit_scores
-
-        plot_audit_scores(scores, canaries.included, args.plot,
-                          title=f"{m} canaries: epsilon >= {result.epsilon_lower_bound:.3f} "
-                                f"(claimed {claimed:.3f})")
     line = (f"{m} canaries ({result.included} included), {result.correct} of "
             f"{result.guesses} guesses correct: epsilon >= {result.epsilon_lower_bound:.3f} "
             f"with {confidence:.0%} confidence; the accountant's epsilon is {claimed:.3f} "
             f"(delta {plan.delta:.3g}, {plan.accountant})")
+    # the verdict first: a write that fails after the run must not take the result with it
     if consistent:
         print(f"{PROG}: {line}: consistent")
         if ceiling <= claimed:
@@ -151,7 +144,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"{PROG}: note: an included canary is sampled at least once with "
                   f"probability {appear:.2f} (q = {plan.sample_rate:.3g}, {plan.steps} steps): "
                   "most are never in a release, which weakens the audit", file=sys.stderr)
-        return 0
-    print(f"{PROG}: {line}: the measured bound EXCEEDS the claim, so the mechanism or its "
-          "accounting is wrong", file=sys.stderr)
-    return 1
+    else:
+        print(f"{PROG}: {line}: the measured bound EXCEEDS the claim, so the mechanism or its "
+              "accounting is wrong", file=sys.stderr)
+    if args.output:
+        with writing("--output", args.output):
+            write_json(args.output, report)
+    if args.plot:
+        from dptrain.diagnostics.plotting import plot_audit_scores
+
+        with writing("--plot", args.plot):
+            plot_audit_scores(scores, canaries.included, args.plot,
+                              title=f"{m} canaries: epsilon >= "
+                                    f"{result.epsilon_lower_bound:.3f} (claimed {claimed:.3f})")
+    return 0 if consistent else 1

@@ -18,7 +18,7 @@ import math
 import sys
 from pathlib import Path
 
-from dptrain.commands import FIGURES, JSON, check_new_files
+from dptrain.commands import FIGURES, JSON, check_new_files, writing
 from dptrain.config import ConfigError
 from dptrain.telemetry import write_json
 
@@ -207,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
 
     print(render(report))
     if output is not None:
-        write_json(output, report)
+        with writing("--output", output):
+            write_json(output, report)
         print(f"wrote {output}")
     if plot is not None:
         from dptrain.diagnostics import plot_spectra
@@ -218,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{PROG}: note: --plot shows the first {PLOT_MAX_MATRICES} of "
                   f"{PLOT_MAX_MATRICES + left_out} matrices; choose others with --params",
                   file=sys.stderr)
-        plot_spectra(curves, plot, title=f"Singular-value spectra, step {report['step']} "
-                                         f"(public probe set)")
+        with writing("--plot", plot):
+            plot_spectra(curves, plot, title=f"Singular-value spectra, step {report['step']} "
+                                             f"(public probe set)")
         print(f"wrote {plot}")
     return 0

@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from dptrain.commands import FIGURES, check_new_file
+from dptrain.commands import FIGURES, check_new_file, writing
 from dptrain.config import ConfigError
 
 PROG = "dptrain plot"
@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     steps = summary["steps"] if summary else last.get("step")
     title = f"{run_dir.resolve().name}: step {steps}" + (
         f", epsilon {eps:.3g}" if isinstance(eps, (int, float)) else "")
-    plot_metrics(series, output, title=title)
+    with writing("--output", output):
+        plot_metrics(series, output, title=title)
     print(f"{PROG}: wrote {output} ({len(series)} panels: {', '.join(series)})")
     return 0
