@@ -13,9 +13,13 @@ import torch
 from dptrain import checkpoint as ckpt
 from dptrain import trainer as trainer_mod
 from dptrain.cli import main
+from dptrain.data import DEFAULT_E2E_PATH, REPO_ROOT
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
+E2E_DIR = (REPO_ROOT / DEFAULT_E2E_PATH).resolve()
+needs_e2e = pytest.mark.skipif(not (E2E_DIR / "devset.csv").is_file(),
+                               reason="the E2E files of ../shared/data are not here")
 SECURE = ("privacy.secure_mode=true", "privacy.seed=null")
 
 
@@ -470,39 +474,70 @@ def test_a_resume_from_moved_data_files_continues_and_says_so(tmp_path, capsys):
     assert code == 2 and "data.train_file" in one_line(err)
 
 
-def _start_on_each_rank(rank: int, world: int, overrides: list[str]):
-    """A Trainer built with this rank's override: None, or its ConfigError's line."""
+def _start_on_each_rank(rank: int, world: int, overrides: list):
+    """A Trainer built with this rank's override(s): None, or its ConfigError's line."""
     from dptrain.config import ConfigError, load
     from dptrain.trainer import RunConfig, Trainer
 
+    mine = overrides[rank] if isinstance(overrides[rank], list) else [overrides[rank]]
     try:
         Trainer(load(RunConfig, TINY, ["train.progress=false", "train.checkpoint_every=0",
-                                       overrides[rank]]))
+                                       *mine]))
         return None
     except ConfigError as e:
         return str(e)
 
 
-def test_ranks_that_see_different_training_set_sizes_refuse_to_start():
+def _node_local_e2e(tmp_path, rows: dict[str, list[int]]) -> dict[str, list[str]]:
+    """For each name, an E2E folder holding the devset rows ``rows[name]`` (a node's local
+    copy: data.path may differ between ranks), and the overrides that train on it."""
+    lines = (E2E_DIR / "devset.csv").read_text(encoding="utf-8").splitlines()
+    test = (E2E_DIR / "testset_w_refs.csv").read_text(encoding="utf-8").splitlines()[:6]
+    out = {}
+    for name, keep in rows.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "devset.csv").write_text("\n".join([lines[0], *(lines[1 + i] for i in keep)]) + "\n",
+                                      encoding="utf-8")
+        (d / "testset_w_refs.csv").write_text("\n".join(test) + "\n", encoding="utf-8")
+        out[name] = ["data.name=e2e", "data.tokenizer=bytes", f"data.path={d}",
+                     "data.max_length=200", "model.n_positions=256", "privacy.sample_rate=0.1"]
+    return out
+
+
+@needs_e2e
+def test_ranks_that_see_different_training_set_sizes_refuse_to_start(tmp_path):
     from dptrain.parallel.dist import spawn
 
-    # 10,500 vs 10,000 examples: sharding S_t by position would process some examples on both
-    # ranks (sensitivity 2C) and drop others
-    errors = spawn(_start_on_each_rank, 2, ["data.synthetic_train_size=10500",
-                                            "data.synthetic_train_size=10000"])
-    assert all(e is not None and e.startswith("data:") and "10000" in e and "10500" in e
-               for e in errors)
-    assert spawn(_start_on_each_rank, 2, ["data.synthetic_train_size=64"] * 2) == [None, None]
+    # node-local copies of 21 and 20 examples (one configuration, data.path differs):
+    # sharding S_t by position would process some examples on both ranks (sensitivity 2C) and
+    # drop others
+    copies = _node_local_e2e(tmp_path, {"a": list(range(21)), "b": list(range(20))})
+    errors = spawn(_start_on_each_rank, 2, [copies["a"], copies["b"]])
+    assert all(e is not None and e.startswith("data:") and "20" in e and "21" in e
+               for e in errors), errors
+    assert spawn(_start_on_each_rank, 2, [copies["a"], copies["a"]]) == [None, None]
 
 
-def test_ranks_that_see_the_same_number_of_other_examples_refuse_to_start():
+@needs_e2e
+def test_ranks_that_see_the_same_number_of_other_examples_refuse_to_start(tmp_path):
     from dptrain.parallel.dist import spawn
 
     # node-local copies that differ with the same N: index i would be one example on rank 0
     # and another on rank 1, so an example could be in both ranks' shares; only N was compared
-    # (the top-level seed draws the synthetic data: the same N, other examples)
-    errors = spawn(_start_on_each_rank, 2, ["seed=0", "seed=1"])
+    copies = _node_local_e2e(tmp_path, {"a": list(range(20)), "b": list(range(1, 21))})
+    errors = spawn(_start_on_each_rank, 2, [copies["a"], copies["b"]])
     assert all(e is not None and e.startswith("data:") and "index digests differ" in e
+               for e in errors), errors
+
+
+def test_ranks_with_another_seed_are_refused_by_the_configuration_check():
+    from dptrain.parallel.dist import spawn
+
+    # (the top-level seed draws the synthetic data: that was this test's case of other examples
+    # with the same N; the ranks' configurations are compared first now)
+    errors = spawn(_start_on_each_rank, 2, ["seed=0", "seed=1"])
+    assert all(e is not None and e.startswith("seed: rank 1 runs with 1, rank 0 with 0")
                for e in errors), errors
     assert spawn(_start_on_each_rank, 2, ["seed=3"] * 2) == [None, None]
 
