@@ -499,3 +499,13 @@ def test_privacy_values_float32_cannot_carry_are_refused(tmp_path, capsys, overr
                          *overrides)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"dptrain train: error: {field}: ") and words in err, err
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["privacy.seed=-1"], "privacy.seed"),  # (accepted: the top-level seed refused -1)
+    (["seed=-1"], "seed"),
+])
+def test_a_negative_seed_is_refused_naming_it(overrides, field):
+    with pytest.raises(ConfigError) as e:
+        load(RunConfig, next(p for p in CONFIGS if p.name == "tiny.yaml"), overrides)
+    assert e.value.field == field

@@ -240,6 +240,18 @@ def test_e2e_test_file_that_is_the_training_file_is_refused(tmp_path):
     assert len(task.test) == 1
 
 
+@pytest.mark.parametrize("field", ["path", "train_file", "test_file", "tokenizer_path"])
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_file_setting_is_refused_naming_it(field, value):
+    # data.path '' was the current directory (a devset.csv there would have been trained on),
+    # data.train_file '' the default file
+    extra = {"tokenizer": "hf"} if field == "tokenizer_path" else {}
+    cfg = {"name": "e2e", field: value, **extra}
+    with pytest.raises(ConfigError) as e:
+        validate_tree(from_dict(DataConfig, cfg))
+    assert e.value.field == field and "must not be empty" in e.value.message
+
+
 def test_missing_files_name_the_field(tmp_path):
     with pytest.raises(ConfigError) as e:
         build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path / "nope")))

@@ -124,6 +124,11 @@ class DataConfig:
 
     def validate(self) -> None:
         refuse_unused(self)
+        for f in ("path", "tokenizer_path", "train_file", "test_file", "index_cache_dir"):
+            v = getattr(self, f)
+            # '' was the current directory (data.path) or the default file (train/test_file)
+            if isinstance(v, str) and not v.strip():
+                raise ConfigError(f, "must not be empty (null for the default)")
         if self.name == "e2e" and self.tokenizer == "hf" and self.tokenizer_path is None:
             raise ConfigError("tokenizer_path", "required with data.tokenizer: hf (a tokenizer "
                                                 "folder, e.g. the pretrained model's own)")

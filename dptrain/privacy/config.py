@@ -92,6 +92,8 @@ class PrivacyConfig:
         if self.expected_batch_size is not None and self.expected_batch_size < 1:
             raise ConfigError("expected_batch_size",
                               f"must be >= 1, got {self.expected_batch_size}")
+        if self.seed is not None and self.seed < 0:  # as the top-level seed
+            raise ConfigError("seed", f"must be >= 0 or null, got {self.seed}")
         if self.secure_mode and self.seed is not None:
             raise ConfigError("seed", "must be null in secure_mode (the seed comes from OS entropy)")
         if not self.secure_mode and self.seed is None:
