@@ -1,0 +1,70 @@
+"""Cost of one use of the clipping query's IEEE float32 context, this tree against a revision.
+
+    python bench/ieee_context.py [--base 49d6469] [--rounds 7]
+
+``dptrain.clipping.precision.ieee_float32`` runs around every forward/backward of the private
+query (3 to 7 uses a step). This loads the module of this tree and the one of ``--base`` (``git
+show``) into one process and times ``with ieee_float32(): pass`` of each, interleaved: each
+round takes, for each variant, the best of 3 x 2,000 uses; the medians over rounds are printed,
+and the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import timeit
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import git_commit, machine_description, now_utc  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULE = "dptrain/clipping/precision.py"
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="49d6469", help="git revision to compare against")
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.base}:{MODULE}"],
+                            check=True, capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "precision_base.py"
+        old.write_text(source)
+        variants = {f"base ({args.base})": _load(old, "precision_base"),
+                    "this tree": _load(ROOT / MODULE, "precision_tree")}
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(args.rounds):
+            for label, module in variants.items():
+                def use(m=module):
+                    with m.ieee_float32():
+                        pass
+                times[label].append(min(timeit.repeat(use, number=2000, repeat=3)) / 2000 * 1e6)
+    print(f"{machine_description()}")
+    print("| `ieee_float32()`, one use | us |\n|---|---|")
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    for label, us in medians.items():
+        print(f"| {label} | {us:.2f} |")
+    base, tree = medians.values()
+    print(json.dumps({"us_per_use": medians, "tree_minus_base_us": tree - base,
+                      "commit": git_commit(), "date": now_utc()}))
+
+
+if __name__ == "__main__":
+    main()
