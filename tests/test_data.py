@@ -790,6 +790,48 @@ def test_webdataset_shard_with_a_repeated_key_is_refused(tmp_path):
         build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
 
 
+def test_webdataset_a_key_that_comes_back_after_another_is_refused(tmp_path):
+    # a.png, b.png, b.cls, a.cls: webdataset yields three samples (a, b, a); the index merged
+    # the two a's into one example
+    from dptrain.config import ConfigError
+
+    _tar(tmp_path / "imagenet-train-000000.tar",
+         [("a.png", b"png"), ("b.png", b"png"), ("b.cls", b"1"), ("a.cls", b"0")])
+    _write_shards(tmp_path, "imagenet-val", 1, 2, np.random.default_rng(1))
+    with pytest.raises(ConfigError, match=r"'a' appears twice \(a.cls after other keys"):
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+
+
+@pytest.mark.parametrize("label", ["1_0", "\u0663", "99999999999999999999999", "1.0", "+1"])
+def test_webdataset_a_label_that_is_not_ascii_int64_digits_is_refused(tmp_path, label):
+    # int() read "1_0" as 10 and an Arabic-Indic three as 3; 23 digits overflowed later with a
+    # traceback (exit 1)
+    from dptrain.config import ConfigError
+
+    _tar(tmp_path / "imagenet-train-000000.tar",
+         [("a.png", b"png"), ("a.cls", label.encode("utf-8"))])
+    _write_shards(tmp_path, "imagenet-val", 1, 2, np.random.default_rng(1))
+    with pytest.raises(ConfigError, match="a.cls is not an integer label") as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert e.value.field == "data.path"
+
+
+def test_webdataset_a_brace_alternative_that_matches_nothing_is_refused(tmp_path):
+    # "{tr,zz}-*.tar": the typo zz was dropped in silence while tr matched
+    from dptrain.config import ConfigError
+
+    _write_shards(tmp_path, "tr", 1, 3, np.random.default_rng(0))
+    _write_shards(tmp_path, "xt", 1, 4, np.random.default_rng(2))
+    _write_shards(tmp_path, "va", 1, 2, np.random.default_rng(1))
+    with pytest.raises(ConfigError, match=r"no shard matches .*zz-\*\.tar") as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                              train_file="{tr,zz}-*.tar", test_file="va-*.tar"))
+    assert e.value.field == "data.train_file"
+    task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                                 train_file="{tr,xt}-*.tar", test_file="va-*.tar"))
+    assert len(task.train) == 7
+
+
 def test_webdataset_shards_matching_both_splits_are_refused(tmp_path):
     # *train*.tar and *val*.tar both match a trainval shard: test examples would be trained on
     from dptrain.config import ConfigError

@@ -186,6 +186,34 @@ def test_cifar10_batches_are_read_channel_major_and_resized_on_request(tmp_path)
     torch.testing.assert_close(x, ref)
 
 
+@pytest.mark.parametrize("data, labels, words", [
+    (np.random.default_rng(0).random((2, 3072)).astype(np.float32), [0, 1],
+     "pixels must be integers in 0..255"),  # [0, 1] floats were cast to black images
+    (np.full((2, 3072), 300, np.int64), [0, 1], "pixels must be integers in 0..255"),  # 44
+    (np.full((2, 3072), -1, np.int16), [0, 1], "pixels must be integers in 0..255"),  # 255
+    (np.zeros((2, 3072), np.uint8), [1.9, 2.5], "labels must be a list of integers"),  # 1, 2
+    (np.zeros((2, 3072), np.uint8), [[1], [2]], "labels must be a list of integers"),
+])
+def test_cifar10_batches_that_a_cast_would_change_are_refused(tmp_path, data, labels, words):
+    root = tmp_path / "c"
+    _cifar(root, 2, np.random.default_rng(3))
+    with open(root / "data_batch_1", "wb") as fh:
+        pickle.dump({b"data": data, b"labels": labels}, fh, protocol=2)
+    with pytest.raises(ConfigError, match=words) as e:
+        build_data(DataConfig(name="cifar10", path=str(root)))
+    assert e.value.field == "data.path"
+
+
+def test_cifar10_batches_re_pickled_with_str_keys_are_read(tmp_path):
+    root = tmp_path / "c"
+    batches = _cifar(root, 2, np.random.default_rng(3))
+    with open(root / "data_batch_1", "wb") as fh:  # (a copy written by Python 3)
+        pickle.dump({"data": batches["data_batch_1"][b"data"],
+                     "labels": batches["data_batch_1"][b"labels"]}, fh)
+    task = build_data(DataConfig(name="cifar10", path=str(root)))
+    assert task.train.labels[:2].tolist() == batches["data_batch_1"][b"labels"]
+
+
 class _Payload:
     def __reduce__(self):
         return (os.system, ("touch /tmp/dptrain-cifar-pwned",))

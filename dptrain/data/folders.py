@@ -141,11 +141,23 @@ def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         with open(path, "rb") as fh:
             batch = _ArraysOnly(fh, encoding="bytes").load()
-        data = np.asarray(batch[b"data"], dtype=np.uint8)
-        labels = np.asarray(batch[b"labels"], dtype=np.int64)
+        # (a copy re-pickled by Python 3 may have str keys)
+        raw_data = np.asarray(batch[b"data"] if b"data" in batch else batch["data"])
+        raw_labels = np.asarray(batch[b"labels"] if b"labels" in batch else batch["labels"])
     except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as e:
         raise ConfigError("data.path", f"{path} is not a CIFAR-10 batch: "
                                        f"{type(e).__name__}: {e}") from None
+    # a cast would wrap or truncate without a word: float [0, 1] pixels became black images,
+    # 300 became 44, a label 1.9 became 1
+    if not np.issubdtype(raw_data.dtype, np.integer) or (
+            raw_data.size and (raw_data.min() < 0 or raw_data.max() > 255)):
+        raise ConfigError("data.path", f"{path}: the pixels must be integers in 0..255 (uint8), "
+                                       f"got {raw_data.dtype}")
+    if raw_labels.ndim != 1 or (raw_labels.size and not np.issubdtype(raw_labels.dtype,
+                                                                      np.integer)):
+        raise ConfigError("data.path", f"{path}: the labels must be a list of integers, got "
+                                       f"{raw_labels.dtype} of shape {raw_labels.shape}")
+    data, labels = raw_data.astype(np.uint8), raw_labels.astype(np.int64)
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
         raise ConfigError("data.path", f"{path} is not a CIFAR-10 batch: data {data.shape}, "
                                        f"{len(labels)} labels (want N x 3072 and N labels)")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import glob
 import io
 import os
+import re
 import sys
 import tarfile
 import zipfile
@@ -56,7 +57,10 @@ def expand_shards(directory: Path | None, pattern: str, field: str) -> list[Path
             p = directory / p
         if any(ch in str(p) for ch in "*?["):
             # files only: a directory named like a shard is not one
-            out.extend(Path(x) for x in sorted(glob.glob(str(p))) if Path(x).is_file())
+            found = [Path(x) for x in sorted(glob.glob(str(p))) if Path(x).is_file()]
+            if not found:  # one alternative of a brace list that matches nothing: a typo
+                raise ConfigError(field, f"file not found: no shard matches {p}")
+            out.extend(found)
         elif p.is_file():
             out.append(p)
         else:
@@ -123,7 +127,9 @@ def _shard_index(path: Path, base_plus_ext) -> tuple[np.ndarray, np.ndarray, np.
             np.asarray(labels, dtype=np.int64))
 
 
-INDEX_CACHE_FORMAT = 1
+INDEX_CACHE_FORMAT = 2
+"""Bumped when what a shard's index holds changes: 2 (2026-12-03) refuses a key that comes back
+after other keys and labels that are not ASCII int64 digits, which format 1 entries accepted."""
 
 
 def _cached_shard_index(path: Path, cache_dir: Path, base_plus_ext):
@@ -172,12 +178,14 @@ def _cached_shard_index(path: Path, cache_dir: Path, base_plus_ext):
     return offsets, sizes, labels
 
 
-_UNWRITABLE: set[Path] = set()  # cache folders already said to be unwritable (said once)
+_UNWRITABLE: set[Path] = set()
+_LABEL = re.compile(r"-?[0-9]{1,18}")  # a label in a .cls member: an int64, ASCII digits  # cache folders already said to be unwritable (said once)
 
 
 def _scan_shard(path: Path, base_plus_ext) -> dict[str, dict]:
     """``{key: {"img": (offset, size), "cls": label}}`` of one shard, in member order."""
     samples: dict[str, dict] = {}
+    last = None  # the key of the previous member
     end = path.stat().st_size
     with tarfile.open(path, mode="r:") as tf:
         for m in tf:
@@ -187,6 +195,12 @@ def _scan_shard(path: Path, base_plus_ext) -> dict[str, dict]:
             if prefix is None or Path(prefix).name.startswith("__"):
                 continue
             ext = ext.lower()
+            if prefix in samples and prefix != last:
+                # webdataset groups adjacent members by key: a key that comes back after
+                # another is a second sample (which this index would have merged into one)
+                raise ConfigError("data.path", f"{path}: sample key {prefix!r} appears twice "
+                                               f"({m.name} after other keys' members)")
+            last = prefix
             rec = samples.setdefault(prefix, {"member": m.name})  # (named by errors)
             part = "img" if ext in IMAGE_EXTS else "cls" if ext in LABEL_EXTS else None
             if part is not None and part in rec:
@@ -202,10 +216,15 @@ def _scan_shard(path: Path, base_plus_ext) -> dict[str, dict]:
             elif ext in LABEL_EXTS:
                 raw = tf.extractfile(m).read()
                 try:  # a non-UTF-8 label is a ValueError too (UnicodeDecodeError)
-                    rec["cls"] = int(raw.decode("utf-8").strip())
+                    text = raw.decode("utf-8").strip()
                 except ValueError:
+                    text = None
+                # ASCII digits only, within int64: int() also reads "1_0" as 10 and "٣" as 3,
+                # and a 23-digit label overflowed later with a traceback
+                if text is None or not _LABEL.fullmatch(text):
                     raise ConfigError("data.path",
-                                      f"{path}: {m.name} is not an integer label") from None
+                                      f"{path}: {m.name} is not an integer label")
+                rec["cls"] = int(text)
         # tarfile ends the iteration SILENTLY at a damaged or cut-off header after the first
         # one (the rest of the shard would be dropped): the archive must end at a zero block
         # (the end-of-archive marker) or exactly at the end of the file
