@@ -376,12 +376,16 @@ def test_a_layer_with_parameters_its_rule_does_not_compute_is_refused():
 
 
 @pytest.mark.parametrize("build, words", [
-    (lambda: nn.MultiheadAttention(8, 2), r"0 \(MultiheadAttention\): torch.nn.MultiheadAttention"),
+    (lambda: nn.MultiheadAttention(8, 2), r"0 \(MultiheadAttention\) has the trainable "
+                                          r"parameters \['in_proj_bias', 'in_proj_weight', "
+                                          r"'out_proj.bias', 'out_proj.weight'\]"),
     (lambda: nn.MultiheadAttention(8, 2, kdim=3, vdim=3), r"0 \(MultiheadAttention\)"),
     (lambda: nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)),
-     r"0.parametrizations.weight \(ParametrizationList\): parametrizations"),
+     r"0.parametrizations.weight \(ParametrizationList\) has the trainable parameters "
+     r"\['original0', 'original1'\]: parametrizations"),
     (lambda: nn.utils.parametrizations.orthogonal(nn.Linear(8, 8)),
-     r"0.parametrizations.weight \(ParametrizationList\): parametrizations"),
+     r"0.parametrizations.weight \(ParametrizationList\) has the trainable parameters "
+     r"\['original'\]: parametrizations"),
 ])
 def test_multihead_attention_and_parametrizations_are_refused_by_name_at_construction(build,
                                                                                       words):
@@ -389,10 +393,35 @@ def test_multihead_attention_and_parametrizations_are_refused_by_name_at_constru
     # values to unpack"), or were refused by a rows check that named something else
     with pytest.raises(ValueError, match=words):
         ClippingEngine(nn.Sequential(build(), nn.Linear(8, 1)), clip_norm=1.0)
+
+
+class _LowRank(nn.Module):
+    """A parametrization with trainable parameters of its own (LoRA-like)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.zeros(n, 1)), nn.Parameter(torch.zeros(1, n))
+
+    def forward(self, w):
+        return w + self.a @ self.b
+
+
+def test_frozen_projections_and_parametrizations_trainable_elsewhere_are_refused_by_name():
+    # MHA's out_proj is used inside F.multi_head_attention_forward too (another check refused
+    # it, saying it was used outside its module); a parametrization whose own parameters train
+    # over a frozen original was refused by a rows check naming "LoRAParam"
     frozen = nn.MultiheadAttention(8, 2)
     frozen.in_proj_weight.requires_grad_(False)
     frozen.in_proj_bias.requires_grad_(False)
-    ClippingEngine(nn.Sequential(frozen), clip_norm=1.0)  # only its out_proj (a Linear) trains
+    with pytest.raises(ValueError, match=r"0 \(MultiheadAttention\) has the trainable "
+                                         r"parameters \['out_proj.bias', 'out_proj.weight'\]"):
+        ClippingEngine(nn.Sequential(frozen), clip_norm=1.0)
+    lin = nn.Linear(8, 8)
+    nn.utils.parametrize.register_parametrization(lin, "weight", _LowRank(8))
+    lin.parametrizations.weight.original.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"ParametrizationList\) has the trainable parameters "
+                                         r"\['0.a', '0.b'\]: parametrizations"):
+        ClippingEngine(nn.Sequential(lin, nn.Linear(8, 1)), clip_norm=1.0)
 
 
 def test_a_plan_state_with_a_frozen_parameter_is_refused_naming_it():

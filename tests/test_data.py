@@ -178,6 +178,7 @@ def test_damaged_dart_json_names_the_field(tmp_path, text, problem):
     # a stray quote inside a quoted field was kept as part of it
     ('mr,ref\n"name[B]","B is "great" really"\n', "not valid CSV"),
     ('mr,ref\n"name[A]",""\n', "line 2: the 'ref' field is empty"),
+    ('mr,ref,notes\n"name[A]","A","n"\n"name[B]"\n', "line 3: 1 field(s), no 'ref' field"),
     ('mr,ref\n"  ","A"\n', "line 2: the 'mr' field is empty"),
     ('mr,mr,ref\n"a","b","c"\n', "2 'mr' columns"),
     # a file of meaning representations only trained on prompts alone: every loss 0
@@ -190,6 +191,16 @@ def test_damaged_e2e_csv_names_the_field(tmp_path, text, problem):
         build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
                               train_file="train.csv", test_file="test.csv"))
     assert e.value.field == "data.train_file" and problem in str(e.value), str(e.value)
+
+
+def test_an_e2e_row_without_its_optional_trailing_columns_is_read(tmp_path):
+    # (the field-count check refuses more fields than the header, not fewer past mr and ref)
+    from dptrain.data.lm import read_e2e_csv
+
+    path = tmp_path / "train.csv"
+    path.write_text('mr,ref,notes\n"name[A]","A text.","n"\n"name[B]","B text."\n')
+    assert read_e2e_csv(path, "data.train_file") == (["name[A]", "name[B]"],
+                                                    ["A text.", "B text."])
 
 
 @pytest.mark.parametrize("records,problem", [

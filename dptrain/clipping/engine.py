@@ -423,26 +423,31 @@ def _check_reached(records: list[_Record], losses: Tensor) -> None:
 
 
 def _refuse_unsupported(name: str, m: nn.Module) -> None:
-    """Modules with trainable parameters of their own that no rule, tap or fallback handles;
-    refused by name at construction (they failed in the first forward, with torch's own error,
-    or were refused by a check that named something else)."""
+    """Modules with trainable parameters (their own or their submodules') that no rule, tap or
+    fallback handles; refused by name at construction (they failed in the first forward, with
+    torch's own error, or were refused by a check that named something else)."""
     from torch.nn.utils import parametrize
 
+    if not isinstance(m, (nn.MultiheadAttention, parametrize.ParametrizationList)):
+        return
+    trainable = sorted(k for k, p in m.named_parameters() if p.requires_grad)
+    if not trainable:
+        return
     where = f"{name} ({type(m).__name__})" if name else type(m).__name__
     if isinstance(m, nn.MultiheadAttention):
         raise ValueError(
-            f"dptrain.clipping: {where}: torch.nn.MultiheadAttention computes its input "
-            f"projections from its own parameters (in_proj_weight / q_proj_weight ...) inside "
-            f"F.multi_head_attention_forward, which has no per-example rule. Build the "
-            f"attention from nn.Linear layers (as transformers' and timm's models do; "
-            f"Opacus's DPMultiheadAttention is such a module) and the engine clips it exactly")
-    if isinstance(m, parametrize.ParametrizationList):
-        raise ValueError(
-            f"dptrain.clipping: {where}: parametrizations (torch.nn.utils.parametrize: "
-            f"parametrizations.weight_norm, orthogonal, spectral_norm, ...) are not supported: "
-            f"the layer's weight is computed from {sorted(m._parameters)}, whose gradient the "
-            f"layer's rule does not give. Remove the parametrization (parametrize."
-            f"remove_parametrizations) or train without it")
+            f"dptrain.clipping: {where} has the trainable parameters {trainable}: "
+            f"torch.nn.MultiheadAttention computes its projections from its parameters inside "
+            f"F.multi_head_attention_forward (out_proj's weight too), which has no per-example "
+            f"rule. Build the attention from nn.Linear layers (as transformers' and timm's "
+            f"models do; Opacus's DPMultiheadAttention is such a module) and the engine clips "
+            f"it exactly")
+    raise ValueError(
+        f"dptrain.clipping: {where} has the trainable parameters {trainable}: "
+        f"parametrizations (torch.nn.utils.parametrize: parametrizations.weight_norm, "
+        f"orthogonal, spectral_norm, ...) are not supported: the layer's weight is computed from "
+        f"them, and the layer's rule gives the gradient of the weight only. Remove the "
+        f"parametrization (parametrize.remove_parametrizations) or train without it")
 
 
 class ClippingEngine:
@@ -499,10 +504,10 @@ class ClippingEngine:
         self.taps: list[Tapped] = []
         owned: set[int] = set()
         for mname, m in model.named_modules():
+            _refuse_unsupported(mname, m)
             direct = {k: p for k, p in m._parameters.items() if p is not None and p.requires_grad}
             if not direct:
                 continue
-            _refuse_unsupported(mname, m)
             rule = find_rule(m)
             if rule is None and any(p.requires_grad for c in m.children()
                                     for p in c.parameters()):

@@ -132,10 +132,14 @@ def read_e2e_csv(path: Path, field: str) -> tuple[list[str], list[str] | None]:
             if not row:
                 continue
             # more fields than the header: an unquoted comma, which shifts the columns
-            if len(row) != len(header):
+            if len(row) > len(header):
                 raise ConfigError(field, f"{path}, line {reader.line_num}: {len(row)} "
                                          f"field(s), the header has {len(header)} (a field "
                                          f"with a comma must be quoted)")
+            if len(row) <= max(i_mr, i_ref or 0):  # (fewer: the optional columns after them)
+                raise ConfigError(field, f"{path}, line {reader.line_num}: {len(row)} "
+                                         f"field(s), no '{'ref' if len(row) > i_mr else 'mr'}' "
+                                         f"field")
             for name, i in (("mr", i_mr), ("ref", i_ref)):
                 if i is not None and not row[i].strip():
                     raise ConfigError(field, f"{path}, line {reader.line_num}: the '{name}' "
