@@ -253,8 +253,9 @@ RANK_LOCAL_SETTINGS = frozenset({
     "performance.decode_threads", "performance.noise_prefetch", "performance.collate_prefetch",
     "train.progress"})
 """Settings that may differ between ranks: where a node keeps its copy of the files (the data's
-content is compared by its digest, ``_check_ranks_agree_on_data``) and how fast a rank works
-on its own. Every other setting must be the same on every rank."""
+content is compared by its digest, ``_check_ranks_agree_on_data``, and the loaded pretrained
+weights by theirs, ``_check_ranks_agree_on_weights``) and how fast a rank works on its own.
+Every other setting must be the same on every rank."""
 
 
 def _flat_settings(cfg, prefix: str = "") -> dict:
@@ -315,6 +316,31 @@ def _check_ranks_agree_on_data(n: int, fingerprint: int | None, device: torch.de
                                   "(their index digests differ: other files, labels or order; "
                                   "dptrain/data/fingerprint.py): every rank must read the "
                                   "same data")
+
+
+def _check_ranks_agree_on_weights(model: torch.nn.Module, path: str) -> None:
+    """``model.pretrained_path`` may name each node's own copy of the checkpoint: the ranks
+    compare a digest of the weights they loaded (every parameter's and buffer's name, shape,
+    dtype and bytes) and refuse to start when one differs. Another version of the file trained
+    every rank's replica or shards from other weights (exit 0, the ranks' models never met);
+    another architecture crashed in a collective."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, h.hexdigest())
+    other = next((r for r, d in enumerate(every) if d != every[0]), None)
+    if other is not None:
+        raise ConfigError("model.pretrained_path",
+                          f"rank {other} loaded other weights from {path} than rank 0 (the "
+                          f"digests of the loaded models differ): every rank must load the "
+                          f"same checkpoint")
 
 
 def _shared_secure_seed(world: int) -> int:
@@ -389,6 +415,8 @@ class Trainer:
                               else cfg.privacy.seed)
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg.model, self.task.info).to(self.device)
+        if self.world > 1 and cfg.model.pretrained_path is not None:
+            _check_ranks_agree_on_weights(self.model, cfg.model.pretrained_path)
         if perf.dtype == "float64":
             self.model = self.model.double()
         self.model.train()

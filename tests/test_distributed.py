@@ -9,6 +9,7 @@ do not depend on the world size (up to float summation order).
 from __future__ import annotations
 
 import datetime
+import shutil
 from pathlib import Path
 
 import pytest
@@ -631,3 +632,31 @@ def test_ranks_may_differ_in_where_they_keep_files_and_how_many_threads_they_use
                 ["performance.num_threads=2", "performance.noise_prefetch=background",
                  "performance.collate_prefetch=inline", "train.progress=true"]]
     assert spawn(_build_with, 2, per_rank, timeout=240) == ["built", "built"]
+
+
+def _build_llama(rank: int, world: int, folders: list[str]):
+    from dptrain.config import ConfigError, load
+    from dptrain.trainer import RunConfig, Trainer
+
+    try:
+        Trainer(load(RunConfig, TINY_LLAMA, [
+            "train.progress=false", "model.hf_config={}", f"model.pretrained_path={folders[rank]}",
+            "model.tie_embeddings=false", "performance.sharding=fsdp"]))
+    except ConfigError as e:
+        return e.field, e.message
+    return "built"
+
+
+def test_ranks_that_load_other_pretrained_weights_are_refused(tmp_path):
+    # model.pretrained_path may name each node's copy (rank-local): another version of the
+    # file trained from other weights on that rank, to the end, exit 0 (red team)
+    from _causal_lm import save_pretrained_llama
+
+    a = save_pretrained_llama(tmp_path / "a", seed=0)
+    b = save_pretrained_llama(tmp_path / "b", seed=1)
+    a_copy = tmp_path / "a_copy"
+    shutil.copytree(a, a_copy)
+    assert spawn(_build_llama, 2, [str(a), str(a_copy)], timeout=240) == ["built", "built"]
+    out = spawn(_build_llama, 2, [str(a), str(b)], timeout=240)
+    assert all(r[0] == "model.pretrained_path" and "rank 1 loaded other weights" in r[1]
+               for r in out), out
