@@ -208,6 +208,7 @@ def test_an_e2e_row_without_its_optional_trailing_columns_is_read(tmp_path):
      "an annotation's text is empty"),
     ([{"tripleset": ["abc"], "annotations": [{"text": "x"}]}], "every triple needs"),
     ([{"tripleset": [["a", "b", None]], "annotations": [{"text": "x"}]}], "every triple needs"),
+    ([{"tripleset": [["a", "b", True]], "annotations": [{"text": "x"}]}], "every triple needs"),
 ])
 def test_damaged_dart_triples_and_texts_are_refused(tmp_path, records, problem):
     import json
@@ -218,6 +219,19 @@ def test_damaged_dart_triples_and_texts_are_refused(tmp_path, records, problem):
         build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
                               train_file="train.json", test_file="test.json"))
     assert e.value.field == "data.train_file" and problem in str(e.value), str(e.value)
+
+
+def test_dart_triples_with_an_empty_or_numeric_object_are_read(tmp_path):
+    # (the release's objects are strings; a number or an empty string is kept as written)
+    import json
+
+    records = [{"tripleset": [["a", "year", 1973], ["a", "note", ""]],
+                "annotations": [{"text": "x"}]}]
+    (tmp_path / "train.json").write_text(json.dumps(records))
+    (tmp_path / "test.json").write_text(json.dumps(DART_RECORDS))
+    task = build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
+                                 train_file="train.json", test_file="test.json"))
+    assert task.train.mrs == ["a : year : 1973 | a : note : "]
 
 
 def test_dart_records_without_annotations_are_left_out_with_a_note(tmp_path, capsys):

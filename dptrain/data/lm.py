@@ -184,12 +184,13 @@ def read_dart_json(path: Path, field: str) -> tuple[list[str], list[str]]:
     for i, rec in enumerate(records):
         try:
             triples = rec["tripleset"]
-            # strings: a triple "abc" would pass as a, b, c; null would become the text None
+            # a list of three: a triple "abc" would pass as a, b, c; strings or numbers: null
+            # would become the text None (an empty string is kept: the release may hold some)
             if not triples or any(not isinstance(t, list) or len(t) != 3
-                                  or not all(isinstance(x, str) and x.strip() for x in t)
+                                  or not all(isinstance(x, (str, int, float))
+                                             and not isinstance(x, bool) for x in t)
                                   for t in triples):
-                raise ValueError("every triple needs subject, relation and object, non-empty "
-                                 "strings")
+                raise ValueError("every triple needs subject, relation and object (strings)")
             mr = dart_mr(triples)
             if not rec["annotations"]:
                 unannotated += 1
