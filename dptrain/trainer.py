@@ -332,15 +332,19 @@ def _check_ranks_agree_on_weights(model: torch.nn.Module, path: str) -> None:
     for name, t in model.state_dict().items():
         t = t.detach()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        h.update(t.reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).cpu().contiguous().view(torch.uint8).numpy())  # (no copy)
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, h.hexdigest())
-    other = next((r for r, d in enumerate(every) if d != every[0]), None)
-    if other is not None:
+    dist.all_gather_object(every, (h.hexdigest(), str(path)))
+    if len({d for d, _ in every}) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, (d, _) in enumerate(every):
+            groups.setdefault(d, []).append(r)
+        said = "; ".join(
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} from "
+            f"{', '.join(sorted({every[r][1] for r in ranks}))}" for ranks in groups.values())
         raise ConfigError("model.pretrained_path",
-                          f"rank {other} loaded other weights from {path} than rank 0 (the "
-                          f"digests of the loaded models differ): every rank must load the "
-                          f"same checkpoint")
+                          f"the ranks loaded {len(groups)} different sets of weights ({said}): "
+                          f"every rank must load the same checkpoint")
 
 
 def _shared_secure_seed(world: int) -> int:

@@ -209,6 +209,8 @@ def test_an_e2e_row_without_its_optional_trailing_columns_is_read(tmp_path):
     ([{"tripleset": ["abc"], "annotations": [{"text": "x"}]}], "every triple needs"),
     ([{"tripleset": [["a", "b", None]], "annotations": [{"text": "x"}]}], "every triple needs"),
     ([{"tripleset": [["a", "b", True]], "annotations": [{"text": "x"}]}], "every triple needs"),
+    ([{"tripleset": [["a", "b", float("nan")]], "annotations": [{"text": "x"}]}],
+     "every triple needs"),  # (json.dumps writes NaN, and json.loads reads it)
 ])
 def test_damaged_dart_triples_and_texts_are_refused(tmp_path, records, problem):
     import json
@@ -827,7 +829,8 @@ def test_webdataset_a_key_that_comes_back_after_another_is_refused(tmp_path):
         build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
 
 
-@pytest.mark.parametrize("label", ["1_0", "\u0663", "99999999999999999999999", "1.0", "+1"])
+@pytest.mark.parametrize("label", ["1_0", "\u0663", "99999999999999999999999", "1.0",
+                                   "9223372036854775808"])
 def test_webdataset_a_label_that_is_not_ascii_int64_digits_is_refused(tmp_path, label):
     # int() read "1_0" as 10 and an Arabic-Indic three as 3; 23 digits overflowed later with a
     # traceback (exit 1)
@@ -839,6 +842,34 @@ def test_webdataset_a_label_that_is_not_ascii_int64_digits_is_refused(tmp_path, 
     with pytest.raises(ConfigError, match="a.cls is not an integer label") as e:
         build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
     assert e.value.field == "data.path"
+
+
+def test_webdataset_labels_webdataset_reads_are_read(tmp_path):
+    # a sign, 19 digits up to int64's largest, spaces and a line end (webdataset reads them all)
+    from dptrain.config import ConfigError
+
+    def labels_read(labels):
+        _tar(tmp_path / "imagenet-train-000000.tar",
+             [m for k, lab in enumerate(labels)
+              for m in ((f"k{k}.png", b"png"), (f"k{k}.cls", lab.encode()))])
+        return build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                                     num_classes=10)).train.labels.tolist()
+
+    _write_shards(tmp_path, "imagenet-val", 1, 2, np.random.default_rng(1))
+    assert labels_read(["+7", " 007 \r\n", "3"]) == [7, 7, 3]
+    with pytest.raises(ConfigError, match=r"labels range over \[\d+, 9223372036854775807\]"):
+        labels_read(["9223372036854775807", "3"])  # read, then out of data.num_classes
+
+
+def test_webdataset_a_key_split_by_a_member_webdataset_yields_is_refused(tmp_path):
+    # k0.jpg, __meta__.json, k0.cls: webdataset yields k0, __meta__, k0 (two k0 samples)
+    from dptrain.config import ConfigError
+
+    _tar(tmp_path / "imagenet-train-000000.tar",
+         [("k0.png", b"png"), ("__meta__.json", b"{}"), ("k0.cls", b"0")])
+    _write_shards(tmp_path, "imagenet-val", 1, 2, np.random.default_rng(1))
+    with pytest.raises(ConfigError, match="'k0' appears twice"):
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
 
 
 def test_webdataset_a_brace_alternative_that_matches_nothing_is_refused(tmp_path):

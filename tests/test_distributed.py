@@ -658,5 +658,5 @@ def test_ranks_that_load_other_pretrained_weights_are_refused(tmp_path):
     shutil.copytree(a, a_copy)
     assert spawn(_build_llama, 2, [str(a), str(a_copy)], timeout=240) == ["built", "built"]
     out = spawn(_build_llama, 2, [str(a), str(b)], timeout=240)
-    assert all(r[0] == "model.pretrained_path" and "rank 1 loaded other weights" in r[1]
+    assert all(r[0] == "model.pretrained_path" and f"rank 0 from {a}; rank 1 from {b}" in r[1]
                for r in out), out

@@ -187,10 +187,12 @@ def read_dart_json(path: Path, field: str) -> tuple[list[str], list[str]]:
             # a list of three: a triple "abc" would pass as a, b, c; strings or numbers: null
             # would become the text None (an empty string is kept: the release may hold some)
             if not triples or any(not isinstance(t, list) or len(t) != 3
-                                  or not all(isinstance(x, (str, int, float))
-                                             and not isinstance(x, bool) for x in t)
+                                  or not all(isinstance(x, str) or (
+                                      isinstance(x, (int, float)) and not isinstance(x, bool)
+                                      and math.isfinite(x)) for x in t)
                                   for t in triples):
-                raise ValueError("every triple needs subject, relation and object (strings)")
+                raise ValueError("every triple needs subject, relation and object (strings or "
+                                 "finite numbers)")
             mr = dart_mr(triples)
             if not rec["annotations"]:
                 unannotated += 1

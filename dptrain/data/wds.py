@@ -178,8 +178,9 @@ def _cached_shard_index(path: Path, cache_dir: Path, base_plus_ext):
     return offsets, sizes, labels
 
 
-_UNWRITABLE: set[Path] = set()
-_LABEL = re.compile(r"-?[0-9]{1,18}")  # a label in a .cls member: an int64, ASCII digits  # cache folders already said to be unwritable (said once)
+_UNWRITABLE: set[Path] = set()  # cache folders already said to be unwritable (said once)
+_LABEL = re.compile(r"[+-]?[0-9]{1,19}")  # a label in a .cls member: ASCII digits (then int64)
+_INT64 = range(-(1 << 63), 1 << 63)
 
 
 def _scan_shard(path: Path, base_plus_ext) -> dict[str, dict]:
@@ -192,7 +193,10 @@ def _scan_shard(path: Path, base_plus_ext) -> dict[str, dict]:
             if not m.isfile():
                 continue
             prefix, ext = base_plus_ext(m.name)
-            if prefix is None or Path(prefix).name.startswith("__"):
+            if prefix is None:
+                continue
+            if Path(prefix).name.startswith("__"):
+                last = prefix  # (webdataset yields it: a key before and after it is split)
                 continue
             ext = ext.lower()
             if prefix in samples and prefix != last:
@@ -221,7 +225,7 @@ def _scan_shard(path: Path, base_plus_ext) -> dict[str, dict]:
                     text = None
                 # ASCII digits only, within int64: int() also reads "1_0" as 10 and "٣" as 3,
                 # and a 23-digit label overflowed later with a traceback
-                if text is None or not _LABEL.fullmatch(text):
+                if text is None or not _LABEL.fullmatch(text) or int(text) not in _INT64:
                     raise ConfigError("data.path",
                                       f"{path}: {m.name} is not an integer label")
                 rec["cls"] = int(text)
