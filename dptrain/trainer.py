@@ -296,26 +296,43 @@ def _check_ranks_agree_on_config(cfg) -> None:
                                    f"line that differs?)")
 
 
-def _check_ranks_agree_on_data(n: int, fingerprint: int | None, device: torch.device) -> None:
+def _check_ranks_agree_on_data(task, device: torch.device) -> None:
     """Every rank samples S_t over its own copy of the training set and takes its share by
     position: ranks that see different N, or the same N in another order or content
     (node-local copies of the data that differ; ``dptrain.data.fingerprint``), would process
-    some sampled examples twice (sensitivity 2C) and drop others. Refuse to start."""
+    some sampled examples twice (sensitivity 2C) and drop others. The test split is compared
+    too: under FSDP every evaluation forward needs every rank, and test splits of other sizes
+    crashed the run in a collective at its final evaluation, after the budget was spent.
+    Refuse to start."""
     import torch.distributed as dist
 
-    fp = -1 if fingerprint is None else fingerprint
-    t = torch.tensor([n, -n, fp, -fp], dtype=torch.int64, device=device)
+    def digest(split) -> int:
+        fp = index_fingerprint(split)
+        refs = getattr(split, "references_by_mr", None)
+        if fp is not None and refs is not None:  # the generation prompts and references too
+            import hashlib
+
+            h = hashlib.blake2b(repr(list(refs().items())).encode(), digest_size=8)
+            fp ^= int.from_bytes(h.digest(), "little") >> 2
+        return -1 if fp is None else fp
+
+    sizes = [len(task.train), len(task.test)]
+    fps = [digest(task.train), digest(task.test)]
+    t = torch.tensor([v for pair in zip(sizes + fps, [-x for x in sizes + fps]) for v in pair],
+                     dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    hi, lo = int(t[0]), -int(t[1])
-    if hi != lo:
-        raise ConfigError("data", f"the ranks see training sets of different sizes (from {lo} "
-                                  f"to {hi} examples; this rank {n}): every rank must read the "
-                                  "same data")
-    if int(t[2]) != -int(t[3]):
-        raise ConfigError("data", f"the ranks see different training sets of {n} examples "
-                                  "(their index digests differ: other files, labels or order; "
-                                  "dptrain/data/fingerprint.py): every rank must read the "
-                                  "same data")
+    for k, (split, n) in enumerate(zip(("training", "test"), sizes)):
+        hi, lo = int(t[2 * k]), -int(t[2 * k + 1])
+        if hi != lo:
+            raise ConfigError("data", f"the ranks see {split} sets of different sizes (from "
+                                      f"{lo} to {hi} examples; this rank {n}): every rank must "
+                                      "read the same data")
+    for k, (split, n) in enumerate(zip(("training", "test"), sizes)):
+        if int(t[4 + 2 * k]) != -int(t[4 + 2 * k + 1]):
+            raise ConfigError("data", f"the ranks see different {split} sets of {n} examples "
+                                      "(their index digests differ: other files, labels or "
+                                      "order; dptrain/data/fingerprint.py): every rank must "
+                                      "read the same data")
 
 
 def _check_ranks_agree_on_weights(model: torch.nn.Module, path: str) -> None:
@@ -411,8 +428,7 @@ class Trainer:
                 split.skip_undecodable = True
         self.train_size = len(self.task.train)
         if self.world > 1:
-            _check_ranks_agree_on_data(self.train_size, index_fingerprint(self.task.train),
-                                       self.device)
+            _check_ranks_agree_on_data(self.task, self.device)
         self.plan = plan_privacy(cfg.privacy, self.train_size)
         # Sensitive in secure mode: the seed is never written anywhere.
         self._privacy_seed = (_shared_secure_seed(self.world) if cfg.privacy.secure_mode

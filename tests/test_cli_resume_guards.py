@@ -488,13 +488,16 @@ def _start_on_each_rank(rank: int, world: int, overrides: list):
         return str(e)
 
 
-def _node_local_e2e(tmp_path, rows: dict[str, list[int]]) -> dict[str, list[str]]:
-    """For each name, an E2E folder holding the devset rows ``rows[name]`` (a node's local
-    copy: data.path may differ between ranks), and the overrides that train on it."""
+def _node_local_e2e(tmp_path, rows: dict[str, list[int]],
+                    test_rows: dict[str, int] | None = None) -> dict[str, list[str]]:
+    """For each name, an E2E folder holding the devset rows ``rows[name]`` and the first
+    ``test_rows[name]`` (default 5) test rows (a node's local copy: data.path may differ
+    between ranks), and the overrides that train on it."""
     lines = (E2E_DIR / "devset.csv").read_text(encoding="utf-8").splitlines()
-    test = (E2E_DIR / "testset_w_refs.csv").read_text(encoding="utf-8").splitlines()[:6]
+    all_test = (E2E_DIR / "testset_w_refs.csv").read_text(encoding="utf-8").splitlines()
     out = {}
     for name, keep in rows.items():
+        test = all_test[:1 + (test_rows or {}).get(name, 5)]
         d = tmp_path / name
         d.mkdir()
         (d / "devset.csv").write_text("\n".join([lines[0], *(lines[1 + i] for i in keep)]) + "\n",
@@ -529,6 +532,19 @@ def test_ranks_that_see_the_same_number_of_other_examples_refuse_to_start(tmp_pa
     errors = spawn(_start_on_each_rank, 2, [copies["a"], copies["b"]])
     assert all(e is not None and e.startswith("data:") and "index digests differ" in e
                for e in errors), errors
+
+
+@needs_e2e
+def test_ranks_that_see_other_test_sets_refuse_to_start(tmp_path):
+    from dptrain.parallel.dist import spawn
+
+    # the same training copy, test copies of 5 and 4 rows: under FSDP the final evaluation's
+    # forwards crashed in a collective, after the whole budget was spent (command audit)
+    copies = _node_local_e2e(tmp_path, {"a": list(range(20)), "b": list(range(20))},
+                             {"a": 5, "b": 4})
+    errors = spawn(_start_on_each_rank, 2, [copies["a"], copies["b"]])
+    assert all(e is not None and e.startswith("data: the ranks see test sets of different "
+                                              "sizes") for e in errors), errors
 
 
 def test_ranks_with_another_seed_are_refused_by_the_configuration_check():
