@@ -306,29 +306,20 @@ def _check_ranks_agree_on_data(task, device: torch.device) -> None:
     Refuse to start."""
     import torch.distributed as dist
 
-    def digest(split) -> int:
-        fp = index_fingerprint(split)
-        refs = getattr(split, "references_by_mr", None)
-        if fp is not None and refs is not None:  # the generation prompts and references too
-            import hashlib
-
-            h = hashlib.blake2b(repr(list(refs().items())).encode(), digest_size=8)
-            fp ^= int.from_bytes(h.digest(), "little") >> 2
-        return -1 if fp is None else fp
-
+    splits = ("training", "test")
     sizes = [len(task.train), len(task.test)]
-    fps = [digest(task.train), digest(task.test)]
-    t = torch.tensor([v for pair in zip(sizes + fps, [-x for x in sizes + fps]) for v in pair],
-                     dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    for k, (split, n) in enumerate(zip(("training", "test"), sizes)):
-        hi, lo = int(t[2 * k]), -int(t[2 * k + 1])
-        if hi != lo:
+    fps = [index_fingerprint(task.train), index_fingerprint(task.test)]
+    mine = sizes + [-1 if fp is None else fp for fp in fps]
+    t = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # [max..., -min...]
+    hi, lo = t[:4].tolist(), [-v for v in t[4:].tolist()]
+    for k, (split, n) in enumerate(zip(splits, sizes)):
+        if hi[k] != lo[k]:
             raise ConfigError("data", f"the ranks see {split} sets of different sizes (from "
-                                      f"{lo} to {hi} examples; this rank {n}): every rank must "
-                                      "read the same data")
-    for k, (split, n) in enumerate(zip(("training", "test"), sizes)):
-        if int(t[4 + 2 * k]) != -int(t[4 + 2 * k + 1]):
+                                      f"{lo[k]} to {hi[k]} examples; this rank {n}): every rank "
+                                      "must read the same data")
+    for k, (split, n) in enumerate(zip(splits, sizes)):
+        if hi[2 + k] != lo[2 + k]:
             raise ConfigError("data", f"the ranks see different {split} sets of {n} examples "
                                       "(their index digests differ: other files, labels or "
                                       "order; dptrain/data/fingerprint.py): every rank must "
@@ -516,7 +507,8 @@ class Trainer:
         ``device`` (default: the run's). Every draw of the trainer goes through here."""
         return gaussian_noise(self._privacy_seed, step, name, numel, start, end,
                               device=self.device if device is None else device,
-                              dtype=self._noise_dtype(p), secure=self.cfg.privacy.secure_mode)
+                              dtype=self._noise_dtype(p),
+                              secure=self.cfg.privacy.secure_mode)
 
     def _noise_slices(self) -> list[tuple[str, Tensor, int, int, int]]:
         """(name, parameter, numel, start, end) of the noise this rank adds, per trainable

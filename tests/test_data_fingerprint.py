@@ -95,3 +95,25 @@ def test_webdataset_shards_by_name_layout_and_label(tmp_path):
     fp = {d: index_fingerprint(WebDatasetImages([tmp_path / d / "train-000000.tar"], 8))
           for d in "xyzw"}
     assert fp["x"] == fp["y"] and fp["z"] != fp["x"] and fp["w"] != fp["x"]
+
+
+def test_e2e_splits_by_their_references_too(tmp_path):
+    # a test split keeps all references for generation, beyond the rows it scores NLL on:
+    # two copies whose first rows agree but whose references differ must differ
+    from dptrain.data import DataConfig, build_data
+
+    rows = ['"name[A]","A is good."', '"name[B]","B is fine."', '"name[B]","B is ok."']
+
+    def digest(test_rows, folder):
+        d = tmp_path / folder
+        d.mkdir()
+        (d / "train.csv").write_text("mr,ref\n" + "\n".join(rows) + "\n")
+        (d / "test.csv").write_text("mr,ref\n" + "\n".join(test_rows) + "\n")
+        task = build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(d),
+                                     train_file="train.csv", test_file="test.csv",
+                                     max_test_examples=1))
+        return index_fingerprint(task.test)
+
+    same = digest(rows, "a")
+    assert digest(rows, "b") == same
+    assert digest(rows[:2] + ['"name[B]","B is other."'], "c") != same

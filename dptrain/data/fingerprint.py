@@ -48,6 +48,9 @@ def index_fingerprint(dataset: Any) -> int | None:
         _update(h, dataset.lengths)
         _update(h, np.concatenate(dataset.sequences) if dataset.sequences
                 else np.zeros(0, np.int64))
+        refs = getattr(dataset, "references_by_mr", None)
+        if refs is not None:  # E2E/DART: the generation prompts and every reference too
+            h.update(repr(list(refs().items())).encode("utf-8", "surrogateescape"))
     elif isinstance(dataset, ImageFolderImages):
         # each path below the files' common folder (class/file, or class/sub/file: torchvision
         # lists nested folders too): the roots of node-local copies may differ. String

@@ -163,6 +163,17 @@ def dart_mr(tripleset) -> str:
     return " | ".join(f"{s} : {str(p).lower()} : {o}" for s, p, o in tripleset)
 
 
+def _is_triple(t) -> bool:
+    """A list of three strings or finite numbers: a triple "abc" would pass a length check as
+    a, b, c, and null would become the text None (an empty string is kept: the release may
+    hold some)."""
+    def member(x) -> bool:
+        return isinstance(x, str) or (isinstance(x, (int, float)) and not isinstance(x, bool)
+                                      and math.isfinite(x))
+
+    return isinstance(t, list) and len(t) == 3 and all(member(x) for x in t)
+
+
 def read_dart_json(path: Path, field: str) -> tuple[list[str], list[str]]:
     """The official DART release (``dart-v1.1.1-full-{train,dev,test}.json``): a JSON list of
     records ``{"tripleset": [[s, p, o], ...], "annotations": [{"source", "text"}, ...]}``, one
@@ -184,13 +195,7 @@ def read_dart_json(path: Path, field: str) -> tuple[list[str], list[str]]:
     for i, rec in enumerate(records):
         try:
             triples = rec["tripleset"]
-            # a list of three: a triple "abc" would pass as a, b, c; strings or numbers: null
-            # would become the text None (an empty string is kept: the release may hold some)
-            if not triples or any(not isinstance(t, list) or len(t) != 3
-                                  or not all(isinstance(x, str) or (
-                                      isinstance(x, (int, float)) and not isinstance(x, bool)
-                                      and math.isfinite(x)) for x in t)
-                                  for t in triples):
+            if not triples or not all(_is_triple(t) for t in triples):
                 raise ValueError("every triple needs subject, relation and object (strings or "
                                  "finite numbers)")
             mr = dart_mr(triples)

@@ -139,8 +139,8 @@ def gaussian_noise(seed: int, step: int, key: str, numel: int, start: int = 0,
 
     Returns a 1-D tensor of ``end - start`` elements on ``device`` in ``dtype``. ``end`` defaults
     to ``numel``; ``start == end`` gives an empty tensor. ``secure``: the ChaCha20 stream of
-    secure mode (see the module docstring), another stream than the default's. Blocks are drawn on up to
-    ``torch.get_num_threads()`` threads (numpy releases the GIL while drawing); the values do
+    secure mode (see the module docstring), another stream than the default's. Blocks are
+    drawn on up to ``torch.get_num_threads()`` threads (numpy releases the GIL while drawing); the values do
     not depend on how many.
     """
     step = _check_int("step", step)

@@ -142,16 +142,6 @@ def _secure_uniforms(seed: int, step: int, chunk: int, length: int) -> np.ndarra
     return w.astype(np.float64) * _INV_2_53
 
 
-def _secure_range(seed: int, step: int, lo: int, hi: int) -> np.ndarray:
-    """u of the indices ``[lo, hi)``, from the secure chunks that overlap them."""
-    out = np.empty(hi - lo, dtype=np.float64)
-    for c in range(lo // SECURE_CHUNK, (hi - 1) // SECURE_CHUNK + 1) if hi > lo else ():
-        c0 = c * SECURE_CHUNK
-        a, b = max(lo, c0), min(hi, c0 + SECURE_CHUNK)
-        out[a - lo:b - lo] = _secure_uniforms(seed, step, c, b - c0)[a - c0:]
-    return out
-
-
 def inclusion_uniforms(seed: int, step: int, indices, *, chunk_size: int = DEFAULT_CHUNK,
                        secure: bool = False) -> np.ndarray:
     """Uniform numbers in [0, 1), one per entry of ``indices``, each a pure function of
@@ -221,12 +211,13 @@ def poisson_sample(seed: int, step: int, dataset_size: int, q: float, *,
     _check_secure(secure)
     k1 = _step_key(seed, step)
     parts = []
-    # secure mode works in its own chunks of 2**16 indices (one ChaCha20 key each, drawn whole)
+    # secure mode works in its own chunks of 2**16 indices (one ChaCha20 key each)
     step_size = SECURE_CHUNK if secure else chunk_size
     for lo in range(0, n, step_size):
         hi = min(lo + step_size, n)
         idx = np.arange(lo, hi, dtype=np.int64)
-        u = _secure_range(seed, step, lo, hi) if secure else _uniforms_for(k1, idx)
+        u = (_secure_uniforms(seed, step, lo // SECURE_CHUNK, hi - lo) if secure
+             else _uniforms_for(k1, idx))
         parts.append(idx[u < q])
     if not parts:
         return np.empty(0, dtype=np.int64)
