@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dptrain.clipping import ClippingEngine
+from dptrain.clipping import ClippingEngine, ClippingError
 from dptrain.config import ConfigError, to_dict
 from dptrain.data import DataConfig, build_data
 from dptrain.data.fingerprint import index_fingerprint
@@ -625,9 +625,7 @@ class Trainer:
                         stats = self.engine.accumulate(self.task.loss_fn, batch, acc,
                                                        self.with_views(plan, step, chunk),
                                                        active)
-                    except ValueError as e:  # the engine's checks refused the model
-                        if not str(e).startswith("dptrain.clipping:"):
-                            raise
+                    except ClippingError as e:  # the engine's checks refused the model
                         raise ConfigError(self._model_field(), str(e)) from None
                 loss_sum += stats.loss_sum
                 count += stats.num_examples

@@ -635,3 +635,31 @@ def test_a_detached_use_of_a_tapped_parameter_is_exact():
     model = _Lookup(detached=True).double()
     x = torch.cat([torch.randn(5, 4, dtype=torch.float64), torch.zeros(5, 3)], 1)
     check(model, (x, torch.zeros(5, 4, dtype=torch.float64)), mse_loss)
+
+
+def test_the_engine_tells_its_refusals_from_the_forwards_errors_by_class_not_text():
+    """An error of the user's own forward that happens to start with "dptrain." (a package of
+    their own) is wrapped with the tapped parameters' hint, as any other; before, the engine took
+    every message with that prefix for one of its own refusals and let it through unexplained.
+    The engine's refusals are ClippingErrors, still ValueErrors for callers that catch those."""
+    from dptrain.clipping import ClippingError
+
+    class Scaled(nn.Module):  # a parameter of a module with submodules: tapped
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+            self.scale = nn.Parameter(torch.ones(2))
+
+        def forward(self, x):
+            if x.shape[0] > 0:
+                raise ValueError("dptrain.userlib: a check of the user's own package")
+            return self.lin(x) * self.scale
+
+    with pytest.raises(ClippingError, match=r"the forward failed with the tapped parameters "
+                                            r"\['scale'\].*dptrain.userlib: a check"):
+        ClippingEngine(Scaled()).per_example_norms(_sq, (torch.randn(3, 4),))
+    with pytest.raises(ClippingError) as refusal:  # one of the engine's own
+        ClippingEngine(nn.Embedding(5, 3, max_norm=1.0)).per_example_norms(
+            lambda m, batch: m(batch[0]).sum((1, 2)), (torch.randint(5, (3, 2)),))
+    assert isinstance(refusal.value, ValueError)
+    assert str(refusal.value).startswith("dptrain.clipping: nn.Embedding with max_norm")

@@ -143,3 +143,23 @@ def test_smooth_ns_equals_ns_away_from_zero_and_is_finite_at_zero(coefficients):
 def test_rejects_vectors():
     with pytest.raises(ValueError):
         newton_schulz(torch.ones(5))
+
+
+@pytest.mark.parametrize("scale", [1e19, 1e25, 1e36])
+@pytest.mark.parametrize("coefficients", ["muon", "polar_express"])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_a_norm_past_float32s_range_is_not_a_zero_update(scale, coefficients, smooth):
+    """Both maps are homogeneous of degree 0 (up to eps), so a huge float32 matrix whose
+    Frobenius norm (or its square) overflows float32 gives the polar approximation of the
+    unscaled one, not X / inf = 0 as before. The ordinary range stays bit for bit (the other
+    tests, and the equality below for the first matrix)."""
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(3, 8, 12, generator=g)
+    f = ((lambda x: smooth_newton_schulz(x, 5, 1e-4, coefficients=coefficients)) if smooth
+         else (lambda x: newton_schulz(x, coefficients=coefficients)))
+    big = X.clone()
+    big[1:] *= scale  # one batch of ordinary and huge matrices together
+    ref, out = f(X), f(big)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[0], ref[0])
+    torch.testing.assert_close(out[1:], ref[1:], rtol=0, atol=1e-5)

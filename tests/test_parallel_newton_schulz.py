@@ -92,6 +92,15 @@ def _worker(rank: int, world: int) -> dict:
     for i, (x, o) in enumerate(zip(local, out)):
         sums[("fn", i)] = (_sq(o - (2.0 * x + i)), _sq(2.0 * x + i), 0.0)
 
+    # float32 matrices whose Frobenius norm overflows float32 (entries ~1e25): each strategy
+    # equals the single-process result, which equals that of the unscaled matrix (a test of
+    # tests/test_newton_schulz.py); before, model-parallel divided by inf and returned zeros.
+    full = [1e25 * x for x in _full_matrices(torch.float32)]
+    local = [x[slice(*shard_bounds(x.shape[0], rank, world))] for x in full]
+    for strategy in ("owner", "model_parallel"):
+        out = distributed_newton_schulz(local, shapes, strategy=strategy)
+        record(f"overflow/{strategy}", full, out, 5, "muon")
+
     # Mixed dtypes in one call (one buffer per dtype), non-default steps.
     full = _full_matrices(torch.float64)
     full[1] = full[1].float()
@@ -127,7 +136,7 @@ def test_distributed_equals_single_process(world):
     results = spawn(_worker, world, timeout=240)
     keys = {k for r in results for k in r}
     tall = sum(m > n for _, (m, n) in SHAPES)
-    assert len(keys) == len(SHAPES) * (len(DTYPES) * len(STRATEGIES) * len(COEFFICIENTS) + 3
+    assert len(keys) == len(SHAPES) * (len(DTYPES) * len(STRATEGIES) * len(COEFFICIENTS) + 5
                                        + (2 if world == 4 else 0)) + 2 * tall
     for key in sorted(keys):
         held = [r[key] for r in results if key in r]

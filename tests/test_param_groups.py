@@ -215,6 +215,24 @@ def test_convnext_preset_gives_muon_the_mlp_and_downsampling_matrices(name):
     assert others.isdisjoint(want) and len(others) + len(want) == len(list(model.parameters()))
 
 
+def test_convnext_preset_gives_muon_the_lora_factors_of_the_mlp():
+    """docs/optim.md: with LoRA every preset gives the blocks' 2-D factors to Muon. The convnext
+    preset matched only ``.mlp.fc1.weight``, so all of ConvNeXt's factors went to AdamW and the
+    run was refused ("gives no parameter of this model to muon")."""
+    timm = pytest.importorskip("timm")
+    pytest.importorskip("peft")
+    from dptrain.models.finetune import LoRAConfig, apply_finetuning
+
+    model = timm.create_model("convnext_tiny", num_classes=10, depths=(1, 1, 1, 1),
+                              dims=(8, 16, 24, 32))
+    apply_finetuning(model, LoRAConfig(r=2, target_modules=["fc1", "fc2"]), None)
+    opt = _build({"name": "muon", "preset": "convnext"}, model=model)
+    groups = _members(opt)
+    factors = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(factors) == 4 * 2 * 2 and all(".lora_" in n for n in factors)
+    assert groups["matrices"] == ("muon", factors) and "others" not in groups
+
+
 def test_explicit_groups_come_before_the_preset():
     transformers = pytest.importorskip("transformers")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(

@@ -62,6 +62,7 @@ from dptrain.clipping.contributions import (
     state_bytes,
     tokens,
 )
+from dptrain.clipping.errors import ClippingError
 from dptrain.clipping.precision import ieee_float32
 from dptrain.config import FLOAT32_TINY
 from dptrain.clipping.rows import MAX_ATTEMPTS, cannot_check, check_example_rows
@@ -105,12 +106,12 @@ def batch_size_of(batch: Any) -> int:
     or the first value of a dict, list or tuple, recursively)."""
     if isinstance(batch, Tensor):
         if batch.dim() == 0:
-            raise ValueError("dptrain.clipping: the batch's first tensor is a scalar; it must "
-                             "have the examples along its first dimension")
+            raise ClippingError("dptrain.clipping: the batch's first tensor is a scalar; it must "
+                                "have the examples along its first dimension")
         return batch.shape[0]
     if isinstance(batch, (dict, list, tuple)) and len(batch) == 0:
-        raise ValueError(f"dptrain.clipping: the batch is an empty {type(batch).__name__}; "
-                         f"it must hold a tensor with the examples along its first dimension")
+        raise ClippingError(f"dptrain.clipping: the batch is an empty {type(batch).__name__}; "
+                            f"it must hold a tensor with the examples along its first dimension")
     if isinstance(batch, dict):
         return batch_size_of(next(iter(batch.values())))
     if isinstance(batch, (list, tuple)):
@@ -240,7 +241,7 @@ class _FirstForwardCheck(TorchFunctionMode):
             if (isinstance(x, Tensor) and B > 1 and x.dim() and x.shape[0] == B
                     and id(x) not in self.derived and bool((x != x[:1]).any())):
                 name = next(n for m, n in self.hooked if m is module)
-                raise ValueError(
+                raise ClippingError(
                     f"dptrain.clipping: the input of {name} ({type(module).__name__}, shape "
                     f"{tuple(x.shape)}) does not come from the batch, and its {B} rows differ: "
                     f"they are not the microbatch's examples, although there are as many (a "
@@ -255,7 +256,7 @@ class _FirstForwardCheck(TorchFunctionMode):
             B = self.batch_size
             if (B > 1 and output.dim() and output.shape[0] == B and id(output) not in self.derived
                     and bool((output.detach() != output.detach()[:1]).any())):
-                raise ValueError(
+                raise ClippingError(
                     f"dptrain.clipping: the output of {name} ({type(module).__name__}, shape "
                     f"{tuple(output.shape)}) does not come from the batch's values, and its {B} "
                     f"rows differ: they are not the microbatch's examples, although there are "
@@ -300,7 +301,7 @@ class _FirstForwardCheck(TorchFunctionMode):
             for a in torch.utils._pytree.tree_leaves((args, kwargs)):
                 owner = self._owner(a) if isinstance(a, Tensor) else None
                 if owner is not None and not any(self.active.get(m) for m in owner[0]):
-                    raise ValueError(
+                    raise ClippingError(
                         f"dptrain.clipping: the trainable parameter {owner[1]} is used outside "
                         f"the forward of the module that owns it (by "
                         f"{getattr(func, '__name__', func)}): the hooks would not see that use, "
@@ -341,7 +342,7 @@ class _FirstForwardCheck(TorchFunctionMode):
         kept = _einsum_rows_kept(func, args, kwargs, self.rows, self.derived)
         for shape, name in marked:
             if 0 < len(shape) < top and not kept:
-                raise ValueError(
+                raise ClippingError(
                     f"dptrain.clipping: the output of {name} (shape {tuple(shape)}) is "
                     f"broadcast against a tensor of {top} dimensions (by "
                     f"{getattr(func, '__name__', func)}): its rows are not the microbatch's "
@@ -413,7 +414,7 @@ def _check_reached(records: list[_Record], losses: Tensor) -> None:
         todo.extend(nxt for nxt, _ in node.next_functions)
     for rec in records:
         if rec.G is None and rec.node is not None and rec.node in seen:
-            raise ValueError(
+            raise ClippingError(
                 f"dptrain.clipping: the output gradient of {rec.name} "
                 f"({type(rec.module).__name__}) was not computed: its output reaches the loss, "
                 f"but none of the inputs it depends on comes from the batch (it is computed "
@@ -435,14 +436,14 @@ def _refuse_unsupported(name: str, m: nn.Module) -> None:
         return
     where = f"{name} ({type(m).__name__})" if name else type(m).__name__
     if isinstance(m, nn.MultiheadAttention):
-        raise ValueError(
+        raise ClippingError(
             f"dptrain.clipping: {where} has the trainable parameters {trainable}: "
             f"torch.nn.MultiheadAttention computes its projections from its parameters inside "
             f"F.multi_head_attention_forward (out_proj's weight too), which has no per-example "
             f"rule. Build the attention from nn.Linear layers (as transformers' and timm's "
             f"models do; Opacus's DPMultiheadAttention is such a module) and the engine clips "
             f"it exactly")
-    raise ValueError(
+    raise ClippingError(
         f"dptrain.clipping: {where} has the trainable parameters {trainable}: "
         f"parametrizations (torch.nn.utils.parametrize: parametrizations.weight_norm, "
         f"orthogonal, spectral_norm, ...) are not supported: the layer's weight is computed from "
@@ -476,15 +477,15 @@ class ClippingEngine:
                 raise TypeError(f"dptrain.clipping: clip_norm must be a number or None, got "
                                 f"{type(clip_norm).__name__}")
             if not (math.isfinite(clip_norm) and clip_norm >= FLOAT32_TINY):
-                raise ValueError(f"dptrain.clipping: clip_norm must be finite and at least "
-                                 f"float32's smallest normal ({FLOAT32_TINY:.3g}), got "
-                                 f"{clip_norm}")
+                raise ClippingError(f"dptrain.clipping: clip_norm must be finite and at least "
+                                    f"float32's smallest normal ({FLOAT32_TINY:.3g}), got "
+                                    f"{clip_norm}")
         for name, value, allowed in (("ghost", ghost, ("auto", "ghost", "instantiate", "memory")),
                                      ("mode", mode, ("bookkeeping", "two_pass")),
                                      ("kernels", kernels, ("torch", "triton"))):
             if value not in allowed:  # (an unknown string was read as the default)
-                raise ValueError(f"dptrain.clipping: {name} must be one of {allowed}, got "
-                                 f"{value!r}")
+                raise ClippingError(f"dptrain.clipping: {name} must be one of {allowed}, got "
+                                    f"{value!r}")
         self.model = model
         self.clip_norm = float(clip_norm) if clip_norm is not None else None
         self.ghost = ghost
@@ -497,8 +498,8 @@ class ClippingEngine:
                 self.names[id(p)] = n
                 self.params[n] = p
         if not self.params:  # (a StopIteration at the first query before)
-            raise ValueError(f"dptrain.clipping: {type(model).__name__} has no trainable "
-                             f"parameters (requires_grad=True): there is nothing to clip")
+            raise ClippingError(f"dptrain.clipping: {type(model).__name__} has no trainable "
+                                f"parameters (requires_grad=True): there is nothing to clip")
         self.hooked: list[_Hooked] = []
         #: parameters of modules with parameterised submodules, given one row per example
         self.taps: list[Tapped] = []
@@ -619,7 +620,7 @@ class ClippingEngine:
                     made = [o for o in torch.utils._pytree.tree_leaves(output)
                             if mode.made_attr(o) is not None]
                     if made and torch.is_grad_enabled():
-                        raise ValueError(mode.refusal(
+                        raise ClippingError(mode.refusal(
                             mode.made_attr(made[0]), "the module's forward",
                             "returns a tensor computed from it and not from the examples"))
 
@@ -655,10 +656,10 @@ class ClippingEngine:
                 if not torch.is_grad_enabled():
                     return None
                 if not isinstance(output, Tensor):
-                    raise ValueError(f"dptrain.clipping: {h.name} ({type(module).__name__}) "
-                                     f"returned {type(output).__name__}, expected a Tensor")
+                    raise ClippingError(f"dptrain.clipping: {h.name} ({type(module).__name__}) "
+                                        f"returned {type(output).__name__}, expected a Tensor")
                 if output.shape[0] != batch_size:
-                    raise ValueError(
+                    raise ClippingError(
                         f"dptrain.clipping: {h.name} ({type(module).__name__}) produced a "
                         f"leading dimension {output.shape[0]} for a microbatch of {batch_size} "
                         f"examples: its per-example gradients cannot be separated")
@@ -781,35 +782,36 @@ class ClippingEngine:
         or the local shard's when sharded; a value is never broadcast)."""
         for entry in plan:
             if not isinstance(entry, (tuple, list)) or len(entry) < 2:
-                raise ValueError(f"dptrain.clipping: a plan entry must be (coefficient, state "
-                                 f"or None[, seed[, view]]), got {entry!r}")
+                raise ClippingError(f"dptrain.clipping: a plan entry must be (coefficient, state "
+                                    f"or None[, seed[, view]]), got {entry!r}")
             coef, state = entry[0], entry[1]
             values = coef.values() if isinstance(coef, dict) else [coef]
             if not all(isinstance(a, (int, float)) and not isinstance(a, bool)
                        and math.isfinite(a) for a in values):
                 # a NaN coefficient made the clipped sum NaN
-                raise ValueError(f"dptrain.clipping: a plan's coefficients must be finite "
-                                 f"numbers, got {coef!r}")
+                raise ClippingError(f"dptrain.clipping: a plan's coefficients must be finite "
+                                    f"numbers, got {coef!r}")
             unknown = sorted(set(coef) - self.params.keys()) if isinstance(coef, dict) else []
             if unknown:
-                raise ValueError(f"dptrain.clipping: a plan's coefficients name {unknown}, which "
-                                 f"are not trainable parameters of the model under the names "
-                                 f"the engine gives them (a parameter tied to another goes by "
-                                 f"the first name named_parameters() gives it)")
+                raise ClippingError(f"dptrain.clipping: a plan's coefficients name {unknown}, "
+                                    f"which are not trainable parameters of the model under "
+                                    f"the names the engine gives them (a parameter tied to "
+                                    f"another goes by the first name named_parameters() gives "
+                                    f"it)")
             unknown = sorted(set(state or {}) - self.params.keys())
             if unknown:
-                raise ValueError(f"dptrain.clipping: a plan's state gives {unknown}, which are "
-                                 f"not trainable parameters of the model (a state holds values "
-                                 f"of trainable parameters only)")
+                raise ClippingError(f"dptrain.clipping: a plan's state gives {unknown}, which are "
+                                    f"not trainable parameters of the model (a state holds values "
+                                    f"of trainable parameters only)")
             for n, v in (state or {}).items():
                 p = self.params[n]
                 shapes = {tuple(p.shape)}
                 if hasattr(p, "to_local"):  # a sharded parameter: its local shard too
                     shapes.add(tuple(p.to_local().shape))
                 if tuple(v.shape) not in shapes:
-                    raise ValueError(f"dptrain.clipping: a plan's state gives {n} the shape "
-                                     f"{tuple(v.shape)}, but the parameter's is "
-                                     f"{tuple(p.shape)} (a value is never broadcast)")
+                    raise ClippingError(f"dptrain.clipping: a plan's state gives {n} the shape "
+                                        f"{tuple(v.shape)}, but the parameter's is "
+                                        f"{tuple(p.shape)} (a value is never broadcast)")
 
     def _forward_backward(self, loss_fn: LossFn, batch: Any, plan: QueryPlan, retain: bool,
                           query: "_Query"):
@@ -819,7 +821,7 @@ class ClippingEngine:
         state's activations)."""
         for name, m in self._batchnorms:
             if m.training:
-                raise ValueError(
+                raise ClippingError(
                     f"dptrain.clipping: {name} ({type(m).__name__}) is in training mode: its "
                     f"batch statistics couple the examples of a microbatch, so an example's "
                     f"gradient depends on the others and no clip bounds its influence. Use "
@@ -864,10 +866,10 @@ class ClippingEngine:
                         losses = loss_fn(self.model, inputs)
                     # (torch's own shape checks raise ValueError or AssertionError too)
                     except (RuntimeError, IndexError, ValueError, AssertionError) as e:
-                        # (the engine's own refusals, raised from its hooks, say themselves)
-                        if self._taps_checked or str(e).startswith("dptrain."):
+                        # (the engine's own refusals, raised from its hooks, are ClippingErrors)
+                        if self._taps_checked or isinstance(e, ClippingError):
                             raise
-                        raise ValueError(
+                        raise ClippingError(
                             f"dptrain.clipping: the forward failed with the tapped parameters "
                             f"{self._tap_names()} given one row per example (clipping/taps.py):"
                             f" {str(e).splitlines()[0]} If that is a shape error, the forward "
@@ -884,9 +886,9 @@ class ClippingEngine:
                                      f"got {tuple(losses.shape)}")
                 if not losses.requires_grad:
                     # (an empty sum, silently: the release would be noise only)
-                    raise ValueError("dptrain.clipping: loss_fn's losses do not depend on the "
-                                     "trainable parameters (detached, or computed without "
-                                     "autograd): there is no gradient to clip")
+                    raise ClippingError("dptrain.clipping: loss_fn's losses do not depend on the "
+                                        "trainable parameters (detached, or computed without "
+                                        "autograd): there is no gradient to clip")
                 if not state:  # the current parameters (as in _state)
                     d = losses.detach()
                     loss_total = d if loss_total is None else loss_total + d
@@ -905,7 +907,7 @@ class ClippingEngine:
                 except RuntimeError as e:
                     if "use_reentrant" not in str(e):
                         raise
-                    raise ValueError(
+                    raise ClippingError(
                         "dptrain.clipping: the model uses torch.utils.checkpoint with "
                         "use_reentrant=True, whose forward runs without autograd (the engine's "
                         "hooks see no layer in it) and whose backward autograd.grad cannot "
@@ -933,7 +935,7 @@ class ClippingEngine:
             for rec in records:
                 if rec.target_index is not None:
                     if rec.output._version != rec.version:
-                        raise ValueError(
+                        raise ClippingError(
                             f"dptrain.clipping: the output of {type(rec.module).__name__} was "
                             f"modified in place; its gradient cannot be captured")
                     rec.G = index.get(id(rec.output))
@@ -968,7 +970,7 @@ class ClippingEngine:
                 got += per.detach().double().sum(0)
                 scale += float(per.detach().double().reshape(per.shape[0], -1).norm(dim=1).sum())
             if float((got - want).norm()) > tolerance(leaf.dtype, device_type) * scale:
-                raise ValueError(
+                raise ClippingError(
                     f"dptrain.clipping: the parameter {name} (tapped: its module has submodules "
                     f"with parameters of their own) reaches the loss other than where the "
                     f"forward of its module combines it with the examples' tensors (a tensor "
@@ -1031,7 +1033,7 @@ class ClippingEngine:
             compared = compared_anywhere > 0
         if found is not None:
             where, name = found
-            raise ValueError(
+            raise ClippingError(
                 f"dptrain.clipping: the parameter {name}, given one row per example where it "
                 f"meets the examples (tapped: its module has submodules with parameters of "
                 f"their own), has rows that reach other examples' losses ({where}): the "
@@ -1091,7 +1093,7 @@ class ClippingEngine:
                     or contributions.keys() - rec.module._parameters.keys()):
                 # e.g. torch.nn.utils.weight_norm: weight_g and weight_v next to a computed
                 # weight, which the Linear rule would credit to a parameter that is not there
-                raise ValueError(
+                raise ClippingError(
                     f"dptrain.clipping: {rec.name} ({type(rec.module).__name__}) has the "
                     f"trainable parameters {sorted(own)}, and its rule "
                     f"({type(rec.rule).__name__}) computes {sorted(contributions)}: a "
@@ -1201,8 +1203,8 @@ class ClippingEngine:
 
     def _require_clip_norm(self) -> None:
         if self.clip_norm is None:
-            raise ValueError("dptrain.clipping: this engine was built with clip_norm=None, for "
-                             "norms only; clipping needs ClippingEngine(model, clip_norm=C)")
+            raise ClippingError("dptrain.clipping: this engine was built with clip_norm=None, for "
+                                "norms only; clipping needs ClippingEngine(model, clip_norm=C)")
 
     def clip_factors(self, norms: Tensor) -> Tensor:
         """lam_b = min(1, C / ||u_b||) (1 for a zero gradient, 0 for a non-finite norm: a NaN
@@ -1225,9 +1227,10 @@ class ClippingEngine:
         B = batch_size_of(batch)
         if active is not None and not (isinstance(active, Tensor) and active.dtype == torch.bool
                                        and tuple(active.shape) == (B,)):
-            raise ValueError(f"dptrain.clipping: active must be a bool tensor of shape ({B},), "
-                             f"got {type(active).__name__} "
-                             f"{getattr(active, 'dtype', '')} {tuple(getattr(active, 'shape', ()))}")
+            raise ClippingError(f"dptrain.clipping: active must be a bool tensor of shape ({B},), "
+                                f"got {type(active).__name__} "
+                                f"{getattr(active, 'dtype', '')} "
+                                f"{tuple(getattr(active, 'shape', ()))}")
         if B == 0:
             return StepStats()
         dtype = self._acc_dtype()
@@ -1235,10 +1238,10 @@ class ClippingEngine:
         two_pass = self.mode == "two_pass"
         if two_pass and torch.is_autocast_enabled(device.type):
             # (the trainer refuses performance.dtype=bfloat16 with two_pass for this reason)
-            raise ValueError("dptrain.clipping: mode='two_pass' under autocast: the second "
-                             "backward's gradients are low precision while the norms are "
-                             "float32, so a clipped example could add more than C (1.0019 C "
-                             "measured); use mode='bookkeeping' under autocast")
+            raise ClippingError("dptrain.clipping: mode='two_pass' under autocast: the second "
+                                "backward's gradients are low precision while the norms are "
+                                "float32, so a clipped example could add more than C (1.0019 C "
+                                "measured); use mode='bookkeeping' under autocast")
         query = self._query(plan)
         graphs, loss_total = self._forward_backward(loss_fn, batch, plan, two_pass, query)
         num_examples = int(active.sum()) if active is not None else B

@@ -52,6 +52,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from dptrain.clipping.errors import ClippingError
 from dptrain.models.dropout import set_stream as set_dropout_stream
 from dptrain.parallel.fsdp import all_reduce_scalars, reshard
 
@@ -334,7 +335,7 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
             refusal = ("dptrain.clipping: another rank found that the model does not keep the "
                        "examples of a microbatch apart (its message names the layer)")
     if refusal is not None:
-        raise ValueError(refusal)
+        raise ClippingError(refusal)
     return done
 
 

@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from dptrain.clipping.contributions import Contribution, Dense, OneHot, Outer
+from dptrain.clipping.errors import ClippingError
 
 _RULES: dict[type, "LayerRule"] = {}
 
@@ -152,13 +153,13 @@ class EmbeddingRule(LayerRule):
         if module.padding_idx is not None:
             G = G * (ids != module.padding_idx).unsqueeze(-1).to(G.dtype)
         if module.max_norm is not None:
-            raise ValueError(f"dptrain.clipping: nn.Embedding with max_norm is not supported (it "
-                             f"renormalises weights in the forward): {module}")
+            raise ClippingError(f"dptrain.clipping: nn.Embedding with max_norm is not supported "
+                                f"(it renormalises weights in the forward): {module}")
         if module.scale_grad_by_freq:
-            raise ValueError(f"dptrain.clipping: nn.Embedding with scale_grad_by_freq is not "
-                             f"supported (it divides each row's gradient by its count in the "
-                             f"whole batch, so one example's gradient depends on the others): "
-                             f"{module}")
+            raise ClippingError(f"dptrain.clipping: nn.Embedding with scale_grad_by_freq is not "
+                                f"supported (it divides each row's gradient by its count in the "
+                                f"whole batch, so one example's gradient depends on the others): "
+                                f"{module}")
         return {"weight": Outer(OneHot(ids, module.num_embeddings), G)}
 
 
@@ -449,7 +450,7 @@ class FuncFallbackRule(LayerRule):
         except RuntimeError as e:
             if "vmap" not in str(e):
                 raise
-            raise ValueError(
+            raise ClippingError(
                 f"dptrain.clipping: the torch.func fallback for {type(module).__name__} "
                 f"(no layer rule) computes its per-example gradients under vmap, which could "
                 f"not run its forward: {str(e).splitlines()[0]} Write that forward with ops vmap "

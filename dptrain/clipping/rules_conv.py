@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from dptrain.clipping.contributions import (MAX_INSTANTIATE_NUMEL, Dense, Factored, Outer,
                                            sq_rows)
+from dptrain.clipping.errors import ClippingError
 from dptrain.clipping.rules import FALLBACK, LayerRule, register_rule
 
 _conv_backward = torch.ops.aten.convolution_backward
@@ -473,9 +474,9 @@ class _Watched:
 
 def _check_unmodified(module: nn.Module, saved: dict) -> None:
     if saved["x"].modified:
-        raise ValueError(f"dptrain.clipping: the input of {type(module).__name__} was modified "
-                         f"in place after the forward; its per-example gradients cannot be "
-                         f"computed (use an out-of-place operation there)")
+        raise ClippingError(f"dptrain.clipping: the input of {type(module).__name__} was modified "
+                            f"in place after the forward; its per-example gradients cannot be "
+                            f"computed (use an out-of-place operation there)")
 
 
 class _ConvLikeRule(LayerRule):

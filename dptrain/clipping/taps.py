@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from dptrain.clipping.contributions import Dense
+from dptrain.clipping.errors import ClippingError
 from dptrain.clipping.rules import LayerRule
 
 
@@ -146,9 +147,9 @@ class OpTaps(TorchFunctionMode):
                 examples.append(t)
         if made and examples and torch.is_grad_enabled():
             if getattr(func, "__name__", "") in _LOOKUPS:
-                raise ValueError(self.refusal(next(iter(made.values())), func,
-                                              "looks it up with the examples' values (a table "
-                                              "indexed per example: use an nn.Embedding)"))
+                raise ClippingError(self.refusal(next(iter(made.values())), func,
+                                                 "looks it up with the examples' values (a table "
+                                                 "indexed per example: use an nn.Embedding)"))
             D = max(t.dim() for t in examples)
             swap = {}
             for t in leaves:
@@ -160,9 +161,9 @@ class OpTaps(TorchFunctionMode):
             for o in (out,) if isinstance(out, Tensor) else pytree.tree_leaves(out):
                 if isinstance(o, Tensor):
                     if o.dim() == 0 or o.shape[0] != self.B:
-                        raise ValueError(self.refusal(next(iter(made.values())), func,
-                                                       f"gave a result of shape "
-                                                       f"{tuple(o.shape)}"))
+                        raise ClippingError(self.refusal(next(iter(made.values())), func,
+                                                          f"gave a result of shape "
+                                                          f"{tuple(o.shape)}"))
                     _weak_set(self.examples, o, None)
             return out
         out = func(*args, **kwargs)
@@ -194,9 +195,9 @@ class OpTaps(TorchFunctionMode):
         elif q.dim() == D and q.shape[0] == self.B and q.stride(0) == 0:
             qa = q[:1]  # already expanded over the examples (``p.expand(B, ...)``)
         else:
-            raise ValueError(self.refusal(attrs, func, f"takes it with shape {tuple(q.shape)} "
-                                                       f"next to the examples' {D}-dimensional "
-                                                       f"tensors"))
+            raise ClippingError(self.refusal(attrs, func, f"takes it with shape {tuple(q.shape)} "
+                                                          f"next to the examples' {D}-dimensional "
+                                                          f"tensors"))
         q_B = qa.expand(self.B, *qa.shape[1:])
         if q_B.requires_grad:  # (made under no_grad or detached: no gradient to take)
             self.on_meet(attrs, qa, q_B)

@@ -176,7 +176,8 @@ def vit_groups(named_params: NamedParams, main: ParamGroupConfig,
                   main, aux)
 
 
-_CONVNEXT_MATRICES = re.compile(r"(\.mlp\.fc[12]|\.downsample\.\d+)\.weight$")
+#: (and the LoRA factors of those Linears: ``...mlp.fc1.lora_A.default.weight``)
+_CONVNEXT_MATRICES = re.compile(r"(\.mlp\.fc[12]|\.downsample\.\d+)(\.lora_[AB]\.[^.]+)?\.weight$")
 
 
 def convnext_groups(named_params: NamedParams, main: ParamGroupConfig,

@@ -14,7 +14,7 @@ cheaper (or more exact) iteration is wanted; that is a performance option of the
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from torch import Tensor
@@ -84,6 +84,26 @@ def _iterate(X_wide: Tensor, schedule: list[tuple[float, float, float]]) -> Tens
     return X.reshape(*batch, *X.shape[-2:])
 
 
+def _normalise(Y: Tensor, divide: Callable[[Tensor, Tensor, Tensor | float], Tensor], *,
+               square: bool = False) -> Tensor:
+    """``divide(Y, ||Y||_F, 1.0)`` per matrix, also where ``||Y||_F`` (or its square, with
+    ``square``) overflows Y's dtype.
+
+    There, float32's Frobenius norm is inf and ``Y / inf`` would be 0: those matrices go through
+    ``divide(Y / s, ||Y / s||_F, s)`` with s = max|Y| instead, the same map up to rounding (the
+    normalisations are homogeneous in Y once their constants are divided by s). The other
+    matrices take exactly the plain expression, bit for bit, and nothing waits on the device:
+    both are computed and ``torch.where`` picks, a few passes over Y against the iteration's
+    matrix products.
+    """
+    norm = torch.linalg.matrix_norm(Y, keepdim=True)  # Frobenius, (..., 1, 1)
+    plain = divide(Y, norm, 1.0)
+    big = ~torch.isfinite(norm.square() if square else norm)
+    s = torch.where(big, Y.abs().amax(dim=(-2, -1), keepdim=True), torch.ones_like(norm))
+    Ys = Y / s
+    return torch.where(big, divide(Ys, torch.linalg.matrix_norm(Ys, keepdim=True), s), plain)
+
+
 def _check_matrix(X: Tensor) -> None:
     if X.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix (..., m, n), got shape {tuple(X.shape)}")
@@ -106,11 +126,11 @@ def newton_schulz(
     schedule = _schedule(coefficients, steps)
     tall = X.shape[-2] > X.shape[-1]
     Y = X.mT if tall else X
-    norm = torch.linalg.matrix_norm(Y, keepdim=True)  # Frobenius, (..., 1, 1)
     if coefficients == "polar_express":
-        Y = Y / (norm * _POLAR_EXPRESS_SAFETY + _POLAR_EXPRESS_EPS)
+        Y = _normalise(Y, lambda y, n, s: y / (n * _POLAR_EXPRESS_SAFETY
+                                                 + _POLAR_EXPRESS_EPS / s))
     else:
-        Y = Y / (norm + eps)
+        Y = _normalise(Y, lambda y, n, s: y / (n + eps / s))
     Y = _iterate(Y, schedule)
     return Y.mT if tall else Y
 
@@ -132,8 +152,8 @@ def smooth_newton_schulz(
     schedule = _schedule(coefficients, steps)
     tall = X.shape[-2] > X.shape[-1]
     Y = X.mT if tall else X
-    sq = torch.linalg.matrix_norm(Y, keepdim=True).square()
-    Y = Y * torch.rsqrt(sq + gamma_ns * gamma_ns)
+    Y = _normalise(Y, lambda y, n, s: y * torch.rsqrt(n.square() + (gamma_ns / s) * (gamma_ns / s)),
+                   square=True)
     if coefficients == "polar_express":
         Y = Y / _POLAR_EXPRESS_SAFETY
     Y = _iterate(Y, schedule)

@@ -277,19 +277,26 @@ def _model_parallel(mats: list[Tensor], idx: list[int], shapes: Sequence[tuple[i
     schedule = _schedule(coefficients, steps)
     for ids in _by_dtype(idx, mats):
         dtype = mats[ids[0]].dtype
-        # Grams and norms are reduced in fp32 for bf16/fp16 inputs (one rounding to the input
-        # dtype after the sum, as the single-process product rounds once), else in the dtype.
+        # Grams are reduced in fp32 for bf16/fp16 inputs (one rounding to the input dtype after
+        # the sum, as the single-process product rounds once), else in the dtype.
         red = torch.float32 if dtype in _LOW_PRECISION else dtype
 
-        # Frobenius norms: one all-reduce of all local squared norms.
-        sq = torch.stack([mats[i].to(red).square().sum() for i in ids])
+        # Frobenius norms: one all-reduce of all local squared norms, in float64, where no
+        # float32 or bf16 square overflows (in float32 a norm over ~1.8e19 was inf, and X / inf
+        # = 0). denom = m 2^e with m in [0.5, 1): X 2^-e / m rounds as X / denom does in X's
+        # dtype, also where denom itself is past that dtype's range (float64: X / denom).
+        sq = torch.stack([mats[i].to(torch.float64).square().sum() for i in ids])
         dist.all_reduce(sq, group=group)
         norm = sq.sqrt()
         if coefficients == "polar_express":
             denom = norm * _POLAR_EXPRESS_SAFETY + _POLAR_EXPRESS_EPS
         else:
             denom = norm + eps
-        xs = [mats[i] / denom[k].to(dtype) for k, i in enumerate(ids)]
+        if dtype == torch.float64:
+            xs = [mats[i] / denom[k] for k, i in enumerate(ids)]
+        else:
+            mant, expo = torch.frexp(denom)
+            xs = [torch.ldexp(mats[i], -expo[k]) / mant[k].to(dtype) for k, i in enumerate(ids)]
 
         for a, b, c in schedule:
             # One all-reduce per iteration for every model-parallel matrix: X_r^T X_r, (n, n).
