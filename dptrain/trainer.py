@@ -1,4 +1,4 @@
-"""One private training run: the loop of ARCHITECTURE.md's "one private step".
+"""One private training run: the loop of README.md's "What one private step is".
 
     for t in steps:
         S_t  = Poisson sample (seed, t)                     privacy.sampling
@@ -178,7 +178,7 @@ class PrivacyPlan:
 
 def plan_privacy(cfg: PrivacyConfig, train_size: int) -> PrivacyPlan:
     """Calibrate or check sigma; refuse a plan that would exceed the target epsilon."""
-    n = cfg.dataset_size if cfg.dataset_size is not None else train_size
+    n = cfg.public_dataset_size(train_size)
     b = cfg.release_denominator(train_size)
     if cfg.noise_multiplier is None:
         try:

@@ -4,6 +4,7 @@ import json
 import math
 import warnings
 
+import numpy as np
 import pytest
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
@@ -425,6 +426,18 @@ def test_would_exceed_counts_every_release_it_is_asked_about():
     assert not would_exceed(Ledger(), sigma, q, delta, eps100, "rdp", count=100)
     assert would_exceed(Ledger([(sigma, q, 50)]), sigma, q, delta, eps50, "rdp", count=50)
     assert not would_exceed(Ledger([(sigma, q, 50)]), sigma, q, delta, eps100, "rdp", count=50)
+
+
+def test_would_exceed_judges_a_budget_as_check_plan_does():
+    """A budget met up to EPSILON_ROUNDING (the rounding of another route to the same epsilon)
+    is not exceeded, as check_plan accepts it; before, would_exceed compared strictly and
+    refused numpy scalars that the Ledger accepts."""
+    sigma, q, delta = 1.0, 0.02, 1e-5
+    spent = epsilon(Ledger([(sigma, q, 100)]), delta, "rdp")
+    assert not would_exceed(Ledger(), sigma, q, delta, spent / (1 + 1e-13), "rdp", count=100)
+    assert would_exceed(Ledger(), sigma, q, delta, spent / (1 + 1e-9), "rdp", count=100)
+    assert not would_exceed(Ledger(), sigma, q, delta, np.float64(spent), "rdp", count=100)
+    assert would_exceed(Ledger(), sigma, q, delta, np.float32(spent / 2), "rdp", count=100)
 
 
 def test_check_plan_and_would_exceed():

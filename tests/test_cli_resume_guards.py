@@ -819,3 +819,20 @@ def test_changed_performance_settings_at_a_resume_are_named(tmp_path, capsys, fi
                                "performance.microbatch_size: 16 -> 1)") in line[0]
     code, err = train(capsys, tmp_path / "same", "--resume", step)
     assert code == 0 and "performance settings differ" not in err
+
+
+def test_doppler_with_other_coefficients_at_a_resume_restarts_its_state_and_says_so(
+        tmp_path, capsys):
+    """A resume may change the filter's coefficients (optimizer settings); DOPPLER's state,
+    built with the old ones, restarts empty instead of mixing into the new normaliser (which
+    could reach c_t = 0: a NaN update). The same coefficients continue without the line."""
+    run = tmp_path / "doppler"
+    args = ("train.checkpoint_every=1", "privacy.steps=3", "optim.filter.name=doppler")
+    assert train(capsys, run, *args)[0] == 0
+    step = str(run / "checkpoints" / "step-00000002")
+    code, err = train(capsys, tmp_path / "branch", "--resume", step, *args,
+                      "optim.filter.a=[-0.5]", "optim.filter.b=[0.5]")
+    assert code == 0
+    assert [x for x in err.splitlines() if "DOPPLER's filter state restarts empty" in x]
+    code, err = train(capsys, tmp_path / "same", "--resume", step, *args)
+    assert code == 0 and "restarts empty" not in err

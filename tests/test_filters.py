@@ -284,3 +284,31 @@ def test_a_normaliser_that_reaches_0_after_the_checked_prefix_is_refused_for_the
     with pytest.raises(ConfigError) as e:
         validate_tree(long)
     assert e.value.field == "optim.filter.b" and "step 2000" in e.value.message
+
+
+def test_doppler_with_other_coefficients_restarts_its_state_instead_of_dividing_by_zero():
+    """A resume may change optim.filter.a/b (optimizer settings); the config checks c_t != 0
+    from step 0, but the loaded filter went on from the old filter's c history, where c_t can
+    be 0: the update was NaN. Now another filter's state restarts empty (and says so); the same
+    coefficients still continue bit for bit (the test above); a checkpoint without stored
+    coefficients restarts only where its history leads to c_t = 0."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    old = DopplerFilter([-0.9], [0.1])
+    for _ in range(10):
+        p.grad = torch.ones(3)
+        old.apply([("w", p)])
+    b_new = 0.5 * old.c_hist[0]  # c_10 = b - a c_9 = 0 with a = [0.5]
+    FilterConfig(name="doppler", a=[0.5], b=[b_new]).validate()  # from step 0: fine
+    for saved in (old.state_dict(), {k: v for k, v in old.state_dict().items()
+                                     if k != "coefficients"}):
+        new = DopplerFilter([0.5], [b_new])
+        new.load_state_dict(saved)
+        assert new.restart_note and "restarts empty" in new.restart_note
+        assert new.num_steps == 0 and not new.c_hist and not new.m_hist
+        p.grad = torch.ones(3)
+        new.apply([("w", p)])
+        assert torch.isfinite(p.grad).all()
+        assert torch.allclose(p.grad, torch.ones(3))  # step 0: m_0 / c_0 = g
+    same = DopplerFilter([-0.9], [0.1])
+    same.load_state_dict(old.state_dict())
+    assert same.restart_note is None and same.num_steps == 10

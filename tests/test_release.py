@@ -288,3 +288,68 @@ def test_secure_mode_without_randomgen_is_a_config_error_when_the_trainer_is_bui
         make("privacy.secure_mode=true", "privacy.seed=null")
     assert e.value.field == "privacy.secure_mode" and "pip install randomgen" in e.value.message
     make("privacy.seed=3")  # the default streams do not need it
+
+
+@pytest.mark.parametrize("config,steps,overrides", [
+    (TINY, 1, ["performance.microbatch_size=3"]),
+    # IM: the history fills over the first steps (K_t = min(t, K)), so step 2 queries 3 states
+    (TINY, 3, ["optim.inner_momentum.k_muon=2", "optim.inner_momentum.k_other=1",
+               "model.dropout=0.1", "optim.filter.name=doppler"]),
+    (TINY_IMAGES, 2, ["data.augmult=2", "performance.microbatch_size=5",
+                      "optim.inner_momentum.k_muon=1", "optim.inner_momentum.k_other=1"]),
+])
+def test_one_example_moves_the_noise_free_release_by_at_most_C(monkeypatch, config, steps,
+                                                                overrides):
+    """Sensitivity end to end, through the trainer's own release with its real state (history,
+    filter, dropout streams, views): with the noise zeroed, the release times b changes by at
+    most C over all trainable coordinates when one sampled example is removed from the sample
+    or made adversarial (images x 1000 and another label; a random sequence of the longest
+    length). Every example is clipped here (C = 1e-4), so the removal moves it by C itself."""
+    import dptrain.trainer as trainer_module
+
+    def no_noise(seed, step, key, numel, start=0, end=None, *, device="cpu",
+                 dtype=torch.float32, secure=False):
+        return torch.zeros((numel if end is None else end) - start, dtype=dtype, device=device)
+
+    monkeypatch.setattr(trainer_module, "gaussian_noise", no_noise)
+    t = make("performance.dtype=float64", "privacy.noise_multiplier=1.3", "privacy.epsilon=null",
+             f"privacy.steps={steps}", "privacy.sample_rate=0.25", "privacy.clip_norm=1e-4",
+             *overrides, config=config)
+    C, b, data = t.plan.clip_norm, t.plan.denominator, t.task.train
+    for _ in range(steps - 1):
+        t.private_step()
+    step = t.step
+    sample = t.sample(step)
+    j = int(sample[len(sample) // 2])
+
+    def release_times_b() -> dict[str, torch.Tensor]:
+        return {n: v.detach().double() * b for n, v in released(t, step).items()}
+
+    def distance(x, y) -> float:
+        return math.sqrt(sum(float((x[n] - y[n]).square().sum()) for n in x))
+
+    full = release_times_b()
+    monkeypatch.setattr(t, "sample", lambda s: sample[sample != j])
+    removed = release_times_b()
+    monkeypatch.undo()
+    monkeypatch.setattr(trainer_module, "gaussian_noise", no_noise)
+    if t.task.info.kind == "lm":
+        longest = int(data.lengths.max())  # (this trainer's data: changed in place)
+        vocab = 1 + max(int(seq.max()) for seq in data.sequences)
+        data.sequences[j] = np.random.default_rng(0).integers(0, vocab, size=longest)
+        data.lengths[j], data.prompt_lengths[j] = longest, 0
+    else:
+        collate = data.collate
+
+        def adversarial(indices):
+            batch = collate(indices)
+            rows = torch.from_numpy(np.asarray(indices).reshape(-1) == j)
+            batch["images"][rows] = batch["images"][rows] * 1000 + 1000
+            batch["labels"][rows] = (batch["labels"][rows] + 1) % 10
+            return batch
+
+        monkeypatch.setattr(data, "collate", adversarial)
+    replaced = release_times_b()
+    assert 0.999 * C < distance(full, removed) <= C * (1 + 1e-9)
+    assert 0.999 * C < distance(replaced, removed) <= C * (1 + 1e-9)
+    assert distance(full, replaced) <= 2 * C * (1 + 1e-9)

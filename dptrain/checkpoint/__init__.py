@@ -3,7 +3,7 @@
 A checkpoint is a directory ``DIR/checkpoints/step-00000012/``. Unsharded runs write
 ``state.pt`` (model, optimizer and filter states, the inner-momentum history, the privacy ledger,
 the step, RNG states, the resolved config). FSDP-sharded runs write with
-torch.distributed.checkpoint, each rank its own shards (``__R_0.distcp``, ``.metadata``) and
+torch.distributed.checkpoint, each rank its own shards (``__<rank>_0.distcp``, ``.metadata``) and
 rank 0 ``meta.pt`` (everything but the tensors). Either way ``COMPLETE``, with the SHA-256 of
 every file, is written last, under a temporary name that is then renamed into place, so a reader
 never sees a partial checkpoint; a checkpoint whose marker is missing or whose checksums do not
@@ -381,7 +381,7 @@ def _dcp_tensor(v, p):
 
 def _save_dcp(trainer, output_dir: Path) -> Path | None:
     """Sharded checkpoint with torch.distributed.checkpoint: every rank writes its own shards
-    (``__RANK_0.distcp``; DCP's planner writes replicated tensors once), rank 0 the rest of the
+    (``__<rank>_0.distcp``; DCP's planner writes replicated tensors once), rank 0 the rest of the
     run (``meta.pt``: step, ledger, plan, config, per-rank RNG states, the optimizer's structure
     with ``_Ref`` placeholders). Same atomicity as ``write``: a temporary directory, each rank's
     SHA-256 of its own files gathered to rank 0, which writes ``COMPLETE`` last and renames."""
@@ -914,6 +914,9 @@ def load(trainer, path: Path, verified: bool = False) -> None:
     if changed and trainer.rank == 0:
         print(f"dptrain train: optimizer settings differ from the checkpoint's, this config's "
               f"apply: {changed}", file=sys.stderr)
+    note = getattr(trainer.optimizer.filter, "restart_note", None)
+    if note and trainer.rank == 0:
+        print(f"dptrain train: {note}", file=sys.stderr)
     perf = section_changes(state["config"], trainer.cfg, "performance")
     if perf and trainer.rank == 0:
         print(f"dptrain train: performance settings differ from the checkpoint's "

@@ -77,8 +77,9 @@ LossFn = Callable[[nn.Module, Any], Tensor]
 #: ``state`` maps parameter names to the values to evaluate at (None: the current values); the
 #: coefficient is a float, or a dict name -> float for per-parameter coefficients (inner
 #: momentum's separate Muon/AdamW histories; a missing name means 0). An optional third element
-#: is a seed for the forward randomness (dropout) of that evaluation, drawn from its own stream
-#: so that the current state's forward consumes the global RNG exactly as without the plan. An
+#: seeds torch's global RNG for that evaluation's forward (inside ``fork_rng``, so the current
+#: state's forward consumes the global RNG exactly as without the plan); dptrain's dropout masks
+#: follow the entry's index instead (``dptrain.models.dropout``). An
 #: optional fourth element is a view, ``view(batch) -> batch`` (same examples, same order): the
 #: entry is evaluated on the views (augmentation multiplicity, ``dptrain.data.augment``).
 Coef = "float | dict[str, float]"

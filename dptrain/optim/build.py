@@ -75,7 +75,9 @@ class DPOptimizer:
         return {g.label: opt.param_groups[0]["lr"] for g, opt in zip(self.groups, self.optimizers)}
 
     def query_plan(self) -> QueryPlan:
-        """Each example's query as [(coefficient, {name: parameter values} or None = current)]."""
+        """Each example's query as [(coefficient, {name: parameter values} or None = current),
+        ...]: the filter's (a float coefficient per entry), or inner momentum's (a dict name ->
+        coefficient and an RNG seed per entry; ``dptrain.clipping.engine.QueryPlan``)."""
         if self.history is not None:
             return self.history.plan(self.num_steps)
         return self.filter.query_plan(self.named_params)

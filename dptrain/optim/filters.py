@@ -25,11 +25,14 @@ from torch import Tensor
 
 from dptrain.config import FLOAT32_TINY, ConfigError, refuse_unused
 
-__all__ = ["FilterConfig", "Filter", "IdentityFilter", "DiSKFilter", "DopplerFilter", "FILTERS",
-           "build_filter", "QueryPlan"]
+__all__ = ["FilterConfig", "Filter", "DiSKFilter", "DopplerFilter", "FILTERS", "build_filter",
+           "QueryPlan"]
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
-QueryPlan = list[tuple[float, "dict[str, Tensor] | None"]]
+#: a filter's plan: [(coefficient, {name: values} or None = the current ones), ...]; the
+#: engine's ``QueryPlan`` (dptrain.clipping.engine) is the general form: per-parameter
+#: coefficients, an RNG seed and a view per entry (inner momentum's plans, augmentation)
+QueryPlan = list[tuple]
 
 
 @dataclass(kw_only=True)
@@ -186,9 +189,6 @@ class Filter:
         pass
 
 
-IdentityFilter = Filter
-
-
 class DiSKFilter(Filter):
     """DiSK (Zhang et al. 2025), DiSK-paper convention: ``kappa`` is the weight of the new release.
 
@@ -269,6 +269,7 @@ class DopplerFilter(Filter):
         self.b = [float(x) for x in b]
         self.correction = correction
         self.num_steps = 0
+        self.restart_note: str | None = None  # set by load_state_dict when the state restarts
         self.c_hist: list[float] = []  # c_{t-1}, c_{t-2}, ... (newest first, len <= p)
         self.m_hist: dict[str, list[Tensor]] = {}  # m_{t-1}, ... (newest first, len <= p)
         self.g_hist: dict[str, list[Tensor]] = {}  # g_{t-1}, ... (newest first, len <= q)
@@ -307,13 +308,42 @@ class DopplerFilter(Filter):
     def noise_gain(self) -> float:
         return self.b[0] / self._last_c if self.num_steps else 1.0
 
+    def _coefficients(self) -> dict:
+        return {"a": list(self.a), "b": list(self.b), "correction": self.correction}
+
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps, "c_hist": list(self.c_hist),
                 "last_c": self._last_c if self.num_steps else None,
                 "m_hist": {n: list(v) for n, v in self.m_hist.items()},
-                "g_hist": {n: list(v) for n, v in self.g_hist.items()}}
+                "g_hist": {n: list(v) for n, v in self.g_hist.items()},
+                "coefficients": self._coefficients()}
 
     def load_state_dict(self, state: dict) -> None:
+        """The checkpoint's filter state, unless its coefficients are not this filter's: then
+        the state starts empty, as at step 0 (``restart_note`` says why). The normaliser c_t
+        continues from c_{t-1}, ... and mixing another filter's history with these
+        coefficients gives a wrong bias correction, or c_t = 0 and a NaN update, which the
+        config's check (from step 0) cannot see. A checkpoint from before the coefficients were
+        stored (2026-12-03) restarts only where its history would lead to c_t = 0 within the
+        config check's horizon."""
+        self.restart_note = None
+        saved = state.get("coefficients")
+        if saved is not None and saved != self._coefficients():
+            self.restart_note = (f"DOPPLER's filter state restarts empty: its coefficients "
+                                 f"{saved} differ from this run's {self._coefficients()}")
+            return
+        if saved is None and state["num_steps"]:
+            # the config's check, from the checkpoint's history on instead of from step 0
+            tol = max(1e-9 * sum(abs(x) for x in self.b), FLOAT32_TINY)
+            c_hist, t0 = [float(c) for c in state["c_hist"]], int(state["num_steps"])
+            for t in range(t0, t0 + max(1000, 10 * (len(self.a) + len(self.b)))):
+                c_t = doppler_normaliser(self.a, self.b, self.correction, c_hist, t)
+                if not math.isfinite(c_t) or abs(c_t) <= tol:
+                    self.restart_note = (f"DOPPLER's filter state restarts empty: with this "
+                                         f"run's coefficients its history gives c_t = {c_t!r} "
+                                         f"at step {t}")
+                    return
+                c_hist = [c_t, *c_hist][:len(self.a)]
         self.num_steps = int(state["num_steps"])
         self.c_hist = [float(c) for c in state["c_hist"]]
         self.m_hist = {n: [t.clone() for t in v] for n, v in state["m_hist"].items()}

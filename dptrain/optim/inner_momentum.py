@@ -12,12 +12,16 @@ separate histories (K_M, gamma_M) and (K_A, gamma_A). K = 0 or gamma = 0 is exac
 
 The history holds the pre-update states theta_{t-1}, ..., theta_{t-K}: states computed only from
 earlier releases, so evaluating at them is free of extra privacy cost; accounting is unchanged
-(one query per example, clipped at C, one release per step). Each state is K copies of the
-trainable parameters and nothing more; under sharding each rank keeps its own shards only (the
-values copied here are whatever ``p.detach()`` holds: the local shard of an FSDP2 parameter).
+(one query per example, clipped at C, one release per step). The history holds max(K_M, K_A)
+states, each one copy of all the trainable parameters and nothing more; under sharding each rank
+keeps its own shards only (the values copied here are whatever ``p.detach()`` holds: the local
+shard of an FSDP2 parameter).
 
-Historical evaluations draw their dropout from a separate stream seeded by (seed, step, j), so
-the current state's forward consumes the global RNG exactly as plain DP-Muon does.
+Historical evaluations take their own dropout masks: the engine selects the counter-based
+dropout stream of plan entry j (``dptrain.models.dropout``: a function of (seed, step, j,
+example)). The plan's third element, a seed of (seed, step, j), only seeds torch's global RNG
+for that evaluation inside ``fork_rng`` (randomness a model draws outside those dropout
+streams), so the current state's forward consumes the global RNG exactly as plain DP-Muon does.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ def im_weights(k: int, gamma: float) -> list[float]:
 
 
 def _stream_seed(seed: int, step: int, j: int) -> int:
+    # (the label is older than the counter-based dropout streams; kept, so that the global RNG
+    # of past-state forwards is seeded as before)
     h = hashlib.blake2b(f"dptrain-im-dropout:{seed}:{step}:{j}".encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
@@ -84,7 +90,8 @@ class InnerMomentumHistory:
         self.depth = depth
 
     def plan(self, step: int) -> list[tuple]:
-        """[(coef dict or 1.0, state or None, dropout seed or absent), ...] for ``step``."""
+        """[(coef dict or 1.0, state or None, RNG seed or absent), ...] for ``step`` (the seed:
+        torch's global RNG during entry j's forward; its dropout masks follow j itself)."""
         have = len(self.states) if self.depth else 0
         km = min(have, self.cfg.k_muon) if self.cfg.gamma_muon > 0 else 0
         ka = min(have, self.cfg.k_other) if self.cfg.gamma_other > 0 else 0

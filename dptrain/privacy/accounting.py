@@ -18,7 +18,9 @@ Two deviations from calling opacus directly, both conservative:
 
 - ``sigma == 0`` (no noise) gives ``epsilon = inf`` instead of a crash.
 - When PRV's discretisation would need more than :data:`PRV_MAX_DOMAIN` grid points (this only
-  happens for epsilons in the hundreds or more, e.g. sigma=0.001) or PRV fails numerically,
+  happens for epsilons in the hundreds or more, e.g. sigma=0.001, and for runs of about a
+  million steps or more: 1e6 steps at q=0.001 and sigma=0.65, epsilon 18.8 by RDP) or PRV
+  fails numerically,
   the RDP bound is returned instead with a :class:`AccountingWarning`; it is a valid, looser
   upper bound. The same holds when PRV returns a non-finite epsilon for releases with sigma > 0
   (it gives inf for very large privacy losses, e.g. sigma=0.05 at q=0.5).
@@ -237,7 +239,7 @@ def epsilon(ledger: Ledger, delta: float, accountant: str = "prv", *,
         # (0, -1 and NaN fell back to RDP behind a note about opacus' internals; a string was
         # a TypeError from opacus)
         raise ConfigError("eps_error", f"must be a finite number > 0, got {eps_error!r}")
-    history = [(s, q, n) for s, q, n in ledger.history if n > 0]
+    history = list(ledger.history)  # (Ledger refuses counts below 1)
     if not history:
         return 0.0
     if any(s == 0.0 for s, _, _ in history):
@@ -374,8 +376,10 @@ def _search_sigma(epsilon: float, delta: float, q: float, steps: int, accountant
     end is returned), except that a PRV probe whose grid would exceed ``PRV_MAX_DOMAIN`` points
     takes RDP's epsilon, an upper bound of PRV's: opacus builds every probe's grid, and a probe
     far below the answer needed GBs (1e6 steps at q = 0.001: over 8 GB and minutes). A probe
-    judged by the looser bound can only raise the bracket's lower end, so the sigma found is
-    the same or slightly larger (more noise), never below the target's. Raises opacus' errors
+    judged by the looser bound moves the bracket's upper end only where PRV's epsilon would
+    move it too (RDP's within the target means PRV's is), and otherwise raises its lower end,
+    perhaps where PRV would not: the sigma found is the same or slightly larger (more noise),
+    never below the target's. Raises opacus' errors
     (ValueError "The privacy budget is too low." past sigma 1e6)."""
     from opacus.accountants import PRVAccountant, RDPAccountant
     from opacus.accountants.utils import MAX_SIGMA
@@ -431,17 +435,21 @@ def would_exceed(ledger: Ledger, sigma: float, q: float, delta: float,
                  target_epsilon: float | None, accountant: str = "prv", count: int = 1,
                  *, eps_error: float = DEFAULT_EPS_ERROR) -> bool:
     """Whether ``count`` more releases ``(sigma, q)`` after ``ledger`` would spend more than
-    ``target_epsilon``. ``None`` (no budget) never exceeds. Costs one accountant call."""
+    ``target_epsilon``, judged as :func:`check_plan` judges a plan (up to
+    ``EPSILON_ROUNDING``, the float rounding of another route to the same epsilon: a run
+    :func:`check_plan` accepted is not stopped at its last release). ``None`` (no budget) never
+    exceeds. Costs one accountant call."""
     if target_epsilon is None:
         return False
-    if (isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float))
+    if (isinstance(target_epsilon, bool) or not isinstance(target_epsilon, numbers.Real)
             or not (math.isfinite(target_epsilon) and target_epsilon > 0)):
         # (a NaN budget never tripped: every comparison with NaN is False)
         raise ConfigError("epsilon", f"the budget must be a finite number > 0 or None, got "
                                      f"{target_epsilon!r}")
     after = ledger.copy()
     after.record(sigma, q, count)
-    return epsilon(after, delta, accountant, eps_error=eps_error) > target_epsilon
+    return (epsilon(after, delta, accountant, eps_error=eps_error)
+            > float(target_epsilon) * (1 + EPSILON_ROUNDING))
 
 
 def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None) -> float:

@@ -99,12 +99,16 @@ class PrivacyConfig:
         if not self.secure_mode and self.seed is None:
             raise ConfigError("seed", "must be set unless secure_mode is true")
 
+    def public_dataset_size(self, train_size: int) -> int:
+        """N as the plan uses it (b, calibration): ``dataset_size`` if set, else the training
+        set's length."""
+        return self.dataset_size if self.dataset_size is not None else train_size
+
     def release_denominator(self, dataset_size: int) -> int:
         """b: the public denominator of the release, floor(q*N) unless set explicitly."""
         if self.expected_batch_size is not None:
             return self.expected_batch_size
-        n = self.dataset_size if self.dataset_size is not None else dataset_size
-        return expected_batch_size(self.sample_rate, n)
+        return expected_batch_size(self.sample_rate, self.public_dataset_size(dataset_size))
 
 
 def expected_batch_size(sample_rate: float, dataset_size: int) -> int:
