@@ -354,6 +354,23 @@ def git_commit() -> str | None:
         return None
 
 
+def module_at(revision: str, path: str, name: str, tmp_dir: str):
+    """The module ``path`` (relative to the repository) as it was at git ``revision``, loaded
+    under ``name`` from a copy in ``tmp_dir``: for A/B benches of a change in one process."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    source = subprocess.run(["git", "-C", str(root), "show", f"{revision}:{path}"],
+                            check=True, capture_output=True, text=True).stdout
+    copy = Path(tmp_dir) / f"{name}.py"
+    copy.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def now_utc() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 

@@ -12,10 +12,9 @@ and the last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import timeit
@@ -24,17 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import git_commit, machine_description, now_utc  # noqa: E402
+from common import git_commit, machine_description, module_at, now_utc  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 MODULE = "dptrain/clipping/precision.py"
-
-
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -42,13 +33,9 @@ def main() -> None:
     ap.add_argument("--base", default="49d6469", help="git revision to compare against")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.base}:{MODULE}"],
-                            check=True, capture_output=True, text=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "precision_base.py"
-        old.write_text(source)
-        variants = {f"base ({args.base})": _load(old, "precision_base"),
-                    "this tree": _load(ROOT / MODULE, "precision_tree")}
+        variants = {f"base ({args.base})": module_at(args.base, MODULE, "precision_base", tmp),
+                    "this tree": importlib.import_module("dptrain.clipping.precision")}
         times: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(args.rounds):
             for label, module in variants.items():

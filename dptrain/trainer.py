@@ -433,11 +433,15 @@ class Trainer:
         self.model.train()
         if perf.sharding == "fsdp" and self.world > 1:
             apply_fsdp(self.model, mixed_precision=perf.fsdp_mixed_precision)
-        # (it refuses no model when built: its checks run over the first queries, release())
-        self.engine = ClippingEngine(
-            self.model, clip_norm=self.plan.clip_norm, ghost=perf.ghost,
-            mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping",
-            kernels=perf.kernels)
+        # (most of its checks run over the first queries, release(); a few layers it refuses
+        # when built: nn.MultiheadAttention with trainable weights, parametrizations)
+        try:
+            self.engine = ClippingEngine(
+                self.model, clip_norm=self.plan.clip_norm, ghost=perf.ghost,
+                mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping",
+                kernels=perf.kernels)
+        except ClippingError as e:
+            raise ConfigError(self._model_field(), str(e)) from None
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = build_optimizer(
             cfg.optim, self.named_params, total_steps=self.plan.steps,

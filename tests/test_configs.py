@@ -200,10 +200,17 @@ def test_optimizer_kwargs_are_typed_and_checked_like_the_top_level_options():
     for override, field in (("optim.aux.kwargs.nesterov=maybe", "optim.aux.kwargs.nesterov"),
                             ("optim.aux.kwargs.betas=[0.9]", "optim.aux.kwargs.betas"),
                             ("optim.momentum=1.0", "optim.momentum"),
-                            ("optim.ns_steps=0", "optim.ns_steps")):
+                            ("optim.ns_steps=0", "optim.ns_steps"),
+                            # round to 0 in a float32/bf16 Newton-Schulz or AdamW (their squares,
+                            # for gamma_ns): a zero matrix gave NaN parameters, exit 0
+                            ("optim.eps=1e-50", "optim.eps"),
+                            ("optim.aux.kwargs.eps=1e-45", "optim.aux.kwargs.eps"),
+                            ("optim.name=muon_bc optim.bc_gamma_ns=1e-30", "optim.bc_gamma_ns")):
         with pytest.raises(ConfigError) as e:
-            load(RunConfig, None, [override])
+            load(RunConfig, None, override.split())
         assert e.value.field == field, override
+    assert load(RunConfig, None, ["optim.name=muon_bc", "optim.eps=1.2e-38",
+                                  "optim.bc_gamma_ns=1.1e-19"])
 
 
 @pytest.mark.parametrize("name", ["imagenet_nf_resnet50.yaml",

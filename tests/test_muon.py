@@ -302,7 +302,8 @@ def test_top_singular_value_is_the_krylov_spaces_best_estimate(steps):
     calls = []
     sigma, y = top_singular_value(M, v, steps, tol=0.0, reduce=calls.append)
     want_sigma, want_y = _lanczos_reference(M, v, steps)
-    assert len(calls) == steps
+    assert len(calls) == 1 + steps  # the scale's sum over ranks, then one per product
+    assert calls[0].shape == (1,) and float(calls[0]) == float(M.abs().max())
     torch.testing.assert_close(sigma, want_sigma, rtol=1e-10, atol=0)
     torch.testing.assert_close(y * torch.sign(y @ v), want_y, rtol=0, atol=1e-8)
     assert sigma < torch.linalg.svdvals(M)[0]  # a lower bound until it has converged
@@ -321,7 +322,7 @@ def test_top_singular_value_stops_at_the_residual_tolerance():
     loose_calls, tight_calls = [], []
     loose, _ = top_singular_value(M, v, 50, tol=1e-2, reduce=loose_calls.append)
     tight, _ = top_singular_value(M, v, 50, tol=1e-12, reduce=tight_calls.append)
-    assert len(loose_calls) < len(tight_calls) <= 20
+    assert len(loose_calls) < len(tight_calls) <= 1 + 20  # (the first: the scale)
     assert 3 * (1 - 1e-2) <= loose <= 3
     torch.testing.assert_close(tight, torch.tensor(3.0, dtype=torch.float64), rtol=1e-12, atol=0)
 
@@ -400,3 +401,37 @@ def test_original_scale_treats_a_conv1d_weight_like_the_equivalent_linear(cls):
     assert float(step.abs().max()) > 0
     torch.testing.assert_close(conv.weight.detach().T - before, step, rtol=1e-10, atol=1e-12)
     # the scale is 2 = sqrt(16 / 4): the step's RMS is lr * 2 * RMS(NS(g))
+
+
+@pytest.mark.parametrize("shape", [(30, 20), (128, 32), (20, 30)])
+@pytest.mark.parametrize("iters", [50, 200])
+def test_lanczos_past_the_matrix_rank_stops_at_the_exhausted_krylov_space(shape, iters):
+    """power_tol 0 with more products than the matrix's rank: the next directions were float32
+    rounding noise and the tridiagonal's top eigenvalue grew to 15-250x sigma_1 (140.7 against
+    9.51 for (30, 20) at 50 products). Now the iteration stops there, at sigma_1."""
+    g = torch.Generator().manual_seed(0)
+    M = torch.randn(shape, generator=g)
+    v = torch.randn(shape[1], generator=g)
+    sigma, y = top_singular_value(M, v / v.norm(), iters, tol=0.0)
+    ref = float(torch.linalg.matrix_norm(M.double(), ord=2))
+    assert abs(float(sigma) - ref) <= 1e-5 * ref
+    assert abs(float(torch.linalg.vector_norm(M.double() @ y.double())) - ref) <= 1e-4 * ref
+
+
+@pytest.mark.parametrize("scale", [1e19, 1e30, 1e-20, 1e-30])
+def test_muon_s_sigma_of_a_matrix_past_float32s_squares_is_its_scaled_sigma(scale):
+    """sigma_1 is homogeneous: a float32 matrix x 1e19 overflowed M^T M q (NaN parameters, or an
+    eigh error), x 1e-20 lost digits to subnormals (47-99% low). Now the matrix is scaled by a
+    power of two for the iteration: exactly the unscaled run's sigma times the scale, up to the
+    power of two's rounding of ``scale``."""
+    g = torch.Generator().manual_seed(1)
+    G = torch.randn(20, 30, generator=g)
+    sigmas = []
+    for factor in (1.0, scale):
+        p = torch.nn.Parameter(torch.zeros(20, 30))
+        opt = MuonS([p], lr=1.0, momentum=0.0)
+        p.grad = G * factor
+        opt.step()
+        assert torch.isfinite(p).all()
+        sigmas.append(float(opt.state[p]["sigma"]) / factor)
+    assert sigmas[1] == pytest.approx(sigmas[0], rel=1e-5)

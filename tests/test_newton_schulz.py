@@ -1,5 +1,7 @@
 """Newton–Schulz (Eq. 13): dtype, orientation, the Muon band, Polar Express, Proposition 2."""
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -7,6 +9,9 @@ from hypothesis import strategies as st
 
 from dptrain.optim import newton_schulz, smooth_newton_schulz
 from dptrain.optim.newton_schulz import MUON_COEFFICIENTS, POLAR_EXPRESS_COEFFICIENTS
+
+#: the module (``dptrain.optim.newton_schulz`` as an attribute is the function the package exports)
+NS = importlib.import_module("dptrain.optim.newton_schulz")
 
 
 def _polar(X: torch.Tensor) -> torch.Tensor:
@@ -145,10 +150,22 @@ def test_rejects_vectors():
         newton_schulz(torch.ones(5))
 
 
+@pytest.fixture(params=[False, True], ids=["host-branch", "sync-free"])
+def normalise_path(request, monkeypatch):
+    """Both forms of the overflow rescue: on the CPU the rescue is computed only when a matrix
+    needs it; on devices both are computed and torch.where picks (forced here on the CPU)."""
+    import functools
+
+    if request.param:
+        monkeypatch.setattr(NS, "_normalise", functools.partial(NS._normalise, sync_free=True))
+    return request.param
+
+
 @pytest.mark.parametrize("scale", [1e19, 1e25, 1e36])
 @pytest.mark.parametrize("coefficients", ["muon", "polar_express"])
 @pytest.mark.parametrize("smooth", [False, True])
-def test_a_norm_past_float32s_range_is_not_a_zero_update(scale, coefficients, smooth):
+def test_a_norm_past_float32s_range_is_not_a_zero_update(scale, coefficients, smooth,
+                                                         normalise_path):
     """Both maps are homogeneous of degree 0 (up to eps), so a huge float32 matrix whose
     Frobenius norm (or its square) overflows float32 gives the polar approximation of the
     unscaled one, not X / inf = 0 as before. The ordinary range stays bit for bit (the other
@@ -163,3 +180,42 @@ def test_a_norm_past_float32s_range_is_not_a_zero_update(scale, coefficients, sm
     assert torch.isfinite(out).all()
     assert torch.equal(out[0], ref[0])
     torch.testing.assert_close(out[1:], ref[1:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("coefficients", ["muon", "polar_express"])
+def test_the_sync_free_rescue_leaves_ordinary_matrices_bit_for_bit(dtype, coefficients,
+                                                                   monkeypatch):
+    import functools
+
+    g = torch.Generator().manual_seed(4)
+    for scale in (1e-30, 1e-6, 1.0, 1e6):
+        X = (torch.randn(2, 16, 24, generator=g) * scale).to(dtype)
+        for divide, guard in (
+                (lambda y, n, s: y / (n + 1e-7 / s), lambda n: n + 1e-7),
+                (lambda y, n, s: y * torch.rsqrt(n.square() + (1e-4 / s) * (1e-4 / s)),
+                 lambda n: n.square() + 1e-8)):
+            assert torch.equal(NS._normalise(X, divide, guard, sync_free=True),
+                               NS._normalise(X, divide, guard, sync_free=False))
+        host = newton_schulz(X, coefficients=coefficients)
+        with monkeypatch.context() as m:
+            m.setattr(NS, "_normalise", functools.partial(NS._normalise, sync_free=True))
+            assert torch.equal(newton_schulz(X, coefficients=coefficients), host)
+
+
+def test_float16_polar_express_whose_denominator_alone_overflows():
+    """||X||_F just below float16's max (65504) but ||X||_F * 1.02 past it: the guard looks at
+    the denominator, not the norm (a red team's case: all zeros before)."""
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(16, 24, generator=g, dtype=torch.float64)
+    X = X * (64992.0 / float(X.norm()))
+    out = newton_schulz(X.half(), coefficients="polar_express")
+    assert bool(out.abs().max() > 0.1)
+    ref = newton_schulz(X, coefficients="polar_express")
+    assert float((out.double() - ref).abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (0, 0)])
+def test_empty_matrices_give_empty_results(shape):
+    for f in (newton_schulz, smooth_newton_schulz):
+        assert f(torch.zeros(shape)).shape == shape

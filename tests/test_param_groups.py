@@ -575,3 +575,25 @@ def test_transposed_weights_use_fan_out_over_fan_in_for_muons_original_scale():
         opt.step()
         deltas.append((model.w.detach() - W0).norm())
     assert float(deltas[0] / deltas[1]) == pytest.approx(2 ** 0.5, rel=1e-5)
+
+
+@pytest.mark.parametrize("optim, field", [
+    ({"name": "muon", "preset": "nfresnet", "lr": 0.02, "weight_decay": 1e6},
+     "optim.weight_decay"),
+    ({"name": "adamw", "lr": 1e30, "weight_decay": 0.1}, "optim.weight_decay"),
+    ({"name": "sgd", "lr": 0.5, "weight_decay": 2.0}, "optim.weight_decay"),  # coupled L2: same
+    ({"name": "muon", "preset": "nfresnet", "aux": {"optimizer": "adamw", "lr": 0.01,
+                                                  "kwargs": {"weight_decay": 200}}},
+     "optim.aux.kwargs.weight_decay"),
+])
+def test_a_decay_that_flips_the_weights_sign_every_step_is_refused(optim, field):
+    """lr x weight_decay >= 1 multiplies the weights by 1 - lr wd <= 0 at every step: the run
+    went to NaN with exit 0. Now a ConfigError names the group's weight decay."""
+    model = (torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(),
+                                 torch.nn.Linear(4, 2)) if optim.get("preset") else None)
+    with pytest.raises(ConfigError) as e:
+        _build(optim, model=model)
+    assert e.value.field == field and "lr x weight_decay" in e.value.message
+    ok = ({**optim, "weight_decay": 0.5 / optim.get("lr", 0.02)} if "weight_decay" in optim
+          else {**optim, "aux": {**optim["aux"], "kwargs": {"weight_decay": 0.5}}})
+    _build(ok, model=model)  # lr x wd = 0.5: decays, does not flip

@@ -294,7 +294,9 @@ def test_secure_mode_without_randomgen_is_a_config_error_when_the_trainer_is_bui
     (TINY, 1, ["performance.microbatch_size=3"]),
     # IM: the history fills over the first steps (K_t = min(t, K)), so step 2 queries 3 states
     (TINY, 3, ["optim.inner_momentum.k_muon=2", "optim.inner_momentum.k_other=1",
-               "model.dropout=0.1", "optim.filter.name=doppler"]),
+               "model.dropout=0.1"]),
+    # DiSK: the query at two points, c g(ahead) + (1 - c) g(x) with c = (1 - kappa)/(kappa gamma)
+    (TINY, 2, ["optim.filter.name=disk", "performance.microbatch_size=5"]),
     (TINY_IMAGES, 2, ["data.augmult=2", "performance.microbatch_size=5",
                       "optim.inner_momentum.k_muon=1", "optim.inner_momentum.k_other=1"]),
 ])
@@ -353,3 +355,23 @@ def test_one_example_moves_the_noise_free_release_by_at_most_C(monkeypatch, conf
     assert 0.999 * C < distance(full, removed) <= C * (1 + 1e-9)
     assert 0.999 * C < distance(replaced, removed) <= C * (1 + 1e-9)
     assert distance(full, replaced) <= 2 * C * (1 + 1e-9)
+
+
+def test_a_layer_the_engine_refuses_when_built_is_a_config_error_naming_the_model(monkeypatch):
+    """The engine refuses nn.MultiheadAttention with trainable weights when it is built, in the
+    trainer's constructor: that was a traceback (exit 1) where the engine's refusals over the
+    first queries were already a ConfigError (exit 2) naming the model's setting."""
+    import dptrain.trainer as trainer_module
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    monkeypatch.setattr(trainer_module, "build_model", lambda cfg, info: Attention())
+    with pytest.raises(ConfigError) as e:
+        make()
+    assert e.value.field == "model.name" and "MultiheadAttention" in e.value.message

@@ -226,6 +226,7 @@ def build_optimizer(
                 hint = (f"; set optim.preset ({', '.join(PRESETS)}) to give the vectors and "
                         "embeddings to optim.aux (AdamW), or optim.groups")
             raise ConfigError(_blame(g.path), f"{e}{hint}") from None
+        _check_decay(g.path, optimizers[-1])
     opt = DPOptimizer(named_params, groups, optimizers, build_filter(cfg.filter),
                       schedule=cfg.schedule, total_steps=total_steps,
                       warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
@@ -236,6 +237,19 @@ def build_optimizer(
     if cfg.ema_decay > 0:
         opt.ema = ParameterEMA(named_params, cfg.ema_decay, cfg.ema_start_step)
     return opt
+
+
+def _check_decay(path: str, optimizer: torch.optim.Optimizer) -> None:
+    """lr x weight_decay >= 1 multiplies the weights by 1 - lr wd <= 0 at every step (AdamW's
+    and Muon's decoupled decay, SGD's coupled L2 alike): the run diverges to NaN without an
+    error. The schedule's factor is at most 1, so the base lr is the largest."""
+    for pg in optimizer.param_groups:
+        lr, wd = float(pg["lr"]), float(pg.get("weight_decay", 0.0))
+        if lr * wd >= 1:
+            field = "optim.weight_decay" if path == "optim" else f"{path}.kwargs.weight_decay"
+            raise ConfigError(field, f"lr x weight_decay = {lr:g} x {wd:g} = {lr * wd:g} >= 1 "
+                                     f"multiplies the weights by 1 - lr wd <= 0 at every step; "
+                                     f"lower the weight decay (or the learning rate)")
 
 
 def _check_im_has_parameters(cfg: OptimConfig, muon: set[str], num_other: int) -> None:

@@ -344,7 +344,7 @@ def top_singular_value(M: Tensor, v: Tensor, num_iters: int, tol: float = 0.0,
     power iteration's products, at most ``num_iters`` of them, with the estimate the best one
     in their Krylov space (the largest eigenvalue of the Lanczos tridiagonal T, vectors fully
     reorthogonalised) instead of the last iterate's. Stops once the top Ritz pair's residual
-    ``beta_j |s_j|`` is at most ``tol`` times its value (``tol`` 0: exactly ``num_iters``
+    ``beta_j |s_j|`` is at most ``tol`` times its value (``tol`` 0: ``num_iters``
     products), which bounds the distance from sigma_1^2's estimate to an eigenvalue of M^T M.
 
     ``M`` may be this rank's rows of a matrix split by rows over ranks: ``reduce`` then sums a
@@ -353,8 +353,24 @@ def top_singular_value(M: Tensor, v: Tensor, num_iters: int, tol: float = 0.0,
 
     Returns (sigma, v_new), v_new the top Ritz vector (the next step's warm start); a zero
     matrix leaves ``v`` unchanged and gives sigma = 0.
+
+    The iteration also stops where the Krylov space is exhausted: once the new direction's
+    norm ``beta`` is at the rounding level of its product (``_BREAKDOWN`` x eps of it), it is
+    rounding noise, and the tridiagonal T would no longer be M^T M's projection (with
+    ``tol`` 0, Ritz values 6-150x sigma_1 were seen past a float32 matrix's rank). A matrix
+    whose entries lie outside [2^-32, 2^32] (the largest, summed over ``reduce``'s ranks) is
+    scaled by a power of two first, which is exact: in float32 M^T M q overflowed from sigma_1
+    ~ 1.8e19 on (NaN or an eigh error) and lost its digits to subnormals below ~1e-19.
     """
-    tiny = torch.finfo(M.dtype).tiny
+    info = torch.finfo(M.dtype)
+    scale = M.abs().amax().reshape(1) if M.numel() else M.new_zeros(1)
+    if reduce is not None:
+        reduce(scale)  # (a sum of the ranks' maxima: the same on every rank, >= the largest)
+    scale = float(scale)
+    shift = 0
+    if math.isfinite(scale) and scale > 0 and not 2.0 ** -32 <= scale <= 2.0 ** 32:
+        shift = math.frexp(scale)[1]
+        M = torch.ldexp(M, torch.tensor(-shift, device=M.device))
     basis = [v]
     alphas: list[float] = []
     betas: list[float] = []
@@ -364,12 +380,14 @@ def top_singular_value(M: Tensor, v: Tensor, num_iters: int, tol: float = 0.0,
         if reduce is not None:
             reduce(w)
         alphas.append(float(torch.dot(q, w)))
+        product = float(torch.linalg.vector_norm(w))
         Q = torch.stack(basis, dim=1)
         for _ in range(2):  # classical Gram-Schmidt twice: full reorthogonalisation
             w = w - Q @ (Q.mT @ w)
         beta = float(torch.linalg.vector_norm(w))
         theta, s = _top_ritz(alphas, betas)
-        if beta <= tiny or beta * abs(s[-1]) <= tol * theta:
+        if (beta <= max(info.tiny, _BREAKDOWN * info.eps * product)
+                or beta * abs(s[-1]) <= tol * theta):
             break
         betas.append(beta)
         basis.append(w / beta)
@@ -377,7 +395,12 @@ def top_singular_value(M: Tensor, v: Tensor, num_iters: int, tol: float = 0.0,
         return torch.zeros((), dtype=M.dtype, device=M.device), v
     y = Q @ s.to(dtype=Q.dtype, device=Q.device)
     y = y / torch.linalg.vector_norm(y)
-    return torch.tensor(math.sqrt(theta), dtype=M.dtype, device=M.device), y
+    return torch.tensor(math.ldexp(math.sqrt(theta), shift), dtype=M.dtype, device=M.device), y
+
+
+#: a Lanczos direction whose norm is within this many machine epsilons of its product's is
+#: rounding noise (the Krylov space is exhausted); see ``top_singular_value``
+_BREAKDOWN = 64
 
 
 def _top_ritz(alphas: list[float], betas: list[float]) -> tuple[float, Tensor]:

@@ -84,21 +84,28 @@ def _iterate(X_wide: Tensor, schedule: list[tuple[float, float, float]]) -> Tens
     return X.reshape(*batch, *X.shape[-2:])
 
 
-def _normalise(Y: Tensor, divide: Callable[[Tensor, Tensor, Tensor | float], Tensor], *,
-               square: bool = False) -> Tensor:
-    """``divide(Y, ||Y||_F, 1.0)`` per matrix, also where ``||Y||_F`` (or its square, with
-    ``square``) overflows Y's dtype.
+def _normalise(Y: Tensor, divide: Callable[[Tensor, Tensor, Tensor | float], Tensor],
+               guard: Callable[[Tensor], Tensor], *, sync_free: bool | None = None) -> Tensor:
+    """``divide(Y, ||Y||_F, 1.0)`` per matrix, also where the normalisation overflows Y's dtype.
 
-    There, float32's Frobenius norm is inf and ``Y / inf`` would be 0: those matrices go through
-    ``divide(Y / s, ||Y / s||_F, s)`` with s = max|Y| instead, the same map up to rounding (the
-    normalisations are homogeneous in Y once their constants are divided by s). The other
-    matrices take exactly the plain expression, bit for bit, and nothing waits on the device:
-    both are computed and ``torch.where`` picks, a few passes over Y against the iteration's
-    matrix products.
+    ``guard(||Y||_F)`` is the quantity that must be finite (the denominator, or the sum
+    Smooth-NS takes the root of). Where it is not (float32's Frobenius norm is inf past ~1.8e19,
+    and ``Y / inf`` = 0), the matrix goes through ``divide(Y / s, ||Y / s||_F, s)`` with
+    s = max|Y| instead: the same map up to rounding, since the normalisations are homogeneous
+    in Y once their constants are divided by s. Every other matrix gets the plain expression,
+    bit for bit. On the CPU the rescue is computed only when a matrix needs it; on a device
+    (``sync_free``, the default there) both are computed and ``torch.where`` picks, so that
+    nothing waits on the device: a few passes over Y against the iteration's products.
     """
     norm = torch.linalg.matrix_norm(Y, keepdim=True)  # Frobenius, (..., 1, 1)
     plain = divide(Y, norm, 1.0)
-    big = ~torch.isfinite(norm.square() if square else norm)
+    if Y.numel() == 0:
+        return plain
+    big = ~torch.isfinite(guard(norm))
+    if sync_free is None:
+        sync_free = Y.device.type != "cpu"
+    if not sync_free and not bool(big.any()):
+        return plain
     s = torch.where(big, Y.abs().amax(dim=(-2, -1), keepdim=True), torch.ones_like(norm))
     Ys = Y / s
     return torch.where(big, divide(Ys, torch.linalg.matrix_norm(Ys, keepdim=True), s), plain)
@@ -128,9 +135,10 @@ def newton_schulz(
     Y = X.mT if tall else X
     if coefficients == "polar_express":
         Y = _normalise(Y, lambda y, n, s: y / (n * _POLAR_EXPRESS_SAFETY
-                                                 + _POLAR_EXPRESS_EPS / s))
+                                                 + _POLAR_EXPRESS_EPS / s),
+                       lambda n: n * _POLAR_EXPRESS_SAFETY + _POLAR_EXPRESS_EPS)
     else:
-        Y = _normalise(Y, lambda y, n, s: y / (n + eps / s))
+        Y = _normalise(Y, lambda y, n, s: y / (n + eps / s), lambda n: n + eps)
     Y = _iterate(Y, schedule)
     return Y.mT if tall else Y
 
@@ -153,7 +161,7 @@ def smooth_newton_schulz(
     tall = X.shape[-2] > X.shape[-1]
     Y = X.mT if tall else X
     Y = _normalise(Y, lambda y, n, s: y * torch.rsqrt(n.square() + (gamma_ns / s) * (gamma_ns / s)),
-                   square=True)
+                   lambda n: n.square() + gamma_ns * gamma_ns)
     if coefficients == "polar_express":
         Y = Y / _POLAR_EXPRESS_SAFETY
     Y = _iterate(Y, schedule)

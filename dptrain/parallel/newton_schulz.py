@@ -283,8 +283,10 @@ def _model_parallel(mats: list[Tensor], idx: list[int], shapes: Sequence[tuple[i
 
         # Frobenius norms: one all-reduce of all local squared norms, in float64, where no
         # float32 or bf16 square overflows (in float32 a norm over ~1.8e19 was inf, and X / inf
-        # = 0). denom = m 2^e with m in [0.5, 1): X 2^-e / m rounds as X / denom does in X's
-        # dtype, also where denom itself is past that dtype's range (float64: X / denom).
+        # = 0). denom = m 2^e with m in [0.5, 1): in float32 and bf16, X 2^-e / m rounds as
+        # X / denom does, also where denom itself is past their range (barring entries that
+        # 2^-e makes subnormal). float16's normal range is too narrow for that (X 2^-e is often
+        # subnormal there): X / denom in float32, rounded once to float16. float64: X / denom.
         sq = torch.stack([mats[i].to(torch.float64).square().sum() for i in ids])
         dist.all_reduce(sq, group=group)
         norm = sq.sqrt()
@@ -294,6 +296,8 @@ def _model_parallel(mats: list[Tensor], idx: list[int], shapes: Sequence[tuple[i
             denom = norm + eps
         if dtype == torch.float64:
             xs = [mats[i] / denom[k] for k, i in enumerate(ids)]
+        elif dtype == torch.float16:
+            xs = [(mats[i].float() / denom[k].float()).half() for k, i in enumerate(ids)]
         else:
             mant, expo = torch.frexp(denom)
             xs = [torch.ldexp(mats[i], -expo[k]) / mant[k].to(dtype) for k, i in enumerate(ids)]

@@ -239,7 +239,8 @@ def epsilon(ledger: Ledger, delta: float, accountant: str = "prv", *,
         # (0, -1 and NaN fell back to RDP behind a note about opacus' internals; a string was
         # a TypeError from opacus)
         raise ConfigError("eps_error", f"must be a finite number > 0, got {eps_error!r}")
-    history = list(ledger.history)  # (Ledger refuses counts below 1)
+    # (Ledger refuses counts below 1; a history appended to by hand may still hold them)
+    history = [(s, q, n) for s, q, n in ledger.history if n > 0]
     if not history:
         return 0.0
     if any(s == 0.0 for s, _, _ in history):
