@@ -14,6 +14,7 @@ Everything before the release touches private data; everything after it is post-
 from __future__ import annotations
 
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -886,6 +887,7 @@ class Trainer:
             (owners,) = all_reduce_scalars(float(has_own), device=self.device)
             has_own = owners == self.world
             saved_step, saved_path = (self.step if has_own else -1), None
+            diverged = False
             while self.step < self.plan.steps:
                 if signum := self._stop_agreed():
                     # every rank at the same step boundary: checkpoint it unless that is done,
@@ -899,6 +901,15 @@ class Trainer:
                     # computed from the private batch without noise: outside the guarantee, so
                     # a run meant for release neither writes nor shows it
                     row.pop("train_loss", None)
+                elif (not diverged and "train_loss" in row
+                      and not math.isfinite(row["train_loss"])):
+                    diverged = True  # said once (the loss is in metrics.jsonl anyway)
+                    if self.rank == 0:
+                        print(f"dptrain: note: the training loss is {row['train_loss']} at step "
+                              f"{self.step}: every example with a non-finite loss or gradient "
+                              f"gets clip factor 0, so the releases from here may be noise "
+                              f"alone (a learning rate or weight decay too large?)",
+                              file=sys.stderr)
                 last = self.step == self.plan.steps
                 if self.step % tc.log_every == 0 or last:
                     eps, eps_step = self.epsilon(), self.step

@@ -516,3 +516,21 @@ def test_summary_records_the_git_commit(monkeypatch):
     monkeypatch.setattr(trainer_mod.subprocess, "run", no_git)
     assert trainer_mod.git_commit() is None
 
+
+
+def test_a_diverged_run_says_once_that_its_releases_may_be_noise_alone(tmp_path, capsys):
+    """lr 1e30 (accepted: finite in float32) sends the loss to NaN at step 2; every example's
+    clip factor is then 0 and the releases are noise alone. The run said nothing (exit 0, NaN
+    metrics); now one note on stderr, once, and none in secure mode (where the loss is not
+    shown) or in a run whose loss stays finite."""
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
+                           str(tmp_path / "nan"), "privacy.steps=3", "optim.lr=1e30")
+    notes = [x for x in err.splitlines() if "training loss is nan" in x]
+    assert code == 0 and len(notes) == 1 and "clip factor 0" in notes[0]
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
+                           str(tmp_path / "secure"), "privacy.steps=3", "optim.lr=1e30",
+                           "privacy.secure_mode=true", "privacy.seed=null")
+    assert code == 0 and "training loss is" not in err
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
+                           str(tmp_path / "fine"), "privacy.steps=3")
+    assert code == 0 and "training loss is" not in err
