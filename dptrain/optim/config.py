@@ -93,7 +93,8 @@ class OptimConfig:
     warm-started from the last step's vector; >= 2). Null: 50."""
     power_tol: float | None = None
     """DP-Muon-S: stop once the top Ritz pair's residual is at most this fraction of its value
-    (0: ``power_iters`` steps, fewer only where the Krylov space is exhausted). Null: 1e-4."""
+    (0: ``power_iters`` steps, fewer only where the next direction is rounding noise). Null:
+    1e-4."""
     preset: Literal["gpt2", "causal_lm", "nfresnet", "vit", "convnext"] | None = None
     """Split parameters into matrices (``name``) and the rest (``aux``) by model family
     (``causal_lm``: the decoder blocks' 2-D weights to ``name``; embeddings, head, norms and

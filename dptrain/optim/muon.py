@@ -354,22 +354,24 @@ def top_singular_value(M: Tensor, v: Tensor, num_iters: int, tol: float = 0.0,
     Returns (sigma, v_new), v_new the top Ritz vector (the next step's warm start); a zero
     matrix leaves ``v`` unchanged and gives sigma = 0.
 
-    The iteration also stops where the Krylov space is exhausted: once the new direction's
-    norm ``beta`` is at the rounding level of its product (``_BREAKDOWN`` x eps of it), it is
-    rounding noise, and the tridiagonal T would no longer be M^T M's projection (with
-    ``tol`` 0, Ritz values 6-150x sigma_1 were seen past a float32 matrix's rank). A matrix
-    whose entries lie outside [2^-32, 2^32] (the largest, summed over ``reduce``'s ranks) is
+    The iteration also stops where the Krylov space is exhausted, or numerically so: once the
+    new direction's norm ``beta`` is at the rounding level of its product (``_BREAKDOWN``
+    epsilons of the iteration's dtype, float32 or float64), it is rounding noise, and the tridiagonal T would no longer be M^T M's
+    projection (with ``tol`` 0, Ritz values 6-150x sigma_1 were seen past a float32 matrix's
+    rank); where the top of the spectrum is clustered closer than that, the estimate is then
+    within the cluster. bf16 and float16 matrices iterate in float32. A matrix whose Frobenius
+    norm (float64, summed over ``reduce``'s ranks: >= sigma_1) lies outside [2^-32, 2^32] is
     scaled by a power of two first, which is exact: in float32 M^T M q overflowed from sigma_1
     ~ 1.8e19 on (NaN or an eigh error) and lost its digits to subnormals below ~1e-19.
     """
+    out_dtype, v_in = M.dtype, v
+    if M.dtype in (torch.bfloat16, torch.float16):
+        M, v = M.float(), v.float()
     info = torch.finfo(M.dtype)
-    scale = M.abs().amax().reshape(1) if M.numel() else M.new_zeros(1)
-    if reduce is not None:
-        reduce(scale)  # (a sum of the ranks' maxima: the same on every rank, >= the largest)
-    scale = float(scale)
+    frobenius = _frobenius(M, reduce)
     shift = 0
-    if math.isfinite(scale) and scale > 0 and not 2.0 ** -32 <= scale <= 2.0 ** 32:
-        shift = math.frexp(scale)[1]
+    if math.isfinite(frobenius) and frobenius > 0 and not 2.0 ** -32 <= frobenius <= 2.0 ** 32:
+        shift = math.frexp(frobenius)[1]
         M = torch.ldexp(M, torch.tensor(-shift, device=M.device))
     basis = [v]
     alphas: list[float] = []
@@ -392,15 +394,34 @@ def top_singular_value(M: Tensor, v: Tensor, num_iters: int, tol: float = 0.0,
         betas.append(beta)
         basis.append(w / beta)
     if theta <= 0:
-        return torch.zeros((), dtype=M.dtype, device=M.device), v
+        return torch.zeros((), dtype=out_dtype, device=M.device), v_in
     y = Q @ s.to(dtype=Q.dtype, device=Q.device)
     y = y / torch.linalg.vector_norm(y)
-    return torch.tensor(math.ldexp(math.sqrt(theta), shift), dtype=M.dtype, device=M.device), y
+    return (torch.tensor(math.ldexp(math.sqrt(theta), shift), dtype=out_dtype, device=M.device),
+            y.to(v_in.dtype))
 
 
-#: a Lanczos direction whose norm is within this many machine epsilons of its product's is
+#: a Lanczos direction whose norm is within this many epsilons of its product's is
 #: rounding noise (the Krylov space is exhausted); see ``top_singular_value``
 _BREAKDOWN = 64
+
+
+def _frobenius(M: Tensor, reduce: Callable[[Tensor], None] | None) -> float:
+    """||M||_F of the whole matrix (``reduce`` sums the ranks' squares: the same on every
+    rank). In M's dtype, one pass; where that overflows or underflows (past 2^64 or below
+    2^-32, a decision every rank shares), again in float64, scaled by 2^-256 for a float64 M."""
+    def summed(sq: Tensor) -> float:
+        sq = sq.reshape(1)
+        if reduce is not None:
+            reduce(sq)
+        return math.sqrt(float(sq))
+
+    frobenius = summed(torch.linalg.vector_norm(M).square())
+    if 2.0 ** -32 <= frobenius <= 2.0 ** 64:
+        return frobenius
+    shift = -256 if M.dtype == torch.float64 else 0
+    scaled = torch.ldexp(M.double(), torch.tensor(shift, device=M.device))
+    return math.ldexp(summed(torch.linalg.vector_norm(scaled).square()), -shift)
 
 
 def _top_ritz(alphas: list[float], betas: list[float]) -> tuple[float, Tensor]:

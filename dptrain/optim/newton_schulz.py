@@ -106,7 +106,10 @@ def _normalise(Y: Tensor, divide: Callable[[Tensor, Tensor, Tensor | float], Ten
         sync_free = Y.device.type != "cpu"
     if not sync_free and not bool(big.any()):
         return plain
-    s = torch.where(big, Y.abs().amax(dim=(-2, -1), keepdim=True), torch.ones_like(norm))
+    # (a zero matrix keeps s = 1: with a huge Smooth-NS constant its guard is inf too, and
+    # 0 / 0 would be NaN where the plain expression gives 0)
+    largest = Y.abs().amax(dim=(-2, -1), keepdim=True)
+    s = torch.where(big & (largest > 0), largest, torch.ones_like(norm))
     Ys = Y / s
     return torch.where(big, divide(Ys, torch.linalg.matrix_norm(Ys, keepdim=True), s), plain)
 
