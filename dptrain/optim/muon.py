@@ -356,13 +356,14 @@ def top_singular_value(M: Tensor, v: Tensor, num_iters: int, tol: float = 0.0,
 
     The iteration also stops where the Krylov space is exhausted, or numerically so: once the
     new direction's norm ``beta`` is at the rounding level of its product (``_BREAKDOWN``
-    epsilons of the iteration's dtype, float32 or float64), it is rounding noise, and the tridiagonal T would no longer be M^T M's
-    projection (with ``tol`` 0, Ritz values 6-150x sigma_1 were seen past a float32 matrix's
-    rank); where the top of the spectrum is clustered closer than that, the estimate is then
-    within the cluster. bf16 and float16 matrices iterate in float32. A matrix whose Frobenius
-    norm (float64, summed over ``reduce``'s ranks: >= sigma_1) lies outside [2^-32, 2^32] is
-    scaled by a power of two first, which is exact: in float32 M^T M q overflowed from sigma_1
-    ~ 1.8e19 on (NaN or an eigh error) and lost its digits to subnormals below ~1e-19.
+    epsilons of the iteration's dtype, float32 or float64), it is rounding noise, and the
+    tridiagonal T would no longer be M^T M's projection (with ``tol`` 0, Ritz values 6-150x
+    sigma_1 were seen past a float32 matrix's rank); where the top of the spectrum is clustered
+    closer than that, the estimate is then within the cluster. bf16 and float16 matrices
+    iterate in float32. A matrix whose Frobenius norm (``_frobenius``, summed over ``reduce``'s
+    ranks: >= sigma_1) lies outside [2^-32, 2^32] is scaled by a power of two first, which is
+    exact: in float32 M^T M q overflowed from sigma_1 ~ 1.8e19 on (NaN or an eigh error) and
+    lost its digits to subnormals below ~1e-19.
     """
     out_dtype, v_in = M.dtype, v
     if M.dtype in (torch.bfloat16, torch.float16):
