@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
             if reduce is not None:
                 reduce(w)
         out = lanczos(M, v, num_iters, tol, reduce=count)
-        products.append(calls[0] - 1)  # (the first call sums the squared norm, not a product)
+        products.append(calls[0] - 1)  # (the first call sums the largest entry, not a product)
         return out
 
     methods = {"power3": power3, "lanczos": counting}

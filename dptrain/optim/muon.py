@@ -359,20 +359,25 @@ def top_singular_value(M: Tensor, v: Tensor, num_iters: int, tol: float = 0.0,
     epsilons of the iteration's dtype, float32 or float64), it is rounding noise, and the
     tridiagonal T would no longer be M^T M's projection (with ``tol`` 0, Ritz values 6-150x
     sigma_1 were seen past a float32 matrix's rank); where the top of the spectrum is clustered
-    closer than that, the estimate is then within the cluster. bf16 and float16 matrices
-    iterate in float32. A matrix whose Frobenius norm (``_frobenius``, summed over ``reduce``'s
-    ranks: >= sigma_1) lies outside [2^-32, 2^32] is scaled by a power of two first, which is
-    exact: in float32 M^T M q overflowed from sigma_1 ~ 1.8e19 on (NaN or an eigh error) and
-    lost its digits to subnormals below ~1e-19.
+    closer than that, the estimate is then within the cluster. bf16 and float16 matrices (and
+    their ``v``, normalised again) iterate in float32. M is first scaled by the power of two
+    that brings its largest entry (summed over ``reduce``'s ranks: the same on every rank)
+    into [0.5, 1), which is exact: sigma_1 then lies within [2^-10, 2^15] for any matrix of
+    up to 2^30 entries split over up to 512 ranks, so no product, norm or square of the
+    iteration overflows or loses its digits to subnormals (unscaled, M^T M q overflowed
+    float32 from sigma_1 ~ 1.8e19 on, and below ~1e-11 its norms' squares underflowed).
     """
     out_dtype, v_in = M.dtype, v
     if M.dtype in (torch.bfloat16, torch.float16):
         M, v = M.float(), v.float()
+        v = v / torch.linalg.vector_norm(v)  # (unit to bf16's 1e-3 only)
     info = torch.finfo(M.dtype)
-    frobenius = _frobenius(M, reduce)
-    shift = 0
-    if math.isfinite(frobenius) and frobenius > 0 and not 2.0 ** -32 <= frobenius <= 2.0 ** 32:
-        shift = math.frexp(frobenius)[1]
+    largest = M.abs().amax().reshape(1) if M.numel() else M.new_zeros(1)
+    if reduce is not None:
+        reduce(largest)
+    largest = float(largest)
+    shift = math.frexp(largest)[1] if math.isfinite(largest) and largest > 0 else 0
+    if shift:
         M = torch.ldexp(M, torch.tensor(-shift, device=M.device))
     basis = [v]
     alphas: list[float] = []
@@ -405,24 +410,6 @@ def top_singular_value(M: Tensor, v: Tensor, num_iters: int, tol: float = 0.0,
 #: a Lanczos direction whose norm is within this many epsilons of its product's is
 #: rounding noise (the Krylov space is exhausted); see ``top_singular_value``
 _BREAKDOWN = 64
-
-
-def _frobenius(M: Tensor, reduce: Callable[[Tensor], None] | None) -> float:
-    """||M||_F of the whole matrix (``reduce`` sums the ranks' squares: the same on every
-    rank). In M's dtype, one pass; where that overflows or underflows (past 2^64 or below
-    2^-32, a decision every rank shares), again in float64, scaled by 2^-256 for a float64 M."""
-    def summed(sq: Tensor) -> float:
-        sq = sq.reshape(1)
-        if reduce is not None:
-            reduce(sq)
-        return math.sqrt(float(sq))
-
-    frobenius = summed(torch.linalg.vector_norm(M).square())
-    if 2.0 ** -32 <= frobenius <= 2.0 ** 64:
-        return frobenius
-    shift = -256 if M.dtype == torch.float64 else 0
-    scaled = torch.ldexp(M.double(), torch.tensor(shift, device=M.device))
-    return math.ldexp(summed(torch.linalg.vector_norm(scaled).square()), -shift)
 
 
 def _top_ritz(alphas: list[float], betas: list[float]) -> tuple[float, Tensor]:
