@@ -103,23 +103,16 @@ class FilterConfig:
             # the output is m_t / c_t: c_t (public, from a and b only) must never be 0. A
             # stable filter's c_t converges to sum(b) / (1 + sum(a)) != 0, so a long prefix
             # decides it; RunConfig checks the whole run (check_normaliser) too
-            self.check_normaliser(max(1000, 10 * (len(self.a) + len(self.b))))
+            self.check_normaliser(normaliser_horizon(self.a, self.b))
 
     def check_normaliser(self, steps: int) -> None:
         """DOPPLER: ConfigError naming ``b`` if c_t is 0 (to 1e-9 of sum |b|) at a step t <
         ``steps``: with a pole near 1 it can reach 0 only after thousands of steps."""
-        # (relative to b; and float32's smallest normal: b = [1e-300] gave c_t = 0 in float32,
-        # and 0/0 gradients)
-        tol = max(1e-9 * sum(abs(x) for x in self.b), FLOAT32_TINY)
-        c_hist: list[float] = []
-        for t in range(steps):
-            c = doppler_normaliser(self.a, self.b, self.correction, c_hist, t)
-            if abs(c) <= tol:
-                raise ConfigError("b", f"the normaliser c_t is 0 at step {t} (b_0 = 0, a "
-                                       "cancellation, or below float32's range): the "
-                                       "filter's output m_t / c_t is undefined there")
-            c_hist.insert(0, c)
-            del c_hist[len(self.a):]
+        zero = first_zero_normaliser(self.a, self.b, self.correction, [], 0, steps)
+        if zero is not None:
+            raise ConfigError("b", f"the normaliser c_t is 0 at step {zero[0]} (b_0 = 0, a "
+                                   "cancellation, or below float32's range): the filter's "
+                                   "output m_t / c_t is undefined there")
 
     def disk_gain(self) -> float:
         """kappa in the DiSK paper's convention (the weight of the new release)."""
@@ -152,6 +145,29 @@ def doppler_normaliser(a: list[float], b: list[float], correction: str, c_hist: 
     first): -sum a_tau c_{t-tau} plus all of b (``paper``) or b_0..b_t (``step_response``)."""
     fed = b if correction == "paper" else b[: t + 1]
     return sum(fed) - sum(a_tau * c for a_tau, c in zip(a, c_hist))
+
+
+def normaliser_horizon(a: list[float], b: list[float]) -> int:
+    """Steps over which DOPPLER's normaliser is checked for a 0 when the run's length is not
+    at hand (a stable filter's c_t converges, so a long prefix decides it)."""
+    return max(1000, 10 * (len(a) + len(b)))
+
+
+def first_zero_normaliser(a: list[float], b: list[float], correction: str, c_hist: list[float],
+                          t0: int, steps: int) -> tuple[int, float] | None:
+    """(t, c_t) of the first step t in [t0, t0 + steps) where DOPPLER's normaliser is 0 (to
+    1e-9 of sum |b|) or not finite, going on from ``c_hist`` (c_{t0-1}, ... newest first);
+    None if there is none."""
+    # (relative to b; and float32's smallest normal: b = [1e-300] gave c_t = 0 in float32,
+    # and 0/0 gradients)
+    tol = max(1e-9 * sum(abs(x) for x in b), FLOAT32_TINY)
+    c_hist = list(c_hist)
+    for t in range(t0, t0 + steps):
+        c = doppler_normaliser(a, b, correction, c_hist, t)
+        if not math.isfinite(c) or abs(c) <= tol:
+            return t, c
+        c_hist = [c, *c_hist][:len(a)]
+    return None
 
 
 def _in_param_dtypes(states: list[dict], named_params: NamedParams) -> None:
@@ -334,16 +350,14 @@ class DopplerFilter(Filter):
             return
         if saved is None and state["num_steps"]:
             # the config's check, from the checkpoint's history on instead of from step 0
-            tol = max(1e-9 * sum(abs(x) for x in self.b), FLOAT32_TINY)
-            c_hist, t0 = [float(c) for c in state["c_hist"]], int(state["num_steps"])
-            for t in range(t0, t0 + max(1000, 10 * (len(self.a) + len(self.b)))):
-                c_t = doppler_normaliser(self.a, self.b, self.correction, c_hist, t)
-                if not math.isfinite(c_t) or abs(c_t) <= tol:
-                    self.restart_note = (f"DOPPLER's filter state restarts empty: with this "
-                                         f"run's coefficients its history gives c_t = {c_t!r} "
-                                         f"at step {t}")
-                    return
-                c_hist = [c_t, *c_hist][:len(self.a)]
+            zero = first_zero_normaliser(self.a, self.b, self.correction,
+                                         [float(c) for c in state["c_hist"]],
+                                         int(state["num_steps"]), normaliser_horizon(self.a, self.b))
+            if zero is not None:
+                self.restart_note = (f"DOPPLER's filter state restarts empty: with this run's "
+                                     f"coefficients its history gives c_t = {zero[1]!r} at "
+                                     f"step {zero[0]}")
+                return
         self.num_steps = int(state["num_steps"])
         self.c_hist = [float(c) for c in state["c_hist"]]
         self.m_hist = {n: [t.clone() for t in v] for n, v in state["m_hist"].items()}
