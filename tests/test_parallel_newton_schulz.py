@@ -36,7 +36,7 @@ SHAPES: list[tuple[tuple[int, ...], tuple[int, int]]] = [
 STRATEGIES = ("owner", "model_parallel", "auto")
 COEFFICIENTS = ("muon", "polar_express")
 DTYPES = (torch.float64, torch.float32)
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-3}
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-3, torch.float16: 5e-3}
 
 
 def _full_matrices(dtype: torch.dtype) -> list[torch.Tensor]:
@@ -55,11 +55,13 @@ def _worker(rank: int, world: int) -> dict:
     sums: dict[tuple, tuple[float, float, float]] = {}
 
     def record(case: str, full: list[torch.Tensor], out: list[torch.Tensor], steps: int,
-               coeff: str, r: int = rank, w: int = world) -> None:
+               coeff: str, r: int = rank, w: int = world, exact: bool = False) -> None:
         for i, (x, o) in enumerate(zip(full, out)):
             rows = slice(*shard_bounds(x.shape[0], r, w))
             assert o.dtype == x.dtype and o.shape == x[rows].shape, (o.dtype, o.shape)
-            ref = newton_schulz(x.reshape(x.shape[0], -1), steps, coefficients=coeff)
+            # (exact: against float64's result on the same values, not against x's dtype)
+            ref = newton_schulz((x.double() if exact else x).reshape(x.shape[0], -1), steps,
+                                coefficients=coeff)
             ref = ref.reshape(x.shape)[rows]
             sums[(case, i)] = (_sq(o - ref), _sq(ref), TOL[x.dtype])
 
@@ -82,6 +84,18 @@ def _worker(rank: int, world: int) -> dict:
     for strategy in ("owner", "model_parallel"):
         out = distributed_newton_schulz(local, [shapes[i] for i in tall], strategy=strategy)
         record(f"bf16/{strategy}", full, out, 5, "muon")
+
+    # float16: model-parallel divides by the float64 norm in float32 and rounds once to float16
+    # (float16's exponent range is too narrow for bf16's ldexp). Entries ~1e4, whose Frobenius
+    # norm (~1e5 to 3e5) is past float16's largest, 65,504. Against float64 on the same values:
+    # single-process float16 takes the norm in float16 (here inf, rescued by max|X|), so the two
+    # float16 results start an ulp apart, 2.8e-3 after 5 quintics, each ~2e-3 from float64.
+    full = [(1e4 * x.double()).half() for i, x in enumerate(_full_matrices(torch.float64))
+            if i in tall]
+    local = [x[slice(*shard_bounds(x.shape[0], rank, world))] for x in full]
+    for strategy in ("owner", "model_parallel"):
+        out = distributed_newton_schulz(local, [shapes[i] for i in tall], strategy=strategy)
+        record(f"fp16/{strategy}", full, out, 5, "muon", exact=True)
 
     # another whole-matrix map (MuonBC's) runs on every matrix, also on those that "auto"
     # would make model-parallel: exactly fn of the full matrix, on this rank's rows
@@ -137,7 +151,7 @@ def test_distributed_equals_single_process(world):
     keys = {k for r in results for k in r}
     tall = sum(m > n for _, (m, n) in SHAPES)
     assert len(keys) == len(SHAPES) * (len(DTYPES) * len(STRATEGIES) * len(COEFFICIENTS) + 5
-                                       + (2 if world == 4 else 0)) + 2 * tall
+                                       + (2 if world == 4 else 0)) + 4 * tall
     for key in sorted(keys):
         held = [r[key] for r in results if key in r]
         diff = sum(h[0] for h in held)
