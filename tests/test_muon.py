@@ -241,6 +241,26 @@ def test_top_singular_value_of_a_zero_matrix_keeps_its_vector():
     assert sigma == 0 and torch.equal(v_new, v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 0.7, 3e-3])
+def test_top_singular_value_restarts_from_a_warm_start_in_the_null_space(dtype, scale):
+    """A warm start with M v = 0 exactly (here: v on the columns where M is zero, as after a
+    step whose gradient had other columns) spans a Krylov space that M maps to 0; sigma was 0,
+    and the update with it. The restart finds sigma_1 (scale 0.7: the largest entry already in
+    [0.5, 1), no rescaling); a zero matrix still keeps its vector (the test above)."""
+    g = torch.Generator().manual_seed(3)
+    M = torch.zeros(12, 9, dtype=torch.float64)
+    M[:, :4] = torch.randn(12, 4, generator=g, dtype=torch.float64)
+    M *= scale / M.abs().max()
+    v = torch.zeros(9, dtype=torch.float64)
+    v[4:] = torch.randn(5, generator=g, dtype=torch.float64)
+    v /= v.norm()
+    sigma, v_new = top_singular_value(M.to(dtype), v.to(dtype), 10)
+    want = torch.linalg.svdvals(M.to(dtype).double())[0]
+    assert abs(float(sigma) - float(want)) <= 1e-2 * float(want), (float(sigma), float(want))
+    assert v_new.dtype == dtype and float((M.to(dtype).double() @ v_new.double()).norm()) > 0.9 * float(want)
+
+
 @pytest.mark.parametrize("shape, noise", [((20, 30), 0.05), ((20, 30), 5.0), ((64, 48), 1.0),
                                           ((40, 200), 5.0)])
 def test_muon_s_sigma1_is_within_1e_3_of_the_svd_on_noisy_releases(shape, noise):

@@ -352,7 +352,9 @@ def top_singular_value(M: Tensor, v: Tensor, num_iters: int, tol: float = 0.0,
     same sums, takes the same steps and stops after the same one.
 
     Returns (sigma, v_new), v_new the top Ritz vector (the next step's warm start); a zero
-    matrix leaves ``v`` unchanged and gives sigma = 0.
+    matrix leaves ``v`` unchanged and gives sigma = 0. A nonzero matrix with ``v`` in its null
+    space (M v = 0, so the Krylov space is {v} and sigma would be 0) is iterated once more
+    from a fixed pseudo-random vector, the same on every rank.
 
     The iteration also stops where the Krylov space is exhausted, or numerically so: once the
     new direction's norm ``beta`` is at the rounding level of its product (``_BREAKDOWN``
@@ -379,9 +381,27 @@ def top_singular_value(M: Tensor, v: Tensor, num_iters: int, tol: float = 0.0,
     shift = math.frexp(largest)[1] if math.isfinite(largest) and largest > 0 else 0
     if shift:
         M = torch.ldexp(M, torch.tensor(-shift, device=M.device))
+    theta, y = _lanczos(M, v, num_iters, tol, reduce, info)
+    if theta <= 0 and 0 < largest < math.inf:
+        # M is not zero but maps every vector of v's Krylov space to 0 (v in its null space):
+        # once more from a fixed pseudo-random start, the same on every rank
+        gen = torch.Generator().manual_seed(_RESTART_SEED)
+        v = torch.randn(M.shape[-1], generator=gen, dtype=torch.float64).to(M)
+        theta, y = _lanczos(M, v / torch.linalg.vector_norm(v), num_iters, tol, reduce, info)
+    if theta <= 0:
+        return torch.zeros((), dtype=out_dtype, device=M.device), v_in
+    return (torch.tensor(math.ldexp(math.sqrt(theta), shift), dtype=out_dtype, device=M.device),
+            y.to(v_in.dtype))
+
+
+def _lanczos(M: Tensor, v: Tensor, num_iters: int, tol: float,
+             reduce: Callable[[Tensor], None] | None, info: torch.finfo) -> tuple[float, Tensor]:
+    """The top Ritz value of M^T M from the unit ``v`` and its unit Ritz vector (``v`` where the
+    value is <= 0); the iteration of ``top_singular_value``."""
     basis = [v]
     alphas: list[float] = []
     betas: list[float] = []
+    theta, s = 0.0, None
     for _ in range(num_iters):
         q = basis[-1]
         w = M.mT @ (M @ q)
@@ -399,17 +419,17 @@ def top_singular_value(M: Tensor, v: Tensor, num_iters: int, tol: float = 0.0,
             break
         betas.append(beta)
         basis.append(w / beta)
-    if theta <= 0:
-        return torch.zeros((), dtype=out_dtype, device=M.device), v_in
+    if theta <= 0 or s is None:
+        return theta, v
     y = Q @ s.to(dtype=Q.dtype, device=Q.device)
-    y = y / torch.linalg.vector_norm(y)
-    return (torch.tensor(math.ldexp(math.sqrt(theta), shift), dtype=out_dtype, device=M.device),
-            y.to(v_in.dtype))
+    return theta, y / torch.linalg.vector_norm(y)
 
 
 #: a Lanczos direction whose norm is within this many epsilons of its product's is
 #: rounding noise (the Krylov space is exhausted); see ``top_singular_value``
 _BREAKDOWN = 64
+#: the seed of the restart vector where a warm start lies in a nonzero matrix's null space
+_RESTART_SEED = 0x5EED
 
 
 def _top_ritz(alphas: list[float], betas: list[float]) -> tuple[float, Tensor]:
