@@ -145,6 +145,36 @@ def test_smooth_ns_equals_ns_away_from_zero_and_is_finite_at_zero(coefficients):
     assert torch.equal(smooth_newton_schulz(torch.zeros(4, 6), 5, 1e-4), torch.zeros(4, 6))
 
 
+@pytest.mark.parametrize("sync_free", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_zero_matrix_with_eps_0_is_a_zero_update_and_the_others_unchanged(dtype, sync_free,
+                                                                              monkeypatch):
+    """eps = 0 (the exact iteration) and gamma_ns = 0 divided a zero matrix's zeros by 0: NaN,
+    and Muon's weights NaN after a step without gradient. Now 0, and the batch's nonzero
+    matrices as they were."""
+    import functools
+
+    monkeypatch.setattr(NS, "_normalise", functools.partial(NS._normalise, sync_free=sync_free))
+    X = torch.randn(3, 6, 10, generator=torch.Generator().manual_seed(8)).to(dtype)
+    X[1] = 0
+    for out, one in (
+            (newton_schulz(X, eps=0.0), lambda x: newton_schulz(x, eps=0.0)),
+            (smooth_newton_schulz(X, gamma_ns=0.0), lambda x: smooth_newton_schulz(x, gamma_ns=0.0))):
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        rest = out[[0, 2]]
+        assert torch.isfinite(rest).all() and torch.equal(rest, one(X[[0, 2]]))
+
+
+def test_muon_with_eps_0_and_no_gradient_keeps_its_weights():
+    from dptrain.optim.muon import Muon
+
+    W = torch.nn.Parameter(torch.ones(4, 3))
+    opt = Muon([W], lr=0.1, eps=0.0)
+    W.grad = torch.zeros(4, 3)
+    opt.step()
+    assert torch.equal(W.detach(), torch.ones(4, 3))
+
+
 def test_rejects_vectors():
     with pytest.raises(ValueError):
         newton_schulz(torch.ones(5))

@@ -115,6 +115,13 @@ def _worker(rank: int, world: int) -> dict:
         out = distributed_newton_schulz(local, shapes, strategy=strategy)
         record(f"overflow/{strategy}", full, out, 5, "muon")
 
+    # zero matrices with eps = 0 (this rank's rows of them, some empty): zeros, not 0/0 = NaN
+    zeros = [torch.zeros_like(x[slice(*shard_bounds(x.shape[0], rank, world))])
+             for x in _full_matrices(torch.float32)]
+    for strategy in ("owner", "model_parallel"):
+        out = distributed_newton_schulz(zeros, shapes, strategy=strategy, eps=0.0)
+        assert all(torch.equal(o, z) for o, z in zip(out, zeros)), strategy
+
     # Mixed dtypes in one call (one buffer per dtype), non-default steps.
     full = _full_matrices(torch.float64)
     full[1] = full[1].float()

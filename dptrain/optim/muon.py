@@ -90,7 +90,7 @@ def probe_seed(*parts: object) -> int:
 def _check_finite(**values: float) -> None:
     """ValueError naming the first argument that is not a finite number >= 0: NaN or inf made
     the weights NaN after one step, a negative lr a silent step uphill. (eps = 0 is the exact
-    iteration the tests compare with; the config refuses it: a zero release would give NaN.)"""
+    iteration the tests compare with, and a zero matrix then gives a zero update.)"""
     for name, v in values.items():
         if isinstance(v, Tensor):
             continue  # (a tensor lr, as torch.optim allows: the caller's own)

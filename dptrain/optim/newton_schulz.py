@@ -84,6 +84,12 @@ def _iterate(X_wide: Tensor, schedule: list[tuple[float, float, float]]) -> Tens
     return X.reshape(*batch, *X.shape[-2:])
 
 
+def _positive(d: Tensor) -> Tensor:
+    """``d`` where it is > 0, else 1: a zero matrix's denominator (``eps`` = 0, ``gamma_ns`` =
+    0) divides its zeros by 1 instead of by 0, which made them NaN; every other one unchanged."""
+    return torch.where(d > 0, d, torch.ones_like(d))
+
+
 def _normalise(Y: Tensor, divide: Callable[[Tensor, Tensor, Tensor | float], Tensor],
                guard: Callable[[Tensor], Tensor], *, sync_free: bool | None = None) -> Tensor:
     """``divide(Y, ||Y||_F, 1.0)`` per matrix, also where the normalisation overflows Y's dtype.
@@ -141,7 +147,7 @@ def newton_schulz(
                                                  + _POLAR_EXPRESS_EPS / s),
                        lambda n: n * _POLAR_EXPRESS_SAFETY + _POLAR_EXPRESS_EPS)
     else:
-        Y = _normalise(Y, lambda y, n, s: y / (n + eps / s), lambda n: n + eps)
+        Y = _normalise(Y, lambda y, n, s: y / _positive(n + eps / s), lambda n: n + eps)
     Y = _iterate(Y, schedule)
     return Y.mT if tall else Y
 
@@ -163,7 +169,8 @@ def smooth_newton_schulz(
     schedule = _schedule(coefficients, steps)
     tall = X.shape[-2] > X.shape[-1]
     Y = X.mT if tall else X
-    Y = _normalise(Y, lambda y, n, s: y * torch.rsqrt(n.square() + (gamma_ns / s) * (gamma_ns / s)),
+    Y = _normalise(Y, lambda y, n, s: y * _positive(n.square()
+                                                    + (gamma_ns / s) * (gamma_ns / s)).rsqrt(),
                    lambda n: n.square() + gamma_ns * gamma_ns)
     if coefficients == "polar_express":
         Y = Y / _POLAR_EXPRESS_SAFETY

@@ -100,19 +100,20 @@ _OPTION_RANGES: dict[str, tuple[Any, str]] = {
     "weight_decay": (lambda x: _finite(x) and x >= 0, "must be finite and >= 0"),
     "betas": (lambda b: len(b) == 2 and all(0.0 <= x < 1.0 for x in b),
               "must be two numbers in [0, 1)"),
-    # eps = 0 or gamma_ns = 0 turn an all-zero input (a noise-free run's empty sample, a matrix
-    # without gradient) into 0/0 = NaN parameters; so do values that round to 0 in a float32 or
-    # bf16 iteration (eps = 1e-50; gamma_ns = 1e-30, whose square does): floats' smallest normal
+    # eps = 0 makes AdamW's step of an all-zero gradient (a noise-free run's empty sample, a
+    # parameter without gradient) 0/0 = NaN, and so do values that round to 0 in float32 or bf16
+    # (eps = 1e-50): floats' smallest normal. (Newton-Schulz divides a zero matrix by 1.)
     "eps": (lambda x: _finite(x) and x >= FLOAT32_TINY,
             f"must be finite and >= {FLOAT32_TINY:.3g} (float32's smallest normal: a smaller "
-            f"one rounds to 0 in float32 or bf16, and an all-zero input gives 0/0)"),
+            f"one rounds to 0 in float32 or bf16, and AdamW's step of an all-zero gradient "
+            f"is then 0/0)"),
     "ns_steps": (lambda x: x >= 1, "must be >= 1"),
     "bc_lambda": (lambda x: _finite(x) and x >= 0, "must be finite and >= 0"),
     "bc_kappa": (lambda x: _finite(x) and x > 0, "must be finite and > 0"),
     "bc_gamma_ns": (lambda x: _finite(x) and x * x >= FLOAT32_TINY,
                     f"must be finite and >= {math.sqrt(FLOAT32_TINY):.5g} (its square is added "
-                    f"in float32 or bf16: a smaller one rounds to 0, and an all-zero input "
-                    f"gives 0/0)"),
+                    f"in float32 or bf16: a smaller one rounds to 0, and Smooth-NS is then "
+                    f"not smooth at 0, as the bias correction needs)"),
     "bc_probes": (lambda x: x >= 1, "must be >= 1"),
     "power_iters": (lambda x: x >= 2, "must be >= 2"),
     "power_tol": (lambda x: 0.0 <= x < 1.0, "must be in [0, 1)"),

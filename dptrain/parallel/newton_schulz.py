@@ -294,6 +294,7 @@ def _model_parallel(mats: list[Tensor], idx: list[int], shapes: Sequence[tuple[i
             denom = norm * _POLAR_EXPRESS_SAFETY + _POLAR_EXPRESS_EPS
         else:
             denom = norm + eps
+        denom = torch.where(denom > 0, denom, 1.0)  # (a zero matrix with eps = 0: 0 / 1, not NaN)
         if dtype == torch.float64:
             xs = [mats[i] / denom[k] for k, i in enumerate(ids)]
         elif dtype == torch.float16:
