@@ -312,3 +312,33 @@ def test_doppler_with_other_coefficients_restarts_its_state_instead_of_dividing_
     same = DopplerFilter([-0.9], [0.1])
     same.load_state_dict(old.state_dict())
     assert same.restart_note is None and same.num_steps == 10
+
+
+@pytest.mark.parametrize("old, new", [("paper", "step_response"), ("step_response", "paper")])
+def test_doppler_resumed_with_another_correction_keeps_its_history(old, new):
+    """m and g do not depend on the correction, only c_t does: a resume that changes only
+    optim.filter.correction keeps the history (it restarted it empty) and goes on exactly as a
+    filter that had the new correction from step 0, on the same gradients."""
+    a, b = [-0.6, 0.1], [0.2, 0.1, 0.05]
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(4, generator=g, dtype=torch.float64) for _ in range(14)]
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+
+    def run(f, gs):
+        outs = []
+        for x in gs:
+            p.grad = x.clone()
+            f.apply([("w", p)])
+            outs.append(p.grad.clone())
+        return outs
+
+    first = DopplerFilter(a, b, old)
+    run(first, grads[:9])
+    resumed = DopplerFilter(a, b, new)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.num_steps == 9 and resumed.restart_note and "continues" in resumed.restart_note
+    ref = DopplerFilter(a, b, new)
+    want = run(ref, grads)[9:]
+    got = run(resumed, grads[9:])
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert resumed.noise_gain() == ref.noise_gain() and resumed.c_hist == ref.c_hist

@@ -159,7 +159,8 @@ def test_a_zero_matrix_with_eps_0_is_a_zero_update_and_the_others_unchanged(dtyp
     X[1] = 0
     for out, one in (
             (newton_schulz(X, eps=0.0), lambda x: newton_schulz(x, eps=0.0)),
-            (smooth_newton_schulz(X, gamma_ns=0.0), lambda x: smooth_newton_schulz(x, gamma_ns=0.0))):
+            (smooth_newton_schulz(X, gamma_ns=0.0),
+             lambda x: smooth_newton_schulz(x, gamma_ns=0.0))):
         assert torch.equal(out[1], torch.zeros_like(out[1]))
         rest = out[[0, 2]]
         assert torch.isfinite(rest).all() and torch.equal(rest, one(X[[0, 2]]))

@@ -339,31 +339,57 @@ class DopplerFilter(Filter):
         the state starts empty, as at step 0 (``restart_note`` says why). The normaliser c_t
         continues from c_{t-1}, ... and mixing another filter's history with these
         coefficients gives a wrong bias correction, or c_t = 0 and a NaN update, which the
-        config's check (from step 0) cannot see. A checkpoint from before the coefficients were
-        stored (2026-12-03) restarts only where its history would lead to c_t = 0 within the
-        config check's horizon."""
+        config's check (from step 0) cannot see. Where only ``correction`` differs, the history
+        goes on (m and g do not depend on it) with c_t recomputed from step 0. A checkpoint from
+        before the coefficients were stored (2026-12-03) restarts only where its history would
+        lead to c_t = 0 within the config check's horizon."""
         self.restart_note = None
         saved = state.get("coefficients")
+        c_hist, last_c = [float(c) for c in state["c_hist"]], state["last_c"]
+        if (saved is not None and saved != self._coefficients()
+                and (saved["a"], saved["b"]) == (self.a, self.b) and state["num_steps"]):
+            # only the correction differs: m and g do not depend on it, c_t alone does (a
+            # function of a, b, the correction and t): recomputed from step 0 for this one
+            steps = int(state["num_steps"])
+            c_hist, last_c = self._normalisers(steps)
+            zero = first_zero_normaliser(self.a, self.b, self.correction, c_hist, steps,
+                                         normaliser_horizon(self.a, self.b))
+            if zero is None:
+                self.restart_note = (f"DOPPLER's filter history continues with correction "
+                                     f"{self.correction!r} (the checkpoint's: "
+                                     f"{saved['correction']!r}), its normaliser c_t recomputed "
+                                     f"from step 0")
+                saved = self._coefficients()
         if saved is not None and saved != self._coefficients():
             self.restart_note = (f"DOPPLER's filter state restarts empty: its coefficients "
                                  f"{saved} differ from this run's {self._coefficients()}")
             return
         if saved is None and state["num_steps"]:
             # the config's check, from the checkpoint's history on instead of from step 0
-            zero = first_zero_normaliser(self.a, self.b, self.correction,
-                                         [float(c) for c in state["c_hist"]],
-                                         int(state["num_steps"]), normaliser_horizon(self.a, self.b))
+            zero = first_zero_normaliser(self.a, self.b, self.correction, c_hist,
+                                         int(state["num_steps"]),
+                                         normaliser_horizon(self.a, self.b))
             if zero is not None:
                 self.restart_note = (f"DOPPLER's filter state restarts empty: with this run's "
                                      f"coefficients its history gives c_t = {zero[1]!r} at "
                                      f"step {zero[0]}")
                 return
         self.num_steps = int(state["num_steps"])
-        self.c_hist = [float(c) for c in state["c_hist"]]
+        self.c_hist = c_hist
         self.m_hist = {n: [t.clone() for t in v] for n, v in state["m_hist"].items()}
         self.g_hist = {n: [t.clone() for t in v] for n, v in state["g_hist"].items()}
         if self.num_steps:
-            self._last_c = float(state["last_c"])
+            self._last_c = float(last_c)
+
+    def _normalisers(self, steps: int) -> tuple[list[float], float]:
+        """(c_{steps-1}, c_{steps-2}, ... newest first, at most p of them; c_{steps-1}): the
+        normalisers of this filter's first ``steps`` steps."""
+        c_hist: list[float] = []
+        c = 0.0
+        for t in range(steps):
+            c = doppler_normaliser(self.a, self.b, self.correction, c_hist, t)
+            c_hist = [c, *c_hist][:len(self.a)]
+        return c_hist, c
 
 
 FILTERS = {
