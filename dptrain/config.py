@@ -433,11 +433,20 @@ def apply_override(data: dict, keys: list[str], value: Any) -> None:
     node[keys[-1]] = value
 
 
+def require_file(field: str, path: str | Path) -> None:
+    """ConfigError naming ``field`` unless ``path`` is a file: "file not found", or, for a
+    directory, that it is one (a directory given for a file was reported as not found)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(field, f"{path} is a directory, not a file")
+    if not path.is_file():
+        raise ConfigError(field, f"file not found: {path}")
+
+
 def load_yaml(path: str | Path) -> dict:
     check_path_name("config", str(path))
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError("config", f"file not found: {path}")
+    require_file("config", path)
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:

@@ -253,6 +253,11 @@ def test_usage_errors_are_one_line_with_status_2(capsys, args, words):
 def test_missing_config_file_exits_2(tmp_path, capsys):
     code, _, err = run_cli(capsys, "train", "--config", str(tmp_path / "nope.yaml"))
     assert code == 2 and "config" in err and "not found" in err
+    # a directory given for the file was reported as "file not found" too
+    code, _, err = run_cli(capsys, "train", "--config", str(tmp_path), "--output-dir",
+                           str(tmp_path / "o"))
+    assert code == 2 and "config" in err and "is a directory, not a file" in err
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_plan_over_budget_is_refused_before_anything_is_written(tmp_path, capsys):

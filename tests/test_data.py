@@ -291,6 +291,11 @@ def test_missing_files_name_the_field(tmp_path):
         build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
                               train_file="trainset.csv"))
     assert e.value.field == "data.train_file" and "file not found" in str(e.value)
+    (tmp_path / "trainset.csv").mkdir()
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
+                              train_file="trainset.csv"))
+    assert e.value.field == "data.train_file" and "is a directory, not a file" in str(e.value)
     with pytest.raises(ConfigError) as e:
         build_data(DataConfig(name="mnist", path=str(tmp_path)))
     assert e.value.field == "data.path"

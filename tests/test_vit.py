@@ -153,6 +153,10 @@ def test_timm_weights_of_another_model_are_refused_naming_what_differs(tmp_path)
     with pytest.raises(ConfigError, match="cannot read") as e:
         build_model(_vit_cfg(pretrained_path=str(path)), IMG)
     assert "\n" not in e.value.message and "Weights only load failed" in e.value.message
+    # a directory (a Hub snapshot's folder) instead of the weights file inside it
+    with pytest.raises(ConfigError, match="is a directory, not a file") as e:
+        build_model(_vit_cfg(pretrained_path=str(tmp_path)), IMG)
+    assert e.value.field == "model.pretrained_path"
 
 
 class _Opaque:

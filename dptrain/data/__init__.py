@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from dptrain.config import ConfigError, refuse_unused
+from dptrain.config import ConfigError, refuse_unused, require_file
 from dptrain.data.info import DataInfo
 
 __all__ = ["DataConfig", "DataInfo", "Task", "build_data", "even_subset", "REPO_ROOT",
@@ -228,8 +228,7 @@ def _data_file(directory: Path, name: str, field: str) -> Path:
             raise ConfigError("data.path", f"file not found: {directory / f} "
                                            f"(no directory {directory}; set data.path)")
         f = directory / f
-    if not f.is_file():
-        raise ConfigError(field, f"file not found: {f}")
+    require_file(field, f)
     return f
 
 

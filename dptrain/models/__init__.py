@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from dptrain.config import ConfigError, refuse_unused
+from dptrain.config import ConfigError, refuse_unused, require_file
 from dptrain.data.info import DataInfo
 
 __all__ = [
@@ -191,8 +191,8 @@ class ModelConfig:
                 own = _TIMM_OWN_FIELDS.get(key)
                 if own is not None:
                     raise ConfigError(f"timm_kwargs.{key}", f"set it with {own} instead")
-            if self.pretrained_path is not None and not Path(self.pretrained_path).is_file():
-                raise ConfigError("pretrained_path", f"file not found: {self.pretrained_path}")
+            if self.pretrained_path is not None:
+                require_file("pretrained_path", self.pretrained_path)
         if self.name == "timm" and not self.timm_name:
             raise ConfigError("timm_name", "must name a timm model, e.g. nf_resnet50")
         if self.name == "timm" and any(c in self.timm_name for c in ":/"):
@@ -282,8 +282,7 @@ def _load_timm_weights(model: nn.Module, path: Path) -> None:
     shape, except the classifier's when its shape differs (kept as initialised: fine-tuning on
     other classes); missing, extra or other-shaped tensors are a ConfigError."""
     field_ = "model.pretrained_path"
-    if not path.is_file():
-        raise ConfigError(field_, f"file not found: {path}")
+    require_file(field_, path)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
