@@ -166,6 +166,32 @@ def test_a_zero_matrix_with_eps_0_is_a_zero_update_and_the_others_unchanged(dtyp
         assert torch.isfinite(rest).all() and torch.equal(rest, one(X[[0, 2]]))
 
 
+@pytest.mark.parametrize("sync_free", [False, True])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("eps", [0.0, 1.1754943508222875e-38])
+def test_a_norm_that_underflows_is_rescued_not_divided_by_eps_or_zero(dtype, tol, eps, sync_free,
+                                                                    monkeypatch):
+    """Entries ~1e-25: float32's squares underflow, the norm is 0, and the matrix was divided by
+    eps alone (eps = 0: NaN; the config's smallest eps: 1e13x too large, NaN after the
+    quintics). A red team's case against the zero-matrix guard, which had made it an
+    unnormalised ~1e-22 result. Now the polar approximation of the unscaled matrix."""
+    import functools
+
+    monkeypatch.setattr(NS, "_normalise", functools.partial(NS._normalise, sync_free=sync_free))
+    X = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for f, kw in ((newton_schulz, {"eps": eps}), (smooth_newton_schulz, {"gamma_ns": eps})):
+        out = f((X * 1e-25).to(dtype), **kw)
+        ref = f(X, **{k: 0.0 for k in kw})
+        assert float((out.double() - ref).abs().max()) <= tol, (f.__name__, out)
+
+
+def test_float16_smooth_ns_whose_gamma_squared_rounds_to_0():
+    """float16: gamma_ns^2 = 1e-8 and ||X||^2 = 4e-10 both round to 0, the root's argument was 0
+    and the result unnormalised (a red team's case); now X / sqrt(gamma^2 + ||X||^2)."""
+    out = smooth_newton_schulz(torch.full((1, 1), 2e-5, dtype=torch.float16), 0, 1e-4)
+    assert abs(float(out) - 2e-5 / (4e-10 + 1e-8) ** 0.5) <= 1e-3
+
+
 def test_muon_with_eps_0_and_no_gradient_keeps_its_weights():
     from dptrain.optim.muon import Muon
 

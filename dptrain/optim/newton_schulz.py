@@ -14,6 +14,8 @@ cheaper (or more exact) iteration is wanted; that is a performance option of the
 
 from __future__ import annotations
 
+import math
+
 from typing import Callable, Literal
 
 import torch
@@ -92,32 +94,39 @@ def _positive(d: Tensor) -> Tensor:
 
 def _normalise(Y: Tensor, divide: Callable[[Tensor, Tensor, Tensor | float], Tensor],
                guard: Callable[[Tensor], Tensor], *, sync_free: bool | None = None) -> Tensor:
-    """``divide(Y, ||Y||_F, 1.0)`` per matrix, also where the normalisation overflows Y's dtype.
+    """``divide(Y, ||Y||_F, 1.0)`` per matrix, also where the normalisation over- or underflows
+    Y's dtype.
 
-    ``guard(||Y||_F)`` is the quantity that must be finite (the denominator, or the sum
-    Smooth-NS takes the root of). Where it is not (float32's Frobenius norm is inf past ~1.8e19,
-    and ``Y / inf`` = 0), the matrix goes through ``divide(Y / s, ||Y / s||_F, s)`` with
-    s = max|Y| instead: the same map up to rounding, since the normalisations are homogeneous
-    in Y once their constants are divided by s. Every other matrix gets the plain expression,
-    bit for bit. On the CPU the rescue is computed only when a matrix needs it; on a device
-    (``sync_free``, the default there) both are computed and ``torch.where`` picks, so that
-    nothing waits on the device: a few passes over Y against the iteration's products.
+    ``guard(||Y||_F)`` is the denominator, or the sum Smooth-NS takes the root of. Where it is
+    not finite (float32's Frobenius norm is inf past ~1.8e19, and ``Y / inf`` = 0), below the
+    dtype's smallest normal (eps = 0 or float16's rounding of gamma_ns^2 to 0), or where the
+    norm is below the root of the smallest normal (its squares were subnormal or 0: a float32
+    matrix of entries ~1e-25 has norm 0, and was divided by eps alone, or by 0), the matrix
+    goes through ``divide(Y / s, ||Y / s||_F, s)`` with s = max|Y| instead: the same map up to
+    rounding, since the normalisations are homogeneous in Y once their constants are divided
+    by s. A zero matrix keeps s = 1, which is the plain expression (and ``_positive`` makes its
+    zero denominator 1). Every other matrix gets the plain expression, bit for bit. On the CPU
+    the rescue is computed only when a matrix needs it; on a device (``sync_free``, the default
+    there) both are computed and ``torch.where`` picks, so that nothing waits on the device: a
+    few passes over Y against the iteration's products.
     """
     norm = torch.linalg.matrix_norm(Y, keepdim=True)  # Frobenius, (..., 1, 1)
     plain = divide(Y, norm, 1.0)
     if Y.numel() == 0:
         return plain
-    big = ~torch.isfinite(guard(norm))
+    tiny = torch.finfo(Y.dtype).tiny
+    g = guard(norm)
+    rescue = ~torch.isfinite(g) | (g < tiny) | (norm < math.sqrt(tiny))
     if sync_free is None:
         sync_free = Y.device.type != "cpu"
-    if not sync_free and not bool(big.any()):
+    if not sync_free and not bool(rescue.any()):
         return plain
     # (a zero matrix keeps s = 1: with a huge Smooth-NS constant its guard is inf too, and
     # 0 / 0 would be NaN where the plain expression gives 0)
     largest = Y.abs().amax(dim=(-2, -1), keepdim=True)
-    s = torch.where(big & (largest > 0), largest, torch.ones_like(norm))
+    s = torch.where(rescue & (largest > 0), largest, torch.ones_like(norm))
     Ys = Y / s
-    return torch.where(big, divide(Ys, torch.linalg.matrix_norm(Ys, keepdim=True), s), plain)
+    return torch.where(rescue, divide(Ys, torch.linalg.matrix_norm(Ys, keepdim=True), s), plain)
 
 
 def _check_matrix(X: Tensor) -> None:
