@@ -891,6 +891,11 @@ def test_webdataset_a_brace_alternative_that_matches_nothing_is_refused(tmp_path
     task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
                                  train_file="{tr,xt}-*.tar", test_file="va-*.tar"))
     assert len(task.train) == 7
+    (tmp_path / "dir.tar").mkdir()  # a directory named as a shard: not "file not found"
+    with pytest.raises(ConfigError, match="is a directory, not a file") as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                              train_file="dir.tar", test_file="va-*.tar"))
+    assert e.value.field == "data.train_file"
 
 
 def test_webdataset_shards_matching_both_splits_are_refused(tmp_path):

@@ -413,6 +413,7 @@ def test_relocated_settings_are_reported(plain_run, tmp_path, capsys):
     ("plain", ["--run", "{run}", "--probe-examples", "0"], "--probe-examples"),
     ("plain", ["--run", "{run}", "--probe-examples", "many"], "--probe-examples"),
     ("plain", ["--run", "{run}", "--config", "{missing}"], "--config"),
+    ("plain", ["--run", "{run}", "--config", "{empty}"], "is a directory, not a file"),
     ("plain", ["--run", "{run}", "privacy.clip_norm=2"], "privacy.clip_norm"),
     ("plain", ["--run", "{run}", "seed=-1"], "seed"),
 ])

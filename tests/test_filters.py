@@ -342,3 +342,35 @@ def test_doppler_resumed_with_another_correction_keeps_its_history(old, new):
     got = run(resumed, grads[9:])
     assert all(torch.equal(x, y) for x, y in zip(got, want))
     assert resumed.noise_gain() == ref.noise_gain() and resumed.c_hist == ref.c_hist
+
+
+def test_doppler_correction_change_whose_recomputed_normaliser_reaches_0_restarts():
+    """c_t under the new correction is 0 at step 1,200, past the config check's 1,000 steps
+    from 0 but within its horizon from the resume's step 300: the state restarts empty, and
+    the note says where c_t is 0 (it said only that the coefficients differ)."""
+    from dptrain.optim.filters import doppler_normaliser, first_zero_normaliser
+
+    a = [-0.999]
+
+    def c_at(b0, t_end=1200):
+        c_hist = []
+        for t in range(t_end + 1):
+            c = doppler_normaliser(a, [b0, 1.0 - b0], "step_response", c_hist, t)
+            c_hist = [c]
+        return c
+
+    lo, hi = -3000.0, -2000.0  # c_1200 changes sign in between: bisect for its zero
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if c_at(mid) < 0 else (lo, mid)
+    b = [lo, 1.0 - lo]
+    assert first_zero_normaliser(a, b, "step_response", [], 0, 5000)[0] == 1200
+    p = torch.nn.Parameter(torch.zeros(3))
+    old = DopplerFilter(a, b, "paper")
+    for _ in range(300):
+        p.grad = torch.ones(3)
+        old.apply([("w", p)])
+    new = DopplerFilter(a, b, "step_response")
+    new.load_state_dict(old.state_dict())
+    assert new.num_steps == 0 and not new.m_hist
+    assert "restarts empty" in new.restart_note and "at step 1200" in new.restart_note

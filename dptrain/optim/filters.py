@@ -354,12 +354,17 @@ class DopplerFilter(Filter):
             c_hist, last_c = self._normalisers(steps)
             zero = first_zero_normaliser(self.a, self.b, self.correction, c_hist, steps,
                                          normaliser_horizon(self.a, self.b))
-            if zero is None:
-                self.restart_note = (f"DOPPLER's filter history continues with correction "
+            if zero is not None:
+                self.restart_note = (f"DOPPLER's filter state restarts empty: with correction "
                                      f"{self.correction!r} (the checkpoint's: "
-                                     f"{saved['correction']!r}), its normaliser c_t recomputed "
-                                     f"from step 0")
-                saved = self._coefficients()
+                                     f"{saved['correction']!r}) its normaliser gives c_t = "
+                                     f"{zero[1]!r} at step {zero[0]}")
+                return
+            self.restart_note = (f"DOPPLER's filter history continues with correction "
+                                 f"{self.correction!r} (the checkpoint's: "
+                                 f"{saved['correction']!r}), its normaliser c_t recomputed "
+                                 f"from step 0")
+            saved = self._coefficients()
         if saved is not None and saved != self._coefficients():
             self.restart_note = (f"DOPPLER's filter state restarts empty: its coefficients "
                                  f"{saved} differ from this run's {self._coefficients()}")
