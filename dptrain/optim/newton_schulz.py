@@ -15,7 +15,6 @@ cheaper (or more exact) iteration is wanted; that is a performance option of the
 from __future__ import annotations
 
 import math
-
 from typing import Callable, Literal
 
 import torch
