@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Iterator, Literal
 
 import numpy as np
 import torch
@@ -153,6 +153,17 @@ def normaliser_horizon(a: list[float], b: list[float]) -> int:
     return max(1000, 10 * (len(a) + len(b)))
 
 
+def normalisers(a: list[float], b: list[float], correction: str, c_hist: list[float],
+                t0: int, steps: int) -> Iterator[tuple[int, float, list[float]]]:
+    """(t, c_t, [c_t, c_{t-1}, ...] newest first, at most p) for t in [t0, t0 + steps): DOPPLER's
+    normaliser going on from ``c_hist`` (c_{t0-1}, ... newest first)."""
+    c_hist = list(c_hist)
+    for t in range(t0, t0 + steps):
+        c = doppler_normaliser(a, b, correction, c_hist, t)
+        c_hist = [c, *c_hist][:len(a)]
+        yield t, c, c_hist
+
+
 def first_zero_normaliser(a: list[float], b: list[float], correction: str, c_hist: list[float],
                           t0: int, steps: int) -> tuple[int, float] | None:
     """(t, c_t) of the first step t in [t0, t0 + steps) where DOPPLER's normaliser is 0 (to
@@ -161,12 +172,9 @@ def first_zero_normaliser(a: list[float], b: list[float], correction: str, c_his
     # (relative to b; and float32's smallest normal: b = [1e-300] gave c_t = 0 in float32,
     # and 0/0 gradients)
     tol = max(1e-9 * sum(abs(x) for x in b), FLOAT32_TINY)
-    c_hist = list(c_hist)
-    for t in range(t0, t0 + steps):
-        c = doppler_normaliser(a, b, correction, c_hist, t)
+    for t, c, _ in normalisers(a, b, correction, c_hist, t0, steps):
         if not math.isfinite(c) or abs(c) <= tol:
             return t, c
-        c_hist = [c, *c_hist][:len(a)]
     return None
 
 
@@ -344,57 +352,42 @@ class DopplerFilter(Filter):
         before the coefficients were stored (2026-12-03) restarts only where its history would
         lead to c_t = 0 within the config check's horizon."""
         self.restart_note = None
-        saved = state.get("coefficients")
+        saved, now = state.get("coefficients"), self._coefficients()
+        steps = int(state["num_steps"])
         c_hist, last_c = [float(c) for c in state["c_hist"]], state["last_c"]
-        if (saved is not None and saved != self._coefficients()
-                and (saved["a"], saved["b"]) == (self.a, self.b) and state["num_steps"]):
-            # only the correction differs: m and g do not depend on it, c_t alone does (a
-            # function of a, b, the correction and t): recomputed from step 0 for this one
-            steps = int(state["num_steps"])
-            c_hist, last_c = self._normalisers(steps)
+        # only the correction differs: m and g do not depend on it, c_t alone does (a function
+        # of a, b, the correction and t): recomputed from step 0 for this one
+        recompute = (saved is not None and saved != now and steps
+                     and (saved["a"], saved["b"]) == (self.a, self.b))
+        if recompute:
+            for _, last_c, c_hist in normalisers(self.a, self.b, self.correction, [], 0, steps):
+                pass
+        elif saved is not None and saved != now:
+            self.restart_note = (f"DOPPLER's filter state restarts empty: its coefficients "
+                                 f"{saved} differ from this run's {now}")
+            return
+        if steps and (recompute or saved is None):
+            # the config's check, from the (recomputed or stored) history on, not from step 0
             zero = first_zero_normaliser(self.a, self.b, self.correction, c_hist, steps,
                                          normaliser_horizon(self.a, self.b))
             if zero is not None:
-                self.restart_note = (f"DOPPLER's filter state restarts empty: with correction "
-                                     f"{self.correction!r} (the checkpoint's: "
-                                     f"{saved['correction']!r}) its normaliser gives c_t = "
-                                     f"{zero[1]!r} at step {zero[0]}")
+                which = (f"with correction {self.correction!r} (the checkpoint's: "
+                         f"{saved['correction']!r}) its normaliser" if recompute
+                         else "with this run's coefficients its history")
+                self.restart_note = (f"DOPPLER's filter state restarts empty: {which} gives "
+                                     f"c_t = {zero[1]!r} at step {zero[0]}")
                 return
+        if recompute:
             self.restart_note = (f"DOPPLER's filter history continues with correction "
                                  f"{self.correction!r} (the checkpoint's: "
                                  f"{saved['correction']!r}), its normaliser c_t recomputed "
                                  f"from step 0")
-            saved = self._coefficients()
-        if saved is not None and saved != self._coefficients():
-            self.restart_note = (f"DOPPLER's filter state restarts empty: its coefficients "
-                                 f"{saved} differ from this run's {self._coefficients()}")
-            return
-        if saved is None and state["num_steps"]:
-            # the config's check, from the checkpoint's history on instead of from step 0
-            zero = first_zero_normaliser(self.a, self.b, self.correction, c_hist,
-                                         int(state["num_steps"]),
-                                         normaliser_horizon(self.a, self.b))
-            if zero is not None:
-                self.restart_note = (f"DOPPLER's filter state restarts empty: with this run's "
-                                     f"coefficients its history gives c_t = {zero[1]!r} at "
-                                     f"step {zero[0]}")
-                return
-        self.num_steps = int(state["num_steps"])
+        self.num_steps = steps
         self.c_hist = c_hist
         self.m_hist = {n: [t.clone() for t in v] for n, v in state["m_hist"].items()}
         self.g_hist = {n: [t.clone() for t in v] for n, v in state["g_hist"].items()}
         if self.num_steps:
             self._last_c = float(last_c)
-
-    def _normalisers(self, steps: int) -> tuple[list[float], float]:
-        """(c_{steps-1}, c_{steps-2}, ... newest first, at most p of them; c_{steps-1}): the
-        normalisers of this filter's first ``steps`` steps."""
-        c_hist: list[float] = []
-        c = 0.0
-        for t in range(steps):
-            c = doppler_normaliser(self.a, self.b, self.correction, c_hist, t)
-            c_hist = [c, *c_hist][:len(self.a)]
-        return c_hist, c
 
 
 FILTERS = {
