@@ -1,3 +1,3 @@
-from dptrain.cli import main
+from dptrain.cli import entry
 
-raise SystemExit(main())
+entry()

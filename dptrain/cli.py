@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import signal
 import sys
 
 from dptrain.config import ConfigError, check_path_name
@@ -66,5 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The process's entry point (the ``dptrain`` script, ``python -m dptrain``): ``main``, then
+    exit with its status. A command that returned 0 has done its work (a run's ``summary.json``
+    and ``final/`` are written), so a stop signal arriving while the interpreter shuts down
+    (the process group's teardown, atexit handlers) is ignored: a scheduler must not read a
+    complete run as preempted (status 143). Any other status keeps the default action."""
+    rc = main()
+    if rc == 0:
+        from dptrain.commands.train import STOP_SIGNALS
+
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+    raise SystemExit(rc)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

@@ -278,3 +278,18 @@ def test_a_stop_right_after_a_checkpoint_writes_no_second_one(tmp_path, monkeypa
         t.run()
     assert e.value.step == 2 and saves == [1, 2]
     assert ckpt.step_of(e.value.checkpoint) == 2
+
+
+@pytest.mark.parametrize("status", [0, 1])
+def test_a_stop_signal_while_a_finished_process_exits_keeps_its_status(status):
+    # the process entry point (`dptrain`, `python -m dptrain`): after a command returned 0 (a
+    # finished run), a SIGTERM during the interpreter's shutdown is ignored, so the status
+    # stays 0, not 143; after a failure the default action still applies
+    code = ("import atexit, os, signal\n"
+            "from dptrain import cli\n"
+            "atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))\n"
+            f"cli.main = lambda argv=None: {status}\n"
+            "cli.entry()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          timeout=120)
+    assert proc.returncode == (0 if status == 0 else -signal.SIGTERM), proc.stderr
