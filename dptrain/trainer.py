@@ -68,9 +68,11 @@ class TrainConfig:
     generate_prompts: int | None = 0
     """E2E and DART (``data.name: e2e``): at the final evaluation, greedy generations for the
     first this many test meaning representations, scored against all their references: BLEU
-    (sacrebleu, multi-reference, case-sensitive) and ROUGE-L (best over references;
-    rouge_score lower-cases) in summary.json as
-    ``test_bleu``, ``test_rouge_l``, ``test_generated_prompts``. Null: every test MR (the
+    (sacrebleu, multi-reference, case-sensitive as in the inner-momentum paper; uncased as in
+    the official E2E script) and ROUGE-L (best over references; rouge_score lower-cases) in
+    summary.json as ``test_bleu``, ``test_bleu_uncased``, ``test_rouge_l``,
+    ``test_generated_prompts`` (dptrain/eval/text.py says how they differ from the official
+    scripts' numbers). Null: every test MR (the
     papers' protocol); 0: none. Public test data: no privacy cost."""
     max_new_tokens: int = 64
     """generate_prompts: the longest generation in tokens (EOS ends one earlier; also capped by
@@ -820,7 +822,8 @@ class Trainer:
                 scores = generate_and_score(self.model, self.task.tokenizer, refs,
                                             max_new_tokens=tc.max_new_tokens,
                                             batch_size=tc.eval_batch_size)
-                metrics.update(bleu=scores["bleu"], rouge_l=scores["rouge_l"],
+                metrics.update(bleu=scores["bleu"], bleu_uncased=scores["bleu_uncased"],
+                               rouge_l=scores["rouge_l"],
                                generated_prompts=scores["num_prompts"])
         finally:
             self.model.train()  # (Task.evaluate reshards FSDP2's root after its forwards)

@@ -216,6 +216,21 @@ REFS = [["the cat sat on a mat.", "there is a cat on the mat.", "a cat is sittin
         ["it is good here now"]]
 
 
+def test_uncased_bleu_is_bleu_of_the_lower_cased_texts():
+    # the official E2E script's BLEU ignores case: a hypothesis that differs from a reference
+    # only in case scores 100 uncased and less with case; on mixed-case texts the uncased
+    # score is the hand computation on lower-cased hypotheses and references
+    refs = list(SMALL.values())
+    shouted = score_texts([r[0].upper() for r in refs], refs)
+    assert shouted["bleu_uncased"] == pytest.approx(100.0)
+    assert shouted["bleu"] < 5
+    hyps = [h.replace("dog", "Dog").replace("it", "It") for h in HYPS]
+    res = score_texts(hyps, REFS)
+    want = _bleu_by_hand([h.lower() for h in hyps], [[r.lower() for r in rs] for rs in REFS])
+    assert res["bleu_uncased"] == pytest.approx(want, rel=1e-9, abs=1e-9)
+    assert res["bleu"] < res["bleu_uncased"]
+
+
 def test_bleu_and_rouge_equal_hand_computed_multi_reference_values():
     res = score_texts(HYPS, REFS)
     bleu = _bleu_by_hand(HYPS, REFS)
