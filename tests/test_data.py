@@ -1252,6 +1252,93 @@ def test_webdataset_damaged_header_inside_a_shard_is_refused(tmp_path):
     assert e.value.field == "data.path"
 
 
+@pytest.mark.parametrize("damage", ["zero page", "cut at a member", "concatenated"])
+def test_webdataset_a_shard_that_stops_early_without_error_is_refused(tmp_path, damage):
+    """tarfile ends its iteration silently at the first zero block, wherever it is, and at a
+    file that ends right after a member: a zeroed page in the middle (an unclean shutdown), a
+    shard cut between two samples, or two tars concatenated gave fewer examples, no word."""
+    import tarfile
+
+    rng = np.random.default_rng(7)
+    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
+    _write_shards(tmp_path, "imagenet-train", 1, 4, rng)
+    train = tmp_path / "imagenet-train-000000.tar"
+    assert len(build_data(DataConfig(name="webdataset", path=str(tmp_path),
+                                     image_size=8)).train) == 4
+    with tarfile.open(train) as tf:
+        members = tf.getmembers()
+    data = bytearray(train.read_bytes())
+    at = members[4].offset  # the third sample's first header
+    if damage == "zero page":
+        data[at:at + 4096] = bytes(4096)
+        match = "data after the end-of-archive marker"
+    elif damage == "cut at a member":
+        data = data[:at]
+        match = "no end-of-archive marker"
+    else:
+        data = data + data  # cat a.tar a.tar: the second copy's samples would be dropped
+        match = "two tars concatenated"
+    train.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=match) as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert e.value.field == "data.path" and str(train) in e.value.message
+
+
+def test_webdataset_keys_are_those_webdataset_yields(tmp_path):
+    """Only webdataset's metadata names (``__x__``, ``__x__/...``) are skipped: a sample whose
+    key merely starts with ``__`` was dropped, and a metadata member between a key's files
+    split it, though webdataset yields one sample."""
+    import webdataset as wds
+    from PIL import Image
+
+    def jpg(v):
+        buf = io.BytesIO()
+        Image.fromarray(np.full((8, 8, 3), v, np.uint8)).save(buf, format="JPEG")
+        return buf.getvalue()
+
+    _write_shards(tmp_path, "imagenet-val", 1, 2, np.random.default_rng(1))
+    shard = tmp_path / "imagenet-train-000000.tar"
+    _tar(shard, [("__a.jpg", jpg(10)), ("__a.cls", b"1"), ("b.jpg", jpg(20)),
+                 ("__info__/about.json", b"{}"), ("b.cls", b"2"), ("__meta__", b"x"),
+                 ("__c__d.jpg", jpg(30)), ("__c__d.cls", b"3")])
+    task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    stream = wds.WebDataset(str(shard), shardshuffle=False).to_tuple("__key__", "cls")
+    want = [(k, int(c)) for k, c in stream]
+    assert want == [("__a", 1), ("b", 2), ("__c__d", 3)]
+    assert task.train.labels.tolist() == [c for _, c in want]
+
+
+@pytest.mark.parametrize("copy_to, field", [("imagenet-train-000009.tar", "data.train_file"),
+                                            ("imagenet-val-000009.tar", "data.test_file")])
+def test_webdataset_a_copied_shard_is_refused(tmp_path, copy_to, field):
+    """A copy of a shard (a second file, so the link check cannot see it) indexed its examples
+    twice: N counted them twice and each copy was sampled on its own. Shards with the same
+    layout but other bytes are distinct examples and pass."""
+    import shutil
+
+    from PIL import Image
+
+    def ppm(v):  # a fixed size whatever the pixels: the same layout with other bytes
+        buf = io.BytesIO()
+        Image.fromarray(np.full((8, 8, 3), v, np.uint8)).save(buf, format="PPM")
+        return buf.getvalue()
+
+    for name, v in (("imagenet-train-000000.tar", 1), ("imagenet-train-000001.tar", 2),
+                    ("imagenet-val-000000.tar", 3)):
+        _tar(tmp_path / name, [(f"k{v}a.ppm", ppm(v)), (f"k{v}a.cls", b"1"),
+                               (f"k{v}b.ppm", ppm(v + 10)), (f"k{v}b.cls", b"0")])
+    task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert len(task.train) == 4 and len(task.test) == 2
+    assert task.train.layouts[0] == task.train.layouts[1]  # same layout, other pixels
+    shutil.copyfile(tmp_path / "imagenet-train-000001.tar", tmp_path / copy_to)
+    with pytest.raises(ConfigError, match=r"imagenet-train-000001.tar and .*000009.tar are "
+                                          r"the same shard, byte for byte") as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert e.value.field == field
+    if field == "data.test_file":
+        assert "the test split would hold training examples" in e.value.message
+
+
 def test_image_size_4_is_the_smallest_accepted():
     DataConfig(name="synthetic_images", image_size=4).validate()
     with pytest.raises(ConfigError):

@@ -334,7 +334,7 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
         return Task(train=train, test=test, info=info, loss_fn=classification_loss)
 
     if cfg.name == "webdataset":
-        from dptrain.data.wds import WebDatasetImages, expand_shards, file_id
+        from dptrain.data.wds import WebDatasetImages, expand_shards, file_id, find_copy
 
         directory = _resolve_dir(cfg.path, None)
         if directory is not None and not directory.is_dir():
@@ -353,6 +353,18 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
                                  cfg.index_cache_dir)
         test = WebDatasetImages(test_shards, size, c, cfg.max_test_examples,
                                 cfg.index_cache_dir)
+        # a copied shard (not a link: expand_shards keeps one name per file) holds the same
+        # examples twice: each counted in N and sampled on its own, two queries of one record
+        copy = find_copy(train.shards + test.shards, train.layouts + test.layouts)
+        if copy is not None:
+            a, b = copy
+            in_test = b in test.shards
+            where = ("the test split would hold training examples" if in_test and a in
+                     train.shards else f"each of its examples would be in the "
+                     f"{'test' if in_test else 'training'} set twice")
+            raise ConfigError("data.test_file" if in_test else "data.train_file",
+                              f"{a} and {b} are the same shard, byte for byte (a copy): "
+                              f"{where}; leave one out")
         labels = np.concatenate([train.index["label"], test.index["label"]])
         k = cfg.num_classes or (int(labels.max()) + 1 if len(labels) else 0)
         if len(labels) and labels.min() < 0:

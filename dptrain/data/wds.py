@@ -79,6 +79,25 @@ def expand_shards(directory: Path | None, pattern: str, field: str) -> list[Path
     return unique
 
 
+def find_copy(shards: list[Path], layouts: list[bytes]) -> tuple[Path, Path] | None:
+    """Two of ``shards`` that are the same file's bytes under two names (a copy, which the
+    link check of :func:`expand_shards` cannot see), or None. ``layouts[i]`` digests shard i's
+    index (:attr:`WebDatasetImages.layouts`); only shards with the same size and the same
+    non-empty index are compared, byte for byte."""
+    import filecmp
+
+    seen: dict[tuple[int, bytes], list[Path]] = {}
+    for path, layout in zip(shards, layouts):
+        if not layout:  # no samples: a copy adds none
+            continue
+        group = seen.setdefault((path.stat().st_size, layout), [])
+        for earlier in group:
+            if filecmp.cmp(earlier, path, shallow=False):
+                return earlier, path
+        group.append(path)
+    return None
+
+
 def file_id(path: Path) -> tuple[int, int]:
     """(device, inode): the same for every spelling of, and every link to, one file."""
     st = path.stat()
@@ -100,6 +119,16 @@ def index_shards(shards: list[Path], cache_dir: str | Path | None = None) -> dic
             columns[k].append(v)
     return {k: np.concatenate([*v, np.zeros(0, np.int64)]).astype(np.int64)
             for k, v in columns.items()}
+
+
+def _layout(index: dict[str, np.ndarray], shard: int) -> bytes:
+    import hashlib
+
+    rows = index["shard"] == shard
+    if not rows.any():
+        return b""
+    columns = np.stack([index[k][rows] for k in ("offset", "size", "label")])
+    return hashlib.blake2b(columns.tobytes(), digest_size=16).digest()
 
 
 def _shard_index(path: Path, base_plus_ext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -126,9 +155,12 @@ def _shard_index(path: Path, base_plus_ext) -> tuple[np.ndarray, np.ndarray, np.
             np.asarray(labels, dtype=np.int64))
 
 
-INDEX_CACHE_FORMAT = 2
+INDEX_CACHE_FORMAT = 3
 """Bumped when what a shard's index holds changes: 2 (2026-12-03) refuses a key that comes back
-after other keys and labels that are not ASCII int64 digits, which format 1 entries accepted."""
+after other keys and labels that are not ASCII int64 digits, which format 1 entries accepted;
+3 (2026-12-06) refuses a shard with anything but zeros after its end-of-archive marker, or
+without one, and indexes keys that start with ``__`` but are not webdataset's metadata names
+(format 2 skipped them)."""
 
 
 def _cached_shard_index(path: Path, cache_dir: Path, base_plus_ext):
@@ -194,9 +226,8 @@ def _scan_shard(path: Path, base_plus_ext) -> dict[str, dict]:
             prefix, ext = base_plus_ext(m.name)
             if prefix is None:
                 continue
-            if Path(prefix).name.startswith("__"):
-                last = prefix  # (webdataset yields it: a key before and after it is split)
-                continue
+            if _is_metadata(m.name):
+                continue  # (webdataset skips it: a key before and after it is not split)
             ext = ext.lower()
             if prefix in samples and prefix != last:
                 # webdataset groups adjacent members by key: a key that comes back after
@@ -229,17 +260,48 @@ def _scan_shard(path: Path, base_plus_ext) -> dict[str, dict]:
                                       f"{path}: {m.name} is not an integer label")
                 rec["cls"] = int(text)
         # tarfile ends the iteration SILENTLY at a damaged or cut-off header after the first
-        # one (the rest of the shard would be dropped): the archive must end at a zero block
-        # (the end-of-archive marker) or exactly at the end of the file
+        # one, and at the first zero block, wherever it is (the rest of the shard would be
+        # dropped): the archive must end at its end-of-archive marker, zeros to the end of
+        # the file, as every tar writer leaves it
         stop = tf.offset
-    if stop < end:
-        with open(path, "rb") as fh:
-            fh.seek(stop)
-            block = fh.read(tarfile.BLOCKSIZE)
-        if len(block) < tarfile.BLOCKSIZE or block.count(0) != tarfile.BLOCKSIZE:
+    _check_ends_in_zeros(path, stop, end)
+    return samples
+
+
+def _is_metadata(name: str) -> bool:
+    """A member webdataset's tar reader skips (``__name__``, or in a ``__name__/`` folder):
+    not a sample."""
+    return ("/" not in name and name.startswith("__") and name.endswith("__")) or bool(
+        _METADATA.match(name))
+
+
+_METADATA = re.compile(r"__[^/]*__($|/)")  # webdataset's default skip_meta
+
+
+def _check_ends_in_zeros(path: Path, stop: int, end: int) -> None:
+    """Refuse a shard whose member iteration stopped at byte ``stop`` of ``end`` anywhere but
+    at its end-of-archive marker with only zeros after it: cut off at a member's boundary (no
+    marker), a damaged header, or a zero block in the middle (a page lost in an unclean
+    shutdown, two tars concatenated), after which tar readers drop the members."""
+    if stop == end:
+        raise tarfile.ReadError(f"no end-of-archive marker: the shard ends at byte {end} after "
+                                f"a complete member (truncated shard?)")
+    with open(path, "rb") as fh:
+        fh.seek(stop)
+        first = fh.read(tarfile.BLOCKSIZE)
+        if len(first) < tarfile.BLOCKSIZE or first.count(0) != tarfile.BLOCKSIZE:
             raise tarfile.ReadError(f"damaged or truncated tar header at byte {stop} "
                                     f"(truncated shard?)")
-    return samples
+        at = stop + tarfile.BLOCKSIZE
+        while chunk := fh.read(1 << 20):
+            zeros = len(chunk) - len(chunk.lstrip(b"\0"))  # leading
+            if zeros < len(chunk):
+                raise tarfile.ReadError(
+                    f"data after the end-of-archive marker at byte {stop} (byte {at + zeros} "
+                    f"is not 0): a block of zeros in the middle of the shard (a page lost in "
+                    f"an unclean shutdown?) or two tars concatenated; tar readers drop the "
+                    f"members after it")
+            at += len(chunk)
 
 
 def _eight_bit(img):
@@ -329,6 +391,9 @@ class WebDatasetImages(ImageDecoding):
         self.image_size = int(image_size)
         self.in_chans = int(in_chans)
         self.index = index_shards(self.shards, index_cache_dir)
+        #: per shard, a digest of its samples' offsets, sizes and labels (b"" for none), for
+        #: :func:`find_copy`
+        self.layouts = [_layout(self.index, s) for s in range(len(self.shards))]
         if max_examples is not None and max_examples < len(self.index["label"]):
             keep = even_subset(len(self.index["label"]), max_examples)
             self.index = {k: v[keep] for k, v in self.index.items()}
