@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,11 @@ def test_largest_lower_bound_is_the_bound_of_a_perfect_audit():
     m = canaries_needed(5.72, delta)
     assert m is not None and 2000 < m < 4000 and largest_lower_bound(m, delta) > 5.72
     assert canaries_needed(5.74, delta) is None
+    # at most the limit (a model's trainable coordinates): the suggestion must be one the
+    # model can hold; 1,500 canaries give 5.41, 1,200 only 5.24
+    assert canaries_needed(5.3, delta, limit=1500) == 1500
+    assert canaries_needed(5.3, delta, limit=1200) is None
+    assert canaries_needed(3.0, delta, limit=1) is None
 
 
 @pytest.mark.parametrize("m, r, v, delta, significance", [
@@ -256,8 +262,17 @@ def test_an_audit_that_cannot_refute_its_claim_says_so(capsys):
                  "train.checkpoint_every=0", "train.progress=false"])
     err = capsys.readouterr().err
     assert code == 0
-    assert "cannot refute the claim" in err and "no number of canaries can" in err
+    assert "cannot refute the claim" in err and "no number of canaries up to" in err
     assert "probability 0.23" in err
+    # at delta 1e-6 the ceiling rises further: the suggestion was 32,000 canaries, more than
+    # the model's 27,552 trainable coordinates (refused with exit 2 when tried)
+    code = main(["audit", "--config", TINY, "--canaries", "100", "privacy.steps=2",
+                 "privacy.delta=1e-6", "train.checkpoint_every=0", "train.progress=false"])
+    err = capsys.readouterr().err
+    assert code == 0 and "cannot refute the claim" in err
+    suggested = re.search(r"\((\d+) canaries could\)", err)
+    assert (int(suggested.group(1)) <= 27552 if suggested else
+            "up to 27552, the model's trainable coordinates" in err), err
 
 
 @pytest.mark.parametrize("args,field", [(["--canaries", "1"], "canaries"),

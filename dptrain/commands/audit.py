@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
 
 from dptrain.commands import FIGURES, JSON, check_new_files, writing
@@ -79,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from dptrain.config import load
-    from dptrain.privacy.audit import (GradientCanaries, audit_scores, canaries_needed,
-                                       largest_lower_bound)
+    from dptrain.privacy.audit import (MAX_SUGGESTED_CANARIES, GradientCanaries, audit_scores,
+                                       canaries_needed, largest_lower_bound)
     from dptrain.trainer import RunConfig, Trainer
 
     m, confidence, seed = _parse(args)
@@ -134,12 +135,16 @@ def run(args: argparse.Namespace) -> int:
     if consistent:
         print(f"{PROG}: {line}: consistent")
         if ceiling <= claimed:
-            more = canaries_needed(claimed, plan.delta, 1 - confidence)
+            limit = min(total, MAX_SUGGESTED_CANARIES)
+            more = canaries_needed(claimed, plan.delta, 1 - confidence, limit=limit)
             print(f"{PROG}: note: with {m} canaries no run can show an epsilon above "
                   f"{ceiling:.2f}, so this audit cannot refute the claim of {claimed:.2f} "
                   + (f"({more} canaries could)" if more else
-                     f"(no number of canaries can at delta {plan.delta:.3g}: the bound's "
-                     "delta term grows with the number of canaries)"), file=sys.stderr)
+                     "(no audit can refute an infinite epsilon)" if math.isinf(claimed) else
+                     f"(no number of canaries up to {limit} can at delta {plan.delta:.3g}"
+                     + (", the model's trainable coordinates" if limit == total else "")
+                     + "; the bound's delta term grows with the number of canaries)"),
+                  file=sys.stderr)
         if appear < 0.5:
             print(f"{PROG}: note: an included canary is sampled at least once with "
                   f"probability {appear:.2f} (q = {plan.sample_rate:.3g}, {plan.steps} steps): "

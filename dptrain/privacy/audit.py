@@ -83,10 +83,8 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float, significance: floa
     if r == 0 or excess(0.0) <= 0:
         return 0.0
     lo, hi = 0.0, 1.0
-    while excess(hi) > 0:  # p grows with eps; all r correct and delta = 0 rejects any eps
+    while excess(hi) > 0:  # p grows with eps (its limit is 1: the loop ends)
         lo, hi = hi, 2 * hi
-        if hi > 1e3:
-            return lo
     eps = float(brentq(excess, lo, hi, xtol=1e-6))
     # brentq's point lies within xtol of the root, on either side: report one that is rejected
     while eps > lo and excess(eps) <= 0:
@@ -160,27 +158,40 @@ def largest_lower_bound(m: int, delta: float, significance: float = 0.05,
     return epsilon_lower_bound(m, r, r, delta, significance / len(plans))
 
 
+#: the most canaries :func:`canaries_needed` suggests (one ceiling there takes about 2 s; at
+#: 2^26, with a small delta, the search ran for minutes and one ceiling took 2.8 GB)
+MAX_SUGGESTED_CANARIES = 1 << 20
+
+
 def canaries_needed(epsilon: float, delta: float, significance: float = 0.05,
-                    fractions=GUESS_FRACTIONS) -> int | None:
-    """A number of canaries whose :func:`largest_lower_bound` exceeds ``epsilon``: the smallest
-    power-of-two multiple of 1,000 that does, or, once the ceiling has passed its peak (it
-    falls again, from the delta term), the smallest in steps of 1/64 of the last doubling
-    around that peak (delta 1e-5: 5.603 at 2,000, 5.733 at 3,300, 5.718 at 4,000 canaries);
-    None when none does."""
-    if not math.isfinite(epsilon):
+                    fractions=GUESS_FRACTIONS,
+                    limit: int = MAX_SUGGESTED_CANARIES) -> int | None:
+    """A number of canaries, at most ``limit`` (e.g. a model's trainable coordinates) and
+    :data:`MAX_SUGGESTED_CANARIES`, whose :func:`largest_lower_bound` exceeds ``epsilon``: the
+    smallest power-of-two multiple of 1,000 (or the limit) that does, or, once the ceiling has
+    passed its peak (it falls again, from the delta term), the smallest in 48 steps between
+    the size before the last and the last one (delta 1e-5: 5.603 at 2,000, 5.733 at 3,300,
+    5.718 at 4,000 canaries); None when none does."""
+    limit = min(int(limit), MAX_SUGGESTED_CANARIES)
+    if not math.isfinite(epsilon) or limit < 2:
         return None
-    m, last = 1000, -1.0
-    while m <= 1 << 26:
+    tried: list[tuple[int, float]] = []  # (m, ceiling)
+    m = 1000
+    while True:
+        m = min(m, limit)
         ceiling = largest_lower_bound(m, delta, significance, fractions)
         if ceiling > epsilon:
             return m
-        if ceiling <= last:  # the peak lies between m / 4 and m
-            step = max(1, m // 64)
-            return next((k for k in range(m // 4 + step, m, step)
+        if tried and ceiling <= tried[-1][1]:  # the peak lies between the size before and m
+            lo = tried[-2][0] if len(tried) > 1 else 2
+            step = max(1, (m - lo) // 48)
+            return next((k for k in range(lo + step, m, step)
                          if largest_lower_bound(k, delta, significance, fractions) > epsilon),
                         None)
-        m, last = 2 * m, ceiling
-    return None
+        if m >= limit:
+            return None
+        tried.append((m, ceiling))
+        m *= 2
 
 
 def _derived_seed(seed: int, domain: int) -> int:
