@@ -432,6 +432,7 @@ def test_mistakes_exit_2_with_one_line_naming_the_option(request, tmp_path, caps
     lines = [line for line in err.strip().splitlines() if line]
     assert len(lines) == 1, err
     assert option in lines[0], lines[0]
+    assert "resume" not in lines[0], lines[0]  # (the config checks are a resume's too)
     assert not out.exists()
 
 

@@ -690,10 +690,12 @@ RELOCATABLE = frozenset({("data", "path"), ("data", "test_file"), ("data", "max_
                          ("data", "index_cache_dir"), ("model", "pretrained_path")})
 
 
-def check_compatible(saved_cfg: dict, cfg, source: str = "the checkpoint") -> list[str]:
+def check_compatible(saved_cfg: dict, cfg, source: str = "the checkpoint",
+                     needs: str = "a resumed run keeps its {}") -> list[str]:
     """ConfigError naming the first setting that a resume may not change; else the
     :data:`RELOCATABLE` settings that differ, as ``section.key: old -> new`` lines. ``source``
-    names where ``saved_cfg`` was read, in the messages."""
+    names where ``saved_cfg`` was read, and ``needs`` (formatted with what is kept) why the
+    setting must be the same, in the messages."""
     # both sides as JSON would give them: summary.json's config (a finished run) has lists
     # where a checkpoint's has tuples
     saved_cfg = _plain(saved_cfg)
@@ -703,8 +705,8 @@ def check_compatible(saved_cfg: dict, cfg, source: str = "the checkpoint") -> li
         if saved.get(key) != current.get(key):
             raise ConfigError(f"privacy.{key}",
                               f"differs from {source} ({saved.get(key)!r} there, "
-                              f"{current.get(key)!r} now): a resumed run must keep the privacy "
-                              f"settings")
+                              f"{current.get(key)!r} now): "
+                              + needs.format("privacy settings"))
     if saved.get("secure_mode") != current.get("secure_mode"):
         raise ConfigError("privacy.secure_mode", f"differs from {source}")
     if not cfg.privacy.secure_mode and saved.get("seed") != current.get("seed"):
@@ -712,14 +714,14 @@ def check_compatible(saved_cfg: dict, cfg, source: str = "the checkpoint") -> li
     if saved_cfg.get("seed") != cfg.seed:
         # the run's seed: synthetic data, dropout, augmentation and probe streams
         raise ConfigError("seed", f"differs from {source} ({saved_cfg.get('seed')!r} "
-                                  f"there, {cfg.seed!r} now): a resumed run keeps its seed")
+                                  f"there, {cfg.seed!r} now): " + needs.format("seed"))
     saved_filter = ((saved_cfg.get("optim") or {}).get("filter") or {}).get("name", "none")
     filt = cfg.optim.filter.name
     # turning a filter on or off is allowed (its state starts empty, or is left unused)
     if "none" not in (saved_filter, filt) and saved_filter != filt:
         raise ConfigError("optim.filter.name", f"{filt} here, {saved_filter} in {source}: "
-                                               "a resumed run keeps its filter (or turns it "
-                                               "off)")
+                                               + needs.format("filter") + " (turning one on or "
+                                               "off is allowed)")
     moved = []
     for section in ("model", "data"):
         was, now = saved_cfg.get(section) or {}, _plain(to_dict(getattr(cfg, section)))
@@ -739,8 +741,8 @@ def check_compatible(saved_cfg: dict, cfg, source: str = "the checkpoint") -> li
         if keys:
             key = keys[0]
             raise ConfigError(f"{section}.{key}", f"differs from {source} ({was.get(key)!r} "
-                                                  f"there, {now.get(key)!r} now): resume needs "
-                                                  f"the same {section} settings")
+                                                  f"there, {now.get(key)!r} now): "
+                                                  + needs.format(f"{section} settings"))
     return moved
 
 

@@ -250,7 +250,8 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     except ConfigError as e:
         raise ConfigError("--checkpoint", e.message) from None
     cfg = _build_config(state["config"], config_path, overrides)
-    relocated = ckpt.check_compatible(state["config"], cfg)
+    relocated = ckpt.check_compatible(state["config"], cfg,
+                                      needs="diagnose measures the checkpoint's run: keep its {}")
     plan = state["plan"]
     perf = cfg.performance
     if perf.num_threads is not None:
