@@ -48,6 +48,15 @@ def test_series_group_the_row_keys_into_panels():
                                                      "last_iterate_examples": 64}})
     assert s["loss"]["test_last_iterate_loss"] == ([3], [1.35])
     assert not any("examples" in panel for panel in s)
+    # E2E/DART: both BLEUs share a panel, also the last iterate's; the number of generated
+    # prompts (the trainer's key) is a count, not a curve
+    s = metric_series(rows, {"steps": 3, "metrics": {
+        "bleu": 58.9, "bleu_uncased": 60.5, "rouge_l": 62.8, "generated_prompts": 630,
+        "last_iterate_bleu": 57.0, "last_iterate_generated_prompts": 630}})
+    assert s["test BLEU"] == {"test_bleu": ([3], [58.9]), "test_bleu_uncased": ([3], [60.5]),
+                              "test_last_iterate_bleu": ([3], [57.0])}
+    assert s["test rouge_l"] == {"test_rouge_l": ([3], [62.8])}
+    assert not any("prompts" in panel for panel in s)
     # one learning rate (not a mapping) is one curve
     assert metric_series([{"step": 1, "lr": 0.1}]) == {"learning rate": {"lr": ([1], [0.1])}}
 

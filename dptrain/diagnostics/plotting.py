@@ -68,11 +68,14 @@ def plot_audit_scores(scores, included, path: str | Path, *, title: str | None =
     return _save(fig, path)
 
 
-_COUNTS = ("tokens", "examples", "num_prompts")
+_COUNTS = ("tokens", "examples", "generated_prompts")
 """Test-set sizes (``test_tokens``, ``test_last_iterate_examples``, ...): constant over a run,
 not worth a panel."""
 
 _LOSSES = ("loss", "nll_per_token")
+
+_BLEU = ("bleu", "bleu_uncased")
+"""E2E/DART's BLEU, case-sensitive and uncased: one panel."""
 
 _PANELS = {"epsilon": "epsilon spent", "peak_memory_gib": "peak memory (GiB)",
            # NVML's device memory beside PyTorch's peak: the gap is the context, NCCL, the cache
@@ -90,6 +93,7 @@ def metric_series(rows: Iterable[Mapping], final: Mapping | None = None) -> dict
     - ``loss``: ``train_loss`` and the test losses (``test_loss``, ``test_nll_per_token``, and
       with a parameter EMA the last iterate's, ``test_last_iterate_loss``, ...);
     - ``learning rate``: one curve per parameter group (``lr`` is a mapping, or one number);
+    - ``test BLEU``: E2E/DART's case-sensitive and uncased BLEU (and the last iterate's);
     - every other number in a row in a panel of its own: ``epsilon spent``, ``peak memory
       (GiB)``, ``test accuracy``, ...; ``time`` and the test-set sizes are not drawn;
     - ``final``: ``summary.json``'s ``steps`` and ``metrics`` (the final evaluation), added to
@@ -127,6 +131,8 @@ def metric_series(rows: Iterable[Mapping], final: Mapping | None = None) -> dict
                     add("learning rate", name, step, lr)
             elif key == "train_loss" or (key.startswith("test_") and base in _LOSSES):
                 add("loss", key, step, value)
+            elif key.startswith("test_") and base in _BLEU:
+                add("test BLEU", key, step, value)
             else:
                 add(_PANELS.get(key, key.replace("test_", "test ", 1)), key, step, value)
     return panels
