@@ -43,9 +43,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, commands
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, process_exits: bool = False) -> int:
+    """Run one command; its exit status. ``process_exits``: the process exits right after
+    (:func:`entry`), so a finished command may leave stop signals ignored."""
     parser, commands = build_parser()
     args, rest = parser.parse_known_args(argv)
+    args.process_exits = process_exits
     # ``key=value`` overrides may come before and after options (``train a=1 --config X b=2``):
     # argparse stops collecting a positional list at the first option
     if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
@@ -71,9 +74,10 @@ def entry() -> None:
     """The process's entry point (the ``dptrain`` script, ``python -m dptrain``): ``main``, then
     exit with its status. A command that returned 0 has done its work (a run's ``summary.json``
     and ``final/`` are written), so a stop signal arriving while the interpreter shuts down
-    (the process group's teardown, atexit handlers) is ignored: a scheduler must not read a
-    complete run as preempted (status 143). Any other status keeps the default action."""
-    rc = main()
+    (the trainer's teardown, the process group's, atexit handlers) is ignored: a scheduler
+    must not read a complete run as preempted (status 143). Any other status keeps the
+    default action."""
+    rc = main(process_exits=True)
     if rc == 0:
         from dptrain.commands.train import STOP_SIGNALS
 

@@ -288,8 +288,27 @@ def test_a_stop_signal_while_a_finished_process_exits_keeps_its_status(status):
     code = ("import atexit, os, signal\n"
             "from dptrain import cli\n"
             "atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))\n"
-            f"cli.main = lambda argv=None: {status}\n"
+            f"cli.main = lambda argv=None, process_exits=False: {status}\n"
             "cli.entry()\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           timeout=120)
     assert proc.returncode == (0 if status == 0 else -signal.SIGTERM), proc.stderr
+
+
+def test_a_stop_signal_while_a_finished_run_is_torn_down_keeps_status_0(tmp_path):
+    # summary.json is written, then the trainer is freed (seconds for a large model) before
+    # main returns: a SIGTERM then, here sent by the trainer's own finaliser, killed the
+    # finished run with 143
+    out = tmp_path / "out"
+    code = ("import os, signal, sys\n"
+            "from dptrain import cli\n"
+            "from dptrain.trainer import Trainer\n"
+            "Trainer.__del__ = lambda self: os.kill(os.getpid(), signal.SIGTERM)\n"
+            f"sys.argv = ['dptrain', 'train', '--config', {TINY!r}, '--output-dir', "
+            f"{str(out)!r}, 'train.progress=false', 'privacy.steps=2']\n"
+            "cli.entry()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "summary.json").is_file()
+    assert b"received" not in proc.stderr  # a finished run says nothing of stopping

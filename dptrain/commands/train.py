@@ -41,9 +41,12 @@ def run(args: argparse.Namespace) -> int:
     # a stop signal from here on, also while the data, the model or a checkpoint is loaded,
     # stops the run at its first step boundary (before any step: with nothing to keep)
     stop = types.SimpleNamespace(stop_signal=None, rank=int(os.environ.get("RANK", "0")),
-                                 trainer=None)
-    with _stop_on_signals(stop):
-        return _run(args, stop)
+                                 trainer=None, finished=False)
+    with _stop_on_signals(stop, keep_ignoring=getattr(args, "process_exits", False)):
+        rc = _run(args, stop)
+        stop.finished = rc == 0
+        stop.trainer = None  # freed here, while a stop signal only sets a flag
+        return rc
 
 
 def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
@@ -196,7 +199,7 @@ def _dry_run_report(trainer, out: Path, resume_path: Path | None) -> str:
 
 
 @contextlib.contextmanager
-def _stop_on_signals(stop):
+def _stop_on_signals(stop, keep_ignoring: bool = False):
     """A stop signal (``STOP_SIGNALS``; torchrun forwards SIGTERM to every rank) sets
     ``stop.stop_signal``, and that of ``stop.trainer`` once there is one: the trainer stops at
     the next step boundary with a checkpoint instead of dying mid-step. The step in progress
@@ -204,13 +207,18 @@ def _stop_on_signals(stop):
     stop signals are ignored: under Slurm a rank can get the same one twice, from slurmstepd
     (which signals every process of the step) and from torchrun's agent, so "twice means now"
     would kill it mid-step; SIGINT (Ctrl-C) or SIGKILL stop at once. Only the main thread can
-    install handlers; elsewhere (a test calling ``main`` from a thread) nothing changes."""
+    install handlers; elsewhere (a test calling ``main`` from a thread) nothing changes.
+
+    On the way out the stop signals are ignored after a stop (the process exits 128 + signum,
+    its checkpoint written) and, with ``keep_ignoring`` (the process exits next:
+    :func:`dptrain.cli.entry`), after a finished run (``stop.finished``: its summary.json
+    written, status 0); otherwise the previous handlers come back."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
-        if stop.stop_signal is not None:  # already stopping
+        if stop.stop_signal is not None or getattr(stop, "finished", False):  # stopping, done
             return
         stop.stop_signal = signum
         if getattr(stop, "trainer", None) is not None:  # (any holder: a trainer itself too)
@@ -224,10 +232,13 @@ def _stop_on_signals(stop):
     try:
         yield
     finally:
-        # after a stop the process exits 128 + signum with its checkpoint written: a repeated
-        # signal arriving in those last milliseconds must not turn that exit into a kill
+        # after a stop the process exits 128 + signum with its checkpoint written, and after a
+        # finished run it exits 0: a signal arriving in those last milliseconds must not turn
+        # that exit into a kill (143)
+        finished = getattr(stop, "finished", False)
+        done = stop.stop_signal is not None or (keep_ignoring and finished)
         for sig, previous in before.items():
-            signal.signal(sig, signal.SIG_IGN if stop.stop_signal is not None else previous)
+            signal.signal(sig, signal.SIG_IGN if done else previous)
 
 
 def _json_rows(path: Path) -> list[tuple[str, dict]]:
