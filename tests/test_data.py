@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import shutil
 import types
 from pathlib import Path
 
@@ -1337,6 +1338,44 @@ def test_webdataset_a_copied_shard_is_refused(tmp_path, copy_to, field):
     assert e.value.field == field
     if field == "data.test_file":
         assert "the test split would hold training examples" in e.value.message
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="no tar command")
+def test_webdataset_a_sparse_image_member_is_refused(tmp_path):
+    """GNU tar's --sparse stores a file's data compacted, so the image's bytes are not at the
+    member's offset: the index read garbage (decoded without error) or called the shard
+    truncated."""
+    import subprocess
+
+    from PIL import Image
+
+    src = tmp_path / "src"
+    src.mkdir()
+    arr = np.zeros((300, 300, 3), np.uint8)
+    arr[:3] = 100
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="BMP")
+    data = buf.getvalue()
+    with open(src / "k0.bmp", "wb") as fh:  # a sparse file: holes where 4 KiB are zeros
+        for i in range(0, len(data), 4096):
+            chunk = data[i:i + 4096]
+            if chunk.count(0) == len(chunk):
+                fh.seek(len(chunk), 1)
+            else:
+                fh.write(chunk)
+        fh.truncate(len(data))
+    (src / "k0.cls").write_text("1")
+    _write_shards(tmp_path, "imagenet-val", 1, 2, np.random.default_rng(1))
+    subprocess.run(["tar", "cf", str(tmp_path / "imagenet-train-000000.tar"), "--sparse",
+                    "--format=gnu", "k0.bmp", "k0.cls"], cwd=src, check=True)
+    import tarfile
+
+    with tarfile.open(tmp_path / "imagenet-train-000000.tar") as tf:
+        if not tf.getmember("k0.bmp").issparse():
+            pytest.skip("this file system or tar wrote no holes")
+    with pytest.raises(ConfigError, match="k0.bmp is a sparse tar member") as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert e.value.field == "data.path"
 
 
 def test_image_size_4_is_the_smallest_accepted():

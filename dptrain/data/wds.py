@@ -82,20 +82,36 @@ def expand_shards(directory: Path | None, pattern: str, field: str) -> list[Path
 def find_copy(shards: list[Path], layouts: list[bytes]) -> tuple[Path, Path] | None:
     """Two of ``shards`` that are the same file's bytes under two names (a copy, which the
     link check of :func:`expand_shards` cannot see), or None. ``layouts[i]`` digests shard i's
-    index (:attr:`WebDatasetImages.layouts`); only shards with the same size and the same
-    non-empty index are compared, byte for byte."""
+    index (:attr:`WebDatasetImages.layouts`). Only shards with the same size and the same
+    non-empty index are read: first their first and last 64 KiB, then, where those agree too,
+    byte for byte."""
     import filecmp
 
-    seen: dict[tuple[int, bytes], list[Path]] = {}
+    groups: dict[tuple[int, bytes], list[Path]] = {}
     for path, layout in zip(shards, layouts):
-        if not layout:  # no samples: a copy adds none
+        if layout:  # (no samples: a copy adds none)
+            groups.setdefault((path.stat().st_size, layout), []).append(path)
+    for paths in groups.values():
+        if len(paths) < 2:
             continue
-        group = seen.setdefault((path.stat().st_size, layout), [])
-        for earlier in group:
-            if filecmp.cmp(earlier, path, shallow=False):
-                return earlier, path
-        group.append(path)
+        by_ends: dict[bytes, list[Path]] = {}
+        for path in paths:  # class-sorted shards of fixed-size images share a layout
+            by_ends.setdefault(_ends_digest(path), []).append(path)
+        for same in by_ends.values():
+            for i, path in enumerate(same):
+                for earlier in same[:i]:
+                    if filecmp.cmp(earlier, path, shallow=False):
+                        return earlier, path
     return None
+
+
+def _ends_digest(path: Path, span: int = 1 << 16) -> bytes:
+    import hashlib
+
+    with open(path, "rb") as fh:
+        head = fh.read(span)
+        fh.seek(max(0, path.stat().st_size - span))
+        return hashlib.blake2b(head + fh.read(span), digest_size=16).digest()
 
 
 def file_id(path: Path) -> tuple[int, int]:
@@ -121,14 +137,15 @@ def index_shards(shards: list[Path], cache_dir: str | Path | None = None) -> dic
             for k, v in columns.items()}
 
 
-def _layout(index: dict[str, np.ndarray], shard: int) -> bytes:
+def _layouts(index: dict[str, np.ndarray], shards: int) -> list[bytes]:
+    """Per shard (the index's rows are in shard order), a digest of its samples' offsets,
+    sizes and labels; b"" for a shard without samples."""
     import hashlib
 
-    rows = index["shard"] == shard
-    if not rows.any():
-        return b""
-    columns = np.stack([index[k][rows] for k in ("offset", "size", "label")])
-    return hashlib.blake2b(columns.tobytes(), digest_size=16).digest()
+    bounds = np.searchsorted(index["shard"], np.arange(shards + 1))
+    columns = np.stack([index[k] for k in ("offset", "size", "label")])
+    return [hashlib.blake2b(columns[:, a:b].tobytes(), digest_size=16).digest() if b > a
+            else b"" for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def _shard_index(path: Path, base_plus_ext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -243,6 +260,10 @@ def _scan_shard(path: Path, base_plus_ext) -> dict[str, dict]:
                 raise ConfigError("data.path", f"{path}: sample key {prefix!r} appears "
                                                f"twice (a second {m.name})")
             if ext in IMAGE_EXTS:
+                if m.issparse():  # its stored data is compacted: not readable at an offset
+                    raise ConfigError("data.path", f"{path}: {m.name} is a sparse tar member "
+                                                   f"(tar --sparse); write the shard without "
+                                                   f"--sparse")
                 if m.offset_data + m.size > end:  # cut off: the last member's data is short
                     raise tarfile.ReadError(f"{m.name} ends past the end of the file "
                                             f"(truncated shard)")
@@ -393,7 +414,7 @@ class WebDatasetImages(ImageDecoding):
         self.index = index_shards(self.shards, index_cache_dir)
         #: per shard, a digest of its samples' offsets, sizes and labels (b"" for none), for
         #: :func:`find_copy`
-        self.layouts = [_layout(self.index, s) for s in range(len(self.shards))]
+        self.layouts = _layouts(self.index, len(self.shards))
         if max_examples is not None and max_examples < len(self.index["label"]):
             keep = even_subset(len(self.index["label"]), max_examples)
             self.index = {k: v[keep] for k, v in self.index.items()}
