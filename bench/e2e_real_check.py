@@ -133,6 +133,8 @@ def collect_one(d: Path, label: str, seed: int) -> dict:
     if g.exists():
         gen = json.loads(g.read_text())
         row.update(bleu=gen["bleu"], rouge_l=gen["rouge_l"], gen_prompts=gen["num_prompts"])
+        if "bleu_uncased" in gen:  # (generation.json files from before 2026-12-06 lack it)
+            row["bleu_uncased"] = gen["bleu_uncased"]
     return row
 
 
@@ -166,7 +168,8 @@ def score_generation(d: Path, prompts: int, max_new_tokens: int) -> None:
     res["max_new_tokens"] = max_new_tokens
     res["examples"] = list(zip(list(refs)[:3], res["texts"][:3]))
     (d / "generation.json").write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: res[k] for k in ("bleu", "rouge_l", "num_prompts", "seconds")}))
+    print(json.dumps({k: res[k] for k in ("bleu", "bleu_uncased", "rouge_l", "num_prompts",
+                                          "seconds")}))
 
 
 def mean_spread(xs: list[float]) -> str:
@@ -189,15 +192,17 @@ def report(out: Path) -> list[dict]:
     for r in rows:
         by.setdefault(r["method"], []).append(r)
     print(f"\n{'method':<22} {'seeds':<8} {'test NLL/token (mean ± sd)':<28} {'per seed':<30} "
-          f"{'BLEU':<16} {'ROUGE-L':<16}")
+          f"{'BLEU':<16} {'BLEU uncased':<16} {'ROUGE-L':<16}")
     for m, rs in by.items():
         rs.sort(key=lambda r: r["seed"])
         seeds = ",".join(str(r["seed"]) for r in rs)
         per = " ".join(f"{r['test_nll']:.4f}" for r in rs)
         bleu = mean_spread([r.get("bleu") for r in rs]) if any("bleu" in r for r in rs) else "-"
+        unc = (mean_spread([r.get("bleu_uncased") for r in rs])
+               if any("bleu_uncased" in r for r in rs) else "-")
         rl = mean_spread([r.get("rouge_l") for r in rs]) if any("rouge_l" in r for r in rs) else "-"
         print(f"{m:<22} {seeds:<8} {mean_spread([r['test_nll'] for r in rs]):<28} {per:<30} "
-              f"{bleu:<16} {rl:<16}")
+              f"{bleu:<16} {unc:<16} {rl:<16}")
     if "dp_muon" in by and "dp_muon_im" in by:
         base = {r["seed"]: r for r in by["dp_muon"]}
         print("\nseed-matched DP-Muon-IM vs DP-Muon (IM better = lower NLL, higher BLEU/ROUGE-L):")
