@@ -8,6 +8,7 @@ last printed line is one JSON object with the keys BENCHMARKS.md and issue 2 rel
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -199,3 +200,14 @@ def test_wds_index_bench_gives_the_same_index_three_ways(capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary["seconds"]) == {"no cache", "empty cache", "filled cache"}
     assert summary["samples"] == 300 and summary["speedup"] > 0
+
+
+def test_wds_index_bench_against_a_base_revision_gives_the_same_index(capsys):
+    # HEAD: a revision every clone has (a shallow one too)
+    if not (Path(__file__).resolve().parents[1] / ".git").exists():
+        pytest.skip("not a git checkout")
+    bench = _load("wds_index")
+    bench.main(["--samples", "60", "--shards", "3", "--rounds", "1", "--base", "HEAD"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["same_index"] is True and summary["tree_over_base"] > 0
+    assert set(summary["seconds"]) == {"base (HEAD)", "this tree"}
