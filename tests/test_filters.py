@@ -204,6 +204,22 @@ def test_doppler_paper_and_step_response_differ_only_in_the_first_q_steps_of_an_
     assert [o.tolist() for o in outs["step_response"]] == [g.tolist()] * 3
 
 
+def test_doppler_paper_correction_with_feedback_approaches_a_constant_slowly():
+    # docs/optim.md: with feedback the first output's deficit decays with the pole: a = [-0.9],
+    # b = [0.5, 0.5] gives 0.5, 0.763, 0.851, 0.894 times a constant g (m_t / c_t with
+    # m = 0.5, 1.45, 2.305, 3.0745 and c = 1, 1.9, 2.71, 3.439); step_response passes g
+    for correction, want in (("paper", [0.5, 1.45 / 1.9, 2.305 / 2.71, 3.0745 / 3.439]),
+                             ("step_response", [1.0] * 4)):
+        f = DopplerFilter([-0.9], [0.5, 0.5], correction)
+        p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        got = []
+        for _ in range(4):
+            p.grad = torch.ones(1, dtype=torch.float64)
+            f.apply([("p", p)])
+            got.append(float(p.grad))
+        assert got == pytest.approx(want, rel=1e-12), correction
+
+
 def test_doppler_constant_input_passes_unchanged():
     f = DopplerFilter([-0.9], [0.1])
     p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
