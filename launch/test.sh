@@ -3,15 +3,29 @@
 # file or directory, e.g. bash launch/test.sh tests/test_models.py -k pretrained)
 set -euo pipefail
 ROOT="$(cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)"  # (quiet with CDPATH)
-# a test path given from another directory: made absolute before the cd below
+# a test path given from another directory: made absolute before the cd below; the value of
+# an option that takes one (-k EXPR, -m MARK, ...) is passed as it is, even where a file of
+# that name exists (-k launch is an expression, not the launch/ folder)
+absolute() {  # an existing path (test ids' ::parts kept) from the caller's directory
+  if [ -e "${1%%::*}" ]; then
+    local rest="${1#"${1%%::*}"}"
+    echo "$(cd -- "$(dirname -- "${1%%::*}")" >/dev/null && pwd)/$(basename -- "${1%%::*}")$rest"
+  else echo "$1"; fi
+}
 ARGS=()
+TARGETS=(tests)  # unless the arguments name a test file or directory
+value=""  # the kind of value the previous option takes: expr or path
 for arg in "$@"; do
+  case "$value" in
+    expr) ARGS+=("$arg"); value=""; continue ;;
+    path) ARGS+=("$(absolute "$arg")"); value=""; continue ;;
+  esac
   case "$arg" in
+    -k|-m|-p|-o|-W|-n|-c|--maxfail|--durations|--tb|--log-level|--ignore-glob)
+       ARGS+=("$arg"); value=expr ;;
+    --deselect|--ignore|--rootdir|--basetemp|--junitxml) ARGS+=("$arg"); value=path ;;
     -*) ARGS+=("$arg") ;;
-    *) if [ -e "${arg%%::*}" ]; then
-         rest="${arg#"${arg%%::*}"}"
-         ARGS+=("$(cd -- "$(dirname -- "${arg%%::*}")" >/dev/null && pwd)/$(basename -- "${arg%%::*}")$rest")
-       else ARGS+=("$arg"); fi ;;
+    *) ARGS+=("$(absolute "$arg")"); [ -e "${arg%%::*}" ] && TARGETS=() ;;
   esac
 done
 set -- ${ARGS[@]+"${ARGS[@]}"}
@@ -20,9 +34,5 @@ cd "$ROOT"
 # Two pytest workers (the CI machine has 2 cores); each torch process single-threaded unless a
 # test asks otherwise. DPTRAIN_TEST_WORKERS=0 runs in one process.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-TARGETS=(tests)
-for arg in "$@"; do
-  case "$arg" in -*) ;; *) [ -e "${arg%%::*}" ] && TARGETS=() ;; esac
-done
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${DPTRAIN_TEST_WORKERS:-2}" \
   --durations=15 "$@" ${TARGETS[@]+"${TARGETS[@]}"}

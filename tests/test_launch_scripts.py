@@ -30,3 +30,13 @@ def test_an_exported_cdpath_leaves_the_root_alone():
     r = _collect(ROOT, "tests/test_plot.py", script="launch/test.sh", CDPATH=".")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tests/test_plot.py: " in r.stdout and "test_launch_scripts" not in r.stdout
+
+
+def test_an_option_value_that_names_a_folder_is_not_a_test_path():
+    # -k launch: an expression, though launch/ exists; it was made /abs/launch and the tests/
+    # target dropped ("no tests collected", exit 5)
+    r = _collect(ROOT, "-k", "launch")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tests/test_launch_scripts.py: " in r.stdout, r.stdout
+    r = _collect(ROOT, "-k", "configs", "tests/test_launch_scripts.py")
+    assert r.returncode == 5, r.stdout + r.stderr  # the file's tests, none named so
