@@ -63,6 +63,11 @@ class PerformanceConfig:
     releases the GIL while it decodes and resizes); null: min(8, CPU cores); 1: in the
     calling thread. Each file is decoded on its own into its row: the same images in the same
     order with any number (tests/test_data_folders.py)."""
+    collective_timeout_s: float | None = None
+    """Seconds a collective (an all-reduce, a barrier) waits for the other ranks before the
+    run fails; null keeps torch's default (10 minutes with NCCL, 30 with gloo). Raise it where
+    one rank can be busy alone for longer (a shared file system that is slow at start-up or
+    at a checkpoint); lower it to fail fast. Several ranks only."""
     fsdp_mixed_precision: bool = False
     """FSDP2 with bf16 parameters in forward/backward (norms, sums and reductions in fp32);
     needs ``sharding: fsdp`` (refused otherwise; on a single rank nothing is sharded and it has
@@ -87,6 +92,10 @@ class PerformanceConfig:
             raise ConfigError("fsdp_mixed_precision", "applies to FSDP2 sharding only; set "
                                                       "performance.sharding=fsdp, or use "
                                                       "performance.dtype=bfloat16 (autocast)")
+        if self.collective_timeout_s is not None and not (
+                0 < self.collective_timeout_s < float("inf")):
+            raise ConfigError("collective_timeout_s", "must be a positive number of seconds, "
+                                                      f"got {self.collective_timeout_s}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("device", f"must be auto, cpu or cuda, got {self.device!r}")
 

@@ -13,6 +13,7 @@ Everything before the release touches private data; everything after it is post-
 
 from __future__ import annotations
 
+import datetime
 import functools
 import math
 import os
@@ -402,7 +403,9 @@ class Trainer:
         self.device = resolve_device(perf)
         check_kernels(perf, self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.rank, self.world = init_from_env(backend)
+        timeout = (None if perf.collective_timeout_s is None else
+                   datetime.timedelta(seconds=perf.collective_timeout_s))
+        self.rank, self.world = init_from_env(backend, timeout=timeout)
         if self.world > 1:
             _check_ranks_agree_on_config(cfg)
         self.task = build_data(cfg.data, seed=cfg.seed)

@@ -437,6 +437,7 @@ def test_init_from_env_joins_with_the_launcher_s_rank_and_world(monkeypatch):
     assert seen == {"backend": "gloo", "init_method": "env://", "rank": 3, "world_size": 4,
                     "timeout": timeout}
     monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")  # (RANK alone is refused: the next test)
     assert d.init_from_env("gloo") == (0, 1)
 
 
@@ -663,3 +664,64 @@ def test_ranks_that_load_other_pretrained_weights_are_refused(tmp_path):
     out = spawn(_build_llama, 2, [str(a), str(b)], timeout=240)
     assert all(r[0] == "model.pretrained_path" and f"rank 0 from {a}; rank 1 from {b}" in r[1]
                for r in out), out
+
+
+@pytest.mark.parametrize("env, field", [
+    ({"RANK": "1"}, "WORLD_SIZE"),  # trained alone, as if it were the only rank
+    ({"WORLD_SIZE": "2"}, "RANK"),  # every process rank 0 (EADDRINUSE, or a store timeout)
+    ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK"),  # a connect timeout naming neither
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE"),
+])
+def test_an_incomplete_launcher_environment_exits_2_naming_the_variable(
+        monkeypatch, capsys, tmp_path, env, field):
+    from dptrain.cli import main
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    code = main(["train", "--config", str(Path(__file__).resolve().parents[1] / "configs" /
+                                         "tiny.yaml"), "--output-dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith(f"dptrain train: error: {field}: "), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("env, want", [({}, (0, 1)), ({"RANK": "0"}, (0, 1)),
+                                       ({"WORLD_SIZE": "1"}, (0, 1)),
+                                       ({"RANK": "1", "WORLD_SIZE": "3"}, (1, 3))])
+def test_a_complete_or_absent_launcher_environment_is_read(monkeypatch, env, want):
+    from dptrain.parallel.dist import launch_environment
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert launch_environment() == want
+
+
+def test_collective_timeout_reaches_the_process_group_and_bad_values_exit_2(
+        monkeypatch, capsys, tmp_path):
+    import dptrain.trainer as trainer_mod
+    from dptrain.cli import main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    seen = []
+
+    def init(backend, *, timeout=None):
+        seen.append(timeout)
+        return 0, 1
+
+    monkeypatch.setattr(trainer_mod, "init_from_env", init)
+    args = ["train", "--config", config, "--output-dir", str(tmp_path / "a"), "--dry-run"]
+    assert main(args + ["performance.collective_timeout_s=90"]) == 0
+    assert main(args) == 0
+    assert seen == [datetime.timedelta(seconds=90), None]  # null: torch's default
+    for bad in ("0", "-5", "nan", "inf"):
+        capsys.readouterr()
+        assert main(args + [f"performance.collective_timeout_s={bad}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "performance.collective_timeout_s" in err[-1], err
+    assert len(seen) == 2 and not (tmp_path / "a").exists()

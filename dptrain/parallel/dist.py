@@ -31,6 +31,7 @@ __all__ = [
     "get_world_size",
     "init_from_env",
     "is_distributed",
+    "launch_environment",
     "shard_bounds",
     "spawn",
 ]
@@ -67,10 +68,9 @@ def init_from_env(backend: str | None = None, *,
     """
     if is_distributed():
         return dist.get_rank(), dist.get_world_size()
-    if "WORLD_SIZE" not in os.environ:
+    rank, world = launch_environment()
+    if world == 1 and "WORLD_SIZE" not in os.environ:
         return 0, 1
-    world = int(os.environ["WORLD_SIZE"])
-    rank = int(os.environ.get("RANK", "0"))
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -79,6 +79,41 @@ def init_from_env(backend: str | None = None, *,
         kwargs["timeout"] = timeout
     dist.init_process_group(backend=backend, init_method="env://", rank=rank,
                             world_size=world, **kwargs)
+    return rank, world
+
+
+def launch_environment() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) as a launcher set them, (0, 1) for a plain process; a ConfigError
+    naming the variable where they are incomplete or inconsistent (a rank that silently ran
+    alone, or waited for a peer that never came, named neither)."""
+    from dptrain.config import ConfigError
+
+    def integer(name: str) -> int | None:
+        raw = os.environ.get(name)
+        if raw is None:
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(name, f"must be an integer, got {raw!r} (environment)") from None
+
+    rank, world = integer("RANK"), integer("WORLD_SIZE")
+    launcher = "torchrun and accelerate launch set both"
+    if world is None:
+        if rank not in (None, 0):
+            raise ConfigError("WORLD_SIZE", f"is not set, but RANK is ({rank}): this process "
+                                            f"would train alone; {launcher}")
+        return 0, 1
+    if world < 1:
+        raise ConfigError("WORLD_SIZE", f"must be >= 1, got {world} (environment)")
+    if rank is None:
+        if world > 1:
+            raise ConfigError("RANK", f"is not set, but WORLD_SIZE is ({world}): every process "
+                                      f"would be rank 0; {launcher}")
+        rank = 0
+    if not 0 <= rank < world:
+        raise ConfigError("RANK", f"is {rank}, outside 0..{world - 1} (WORLD_SIZE {world}, "
+                                  f"environment)")
     return rank, world
 
 
