@@ -255,6 +255,9 @@ def test_slurm_script_gives_the_per_node_task_the_allocations_cpus(tmp_path):
     code, err, srun, _ = _sbatch(tmp_path, [TINY], SLURM_CPUS_PER_TASK="32")
     assert code == 0, err
     assert "--cpus-per-task=32" in srun
+    # and its environment: under sbatch --export=NONE srun inherits NONE, and the task ran
+    # "/bin/accelerate" (ROOT, VENV, CONFIG ... are exported for it)
+    assert "--export=ALL" in srun
 
 
 def test_slurm_script_submitted_outside_the_checkout(tmp_path):
