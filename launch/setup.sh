@@ -5,7 +5,11 @@ set -euo pipefail
 ROOT="$(cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)"  # (quiet with CDPATH)
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
-# (a venv without pip is a half-made one, e.g. python3-venv missing when it was created)
+# A venv without pip: one made by uv (its packages are kept: pip is added), or a half-made one
+# (python3-venv missing when it was created: no ensurepip either, so it is made again).
+if [ -x "$VENV/bin/python" ] && [ ! -x "$VENV/bin/pip" ]; then
+  "$VENV/bin/python" -m ensurepip --upgrade --default-pip >/dev/null 2>&1 || true
+fi
 if [ ! -x "$VENV/bin/python" ] || [ ! -x "$VENV/bin/pip" ]; then
   echo "dptrain: creating $VENV" >&2
   "$PY" -m venv --clear "$VENV"

@@ -40,3 +40,26 @@ def test_an_option_value_that_names_a_folder_is_not_a_test_path():
     assert "tests/test_launch_scripts.py: " in r.stdout, r.stdout
     r = _collect(ROOT, "-k", "configs", "tests/test_launch_scripts.py")
     assert r.returncode == 5, r.stdout + r.stderr  # the file's tests, none named so
+
+
+def test_setup_keeps_a_venv_made_without_pip_and_adds_pip(tmp_path):
+    # a .venv made by uv has no pip: setup.sh recreated it with --clear, deleting every
+    # package in it; now pip is added (ensurepip) and the installed packages stay
+    import shutil
+    import sys
+    import time
+
+    (tmp_path / "launch").mkdir()
+    shutil.copy(ROOT / "launch" / "setup.sh", tmp_path / "launch" / "setup.sh")
+    (tmp_path / "launch" / "constraints.txt").write_text("")
+    (tmp_path / "pyproject.toml").write_text("")
+    time.sleep(0.05)
+    venv = tmp_path / ".venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (venv / "kept").write_text("installed packages")
+    (venv / ".dptrain-installed").touch()  # installed, newer than pyproject and constraints
+    r = subprocess.run(["bash", str(tmp_path / "launch" / "setup.sh")], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 0, r.stderr
+    assert (venv / "kept").exists() and (venv / "bin" / "pip").exists(), r.stderr
+    assert "creating" not in r.stderr and "installing" not in r.stderr
