@@ -837,35 +837,3 @@ def test_doppler_with_other_coefficients_at_a_resume_restarts_its_state_and_says
     assert [x for x in err.splitlines() if "DOPPLER's filter state restarts empty" in x]
     code, err = train(capsys, tmp_path / "same", "--resume", step, *args)
     assert code == 0 and "restarts empty" not in err
-
-
-def test_a_branch_killed_before_its_first_checkpoint_resumes_from_its_origin_again(
-        tmp_path, capsys, finished):
-    # --resume PATH into a new directory, killed before a checkpoint of its own (its metrics
-    # rows written): the same --resume PATH (what a requeued Slurm job runs) was refused as
-    # "another run", and --resume auto started afresh from step 0
-    origin = finished / "checkpoints" / "step-00000002"
-    branch = tmp_path / "branch"
-    code, err = train(capsys, branch, "--resume", str(origin), "train.log_every=1", "train.checkpoint_every=0")
-    assert code == 0, err
-    full = snapshot(branch)["metrics.jsonl"]
-    (branch / "summary.json").unlink()
-    shutil.rmtree(branch / "final")
-    assert json.loads((branch / "branch.json").read_text()) == {"checkpoint": str(origin)}
-    before = snapshot(branch)
-    code, err = train(capsys, branch, "--resume", "auto", "train.log_every=1", "train.checkpoint_every=0")
-    line = one_line(err)
-    assert code == 2 and line.startswith("dptrain train: error: resume: ") and (
-        f"--resume {origin}" in line), line
-    assert snapshot(branch) == before
-    code, err = train(capsys, branch, "--resume", str(finished / "checkpoints" /
-                                                      "step-00000003"))
-    assert code == 2 and "holds another run" in one_line(err)
-    code, err = train(capsys, branch, "--resume", str(origin), "train.log_every=1", "train.checkpoint_every=0")
-    assert code == 0, err
-    def rows(text: bytes) -> list[dict]:  # (without the wall-clock fields)
-        return [{k: v for k, v in json.loads(x).items() if k not in ("time", "peak_memory_gib")}
-                for x in text.splitlines()]
-
-    again = rows(snapshot(branch)["metrics.jsonl"])
-    assert [r["step"] for r in again] == [3, 4] and again == rows(full)  # each step once

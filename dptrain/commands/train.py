@@ -40,10 +40,8 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     # a stop signal from here on, also while the data, the model or a checkpoint is loaded,
     # stops the run at its first step boundary (before any step: with nothing to keep)
-    from dptrain.parallel.dist import launch_environment
-
-    rank, _ = launch_environment()  # (RANK, WORLD_SIZE: an incomplete set is refused here)
-    stop = types.SimpleNamespace(stop_signal=None, rank=rank, trainer=None, finished=False)
+    stop = types.SimpleNamespace(stop_signal=None, rank=int(os.environ.get("RANK", "0")),
+                                 trainer=None, finished=False)
     with _stop_on_signals(stop, keep_ignoring=getattr(args, "process_exits", False)):
         rc = _run(args, stop)
         stop.finished = rc == 0
@@ -125,12 +123,6 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         return 0
     if cfg.privacy.secure_mode and resume_path is not None:
         _record_secure_resume(resume_path, out, write=trainer.rank == 0)
-    if args.resume == "auto" and resume_path is None and _branch_origin(out) is not None:
-        # a branch killed before its first checkpoint: afresh would be step 0, not its origin
-        raise ConfigError("resume", f"{out} was started from {_branch_origin(out)} ({BRANCH}) "
-                                    f"and has no {'intact ' if ckpt.has_step_dirs(out) else ''}"
-                                    f"checkpoint of its own: resume it with --resume "
-                                    f"{_branch_origin(out)}")
     if args.resume == "auto" and resume_path is None and trainer.rank == 0:
         damaged = ckpt.has_step_dirs(out)
         print(f"dptrain train: no {'intact' if damaged else 'complete'} checkpoint in {out}"
@@ -140,8 +132,6 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         _drop_metrics_after(out / "metrics.jsonl", 0)  # rows of a run killed before step 1's checkpoint
     if resume_path is not None:
         ckpt.load(trainer, resume_path, verified=args.resume == "auto")
-        if args.resume != "auto" and trainer.rank == 0:  # (loaded: its settings are this run's)
-            _record_branch(out, resume_path)
         if trainer.rank == 0:
             print(f"dptrain train: resumed from {resume_path} at step {trainer.step}",
                   file=sys.stderr)
@@ -273,7 +263,7 @@ def _metrics_steps(path: Path) -> list[int]:
 
 #: what a run writes in its output directory: name -> whether it is a directory
 _LAYOUT = {"checkpoints": True, "final": True, "metrics.jsonl": False, "summary.json": False,
-           "secure_resumes.jsonl": False, "branch.json": False}
+           "secure_resumes.jsonl": False}
 
 
 def _check_layout(out: Path) -> None:
@@ -315,41 +305,12 @@ def _check_explicit_resume(out: Path, path: Path) -> None:
         raise ConfigError("output-dir", f"{out} holds checkpoints after step {step} (step "
                                         f"{later[-1]}), which resuming from {path} would "
                                         "overwrite; resume into another --output-dir")
-    own = (Path(path).resolve().parent == (out / "checkpoints").resolve()
-           or _branch_origin(out) == str(Path(path).resolve()))
+    own = Path(path).resolve().parent == (out / "checkpoints").resolve()
     if not own and _holds_a_run(out):  # its checkpoints would be pruned as this run's, its
         # metrics rows continued by another run's
         raise ConfigError("output-dir", f"{out} holds another run (checkpoints, metrics.jsonl "
                                         f"or final/); resume {path} into its own run "
                                         "directory or an empty one")
-
-
-BRANCH = "branch.json"
-"""In a run directory started with ``--resume PATH`` from another run's checkpoint: that
-checkpoint. The same ``--resume PATH`` into it again (a requeued job killed before its first
-checkpoint, whose metrics rows are there) is then this run, not another."""
-
-
-def _record_branch(out: Path, path: Path) -> None:
-    """Write :data:`BRANCH` (rank 0) when ``--resume PATH`` starts ``out`` from another run's
-    checkpoint, before any release; nothing for a checkpoint of ``out`` itself."""
-    from dptrain.telemetry import write_json
-
-    resolved = str(Path(path).resolve())
-    if Path(path).resolve().parent == (out / "checkpoints").resolve() or (
-            _branch_origin(out) == resolved):
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / BRANCH, {"checkpoint": resolved})
-
-
-def _branch_origin(out: Path) -> str | None:
-    """The checkpoint :data:`BRANCH` names, or None."""
-    try:
-        origin = json.loads((out / BRANCH).read_text()).get("checkpoint")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return origin if isinstance(origin, str) else None
 
 
 def _check_secure_resume(path: Path | None, run_dir: Path | None = None) -> None:
