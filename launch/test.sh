@@ -3,28 +3,38 @@
 # file or directory, e.g. bash launch/test.sh tests/test_models.py -k pretrained)
 set -euo pipefail
 ROOT="$(cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)"  # (quiet with CDPATH)
-# a test path given from another directory: made absolute before the cd below; the value of
-# an option that takes one (-k EXPR, -m MARK, ...) is passed as it is, even where a file of
-# that name exists (-k launch is an expression, not the launch/ folder)
+# Paths are made absolute before the cd below: a test path given from another directory (an
+# existing one: tests/ is dropped then), and the value of an option that names a file, existing
+# or not (--junitxml, --basetemp: pytest empties an existing basetemp). The value of an option
+# that takes an expression (-k EXPR, -m MARK, ...) is passed as it is, even where a file of that
+# name exists (-k launch is an expression, not the launch/ folder).
 absolute() {  # an existing path (test ids' ::parts kept) from the caller's directory
   if [ -e "${1%%::*}" ]; then
     local rest="${1#"${1%%::*}"}"
     echo "$(cd -- "$(dirname -- "${1%%::*}")" >/dev/null && pwd)/$(basename -- "${1%%::*}")$rest"
   else echo "$1"; fi
 }
+anchored() {  # any path, existing or not, from the caller's directory
+  case "$1" in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac
+}
+PATH_OPTIONS="--deselect --ignore --rootdir --basetemp --junitxml --junit-xml --confcutdir -c"
 ARGS=()
 TARGETS=(tests)  # unless the arguments name a test file or directory
 value=""  # the kind of value the previous option takes: expr or path
 for arg in "$@"; do
   case "$value" in
     expr) ARGS+=("$arg"); value=""; continue ;;
-    path) ARGS+=("$(absolute "$arg")"); value=""; continue ;;
+    path) ARGS+=("$(anchored "$arg")"); value=""; continue ;;
   esac
   case "$arg" in
-    -k|-m|-p|-o|-W|-n|-c|--maxfail|--durations|--tb|--log-level|--ignore-glob)
+    -k|-m|-p|-o|-W|-n|--maxfail|--durations|--tb|--log-level|--ignore-glob)
        ARGS+=("$arg"); value=expr ;;
-    --deselect|--ignore|--rootdir|--basetemp|--junitxml) ARGS+=("$arg"); value=path ;;
-    -*) ARGS+=("$arg") ;;
+    --*=*) name="${arg%%=*}"
+       if [[ " $PATH_OPTIONS " == *" $name "* ]]; then
+         ARGS+=("$name=$(anchored "${arg#*=}")")
+       else ARGS+=("$arg"); fi ;;
+    -*) ARGS+=("$arg")
+       [[ " $PATH_OPTIONS " == *" $arg "* ]] && value=path ;;
     *) ARGS+=("$(absolute "$arg")"); [ -e "${arg%%::*}" ] && TARGETS=() ;;
   esac
 done

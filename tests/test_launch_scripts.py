@@ -63,3 +63,17 @@ def test_setup_keeps_a_venv_made_without_pip_and_adds_pip(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (venv / "kept").exists() and (venv / "bin" / "pip").exists(), r.stderr
     assert "creating" not in r.stderr and "installing" not in r.stderr
+
+
+def test_a_path_option_s_value_is_from_the_caller_s_directory(tmp_path):
+    # --junitxml out.xml (a file not there yet) was written under the repository root after
+    # test.sh's cd, and --basetemp X, which pytest empties, named ROOT/X; both forms of option
+    test = ("test_plot.py::"
+            "test_gpu_telemetry_is_drawn_beside_the_memory_peak_and_in_panels_of_its_own")
+    for option in (["--junitxml", "a.xml"], ["--junit-xml=b.xml"]):
+        r = subprocess.run(["bash", str(ROOT / "launch" / "test.sh"), str(ROOT / "tests" / test),
+                            *option], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "DPTRAIN_TEST_WORKERS": "0"})
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "a.xml").is_file() and (tmp_path / "b.xml").is_file()
+    assert not (ROOT / "a.xml").exists() and not (ROOT / "b.xml").exists()
