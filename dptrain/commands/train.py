@@ -40,8 +40,10 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     # a stop signal from here on, also while the data, the model or a checkpoint is loaded,
     # stops the run at its first step boundary (before any step: with nothing to keep)
-    stop = types.SimpleNamespace(stop_signal=None, rank=int(os.environ.get("RANK", "0")),
-                                 trainer=None, finished=False)
+    from dptrain.parallel.dist import launch_environment
+
+    rank, _ = launch_environment()  # (RANK, WORLD_SIZE: an incomplete set is refused here)
+    stop = types.SimpleNamespace(stop_signal=None, rank=rank, trainer=None, finished=False)
     with _stop_on_signals(stop, keep_ignoring=getattr(args, "process_exits", False)):
         rc = _run(args, stop)
         stop.finished = rc == 0
