@@ -93,11 +93,21 @@ class PerformanceConfig:
                                                       "performance.sharding=fsdp, or use "
                                                       "performance.dtype=bfloat16 (autocast)")
         if self.collective_timeout_s is not None and not (
-                0 < self.collective_timeout_s < float("inf")):
-            raise ConfigError("collective_timeout_s", "must be a positive number of seconds, "
-                                                      f"got {self.collective_timeout_s}")
+                MIN_TIMEOUT_S <= self.collective_timeout_s <= MAX_TIMEOUT_S):
+            raise ConfigError("collective_timeout_s",
+                              f"must be between {MIN_TIMEOUT_S} and {MAX_TIMEOUT_S:.0e} seconds, "
+                              f"got {self.collective_timeout_s}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("device", f"must be auto, cpu or cuda, got {self.device!r}")
+
+
+#: collective_timeout_s's range: a millisecond (less rounds to 0, a timeout at once) to about
+#: 115 days (gloo's timeout wraps past int64 nanoseconds near 9.2e9 s; timedelta overflows at 1e14)
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, 1e7
+
+#: performance settings that do not change the run's arithmetic (a resume that changes them
+#: repeats the checkpoint's run bit for bit)
+NOT_ARITHMETIC = frozenset({"collective_timeout_s"})
 
 
 def check_kernels(perf: PerformanceConfig, device: torch.device) -> None:

@@ -820,6 +820,11 @@ def test_changed_performance_settings_at_a_resume_are_named(tmp_path, capsys, fi
                                "performance.microbatch_size: 16 -> 1)") in line[0]
     code, err = train(capsys, tmp_path / "same", "--resume", step)
     assert code == 0 and "performance settings differ" not in err
+    # a timeout changes no arithmetic: not named (nor, as "(not set) -> None", for
+    # checkpoints written before the setting existed)
+    code, err = train(capsys, tmp_path / "timeout", "--resume", step,
+                      "performance.collective_timeout_s=60")
+    assert code == 0 and "performance settings differ" not in err
 
 
 def test_doppler_with_other_coefficients_at_a_resume_restarts_its_state_and_says_so(

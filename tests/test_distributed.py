@@ -719,7 +719,7 @@ def test_collective_timeout_reaches_the_process_group_and_bad_values_exit_2(
     assert main(args + ["performance.collective_timeout_s=90"]) == 0
     assert main(args) == 0
     assert seen == [datetime.timedelta(seconds=90), None]  # null: torch's default
-    for bad in ("0", "-5", "nan", "inf"):
+    for bad in ("0", "-5", "nan", "inf", "1e-9", "1e14"):  # (0 ms: at once; timedelta overflow)
         capsys.readouterr()
         assert main(args + [f"performance.collective_timeout_s={bad}"]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -919,7 +919,10 @@ def load(trainer, path: Path, verified: bool = False) -> None:
     note = getattr(trainer.optimizer.filter, "restart_note", None)
     if note and trainer.rank == 0:
         print(f"dptrain train: {note}", file=sys.stderr)
-    perf = section_changes(state["config"], trainer.cfg, "performance")
+    from dptrain.performance import NOT_ARITHMETIC
+
+    perf = [c for c in section_changes(state["config"], trainer.cfg, "performance")
+            if c.split(":")[0].removeprefix("performance.") not in NOT_ARITHMETIC]
     if perf and trainer.rank == 0:
         print(f"dptrain train: performance settings differ from the checkpoint's "
               f"({'; '.join(perf)}): the privacy mechanism is the same, but the arithmetic "
