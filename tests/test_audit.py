@@ -94,6 +94,12 @@ def test_largest_lower_bound_is_the_bound_of_a_perfect_audit():
     assert canaries_needed(5.3, delta, limit=1500) == 1500
     assert canaries_needed(5.3, delta, limit=1200) is None
     assert canaries_needed(3.0, delta, limit=1) is None
+    # a peak between the last doubling and the limit, or below a limit under 1,000: 5.72 needs
+    # ~3,300 canaries (5.718 at 4,000), and delta 1e-4 peaks at 3.40 near 300 canaries
+    m = canaries_needed(5.72, delta, limit=4000)
+    assert m is not None and 2000 < m < 4000 and largest_lower_bound(m, delta) > 5.72
+    m = canaries_needed(3.35, 1e-4, limit=1000)
+    assert m is not None and m < 1000 and largest_lower_bound(m, 1e-4) > 3.35
 
 
 @pytest.mark.parametrize("m, r, v, delta, significance", [

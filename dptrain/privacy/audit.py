@@ -169,12 +169,18 @@ def canaries_needed(epsilon: float, delta: float, significance: float = 0.05,
     """A number of canaries, at most ``limit`` (e.g. a model's trainable coordinates) and
     :data:`MAX_SUGGESTED_CANARIES`, whose :func:`largest_lower_bound` exceeds ``epsilon``: the
     smallest power-of-two multiple of 1,000 (or the limit) that does, or, once the ceiling has
-    passed its peak (it falls again, from the delta term), the smallest in 48 steps between
-    the size before the last and the last one (delta 1e-5: 5.603 at 2,000, 5.733 at 3,300,
+    passed its peak (it falls again, from the delta term) or the limit is reached, the smallest
+    in 48 steps over the last doubling's range (delta 1e-5: 5.603 at 2,000, 5.733 at 3,300,
     5.718 at 4,000 canaries); None when none does."""
     limit = min(int(limit), MAX_SUGGESTED_CANARIES)
     if not math.isfinite(epsilon) or limit < 2:
         return None
+
+    def first_above(lo: int, hi: int) -> int | None:  # in 48 steps over (lo, hi)
+        step = max(1, (hi - lo) // 48)
+        return next((k for k in range(lo + step, hi, step)
+                     if largest_lower_bound(k, delta, significance, fractions) > epsilon), None)
+
     tried: list[tuple[int, float]] = []  # (m, ceiling)
     m = 1000
     while True:
@@ -183,13 +189,9 @@ def canaries_needed(epsilon: float, delta: float, significance: float = 0.05,
         if ceiling > epsilon:
             return m
         if tried and ceiling <= tried[-1][1]:  # the peak lies between the size before and m
-            lo = tried[-2][0] if len(tried) > 1 else 2
-            step = max(1, (m - lo) // 48)
-            return next((k for k in range(lo + step, m, step)
-                         if largest_lower_bound(k, delta, significance, fractions) > epsilon),
-                        None)
-        if m >= limit:
-            return None
+            return first_above(tried[-2][0] if len(tried) > 1 else 2, m)
+        if m >= limit:  # still rising at the limit: the peak may lie between the last and it
+            return first_above(tried[-1][0] if tried else 2, m)
         tried.append((m, ceiling))
         m *= 2
 
