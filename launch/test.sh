@@ -7,7 +7,8 @@ ROOT="$(cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)"  # (quiet 
 # existing one: tests/ is dropped then), and the value of an option that names a file, existing
 # or not (--junitxml, --basetemp: pytest empties an existing basetemp). The value of an option
 # that takes an expression (-k EXPR, -m MARK, ...) is passed as it is, even where a file of that
-# name exists (-k launch is an expression, not the launch/ folder).
+# name exists (-k launch is an expression, not the launch/ folder); so is --deselect's node id,
+# which pytest matches against ids relative to the repository root.
 absolute() {  # an existing path (test ids' ::parts kept) from the caller's directory
   if [ -e "${1%%::*}" ]; then
     local rest="${1#"${1%%::*}"}"
@@ -17,7 +18,8 @@ absolute() {  # an existing path (test ids' ::parts kept) from the caller's dire
 anchored() {  # any path, existing or not, from the caller's directory
   case "$1" in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac
 }
-PATH_OPTIONS="--deselect --ignore --rootdir --basetemp --junitxml --junit-xml --confcutdir -c"
+PATH_OPTIONS="--ignore --rootdir --basetemp --junitxml --junit-xml --confcutdir -c --log-file"
+PATH_OPTIONS="$PATH_OPTIONS --config-file"
 ARGS=()
 TARGETS=(tests)  # unless the arguments name a test file or directory
 value=""  # the kind of value the previous option takes: expr or path
@@ -27,7 +29,7 @@ for arg in "$@"; do
     path) ARGS+=("$(anchored "$arg")"); value=""; continue ;;
   esac
   case "$arg" in
-    -k|-m|-p|-o|-W|-n|--maxfail|--durations|--tb|--log-level|--ignore-glob)
+    -k|-m|-p|-o|-W|-n|--maxfail|--durations|--tb|--log-level|--ignore-glob|--deselect)
        ARGS+=("$arg"); value=expr ;;
     --*=*) name="${arg%%=*}"
        if [[ " $PATH_OPTIONS " == *" $name "* ]]; then
@@ -35,7 +37,8 @@ for arg in "$@"; do
        else ARGS+=("$arg"); fi ;;
     -*) ARGS+=("$arg")
        [[ " $PATH_OPTIONS " == *" $arg "* ]] && value=path ;;
-    *) ARGS+=("$(absolute "$arg")"); [ -e "${arg%%::*}" ] && TARGETS=() ;;
+    *) ARGS+=("$(absolute "$arg")")  # (a path from ROOT, tests/x.py, also names a target)
+       if [ -e "${arg%%::*}" ] || [ -e "$ROOT/${arg%%::*}" ]; then TARGETS=(); fi ;;
   esac
 done
 set -- ${ARGS[@]+"${ARGS[@]}"}

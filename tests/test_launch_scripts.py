@@ -77,3 +77,19 @@ def test_a_path_option_s_value_is_from_the_caller_s_directory(tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "a.xml").is_file() and (tmp_path / "b.xml").is_file()
     assert not (ROOT / "a.xml").exists() and not (ROOT / "b.xml").exists()
+
+
+def test_a_repo_relative_test_path_from_elsewhere_and_deselect_ids_keep_their_meaning(tmp_path):
+    # tests/test_plot.py from another directory is found from the root (it ran the whole suite
+    # too: tests/ was added); --deselect takes node ids relative to the root (made absolute,
+    # they matched nothing)
+    r = _collect(tmp_path, "tests/test_plot.py")
+    assert r.returncode == 0 and r.stdout.split()[:1] == ["tests/test_plot.py:"], r.stdout
+    assert "test_launch_scripts" not in r.stdout
+    test = "tests/test_plot.py::test_a_line_being_written_is_left_out"
+    counts = {}
+    for args in ([], ["--deselect", test], [f"--deselect={test}"]):
+        r = _collect(ROOT, "tests/test_plot.py", *args)
+        assert r.returncode == 0, r.stdout + r.stderr
+        counts[len(args)] = int(r.stdout.split("tests/test_plot.py: ")[1].split()[0])
+    assert counts[2] == counts[1] == counts[0] - 1
