@@ -56,9 +56,9 @@ class FilterConfig:
     """DOPPLER: the normaliser c_t = -sum a_tau c_{t-tau} + B_t. paper: B_t = sum of all b (the
     DOPPLER paper's equation; releases before step 0 count as 0, so with q >= 1 the early
     outputs are scaled down: the first q without feedback, decaying with the poles with it;
-    a = [-0.9], b = [0.5, 0.5]: 0.5, 0.763, 0.851, ... times a constant input). step_response: B_t = b_0 + ... + b_min(q, t), the filter's
-    response to a constant 1 from step 0, so a constant gradient passes unchanged from the
-    first step. The two agree for q = 0 (the default EMA)."""
+    a = [-0.9], b = [0.5, 0.5]: 0.5, 0.763, 0.851, ... times a constant input). step_response:
+    B_t = b_0 + ... + b_min(q, t), the filter's response to a constant 1 from step 0, so a
+    constant gradient passes unchanged from the first step. The two agree for q = 0 (the default EMA)."""
 
     def applicability(self) -> list[tuple[str, str, dict]]:
         """Which fields each filter reads (``dptrain.config.unused_fields``)."""
