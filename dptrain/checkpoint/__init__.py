@@ -746,11 +746,12 @@ def check_compatible(saved_cfg: dict, cfg, source: str = "the checkpoint",
     return moved
 
 
-def section_changes(saved_cfg: dict, cfg, section: str = "optim") -> list[str]:
+def section_changes(saved_cfg: dict, cfg, section: str = "optim",
+                    skip: frozenset[str] = frozenset()) -> list[str]:
     """The settings of ``section`` (``optim`` or ``performance``: a resume may change them) that
     differ from the checkpoint's config, as ``section.key.sub: old -> new`` lines; ``(not set)``
     stands for a key that one side lacks (an entry of a group's kwargs, or a setting newer than
-    the checkpoint)."""
+    the checkpoint). Top-level keys in ``skip`` are left out."""
     def flat(d: dict, prefix: str = f"{section}.") -> dict:
         out = {}
         for k, v in d.items():
@@ -760,8 +761,11 @@ def section_changes(saved_cfg: dict, cfg, section: str = "optim") -> list[str]:
                 out[f"{prefix}{k}"] = repr(v)
         return out
 
-    was = flat(_plain(saved_cfg.get(section) or {}))
-    now = flat(_plain(to_dict(getattr(cfg, section))))
+    def kept(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k not in skip}
+
+    was = flat(kept(_plain(saved_cfg.get(section) or {})))
+    now = flat(kept(_plain(to_dict(getattr(cfg, section)))))
     return [f"{k}: {was.get(k, '(not set)')} -> {now.get(k, '(not set)')}"
             for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
 
@@ -921,8 +925,7 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         print(f"dptrain train: {note}", file=sys.stderr)
     from dptrain.performance import NOT_ARITHMETIC
 
-    perf = [c for c in section_changes(state["config"], trainer.cfg, "performance")
-            if c.split(":")[0].removeprefix("performance.") not in NOT_ARITHMETIC]
+    perf = section_changes(state["config"], trainer.cfg, "performance", skip=NOT_ARITHMETIC)
     if perf and trainer.rank == 0:
         print(f"dptrain train: performance settings differ from the checkpoint's "
               f"({'; '.join(perf)}): the privacy mechanism is the same, but the arithmetic "
