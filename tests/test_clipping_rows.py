@@ -378,6 +378,62 @@ def test_data_independent_buffer_writes_pass_and_are_put_back(how, calls):
         torch.testing.assert_close(m.inner.stat, m.inner.lin.weight.detach().norm(dim=0))
 
 
+@pytest.mark.parametrize("how, buffer", [
+    ("running mean in place", "inner.stat"),
+    ("token count", "inner.tokens"),
+    ("last batch", "inner.stat"),
+])
+def test_microbatches_of_one_example_that_store_data_in_a_buffer_are_refused(how, buffer):
+    # performance.microbatch_size = 1: nothing to replace within a microbatch, so the second
+    # one-example microbatch's forward is compared with the first's; the same model is refused
+    # as with larger microbatches (above), not accepted in silence
+    m = _Wrapped(how).double()
+    x = _x(6, 4)
+    x[1, 0] = 0.0
+    engine = ClippingEngine(m, clip_norm=1.0)
+    engine.accumulate(sq_loss, (x[:1],), {})
+    assert not engine._rows_checked and engine._rows_other is not None
+    with pytest.raises(ValueError, match=rf"writes the buffer {buffer} of _Stores from the "
+                                         rf"examples' data: the forward of another "
+                                         rf"microbatch's example"):
+        engine.accumulate(sq_loss, (x[1:2],), {})
+
+
+@pytest.mark.parametrize("how", ["calls assigned", "weight norm", "none"])
+def test_microbatches_of_one_example_without_stored_data_pass_with_the_same_sums(how):
+    torch.manual_seed(0)
+    m = _Wrapped(how).double()
+    x = _x(6, 4)
+    engine, acc = ClippingEngine(m, clip_norm=1.0), {}
+    engine.accumulate(sq_loss, (x[:1],), acc)
+    engine.accumulate(sq_loss, (x[:1].clone(),), acc)  # alike: nothing compared yet
+    assert not engine._rows_checked
+    for i in range(1, 6):
+        engine.accumulate(sq_loss, (x[i:i + 1],), acc)
+        assert engine._rows_checked and engine._rows_other is None
+    # the check's forwards changed neither the sums nor the buffers' real writes
+    torch.manual_seed(0)
+    ref, ref_acc = ClippingEngine(_Wrapped(how).double(), clip_norm=1.0), {}
+    ref._rows_checked = True  # no check: the sums as they would be without it
+    for i in [0, 0, 1, 2, 3, 4, 5]:
+        ref.accumulate(sq_loss, (x[i:i + 1],), ref_acc)
+    for name in acc:
+        torch.testing.assert_close(acc[name], ref_acc[name], rtol=0, atol=0)
+    assert float(m.inner.calls) == float(ref.model.inner.calls)
+
+
+def test_microbatches_of_one_example_all_alike_warn_after_max_attempts():
+    from dptrain.clipping.rows import MAX_ATTEMPTS
+
+    engine = ClippingEngine(_Wrapped("running mean in place").double(), clip_norm=1.0)
+    batch = (_x(1, 4),)
+    for _ in range(MAX_ATTEMPTS - 1):
+        engine.accumulate(sq_loss, batch, {})
+    with pytest.warns(UserWarning, match=f"in {MAX_ATTEMPTS} microbatches no example"):
+        engine.accumulate(sq_loss, batch, {})
+    assert engine._rows_checked and engine._rows_other is None
+
+
 def test_a_nondeterministic_buffer_write_is_warned_about_not_refused():
     class Jitter(nn.Module):  # writes draws of its own generator: not the data, not repeatable
         def __init__(self):

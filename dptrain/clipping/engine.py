@@ -65,7 +65,8 @@ from dptrain.clipping.contributions import (
 from dptrain.clipping.errors import ClippingError
 from dptrain.clipping.precision import ieee_float32
 from dptrain.config import FLOAT32_TINY
-from dptrain.clipping.rows import MAX_ATTEMPTS, cannot_check, check_example_rows
+from dptrain.clipping.rows import (MAX_ATTEMPTS, cannot_check, check_example_rows,
+                                   check_stored_across)
 from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
 from dptrain.clipping.taps import TAP as _TAP
 from dptrain.clipping.taps import OpTaps, Tapped, same_elements, tolerance
@@ -543,7 +544,9 @@ class ClippingEngine:
         #: examples kept to their own rows (rows.py), checked at the first query that can
         self._rows_checked = False
         self._pending_rows: tuple | None = None  # that check, due at the end of this query
-        self._rows_attempts = 0  # first queries of more than one example it found nothing in
+        self._rows_attempts = 0  # first queries it found nothing in
+        # Sensitive: a microbatch of one example, kept for the next one's check until it is done
+        self._rows_other: Any = None
         #: tapped rows kept to their examples (``_check_tap_rows``), checked once
         self._taps_checked = not self.taps
 
@@ -1049,8 +1052,9 @@ class ClippingEngine:
         by perturbation once the first query whose forward passed the structural checks is
         done (its captures, per-example buffers and graphs released by then, so the check's
         forwards do not raise the step's peak), before its clipped sum reaches the caller. In
-        one process, a microbatch where no replaced example reached a layer (one example, all
-        alike, only labels differing) leaves it for the next, up to MAX_ATTEMPTS. With a
+        one process, a microbatch where no replaced example reached a layer (all alike, only
+        labels differing) leaves it for the next, up to MAX_ATTEMPTS; a microbatch of one
+        example is compared with an earlier one's (``check_stored_across``: the buffers). With a
         process group every rank checks at each query until some rank's check was done
         (ranks whose share is one example compare nothing), so that all ranks run the check's
         forwards together (FSDP gathers in each); the ranks must run as many queries (the
@@ -1060,19 +1064,33 @@ class ClippingEngine:
             return
         loss_fn, batch, view, B, state = pending
         collective = torch.distributed.is_available() and torch.distributed.is_initialized()
+        hooked = [(h.name, h.module) for h in self.hooked]
         # (its forwards round as the query's did: IEEE products, see _forward_backward)
         with self._state(state), ieee_float32():  # the plan's first entry: dropout stream 0
-            done = check_example_rows(self.model, [(h.name, h.module) for h in self.hooked],
-                                      loss_fn, batch, B, 0, view=view, collective=collective)
+            if B == 1 and not collective:
+                # nothing to replace in one example: a buffer written from the data is seen
+                # by comparing its forward with an earlier one-example microbatch's
+                done = False
+                if self._rows_other is not None:
+                    done = check_stored_across(self.model, hooked, loss_fn, batch,
+                                               self._rows_other, 0, view=view)
+                if not done:
+                    self._rows_other = torch.utils._pytree.tree_map(
+                        lambda t: t.detach().clone() if isinstance(t, Tensor) else t, batch)
+            else:
+                done = check_example_rows(self.model, hooked, loss_fn, batch, B, 0, view=view,
+                                          collective=collective)
         # (under a process group every check is a round of forwards on every rank, and the
         # ranks must count alike: their microbatch sizes differ)
-        self._rows_attempts += 1 if collective else B > 1
+        self._rows_attempts += 1
         if not done and self._rows_attempts >= MAX_ATTEMPTS:
             cannot_check(f"in {self._rows_attempts} microbatches no example that differs from "
                          f"another reached a layer's input (inputs alike, only labels differ, "
                          f"or one example per rank?)")
             done = True
         self._rows_checked = done
+        if done:
+            self._rows_other = None
 
     def _contributions(self, records: list[_Record]) -> dict[str, list[Contribution]]:
         per_param: dict[str, list[Contribution]] = {}

@@ -29,7 +29,11 @@ every buffer is put back after each of the check's forwards.
 
 The check counts as done once a replacement reached some hooked layer's input: a microbatch
 whose examples differ only in what no layer sees (labels, with equal inputs) leaves it for the
-next one, up to ``MAX_ATTEMPTS`` microbatches (then a warning says it could not check).
+next one, up to ``MAX_ATTEMPTS`` microbatches (then a warning says it could not check). A
+microbatch of one example (``performance.microbatch_size`` 1) has nothing to replace and no
+rows to mix: in one process its forward is compared with an earlier one-example microbatch's
+(``check_stored_across``), which shows a buffer written from the data; under a process group a
+rank's one example compares nothing (another rank's larger share may).
 
 What it cannot see: mixing in the backward only (a custom autograd function, a
 ``x + (f(x) - f(x).detach())`` trick), mixing weaker than 1e-5 of a row or a loss (a loss
@@ -273,25 +277,7 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
         return False
     slots = _slots(model)
     directions: dict[tuple, Tensor] = {}
-    # (only the current CUDA device's RNG: reading another's would create a context there)
-    devices = ([torch.cuda.current_device()]
-               if torch.cuda.is_available() and torch.cuda.is_initialized() else [])
-
-    def run(x):
-        # a copy per forward: a loss_fn that edits the batch in place (labels masked) must
-        # neither see its own edits again nor change the caller's batch
-        x = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, x)
-        with torch.random.fork_rng(devices=devices):
-            return _forward(model, loss_fn, x, view, hooked, B, stream, slots, directions)
-
-    def forwards(*xs):
-        try:
-            return [run(x) for x in xs]
-        finally:
-            # FSDP2 keeps the root's parameters gathered after a forward without a backward: the
-            # next forward would reuse those copies, stale once the optimizer writes the shards
-            reshard(model)
-
+    forwards = _runner(model, hooked, loss_fn, view, B, stream, slots, directions)
     copies = [_replace(batch, B, src) for src in sources]
     if collective:  # the same forwards on every rank: pad to four copies
         copies += [batch] * (4 - len(copies))
@@ -301,7 +287,7 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
     for src, test in zip(sources, tests):
         found, hit = _mixing(control, test, hooked, src >= 0)
         problem, reached = problem or found, reached or hit
-        stored = stored or _stored(control, test, slots, directions, src >= 0)
+        stored = stored or _stored(control, test, slots, directions, _what(src >= 0))
     # one more forward of the microbatch, to tell mixing from a forward that is not
     # deterministic, where rows or written buffers moved: under a process group on every rank
     # if on any
@@ -337,6 +323,58 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
     if refusal is not None:
         raise ClippingError(refusal)
     return done
+
+
+def _runner(model, hooked, loss_fn, view, B: int, stream: int, slots: list[_Slot],
+            directions: dict[tuple, Tensor]) -> Callable:
+    """``forwards(*batches)``: the check's forwards (``_forward``) of each batch, each from the
+    torch RNG state found (and left there) on a copy of the batch."""
+    # (only the current CUDA device's RNG: reading another's would create a context there)
+    devices = ([torch.cuda.current_device()]
+               if torch.cuda.is_available() and torch.cuda.is_initialized() else [])
+
+    def run(x):
+        # a copy per forward: a loss_fn that edits the batch in place (labels masked) must
+        # neither see its own edits again nor change the caller's batch
+        x = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, x)
+        with torch.random.fork_rng(devices=devices):
+            return _forward(model, loss_fn, x, view, hooked, B, stream, slots, directions)
+
+    def forwards(*xs):
+        try:
+            return [run(x) for x in xs]
+        finally:
+            # FSDP2 keeps the root's parameters gathered after a forward without a backward: the
+            # next forward would reuse those copies, stale once the optimizer writes the shards
+            reshard(model)
+
+    return forwards
+
+
+def check_stored_across(model: nn.Module, hooked: list[tuple[str, nn.Module]],
+                        loss_fn: Callable, batch: Any, other: Any, stream: int, *,
+                        view: Callable | None = None) -> bool:
+    """The check of a microbatch of one example (one process): it has no other example to
+    replace, so its forward is compared with that of ``other``, an earlier microbatch of one
+    example that differs (the engine keeps it), from the same buffers and randomness. Rows
+    cannot mix within one example; what is left to see is a buffer that the forward writes
+    from the data, refused as in ``check_example_rows``. Returns whether the check is done:
+    False when the two forwards are alike (nothing compared: the engine tries a later one)."""
+    slots = _slots(model)
+    directions: dict[tuple, Tensor] = {}
+    forwards = _runner(model, hooked, loss_fn, view, 1, stream, slots, directions)
+    control, test = forwards(batch, other)
+    if not _differ(control, test, slots, directions):
+        return False
+    refusal = _stored(control, test, slots, directions,
+                      "the forward of another microbatch's example instead of this one")
+    if refusal is None:
+        return True
+    if _differ(control, forwards(batch)[0], slots, directions):
+        cannot_check("two forwards of the same microbatch from the same randomness gave "
+                     "different values")
+        return True
+    raise ClippingError(refusal)
 
 
 _CALLS = "layer calls differ"
@@ -405,9 +443,10 @@ def _stored_values(a, b, slots: list[_Slot], directions) -> list[str]:
     return differ
 
 
-def _stored(control, test, slots: list[_Slot], directions, replaced: Tensor) -> str | None:
-    """The refusal's text if a buffer the forward writes took another value when examples were
-    replaced: the forward stores something of the private data in the model's state."""
+def _stored(control, test, slots: list[_Slot], directions, what: str) -> str | None:
+    """The refusal's text if a buffer the forward writes took another value when the examples
+    changed (``what`` says how): the forward stores something of the private data in the
+    model's state."""
     names = _stored_values(control, test, slots, directions)
     if not names:
         return None
@@ -415,7 +454,7 @@ def _stored(control, test, slots: list[_Slot], directions, replaced: Tensor) -> 
     more = f" (and {len(names) - 1} more: {', '.join(names[1:4])})" if len(names) > 1 else ""
     return (
         f"dptrain.clipping: the forward writes the buffer {names[0]} of "
-        f"{type(slot.module).__name__}{more} from the examples' data: {_what(replaced)} "
+        f"{type(slot.module).__name__}{more} from the examples' data: {what} "
         f"changed the value it holds after a forward. A buffer updated from private examples "
         f"(a running statistic, a cache of the last batch) is a function of them that no clip "
         f"bounds and no noise covers: it reaches every later forward and every checkpoint, "
