@@ -431,7 +431,8 @@ class Trainer:
         self._privacy_seed = (_shared_secure_seed(self.world) if cfg.privacy.secure_mode
                               else cfg.privacy.seed)
         torch.manual_seed(cfg.seed)
-        self.model = build_model(cfg.model, self.task.info).to(self.device)
+        self.model = build_model(cfg.model, self.task.info, low_precision=(
+            perf.dtype == "bfloat16" or perf.fsdp_mixed_precision)).to(self.device)
         if self.world > 1 and cfg.model.pretrained_path is not None:
             _check_ranks_agree_on_weights(self.model, cfg.model.pretrained_path)
         if perf.dtype == "float64":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from _causal_lm import E2E_DIR, FAMILIES, TINY_LLAMA, save_pretrained_llama
@@ -160,6 +161,42 @@ def test_a_causal_lm_run_with_dropout_does_not_depend_on_the_microbatch_size():
         assert torch.allclose(a[n], b[n], rtol=1e-5, atol=1e-7), n
     c = params(16, dropout=0.0)  # and dropout is on: without it the run differs
     assert not all(torch.allclose(c[n], a[n], rtol=1e-3) for n in a)
+
+
+def _others_moved_by_a_longer_example(t) -> float:
+    """||the clipped sum of the 8 shortest examples, alone - with the longest in their
+    microbatch at clip factor 0 (it adds nothing itself; only the padded length changes)|| / C."""
+    data = t.task.train
+    short = np.argsort(data.lengths, kind="stable")[:8]
+    longest = int(np.argmax(data.lengths))
+    assert data.lengths[longest] > data.lengths[short].max()
+
+    def clipped(idx, active=None):
+        acc: dict = {}
+        with t._autocast():
+            t.engine.accumulate(t.task.loss_fn, data.collate(idx), acc, None, active)
+        return acc
+
+    alone = clipped(short)
+    active = torch.ones(9, dtype=torch.bool)
+    active[-1] = False
+    joined = clipped(np.concatenate([short, [longest]]), active)
+    return float(sum((alone[n].double() - joined[n].double()).square().sum()
+                     for n in alone)) ** 0.5 / t.plan.clip_norm
+
+
+@pytest.mark.parametrize("overrides", [[], ["performance.dtype=bfloat16"]])
+def test_an_example_s_padded_length_leaves_the_others_clipped_sum_in_bfloat16_too(overrides):
+    # every example clipped (C tiny), so each of the 8 adds exactly C: a longer example in
+    # their microbatch must not move their sum by more than float32 rounding, or one example
+    # moves the release by more than C. sdpa in bfloat16 moved it by 5.5e-3 C (against 4e-7
+    # in float32): the trainer builds eager attention in bfloat16 (models._attention)
+    from dptrain.trainer import RunConfig, Trainer
+
+    t = Trainer(load(RunConfig, TINY_LLAMA, ["train.progress=false", "train.checkpoint_every=0",
+                                             "privacy.clip_norm=1e-4", *overrides]))
+    assert t.model.config._attn_implementation == ("eager" if overrides else "sdpa")
+    assert _others_moved_by_a_longer_example(t) < 1e-5
 
 
 @pytest.mark.parametrize("hf, kw, field, words", [

@@ -655,15 +655,21 @@ def _apply_dropout(config, p: float, field: str) -> None:
         setattr(config, key, p)
 
 
-def _attention(config, dropout: float) -> str:
+def _attention(config, dropout: float, low_precision: bool) -> str:
     """The attention implementation: sdpa (fused kernels, much faster on GPUs; exact per-example
     norms: tests/test_causal_lm.py) unless the model has dropout, since sdpa draws its dropout
     inside the kernel, where dptrain's per-example masks (``F.dropout``, dptrain/models/dropout.py)
-    cannot reach it: then eager, as GPT-2 here. Eager too for a family without sdpa."""
+    cannot reach it: then eager, as GPT-2 here. Eager too for a family without sdpa, and in
+    bfloat16 (``low_precision``): there sdpa's fused kernel rounds an example's attention
+    differently with the microbatch's padded length (the other examples' longest), by 5e-3 of
+    C in the clipped sum of a tiny Llama's 8 examples when a longer one joins them with clip
+    factor 0; the other examples then move the release by more than rounding. Eager attention's
+    masked keys add exact zeros (the same sum to float32 rounding, 2e-7 of C; tests/
+    test_causal_lm.py)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if dropout > 0 or not getattr(model_cls, "_supports_sdpa", False):
+    if dropout > 0 or low_precision or not getattr(model_cls, "_supports_sdpa", False):
         return "eager"
     return "sdpa"
 
@@ -702,7 +708,8 @@ def _from_pretrained_kwargs() -> dict:
     return {"dtype" if major >= 5 else "torch_dtype": torch.float32}
 
 
-def _load_pretrained_causal_lm(cfg: ModelConfig, path: Path, info: DataInfo) -> nn.Module:
+def _load_pretrained_causal_lm(cfg: ModelConfig, path: Path, info: DataInfo,
+                               low_precision: bool) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     field_ = "model.pretrained_path"
@@ -740,7 +747,8 @@ def _load_pretrained_causal_lm(cfg: ModelConfig, path: Path, info: DataInfo) -> 
         with _quiet_loading():
             model, loading = AutoModelForCausalLM.from_pretrained(
                 str(path), config=config, local_files_only=True,
-                attn_implementation=_attention(config, cfg.dropout), output_loading_info=True,
+                attn_implementation=_attention(config, cfg.dropout, low_precision),
+                output_loading_info=True,
                 ignore_mismatched_sizes=True,  # listed in `loading`, refused by _check_complete
                 **_from_pretrained_kwargs())
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, ImportError,
@@ -752,7 +760,7 @@ def _load_pretrained_causal_lm(cfg: ModelConfig, path: Path, info: DataInfo) -> 
     return model.float()
 
 
-def _build_causal_lm(cfg: ModelConfig, info: DataInfo) -> nn.Module:
+def _build_causal_lm(cfg: ModelConfig, info: DataInfo, low_precision: bool) -> nn.Module:
     """transformers' decoder-only LMs (Llama, Qwen2, Mistral, ...), from ``hf_config`` or a
     local checkpoint. The clipping engine takes them as they are: Linear and Embedding rules,
     RMSNorm by its rule or torch.func, rotary positions (no parameters), a tied or untied head."""
@@ -763,7 +771,7 @@ def _build_causal_lm(cfg: ModelConfig, info: DataInfo) -> nn.Module:
         path = Path(cfg.pretrained_path)
         if not path.is_dir():
             raise ConfigError("model.pretrained_path", f"directory not found: {path}")
-        model = _load_pretrained_causal_lm(cfg, path, info)
+        model = _load_pretrained_causal_lm(cfg, path, info, low_precision)
         check_no_batchnorm(model, "model.pretrained_path")
         return model
     from transformers import AutoModelForCausalLM
@@ -782,9 +790,8 @@ def _build_causal_lm(cfg: ModelConfig, info: DataInfo) -> nn.Module:
                           f"{n_pos} < longest example ({info.max_length} tokens); raise "
                           f"model.hf_config.max_position_embeddings or set data.max_length")
     try:
-        model = AutoModelForCausalLM.from_config(config,
-                                                 attn_implementation=_attention(config,
-                                                                                cfg.dropout))
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=_attention(config, cfg.dropout, low_precision))
     except (ValueError, TypeError, RuntimeError, AssertionError, KeyError, IndexError,
             AttributeError, ImportError) as e:  # ImportError: a family's extra package
         raise ConfigError("model.hf_config", f"transformers cannot build it: "
@@ -794,13 +801,15 @@ def _build_causal_lm(cfg: ModelConfig, info: DataInfo) -> nn.Module:
     return model
 
 
-def build_model(cfg: ModelConfig, info: DataInfo) -> nn.Module:
+def build_model(cfg: ModelConfig, info: DataInfo, *, low_precision: bool = False) -> nn.Module:
     """Build the model of ``cfg`` for data described by ``info`` (random init unless
-    ``pretrained_path``). Raises ConfigError naming the field on any mismatch."""
+    ``pretrained_path``). ``low_precision``: the forward will run in bfloat16 (autocast or
+    FSDP's mixed precision), which rules out sdpa attention (``_attention``). Raises
+    ConfigError naming the field on any mismatch."""
     if cfg.name == "gpt2":
         model = _build_gpt2(cfg, info)
     elif cfg.name == "causal_lm":
-        model = _build_causal_lm(cfg, info)
+        model = _build_causal_lm(cfg, info, low_precision)
     else:
         if info.kind != "classification":
             raise ConfigError("model.name",
