@@ -8,9 +8,11 @@
 # What its image already has (Python 3.12, torch, transformers, timm, accelerate, numpy, scipy,
 # safetensors, pyyaml, tqdm, nvidia-ml-py, sacrebleu, pytest) is not fetched. Missing there and
 # needed by dptrain's train path and tests: opacus (accountants), prv-accountant, webdataset and
-# its braceexpand, and peft (LoRA adapters). All five are pure-Python wheels (py3-none-any), so
-# the Python version here does not matter; the versions are those of launch/constraints.txt's
-# environment.
+# its braceexpand. The image has a peft of its own; this one is carried so that the LoRA part
+# runs the version the tests here ran. All five are pure-Python wheels (py3-none-any), so the
+# Python version here does not matter; the versions are those of launch/constraints.txt's
+# environment. Not carried, since no GPU part uses them: randomgen (compiled; secure mode) and
+# rouge-score (it needs nltk; the E2E metrics).
 set -euo pipefail
 ROOT="$(cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)"  # (quiet with CDPATH)
 PY="${PYTHON:-$ROOT/.venv/bin/python}"

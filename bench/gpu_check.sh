@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# ONE prepared GPU check for an H200 session (issue 5, item 8). Finishes in under 8 minutes
-# (267 and 331 s on the H200, 2026-11-30, before part 5b): every part has its own `timeout`
-# (they add up to 835 s) and a failing part does not stop the others. Run it from the
-# repository root on the GPU machine:
+# ONE prepared GPU check for an H200 session (issue 5, item 8). Finishes in under 8 minutes:
+# every part has its own `timeout`, capped by what is left of a budget of 470 s from the start
+# (GPU_CHECK_BUDGET; a part with under 20 s left is skipped and said so), and a failing part
+# does not stop the others. The H200 took 267 and 331 s (2026-11-30) before parts 4b, 5b, 9-12
+# were added; their timeouts add up to 830 s, so the budget, not the sum, bounds the run, and
+# the parts are in order of what matters most. Run it from the repository root on the GPU
+# machine:
 #
 #   here:            bash bench/fetch_gpu_wheels.sh        # bench/wheels/ (gitignored)
 #   on the machine:  bash bench/gpu_check.sh                # carry: bench/wheels
@@ -16,6 +19,7 @@
 #      (opacus, prv-accountant, webdataset, braceexpand, peft); falls back to PYTHONPATH=. if the
 #      editable install fails. Prints the GPU (nvidia-smi) and torch/CUDA versions.
 #   1. `pytest -m gpu` (60): tests/test_gpu.py's CUDA checks (engine norms vs CPU float64,
+#      the others' clipped sum when a longer example joins their microbatch, in bf16 too,
 #      counter-based noise across shard slices, bf16 autocast steps, CUDA == CPU without noise,
 #      the release's noise drawn in the background equal to the inline draw, the peak memory
 #      that metrics rows report, the engine's row check with CUDA dropout).
@@ -50,11 +54,12 @@
 #   11. bench/muon_s_sigma.py --device cuda --layers 4 (30): DP-Muon-S's step with sigma_1 by
 #      Lanczos (two device reads per product) vs the 3 power iterations it replaced, on 4 of
 #      GPT-2 small's 12 blocks (16 matrices; added 2026-12-02, not run on a GPU yet).
+#   12. bench/cancellation_guard.py --device cuda (25): the ghost norms' cancellation check,
+#      its one device sync per query (added 2026-12-03, not run on a GPU yet).
 # Each part prints examples/s, peak memory (torch.cuda.max_memory_allocated and NVML) and the
 # DP/non-private ratio where it has one; each part's log (its last line one JSON object) lands
 # in bench/gpu_out/ (on the device machine: packed into $OUT/gpu_check_logs.tar.gz after every
-# part). Timeouts add up to 835 s; the parts end well before them (the dry run's tiny shapes
-# take about 110 s on 2 CPU cores).
+# part). The dry run's tiny shapes take 110-260 s on 2 CPU cores, with the machine's load.
 #
 # `bash bench/gpu_check.sh --dry-run` runs the same parts on CPU with tiny shapes (no install;
 # CUDA tests skip): it checks the plumbing on a machine without a GPU.
@@ -67,12 +72,14 @@ PY="${PYTHON:-python3}"
 if [ -n "${OUT:-}" ]; then RES=/tmp/gpu_check_logs; else RES=bench/gpu_out; fi
 mkdir -p "$RES"
 START=$(date +%s)
+BUDGET=${GPU_CHECK_BUDGET:-470}  # seconds from START for all parts (timeouts are capped by it)
 declare -A STATUS
 DRY=0 SCALE=1
 [ "${1:-}" = "--dry-run" ] && DRY=1
 if [ $DRY = 1 ]; then
   PY="${PYTHON:-.venv/bin/python}"
   SCALE=4  # a shared CPU is slower to start Python than the H200 machine
+  BUDGET=$(( BUDGET * SCALE ))
   CHECK_ARGS=(--device cpu --tiny --steps 3 --rounds 1)
   BENCH_ARGS=(--device cpu --tiny --quick --no-memory)
   IM_ARGS=("${BENCH_ARGS[@]}")
@@ -89,6 +96,13 @@ fi
 part() {  # part NAME SECONDS COMMAND...: run with a timeout, log to $RES/NAME.log, keep going
   local name="$1" secs=$(( $2 * SCALE )); shift 2
   local t0=$(date +%s)
+  local left=$(( START + BUDGET - t0 - 10 ))  # (10 s: timeout's --kill-after)
+  if [ "$left" -lt 20 ]; then
+    STATUS[$name]="skipped (budget of ${BUDGET} s spent)"
+    echo "=== [$name] skipped: $(( t0 - START )) s of the ${BUDGET} s budget spent"
+    return
+  fi
+  [ "$secs" -gt "$left" ] && secs=$left
   echo "=== [$name] (timeout ${secs}s): $*"
   timeout --signal=TERM --kill-after=10 "$secs" "$@" 2>&1 | tee "$RES/$name.log"
   local rc=${PIPESTATUS[0]}
@@ -115,6 +129,10 @@ missing = [m for m in ("dptrain.trainer", "opacus", "prv_accountant", "webdatase
                        "transformers", "pynvml", "safetensors", "yaml", "peft") if
            importlib.util.find_spec(m.split(".")[0]) is None]
 print("missing modules:", missing or "none")
+# dependencies that no GPU part uses, not carried: randomgen (compiled; privacy.secure_mode)
+# and rouge-score (with nltk; the E2E metrics)
+print("not carried, unused here:", [m for m in ("randomgen", "rouge_score")
+                                    if importlib.util.find_spec(m) is None] or "none")
 import dptrain.trainer  # noqa: F401  (fails loudly here rather than in every part)
 print("dptrain imports")
 EOF
@@ -180,7 +198,7 @@ done
 # the last JSON line of each benchmark part (its start: the device returns the last 12,000
 # characters of output, and the logs in full): throughput, peak memory, DP/non-private
 for k in gpt2_small nf_resnet50 dp_step dp_step_vision inner_momentum inner_momentum_b64 \
-    products profile kernels decode lora muon_s; do
+    products profile kernels decode lora muon_s guard; do
   [ -f "$RES/$k.log" ] && { printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1000; }
 done
 exit 0

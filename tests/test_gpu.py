@@ -8,6 +8,8 @@ and CPU smoke tests of the GPU script's Python parts (bench/gpu_check.py --tiny 
   gives exactly the numbers of one full draw (what makes a release world-size invariant); CUDA's
   numbers differ from CPU's (different generators), both standard normal;
 - a bf16 autocast private step (performance.dtype=bfloat16) runs on CUDA and stays finite;
+- in float32 and bf16, a longer example in a microbatch (clip factor 0) leaves the others'
+  clipped sum as it was to float32 rounding (the kernels' shape dependence, docs/privacy.md);
 - augmentation views on CUDA equal CPU's; an NF-ResNet run with augmult and EMA on CUDA;
 - the whole trainer on CUDA in float32 and the same run on CPU agree up to the noise, which
   differs by device: with sigma = 0 the parameters match;
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -292,6 +296,26 @@ def test_bf16_autocast_private_steps_run_on_cuda():
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("config", ["tiny.yaml", "tiny_llama.yaml"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_cuda_a_longer_example_leaves_the_others_clipped_sum(config, dtype, no_tf32):
+    # docs/privacy.md: in bfloat16, kernels chosen by shape can round the other examples'
+    # values apart when a longer example changes the microbatch's padded length (on CPU eager
+    # attention keeps them to float32 rounding: tests/test_causal_lm.py)
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+    from test_causal_lm import _others_moved_by_a_longer_example
+
+    t = Trainer(load(RunConfig, str(ROOT / "configs" / config), [
+        "train.progress=false", "train.checkpoint_every=0", "privacy.clip_norm=1e-4",
+        "performance.device=cuda", f"performance.dtype={dtype}"]))
+    moved = _others_moved_by_a_longer_example(t)
+    print(f"{config} {dtype}: the others' clipped sum moved by {moved:.3g} C")
+    assert moved < 1e-5
+
+
+@pytest.mark.gpu
+@cuda
 def test_noise_drawn_in_the_background_on_cuda_gives_the_same_release(no_tf32):
     """auto is background with CUDA (pinned host memory, asynchronous copies): the same noise,
     bit for bit, as drawn after the microbatches, and the CPU's numbers. Bit for bit only where
@@ -400,6 +424,19 @@ def test_gpu_check_tiny_on_cpu(model, tmp_path):
         assert "optim.inner_momentum.k_muon=2" in res["overrides"]
 
 
+def test_gpu_check_skips_the_parts_its_budget_has_no_room_for(tmp_path):
+    # the device tool kills a command at its limit, and the summary with it: the script's
+    # budget, not the sum of its timeouts (830 s), bounds the run
+    out = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"],
+                         env={**os.environ, "GPU_CHECK_BUDGET": "1",
+                              "OUT": str(tmp_path)},
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    statuses = re.findall(r"^(\w+)\s+(.*)$", out.split("=== summary")[1], flags=re.M)
+    ran = {k: v for k, v in statuses if not v.startswith("skipped") and v != "not run"}
+    assert not ran, ran
+    assert sum("skipped (budget of 4 s spent)" in v for _, v in statuses) >= 10
+
+
 def test_gpu_check_script_is_valid_bash_with_a_timeout_per_part():
     script = ROOT / "bench" / "gpu_check.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
@@ -410,4 +447,9 @@ def test_gpu_check_script_is_valid_bash_with_a_timeout_per_part():
     # every part runs through part(), which wraps it in `timeout`
     assert "timeout --signal=TERM" in text
     assert sum(line.lstrip().startswith("part ") for line in text.splitlines()) >= 5
+    # every part named in the status summary; every benchmark part's JSON line in the last one
+    names = {line.split()[1] for line in text.splitlines() if line.lstrip().startswith("part ")}
+    summary, results = re.findall(r"^for k in ([^;]*); do", text, flags=re.M)
+    assert names <= set(summary.split()) - {"\\"}
+    assert names - {"install", "pytest_gpu"} <= set(results.split()) - {"\\"}
     assert "--no-deps" in text and "bench/wheels" in text
