@@ -356,6 +356,18 @@ def test_gpt2_tokenizer_known_ids_and_round_trip(gpt2_tok):
                                                                 tok.encode_pair("b || ", "y")]
 
 
+@needs_gpt2_bpe
+def test_a_special_token_spelled_in_the_data_is_text_not_the_token(gpt2_tok):
+    # EOS ends a target and nothing else: "<|endoftext|>" written in a record is its characters
+    tok = gpt2_tok
+    text = "name[<|endoftext|>] || "
+    ids = tok.encode(text)
+    assert tok.eos_id not in ids and tok.decode(ids) == text
+    assert tok.encode_batch([text, "a"])[0] == ids
+    p, t = tok.encode_pair(text, "x <|endoftext|> y")
+    assert tok.eos_id not in p + t and tok.decode(p + t) == text + "x <|endoftext|> y"
+
+
 @needs_e2e
 @needs_gpt2_bpe
 def test_e2e_gpt2_labels_cover_exactly_the_reference(gpt2_tok):

@@ -63,13 +63,16 @@ class _TransformersTokenizer:
         self.hf = loader.from_pretrained(self.folder, local_files_only=True)
         self.vocab_size = len(self.hf)
 
+    # split_special_tokens: a special token's spelling in the data (``<|endoftext|>`` in a
+    # text) is text, not the token: EOS only ever ends a target (lm.py puts it there)
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=True))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if not texts:
             return []
-        return [list(x) for x in self.hf(list(texts), add_special_tokens=False)["input_ids"]]
+        return [list(x) for x in self.hf(list(texts), add_special_tokens=False,
+                                         split_special_tokens=True)["input_ids"]]
 
     @staticmethod
     def _split(prompt: str, target: str) -> tuple[str, str]:
