@@ -159,15 +159,17 @@ def test_the_device_is_found_by_uuid_not_by_index(monkeypatch):
     mon = GpuMonitor(SimpleNamespace(type="cuda", index=0), nvml=FakeNVML([1], [1]))
     assert mon.active and seen == [0]
 
-    class Unknown(FakeNVML):
-        def nvmlDeviceGetHandleByIndex(self, index):
-            raise self.NVMLError("Invalid Argument")
-
+    # a UUID NVML does not know: off, not the GPU that NVML numbers 0 (another one, here)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i: SimpleNamespace(uuid=uuid.UUID(int=7)))
-    nvml = Unknown([1], [1])
+    class NumbersAnother(FakeNVML):
+        def nvmlDeviceGetHandleByIndex(self, index):
+            return "another GPU's handle"
+
+    nvml = NumbersAnother([1], [1])
     mon = GpuMonitor(SimpleNamespace(type="cuda", index=0), nvml=nvml)
     assert not mon.active and "cannot find" in mon.reason and nvml.shutdowns == 1
+    assert str(uuid.UUID(int=7)) in mon.reason
 
 
 def _trainer(extra=()):

@@ -23,20 +23,22 @@ __all__ = ["GpuMonitor"]
 def _nvml_handle(nvml: Any, device: Any):
     """NVML's handle of ``device`` (a torch CUDA device). Matched by UUID, as NVML numbers the
     physical devices while torch numbers those CUDA_VISIBLE_DEVICES leaves visible (in its
-    order); by index when torch gives no UUID."""
+    order); by index only when torch gives no UUID. A UUID that NVML does not know raises
+    (the monitor is then off): the same index could be another GPU's."""
     import torch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-    if uuid is not None:
-        text = str(uuid)
-        # torch prints the bare UUID; NVML's carries a "GPU-" (or "MIG-") prefix
-        for name in (text, f"GPU-{text}", f"MIG-{text}"):
-            try:
-                return nvml.nvmlDeviceGetHandleByUUID(name)
-            except nvml.NVMLError:
-                continue
-    return nvml.nvmlDeviceGetHandleByIndex(index)
+    if uuid is None:
+        return nvml.nvmlDeviceGetHandleByIndex(index)
+    text = str(uuid)
+    # torch prints the bare UUID; NVML's carries a "GPU-" (or "MIG-") prefix
+    for name in (text, f"GPU-{text}", f"MIG-{text}"):
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID(name)
+        except nvml.NVMLError:
+            continue
+    raise LookupError(f"no device with torch's UUID {text}")
 
 
 class GpuMonitor:
