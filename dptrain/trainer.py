@@ -61,7 +61,9 @@ class TrainConfig:
     eval_batch_size: int = 128
     """Batch size of evaluation (public test data; no privacy cost)."""
     checkpoint_every: int = 0
-    """Steps between checkpoints; 0 writes none (the final model is always written)."""
+    """Steps between checkpoints; 0 writes none but a stop's (SIGTERM: docs/checkpoint.md) and,
+    in secure mode, the last step's (its held metrics rows need one); the final model is always
+    written."""
     keep_checkpoints: int = 2
     """How many complete checkpoints to keep (the newest complete one is never deleted)."""
     progress: bool = True
@@ -864,7 +866,7 @@ class Trainer:
         bar = tqdm(total=self.plan.steps, initial=self.step, disable=not (tc.progress and main),
                    desc="dptrain", unit="step", dynamic_ncols=True)
         # Secure mode: metrics rows are written only once a checkpoint covers their step (with
-        # checkpoint_every 0: at the end, or with the checkpoint a stop writes). A resume there
+        # checkpoint_every 0: the last step's, written for them, or the one a stop writes). A resume there
         # draws the releases after the checkpoint again with fresh noise, which is free only if
         # nothing derived from the lost ones was written (a crash drops the held rows with
         # them; a restart from no checkpoint draws every release again).
@@ -895,7 +897,9 @@ class Trainer:
             has_own = owners == self.world
             saved_step, saved_path = (self.step if has_own else -1), None
             diverged = False
-            while self.step < self.plan.steps:
+            while True:
+                # (also after the last step: a stop there checkpoints it rather than going on
+                # into the final evaluation, which a scheduler's SIGKILL could cut short)
                 if signum := self._stop_agreed():
                     # every rank at the same step boundary: checkpoint it unless that is done,
                     # then stop
@@ -903,6 +907,8 @@ class Trainer:
                         saved_step, saved_path = self.step, ckpt.save(self, out)
                         flush()
                     raise StopRequested(signum, self.step, saved_path)
+                if self.step >= self.plan.steps:
+                    break
                 row = self.private_step()
                 if self.cfg.privacy.secure_mode:
                     # computed from the private batch without noise: outside the guarantee, so
@@ -948,6 +954,12 @@ class Trainer:
                     # every rank calls: sharded runs write their shards (DCP)
                     saved_step, saved_path = self.step, ckpt.save(self, out)
                     flush()
+            if held and out is not None and saved_step != self.step:
+                # secure mode holds its rows until a checkpoint covers them: with
+                # checkpoint_every 0 that is one of the last step, before the final evaluation
+                # (rows on disk without one would refuse every resume after a kill there);
+                # on every rank (a sharded save is collective)
+                saved_step, saved_path = self.step, ckpt.save(self, out)
             flush()
         finally:
             bar.close()

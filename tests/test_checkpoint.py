@@ -190,6 +190,23 @@ def test_a_misshapen_marker_is_a_damaged_checkpoint(tmp_path, capsys, marker):
     assert code == 2 and "resume" in err and "corrupt COMPLETE marker" in err
 
 
+def test_a_marker_whose_step_is_not_the_state_s_is_refused(tmp_path, capsys):
+    # --resume auto and the output-directory and secure-mode guards go by the marker's step;
+    # loading went by state.pt's: the two must agree
+    out = tmp_path / "run"
+    t = Trainer(_cfg(["train.checkpoint_every=1"]), out)
+    t.private_step()
+    path = ckpt.save(t, out)
+    marker = json.loads((path / ckpt.MARKER).read_text())
+    (path / ckpt.MARKER).write_text(json.dumps({**marker, "step": 5}))
+    assert ckpt.verify(path) is None  # the files are intact
+    code = main(["train", "--config", TINY, "--output-dir", str(tmp_path / "branch"),
+                 "--resume", str(path), *FAST, "train.checkpoint_every=1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "resume" in err
+    assert "holds step 1, but its COMPLETE says step 5" in err
+
+
 @pytest.mark.parametrize("damage", ["truncate", "bitflip", "no_marker"])
 def test_resume_path_to_a_damaged_checkpoint_exits_2(tmp_path, capsys, damage):
     out = tmp_path / "run"

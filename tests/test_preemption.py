@@ -280,6 +280,57 @@ def test_a_stop_right_after_a_checkpoint_writes_no_second_one(tmp_path, monkeypa
     assert ckpt.step_of(e.value.checkpoint) == 2
 
 
+def test_a_stop_during_the_last_step_checkpoints_it_before_the_final_evaluation(tmp_path,
+                                                                                capsys):
+    # checkpoint_every 0: the stop was once seen only at the top of a step, so one during the
+    # last step went on into the final evaluation and export with no checkpoint at all (a
+    # scheduler's SIGKILL there lost every step)
+    over = ["train.progress=false", "privacy.epsilon=null", "privacy.noise_multiplier=1.1",
+            "privacy.steps=3", "train.checkpoint_every=0"]
+    t = Trainer(load(RunConfig, TINY, over), tmp_path)
+    real_step = t.private_step
+
+    def private_step():
+        row = real_step()
+        if t.step == 3:
+            t.stop_signal = signal.SIGTERM
+        return row
+
+    t.private_step = private_step
+    with pytest.raises(StopRequested) as e:
+        t.run()
+    assert e.value.step == 3 and ckpt.step_of(e.value.checkpoint) == 3
+    assert not (tmp_path / "summary.json").exists() and _steps_logged(tmp_path) == [1, 2, 3]
+    # the resume has no step left: the final evaluation and export only
+    assert main(["train", "--config", TINY, "--output-dir", str(tmp_path), "--resume", "auto",
+                 *over]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+    assert _steps_logged(tmp_path) == [1, 2, 3]
+
+
+def test_secure_mode_without_checkpoints_writes_the_last_step_s_before_its_rows(tmp_path,
+                                                                              monkeypatch):
+    # its rows are held until a checkpoint covers them; with checkpoint_every 0 they were
+    # written before the final evaluation with none, so a kill during it left a run that
+    # every resume refuses (rows of releases after step 0)
+    over = ["train.progress=false", "privacy.epsilon=null", "privacy.noise_multiplier=1.1",
+            "privacy.steps=3", "train.checkpoint_every=0", "privacy.secure_mode=true",
+            "privacy.seed=null"]
+    t = Trainer(load(RunConfig, TINY, over), tmp_path)
+    seen = []
+
+    def evaluate(generate=False):
+        seen.append((ckpt.complete_steps(tmp_path), _steps_logged(tmp_path)))
+        raise KeyboardInterrupt  # killed during the final evaluation
+
+    monkeypatch.setattr(t, "evaluate", evaluate)
+    with pytest.raises(KeyboardInterrupt):
+        t.run()
+    (steps, rows), = seen
+    assert list(steps) == [3] and rows == [1, 2, 3]
+
+
 @pytest.mark.parametrize("status", [0, 1])
 def test_a_stop_signal_while_a_finished_process_exits_keeps_its_status(status):
     # the process entry point (`dptrain`, `python -m dptrain`): after a command returned 0 (a

@@ -557,16 +557,20 @@ def step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _marker_step(path: Path) -> int | None:
+    """The step that a checkpoint's marker records (None: no marker, or none recorded)."""
+    try:
+        step = json.loads((Path(path) / MARKER).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def checkpoint_step(path: Path) -> int | None:
     """The step a checkpoint holds: its marker's (which a renamed or copied directory keeps),
     else its name's (``step-NNNNNNNN``); None when neither says."""
-    try:
-        step = json.loads((Path(path) / MARKER).read_text()).get("step")
-        if isinstance(step, int):
-            return step
-    except (OSError, ValueError, AttributeError):
-        pass
-    return step_of(path)
+    step = _marker_step(path)
+    return step if step is not None else step_of(path)
 
 
 def complete_steps(run_dir: Path) -> list[int]:
@@ -814,6 +818,10 @@ def read_meta(path: Path, verified: bool = False) -> dict[str, Any]:
         what = f"lacks {', '.join(missing)}"
     elif not isinstance(state["config"], dict):
         what = "has no config mapping"
+    elif (marked := _marker_step(path)) is not None and marked != state["step"]:
+        # the marker's step is what --resume auto, the output-directory and the secure-mode
+        # guards go by
+        what = f"holds step {state['step']}, but its {MARKER} says step {marked}"
     else:
         return state
     raise ConfigError("resume", f"checkpoint {path} is unusable: its {name} {what}; it was not "
