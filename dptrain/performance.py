@@ -76,10 +76,10 @@ class PerformanceConfig:
     def validate(self) -> None:
         if self.microbatch_size < 1:
             raise ConfigError("microbatch_size", f"must be >= 1, got {self.microbatch_size}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
-        if self.decode_threads is not None and self.decode_threads < 1:
-            raise ConfigError("decode_threads", f"must be >= 1, got {self.decode_threads}")
+        for f in ("num_threads", "decode_threads"):
+            v = getattr(self, f)
+            if v is not None and not 1 <= v <= MAX_THREADS:
+                raise ConfigError(f, f"must be between 1 and {MAX_THREADS}, got {v}")
         if self.sharding == "fsdp" and self.clipping == "two_pass":
             raise ConfigError("clipping", "two_pass needs parameter gradients from autograd, "
                                           "which FSDP2 shards; use bookkeeping with sharding")
@@ -100,6 +100,10 @@ class PerformanceConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("device", f"must be auto, cpu or cuda, got {self.device!r}")
 
+
+#: num_threads' and decode_threads' upper end: more than any machine's cores (torch's setter
+#: takes a C int; OpenMP would try to start that many threads)
+MAX_THREADS = 4096
 
 #: collective_timeout_s's range: a millisecond (less rounds to 0, a timeout at once) to about
 #: 115 days (gloo's timeout wraps past int64 nanoseconds near 9.2e9 s; timedelta overflows at 1e14)

@@ -78,6 +78,8 @@ def test_plain_output_and_prv_default(capsys):
     ("--epsilon", "nan", "--epsilon: expected a number"),
     ("--sample-rate", "0", "--sample-rate: must be in (0, 1], got 0"),
     ("--sample-rate", "1.01", "--sample-rate: must be in (0, 1], got 1.01"),
+    # subnormal: opacus' accountants divided by zero (a traceback)
+    ("--sample-rate", "1e-320", "--sample-rate: 1e-320 is below 2.225e-308"),
     ("--steps", "0", "--steps: must be >= 1, got 0"),
     ("--steps", "2.5", "--steps: expected an integer"),
     ("--accountant", "gdp", "--accountant: must be prv or rdp"),

@@ -93,6 +93,17 @@ def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys
      "privacy.noise_multiplier"),
     (("privacy.epsilon=null", "privacy.noise_multiplier=1e300", "privacy.accountant=rdp"),
      "privacy.noise_multiplier"),
+    # a traceback (a subnormal rate: opacus divides by zero; torch's C int), or a dry run that
+    # made a 2^62-long synthetic set in Python, deaf to SIGTERM
+    ("privacy.sample_rate=1e-320", "privacy.sample_rate"),
+    ("performance.num_threads=2147483648", "performance.num_threads"),
+    ("performance.decode_threads=5000", "performance.decode_threads"),
+    ("data.max_length=4611686018427387904", "data.max_length"),
+    ("data.synthetic_train_size=4611686018427387904", "data.synthetic_train_size"),
+    ("data.synthetic_test_size=100000001", "data.synthetic_test_size"),
+    ("model.pretrained_path=''", "model.pretrained_path"),  # was read as the current directory
+    ("optim.groups=[{pattern: wte, optimizer: adamw, name: a}, "
+     "{pattern: wpe, optimizer: adamw, name: a}]", "optim.groups[0].name"),
     ("privacy.epsilon=1e20", "privacy.epsilon"),  # calibration never ended
     ("privacy.epsilon=1e-9", "privacy.epsilon"),  # calibration: unreachable
     ("optim.groups=[{pattern: wte, pattern: wpe, optimizer: adamw}]",

@@ -52,6 +52,15 @@ def test_a_pattern_matching_nothing_is_an_error_naming_it():
     assert e.value.field == "optim.groups[1].pattern"
 
 
+def test_a_pattern_whose_parameters_an_earlier_group_took_says_so():
+    # it does match: "matches no trainable parameter" sent the user looking for a typo
+    with pytest.raises(ConfigError) as e:
+        _build({"groups": [{"pattern": ".", "optimizer": "adamw"},
+                           {"pattern": "weight", "optimizer": "sgd"}]})
+    assert e.value.field == "optim.groups[1].pattern"
+    assert "the earlier optim.groups[0] takes" in str(e.value)
+
+
 def test_a_parameter_in_no_group_is_an_error_listing_it():
     with pytest.raises(ConfigError) as e:
         _build({"groups": [{"pattern": "weight", "optimizer": "muon"}]})

@@ -98,8 +98,13 @@ def _validate(args) -> dict:
     if not (0.0 < delta < 1.0):
         raise _ArgError("--delta", f"must be in (0, 1), got {args.delta}")
     q = _number("--sample-rate", args.sample_rate)
+    from dptrain.privacy.accounting import MIN_SAMPLE_RATE
+
     if not (0.0 < q <= 1.0):
         raise _ArgError("--sample-rate", f"must be in (0, 1], got {args.sample_rate}")
+    if q < MIN_SAMPLE_RATE:
+        raise _ArgError("--sample-rate", f"{args.sample_rate} is below {MIN_SAMPLE_RATE:.4g}, "
+                                         f"the smallest the accountants can take")
     steps = _integer("--steps", args.steps)
     if steps < 1:
         raise _ArgError("--steps", f"must be >= 1, got {args.steps}")

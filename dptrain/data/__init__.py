@@ -40,6 +40,13 @@ _DEFAULT_FILES = {
 }
 
 
+#: data.max_length's upper end: 2^20 tokens per example (past any model's context, and a
+#: synthetic set's sequences are made in Python, which would run for hours)
+MAX_LENGTH = 2**20
+#: the synthetic sets' largest size (they are made in memory, for tests and demos)
+MAX_SYNTHETIC = 10**8
+
+
 @dataclass(kw_only=True)
 class DataConfig:
     name: Literal["mnist", "e2e", "synthetic_lm", "synthetic_images", "webdataset",
@@ -132,15 +139,17 @@ class DataConfig:
         if self.name == "e2e" and self.tokenizer == "hf" and self.tokenizer_path is None:
             raise ConfigError("tokenizer_path", "required with data.tokenizer: hf (a tokenizer "
                                                 "folder, e.g. the pretrained model's own)")
-        if self.max_length is not None and self.max_length < 4:
-            raise ConfigError("max_length", f"must be >= 4, got {self.max_length}")
+        if self.max_length is not None and not 4 <= self.max_length <= MAX_LENGTH:
+            raise ConfigError("max_length", f"must be between 4 and {MAX_LENGTH}, got "
+                                            f"{self.max_length}")
         for f in ("max_train_examples", "max_test_examples"):
             v = getattr(self, f)
             if v is not None and v < 1:
                 raise ConfigError(f, f"must be >= 1 or null, got {v}")
         for f in ("synthetic_train_size", "synthetic_test_size"):
-            if getattr(self, f) < 1:
-                raise ConfigError(f, f"must be >= 1, got {getattr(self, f)}")
+            if not 1 <= getattr(self, f) <= MAX_SYNTHETIC:
+                raise ConfigError(f, f"must be between 1 and {MAX_SYNTHETIC:,}, got "
+                                     f"{getattr(self, f)}")
         if self.synthetic_vocab_size < 2:
             raise ConfigError("synthetic_vocab_size",
                               f"must be >= 2, got {self.synthetic_vocab_size}")

@@ -150,6 +150,9 @@ class ModelConfig:
                 raise ConfigError("vocab_size", f"must be >= 2, got {self.vocab_size}")
             if not (0.0 <= self.dropout < 1.0):
                 raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
+            if self.pretrained_path is not None and not self.pretrained_path.strip():
+                raise ConfigError("pretrained_path", "must not be empty (null: random "
+                                                     "initialisation)")
             if self.pretrained_path is not None and not Path(self.pretrained_path).is_dir():
                 raise ConfigError("pretrained_path",
                                   f"directory not found: {self.pretrained_path}")

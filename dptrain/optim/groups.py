@@ -92,10 +92,16 @@ def resolve_groups(
                 break
         else:
             leftover.append((name, p))
-    for (path, cfg, required, _), mem in zip(compiled, members):
+    for k, ((path, cfg, required, rx), mem) in enumerate(zip(compiled, members)):
         if required and not mem:
+            # the first matching group takes a parameter: say so when an earlier one took all
+            first = next((compiled[j][0] for name, _ in named_params if rx.search(name)
+                          for j in range(k) if compiled[j][3].search(name)), None)
             raise ConfigError(f"{path}.pattern",
-                              f"{cfg.pattern!r} matches no trainable parameter")
+                              f"{cfg.pattern!r} matches no trainable parameter" if first is None
+                              else f"{cfg.pattern!r} matches only parameters that the earlier "
+                                   f"{first} takes (the first group that matches a parameter "
+                                   f"takes it)")
     resolved = [ResolvedGroup(cfg.name or path, path, cfg, mem)
                 for (path, cfg, _, _), mem in zip(compiled, members) if mem]
     if leftover:

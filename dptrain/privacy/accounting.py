@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -70,6 +71,9 @@ MAX_STEPS = 10**9
 """Most releases a plan may have. Far beyond any training run; opacus' accountants break down
 numerically on larger counts (PRV cannot allocate its grid, RDP's bound turns negative near
 1e30 and its calibration then never ends), so larger ``steps`` are refused up front."""
+#: the smallest sample rate: the smallest normal float64 (opacus' RDP and the PRV accountant
+#: divide by zero at a subnormal one)
+MIN_SAMPLE_RATE = sys.float_info.min
 
 _LEDGER_FORMAT = 1
 
@@ -96,6 +100,9 @@ def _check_q(q) -> float:
     q = float(q)
     if not (0.0 < q <= 1.0):
         raise ValueError(f"sample_rate must be in (0, 1], got {q}")
+    if q < MIN_SAMPLE_RATE:
+        raise ValueError(f"sample_rate {q} is below {MIN_SAMPLE_RATE:.4g}, the smallest the "
+                         f"accountants can take")
     return q
 
 
@@ -284,6 +291,9 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
         raise ConfigError("delta", f"must be in (0, 1), got {delta}")
     if not 0.0 < sample_rate <= 1.0:
         raise ConfigError("sample_rate", f"must be in (0, 1], got {sample_rate}")
+    if sample_rate < MIN_SAMPLE_RATE:
+        raise ConfigError("sample_rate", f"{sample_rate} is below {MIN_SAMPLE_RATE:.4g}, the "
+                                         f"smallest the accountants can take")
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ConfigError("steps", f"must be an integer >= 1, got {steps}")
     if steps > MAX_STEPS:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dptrain.config import FLOAT32_MAX, FLOAT32_TINY, ConfigError
-from dptrain.privacy.accounting import MAX_STEPS
+from dptrain.privacy.accounting import MAX_STEPS, MIN_SAMPLE_RATE
 
 NOISE_TAIL = 40.0
 """No float64 Gaussian draw exceeds ~38.5 standard deviations: sigma * C * NOISE_TAIL must fit
@@ -66,6 +66,9 @@ class PrivacyConfig:
             raise ConfigError("delta", f"must be in (0, 1), got {self.delta}")
         if not (0.0 < self.sample_rate <= 1.0):
             raise ConfigError("sample_rate", f"must be in (0, 1], got {self.sample_rate}")
+        if self.sample_rate < MIN_SAMPLE_RATE:
+            raise ConfigError("sample_rate", f"{self.sample_rate} is below {MIN_SAMPLE_RATE:.4g}, "
+                                             f"the smallest the accountants can take")
         if self.steps < 1:
             raise ConfigError("steps", f"must be >= 1, got {self.steps}")
         if self.steps > MAX_STEPS:
