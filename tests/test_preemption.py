@@ -121,6 +121,19 @@ def _stop_on_one_rank(rank: int, world: int, out: str, stop_rank: int) -> tuple:
     return t.step, None, None
 
 
+def _stop_after_step(t: Trainer, k: int) -> None:
+    """A SIGTERM request arrives while step ``k`` runs (seen at the boundary after it)."""
+    real_step = t.private_step
+
+    def private_step():
+        row = real_step()
+        if t.step == k:
+            t.stop_signal = signal.SIGTERM
+        return row
+
+    t.private_step = private_step
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("stop_rank", [1])  # not rank 0, which writes the checkpoint metadata
 def test_a_stop_seen_by_one_rank_stops_every_rank_at_the_same_step(tmp_path, stop_rank):
@@ -265,15 +278,7 @@ def test_a_stop_right_after_a_checkpoint_writes_no_second_one(tmp_path, monkeypa
         return real_save(trainer, out)
 
     monkeypatch.setattr(ckpt, "save", save)
-    real_step = t.private_step
-
-    def private_step():
-        row = real_step()
-        if t.step == 2:
-            t.stop_signal = signal.SIGTERM
-        return row
-
-    t.private_step = private_step
+    _stop_after_step(t, 2)
     with pytest.raises(StopRequested) as e:
         t.run()
     assert e.value.step == 2 and saves == [1, 2]
@@ -288,15 +293,7 @@ def test_a_stop_during_the_last_step_checkpoints_it_before_the_final_evaluation(
     over = ["train.progress=false", "privacy.epsilon=null", "privacy.noise_multiplier=1.1",
             "privacy.steps=3", "train.checkpoint_every=0"]
     t = Trainer(load(RunConfig, TINY, over), tmp_path)
-    real_step = t.private_step
-
-    def private_step():
-        row = real_step()
-        if t.step == 3:
-            t.stop_signal = signal.SIGTERM
-        return row
-
-    t.private_step = private_step
+    _stop_after_step(t, 3)
     with pytest.raises(StopRequested) as e:
         t.run()
     assert e.value.step == 3 and ckpt.step_of(e.value.checkpoint) == 3
