@@ -392,7 +392,7 @@ def test_microbatches_of_one_example_that_store_data_in_a_buffer_are_refused(how
     x[1, 0] = 0.0
     engine = ClippingEngine(m, clip_norm=1.0)
     engine.accumulate(sq_loss, (x[:1],), {})
-    assert not engine._rows_checked and engine._rows_other is not None
+    assert not engine._rows_checked and len(engine._rows_others) == 1
     with pytest.raises(ValueError, match=rf"writes the buffer {buffer} of _Stores from the "
                                          rf"examples' data: the forward of another "
                                          rf"microbatch's example"):
@@ -410,7 +410,7 @@ def test_microbatches_of_one_example_without_stored_data_pass_with_the_same_sums
     assert not engine._rows_checked
     for i in range(1, 6):
         engine.accumulate(sq_loss, (x[i:i + 1],), acc)
-        assert engine._rows_checked and engine._rows_other is None
+        assert engine._rows_checked and not engine._rows_others
     # the check's forwards changed neither the sums nor the buffers' real writes
     torch.manual_seed(0)
     ref, ref_acc = ClippingEngine(_Wrapped(how).double(), clip_norm=1.0), {}
@@ -423,15 +423,68 @@ def test_microbatches_of_one_example_without_stored_data_pass_with_the_same_sums
 
 
 def test_microbatches_of_one_example_all_alike_warn_after_max_attempts():
-    from dptrain.clipping.rows import MAX_ATTEMPTS
+    from dptrain.clipping.rows import MAX_ONE_EXAMPLE_ATTEMPTS as MAX
 
     engine = ClippingEngine(_Wrapped("running mean in place").double(), clip_norm=1.0)
     batch = (_x(1, 4),)
-    for _ in range(MAX_ATTEMPTS - 1):
+    for _ in range(MAX - 1):
         engine.accumulate(sq_loss, batch, {})
-    with pytest.warns(UserWarning, match=f"in {MAX_ATTEMPTS} microbatches no example"):
+    with pytest.warns(UserWarning, match=f"in {MAX} microbatches no example"):
         engine.accumulate(sq_loss, batch, {})
-    assert engine._rows_checked and engine._rows_other is None
+    assert engine._rows_checked and not engine._rows_others
+
+
+def test_one_example_microbatches_differing_in_labels_alone_leave_the_check_due():
+    # as with larger microbatches: done once the other example reached a layer; labels alone
+    # would have closed it before any data-writing forward could be seen
+    m = _Wrapped("running mean in place").double()
+
+    def labelled(model, batch):
+        x, y = batch
+        return (model(x) - y).pow(2).sum(1)
+
+    engine = ClippingEngine(m, clip_norm=1.0)
+    x = _x(1, 4)
+    engine.accumulate(labelled, (x, _x(1, 2, seed=1)), {})
+    engine.accumulate(labelled, (x.clone(), _x(1, 2, seed=2)), {})
+    assert not engine._rows_checked
+    with pytest.raises(ValueError, match="writes the buffer inner.stat"):
+        engine.accumulate(labelled, (_x(1, 4, seed=3), _x(1, 2, seed=4)), {})
+
+
+class _PositionCache(nn.Module):
+    """A table cached for the current sequence length (a function of the shape, not the data):
+    the rows check accepts it, whatever the microbatch size."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+        self.register_buffer("pos", torch.zeros(0, 8, dtype=torch.float64))
+
+    def forward(self, x):  # (B, T, 8)
+        T = x.shape[1]
+        if self.pos.shape[0] != T:
+            self.pos = torch.sin(torch.arange(T, dtype=torch.float64)[:, None]
+                                 * torch.arange(8, dtype=torch.float64))
+        return self.lin(x + self.pos)
+
+
+@pytest.mark.parametrize("mb", [1, 2])
+def test_a_buffer_cached_per_sequence_length_passes_at_any_microbatch_size(mb):
+    # one-example microbatches of other lengths have other shapes: only those of the same
+    # shapes are compared (a larger microbatch's replacements keep its shapes too)
+    engine = ClippingEngine(_PositionCache().double(), clip_norm=1.0)
+    for i, T in enumerate([3, 5, 3, 5, 4, 4]):
+        engine.accumulate(sq_loss, (_x(mb, T, 8, seed=i),), {})
+    assert engine._rows_checked and not engine._rows_others
+
+
+def test_the_kept_one_example_microbatches_go_with_release_workspace():
+    engine = ClippingEngine(_Wrapped("none").double(), clip_norm=1.0)
+    engine.accumulate(sq_loss, (_x(1, 4),), {})
+    assert engine._rows_others  # a private example, until the check is done ...
+    engine.release_workspace()  # ... or the run ends (Trainer.run's finally)
+    assert not engine._rows_others
 
 
 def test_a_nondeterministic_buffer_write_is_warned_about_not_refused():

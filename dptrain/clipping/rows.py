@@ -31,9 +31,11 @@ The check counts as done once a replacement reached some hooked layer's input: a
 whose examples differ only in what no layer sees (labels, with equal inputs) leaves it for the
 next one, up to ``MAX_ATTEMPTS`` microbatches (then a warning says it could not check). A
 microbatch of one example (``performance.microbatch_size`` 1) has nothing to replace and no
-rows to mix: in one process its forward is compared with an earlier one-example microbatch's
-(``check_stored_across``), which shows a buffer written from the data; under a process group a
-rank's one example compares nothing (another rank's larger share may).
+rows to mix: in one process its forward is compared with that of an earlier one-example
+microbatch of the same shapes (``check_stored_across``; up to ``MAX_ONE_EXAMPLE_ATTEMPTS``
+microbatches, since text comes in many lengths), which shows a buffer written from the data;
+under a process group a rank's one example compares nothing (another rank's larger share
+may).
 
 What it cannot see: mixing in the backward only (a custom autograd function, a
 ``x + (f(x) - f(x).detach())`` trick), mixing weaker than 1e-5 of a row or a loss (a loss
@@ -66,6 +68,8 @@ REL_TOL = 1e-5
 BLOCK = 2**24
 #: first queries with nothing that reached a layer before the check gives up (with a warning)
 MAX_ATTEMPTS = 8
+#: the same for microbatches of one example, which wait for two of the same shapes
+MAX_ONE_EXAMPLE_ATTEMPTS = 64
 
 
 def cannot_check(why: str, stacklevel: int = 3) -> None:
@@ -356,16 +360,20 @@ def check_stored_across(model: nn.Module, hooked: list[tuple[str, nn.Module]],
                         view: Callable | None = None) -> bool:
     """The check of a microbatch of one example (one process): it has no other example to
     replace, so its forward is compared with that of ``other``, an earlier microbatch of one
-    example that differs (the engine keeps it), from the same buffers and randomness. Rows
-    cannot mix within one example; what is left to see is a buffer that the forward writes
-    from the data, refused as in ``check_example_rows``. Returns whether the check is done:
-    False when the two forwards are alike (nothing compared: the engine tries a later one)."""
+    example with the same shapes (the engine keeps it: a buffer cached per shape is not the
+    data), from the same buffers and randomness. Rows cannot mix within one example; what is
+    left to see is a buffer that the forward writes from the data, refused as in
+    ``check_example_rows``. Returns whether the check is done: False when the other example
+    reached no layer differently (inputs alike, only labels differing: the engine tries a
+    later one)."""
     slots = _slots(model)
     directions: dict[tuple, Tensor] = {}
     forwards = _runner(model, hooked, loss_fn, view, 1, stream, slots, directions)
     control, test = forwards(batch, other)
-    if not _differ(control, test, slots, directions):
-        return False
+    if _calls(control[0]) == _calls(test[0]) and not any(
+            bool(_changed(cn, cp, tn, tp).any())
+            for (_, _, cn, cp), (_, _, tn, tp) in zip(control[0], test[0])):
+        return False  # as check_example_rows: done once the data reached a layer
     refusal = _stored(control, test, slots, directions,
                       "the forward of another microbatch's example instead of this one")
     if refusal is None:
