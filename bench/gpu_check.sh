@@ -71,8 +71,13 @@ PY="${PYTHON:-python3}"
 # /tmp/gpu_check_logs/NAME.log packed after every part into $OUT/gpu_check_logs.tar.gz
 if [ -n "${OUT:-}" ]; then RES=/tmp/gpu_check_logs; else RES=bench/gpu_out; fi
 mkdir -p "$RES"
+rm -f "$RES"/*.log  # a warm machine keeps /tmp: no earlier run's numbers in this summary
 START=$(date +%s)
 BUDGET=${GPU_CHECK_BUDGET:-470}  # seconds from START for all parts (timeouts are capped by it)
+if ! [[ $BUDGET =~ ^[0-9]+$ ]]; then
+  echo "gpu_check.sh: GPU_CHECK_BUDGET must be whole seconds, got '$BUDGET'" >&2
+  exit 2
+fi
 declare -A STATUS
 DRY=0 SCALE=1
 [ "${1:-}" = "--dry-run" ] && DRY=1
@@ -98,7 +103,7 @@ part() {  # part NAME SECONDS COMMAND...: run with a timeout, log to $RES/NAME.l
   local t0=$(date +%s)
   local left=$(( START + BUDGET - t0 - 10 ))  # (10 s: timeout's --kill-after)
   if [ "$left" -lt 20 ]; then
-    STATUS[$name]="skipped (budget of ${BUDGET} s spent)"
+    STATUS[$name]="skipped (under 30 s of the ${BUDGET} s budget left)"
     echo "=== [$name] skipped: $(( t0 - START )) s of the ${BUDGET} s budget spent"
     return
   fi
@@ -199,6 +204,6 @@ done
 # characters of output, and the logs in full): throughput, peak memory, DP/non-private
 for k in gpt2_small nf_resnet50 dp_step dp_step_vision inner_momentum inner_momentum_b64 \
     products profile kernels decode lora muon_s guard; do
-  [ -f "$RES/$k.log" ] && { printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1000; }
+  [[ "${STATUS[$k]:-}" == rc=* ]] && [ -f "$RES/$k.log" ] && { printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1000; }
 done
 exit 0

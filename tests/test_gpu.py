@@ -434,7 +434,10 @@ def test_gpu_check_skips_the_parts_its_budget_has_no_room_for(tmp_path):
     statuses = re.findall(r"^(\w+)\s+(.*)$", out.split("=== summary")[1], flags=re.M)
     ran = {k: v for k, v in statuses if not v.startswith("skipped") and v != "not run"}
     assert not ran, ran
-    assert sum("skipped (budget of 4 s spent)" in v for _, v in statuses) >= 10
+    assert sum("skipped (under 30 s of the 4 s budget left)" in v for _, v in statuses) >= 10
+    # and no earlier run's numbers: its logs are gone, and only parts that ran are summed up
+    assert not list(Path("/tmp/gpu_check_logs").glob("*.log"))
+    assert not re.search(r"^\w+: \{", out.split("=== summary")[1], flags=re.M)
 
 
 def test_gpu_check_script_is_valid_bash_with_a_timeout_per_part():

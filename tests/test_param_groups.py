@@ -3,6 +3,8 @@
 import io
 import math
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -59,6 +61,21 @@ def test_a_pattern_whose_parameters_an_earlier_group_took_says_so():
                            {"pattern": "weight", "optimizer": "sgd"}]})
     assert e.value.field == "optim.groups[1].pattern"
     assert "the earlier optim.groups[0] takes" in str(e.value)
+
+
+def test_groups_that_share_a_label_keep_their_own_learning_rates_in_the_metrics():
+    # a name given twice, or a preset's own label: one rate used to overwrite the other in
+    # the dict that metrics.jsonl logs (refusing such names would refuse resuming old runs)
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    t = Trainer(load(RunConfig, tiny, [
+        "train.progress=false",
+        "optim.groups=[{pattern: wte, optimizer: adamw, lr: 0.5, name: a}, "
+        "{pattern: ln_f, optimizer: sgd, lr: 0.3, name: others}]"]))
+    assert t.optimizer.lr == {"a": 0.5, "others (optim.groups[1])": 0.3, "matrices": 0.02,
+                              "others (optim.aux)": 0.01}
 
 
 def test_a_parameter_in_no_group_is_an_error_listing_it():

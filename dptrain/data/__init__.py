@@ -43,8 +43,12 @@ _DEFAULT_FILES = {
 #: data.max_length's upper end: 2^20 tokens per example (past any model's context, and a
 #: synthetic set's sequences are made in Python, which would run for hours)
 MAX_LENGTH = 2**20
-#: the synthetic sets' largest size (they are made in memory, for tests and demos)
-MAX_SYNTHETIC = 10**8
+#: the synthetic sets' largest size (they are made in memory, for tests and demos), and their
+#: largest number of values, train and test together: tokens (made one at a time in Python,
+#: about 10 us each: 2^25 is minutes) or pixel values (drawn as float64 first: 2^28 is 2 GiB)
+MAX_SYNTHETIC = 10**6
+MAX_SYNTHETIC_TOKENS = 2**25
+MAX_SYNTHETIC_PIXELS = 2**28
 
 
 @dataclass(kw_only=True)
@@ -150,6 +154,18 @@ class DataConfig:
             if not 1 <= getattr(self, f) <= MAX_SYNTHETIC:
                 raise ConfigError(f, f"must be between 1 and {MAX_SYNTHETIC:,}, got "
                                      f"{getattr(self, f)}")
+        n = self.synthetic_train_size + self.synthetic_test_size
+        if self.name == "synthetic_lm" and n * (self.max_length or 16) > MAX_SYNTHETIC_TOKENS:
+            raise ConfigError("synthetic_train_size",
+                              f"with synthetic_test_size and max_length, {n:,} sequences of up "
+                              f"to {self.max_length or 16:,} tokens: more than the "
+                              f"{MAX_SYNTHETIC_TOKENS:,} tokens a synthetic set is made of")
+        values = n * (self.in_chans or 3) * (self.image_size or 16) ** 2
+        if self.name == "synthetic_images" and values > MAX_SYNTHETIC_PIXELS:
+            raise ConfigError("synthetic_train_size",
+                              f"with synthetic_test_size, in_chans and image_size, {values:,} "
+                              f"pixel values: more than the {MAX_SYNTHETIC_PIXELS:,} a "
+                              f"synthetic set is made of")
         if self.synthetic_vocab_size < 2:
             raise ConfigError("synthetic_vocab_size",
                               f"must be >= 2, got {self.synthetic_vocab_size}")

@@ -151,8 +151,8 @@ class ModelConfig:
             if not (0.0 <= self.dropout < 1.0):
                 raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
             if self.pretrained_path is not None and not self.pretrained_path.strip():
-                raise ConfigError("pretrained_path", "must not be empty (null: random "
-                                                     "initialisation)")
+                raise ConfigError("pretrained_path", "must not be empty (null: no "
+                                                     "checkpoint)")
             if self.pretrained_path is not None and not Path(self.pretrained_path).is_dir():
                 raise ConfigError("pretrained_path",
                                   f"directory not found: {self.pretrained_path}")

@@ -71,8 +71,12 @@ class DPOptimizer:
 
     @property
     def lr(self) -> dict[str, float]:
-        """Learning rate of each group (by label) that the next ``step()`` uses."""
-        return {g.label: opt.param_groups[0]["lr"] for g, opt in zip(self.groups, self.optimizers)}
+        """Learning rate of each group (by label) that the next ``step()`` uses. A label that
+        several groups share (a name given twice, or a preset's or the default's) is told
+        apart by the group's config path, so that no group's rate is lost."""
+        labels = [g.label for g in self.groups]
+        return {(g.label if labels.count(g.label) == 1 else f"{g.label} ({g.path})"):
+                opt.param_groups[0]["lr"] for g, opt in zip(self.groups, self.optimizers)}
 
     def query_plan(self) -> QueryPlan:
         """Each example's query as [(coefficient, {name: parameter values} or None = current),

@@ -157,12 +157,6 @@ class OptimConfig:
                 raise ConfigError(key, f"does not apply to optimizer {self.name!r}")
         # the same types and ranges as a group's kwargs (weight_decay always, even 0.0)
         check_options({k: getattr(self, k) for k in _OPTION_FIELDS if getattr(self, k) is not None})
-        names = [g.name for g in self.groups if g.name is not None]
-        for i, g in enumerate(self.groups):
-            if g.name is not None and names.count(g.name) > 1:
-                # (a group's name labels its learning rate in metrics.jsonl and its state in
-                # a checkpoint)
-                raise ConfigError(f"groups[{i}].name", f"{g.name!r} names another group too")
         if self.preset is not None and self.preset not in PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(PRESETS)}")
         if self.schedule not in SCHEDULES:
