@@ -233,7 +233,7 @@ def test_a_model_the_engine_refuses_is_a_config_error_naming_the_model(monkeypat
             h = self.lin(x.reshape(2 * x.shape[0], -1))  # two windows per example
             return h.view(x.shape[0], 2, 10).sum(1) * self.skipinit_gain
 
-    monkeypatch.setattr(trainer_mod, "build_model", lambda cfg, info: Windows())
+    monkeypatch.setattr(trainer_mod, "build_model", lambda cfg, info, **kw: Windows())
     config = Path(__file__).resolve().parents[1] / "configs" / "tiny_images.yaml"
     for name, field in (("timm", "model.timm_name"), ("cnn", "model.name")):
         overrides = ["data.image_size=8", f"model.name={name}", "optim.preset=vit",

@@ -371,7 +371,7 @@ def test_a_layer_the_engine_refuses_when_built_is_a_config_error_naming_the_mode
         def forward(self, x):
             return self.mha(x, x, x, need_weights=False)[0]
 
-    monkeypatch.setattr(trainer_module, "build_model", lambda cfg, info: Attention())
+    monkeypatch.setattr(trainer_module, "build_model", lambda cfg, info, **kw: Attention())
     with pytest.raises(ConfigError) as e:
         make()
     assert e.value.field == "model.name" and "MultiheadAttention" in e.value.message
