@@ -67,20 +67,26 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY="${PYTHON:-python3}"
-# logs: bench/gpu_out/NAME.log here; on the device machine, whose $OUT returns at most 8 files,
-# /tmp/gpu_check_logs/NAME.log packed after every part into $OUT/gpu_check_logs.tar.gz
-if [ -n "${OUT:-}" ]; then RES=/tmp/gpu_check_logs; else RES=bench/gpu_out; fi
-mkdir -p "$RES"
-rm -f "$RES"/*.log  # a warm machine keeps /tmp: no earlier run's numbers in this summary
-START=$(date +%s)
+# logs: bench/gpu_out/NAME.log here (a dry run: bench/gpu_out/dry/); on the device machine,
+# whose $OUT returns at most 8 files, /tmp/gpu_check_logs/NAME.log packed after every part into
+# $OUT/gpu_check_logs.tar.gz
 BUDGET=${GPU_CHECK_BUDGET:-470}  # seconds from START for all parts (timeouts are capped by it)
 if ! [[ $BUDGET =~ ^[0-9]+$ ]]; then
   echo "gpu_check.sh: GPU_CHECK_BUDGET must be whole seconds, got '$BUDGET'" >&2
   exit 2
 fi
-declare -A STATUS
-DRY=0 SCALE=1
+BUDGET=$(( 10#$BUDGET ))  # (a leading zero is not octal)
+DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
+if [ -n "${OUT:-}" ]; then
+  RES=/tmp/gpu_check_logs
+  rm -rf "$RES"  # a warm machine keeps /tmp: no earlier call's logs in this one's archive
+elif [ $DRY = 1 ]; then RES=bench/gpu_out/dry  # a dry run leaves a GPU run's logs alone
+else RES=bench/gpu_out; fi
+mkdir -p "$RES"
+START=$(date +%s)
+declare -A STATUS
+SCALE=1
 if [ $DRY = 1 ]; then
   PY="${PYTHON:-.venv/bin/python}"
   SCALE=4  # a shared CPU is slower to start Python than the H200 machine

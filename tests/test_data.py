@@ -330,6 +330,24 @@ def test_a_setting_another_dataset_would_ignore_is_refused(bad, field):
     validate_tree(from_dict(DataConfig, {"name": bad["name"]}, "data"), "data")
 
 
+@pytest.mark.parametrize("fields, blamed", [
+    ({"synthetic_train_size": 10**6, "max_length": 1024}, "data.synthetic_train_size"),
+    ({"synthetic_test_size": 10**6, "max_length": 64}, "data.synthetic_test_size"),
+    ({"max_length": 200_000}, "data.max_length"),  # the default sizes: the length is the cause
+    ({"synthetic_train_size": 10**6, "max_length": 1024, "max_train_examples": 100}, None),
+])
+def test_synthetic_text_is_bounded_in_tokens_as_made_naming_the_cause(fields, blamed):
+    # each field within its own bounds, their product hours of Python: refused up front,
+    # counting what the max_*_examples caps leave
+    cfg = from_dict(DataConfig, {"name": "synthetic_lm", **fields}, "data")
+    if blamed is None:
+        validate_tree(cfg, "data")
+        return
+    with pytest.raises(ConfigError) as e:
+        validate_tree(cfg, "data")
+    assert e.value.field == blamed and "tokens" in str(e.value)
+
+
 def test_config_from_dict_and_validate():
     cfg = from_dict(DataConfig, {"name": "synthetic_lm", "max_length": 3}, "data")
     with pytest.raises(ConfigError) as e:

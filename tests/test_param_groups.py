@@ -76,6 +76,13 @@ def test_groups_that_share_a_label_keep_their_own_learning_rates_in_the_metrics(
         "{pattern: ln_f, optimizer: sgd, lr: 0.3, name: others}]"]))
     assert t.optimizer.lr == {"a": 0.5, "others (optim.groups[1])": 0.3, "matrices": 0.02,
                               "others (optim.aux)": 0.01}
+    # a name that spells another group's key: every group keyed by its path and position
+    t = Trainer(load(RunConfig, tiny, [
+        "train.progress=false",
+        "optim.groups=[{pattern: wte, optimizer: adamw, lr: 0.5, name: 'a (optim.groups[1])'}, "
+        "{pattern: wpe, optimizer: adamw, lr: 0.3, name: a}, "
+        "{pattern: ln_f, optimizer: adamw, lr: 0.2, name: a}]"]))
+    assert sorted(t.optimizer.lr.values()) == [0.01, 0.02, 0.2, 0.3, 0.5]
 
 
 def test_a_parameter_in_no_group_is_an_error_listing_it():

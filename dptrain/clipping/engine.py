@@ -65,8 +65,8 @@ from dptrain.clipping.contributions import (
 from dptrain.clipping.errors import ClippingError
 from dptrain.clipping.precision import ieee_float32
 from dptrain.config import FLOAT32_TINY
-from dptrain.clipping.rows import (MAX_ATTEMPTS, MAX_ONE_EXAMPLE_ATTEMPTS, cannot_check,
-                                   check_example_rows, check_stored_across)
+from dptrain.clipping.rows import (MAX_ATTEMPTS, cannot_check, check_example_rows,
+                                   check_stored_across)
 from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
 from dptrain.clipping.taps import TAP as _TAP
 from dptrain.clipping.taps import OpTaps, Tapped, same_elements, tolerance
@@ -101,13 +101,6 @@ def _to_float(v: Any) -> Any:
     if isinstance(v, tuple):
         return tuple(_to_float(x) for x in v)
     return v
-
-
-def _shapes(batch: Any) -> tuple:
-    """The batch's structure and its tensors' shapes and dtypes (hashable)."""
-    leaves, spec = torch.utils._pytree.tree_flatten(batch)
-    return str(spec), tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else None
-                            for t in leaves)
 
 
 def batch_size_of(batch: Any) -> int:
@@ -552,9 +545,9 @@ class ClippingEngine:
         self._rows_checked = False
         self._pending_rows: tuple | None = None  # that check, due at the end of this query
         self._rows_attempts = 0  # first queries it found nothing in
-        # Sensitive: microbatches of one example, one per shape (``_shapes``), kept for the
-        # check of a later one of the same shape until it is done (or release_workspace())
-        self._rows_others: dict[tuple, Any] = {}
+        # Sensitive: a microbatch of one example, kept for the check of a later one until it
+        # is done (or release_workspace())
+        self._rows_other: Any = None
         #: tapped rows kept to their examples (``_check_tap_rows``), checked once
         self._taps_checked = not self.taps
 
@@ -1077,15 +1070,13 @@ class ClippingEngine:
         with self._state(state), ieee_float32():  # the plan's first entry: dropout stream 0
             if B == 1 and not collective:
                 # nothing to replace in one example: a buffer written from the data is seen
-                # by comparing its forward with an earlier one-example microbatch's of the
-                # same shapes (a larger microbatch's replacements keep its shapes too: a
-                # buffer cached per sequence length is not the data)
-                shape = _shapes(batch)
-                other = self._rows_others.get(shape)
+                # by comparing its forward with an earlier one-example microbatch's (whose
+                # length, for text, is that example's own: rows.py)
+                other = self._rows_other
                 done = other is not None and check_stored_across(
                     self.model, hooked, loss_fn, batch, other, 0, view=view)
                 if not done:
-                    self._rows_others[shape] = torch.utils._pytree.tree_map(
+                    self._rows_other = torch.utils._pytree.tree_map(
                         lambda t: t.detach().clone() if isinstance(t, Tensor) else t, batch)
             else:
                 done = check_example_rows(self.model, hooked, loss_fn, batch, B, 0, view=view,
@@ -1093,16 +1084,14 @@ class ClippingEngine:
         # (under a process group every check is a round of forwards on every rank, and the
         # ranks must count alike: their microbatch sizes differ)
         self._rows_attempts += 1
-        # (one-example microbatches wait for two of the same shapes: text of many lengths)
-        if not done and self._rows_attempts >= (MAX_ATTEMPTS if B > 1 or collective
-                                                else MAX_ONE_EXAMPLE_ATTEMPTS):
+        if not done and self._rows_attempts >= MAX_ATTEMPTS:
             cannot_check(f"in {self._rows_attempts} microbatches no example that differs from "
                          f"another reached a layer's input (inputs alike, only labels differ, "
                          f"or one example per rank?)")
             done = True
         self._rows_checked = done
         if done:
-            self._rows_others.clear()
+            self._rows_other = None
 
     def _contributions(self, records: list[_Record]) -> dict[str, list[Contribution]]:
         per_param: dict[str, list[Contribution]] = {}
@@ -1212,7 +1201,7 @@ class ClippingEngine:
         """Free the reusable per-example buffers of multi-state queries, and the one-example
         microbatches a pending row check keeps (both private data)."""
         self._workspace.clear()
-        self._rows_others.clear()
+        self._rows_other = None
 
     def _acc_dtype(self) -> torch.dtype:
         p = next(iter(self.params.values()))

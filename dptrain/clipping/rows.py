@@ -31,11 +31,13 @@ The check counts as done once a replacement reached some hooked layer's input: a
 whose examples differ only in what no layer sees (labels, with equal inputs) leaves it for the
 next one, up to ``MAX_ATTEMPTS`` microbatches (then a warning says it could not check). A
 microbatch of one example (``performance.microbatch_size`` 1) has nothing to replace and no
-rows to mix: in one process its forward is compared with that of an earlier one-example
-microbatch of the same shapes (``check_stored_across``; up to ``MAX_ONE_EXAMPLE_ATTEMPTS``
-microbatches, since text comes in many lengths), which shows a buffer written from the data;
-under a process group a rank's one example compares nothing (another rank's larger share
-may).
+rows to mix: in one process its forward is compared with an earlier one-example microbatch's
+(``check_stored_across``), which shows a buffer written from the data; under a process group a
+rank's one example compares nothing (another rank's larger share may). For text, a
+one-example microbatch's length is that example's own, so there a buffer that is a function of
+the sequence length (a table cached per length) is refused too: it stores the example's
+length. In a larger microbatch the same buffer stores the longest example's length, which the
+replacements (made within the microbatch's shape) cannot change: that is not seen.
 
 What it cannot see: mixing in the backward only (a custom autograd function, a
 ``x + (f(x) - f(x).detach())`` trick), mixing weaker than 1e-5 of a row or a loss (a loss
@@ -43,8 +45,10 @@ moves by little against its own size: cross-entropy's log K), flows only between
 the same parity and the same half (``h[0] += h[2]`` when B >= 6), batch statistics that every
 replacement leaves as they were, and mixing that depends on data the first microbatch does not
 have; of stored data: parameters written in the forward, buffers written outside the forward
-(its backward hooks, the optimizer) or registered during it, and writes at plan entries after
-the first (the states of an inner-momentum history). A forward that is not
+(its backward hooks, the optimizer) or registered during it, writes at plan entries after the
+first (the states of an inner-momentum history), and, in microbatches of more than one example,
+a buffer that is a function of the microbatch's shapes (its padded length: the longest
+example's). A forward that is not
 deterministic for the same inputs, or whose layer calls change with the data, cannot be
 checked: a warning says so and the run goes on (the other checks still apply).
 """
@@ -68,8 +72,6 @@ REL_TOL = 1e-5
 BLOCK = 2**24
 #: first queries with nothing that reached a layer before the check gives up (with a warning)
 MAX_ATTEMPTS = 8
-#: the same for microbatches of one example, which wait for two of the same shapes
-MAX_ONE_EXAMPLE_ATTEMPTS = 64
 
 
 def cannot_check(why: str, stacklevel: int = 3) -> None:
@@ -360,12 +362,12 @@ def check_stored_across(model: nn.Module, hooked: list[tuple[str, nn.Module]],
                         view: Callable | None = None) -> bool:
     """The check of a microbatch of one example (one process): it has no other example to
     replace, so its forward is compared with that of ``other``, an earlier microbatch of one
-    example with the same shapes (the engine keeps it: a buffer cached per shape is not the
-    data), from the same buffers and randomness. Rows cannot mix within one example; what is
-    left to see is a buffer that the forward writes from the data, refused as in
-    ``check_example_rows``. Returns whether the check is done: False when the other example
-    reached no layer differently (inputs alike, only labels differing: the engine tries a
-    later one)."""
+    example (the engine keeps it; its shapes may differ: for text they are its length, which
+    is private data), from the same buffers and randomness. Rows cannot mix within one
+    example; what is left to see is a buffer that the forward writes from the data, refused
+    as in ``check_example_rows``. Returns whether the check is done: False when the other
+    example reached no layer differently (inputs alike, only labels differing: the engine
+    tries a later one)."""
     slots = _slots(model)
     directions: dict[tuple, Tensor] = {}
     forwards = _runner(model, hooked, loss_fn, view, 1, stream, slots, directions)

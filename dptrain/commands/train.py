@@ -177,10 +177,11 @@ def _dry_run_report(trainer, out: Path, resume_path: Path | None) -> str:
     from dptrain.models.finetune import describe
 
     plan, cfg = trainer.plan, trainer.cfg
-    groups = [{"label": g.label, "optimizer": g.config.optimizer, "lr": g.config.lr,
+    # as the optimizer was built; "label" as metrics.jsonl's lr keys name the group
+    groups = [{"label": key, "optimizer": g.config.optimizer, "lr": g.config.lr,
                "tensors": len(g.named_params),
                "parameters": sum(p.numel() for _, p in g.named_params)}
-              for g in trainer.optimizer.groups]  # as the optimizer was built
+              for key, g in zip(trainer.optimizer.keys, trainer.optimizer.groups)]
     report = {
         "output_dir": str(out),
         "start": (f"resume from {resume_path} at step {trainer.step}" if resume_path is not None

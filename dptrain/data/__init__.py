@@ -45,7 +45,8 @@ _DEFAULT_FILES = {
 MAX_LENGTH = 2**20
 #: the synthetic sets' largest size (they are made in memory, for tests and demos), and their
 #: largest number of values, train and test together: tokens (made one at a time in Python,
-#: about 10 us each: 2^25 is minutes) or pixel values (drawn as float64 first: 2^28 is 2 GiB)
+#: 5-10 us each: 2^25 is minutes) or pixel values (drawn in float64, about 24 bytes of peak
+#: memory each: 2^28 is about 6 GiB)
 MAX_SYNTHETIC = 10**6
 MAX_SYNTHETIC_TOKENS = 2**25
 MAX_SYNTHETIC_PIXELS = 2**28
@@ -154,18 +155,26 @@ class DataConfig:
             if not 1 <= getattr(self, f) <= MAX_SYNTHETIC:
                 raise ConfigError(f, f"must be between 1 and {MAX_SYNTHETIC:,}, got "
                                      f"{getattr(self, f)}")
-        n = self.synthetic_train_size + self.synthetic_test_size
-        if self.name == "synthetic_lm" and n * (self.max_length or 16) > MAX_SYNTHETIC_TOKENS:
-            raise ConfigError("synthetic_train_size",
-                              f"with synthetic_test_size and max_length, {n:,} sequences of up "
-                              f"to {self.max_length or 16:,} tokens: more than the "
-                              f"{MAX_SYNTHETIC_TOKENS:,} tokens a synthetic set is made of")
-        values = n * (self.in_chans or 3) * (self.image_size or 16) ** 2
-        if self.name == "synthetic_images" and values > MAX_SYNTHETIC_PIXELS:
-            raise ConfigError("synthetic_train_size",
-                              f"with synthetic_test_size, in_chans and image_size, {values:,} "
-                              f"pixel values: more than the {MAX_SYNTHETIC_PIXELS:,} a "
-                              f"synthetic set is made of")
+        # (what is made: the sizes as max_train_examples / max_test_examples cap them; the
+        # field named is the larger set's size if a size is above its default, else the
+        # per-example one)
+        made = (_cap(self.synthetic_train_size, self.max_train_examples),
+                _cap(self.synthetic_test_size, self.max_test_examples))
+        n = sum(made)
+        larger = ("synthetic_train_size" if made[0] >= made[1] else "synthetic_test_size")
+        sized = made[0] > 256 or made[1] > 64  # (the fields' defaults)
+        length = self.max_length or 16
+        if self.name == "synthetic_lm" and n * length > MAX_SYNTHETIC_TOKENS:
+            raise ConfigError(larger if sized else "max_length",
+                              f"{n:,} sequences (train and test) of up to {length:,} tokens: "
+                              f"more than the {MAX_SYNTHETIC_TOKENS:,} tokens a synthetic set "
+                              f"may be made of; lower the sizes or data.max_length")
+        per_image = (self.in_chans or 3) * (self.image_size or 16) ** 2
+        if self.name == "synthetic_images" and n * per_image > MAX_SYNTHETIC_PIXELS:
+            raise ConfigError(larger if sized else "image_size",
+                              f"{n:,} images (train and test) of {per_image:,} values: more "
+                              f"than the {MAX_SYNTHETIC_PIXELS:,} a synthetic set may be made "
+                              f"of; lower the sizes, data.image_size or data.in_chans")
         if self.synthetic_vocab_size < 2:
             raise ConfigError("synthetic_vocab_size",
                               f"must be >= 2, got {self.synthetic_vocab_size}")

@@ -71,12 +71,20 @@ class DPOptimizer:
 
     @property
     def lr(self) -> dict[str, float]:
-        """Learning rate of each group (by label) that the next ``step()`` uses. A label that
-        several groups share (a name given twice, or a preset's or the default's) is told
-        apart by the group's config path, so that no group's rate is lost."""
+        """Learning rate of each group (by ``keys``) that the next ``step()`` uses."""
+        return {k: opt.param_groups[0]["lr"] for k, opt in zip(self.keys, self.optimizers)}
+
+    @property
+    def keys(self) -> list[str]:
+        """Each group's name in logs: its label, told apart by its config path where several
+        groups share one (a name given twice, or a preset's or the default's), so that no
+        group's rate is lost (and by its position, should those coincide too)."""
         labels = [g.label for g in self.groups]
-        return {(g.label if labels.count(g.label) == 1 else f"{g.label} ({g.path})"):
-                opt.param_groups[0]["lr"] for g, opt in zip(self.groups, self.optimizers)}
+        keys = [g.label if labels.count(g.label) == 1 else f"{g.label} ({g.path})"
+                for g in self.groups]
+        if len(set(keys)) < len(keys):
+            keys = [f"{g.label} ({g.path}, group {i})" for i, g in enumerate(self.groups)]
+        return keys
 
     def query_plan(self) -> QueryPlan:
         """Each example's query as [(coefficient, {name: parameter values} or None = current),
@@ -142,13 +150,13 @@ class DPOptimizer:
         # run's config decides them (weight decay, momentum, betas, ns_steps, ns_dtype, ...),
         # as it decides the learning rate
         self.changed_settings = []
-        for g, opt, sd in zip(self.groups, self.optimizers, state["optimizers"]):
+        for key, opt, sd in zip(self.keys, self.optimizers, state["optimizers"]):
             mine = [{k: v for k, v in pg.items() if k != "params"} for pg in opt.param_groups]
             opt.load_state_dict(sd)
             for pg, settings in zip(opt.param_groups, mine):
                 for k, v in settings.items():
                     if k not in ("lr", "noise_gain") and pg.get(k) != v:
-                        self.changed_settings.append(f"{g.label}.{k}: {pg.get(k)!r} -> {v!r}")
+                        self.changed_settings.append(f"{key}.{k}: {pg.get(k)!r} -> {v!r}")
                 pg.update(settings)
         if state["filter"]:  # a checkpoint without a filter: this run's starts empty
             self.filter.load_state_dict(state["filter"])
