@@ -71,7 +71,7 @@ PY="${PYTHON:-python3}"
 # whose $OUT returns at most 8 files, /tmp/gpu_check_logs/NAME.log packed after every part into
 # $OUT/gpu_check_logs.tar.gz
 BUDGET=${GPU_CHECK_BUDGET:-470}  # seconds from START for all parts (timeouts are capped by it)
-if ! [[ $BUDGET =~ ^[0-9]+$ ]]; then
+if ! [[ $BUDGET =~ ^[0-9]{1,7}$ ]]; then
   echo "gpu_check.sh: GPU_CHECK_BUDGET must be whole seconds, got '$BUDGET'" >&2
   exit 2
 fi

@@ -7,6 +7,7 @@ randomness and buffers as without the check."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -403,19 +404,26 @@ def test_microbatches_of_one_example_that_store_data_in_a_buffer_are_refused(how
 def test_microbatches_of_one_example_without_stored_data_pass_with_the_same_sums(how):
     torch.manual_seed(0)
     m = _Wrapped(how).double()
-    x = _x(6, 4)
+    from dptrain.clipping.rows import MAX_ATTEMPTS
+
+    x = _x(MAX_ATTEMPTS, 4)
     engine, acc = ClippingEngine(m, clip_norm=1.0), {}
     engine.accumulate(sq_loss, (x[:1],), acc)
     engine.accumulate(sq_loss, (x[:1].clone(),), acc)  # alike: nothing compared yet
     assert not engine._rows_checked
-    for i in range(1, 6):
-        engine.accumulate(sq_loss, (x[i:i + 1],), acc)
-        assert engine._rows_checked and engine._rows_other is None
+    # all of one shape: compared at each, done (silently) after MAX_ATTEMPTS, since two
+    # shapes would be needed to see a buffer of the length
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(1, MAX_ATTEMPTS - 1):
+            engine.accumulate(sq_loss, (x[i:i + 1],), acc)
+            assert engine._rows_checked == (i == MAX_ATTEMPTS - 2)
+    assert engine._rows_other is None
     # the check's forwards changed neither the sums nor the buffers' real writes
     torch.manual_seed(0)
     ref, ref_acc = ClippingEngine(_Wrapped(how).double(), clip_norm=1.0), {}
     ref._rows_checked = True  # no check: the sums as they would be without it
-    for i in [0, 0, 1, 2, 3, 4, 5]:
+    for i in [0, 0, *range(1, MAX_ATTEMPTS - 1)]:
         ref.accumulate(sq_loss, (x[i:i + 1],), ref_acc)
     for name in acc:
         torch.testing.assert_close(acc[name], ref_acc[name], rtol=0, atol=0)
@@ -489,6 +497,10 @@ def test_at_one_example_a_buffer_of_the_sequence_length_is_refused(model):
     # its replacements cannot change: rows.py says what is not seen)
     engine = ClippingEngine(model().double(), clip_norm=1.0)
     engine.accumulate(sq_loss, (_x(1, 3, 8),), {})
+    # two of one length first (a red team's case: tiny.yaml's first two examples): compared,
+    # and nothing told them apart, but the check goes on until two lengths were compared
+    engine.accumulate(sq_loss, (_x(1, 3, 8, seed=2),), {})
+    assert not engine._rows_checked
     with pytest.raises(ValueError, match="writes the buffer"):
         engine.accumulate(sq_loss, (_x(1, 5, 8, seed=1),), {})
 

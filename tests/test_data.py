@@ -348,6 +348,19 @@ def test_synthetic_text_is_bounded_in_tokens_as_made_naming_the_cause(fields, bl
     assert e.value.field == blamed and "tokens" in str(e.value)
 
 
+@pytest.mark.parametrize("fields, blamed", [
+    ({"in_chans": 5000}, "data.in_chans"),
+    ({"synthetic_train_size": 300, "image_size": 2048}, "data.image_size"),
+    ({"num_classes": 10**8}, "data.num_classes"),  # one float64 template per class
+    ({"synthetic_train_size": 10**6, "image_size": 32}, "data.synthetic_train_size"),
+])
+def test_synthetic_images_are_bounded_in_pixel_values_naming_the_cause(fields, blamed):
+    cfg = from_dict(DataConfig, {"name": "synthetic_images", **fields}, "data")
+    with pytest.raises(ConfigError) as e:
+        validate_tree(cfg, "data")
+    assert e.value.field == blamed and "values" in str(e.value)
+
+
 def test_config_from_dict_and_validate():
     cfg = from_dict(DataConfig, {"name": "synthetic_lm", "max_length": 3}, "data")
     with pytest.raises(ConfigError) as e:

@@ -103,6 +103,12 @@ def _to_float(v: Any) -> Any:
     return v
 
 
+def _shapes(batch: Any) -> tuple:
+    """The shapes of the batch's tensors, in order (for text: the padded length)."""
+    return tuple(tuple(t.shape) for t in torch.utils._pytree.tree_leaves(batch)
+                 if isinstance(t, Tensor))
+
+
 def batch_size_of(batch: Any) -> int:
     """The number of examples: the leading dimension of the batch's first tensor (a tensor,
     or the first value of a dict, list or tuple, recursively)."""
@@ -548,6 +554,7 @@ class ClippingEngine:
         # Sensitive: a microbatch of one example, kept for the check of a later one until it
         # is done (or release_workspace())
         self._rows_other: Any = None
+        self._rows_compared = False  # two one-example microbatches compared, of one shape
         #: tapped rows kept to their examples (``_check_tap_rows``), checked once
         self._taps_checked = not self.taps
 
@@ -1072,9 +1079,14 @@ class ClippingEngine:
                 # nothing to replace in one example: a buffer written from the data is seen
                 # by comparing its forward with an earlier one-example microbatch's (whose
                 # length, for text, is that example's own: rows.py)
+                # Done once two of different shapes were compared (text: two lengths, so
+                # that a buffer of the length is seen too), or, after MAX_ATTEMPTS, two of one
                 other = self._rows_other
-                done = other is not None and check_stored_across(
-                    self.model, hooked, loss_fn, batch, other, 0, view=view)
+                done = False
+                if other is not None and check_stored_across(
+                        self.model, hooked, loss_fn, batch, other, 0, view=view):
+                    self._rows_compared = True
+                    done = _shapes(batch) != _shapes(other)
                 if not done:
                     self._rows_other = torch.utils._pytree.tree_map(
                         lambda t: t.detach().clone() if isinstance(t, Tensor) else t, batch)
@@ -1084,7 +1096,9 @@ class ClippingEngine:
         # (under a process group every check is a round of forwards on every rank, and the
         # ranks must count alike: their microbatch sizes differ)
         self._rows_attempts += 1
-        if not done and self._rows_attempts >= MAX_ATTEMPTS:
+        if not done and self._rows_attempts >= MAX_ATTEMPTS and self._rows_compared:
+            done = True  # one-example microbatches, all of one shape: compared, not for length
+        elif not done and self._rows_attempts >= MAX_ATTEMPTS:
             cannot_check(f"in {self._rows_attempts} microbatches no example that differs from "
                          f"another reached a layer's input (inputs alike, only labels differ, "
                          f"or one example per rank?)")

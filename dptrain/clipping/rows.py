@@ -35,9 +35,12 @@ rows to mix: in one process its forward is compared with an earlier one-example 
 (``check_stored_across``), which shows a buffer written from the data; under a process group a
 rank's one example compares nothing (another rank's larger share may). For text, a
 one-example microbatch's length is that example's own, so there a buffer that is a function of
-the sequence length (a table cached per length) is refused too: it stores the example's
-length. In a larger microbatch the same buffer stores the longest example's length, which the
-replacements (made within the microbatch's shape) cannot change: that is not seen.
+the sequence length (a token count, a table cached per length) is refused too: it stores the
+example's length. To see it, the check goes on until it has compared two examples of
+different shapes (lengths), up to ``MAX_ATTEMPTS`` one-example microbatches (data of one shape,
+such as images, ends there, silently). In a larger microbatch the same buffer stores the
+longest example's length, which the replacements (made within the microbatch's shape) cannot
+change: that is not seen.
 
 What it cannot see: mixing in the backward only (a custom autograd function, a
 ``x + (f(x) - f(x).detach())`` trick), mixing weaker than 1e-5 of a row or a loss (a loss

@@ -169,12 +169,19 @@ class DataConfig:
                               f"{n:,} sequences (train and test) of up to {length:,} tokens: "
                               f"more than the {MAX_SYNTHETIC_TOKENS:,} tokens a synthetic set "
                               f"may be made of; lower the sizes or data.max_length")
-        per_image = (self.in_chans or 3) * (self.image_size or 16) ** 2
-        if self.name == "synthetic_images" and n * per_image > MAX_SYNTHETIC_PIXELS:
-            raise ConfigError(larger if sized else "image_size",
-                              f"{n:,} images (train and test) of {per_image:,} values: more "
-                              f"than the {MAX_SYNTHETIC_PIXELS:,} a synthetic set may be made "
-                              f"of; lower the sizes, data.image_size or data.in_chans")
+        chans, side = self.in_chans or 3, self.image_size or 16
+        per_image = chans * side ** 2
+        # (the class templates are images too)
+        images = n + (self.num_classes or 10)
+        if self.name == "synthetic_images" and images * per_image > MAX_SYNTHETIC_PIXELS:
+            cause = ("num_classes" if (self.num_classes or 10) > n
+                     else larger if sized and per_image * 256 <= MAX_SYNTHETIC_PIXELS
+                     else "in_chans" if chans > side ** 2 else "image_size")
+            raise ConfigError(cause, f"{images:,} images (train, test and one template per "
+                                     f"class) of {per_image:,} values: more than the "
+                                     f"{MAX_SYNTHETIC_PIXELS:,} a synthetic set may be made "
+                                     f"of; lower the sizes, data.num_classes, data.image_size "
+                                     f"or data.in_chans")
         if self.synthetic_vocab_size < 2:
             raise ConfigError("synthetic_vocab_size",
                               f"must be >= 2, got {self.synthetic_vocab_size}")
