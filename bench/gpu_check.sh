@@ -210,6 +210,9 @@ done
 # characters of output, and the logs in full): throughput, peak memory, DP/non-private
 for k in gpt2_small nf_resnet50 dp_step dp_step_vision inner_momentum inner_momentum_b64 \
     products profile kernels decode lora muon_s guard; do
-  [[ "${STATUS[$k]:-}" == rc=* ]] && [ -f "$RES/$k.log" ] && { printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1000; }
+  # (only parts that ran in this call)
+  if [[ "${STATUS[$k]:-}" == rc=* ]] && [ -f "$RES/$k.log" ]; then
+    printf '%s: ' "$k"; grep '^{' "$RES/$k.log" | tail -n 1 | cut -c1-1000
+  fi
 done
 exit 0

@@ -866,10 +866,10 @@ class Trainer:
         bar = tqdm(total=self.plan.steps, initial=self.step, disable=not (tc.progress and main),
                    desc="dptrain", unit="step", dynamic_ncols=True)
         # Secure mode: metrics rows are written only once a checkpoint covers their step (with
-        # checkpoint_every 0: the last step's, written for them, or the one a stop writes). A resume there
-        # draws the releases after the checkpoint again with fresh noise, which is free only if
-        # nothing derived from the lost ones was written (a crash drops the held rows with
-        # them; a restart from no checkpoint draws every release again).
+        # checkpoint_every 0: the last step's, written for them, or the one a stop writes). A
+        # resume there draws the releases after the checkpoint again with fresh noise, which is
+        # free only if nothing derived from the lost ones was written (a crash drops the held
+        # rows with them; a restart from no checkpoint draws every release again).
         held = self.cfg.privacy.secure_mode
         pending: list[str] = []
 

@@ -461,8 +461,8 @@ def test_one_example_microbatches_differing_in_labels_alone_leave_the_check_due(
 
 
 class _PositionCache(nn.Module):
-    """A table cached for the current sequence length (a function of the shape, not the data):
-    the rows check accepts it, whatever the microbatch size."""
+    """A table rebuilt for the current sequence length: a function of the microbatch's shape,
+    which at one example per microbatch is that example's length (refused there)."""
 
     def __init__(self):
         super().__init__()
@@ -503,6 +503,65 @@ def test_at_one_example_a_buffer_of_the_sequence_length_is_refused(model):
     assert not engine._rows_checked
     with pytest.raises(ValueError, match="writes the buffer"):
         engine.accumulate(sq_loss, (_x(1, 5, 8, seed=1),), {})
+
+
+def test_at_one_example_a_buffer_of_the_data_is_refused_though_no_layer_input_changed():
+    # prompt tuning's shape: the trainable layer sees constant ids, a frozen one the data,
+    # which a buffer stores; refused at size 4 by its replacements, and at size 1 too (it
+    # used to go through with a warning that blamed alike inputs)
+    class Prompt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.prompt = nn.Embedding(1, 4)
+            self.frozen = nn.Linear(4, 2).requires_grad_(False)
+            self.register_buffer("stat", torch.zeros(4, dtype=torch.float64))
+
+        def forward(self, x):
+            self.stat.mul_(0.9).add_(0.1 * x.detach().mean(0))
+            ids = torch.zeros(x.shape[0], dtype=torch.int64)
+            return self.frozen(x * self.prompt(ids))
+
+    for mb in (4, 1):
+        engine = ClippingEngine(Prompt().double(), clip_norm=1.0)
+        with pytest.raises(ValueError, match="writes the buffer stat"):
+            for i in range(3):
+                engine.accumulate(sq_loss, (_x(mb, 4, seed=i),), {})
+
+
+def test_mixed_microbatch_sizes_one_example_comparisons_do_not_end_a_larger_check():
+    # comparisons made at size 1 (of one shape) end the check silently only while the
+    # microbatches are of one example: a larger one whose examples are alike still warns
+    from dptrain.clipping.rows import MAX_ATTEMPTS
+
+    engine = ClippingEngine(BatchCentred().double(), clip_norm=1.0)
+    engine.accumulate(sq_loss, (_x(1, 4),), {})
+    engine.accumulate(sq_loss, (_x(1, 4, seed=1),), {})
+    alike = (_x(1, 4, seed=2).expand(2, 4).clone(),)
+    for _ in range(MAX_ATTEMPTS - 3):
+        engine.accumulate(sq_loss, alike, {})
+    with pytest.warns(UserWarning, match=f"in {MAX_ATTEMPTS} microbatches no example"):
+        engine.accumulate(sq_loss, alike, {})
+
+
+def test_at_one_example_a_nondeterministic_buffer_write_is_warned_about_once():
+    class Jitter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+            self.g = torch.Generator().manual_seed(0)
+            self.register_buffer("jitter", torch.zeros(3))
+
+        def forward(self, x):
+            self.jitter.copy_(torch.randn(3, generator=self.g))
+            return self.lin(x)
+
+    engine = ClippingEngine(Jitter().double(), clip_norm=1.0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i in range(6):
+            engine.accumulate(sq_loss, (_x(1, 4, seed=i),), {})
+    assert sum("gave different values" in str(w.message) for w in seen) == 1
+    assert engine._rows_checked
 
 
 def test_a_buffer_cached_per_sequence_length_passes_in_larger_microbatches():

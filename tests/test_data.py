@@ -353,6 +353,10 @@ def test_synthetic_text_is_bounded_in_tokens_as_made_naming_the_cause(fields, bl
     ({"synthetic_train_size": 300, "image_size": 2048}, "data.image_size"),
     ({"num_classes": 10**8}, "data.num_classes"),  # one float64 template per class
     ({"synthetic_train_size": 10**6, "image_size": 32}, "data.synthetic_train_size"),
+    # (a red team's cases: each field named is the one whose default would fit)
+    ({"num_classes": 1000, "image_size": 600}, "data.image_size"),
+    ({"in_chans": 200, "image_size": 64}, "data.in_chans"),
+    ({"synthetic_test_size": 200, "image_size": 480}, "data.synthetic_test_size"),
 ])
 def test_synthetic_images_are_bounded_in_pixel_values_naming_the_cause(fields, blamed):
     cfg = from_dict(DataConfig, {"name": "synthetic_images", **fields}, "data")

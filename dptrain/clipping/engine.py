@@ -65,8 +65,8 @@ from dptrain.clipping.contributions import (
 from dptrain.clipping.errors import ClippingError
 from dptrain.clipping.precision import ieee_float32
 from dptrain.config import FLOAT32_TINY
-from dptrain.clipping.rows import (MAX_ATTEMPTS, cannot_check, check_example_rows,
-                                   check_stored_across)
+from dptrain.clipping.rows import (COMPARED, MAX_ATTEMPTS, UNCHECKABLE, cannot_check,
+                                   check_example_rows, check_stored_across)
 from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
 from dptrain.clipping.taps import TAP as _TAP
 from dptrain.clipping.taps import OpTaps, Tapped, same_elements, tolerance
@@ -1083,10 +1083,12 @@ class ClippingEngine:
                 # that a buffer of the length is seen too), or, after MAX_ATTEMPTS, two of one
                 other = self._rows_other
                 done = False
-                if other is not None and check_stored_across(
-                        self.model, hooked, loss_fn, batch, other, 0, view=view):
-                    self._rows_compared = True
-                    done = _shapes(batch) != _shapes(other)
+                if other is not None:
+                    other_shapes = _shapes(batch) != _shapes(other)
+                    found = check_stored_across(self.model, hooked, loss_fn, batch, other, 0,
+                                                view=view, other_shapes=other_shapes)
+                    self._rows_compared |= found == COMPARED
+                    done = found == UNCHECKABLE or (found == COMPARED and other_shapes)
                 if not done:
                     self._rows_other = torch.utils._pytree.tree_map(
                         lambda t: t.detach().clone() if isinstance(t, Tensor) else t, batch)
@@ -1096,7 +1098,8 @@ class ClippingEngine:
         # (under a process group every check is a round of forwards on every rank, and the
         # ranks must count alike: their microbatch sizes differ)
         self._rows_attempts += 1
-        if not done and self._rows_attempts >= MAX_ATTEMPTS and self._rows_compared:
+        if (not done and self._rows_attempts >= MAX_ATTEMPTS and self._rows_compared
+                and B == 1 and not collective):
             done = True  # one-example microbatches, all of one shape: compared, not for length
         elif not done and self._rows_attempts >= MAX_ATTEMPTS:
             cannot_check(f"in {self._rows_attempts} microbatches no example that differs from "

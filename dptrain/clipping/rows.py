@@ -35,12 +35,12 @@ rows to mix: in one process its forward is compared with an earlier one-example 
 (``check_stored_across``), which shows a buffer written from the data; under a process group a
 rank's one example compares nothing (another rank's larger share may). For text, a
 one-example microbatch's length is that example's own, so there a buffer that is a function of
-the sequence length (a token count, a table cached per length) is refused too: it stores the
-example's length. To see it, the check goes on until it has compared two examples of
-different shapes (lengths), up to ``MAX_ATTEMPTS`` one-example microbatches (data of one shape,
-such as images, ends there, silently). In a larger microbatch the same buffer stores the
-longest example's length, which the replacements (made within the microbatch's shape) cannot
-change: that is not seen.
+the sequence length (a token count, a table rebuilt whenever the length changes) is refused
+too: it stores the example's length. To see it, the check goes on until it has compared two
+examples of different shapes (lengths), up to ``MAX_ATTEMPTS`` one-example microbatches (data
+of one shape, such as images, ends there, silently). In a larger microbatch the same buffer
+stores the longest example's length, which the replacements (made within the microbatch's
+shape) cannot change: that is not seen.
 
 What it cannot see: mixing in the backward only (a custom autograd function, a
 ``x + (f(x) - f(x).detach())`` trick), mixing weaker than 1e-5 of a row or a loss (a loss
@@ -49,9 +49,11 @@ the same parity and the same half (``h[0] += h[2]`` when B >= 6), batch statisti
 replacement leaves as they were, and mixing that depends on data the first microbatch does not
 have; of stored data: parameters written in the forward, buffers written outside the forward
 (its backward hooks, the optimizer) or registered during it, writes at plan entries after the
-first (the states of an inner-momentum history), and, in microbatches of more than one example,
-a buffer that is a function of the microbatch's shapes (its padded length: the longest
-example's). A forward that is not
+first (the states of an inner-momentum history), in microbatches of more than one example a
+buffer that is a function of the microbatch's shapes (its padded length: the longest
+example's), and at any size a buffer that only grows (a table grown to the longest length seen,
+a running maximum): the check's forwards start from the value the real forward left, which
+already holds both examples compared. A forward that is not
 deterministic for the same inputs, or whose layer calls change with the data, cannot be
 checked: a warning says so and the run goes on (the other checks still apply).
 """
@@ -362,32 +364,40 @@ def _runner(model, hooked, loss_fn, view, B: int, stream: int, slots: list[_Slot
 
 def check_stored_across(model: nn.Module, hooked: list[tuple[str, nn.Module]],
                         loss_fn: Callable, batch: Any, other: Any, stream: int, *,
-                        view: Callable | None = None) -> bool:
+                        view: Callable | None = None, other_shapes: bool = False) -> int:
     """The check of a microbatch of one example (one process): it has no other example to
     replace, so its forward is compared with that of ``other``, an earlier microbatch of one
-    example (the engine keeps it; its shapes may differ: for text they are its length, which
-    is private data), from the same buffers and randomness. Rows cannot mix within one
+    example (the engine keeps it; ``other_shapes``: its shapes differ, which for text are its
+    length, private data), from the same buffers and randomness. Rows cannot mix within one
     example; what is left to see is a buffer that the forward writes from the data, refused
-    as in ``check_example_rows``. Returns whether the check is done: False when the other
-    example reached no layer differently (inputs alike, only labels differing: the engine
-    tries a later one)."""
+    as in ``check_example_rows`` (whether or not the data reached a layer). Returns
+    ``NOTHING_COMPARED`` when the other example reached no layer differently (inputs alike,
+    only labels differing: the engine tries a later one), ``COMPARED``, or ``UNCHECKABLE``
+    (a forward that is not deterministic: warned, and the check is over)."""
     slots = _slots(model)
     directions: dict[tuple, Tensor] = {}
     forwards = _runner(model, hooked, loss_fn, view, 1, stream, slots, directions)
     control, test = forwards(batch, other)
-    if _calls(control[0]) == _calls(test[0]) and not any(
-            bool(_changed(cn, cp, tn, tp).any())
-            for (_, _, cn, cp), (_, _, tn, tp) in zip(control[0], test[0])):
-        return False  # as check_example_rows: done once the data reached a layer
-    refusal = _stored(control, test, slots, directions,
-                      "the forward of another microbatch's example instead of this one")
+    reached = _calls(control[0]) != _calls(test[0]) or any(
+        bool(_changed(cn, cp, tn, tp).any())
+        for (_, _, cn, cp), (_, _, tn, tp) in zip(control[0], test[0]))
+    refusal = _stored(control, test, slots, directions, (
+        "the forward of another one-example microbatch, of other shapes (at one example per "
+        "microbatch the shapes, such as a text's length, are the example's own: a buffer "
+        "cached per shape stores them; build it for data.max_length, or use a "
+        "microbatch_size above 1), instead of this one" if other_shapes else
+        "the forward of another microbatch's example instead of this one"))
     if refusal is None:
-        return True
+        return COMPARED if reached else NOTHING_COMPARED
     if _differ(control, forwards(batch)[0], slots, directions):
         cannot_check("two forwards of the same microbatch from the same randomness gave "
                      "different values")
-        return True
+        return UNCHECKABLE
     raise ClippingError(refusal)
+
+
+#: what ``check_stored_across`` found
+NOTHING_COMPARED, COMPARED, UNCHECKABLE = 0, 1, 2
 
 
 _CALLS = "layer calls differ"

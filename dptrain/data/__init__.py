@@ -161,8 +161,9 @@ class DataConfig:
         made = (_cap(self.synthetic_train_size, self.max_train_examples),
                 _cap(self.synthetic_test_size, self.max_test_examples))
         n = sum(made)
-        larger = ("synthetic_train_size" if made[0] >= made[1] else "synthetic_test_size")
-        sized = made[0] > 256 or made[1] > 64  # (the fields' defaults)
+        # a size above its default (256, 64) is the cause if there is one
+        larger = "synthetic_train_size" if made[0] > 256 else "synthetic_test_size"
+        sized = made[0] > 256 or made[1] > 64
         length = self.max_length or 16
         if self.name == "synthetic_lm" and n * length > MAX_SYNTHETIC_TOKENS:
             raise ConfigError(larger if sized else "max_length",
@@ -174,9 +175,13 @@ class DataConfig:
         # (the class templates are images too)
         images = n + (self.num_classes or 10)
         if self.name == "synthetic_images" and images * per_image > MAX_SYNTHETIC_PIXELS:
-            cause = ("num_classes" if (self.num_classes or 10) > n
-                     else larger if sized and per_image * 256 <= MAX_SYNTHETIC_PIXELS
-                     else "in_chans" if chans > side ** 2 else "image_size")
+            # the templates if the images alone fit and they outnumber them; else a size above
+            # its default if the default sizes would fit; else whichever of in_chans and
+            # image_size is further above its default (3, 16)
+            cause = ("num_classes" if n * per_image <= MAX_SYNTHETIC_PIXELS
+                     and (self.num_classes or 10) > n
+                     else larger if sized and 330 * per_image <= MAX_SYNTHETIC_PIXELS
+                     else "in_chans" if chans / 3 > side ** 2 / 256 else "image_size")
             raise ConfigError(cause, f"{images:,} images (train, test and one template per "
                                      f"class) of {per_image:,} values: more than the "
                                      f"{MAX_SYNTHETIC_PIXELS:,} a synthetic set may be made "
