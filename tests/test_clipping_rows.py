@@ -594,6 +594,27 @@ def test_a_nondeterministic_buffer_write_is_warned_about_not_refused():
         ClippingEngine(Jitter().double(), clip_norm=1.0).accumulate(sq_loss, (_x(4, 4),), {})
 
 
+@pytest.mark.parametrize("mb", [1, 4])
+def test_a_buffer_of_the_data_is_refused_though_the_outputs_are_not_deterministic(mb):
+    # the buffer's writes repeat for the same microbatch and differ between examples: the data,
+    # whatever noise the outputs carry (that noise once made it "uncheckable", and accepted)
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+            self.g = torch.Generator().manual_seed(0)
+            self.register_buffer("stat", torch.zeros(4, dtype=torch.float64))
+
+        def forward(self, x):
+            self.stat.copy_(x.detach().mean(0))
+            return self.lin(x) + 1e-3 * torch.randn(2, generator=self.g, dtype=x.dtype)
+
+    engine = ClippingEngine(Noisy().double(), clip_norm=1.0)
+    with pytest.raises(ValueError, match="writes the buffer stat"):
+        for i in range(4):
+            engine.accumulate(sq_loss, (_x(mb, 4, seed=i),), {})
+
+
 def test_a_nondeterministic_forward_is_warned_about_not_refused():
     class Noisy(nn.Module):  # randomness outside torch's RNG: not reproducible by the check
         def __init__(self):

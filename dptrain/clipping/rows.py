@@ -309,7 +309,11 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
     again = forwards(batch)[0] if again_needed else None
     done, refusal = reached, None
     if moved:
-        if _differ(control, again, slots, directions):
+        # a buffer that the same microbatch's forwards write alike, and replaced examples'
+        # otherwise, holds their data, whatever else in the forward is not deterministic
+        if stored is not None and not _stored_values(control, again, slots, directions):
+            refusal = stored
+        elif _differ(control, again, slots, directions):
             cannot_check("two forwards of the same microbatch from the same randomness gave "
                          "different values")
             done = True
@@ -389,7 +393,8 @@ def check_stored_across(model: nn.Module, hooked: list[tuple[str, nn.Module]],
         "the forward of another microbatch's example instead of this one"))
     if refusal is None:
         return COMPARED if reached else NOTHING_COMPARED
-    if _differ(control, forwards(batch)[0], slots, directions):
+    # (as in check_example_rows: only the buffers' own repeatability is asked)
+    if _stored_values(control, forwards(batch)[0], slots, directions):
         cannot_check("two forwards of the same microbatch from the same randomness gave "
                      "different values")
         return UNCHECKABLE
