@@ -338,6 +338,20 @@ class _Stores(nn.Module):
         return self.lin(x)
 
 
+class _Jitter(nn.Module):
+    """Writes draws of its own generator: not the data, not repeatable (warned about)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.g = torch.Generator().manual_seed(0)
+        self.register_buffer("jitter", torch.zeros(3))
+
+    def forward(self, x):
+        self.jitter.copy_(torch.randn(3, generator=self.g))
+        return self.lin(x)
+
+
 class _Wrapped(nn.Module):
     def __init__(self, how):
         super().__init__()
@@ -347,21 +361,30 @@ class _Wrapped(nn.Module):
         return self.inner(x)
 
 
+@pytest.mark.parametrize("mb", [6, 1])
 @pytest.mark.parametrize("how, buffer", [
     ("running mean in place", "inner.stat"),
     ("running mean assigned", "inner.stat"),
     ("token count", "inner.tokens"),
     ("last batch", "inner.stat"),
 ])
-def test_a_forward_that_stores_the_examples_data_in_a_buffer_is_refused_naming_it(how, buffer):
+def test_a_forward_that_stores_the_examples_data_in_a_buffer_is_refused_naming_it(how, buffer,
+                                                                                 mb):
     # rows and losses are each example's own here: only the stored value leaks (into every
-    # later forward and every checkpoint, with no clip or noise)
+    # later forward and every checkpoint, with no clip or noise). performance.microbatch_size
+    # = 1: nothing to replace within a microbatch, so the second one-example microbatch's
+    # forward is compared with the first's; refused as with larger ones, not in silence
     m = _Wrapped(how).double()
     x = _x(6, 4)
     x[1, 0] = 0.0  # so that replacing examples changes the token count
+    engine = ClippingEngine(m, clip_norm=1.0)
+    if mb == 1:
+        engine.accumulate(sq_loss, (x[:1],), {})
+        assert not engine._rows_checked and engine._rows_other is not None
+    what = "replacing" if mb > 1 else "the forward of another microbatch's example"
     with pytest.raises(ValueError, match=rf"writes the buffer {buffer} of _Stores from the "
-                                         rf"examples' data"):
-        ClippingEngine(m, clip_norm=1.0).accumulate(sq_loss, (x,), {})
+                                         rf"examples' data: {what}"):
+        engine.accumulate(sq_loss, (x if mb > 1 else x[1:2],), {})
 
 
 @pytest.mark.parametrize("how, calls", [("calls assigned", 1.0), ("weight norm", 0.0)])
@@ -377,27 +400,6 @@ def test_data_independent_buffer_writes_pass_and_are_put_back(how, calls):
     assert m.inner._buffers["stat"].shape == (4,)
     if how == "weight norm":
         torch.testing.assert_close(m.inner.stat, m.inner.lin.weight.detach().norm(dim=0))
-
-
-@pytest.mark.parametrize("how, buffer", [
-    ("running mean in place", "inner.stat"),
-    ("token count", "inner.tokens"),
-    ("last batch", "inner.stat"),
-])
-def test_microbatches_of_one_example_that_store_data_in_a_buffer_are_refused(how, buffer):
-    # performance.microbatch_size = 1: nothing to replace within a microbatch, so the second
-    # one-example microbatch's forward is compared with the first's; the same model is refused
-    # as with larger microbatches (above), not accepted in silence
-    m = _Wrapped(how).double()
-    x = _x(6, 4)
-    x[1, 0] = 0.0
-    engine = ClippingEngine(m, clip_norm=1.0)
-    engine.accumulate(sq_loss, (x[:1],), {})
-    assert not engine._rows_checked and engine._rows_other is not None
-    with pytest.raises(ValueError, match=rf"writes the buffer {buffer} of _Stores from the "
-                                         rf"examples' data: the forward of another "
-                                         rf"microbatch's example"):
-        engine.accumulate(sq_loss, (x[1:2],), {})
 
 
 @pytest.mark.parametrize("how", ["calls assigned", "weight norm", "none"])
@@ -544,18 +546,7 @@ def test_mixed_microbatch_sizes_one_example_comparisons_do_not_end_a_larger_chec
 
 
 def test_at_one_example_a_nondeterministic_buffer_write_is_warned_about_once():
-    class Jitter(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 2)
-            self.g = torch.Generator().manual_seed(0)
-            self.register_buffer("jitter", torch.zeros(3))
-
-        def forward(self, x):
-            self.jitter.copy_(torch.randn(3, generator=self.g))
-            return self.lin(x)
-
-    engine = ClippingEngine(Jitter().double(), clip_norm=1.0)
+    engine = ClippingEngine(_Jitter().double(), clip_norm=1.0)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for i in range(6):
@@ -579,19 +570,8 @@ def test_the_kept_one_example_microbatches_go_with_release_workspace():
 
 
 def test_a_nondeterministic_buffer_write_is_warned_about_not_refused():
-    class Jitter(nn.Module):  # writes draws of its own generator: not the data, not repeatable
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 2)
-            self.g = torch.Generator().manual_seed(0)
-            self.register_buffer("jitter", torch.zeros(3))
-
-        def forward(self, x):
-            self.jitter.copy_(torch.randn(3, generator=self.g))
-            return self.lin(x)
-
     with pytest.warns(UserWarning, match="gave different values"):
-        ClippingEngine(Jitter().double(), clip_norm=1.0).accumulate(sq_loss, (_x(4, 4),), {})
+        ClippingEngine(_Jitter().double(), clip_norm=1.0).accumulate(sq_loss, (_x(4, 4),), {})
 
 
 @pytest.mark.parametrize("mb", [1, 4])

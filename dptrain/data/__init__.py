@@ -161,9 +161,11 @@ class DataConfig:
         made = (_cap(self.synthetic_train_size, self.max_train_examples),
                 _cap(self.synthetic_test_size, self.max_test_examples))
         n = sum(made)
-        # a size above its default (256, 64) is the cause if there is one
-        larger = "synthetic_train_size" if made[0] > 256 else "synthetic_test_size"
-        sized = made[0] > 256 or made[1] > 64
+        # a size above its default is the cause if there is one
+        fields = type(self).__dataclass_fields__
+        usual = (fields["synthetic_train_size"].default, fields["synthetic_test_size"].default)
+        larger = "synthetic_train_size" if made[0] > usual[0] else "synthetic_test_size"
+        sized = made[0] > usual[0] or made[1] > usual[1]
         length = self.max_length or 16
         if self.name == "synthetic_lm" and n * length > MAX_SYNTHETIC_TOKENS:
             raise ConfigError(larger if sized else "max_length",
@@ -180,7 +182,8 @@ class DataConfig:
             # image_size is further above its default (3, 16)
             cause = ("num_classes" if n * per_image <= MAX_SYNTHETIC_PIXELS
                      and (self.num_classes or 10) > n
-                     else larger if sized and 330 * per_image <= MAX_SYNTHETIC_PIXELS
+                     else larger if sized and (sum(usual) + 10) * per_image  # (10 classes)
+                     <= MAX_SYNTHETIC_PIXELS
                      else "in_chans" if chans / 3 > side ** 2 / 256 else "image_size")
             raise ConfigError(cause, f"{images:,} images (train, test and one template per "
                                      f"class) of {per_image:,} values: more than the "

@@ -58,7 +58,8 @@ class FilterConfig:
     outputs are scaled down: the first q without feedback, decaying with the poles with it;
     a = [-0.9], b = [0.5, 0.5]: 0.5, 0.763, 0.851, ... times a constant input). step_response:
     B_t = b_0 + ... + b_min(q, t), the filter's response to a constant 1 from step 0, so a
-    constant gradient passes unchanged from the first step. The two agree for q = 0 (the default EMA)."""
+    constant gradient passes unchanged from the first step. The two agree for q = 0 (the
+    default EMA)."""
 
     def applicability(self) -> list[tuple[str, str, dict]]:
         """Which fields each filter reads (``dptrain.config.unused_fields``)."""
