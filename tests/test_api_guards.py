@@ -259,3 +259,69 @@ def test_the_geometry_functions_name_an_argument_that_is_not_a_tensor(call, name
     from dptrain.diagnostics import geometry
     with pytest.raises(TypeError, match=rf"^{name} must be a torch.Tensor, got list"):
         call(geometry)
+
+
+def _two_layers():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _ce(m, b):
+    return F.cross_entropy(m(b[0]), b[1], reduction="none")
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "two_pass"])
+def test_a_use_outside_the_modules_that_appears_after_the_first_query_never_exceeds_c(mode):
+    """The structural checks run over the first forward; a use of a parameter outside its
+    module that appears later (a penalty switched on in loss_fn, or data-dependent control
+    flow) is missing from the norms. Book-keeping leaves it out of the sum as well; two_pass's
+    second backward added it (one example contributed 9.7 C against C = 1, an audit), so it
+    checks the uses at every forward and refuses."""
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+
+    def penalised(m, b):
+        return _ce(m, b) + 5.0 * m[0].weight.pow(2).sum()
+
+    engine = ClippingEngine(_two_layers(), clip_norm=1.0, mode=mode)
+    engine.accumulate(_ce, (x, y), {})  # the first query: checked, and it passes
+    acc: dict = {}
+    if mode == "two_pass":
+        with pytest.raises(ValueError, match="0.weight is used outside"):
+            engine.accumulate(penalised, (x[:1], y[:1]), acc)
+    else:
+        engine.accumulate(penalised, (x[:1], y[:1]), acc)
+        total = math.sqrt(sum(float(v.double().pow(2).sum()) for v in acc.values()))
+        assert total <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize("change", ["freeze", "unfreeze", "append", "replace", "assign"])
+def test_trainable_parameters_that_changed_since_the_engine_was_built_are_refused(change):
+    """A layer frozen after the engine was built was still released (noise alone, which an
+    optimizer then moved it by), one added was silently never released, and an unfrozen or
+    reassigned parameter failed deep in the query (a KeyError)."""
+    model = _two_layers()
+    if change == "unfreeze":
+        model[2].bias.requires_grad_(False)
+    engine = ClippingEngine(model, clip_norm=1.0)
+    batch = (torch.randn(4, 8), torch.randint(0, 3, (4,)))
+    engine.accumulate(_ce, batch, {})
+    want = {"freeze": "frozen or removed: \\['0.bias', '0.weight'\\]",
+            "unfreeze": "trainable and new to it: \\['2.bias'\\]",
+            "append": "trainable and new to it: \\['3.bias', '3.weight'\\]",
+            "replace": "replaced by another tensor: \\['2.bias', '2.weight'\\]",
+            "assign": "replaced by another tensor: \\['0.bias', '0.weight', '2.bias'"}[change]
+    if change == "freeze":
+        model[0].requires_grad_(False)
+    elif change == "unfreeze":
+        model[2].bias.requires_grad_(True)
+    elif change == "append":
+        model.append(nn.Linear(3, 3))
+    elif change == "replace":
+        model[2] = nn.Linear(16, 3)
+    else:
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()},
+                              assign=True)
+    with pytest.raises(ValueError, match=want):
+        engine.accumulate(_ce, batch, {})
+    with pytest.raises(ValueError, match="changed since the engine was built"):
+        engine.per_example_norms(_ce, batch)

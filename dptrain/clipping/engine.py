@@ -205,8 +205,12 @@ class _FirstForwardCheck(TorchFunctionMode):
     (``.unsqueeze(0)``) the check above does not see. Inputs made from one row for all
     (``arange(K).expand(B, K)``: learned queries) are the same for every example, and fine."""
 
-    def __init__(self, engine: "ClippingEngine", batch: Any = None, batch_size: int = 0):
+    def __init__(self, engine: "ClippingEngine", batch: Any = None, batch_size: int = 0,
+                 uses_only: bool = False):
         super().__init__()
+        #: the parameters' uses alone (two_pass's every later forward: its second backward
+        #: would add a use outside the modules, which the norms miss, to the clipped sum)
+        self.uses_only = uses_only
         #: id -> weak reference: the batch's tensors and every result of a torch call on one
         self.derived: dict[int, weakref.ref] = {}
         for t in torch.utils._pytree.tree_leaves(batch):
@@ -244,6 +248,8 @@ class _FirstForwardCheck(TorchFunctionMode):
     def __enter__(self):
         def enter(module, args):
             self.active[id(module)] = self.active.get(id(module), 0) + 1
+            if self.uses_only:
+                return
             x = args[0] if args else None
             B = self.batch_size
             if (isinstance(x, Tensor) and B > 1 and x.dim() and x.shape[0] == B
@@ -259,7 +265,7 @@ class _FirstForwardCheck(TorchFunctionMode):
 
         def leave(module, args, output, name):
             self.active[id(module)] -= 1
-            if not isinstance(output, Tensor):
+            if self.uses_only or not isinstance(output, Tensor):
                 return
             B = self.batch_size
             if (B > 1 and output.dim() and output.shape[0] == B and id(output) not in self.derived
@@ -297,8 +303,9 @@ class _FirstForwardCheck(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self._check_rows(func, args, kwargs, out)
-        if any(isinstance(a, Tensor) and id(a) in self.derived
+        if not self.uses_only:
+            self._check_rows(func, args, kwargs, out)
+        if not self.uses_only and any(isinstance(a, Tensor) and id(a) in self.derived
                for a in torch.utils._pytree.tree_leaves(_value_operands(func, args, kwargs))):
             for o in torch.utils._pytree.tree_leaves(out):
                 if isinstance(o, Tensor):
@@ -825,12 +832,34 @@ class ClippingEngine:
                                         f"{tuple(v.shape)}, but the parameter's is "
                                         f"{tuple(p.shape)} (a value is never broadcast)")
 
+    def _check_params(self) -> None:
+        """The model's trainable parameters must be those the engine was built for (every
+        query; a walk over the parameters): a layer frozen since would be released as noise
+        alone, and moved by the optimizer, one added or unfrozen would be left out of the
+        norms and the release, or fail deep in the query."""
+        now = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        if len(now) == len(self.params) and all(self.params.get(n) is p for n, p in now.items()):
+            return
+        frozen = sorted(set(self.params) - set(now))
+        new = sorted(set(now) - set(self.params))
+        swapped = sorted(n for n in set(now) & set(self.params) if now[n] is not self.params[n])
+        said = "; ".join(f"{what}: {names[:4]}{' ...' if len(names) > 4 else ''}"
+                         for what, names in (("frozen or removed", frozen),
+                                             ("trainable and new to it", new),
+                                             ("replaced by another tensor", swapped)) if names)
+        raise ClippingError(f"dptrain.clipping: the model's trainable parameters changed "
+                            f"since the engine was built ({said}): build a new ClippingEngine "
+                            f"(and optimizer) for the model as it is now, or set requires_grad "
+                            f"and load weights in place (load_state_dict without assign=True) "
+                            f"before building it")
+
     def _forward_backward(self, loss_fn: LossFn, batch: Any, plan: QueryPlan, retain: bool,
                           query: "_Query"):
         """Evaluate every state of the plan; each state's captured tensors are turned into
         contributions and handed to ``query`` as soon as that state's backward is done (so a
         parameter whose contributions are instantiated keeps one per-example buffer, not every
         state's activations)."""
+        self._check_params()
         for name, m in self._batchnorms:
             if m.training:
                 raise ClippingError(
@@ -869,6 +898,11 @@ class ClippingEngine:
             check = contextlib.nullcontext()
             if not self._uses_checked:  # (sets _uses_checked once a forward passed)
                 check = _FirstForwardCheck(self, inputs, B)
+            elif self.mode == "two_pass":
+                # every forward: a use outside the modules that appears later (data-dependent
+                # control flow, a loss_fn that changed) would reach the second backward's sum
+                # but not the norms (book-keeping leaves it out of both)
+                check = _FirstForwardCheck(self, uses_only=True)
             if j == 0 and not self._rows_checked:  # at the end of the query (_finish_rows_check)
                 self._pending_rows = (loss_fn, batch, view, B, state)
             with self._state(state, seed), self._capture(B, coef, records, targets,
