@@ -127,10 +127,11 @@ def test_a_figure_the_file_system_refuses_exits_2_naming_output(tmp_path, capsys
     code, _, err = _run(capsys, "plot", "--run", str(run))
     assert code == 2 and err.count("\n") == 1
     assert f"--output: cannot write {run / 'metrics.png'}: Read-only file system" in err
+    assert "printed above" not in err  # (diagnose's message: plot prints nothing before)
 
 
-def _fake_run(tmp_path, lines: list[str]) -> Path:
-    run = tmp_path / "run"
+def _fake_run(tmp_path, lines: list[str], name: str = "run") -> Path:
+    run = tmp_path / name
     run.mkdir()
     (run / "metrics.jsonl").write_text("".join(x + "\n" for x in lines))
     return run
@@ -197,3 +198,65 @@ def test_malformed_run_files_exit_2_naming_run(tmp_path, capsys, lines, summary,
 def test_a_directory_without_metrics_exits_2(tmp_path, capsys):
     code, _, err = _run(capsys, "plot", "--run", str(tmp_path / "nothing"))
     assert code == 2 and "--run: no metrics.jsonl" in err
+
+
+def test_values_that_are_not_finite_are_named_on_stderr_not_dropped_silently(tmp_path, capsys):
+    # a run that diverged plotted as a single point, with no word of why
+    rows = [ROW % 1] + ['{"step": %d, "train_loss": "nan", "epsilon": 1.0}' % s
+                        for s in range(2, 9)] + ['{"step": 9, "train_loss": "inf"}']
+    run = _fake_run(tmp_path, rows)
+    (run / "summary.json").write_text('{"steps": 9, "epsilon": 1.0, "metrics": {"loss": "nan"}}')
+    code, _, err = _run(capsys, "plot", "--run", str(run))
+    assert code == 0
+    assert "run: train_loss is not a finite number at steps 2-9 (8 rows); not drawn" in err
+    assert "run: test_loss is not a finite number at step 9; not drawn" in err
+    left_out: dict = {}
+    metric_series([json.loads(r) for r in rows], None, left_out)
+    assert left_out == {"train_loss": list(range(2, 10))}
+
+
+def test_several_runs_share_the_panels_each_curve_named_by_its_run(tmp_path, capsys):
+    a = _fake_run(tmp_path, [ROW % 1, ROW % 2], "muon")
+    b = _fake_run(tmp_path, ['{"step": 1, "train_loss": 3.0, "epsilon": 0.5}'], "sgd")
+    out = tmp_path / "both.svg"
+    code, stdout, err = _run(capsys, "plot", "--run", str(a), "--run", str(b), "--output",
+                             str(out))
+    assert code == 0, err
+    assert "2 panels: loss, epsilon spent" in stdout
+    svg = out.read_text()
+    for label in ("muon: train_loss", "sgd: train_loss", "muon: epsilon", "sgd: epsilon"):
+        assert label in svg
+    # the curves are each run's own
+    import dptrain.diagnostics.plotting as plotting
+
+    drawn = {}
+    real = plotting.plot_metrics
+    try:
+        plotting.plot_metrics = lambda series, path, **kw: drawn.update(series)
+        assert _run(capsys, "plot", "--run", str(a), str(b), "--output", str(out),
+                    "--force")[0] == 0
+    finally:
+        plotting.plot_metrics = real
+    assert drawn["loss"] == {"muon: train_loss": ([1, 2], [2.0, 2.0]),
+                             "sgd: train_loss": ([1], [3.0])}
+    # several runs need --output (the first run's folder is not theirs); one run twice is
+    # refused, not drawn as two
+    code, _, err = _run(capsys, "plot", "--run", str(a), str(b))
+    assert code == 2 and "--output: needed with several runs" in err
+    code, _, err = _run(capsys, "plot", "--run", str(a), str(a / ".." / "muon"), "--output",
+                        str(tmp_path / "x.png"))
+    assert code == 2 and "is given twice" in err and not (tmp_path / "x.png").exists()
+
+
+def test_a_matplotlib_that_refuses_its_settings_is_one_line_naming_the_option(tmp_path):
+    # MPLBACKEND=bogus was a ValueError traceback, in diagnose and audit too (after the work)
+    import os
+    import subprocess
+    import sys
+
+    run = _fake_run(tmp_path, [ROW % 1])
+    env = {**os.environ, "MPLBACKEND": "bogus"}
+    p = subprocess.run([sys.executable, "-m", "dptrain", "plot", "--run", str(run)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "--output: matplotlib refuses its settings" in p.stderr

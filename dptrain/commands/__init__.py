@@ -70,14 +70,33 @@ def check_new_files(files, force: bool) -> None:
 
 
 @contextlib.contextmanager
-def writing(option: str, path):
+def writing(option: str, path, printed: bool = True):
     """Around the write of a command's output file, after its work: a file system that refuses
     it (``check_can_create`` asks ``os.access``, which says yes to root and to /proc) is one
-    line naming ``option`` and exit 2, not a traceback. Print the results before."""
+    line naming ``option`` and exit 2, not a traceback. ``printed``: the command printed its
+    results before (the message says so)."""
     from dptrain.config import ConfigError
 
     try:
         yield
     except OSError as e:
-        raise ConfigError(option, f"cannot write {path}: {e.strerror or e} (the results were "
-                                  f"printed above)") from None
+        said = " (the results were printed above)" if printed else ""
+        raise ConfigError(option, f"cannot write {path}: {e.strerror or e}{said}") from None
+
+
+def require_matplotlib(option: str) -> None:
+    """matplotlib importable with its backend settings (``MPLBACKEND``, matplotlibrc) valid,
+    before the work: else one line naming ``option``, exit 2 (an installed matplotlib that
+    fails to import, or a bad backend name, was a traceback, after an audit's whole run)."""
+    from dptrain.config import ConfigError
+
+    try:
+        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
+        from matplotlib.figure import Figure  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(option, f"needs matplotlib (pip install 'dptrain[plot]'): "
+                                  f"{str(e).splitlines()[0] if str(e) else e!r}") from None
+    except ValueError as e:  # (rcParams' validation: MPLBACKEND=bogus)
+        raise ConfigError(option, f"matplotlib refuses its settings: "
+                                  f"{str(e).splitlines()[0]}") from None

@@ -18,7 +18,7 @@ import math
 import sys
 from pathlib import Path
 
-from dptrain.commands import FIGURES, JSON, check_new_files, writing
+from dptrain.commands import FIGURES, JSON, check_new_files, require_matplotlib, writing
 from dptrain.config import ConfigError, require_file
 from dptrain.telemetry import write_json
 
@@ -186,10 +186,7 @@ def run(args: argparse.Namespace) -> int:
     plot = Path(args.plot) if args.plot else None
     check_new_files((("--output", output, JSON), ("--plot", plot, FIGURES)), args.force)
     if plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ConfigError("--plot", "needs matplotlib (pip install 'dptrain[plot]')") from None
+        require_matplotlib("--plot")
     if args.config is not None:
         require_file("--config", args.config)
 

@@ -86,7 +86,8 @@ _PANELS = {"epsilon": "epsilon spent", "peak_memory_gib": "peak memory (GiB)",
 Series = dict[str, tuple[list[int], list[float]]]
 
 
-def metric_series(rows: Iterable[Mapping], final: Mapping | None = None) -> dict[str, Series]:
+def metric_series(rows: Iterable[Mapping], final: Mapping | None = None,
+                  left_out: dict[str, list[int]] | None = None) -> dict[str, Series]:
     """The curves of a run's ``metrics.jsonl`` rows, by panel: ``{panel: {label: (steps,
     values)}}``, panels in the order of first appearance.
 
@@ -98,8 +99,9 @@ def metric_series(rows: Iterable[Mapping], final: Mapping | None = None) -> dict
       (GiB)``, ``test accuracy``, ...; ``time`` and the test-set sizes are not drawn;
     - ``final``: ``summary.json``'s ``steps`` and ``metrics`` (the final evaluation), added to
       the test curves at the last step;
-    - values that are not finite numbers (``"nan"`` in strict JSON) are left out; when several
-      rows have the same step, the last one counts.
+    - values that are not finite numbers (``"nan"`` in strict JSON) are left out, and named
+      in ``left_out`` when given (``{key: [steps]}``: a run that diverged); when several rows
+      have the same step, the last one counts.
     """
     by_step: dict[int, Mapping] = {}
     for row in rows:
@@ -111,9 +113,13 @@ def metric_series(rows: Iterable[Mapping], final: Mapping | None = None) -> dict
     panels: dict[str, Series] = {}
 
     def add(panel: str, label: str, step: int, value) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             return
-        if not math.isfinite(value):
+        if isinstance(value, str) or not math.isfinite(value):
+            # (strict JSON's "nan", "inf", "-inf": dptrain.telemetry.jsonable)
+            if left_out is not None and (not isinstance(value, str)
+                                         or value in ("nan", "inf", "-inf")):
+                left_out.setdefault(label, []).append(step)
             return
         steps, values = panels.setdefault(panel, {}).setdefault(label, ([], []))
         steps.append(step)
