@@ -55,10 +55,14 @@ def main() -> None:
                          "epsilon_lower_bound": round(r["epsilon_lower_bound"], 3),
                          "claimed_epsilon": round(r["claimed_epsilon"], 3),
                          "guesses": r["guesses"], "correct": r["correct"],
+                         "noise_check": r["noise_check"]["ok"],
+                         "variance_ratio": round(r["noise_check"]["variance_ratio"], 3),
                          "seconds": round(time.time() - t0, 1)})
             print(f"noise x {scale:<5} audit seed {seed}: epsilon >= "
                   f"{r['epsilon_lower_bound']:.3f} ({r['correct']}/{r['guesses']} correct), "
-                  f"accountant {r['claimed_epsilon']:.3f}: "
+                  f"accountant {r['claimed_epsilon']:.3f}, noise variance "
+                  f"{r['noise_check']['variance_ratio']:.3f} of (sigma C)^2 "
+                  f"({'passes' if r['noise_check']['ok'] else 'fails'} its check): "
                   f"{'passes' if code == 0 else 'FAILS'} ({time.time() - t0:.0f} s)", flush=True)
     Trainer._noise_flat = real
     print(json.dumps({"config": args.config, "canaries": int(args.canaries), "runs": rows}))

@@ -673,7 +673,7 @@ class Trainer:
                         noisy = noisy + s
                 if self.audit is not None and (self.rank == 0 or is_sharded(p)):
                     _, lo, hi = flat_range(p)  # a replicated release is read on rank 0 only
-                    self.audit.observe(name, noisy, lo, hi)
+                    self.audit.observe(name, noisy, lo, hi, step)
                 out[name] = as_grad((noisy / b).to(p.dtype), p)
         del acc
         loss_sum, count = all_reduce_scalars(loss_sum, count, device=self.device)

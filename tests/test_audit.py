@@ -334,6 +334,34 @@ def _cli_audit(rank: int, world: int, out: str, overrides: list[str]) -> int:
                  "--output", out, *RUN, "privacy.steps=2", *overrides])
 
 
+def _cli_audit_rank1_without_noise(rank: int, world: int, out: str) -> int:
+    from dptrain.trainer import Trainer
+
+    real = Trainer._noise_flat
+    Trainer._noise_flat = lambda self, *a, **k: (0 if self.rank == 1 else 1) * real(self, *a,
+                                                                                     **k)
+    return _cli_audit(rank, world, out, ["performance.sharding=fsdp"])
+
+
+@pytest.mark.distributed
+def test_noise_missing_on_one_ranks_shard_is_caught_by_the_noise_check(tmp_path, capfd):
+    """Half the coordinates without noise (one rank's shard) gave those canaries a small fixed
+    score in the middle of the ranking: the bound (0.907 against a claim of 1.99, an audit)
+    passed. The noise check reads the release less the canaries at their coordinates."""
+    from dptrain.parallel.dist import spawn
+
+    out = tmp_path / "half.json"
+    assert spawn(_cli_audit_rank1_without_noise, 2, str(out)) == [1, 1]
+    report = json.loads(out.read_text())
+    check = report["noise_check"]
+    assert not report["consistent"] and check["ok"] is False
+    assert check["smallest_variance_ratio"] == 0.0
+    # the coordinates of rank 1's shards: some, not all, of the 300
+    assert 30 < check["coordinates_below"] < 270
+    assert report["epsilon_lower_bound"] <= report["claimed_epsilon"]  # what let it through
+    assert "the noise is missing or too small at" in capfd.readouterr().err
+
+
 @pytest.mark.distributed
 def test_canaries_enter_once_and_are_read_once_on_2_ranks(tmp_path, capsys):
     # the release does not depend on the world size, so neither may the scores: a canary
@@ -350,6 +378,9 @@ def test_canaries_enter_once_and_are_read_once_on_2_ranks(tmp_path, capsys):
         assert two["world_size"] == 2 and two["canary_included"] == ref["canary_included"]
         np.testing.assert_allclose(two["scores"], ref["scores"], rtol=1e-4, atol=1e-4,
                                    err_msg=sharding)
+        assert two["noise_check"]["ok"] is ref["noise_check"]["ok"] is True
+        assert two["noise_check"]["smallest_variance_ratio"] == pytest.approx(
+            ref["noise_check"]["smallest_variance_ratio"], rel=1e-4)
 
 
 def test_an_odd_number_of_canaries_never_guesses_more_than_there_are():
@@ -429,7 +460,9 @@ def test_consistency_is_the_bound_against_the_claim(tmp_path, capsys, monkeypatc
     monkeypatch.setattr(Trainer, "_noise_flat", lambda self, *a, **k: 0 * real(self, *a, **k))
     code, rep = _cli(tmp_path, "measure")
     bound = rep["epsilon_lower_bound"]
-    assert code == 1 and bound > 1
+    assert code == 1 and bound > 1 and rep["noise_check"]["ok"] is False
+    # the bound's verdict alone (the noise check, which a run without noise fails, aside)
+    monkeypatch.setattr(GradientCanaries, "noise_check", lambda self, *a: {"ok": None})
     for claim, want in ((bound + 0.2, 0), (bound - 0.2, 1)):
         monkeypatch.setattr(Trainer, "epsilon", lambda self, c=claim: c)
         code, rep = _cli(tmp_path, f"claim{want}", "--force")
@@ -492,3 +525,42 @@ def test_more_canaries_than_coordinates_exit_2(capsys):
     code = main(["audit", "--config", TINY, "--canaries", str(total + 1), *RUN])
     err = capsys.readouterr().err
     assert code == 2 and "--canaries" in err and str(total) in err
+
+
+def _noise_check_of(noise_std: float, per_coordinate, steps: int = 20, m: int = 400):
+    """The noise check of m canaries over ``steps`` releases, with noise of std
+    ``per_coordinate`` (one number, or one per canary) at the coordinates."""
+    can = GradientCanaries([("a", (1000,)), ("b", (30, 20))], m, 1.0, 0.3, seed=2,
+                           noise_multiplier=noise_std)
+    rng = np.random.default_rng(0)
+    for step in range(steps):
+        present = can.included & can.sampled(step)
+        for name, size in (("a", 1000), ("b", 600)):
+            release = rng.normal(size=size)
+            ix = can.by_name[name]
+            release[can.index[ix]] = (present[ix] * 1.0
+                                      + np.broadcast_to(per_coordinate, (m,))[ix]
+                                      * rng.normal(size=ix.size))
+            can.observe(name, torch.as_tensor(release), 0, size, step)
+    return can, can.noise_check(can.noise_squares, can.noise_count)
+
+
+def test_the_noise_check_passes_the_calibrated_noise_and_finds_it_missing_or_small():
+    s = 2.0
+    can, check = _noise_check_of(s, s)
+    assert check["ok"] is True and check["coordinates_below"] == 0
+    assert np.all(can.noise_count == 20)
+    # the release less the canaries is the noise: its pooled variance is (sigma C)^2
+    assert can.noise_squares.sum() / can.noise_count.sum() / s**2 == pytest.approx(1, abs=0.05)
+    # missing at 10 coordinates: each is found, and nothing else
+    std = np.full(400, s)
+    std[:10] = 0
+    _, check = _noise_check_of(s, std)
+    assert check["ok"] is False and check["coordinates_below"] == 10
+    # 0.6 sigma C everywhere: too small for no single coordinate of 20 releases to show, but
+    # the parameters' pooled variance (0.36) does
+    _, check = _noise_check_of(s, 0.6 * s)
+    assert check["ok"] is False and set(check["parameters_below"]) == {"a", "b"}
+    assert check["smallest_variance_ratio"] == pytest.approx(0.36, abs=0.06)
+    # without noise in the claim (sigma = 0) there is nothing to check
+    assert _noise_check_of(0.0, 0.0)[1]["ok"] is None

@@ -6,19 +6,20 @@ gradient canaries (``dptrain.privacy.audit``).
 
 Trains the config's run (every planned release, the same mechanism, on any number of ranks)
 with M Dirac gradient canaries in its sums, scores each canary from the releases, and prints the
-measured lower bound next to the accountant's epsilon. Exit status 0 when the bound is at most
-the claim, 1 when it exceeds it (the mechanism or its accounting is wrong), 2 on bad input. The
-trained model is not written: it holds canaries.
+measured lower bound next to the accountant's epsilon, and checks that the noise at the canaries'
+coordinates has the calibrated scale. Exit status 0 when the bound is at most the claim and the
+noise is there, 1 when the bound exceeds the claim or the noise is missing or too small
+somewhere (the mechanism or its accounting is wrong), 2 on bad input. The trained model is not
+written: it holds canaries.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import sys
 
-from dptrain.commands import FIGURES, JSON, check_new_files, writing
+from dptrain.commands import FIGURES, JSON, check_new_files, require_matplotlib, writing
 from dptrain.config import ConfigError
 from dptrain.telemetry import write_json
 
@@ -70,12 +71,13 @@ def _parse(args: argparse.Namespace) -> tuple[int, float, int]:
         raise ConfigError("--audit-seed", f"must be >= 0, got {seed}")
     check_new_files((("--output", args.output, JSON), ("--plot", args.plot, FIGURES)),
                     args.force)
-    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise ConfigError("--plot", "needs matplotlib (pip install 'dptrain[plot]')")
+    if args.plot is not None:
+        require_matplotlib("--plot")
     return m, confidence, seed
 
 
 def run(args: argparse.Namespace) -> int:
+    import numpy as np
     import torch
     from tqdm import tqdm
 
@@ -102,16 +104,19 @@ def run(args: argparse.Namespace) -> int:
         trainer.private_step()
         bar.update(1)
     bar.close()
-    scores = torch.as_tensor(canaries.scores, dtype=torch.float64)
-    if trainer.world > 1:  # each canary's coordinate is observed on one rank
+    # each canary's coordinate is observed on one rank: the ranks' parts summed
+    sums = torch.as_tensor(np.stack([canaries.scores, canaries.noise_squares,
+                                     canaries.noise_count]), dtype=torch.float64)
+    if trainer.world > 1:
         import torch.distributed as dist
 
-        scores = scores.to(trainer.device)
-        dist.all_reduce(scores)
-    scores = scores.cpu().numpy()
+        sums = sums.to(trainer.device)
+        dist.all_reduce(sums)
+    scores, squares, count = sums.cpu().numpy()
     result = audit_scores(scores, canaries.included, plan.delta, 1 - confidence)
+    noise = canaries.noise_check(squares, count)
     claimed = trainer.epsilon()
-    consistent = result.epsilon_lower_bound <= claimed
+    consistent = result.epsilon_lower_bound <= claimed and noise["ok"] is not False
     if not main:
         return 0 if consistent else 1
     ceiling = largest_lower_bound(m, plan.delta, 1 - confidence)
@@ -121,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         "accountant": plan.accountant, "noise_multiplier": plan.noise_multiplier,
         "sample_rate": plan.sample_rate, "steps": plan.steps, "clip_norm": plan.clip_norm,
         "confidence": confidence, "audit_seed": seed, "world_size": trainer.world,
-        **result.as_dict(), "consistent": consistent, "largest_possible_bound": ceiling,
+        **result.as_dict(), "noise_check": noise, "consistent": consistent,
+        "largest_possible_bound": ceiling,
         "canaries_ever_sampled": appear,
         # per canary, for other analyses of the same run (ROC, TPR at low FPR, ...); "included"
         # is the number of included canaries (from the result)
@@ -132,7 +138,15 @@ def run(args: argparse.Namespace) -> int:
             f"with {confidence:.0%} confidence; the accountant's epsilon is {claimed:.3f} "
             f"(delta {plan.delta:.3g}, {plan.accountant})")
     # the verdict first: a write that fails after the run must not take the result with it
-    if consistent:
+    if noise["ok"] is False:
+        where = (f"over the parameter(s) {', '.join(noise['parameters_below'][:4])}"
+                 if noise["parameters_below"] else "")
+        print(f"{PROG}: the noise is missing or too small at {noise['coordinates_below']} of "
+              f"{m} canary coordinates{' and ' if where and noise['coordinates_below'] else ''}"
+              f"{where} (smallest variance ratio to (sigma C)^2: "
+              f"{noise['smallest_variance_ratio']:.3g}, chi-square test at "
+              f"{noise['significance']:.3g}): the mechanism is wrong", file=sys.stderr)
+    if result.epsilon_lower_bound <= claimed and noise["ok"] is not False:
         print(f"{PROG}: {line}: consistent")
         if ceiling <= claimed:
             limit = min(total, MAX_SUGGESTED_CANARIES)
@@ -149,9 +163,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"{PROG}: note: an included canary is sampled at least once with "
                   f"probability {appear:.2f} (q = {plan.sample_rate:.3g}, {plan.steps} steps): "
                   "most are never in a release, which weakens the audit", file=sys.stderr)
-    else:
+    elif result.epsilon_lower_bound > claimed:
         print(f"{PROG}: {line}: the measured bound EXCEEDS the claim, so the mechanism or its "
               "accounting is wrong", file=sys.stderr)
+    else:
+        print(f"{PROG}: {line}", file=sys.stderr)
     if args.output:
         with writing("--output", args.output):
             write_json(args.output, report)

@@ -30,9 +30,14 @@ Bonferroni correction over them (the bound stays valid). m canaries can refute n
 :func:`largest_lower_bound` (every guess right): about 5.1 for 1,000 canaries at delta 1e-5,
 and never more than about 5.73 at that delta (reached near 3,300 canaries), since the
 theorem's delta term grows with m. A one-run audit of a subsampled mechanism is loose: it
-finds a gross fault (noise missing on a shard, a sigma far below the calibrated one) rather
-than a small miscalibration. jax_privacy ships the same p-value (``jax_privacy.auditing``),
-but only for JAX; the formula is a few lines, written here from the paper on scipy's binomial.
+finds a gross fault (all noise missing, a sigma far below the calibrated one) rather than a
+small miscalibration. Noise missing on some coordinates only (one rank's shard) leaves those
+canaries a small fixed score in the middle of the ranking, which no guess plan reads: the
+noise check (:meth:`GradientCanaries.noise_check`) finds it instead. The auditor knows which
+canaries each release holds, so the release minus them is the noise alone, whose variance at
+every canary coordinate, and over each parameter's, must be (sigma C)^2 (a chi-square test).
+jax_privacy ships the same p-value (``jax_privacy.auditing``), but only for JAX; the formula
+is a few lines, written here from the paper on scipy's binomial.
 
 The canaries' inclusion bits and sampling come from an audit seed, never from the privacy seed.
 A model trained with canaries is a test artefact, not a model to publish.
@@ -196,6 +201,12 @@ def canaries_needed(epsilon: float, delta: float, significance: float = 0.05,
         m *= 2
 
 
+#: the noise check's false alarm rate: far below the bound's (noise missing somewhere leaves
+#: a sum of squares near 0, noise a third of its scale a pooled variance ratio near 0.1; either
+#: is rejected at any level), so that it adds nothing measurable to an honest run's failures
+NOISE_SIGNIFICANCE = 1e-6
+
+
 def _derived_seed(seed: int, domain: int) -> int:
     return int(np.random.SeedSequence([int(seed), domain]).generate_state(1, np.uint64)[0] >> 1)
 
@@ -234,6 +245,11 @@ class GradientCanaries:
         self.noise_std = float(noise_multiplier) * self.clip_norm  # s = sigma C of each sum
         self._sampling_seed = _derived_seed(seed, self._SAMPLING)
         self.scores = np.zeros(m, dtype=np.float64)  # this rank's part of each score
+        #: this rank's part of each canary coordinate's noise: the sum of the squares of the
+        #: releases less the canary's query, and the number of releases read
+        self.noise_squares = np.zeros(m, dtype=np.float64)
+        self.noise_count = np.zeros(m, dtype=np.float64)
+        self._present: tuple[int, np.ndarray] | None = None  # (step, canaries in its release)
 
     def sampled(self, step: int) -> np.ndarray:
         """Bool [m]: the canaries Poisson-sampled at ``step`` (included or not)."""
@@ -255,7 +271,9 @@ class GradientCanaries:
         longer depends on how large the model's gradients are at those coordinates."""
         import torch
 
-        present = self.included & self.sampled(step) if add else np.zeros(self.m, dtype=bool)
+        present = self._in_release(step)
+        if not add:
+            present = np.zeros(self.m, dtype=bool)
         for name, ix in self.by_name.items():
             if name in acc:
                 flat = acc[name].view(-1)
@@ -270,9 +288,17 @@ class GradientCanaries:
             flat.index_add_(0, at, torch.full((ix.size,), self.clip_norm, dtype=flat.dtype,
                                               device=flat.device))
 
-    def observe(self, name: str, noisy, start: int, end: int) -> None:
+    def _in_release(self, step: int) -> np.ndarray:
+        """Bool [m]: the canaries whose query step ``step``'s release holds (included and
+        sampled), kept for the step's observations."""
+        if self._present is None or self._present[0] != step:
+            self._present = (step, self.included & self.sampled(step))
+        return self._present[1]
+
+    def observe(self, name: str, noisy, start: int, end: int, step: int | None = None) -> None:
         """Add to the scores the released noisy sum of parameter ``name``, of which ``noisy``
-        holds global flat coordinates ``[start, end)`` (a shard, or all of it)."""
+        holds global flat coordinates ``[start, end)`` (a shard, or all of it); with ``step``,
+        also the release less the canaries it holds to the noise check's sums."""
         ix = self.by_name.get(name)
         if ix is None:
             return
@@ -286,6 +312,46 @@ class GradientCanaries:
         at = torch.as_tensor(k[mine] - start, device=flat.device)
         x = flat.index_select(0, at).double().cpu().numpy()
         self.scores[ix[mine]] += self.log_likelihood_ratio(x)
+        if step is not None:
+            noise = x - self.clip_norm * self._in_release(step)[ix[mine]]
+            self.noise_squares[ix[mine]] += noise * noise
+            self.noise_count[ix[mine]] += 1
+
+    def noise_check(self, squares: np.ndarray, count: np.ndarray,
+                    significance: float = NOISE_SIGNIFICANCE) -> dict:
+        """Whether the releases carried noise of the calibrated scale at the canaries'
+        coordinates: ``squares``/``count`` are :attr:`noise_squares`/:attr:`noise_count`
+        summed over the ranks. Each canary coordinate's sum of squares over (sigma C)^2 is
+        chi-square with ``count`` degrees of freedom, and so is each parameter's (its
+        canaries' pooled); one that low (lower tail, Bonferroni over the m + number of
+        parameters tests at ``significance``) means noise missing (a shard without it: 0) or
+        too small there. ``ok`` is None without noise to check (sigma = 0);
+        ``smallest_variance_ratio``: the lowest parameter's measured variance over
+        (sigma C)^2, ``variance_ratio`` all coordinates'."""
+        from scipy.stats import chi2
+
+        seen = count > 0
+        result = {"ok": None, "significance": significance, "coordinates_below": 0,
+                  "parameters_below": [], "smallest_variance_ratio": None, "variance_ratio": None}
+        if self.noise_std == 0 or not seen.any():
+            return result
+        s2 = self.noise_std ** 2
+        each = significance / (int(seen.sum()) + len(self.by_name))
+        low = chi2.cdf(squares[seen] / s2, count[seen]) < each
+        ratios = {}
+        for name, ix in self.by_name.items():
+            ix = ix[seen[ix]]
+            if ix.size == 0:
+                continue
+            dof, total = float(count[ix].sum()), float(squares[ix].sum()) / s2
+            ratios[name] = total / dof
+            if chi2.cdf(total, dof) < each:
+                result["parameters_below"].append(name)
+        result.update(ok=not (low.any() or result["parameters_below"]),
+                      coordinates_below=int(low.sum()),
+                      smallest_variance_ratio=min(ratios.values()),
+                      variance_ratio=float(squares[seen].sum() / s2 / count[seen].sum()))
+        return result
 
     def log_likelihood_ratio(self, x: np.ndarray) -> np.ndarray:
         """log of p(x | canary in) / p(x | canary out) for one step's noisy sum x at a
