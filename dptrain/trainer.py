@@ -831,6 +831,11 @@ class Trainer:
                 metrics.update(bleu=scores["bleu"], bleu_uncased=scores["bleu_uncased"],
                                rouge_l=scores["rouge_l"],
                                generated_prompts=scores["num_prompts"])
+                if scores["no_room"] and self.rank == 0:
+                    print(f"dptrain: note: {scores['no_room']} of {scores['num_prompts']} test "
+                          f"prompts fill the model's positions: nothing is generated for them, "
+                          f"and they score as empty texts in BLEU and ROUGE-L (model.n_positions,"
+                          f" or shorter prompts)", file=sys.stderr)
         finally:
             self.model.train()  # (Task.evaluate reshards FSDP2's root after its forwards)
         failed = getattr(self.task.test, "undecodable", None)

@@ -212,6 +212,17 @@ def test_an_e2e_row_without_its_optional_trailing_columns_is_read(tmp_path):
     ([{"tripleset": [["a", "b", True]], "annotations": [{"text": "x"}]}], "every triple needs"),
     ([{"tripleset": [["a", "b", float("nan")]], "annotations": [{"text": "x"}]}],
      "every triple needs"),  # (json.dumps writes NaN, and json.loads reads it)
+    # a lone surrogate (valid JSON, "\ud800") was a tokenizer's traceback, exit 1
+    ([{"tripleset": [["a", "b", "c"]], "annotations": [{"text": "Olivier \ud800 Panis"}]}],
+     "a lone surrogate '\\ud800' at character 8"),
+    ([{"tripleset": [["a\udfff", "b", "c"]], "annotations": [{"text": "x"}]}],
+     "a lone surrogate"),
+    # the Hugging Face datasets layout: a TypeError about string indices
+    ([{"tripleset": [["a", "b", "c"]],
+       "annotations": {"source": ["WikiSQL"], "text": ["x"]}}],
+     "'annotations' is a mapping (of lists: the Hugging Face datasets layout?)"),
+    ([{"tripleset": [["a", "b", "c"]], "annotations": ["x"]}],
+     "an annotation is a str, not a {\"source\", \"text\"} record"),
 ])
 def test_damaged_dart_triples_and_texts_are_refused(tmp_path, records, problem):
     import json

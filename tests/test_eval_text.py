@@ -321,6 +321,13 @@ def test_generate_and_score_prompts_strips_and_scores_every_mr_against_its_own_r
     assert res["rouge_l"] == pytest.approx(expected["rouge_l"])
     # two of the three generations are references, the third is close: a high, non-100 score
     assert 50 < res["rouge_l"] < 100
+    assert res["no_room"] == 0
+    # a scored prompt that fills the positions generates nothing and scores as empty: counted
+    # (the trainer says so on stderr); an unscored one (Cotto) is not
+    model = _ScriptedByteLM(answers, n_positions=len("name[Cotto] || ") + 2)  # " C"
+    res = generate_and_score(model, ByteTokenizer(), refs, max_new_tokens=64, batch_size=3,
+                             return_texts=True)
+    assert res["texts"] == ["", "C", "", ""] and res["no_room"] == 3
 
 
 class _NeverEOS(torch.nn.Module):

@@ -173,6 +173,17 @@ def _is_triple(t) -> bool:
     return isinstance(t, list) and len(t) == 3 and all(member(x) for x in t)
 
 
+def _unicode_text(text: str) -> None:
+    """ValueError if ``text`` holds a lone surrogate (JSON's ``"\\ud800"`` decodes to one),
+    which is not Unicode text: no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"a lone surrogate {text[e.start]!r} at character {e.start} of "
+                         f"{text[max(0, e.start - 20):e.start + 20]!r} (an escape such as "
+                         f"\\ud800 without its pair): not Unicode text") from None
+
+
 def read_dart_json(path: Path, field: str) -> tuple[list[str], list[str]]:
     """The official DART release (``dart-v1.1.1-full-{train,dev,test}.json``): a JSON list of
     records ``{"tripleset": [[s, p, o], ...], "annotations": [{"source", "text"}, ...]}``, one
@@ -197,13 +208,23 @@ def read_dart_json(path: Path, field: str) -> tuple[list[str], list[str]]:
                 raise ValueError("every triple needs subject, relation and object (strings or "
                                  "finite numbers)")
             mr = dart_mr(triples)
-            if not rec["annotations"]:
+            _unicode_text(mr)
+            annotations = rec["annotations"]
+            if isinstance(annotations, dict):
+                raise ValueError("'annotations' is a mapping (of lists: the Hugging Face "
+                                 "datasets layout?), where the official release has a list of "
+                                 "{\"source\", \"text\"} records")
+            if not annotations:
                 unannotated += 1
-            for ann in rec["annotations"]:
+            for ann in annotations:
+                if not isinstance(ann, dict):
+                    raise ValueError(f"an annotation is a {type(ann).__name__}, not a "
+                                     f"{{\"source\", \"text\"}} record")
                 if not isinstance(ann["text"], str):  # null would become the text "None"
                     raise ValueError(f"an annotation's text is {ann['text']!r}, not a string")
                 if not ann["text"].strip():
                     raise ValueError("an annotation's text is empty")
+                _unicode_text(ann["text"])
                 mrs.append(mr)
                 refs.append(ann["text"].strip())
         except (KeyError, TypeError, ValueError) as e:

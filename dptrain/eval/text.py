@@ -205,7 +205,9 @@ def generate_and_score(model, tokenizer, mr_to_refs: Mapping[str, Sequence[str]]
                        return_texts: bool = False) -> dict:
     """Greedy generation for every E2E meaning representation (prompt ``mr || ``), scored
     against all its references: ``{"bleu", "bleu_uncased", "rouge_l", "num_prompts"}`` (+
-    ``"texts"``, the generations in ``mr_to_refs`` order, when ``return_texts``).
+    ``"texts"``, the generations in ``mr_to_refs`` order, when ``return_texts``), and
+    ``"no_room"``, the number of scored prompts that fill the model's positions
+    (:func:`model_positions`), which generate nothing and score as empty texts.
     ``tokenizer`` is a dptrain tokenizer (``dptrain.data.tokenizers``); ``mr_to_refs`` e.g.
     ``task.test.references_by_mr()``. Prompts without references are generated, not scored."""
     from dptrain.data.lm import e2e_prompt
@@ -217,6 +219,9 @@ def generate_and_score(model, tokenizer, mr_to_refs: Mapping[str, Sequence[str]]
     texts = [tokenizer.decode(g).strip() for g in gen]
     scored = [(t, list(mr_to_refs[m])) for t, m in zip(texts, mrs) if len(mr_to_refs[m])]
     result = score_texts([t for t, _ in scored], [r for _, r in scored])
+    n_pos = model_positions(model)
+    result["no_room"] = 0 if n_pos is None else sum(
+        len(q) >= n_pos for q, m in zip(prompt_ids, mrs) if len(mr_to_refs[m]))
     if return_texts:
         result["texts"] = texts
     return result
