@@ -55,9 +55,11 @@ from dptrain.parallel.fsdp import (all_reduce_scalars, apply_fsdp, as_grad, flat
 @dataclass(kw_only=True)
 class TrainConfig:
     log_every: int = 1
-    """Steps between metric lines (and epsilon evaluations) in metrics.jsonl."""
+    """Steps between metric lines (and epsilon evaluations) in metrics.jsonl (and a line at
+    every evaluation, the last step's too)."""
     eval_every: int = 0
-    """Steps between test-set evaluations; 0 evaluates only at the end."""
+    """Steps between test-set evaluations, each in a metrics line of its own step whatever
+    log_every; 0 evaluates only at the end."""
     eval_batch_size: int = 128
     """Batch size of evaluation (public test data; no privacy cost)."""
     checkpoint_every: int = 0
@@ -929,7 +931,11 @@ class Trainer:
                               f"alone (a learning rate or weight decay too large?)",
                               file=sys.stderr)
                 last = self.step == self.plan.steps
-                if self.step % tc.log_every == 0 or last:
+                # (the final evaluation follows the loop)
+                evaluate = bool(tc.eval_every) and self.step % tc.eval_every == 0 and not last
+                # a row at every log_every-th step, the last, and every evaluation (whose
+                # metrics it holds: an evaluation at a step without a row was skipped)
+                if self.step % tc.log_every == 0 or last or evaluate:
                     eps, eps_step = self.epsilon(), self.step
                     row["epsilon"] = eps
                     if not self.cfg.privacy.secure_mode:
@@ -940,7 +946,7 @@ class Trainer:
                         row["peak_memory_gib"] = self._peak_memory_gib()
                         peak_gib = max(peak_gib or 0.0, row["peak_memory_gib"])
                         row.update(self._gpu_row(gpu))
-                    if tc.eval_every and self.step % tc.eval_every == 0 and not last:
+                    if evaluate:
                         row.update({f"test_{k}": v for k, v in self.evaluate().items()})
                         peak_memory_bytes(self.device, reset=True)  # the next row: training
                         gpu.window()  # likewise

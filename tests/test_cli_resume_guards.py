@@ -80,6 +80,32 @@ def test_a_fresh_run_into_an_earlier_run_is_refused(tmp_path, capsys, finished, 
     assert snapshot(out) == before
 
 
+def test_a_fresh_run_drops_a_line_cut_short_before_its_first_row(tmp_path, capsys):
+    # a run killed while writing its first row (before any checkpoint) leaves a fragment; the
+    # next fresh run appended its first row to it, and that row was unreadable for good
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "train_loss": 3.49, "lr": {"matr')
+    code, err = train(capsys, out, "privacy.steps=2", "train.checkpoint_every=0")
+    assert code == 0, err
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_eval_every_evaluates_at_its_steps_whatever_log_every(tmp_path, capsys):
+    # evaluations ran only at steps that were also logging steps (log_every 3, eval_every 2:
+    # at 6 only)
+    out = tmp_path / "run"
+    code, err = train(capsys, out, "privacy.steps=8", "train.checkpoint_every=0",
+                      "train.log_every=3", "train.eval_every=2")
+    assert code == 0, err
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 3, 4, 6, 8]
+    assert [r["step"] for r in rows if "test_loss" in r or "test_nll_per_token" in r] == [
+        2, 4, 6]
+    assert all("epsilon" in r for r in rows)
+
+
 def test_resume_path_into_a_finished_run_is_refused(tmp_path, capsys, finished):
     out = tmp_path / "copy"
     shutil.copytree(finished, out)

@@ -130,8 +130,10 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         print(f"dptrain train: no {'intact' if damaged else 'complete'} checkpoint in {out}"
               f"{' (the damaged ones are named above)' if damaged else ''}; starting afresh",
               file=sys.stderr)
-    if args.resume is not None and resume_path is None and trainer.rank == 0:
-        _drop_metrics_after(out / "metrics.jsonl", 0)  # rows of a run killed before step 1's checkpoint
+    if resume_path is None and trainer.rank == 0:
+        # rows of a run killed before step 1's checkpoint, or (a fresh run: one with readable
+        # rows was refused above) a line cut short by a kill, which the first row would join
+        _drop_metrics_after(out / "metrics.jsonl", 0)
     if resume_path is not None:
         ckpt.load(trainer, resume_path, verified=args.resume == "auto")
         if trainer.rank == 0:
@@ -250,7 +252,7 @@ def _json_rows(path: Path) -> list[tuple[str, dict]]:
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         try:
             row = json.loads(line)
         except ValueError:
