@@ -16,6 +16,12 @@ What `dptrain train` does for every logical batch, written out for a model and d
 
 Here: a two-layer MLP on a synthetic 4-class task, N = 2,000, q = 0.05 (b = 100), 60 steps,
 epsilon 4 at delta 1e-5 (sigma calibrated by ``calibrate_noise_multiplier``).
+
+Keep the model and ``loss_fn`` fixed once the engine has run: it checks the model's structure
+(every parameter used inside its own module) and that no example's loss reaches another's over
+its first queries only. A loss that changes later (a penalty switched on, a term mixing the
+examples) goes unchecked; build a new engine for a new model or loss. The engine refuses a
+model whose trainable parameters changed since it was built.
 """
 
 from __future__ import annotations
@@ -33,7 +39,10 @@ from dptrain.privacy.sampling import poisson_sample
 
 N, Q, STEPS, C = 2000, 0.05, 60, 1.0
 EPSILON, DELTA = 4.0, 1e-5
-SEED = 0  # sampling and noise; in a real release draw it from os entropy and never write it
+# Sampling and noise. For a real release: SEED = secure_seed() (dptrain.privacy.noise; the
+# OS's entropy, never written anywhere) and secure=True in poisson_sample and gaussian_noise
+# (ChaCha20 streams; the default ones are fast, reproducible and not cryptographic)
+SEED = 0
 MICROBATCH = 64
 
 

@@ -34,6 +34,11 @@ NamedParams = list[tuple[str, torch.nn.Parameter]]
 class DPOptimizer:
     """Filter, then one torch optimizer per parameter group, then the lr schedule.
 
+    Post-processing only: it adds no noise and clips nothing. Its ``step`` must be given
+    released gradients (``p.grad`` = the noisy clipped sum over b, the trainer's release, or
+    ``examples/own_loop.py``'s); after a plain ``loss.backward()`` it trains without privacy
+    (unlike Opacus' optimizer of the same name, which privatises the gradients itself).
+
     Attributes: ``groups`` (resolved groups, in order), ``optimizers`` (one per group),
     ``filter``, ``num_steps`` (releases applied so far).
     """
