@@ -829,7 +829,8 @@ class Trainer:
                 refs = self.task.test.references_by_mr(max_prompts=tc.generate_prompts)
                 scores = generate_and_score(self.model, self.task.tokenizer, refs,
                                             max_new_tokens=tc.max_new_tokens,
-                                            batch_size=tc.eval_batch_size)
+                                            batch_size=tc.eval_batch_size,
+                                            progress=tc.progress and self.rank == 0)
                 metrics.update(bleu=scores["bleu"], bleu_uncased=scores["bleu_uncased"],
                                rouge_l=scores["rouge_l"],
                                generated_prompts=scores["num_prompts"])

@@ -354,3 +354,28 @@ def test_greedy_generate_length_is_min_of_max_new_tokens_and_room_left():
         out = greedy_generate(model, prompts, 6, eos_id=256, batch_size=bs)
         assert [len(g) for g in out] == [1, 5, 6, 3, 0, 0], bs
         assert all(t == 120 for g in out for t in g)
+
+
+def test_the_progress_bar_counts_each_prompt_once_when_it_is_done(monkeypatch):
+    # rows continued in later rounds are counted when they finish, those without room at once
+    import tqdm
+
+    bars = []
+
+    class Bar(tqdm.tqdm):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **{**kw, "disable": False})
+            self.counts = [self.n]
+            bars.append(self)
+
+        def update(self, n=1):
+            super().update(n)
+            self.counts.append(self.n)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    model = _NeverEOS(n_positions=15)
+    prompts = [[1] * 14, [2] * 10, [3] * 2, [4] * 12, [5] * 15, [6] * 16]
+    for bs in (1, 2, 4):
+        greedy_generate(model, prompts, 6, eos_id=256, batch_size=bs, progress=True)
+        counts = bars[-1].counts
+        assert counts[0] == 2 and counts[-1] == 6 and counts == sorted(counts), (bs, counts)

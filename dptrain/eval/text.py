@@ -74,7 +74,7 @@ def _logits(out):
 @torch.no_grad()
 def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int,
                     pad_id: int | None = None, batch_size: int = 16,
-                    use_cache: bool = True) -> list[list[int]]:
+                    use_cache: bool = True, progress: bool = False) -> list[list[int]]:
     """Greedy continuation of each prompt (token ids), up to ``max_new_tokens`` or EOS (not
     included), and up to the model's positions (:func:`model_positions`) minus that prompt's
     length.
@@ -83,7 +83,10 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     prompt), so every prompt is decoded exactly as it would be alone, whatever the batch. A
     batch's sequence never exceeds ``n_positions``: rows that reach that length before their own
     limit (shorter prompts batched with a longer one) are continued in later rounds from their
-    prompt plus what they generated, which greedy decoding continues identically."""
+    prompt plus what they generated, which greedy decoding continues identically.
+    ``progress``: a progress bar of the prompts done (tqdm, on stderr)."""
+    from tqdm import tqdm
+
     pad = eos_id if pad_id is None else pad_id
     n_pos = model_positions(model)
     # an empty prompt starts from EOS
@@ -92,13 +95,15 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     left = [max(0, max_new_tokens if n_pos is None else min(max_new_tokens, n_pos - len(q)))
             for q in seqs]
     pending = [i for i in range(len(seqs)) if left[i] > 0]
+    bar = tqdm(total=len(seqs), initial=len(seqs) - len(pending), disable=not progress,
+               desc="generating", unit="prompt", dynamic_ncols=True, leave=False)
     was_training = model.training
     model.eval()
     try:
         while pending:
             new, finished = _greedy_batches(model, [seqs[i] for i in pending],
                                             [left[i] for i in pending], eos_id, pad, n_pos,
-                                            batch_size, use_cache)
+                                            batch_size, use_cache, bar.update)
             still = []
             for i, toks, fin in zip(pending, new, finished):
                 out[i] += toks
@@ -112,18 +117,20 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
                     still.append(i)
             pending = still
     finally:
+        bar.close()
         model.train(was_training)
         reshard(model)  # FSDP2: see dptrain.parallel.fsdp.reshard (a no-op without it)
     return out
 
 
 def _greedy_batches(model, prompts: list[list[int]], limits: list[int], eos_id: int, pad: int,
-                    n_pos: int | None, batch_size: int,
-                    use_cache: bool) -> tuple[list[list[int]], list[bool]]:
+                    n_pos: int | None, batch_size: int, use_cache: bool,
+                    done_rows=lambda n: None) -> tuple[list[list[int]], list[bool]]:
     """One round of batched greedy decoding: row r generates at most ``limits[r]`` tokens and
     stops at EOS; a batch stops when its sequence reaches ``n_positions``. Returns the tokens
     and, per row, whether it finished (EOS or its limit) rather than being stopped by the
-    batch's length."""
+    batch's length; ``done_rows(n)`` after each batch, with the number of its rows that
+    finished or ran out of positions for good."""
     device = _model_device(model)
     cache_kw = _cache_kwarg(model)
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -172,6 +179,10 @@ def _greedy_batches(model, prompts: list[list[int]], limits: list[int], eos_id: 
         for r, i in enumerate(chunk):
             tokens[i] = out_tokens[r]
             finished[i] = bool(done[r])
+        # (a row stopped by its batch's length goes on in a later round unless out of positions)
+        done_rows(sum(finished[i] or (n_pos is not None
+                                      and len(prompts[i]) + len(tokens[i]) >= n_pos)
+                      for i in chunk))
     return tokens, finished
 
 
@@ -202,7 +213,7 @@ def score_texts(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) 
 
 def generate_and_score(model, tokenizer, mr_to_refs: Mapping[str, Sequence[str]],
                        max_new_tokens: int = 64, batch_size: int = 16,
-                       return_texts: bool = False) -> dict:
+                       return_texts: bool = False, progress: bool = False) -> dict:
     """Greedy generation for every E2E meaning representation (prompt ``mr || ``), scored
     against all its references: ``{"bleu", "bleu_uncased", "rouge_l", "num_prompts"}`` (+
     ``"texts"``, the generations in ``mr_to_refs`` order, when ``return_texts``), and
@@ -215,7 +226,7 @@ def generate_and_score(model, tokenizer, mr_to_refs: Mapping[str, Sequence[str]]
     mrs = list(mr_to_refs)
     prompt_ids = [tokenizer.encode_pair(e2e_prompt(mr), "")[0] for mr in mrs]
     gen = greedy_generate(model, prompt_ids, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id,
-                          batch_size)
+                          batch_size, progress=progress)
     texts = [tokenizer.decode(g).strip() for g in gen]
     scored = [(t, list(mr_to_refs[m])) for t, m in zip(texts, mrs) if len(mr_to_refs[m])]
     result = score_texts([t for t, _ in scored], [r for _, r in scored])
