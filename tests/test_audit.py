@@ -527,15 +527,15 @@ def test_more_canaries_than_coordinates_exit_2(capsys):
     assert code == 2 and "--canaries" in err and str(total) in err
 
 
-def _noise_check_of(noise_std: float, per_coordinate, steps: int = 20, m: int = 400):
+def _noise_check_of(noise_std: float, per_coordinate, steps: int = 20, m: int = 400,
+                    shapes=(("a", (1000,)), ("b", (30, 20)))):
     """The noise check of m canaries over ``steps`` releases, with noise of std
     ``per_coordinate`` (one number, or one per canary) at the coordinates."""
-    can = GradientCanaries([("a", (1000,)), ("b", (30, 20))], m, 1.0, 0.3, seed=2,
-                           noise_multiplier=noise_std)
+    can = GradientCanaries(list(shapes), m, 1.0, 0.3, seed=2, noise_multiplier=noise_std)
     rng = np.random.default_rng(0)
     for step in range(steps):
         present = can.included & can.sampled(step)
-        for name, size in (("a", 1000), ("b", 600)):
+        for name, size in ((n, math.prod(shape)) for n, shape in shapes):
             release = rng.normal(size=size)
             ix = can.by_name[name]
             release[can.index[ix]] = (present[ix] * 1.0
@@ -562,5 +562,14 @@ def test_the_noise_check_passes_the_calibrated_noise_and_finds_it_missing_or_sma
     _, check = _noise_check_of(s, 0.6 * s)
     assert check["ok"] is False and set(check["parameters_below"]) == {"a", "b"}
     assert check["smallest_variance_ratio"] == pytest.approx(0.36, abs=0.06)
+    # 0.75 of its scale over 40 parameters of 5 canaries and 4 releases each: no coordinate's
+    # or parameter's test has the power, the pool of all has (a red team: 0.7 passed)
+    many = [(f"p{i}", (20,)) for i in range(40)]
+    _, check = _noise_check_of(s, 0.75 * s, steps=4, m=200, shapes=many)
+    assert check["ok"] is False and check["pool_below"]
+    assert check["coordinates_below"] == 0 and check["parameters_below"] == []
+    assert check["coordinates_checked"] == 200
+    assert check["variance_ratio"] == pytest.approx(0.5625, abs=0.08)
+    assert _noise_check_of(s, s, steps=4, m=200, shapes=many)[1]["ok"] is True
     # without noise in the claim (sigma = 0) there is nothing to check
     assert _noise_check_of(0.0, 0.0)[1]["ok"] is None

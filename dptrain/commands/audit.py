@@ -139,13 +139,19 @@ def run(args: argparse.Namespace) -> int:
             f"(delta {plan.delta:.3g}, {plan.accountant})")
     # the verdict first: a write that fails after the run must not take the result with it
     if noise["ok"] is False:
-        where = (f"over the parameter(s) {', '.join(noise['parameters_below'][:4])}"
-                 if noise["parameters_below"] else "")
-        print(f"{PROG}: the noise is missing or too small at {noise['coordinates_below']} of "
-              f"{m} canary coordinates{' and ' if where and noise['coordinates_below'] else ''}"
-              f"{where} (smallest variance ratio to (sigma C)^2: "
-              f"{noise['smallest_variance_ratio']:.3g}, chi-square test at "
-              f"{noise['significance']:.3g}): the mechanism is wrong", file=sys.stderr)
+        named = noise["parameters_below"]
+        where = [f"{noise['coordinates_below']} of {noise['coordinates_checked']} canary "
+                 f"coordinates"] if noise["coordinates_below"] else []
+        if named:
+            where.append(f"{len(named)} parameter(s) ({', '.join(named[:4])}"
+                         f"{', ...' if len(named) > 4 else ''}; variance ratio to (sigma C)^2 "
+                         f"down to {noise['smallest_variance_ratio']:.3g})")
+        if noise["pool_below"]:
+            where.append(f"all canary coordinates together (variance ratio "
+                         f"{noise['variance_ratio']:.3g})")
+        print(f"{PROG}: the noise is missing or too small at {'; at '.join(where)} "
+              f"(chi-square tests at {noise['significance']:.3g} together): the mechanism is "
+              f"wrong", file=sys.stderr)
     if result.epsilon_lower_bound <= claimed and noise["ok"] is not False:
         print(f"{PROG}: {line}: consistent")
         if ceiling <= claimed:

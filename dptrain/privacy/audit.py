@@ -35,7 +35,8 @@ small miscalibration. Noise missing on some coordinates only (one rank's shard) 
 canaries a small fixed score in the middle of the ranking, which no guess plan reads: the
 noise check (:meth:`GradientCanaries.noise_check`) finds it instead. The auditor knows which
 canaries each release holds, so the release minus them is the noise alone, whose variance at
-every canary coordinate, and over each parameter's, must be (sigma C)^2 (a chi-square test).
+every canary coordinate, over each parameter's and over all, must be (sigma C)^2 (chi-square
+tests).
 jax_privacy ships the same p-value (``jax_privacy.auditing``), but only for JAX; the formula
 is a few lines, written here from the paper on scipy's binomial.
 
@@ -323,18 +324,43 @@ class GradientCanaries:
         coordinates: ``squares``/``count`` are :attr:`noise_squares`/:attr:`noise_count`
         summed over the ranks. Each canary coordinate's sum of squares over (sigma C)^2 is
         chi-square with ``count`` degrees of freedom, and so is each parameter's (its
-        canaries' pooled); one that low (lower tail, Bonferroni over the m + number of
-        parameters tests at ``significance``) means noise missing (a shard without it: 0) or
-        too small there. ``ok`` is None without noise to check (sigma = 0);
-        ``smallest_variance_ratio``: the lowest parameter's measured variance over
-        (sigma C)^2, ``variance_ratio`` all coordinates'."""
+        canaries' pooled) and all of them pooled; one that low (lower tail, Bonferroni over
+        the coordinates, the parameters and the pool at ``significance``) means noise missing
+        (a shard without it: 0) or too small there. ``ok`` is None without noise to check
+        (sigma = 0). Also: ``coordinates_checked`` (read at least once),
+        ``variance_ratio`` (all of them: measured variance over (sigma C)^2), and
+        ``smallest_variance_ratio``, the lowest parameter's among those that failed (all
+        parameters' when none did)."""
         from scipy.stats import chi2
 
         seen = count > 0
-        result = {"ok": None, "significance": significance, "coordinates_below": 0,
-                  "parameters_below": [], "smallest_variance_ratio": None, "variance_ratio": None}
+        result = {"ok": None, "significance": significance, "coordinates_checked": 0,
+                  "coordinates_below": 0, "parameters_below": [], "pool_below": False,
+                  "smallest_variance_ratio": None, "variance_ratio": None}
         if self.noise_std == 0 or not seen.any():
             return result
+        s2 = self.noise_std ** 2
+        each = significance / (int(seen.sum()) + len(self.by_name) + 1)
+        low = chi2.cdf(squares[seen] / s2, count[seen]) < each
+        ratios = {}
+        for name, ix in self.by_name.items():
+            ix = ix[seen[ix]]
+            if ix.size == 0:
+                continue
+            dof, total = float(count[ix].sum()), float(squares[ix].sum()) / s2
+            ratios[name] = total / dof
+            if chi2.cdf(total, dof) < each:
+                result["parameters_below"].append(name)
+        # (noise too small everywhere by a moderate factor: 0.7 of its scale over 200
+        # canaries of 4 steps failed no coordinate's or parameter's test, only the pool's)
+        dof, total = float(count[seen].sum()), float(squares[seen].sum()) / s2
+        pool_below = bool(chi2.cdf(total, dof) < each)
+        below = [ratios[n] for n in result["parameters_below"]] or list(ratios.values())
+        result.update(ok=not (low.any() or result["parameters_below"] or pool_below),
+                      coordinates_checked=int(seen.sum()), coordinates_below=int(low.sum()),
+                      pool_below=pool_below, smallest_variance_ratio=min(below),
+                      variance_ratio=total / dof)
+        return result
         s2 = self.noise_std ** 2
         each = significance / (int(seen.sum()) + len(self.by_name))
         low = chi2.cdf(squares[seen] / s2, count[seen]) < each
