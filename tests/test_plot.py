@@ -248,6 +248,51 @@ def test_several_runs_share_the_panels_each_curve_named_by_its_run(tmp_path, cap
     assert code == 2 and "is given twice" in err and not (tmp_path / "x.png").exists()
 
 
+
+def test_runs_that_share_a_name_keep_their_own_curves(tmp_path, capsys, monkeypatch):
+    # c/foo, a symlink foo -> a/run and b/run: labels by the path as typed made "foo" twice,
+    # and one run's curves replaced the other's (a red team)
+    import dptrain.diagnostics.plotting as plotting
+
+    runs = []
+    for parent, step_loss in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
+        (tmp_path / parent).mkdir()
+        name = "foo" if parent == "c" else "run"
+        runs.append(_fake_run(tmp_path / parent, ['{"step": 1, "train_loss": %s}' % step_loss],
+                              name))
+    (tmp_path / "foo").symlink_to(tmp_path / "a" / "run")
+    drawn = {}
+    monkeypatch.setattr(plotting, "plot_metrics",
+                        lambda series, path, **kw: drawn.update(series, kw=kw))
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run(capsys, "plot", "--run", "c/foo", "foo", "b/run", "--output", "x.png")
+    assert code == 0, err
+    assert sorted(vs[0] for _, vs in drawn["loss"].values()) == [1.0, 2.0, 3.0]
+    assert len(drawn["kw"]["runs"]) == len(set(drawn["kw"]["runs"])) == 3
+
+
+def test_a_run_without_rows_yet_is_left_out_of_several_with_a_note(tmp_path, capsys):
+    a = _fake_run(tmp_path, [ROW % 1], "a")
+    empty = _fake_run(tmp_path, [], "starting")  # metrics.jsonl opened, no row written yet
+    code, _, err = _run(capsys, "plot", "--run", str(a), str(empty), "--output",
+                        str(tmp_path / "x.png"))
+    assert code == 0 and "starting: " in err and "left out" in err
+    other = _fake_run(tmp_path, [], "starting2")
+    code, _, err = _run(capsys, "plot", "--run", str(empty), str(other), "--output",
+                        str(tmp_path / "y.png"))
+    assert code == 2 and "--run: none of the runs has numbers to draw yet" in err
+
+
+def test_twelve_runs_each_get_a_colour_and_the_title_its_room(tmp_path, capsys, recwarn):
+    runs = [str(_fake_run(tmp_path, [ROW % 1, ROW % 2], f"seed{i}")) for i in range(12)]
+    out = tmp_path / "many.svg"
+    code, _, err = _run(capsys, "plot", "--run", *runs, "--output", str(out))
+    assert code == 0, err
+    assert not [w for w in recwarn if "ight layout" in str(w.message)]
+    svg = out.read_text()
+    assert "seed11: train_loss" in svg
+
+
 def test_a_matplotlib_that_refuses_its_settings_is_one_line_naming_the_option(tmp_path):
     # MPLBACKEND=bogus was a ValueError traceback, in diagnose and audit too (after the work)
     import os

@@ -115,7 +115,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"{PROG}: note: {name}: {label} is not a finite number at "
                   f"{_steps(steps)}; not drawn (did the run diverge?)", file=sys.stderr)
         if not one:
-            raise ConfigError("--run", f"{metrics} has no numbers to draw yet")
+            if len(run_dirs) == 1:
+                raise ConfigError("--run", f"{metrics} has no numbers to draw yet")
+            # (a run of a sweep that has not logged its first row: the others are drawn)
+            print(f"{PROG}: note: {name}: {metrics} has no numbers to draw yet; left out",
+                  file=sys.stderr)
+            continue
         for panel, curves in one.items():
             merged = series.setdefault(panel, {})
             for label, curve in curves.items():
@@ -125,17 +130,21 @@ def run(args: argparse.Namespace) -> int:
         steps = summary["steps"] if summary else last.get("step")
         titles.append(f"{name}: step {steps}" + (
             f", epsilon {eps:.3f}" if isinstance(eps, (int, float)) else ""))
+    if not series:
+        raise ConfigError("--run", "none of the runs has numbers to draw yet")
     with writing("--output", output, printed=False):
-        plot_metrics(series, output, title="\n".join(titles))
+        plot_metrics(series, output, title="\n".join(titles),
+                     runs=names if len(run_dirs) > 1 else None)
     print(f"{PROG}: wrote {output} ({len(series)} panels: {', '.join(series)})")
     return 0
 
 
 def _labels(run_dirs: list[Path]) -> list[str]:
-    """What each run's curves are called: its directory's name, or the path as given where
-    two runs share a name (``a/run`` and ``b/run``)."""
+    """What each run's curves are called: its directory's name, or its resolved path where two
+    runs share a name (``a/run`` and ``b/run``); unique, since no run is given twice (a path
+    holds a "/", a name does not)."""
     names = [d.resolve().name for d in run_dirs]
-    return [n if names.count(n) == 1 else str(d) for n, d in zip(names, run_dirs)]
+    return [n if names.count(n) == 1 else str(d.resolve()) for n, d in zip(names, run_dirs)]
 
 
 def _steps(steps: list[int]) -> str:

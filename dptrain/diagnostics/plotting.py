@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from torch import Tensor
 
@@ -144,30 +144,42 @@ def metric_series(rows: Iterable[Mapping], final: Mapping | None = None,
     return panels
 
 
+_LINE_STYLES = ("-", "--", ":", "-.")
+
+
 def plot_metrics(series: Mapping[str, Series], path: str | Path, *,
-                 title: str | None = None) -> Path:
+                 title: str | None = None, runs: Sequence[str] | None = None) -> Path:
     """Write a PNG with one panel per entry of :func:`metric_series`'s result (two columns),
     against the step (with markers up to 20 points: a test metric evaluated a few times
-    shows where it was). Returns the path."""
+    shows where it was). ``runs``: the curves are several runs', labelled ``"run: label"``;
+    each run gets one colour, each of its curves in a panel a line style. Returns the path."""
     if not series:
         raise ValueError("plot_metrics needs at least one series")
     from matplotlib.figure import Figure
 
     cols = 1 if len(series) == 1 else 2
     rows = -(-len(series) // cols)
-    fig = Figure(figsize=(6.0 * cols, 3.0 * rows), dpi=100)
+    lines = title.count("\n") + 1 if title else 0
+    fig = Figure(figsize=(6.0 * cols, 3.0 * rows + 0.25 * max(0, lines - 1)), dpi=100)
+    colour = {run: f"C{k % 10}" for k, run in enumerate(runs or ())}
     for i, (panel, curves) in enumerate(series.items()):
         ax = fig.add_subplot(rows, cols, i + 1)
+        drawn: dict[str, int] = {}  # run -> its curves in this panel so far
         for label, (steps, values) in curves.items():
+            style = {}
+            run = next((r for r in colour if label.startswith(f"{r}: ")), None)
+            if run is not None:
+                k = drawn[run] = drawn.get(run, -1) + 1
+                style = {"color": colour[run], "linestyle": _LINE_STYLES[k % len(_LINE_STYLES)]}
             ax.plot(steps, values, marker="o" if len(steps) <= 20 else None, markersize=3,
-                    label=label)
+                    label=label, **style)
         if panel == "learning rate" and all(v > 0 for _, vs in curves.values() for v in vs):
             ax.set_yscale("log")
         ax.set_title(panel)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
-        if len(curves) > 1:
-            ax.legend(fontsize="small")
+        if len(curves) > 1 or runs:  # (several runs: whose curve it is)
+            ax.legend(fontsize="small", ncol=2 if len(curves) > 6 else 1)
     if title:
         fig.suptitle(title)
     return _save(fig, path)
