@@ -178,6 +178,16 @@ def _swappable(p: Tensor, v: Tensor) -> bool:
             and v.dtype == p.dtype and v.device == p.device and v.stride() == p.stride())
 
 
+_NOW = torch.zeros((), requires_grad=True)
+
+
+def _autograd_now() -> int:
+    """A node number of this moment: autograd numbers the nodes it creates on a thread in
+    creation order, and this is that of one tiny op's node (~5 us), made now, so that a node
+    created between two calls has a number strictly between theirs."""
+    return (_NOW * 1).grad_fn._sequence_nr()
+
+
 class _FirstForwardCheck(TorchFunctionMode):
     """Two things about a model that its classes do not tell, checked over the engine's first
     forward (the model's structure; later forwards run without this mode).
@@ -205,12 +215,8 @@ class _FirstForwardCheck(TorchFunctionMode):
     (``.unsqueeze(0)``) the check above does not see. Inputs made from one row for all
     (``arange(K).expand(B, K)``: learned queries) are the same for every example, and fine."""
 
-    def __init__(self, engine: "ClippingEngine", batch: Any = None, batch_size: int = 0,
-                 uses_only: bool = False):
+    def __init__(self, engine: "ClippingEngine", batch: Any = None, batch_size: int = 0):
         super().__init__()
-        #: the parameters' uses alone (two_pass's every later forward: its second backward
-        #: would add a use outside the modules, which the norms miss, to the clipped sum)
-        self.uses_only = uses_only
         #: id -> weak reference: the batch's tensors and every result of a torch call on one
         self.derived: dict[int, weakref.ref] = {}
         for t in torch.utils._pytree.tree_leaves(batch):
@@ -248,8 +254,6 @@ class _FirstForwardCheck(TorchFunctionMode):
     def __enter__(self):
         def enter(module, args):
             self.active[id(module)] = self.active.get(id(module), 0) + 1
-            if self.uses_only:
-                return
             x = args[0] if args else None
             B = self.batch_size
             if (isinstance(x, Tensor) and B > 1 and x.dim() and x.shape[0] == B
@@ -265,7 +269,7 @@ class _FirstForwardCheck(TorchFunctionMode):
 
         def leave(module, args, output, name):
             self.active[id(module)] -= 1
-            if self.uses_only or not isinstance(output, Tensor):
+            if not isinstance(output, Tensor):
                 return
             B = self.batch_size
             if (B > 1 and output.dim() and output.shape[0] == B and id(output) not in self.derived
@@ -303,9 +307,8 @@ class _FirstForwardCheck(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.uses_only:
-            self._check_rows(func, args, kwargs, out)
-        if not self.uses_only and any(isinstance(a, Tensor) and id(a) in self.derived
+        self._check_rows(func, args, kwargs, out)
+        if any(isinstance(a, Tensor) and id(a) in self.derived
                for a in torch.utils._pytree.tree_leaves(_value_operands(func, args, kwargs))):
             for o in torch.utils._pytree.tree_leaves(out):
                 if isinstance(o, Tensor):
@@ -512,6 +515,13 @@ class ClippingEngine:
             if p.requires_grad:
                 self.names[id(p)] = n
                 self.params[n] = p
+        if mode == "two_pass" and any(hasattr(p, "to_local") for p in self.params.values()):
+            # (its second backward reaches FSDP2's gathered copies, not these: the trainer
+            # refuses performance.clipping=two_pass with sharding for the same reason)
+            raise ClippingError("dptrain.clipping: mode='two_pass' with FSDP2-sharded "
+                                "parameters: its second backward gives the gathered copies' "
+                                "gradients, not the sharded parameters'; use "
+                                "mode='bookkeeping' with sharding")
         if not self.params:  # (a StopIteration at the first query before)
             raise ClippingError(f"dptrain.clipping: {type(model).__name__} has no trainable "
                                 f"parameters (requires_grad=True): there is nothing to clip")
@@ -545,6 +555,12 @@ class ClippingEngine:
             owned.update(id(p) for p in direct.values())
         missing = [n for i, n in self.names.items() if i not in owned]
         assert not missing, f"trainable parameters not owned by any module: {missing}"
+        #: id(parameter) -> ids of the hooked modules owning it (a tied weight: several)
+        self._owner_modules: dict[int, list[int]] = {}
+        for h in self.hooked:
+            for p in h.params.values():
+                self._owner_modules.setdefault(id(p), []).append(id(h.module))
+        self._used_outside: set[str] = set()  # (two_pass) this query's _uses_outside_calls
         #: batch norms, refused in training mode (checked at every query: train()/eval() can
         #: change between calls)
         self._batchnorms = [(n, m) for n, m in model.named_modules()
@@ -570,7 +586,11 @@ class ClippingEngine:
 
     @contextlib.contextmanager
     def _capture(self, batch_size: int, coef: float, records: list[_Record],
-                 targets: list[Tensor], op_taps: list) -> Iterator[None]:
+                 targets: list[Tensor], op_taps: list,
+                 calls: dict[int, list[tuple[int, int]]] | None = None) -> Iterator[None]:
+        """The hooks of one forward. ``calls``: each hooked layer's calls (module id -> the
+        autograd node numbers (before, after) its forward, between the layer's hooks and the
+        users' own, which run outside; :func:`_autograd_now`), for two_pass."""
         handles = []
         tap_leaves: set[int] = set()  # the tapped parameters' leaves (kept in targets)
 
@@ -646,7 +666,11 @@ class ClippingEngine:
             return pre, post
 
         def make_hooks(h: _Hooked):
+            started: list[int] = []  # (calls) the node number at each open call's start
+
             def pre(module, args):
+                if calls is not None and torch.is_grad_enabled():
+                    started.append(_autograd_now())
                 if not torch.is_grad_enabled() or not args or not isinstance(args[0], Tensor):
                     return None
                 x = args[0]
@@ -674,6 +698,8 @@ class ClippingEngine:
             def post(module, args, output, kwargs=None):
                 if not torch.is_grad_enabled():
                     return None
+                if calls is not None and started:
+                    calls.setdefault(id(module), []).append((started.pop(), _autograd_now()))
                 if not isinstance(output, Tensor):
                     raise ClippingError(f"dptrain.clipping: {h.name} ({type(module).__name__}) "
                                         f"returned {type(output).__name__}, expected a Tensor")
@@ -833,25 +859,50 @@ class ClippingEngine:
                                         f"{tuple(p.shape)} (a value is never broadcast)")
 
     def _check_params(self) -> None:
-        """The model's trainable parameters must be those the engine was built for (every
-        query; a walk over the parameters): a layer frozen since would be released as noise
-        alone, and moved by the optimizer, one added or unfrozen would be left out of the
-        norms and the release, or fail deep in the query."""
-        now = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        if len(now) == len(self.params) and all(self.params.get(n) is p for n, p in now.items()):
+        """The model's trainable parameters and hooked layers must be those the engine was
+        built for (every query; a walk over the modules): a layer frozen since would be
+        released as noise alone, and moved by the optimizer; one added, unfrozen, or put in
+        place of a hooked one (even holding the same parameters: the hooks are on the old
+        one) would be left out of the norms and the release, or fail deep in the query."""
+        if self._same_params_and_layers():
             return
+        if any(hasattr(p, "to_local") for p in self.params.values()):
+            # FSDP2 leaves the root's parameters unsharded after a forward without gradients
+            # (an evaluation): sharded again, they are the engine's
+            from dptrain.parallel.fsdp import reshard
+
+            reshard(self.model)
+            if self._same_params_and_layers():
+                return
+        now = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         frozen = sorted(set(self.params) - set(now))
         new = sorted(set(now) - set(self.params))
         swapped = sorted(n for n in set(now) & set(self.params) if now[n] is not self.params[n])
+        modules = dict(self.model.named_modules())
+        layers = sorted(h.name for h in self.hooked if modules.get(h.name) is not h.module)
         said = "; ".join(f"{what}: {names[:4]}{' ...' if len(names) > 4 else ''}"
                          for what, names in (("frozen or removed", frozen),
                                              ("trainable and new to it", new),
-                                             ("replaced by another tensor", swapped)) if names)
-        raise ClippingError(f"dptrain.clipping: the model's trainable parameters changed "
-                            f"since the engine was built ({said}): build a new ClippingEngine "
-                            f"(and optimizer) for the model as it is now, or set requires_grad "
-                            f"and load weights in place (load_state_dict without assign=True) "
-                            f"before building it")
+                                             ("replaced by another tensor", swapped),
+                                             ("layers replaced or removed", layers)) if names)
+        raise ClippingError(f"dptrain.clipping: the model's trainable parameters or layers "
+                            f"changed since the engine was built ({said}): build a new "
+                            f"ClippingEngine (and optimizer) for the model as it is now, or set "
+                            f"requires_grad and load weights in place (load_state_dict without "
+                            f"assign=True) before building it")
+
+    def _same_params_and_layers(self) -> bool:
+        params = self.params
+        count = 0
+        for n, p in self.model.named_parameters():
+            if p.requires_grad:
+                if params.get(n) is not p:
+                    return False
+                count += 1
+        if count != len(params):
+            return False
+        modules = dict(self.model.named_modules())
+        return all(modules.get(h.name) is h.module for h in self.hooked)
 
     def _forward_backward(self, loss_fn: LossFn, batch: Any, plan: QueryPlan, retain: bool,
                           query: "_Query"):
@@ -883,6 +934,7 @@ class ClippingEngine:
                          query: "_Query"):
         B = batch_size_of(batch)
         self._pending_rows = None
+        self._used_outside = set()
         graphs = []
         loss_total = None  # per-example losses at the current state (display only)
         current = 0  # entries at the current state (several views: their losses are averaged)
@@ -898,15 +950,13 @@ class ClippingEngine:
             check = contextlib.nullcontext()
             if not self._uses_checked:  # (sets _uses_checked once a forward passed)
                 check = _FirstForwardCheck(self, inputs, B)
-            elif self.mode == "two_pass":
-                # every forward: a use outside the modules that appears later (data-dependent
-                # control flow, a loss_fn that changed) would reach the second backward's sum
-                # but not the norms (book-keeping leaves it out of both)
-                check = _FirstForwardCheck(self, uses_only=True)
+            # two_pass: where each hooked layer's forward ran, in autograd's node numbers
+            calls: dict[int, list[tuple[int, int]]] | None = (
+                {} if retain and self.mode == "two_pass" else None)
             if j == 0 and not self._rows_checked:  # at the end of the query (_finish_rows_check)
                 self._pending_rows = (loss_fn, batch, view, B, state)
             with self._state(state, seed), self._capture(B, coef, records, targets,
-                                                                     op_taps):
+                                                                     op_taps, calls):
                 with check:  # the forward only: it keeps references to outputs while open
                     try:
                         losses = loss_fn(self.model, inputs)
@@ -939,6 +989,8 @@ class ClippingEngine:
                     d = losses.detach()
                     loss_total = d if loss_total is None else loss_total + d
                     current += 1
+                if calls is not None:
+                    self._used_outside |= self._uses_outside_calls(losses, calls)
                 loss = losses.sum()
                 live = [t for t in targets if t.requires_grad]
                 taps = [rec for rec in records if rec.rule is _TAP]
@@ -996,6 +1048,37 @@ class ClippingEngine:
         if current > 1:
             loss_total = loss_total / current
         return graphs, loss_total
+
+    def _uses_outside_calls(self, losses: Tensor,
+                            calls: dict[int, list[tuple[int, int]]]) -> set[str]:
+        """The trainable parameters the losses' graph uses other than inside the forward of
+        a hooked layer owning them: a graph node created outside all of those calls (by its
+        node number, ``calls``) that takes the parameter itself. A use through a custom
+        autograd.Function, a view made before the query, a user's hook, or any torch call
+        outside the layers: the hooks see none of them. Every two_pass query (one walk over
+        the graph): its second backward must add what the norms measured, no more."""
+        names = {id(p): n for n, p in self.params.items()}
+        seen, todo, found = set(), [losses.grad_fn], set()
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            for nxt, _ in node.next_functions:
+                if nxt is None:
+                    continue
+                var = getattr(nxt, "variable", None)  # AccumulateGrad: a leaf's gradient
+                if var is None:
+                    todo.append(nxt)
+                    continue
+                name = names.get(id(var))
+                if name is None or name in found:
+                    continue
+                number = node._sequence_nr()
+                if not any(a < number < b for m in self._owner_modules.get(id(var), ())
+                           for a, b in calls.get(m, ())):
+                    found.add(name)
+        return found
 
     def _check_op_taps(self, op_taps: list, index: dict) -> None:
         """A tapped parameter's per-example gradients must add up to its whole gradient
@@ -1358,10 +1441,15 @@ class ClippingEngine:
                 # with rows instantiated for cancellation: the norm was taken of those very rows,
                 # where the second backward would round its own way (under cancelling terms, a
                 # few % of C apart)
+                # And so do parameters that the forward used outside their layers' calls
+                # (_uses_outside_calls): the second backward would add those uses, which the
+                # norms do not see (one example added 6-10 C, a red team), where book-keeping
+                # leaves them out of both
                 tapped = set(self._tap_names())
                 from_query = {n for n, cs in used.items()
                               if n in tapped or all(isinstance(c, Dense) for c in cs)
-                              or any(isinstance(c, Rows) for c in cs)}
+                              or any(isinstance(c, Rows) for c in cs)
+                              or n in self._used_outside}
                 for name in from_query:
                     p = self.params[name]
                     self._add(out, name, clipped_sum(used.pop(name), lam, p.shape, dtype))
