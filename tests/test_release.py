@@ -91,10 +91,25 @@ def test_two_pass_equals_bookkeeping_to_float64_rounding_in_float64_runs(model):
     batch = book.task.train.collate(book.sample(0))
     assert book.task.loss_fn(book.model, batch).dtype == torch.float64
     a, b = released(two, 0), released(book, 0)
+    # the second backward's sums passed their probe (no parameter fell back to book-keeping):
+    # two_pass was compared, not book-keeping with itself
+    assert two.engine.summed_by_query == set()
     # relative to the whole release: the cnn's first conv bias feeds a GroupNorm, so its true
     # gradient is 0 and both forms give rounding noise of 1e-19 there
     diff = math.sqrt(sum(float((a[n] - b[n]).square().sum()) for n in b))
     assert diff < 1e-12 * math.sqrt(sum(float(b[n].square().sum()) for n in b))
+
+
+@pytest.mark.parametrize("model", ["gpt2", *IMAGE_MODELS])
+def test_two_pass_probe_passes_float32_sums_of_the_second_backward(model):
+    # its tolerance is far above float32 rounding: in float32 runs, too, every parameter of
+    # plain layers keeps the second backward's sum
+    config = TINY if model == "gpt2" else TINY_IMAGES
+    images = () if model == "gpt2" else (*IMAGE_MODELS[model], "data.synthetic_train_size=64")
+    two = make(*images, "performance.clipping=two_pass", config=config)
+    for step in range(3):
+        released(two, step)
+        assert two.engine.summed_by_query == set(), step
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])

@@ -48,6 +48,7 @@ from dptrain.clipping.contributions import (
     Contribution,
     Dense,
     Kernels,
+    OneHot,
     Outer,
     Rows,
     add_instantiated,
@@ -176,16 +177,6 @@ def _swappable(p: Tensor, v: Tensor) -> bool:
     dtype, device and strides (sharded FSDP2 parameters are copied into instead)."""
     return (type(p) is nn.Parameter and type(v) is Tensor and v.shape == p.shape
             and v.dtype == p.dtype and v.device == p.device and v.stride() == p.stride())
-
-
-_NOW = torch.zeros((), requires_grad=True)
-
-
-def _autograd_now() -> int:
-    """A node number of this moment: autograd numbers the nodes it creates on a thread in
-    creation order, and this is that of one tiny op's node (~5 us), made now, so that a node
-    created between two calls has a number strictly between theirs."""
-    return (_NOW * 1).grad_fn._sequence_nr()
 
 
 class _FirstForwardCheck(TorchFunctionMode):
@@ -555,12 +546,10 @@ class ClippingEngine:
             owned.update(id(p) for p in direct.values())
         missing = [n for i, n in self.names.items() if i not in owned]
         assert not missing, f"trainable parameters not owned by any module: {missing}"
-        #: id(parameter) -> ids of the hooked modules owning it (a tied weight: several)
-        self._owner_modules: dict[int, list[int]] = {}
-        for h in self.hooked:
-            for p in h.params.values():
-                self._owner_modules.setdefault(id(p), []).append(id(h.module))
-        self._used_outside: set[str] = set()  # (two_pass) this query's _uses_outside_calls
+        #: (two_pass) the parameters of the last query whose second-backward sum the probe
+        #: refused (:meth:`_second_backward_agrees`), summed by book-keeping instead
+        self.summed_by_query: set[str] = set()
+        self._probe_rng: torch.Generator | None = None
         #: batch norms, refused in training mode (checked at every query: train()/eval() can
         #: change between calls)
         self._batchnorms = [(n, m) for n, m in model.named_modules()
@@ -586,11 +575,7 @@ class ClippingEngine:
 
     @contextlib.contextmanager
     def _capture(self, batch_size: int, coef: float, records: list[_Record],
-                 targets: list[Tensor], op_taps: list,
-                 calls: dict[int, list[tuple[int, int]]] | None = None) -> Iterator[None]:
-        """The hooks of one forward. ``calls``: each hooked layer's calls (module id -> the
-        autograd node numbers (before, after) its forward, between the layer's hooks and the
-        users' own, which run outside; :func:`_autograd_now`), for two_pass."""
+                 targets: list[Tensor], op_taps: list) -> Iterator[None]:
         handles = []
         tap_leaves: set[int] = set()  # the tapped parameters' leaves (kept in targets)
 
@@ -665,12 +650,20 @@ class ClippingEngine:
 
             return pre, post
 
-        def make_hooks(h: _Hooked):
-            started: list[int] = []  # (calls) the node number at each open call's start
+        two_pass = self.mode == "two_pass"
 
+        def make_hooks(h: _Hooked):
             def pre(module, args):
-                if calls is not None and torch.is_grad_enabled():
-                    started.append(_autograd_now())
+                if (two_pass and torch.is_grad_enabled()
+                        and torch._C._autograd._top_saved_tensors_default_hooks(False)
+                        is not None):
+                    raise ClippingError(
+                        f"dptrain.clipping: mode='two_pass' with saved-tensor hooks active at "
+                        f"{h.name} (torch.autograd.graph.saved_tensors_hooks: activation "
+                        f"checkpointing, offloading or compression): its second backward "
+                        f"computes the weights' gradients from what the hooks give back, the "
+                        f"norms from the layer's real input (one example added 9.95 C, a red "
+                        f"team); use mode='bookkeeping'")
                 if not torch.is_grad_enabled() or not args or not isinstance(args[0], Tensor):
                     return None
                 x = args[0]
@@ -698,8 +691,6 @@ class ClippingEngine:
             def post(module, args, output, kwargs=None):
                 if not torch.is_grad_enabled():
                     return None
-                if calls is not None and started:
-                    calls.setdefault(id(module), []).append((started.pop(), _autograd_now()))
                 if not isinstance(output, Tensor):
                     raise ClippingError(f"dptrain.clipping: {h.name} ({type(module).__name__}) "
                                         f"returned {type(output).__name__}, expected a Tensor")
@@ -934,7 +925,6 @@ class ClippingEngine:
                          query: "_Query"):
         B = batch_size_of(batch)
         self._pending_rows = None
-        self._used_outside = set()
         graphs = []
         loss_total = None  # per-example losses at the current state (display only)
         current = 0  # entries at the current state (several views: their losses are averaged)
@@ -950,13 +940,10 @@ class ClippingEngine:
             check = contextlib.nullcontext()
             if not self._uses_checked:  # (sets _uses_checked once a forward passed)
                 check = _FirstForwardCheck(self, inputs, B)
-            # two_pass: where each hooked layer's forward ran, in autograd's node numbers
-            calls: dict[int, list[tuple[int, int]]] | None = (
-                {} if retain and self.mode == "two_pass" else None)
             if j == 0 and not self._rows_checked:  # at the end of the query (_finish_rows_check)
                 self._pending_rows = (loss_fn, batch, view, B, state)
             with self._state(state, seed), self._capture(B, coef, records, targets,
-                                                                     op_taps, calls):
+                                                                     op_taps):
                 with check:  # the forward only: it keeps references to outputs while open
                     try:
                         losses = loss_fn(self.model, inputs)
@@ -989,8 +976,6 @@ class ClippingEngine:
                     d = losses.detach()
                     loss_total = d if loss_total is None else loss_total + d
                     current += 1
-                if calls is not None:
-                    self._used_outside |= self._uses_outside_calls(losses, calls)
                 loss = losses.sum()
                 live = [t for t in targets if t.requires_grad]
                 taps = [rec for rec in records if rec.rule is _TAP]
@@ -1049,36 +1034,55 @@ class ClippingEngine:
             loss_total = loss_total / current
         return graphs, loss_total
 
-    def _uses_outside_calls(self, losses: Tensor,
-                            calls: dict[int, list[tuple[int, int]]]) -> set[str]:
-        """The trainable parameters the losses' graph uses other than inside the forward of
-        a hooked layer owning them: a graph node created outside all of those calls (by its
-        node number, ``calls``) that takes the parameter itself. A use through a custom
-        autograd.Function, a view made before the query, a user's hook, or any torch call
-        outside the layers: the hooks see none of them. Every two_pass query (one walk over
-        the graph): its second backward must add what the norms measured, no more."""
-        names = {id(p): n for n, p in self.params.items()}
-        seen, todo, found = set(), [losses.grad_fn], set()
-        while todo:
-            node = todo.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            for nxt, _ in node.next_functions:
-                if nxt is None:
-                    continue
-                var = getattr(nxt, "variable", None)  # AccumulateGrad: a leaf's gradient
-                if var is None:
-                    todo.append(nxt)
-                    continue
-                name = names.get(id(var))
-                if name is None or name in found:
-                    continue
-                number = node._sequence_nr()
-                if not any(a < number < b for m in self._owner_modules.get(id(var), ())
-                           for a, b in calls.get(m, ())):
-                    found.add(name)
-        return found
+    #: the probe's tolerance, relative to sum_b |lam_b| sum_t |L_bt| |R_bt| (a bound on the
+    #: rounding of either sum): float32 accumulations stay far below it; a use the hooks
+    #: missed adds about its own size (under it only when smaller than ~1e-4 of that sum)
+    PROBE_TOLERANCE = 2.0 ** -13
+    #: random projections per parameter: a difference E escapes all of them with
+    #: probability ~ (tolerance / (|E| / scale))^k
+    PROBES = 4
+
+    def _second_backward_agrees(self, contribs: list, g: Tensor | None, lam: Tensor) -> bool:
+        """Whether the second backward's sum ``g`` of a parameter (None: none reached it) is
+        the book-keeping sum of its ``contribs`` (all plain :class:`Outer`: sum_b lam_b coef
+        sum_t L_bt (x) R_bt, the parameter viewed as (L's width, R's width)), by random
+        projections u^T S v, each O(B T (out + in)): the book-keeping sum is never formed.
+        The directions come from a generator of the engine's own, drawn after the forward."""
+        if not contribs:
+            return g is None or not bool(g.any())
+        c0 = contribs[0]
+        width_l = c0.L.num if isinstance(c0.L, OneHot) else c0.L.shape[-1]
+        width_r = c0.R.shape[-1]
+        if g is not None and g.numel() != width_l * width_r:
+            return False
+        if self._probe_rng is None:
+            import secrets
+
+            self._probe_rng = torch.Generator().manual_seed(secrets.randbits(63))
+        k = self.PROBES
+        U = torch.randn(width_l, k, generator=self._probe_rng, dtype=torch.float64)
+        V = torch.randn(width_r, k, generator=self._probe_rng, dtype=torch.float64)
+        want = torch.zeros(k, dtype=torch.float64)
+        scale = 0.0
+        for c in contribs:
+            w = (lam.double() * c.coef).to(c.R.device)
+            R = c.R
+            rv = (R @ V.to(R.device, R.dtype)).double()  # (B, T, k)
+            if isinstance(c.L, OneHot):
+                lu = U.to(R.device)[c.L.ids]
+                l_norm = torch.ones(c.L.ids.shape, dtype=torch.float64, device=R.device)
+            else:
+                lu = (c.L @ U.to(c.L.device, c.L.dtype)).double()
+                l_norm = c.L.norm(dim=-1).double()  # (the scale needs no more precision)
+            want += torch.einsum("b,btk,btk->k", w, lu, rv).cpu()
+            r_norm = R.norm(dim=-1).double()
+            scale += float(torch.einsum("b,bt,bt->", w.abs(), l_norm, r_norm))
+        if g is None:
+            got = torch.zeros(k, dtype=torch.float64)
+        else:
+            G = g.reshape(width_l, width_r).double()
+            got = ((U.to(G.device).T @ G) * V.to(G.device).T).sum(-1).cpu()
+        return bool(((got - want).abs() <= self.PROBE_TOLERANCE * scale).all())
 
     def _check_op_taps(self, op_taps: list, index: dict) -> None:
         """A tapped parameter's per-example gradients must add up to its whole gradient
@@ -1440,21 +1444,16 @@ class ClippingEngine:
                 # those held as per-example gradients (instantiated, biases, norms), and those
                 # with rows instantiated for cancellation: the norm was taken of those very rows,
                 # where the second backward would round its own way (under cancelling terms, a
-                # few % of C apart)
-                # And so do parameters that the forward used outside their layers' calls
-                # (_uses_outside_calls): the second backward would add those uses, which the
-                # norms do not see (one example added 6-10 C, a red team), where book-keeping
-                # leaves them out of both
+                # few % of C apart); and those of layers with contributions of their own forms
+                # (convolutions), which the probe below does not read
                 tapped = set(self._tap_names())
                 from_query = {n for n, cs in used.items()
-                              if n in tapped or all(isinstance(c, Dense) for c in cs)
-                              or any(isinstance(c, Rows) for c in cs)
-                              or n in self._used_outside}
+                              if n in tapped or not all(type(c) is Outer for c in cs)}
                 for name in from_query:
                     p = self.params[name]
                     self._add(out, name, clipped_sum(used.pop(name), lam, p.shape, dtype))
-                del used
                 names = [n for n in self.params if n not in tapped and n not in from_query]
+                second: dict[str, Tensor] = {}
                 for coef, state, _, losses in graphs if names else ():
                     with self._state(state):
                         weighted = (losses * lam.to(losses.dtype)).sum()
@@ -1463,7 +1462,27 @@ class ClippingEngine:
                     for n, g in zip(names, grads):
                         a = coef.get(n, 0.0) if isinstance(coef, dict) else coef
                         if g is not None and a != 0.0:
-                            self._add(out, n, g.to(dtype) * a)
+                            g = g.to(dtype) * a
+                            second[n] = second[n] + g if n in second else g
+                    del grads
+                # The second backward adds every use of a parameter in the graph; the norms,
+                # what the layers' hooks saw. Anything the hooks missed (a use outside the
+                # layer's call, a custom autograd.Function, a view made before the query, a
+                # user's hook, saved tensors given back changed: 1.4-161 C from one example,
+                # an audit and two red teams) shows as a difference from the book-keeping
+                # sum, which a random projection finds; such a parameter takes that sum.
+                self.summed_by_query = set()
+                for n in names:
+                    contribs, g = used.pop(n, []), second.pop(n, None)
+                    if self._second_backward_agrees(contribs, g, lam):
+                        if g is not None:
+                            self._add(out, n, g)
+                        continue
+                    self.summed_by_query.add(n)
+                    if contribs:
+                        p = self.params[n]
+                        self._add(out, n, clipped_sum(contribs, lam, p.shape, dtype))
+                del used, second
             else:
                 for name in list(used):
                     contribs = used.pop(name)  # released as soon as it is summed
