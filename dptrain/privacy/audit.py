@@ -361,23 +361,6 @@ class GradientCanaries:
                       pool_below=pool_below, smallest_variance_ratio=min(below),
                       variance_ratio=total / dof)
         return result
-        s2 = self.noise_std ** 2
-        each = significance / (int(seen.sum()) + len(self.by_name))
-        low = chi2.cdf(squares[seen] / s2, count[seen]) < each
-        ratios = {}
-        for name, ix in self.by_name.items():
-            ix = ix[seen[ix]]
-            if ix.size == 0:
-                continue
-            dof, total = float(count[ix].sum()), float(squares[ix].sum()) / s2
-            ratios[name] = total / dof
-            if chi2.cdf(total, dof) < each:
-                result["parameters_below"].append(name)
-        result.update(ok=not (low.any() or result["parameters_below"]),
-                      coordinates_below=int(low.sum()),
-                      smallest_variance_ratio=min(ratios.values()),
-                      variance_ratio=float(squares[seen].sum() / s2 / count[seen].sum()))
-        return result
 
     def log_likelihood_ratio(self, x: np.ndarray) -> np.ndarray:
         """log of p(x | canary in) / p(x | canary out) for one step's noisy sum x at a
