@@ -396,6 +396,82 @@ def test_a_small_leak_from_one_example_in_a_large_microbatch_is_found():
     torch.testing.assert_close(acc["0.weight"], book["0.weight"], rtol=1e-5, atol=1e-6)
 
 
+def test_factors_changed_during_the_second_backward_are_refused_not_summed():
+    # A hook of the model's wrote into a layer's input in place during the second backward:
+    # the probe's reference and the fallback, taken from those factors afterwards, both grew
+    # with it (7.5-8.3 C from one example, a red team). The projections are taken before the
+    # second backward now, and a parameter about to fall back must still have them.
+    calls = {"h": 0, "z": 0}
+
+    def attack(m, b):
+        h = torch.tanh(m[0](b[0])) * 1.0
+        z = m[2](h)
+
+        def on_z(g):
+            calls["z"] += 1
+            return g * 10.0 if calls["z"] == 2 else None  # the second backward only
+
+        def on_h(g):
+            calls["h"] += 1
+            if calls["h"] == 2:
+                with torch.no_grad():
+                    h.mul_(10.0)  # layer 2's R is a view of h
+                return g / 10.0
+
+        z.register_hook(on_z)
+        h.register_hook(on_h)
+        return F.cross_entropy(z, b[1], reduction="none")
+
+    x, y = torch.randn(6, 8) * 3, torch.randint(0, 3, (6,))
+    engine = ClippingEngine(_two_layers(), clip_norm=1.0, mode="two_pass")
+    engine.accumulate(_ce, (x, y), {})
+    with pytest.raises(ValueError, match="captured factors of 2.weight changed"):
+        engine.accumulate(attack, (x[:1], y[:1]), {})
+
+
+def test_small_differences_spread_over_many_parameters_are_found():
+    # a red team spread 1e-3 C over 1,024 layers, each under the tolerance of its own (each
+    # example-0 row scaled by 1.002 in the second backward only): the tolerance is 1e-4 C over
+    # the square root of the number of parameters probed now. Here, 64 layers with example 0's
+    # output gradient 1% larger in the second backward: most of them are found
+    torch.manual_seed(0)
+    P, B, T, d = 64, 16, 8, 4
+
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(P))
+
+        def forward(self, x):
+            return sum(layer(x) for layer in self.layers)
+
+    model = Wide()
+    x, target = torch.randn(B, T, d), torch.randn(B, T, d)
+    state = {"on": False}
+
+    def scaled(m, b):
+        outs = []
+        for layer in m.layers:
+            o = layer(b[0])
+            if state["on"] and o.requires_grad:
+                def bump(g, n=[0]):
+                    n[0] += 1
+                    if n[0] == 2:  # the second backward only
+                        g = g.clone()
+                        g[0] *= 1.01
+                        return g
+                o.register_hook(bump)
+            outs.append(o)
+        return (sum(outs) * b[1]).sum((1, 2))
+
+    engine = ClippingEngine(model, clip_norm=1.0, mode="two_pass", ghost="ghost")
+    engine.accumulate(scaled, (x, target), {})
+    assert engine.summed_by_query == set()
+    state["on"] = True
+    engine.accumulate(scaled, (x, target), {})
+    assert len(engine.summed_by_query) > P // 2
+
+
 def test_two_pass_refuses_parameters_of_low_precision():
     # (their second backward's bf16 gradients next to float32 norms: removing one example moved
     # the release by 1.009 C, a red team; autocast is refused at the query likewise)

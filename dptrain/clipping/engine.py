@@ -557,7 +557,7 @@ class ClippingEngine:
         missing = [n for i, n in self.names.items() if i not in owned]
         assert not missing, f"trainable parameters not owned by any module: {missing}"
         #: (two_pass) the parameters of the last query whose second-backward sum the probe
-        #: refused (:meth:`_second_backward_agrees`), summed by book-keeping instead
+        #: refused (:meth:`_probe_agrees`), summed by book-keeping instead
         self.summed_by_query: set[str] = set()
         #: batch norms, refused in training mode (checked at every query: train()/eval() can
         #: change between calls)
@@ -1044,33 +1044,37 @@ class ClippingEngine:
         return graphs, loss_total
 
     #: the probe's tolerance: 2^-13 of sum_b |lam_b| sum_t |L_bt| |R_bt| (a bound on either
-    #: sum's float32 rounding, which stays far below it), and at most 1e-4 C: the bound grows
-    #: with the microbatch's tokens, and a difference under it from one example went out
-    #: (1.5 C at B = 256, T = 1024, a red team); float32 differences were at most 2.8e-6 C
+    #: sum's float32 rounding, which stays far below it), and at most 1e-4 C over the square
+    #: root of the number of parameters probed: the bound grows with the microbatch's tokens
+    #: (a difference under it from one example went out: 1.5 C at B = 256, T = 1024, a red
+    #: team), and differences spread over many parameters add up (1e-3 C over 1,024, another);
+    #: float32 differences were at most 2.8e-6 C
     PROBE_TOLERANCE = 2.0 ** -13
     PROBE_TOLERANCE_C = 1e-4
-    #: random projections per parameter: a difference E escapes all of them with
-    #: probability ~ (tolerance / |E|)^k (u^T E v is about |E|_F N(0, 1))
+    #: random projections per parameter: a difference E of many directions escapes all of them
+    #: with probability ~ (tolerance / |E|)^k (u^T E v is about |E|_F N(0, 1)); one of rank
+    #: 1 (a token's) more often (u^T E v a product of two normals: 2.3e-3 at 10x the tolerance)
     PROBES = 4
 
-    def _second_backward_agrees(self, contribs: list, g: Tensor | None, lam: Tensor,
-                                rng: torch.Generator) -> bool:
-        """Whether the second backward's sum ``g`` of a parameter (None: none reached it) is
-        the book-keeping sum of its ``contribs`` (all plain :class:`Outer`: sum_b lam_b coef
-        sum_t L_bt (x) R_bt, the parameter viewed as (L's width, R's width)), by random
-        projections u^T S v, each O(B T (out + in)): the book-keeping sum is never formed.
-        ``rng``: seeded from the OS after the second backward, so that nothing the model ran
-        could know the directions."""
+    def _probe(self, contribs: list, lam: Tensor, rng: torch.Generator | None,
+               directions: tuple[Tensor, Tensor] | None = None) -> dict:
+        """Random projections of the book-keeping sum of a parameter's ``contribs`` (all plain
+        :class:`Outer`: sum_b lam_b coef sum_t L_bt (x) R_bt, the parameter viewed as (L's
+        width, R's width)): ``want`` = u^T S v for ``PROBES`` Gaussian pairs (u, v), each
+        O(B T (out + in)), the sum never formed, with ``scale`` = sum_b |lam_b coef| sum_t
+        |L_bt| |R_bt|, a bound on the sum's rounding. ``directions``: (U, V) again, for
+        :meth:`_probe_repeats`."""
         if not contribs:
-            return g is None or not bool(g.any())
+            return {"U": None}
         c0 = contribs[0]
         width_l = c0.L.num if isinstance(c0.L, OneHot) else c0.L.shape[-1]
         width_r = c0.R.shape[-1]
-        if g is not None and g.numel() != width_l * width_r:
-            return False
         k = self.PROBES
-        U = torch.randn(width_l, k, generator=rng, dtype=torch.float64)
-        V = torch.randn(width_r, k, generator=rng, dtype=torch.float64)
+        if directions is None:
+            U = torch.randn(width_l, k, generator=rng, dtype=torch.float64)
+            V = torch.randn(width_r, k, generator=rng, dtype=torch.float64)
+        else:
+            U, V = directions
         want = torch.zeros(k, dtype=torch.float64)
         scale = 0.0
         for c in contribs:
@@ -1086,13 +1090,31 @@ class ClippingEngine:
             want += torch.einsum("b,btk,btk->k", w, lu, rv).cpu()
             r_norm = R.norm(dim=-1).double()
             scale += float(torch.einsum("b,bt,bt->", w.abs(), l_norm, r_norm))
+        return {"U": U, "V": V, "want": want, "scale": scale, "widths": (width_l, width_r)}
+
+    def _probe_agrees(self, probe: dict, g: Tensor | None, cap: float) -> bool:
+        """Whether the second backward's sum ``g`` (None: none reached the parameter) has the
+        projections of :meth:`_probe`, to min(2^-13 ``scale``, ``cap``)."""
+        if probe["U"] is None:  # no contributions: nothing may arrive
+            return g is None or not bool(g.any())
+        U, V, (width_l, width_r) = probe["U"], probe["V"], probe["widths"]
+        if g is not None and g.numel() != width_l * width_r:
+            return False
         if g is None:
-            got = torch.zeros(k, dtype=torch.float64)
+            got = torch.zeros(U.shape[1], dtype=torch.float64)
         else:
             G = g.reshape(width_l, width_r).double()
             got = ((U.to(G.device).T @ G) * V.to(G.device).T).sum(-1).cpu()
-        tolerance = min(self.PROBE_TOLERANCE * scale, self.PROBE_TOLERANCE_C * self.clip_norm)
-        return bool(((got - want).abs() <= tolerance).all())
+        tolerance = min(self.PROBE_TOLERANCE * probe["scale"], cap)
+        return bool(((got - probe["want"]).abs() <= tolerance).all())
+
+    def _probe_repeats(self, probe: dict, contribs: list, lam: Tensor) -> bool:
+        """Whether ``contribs`` still have ``probe``'s projections (a parameter about to take
+        the book-keeping sum: its factors are unchanged since the probe, to 2^-20 of the
+        scale, which catches writes through ``.data`` as well)."""
+        again = self._probe(contribs, lam, None, (probe["U"], probe["V"]))
+        return bool(((again["want"] - probe["want"]).abs()
+                     <= 2.0 ** -20 * max(probe["scale"], again["scale"])).all())
 
     def _check_op_taps(self, op_taps: list, index: dict) -> None:
         """A tapped parameter's per-example gradients must add up to its whole gradient
@@ -1463,6 +1485,16 @@ class ClippingEngine:
                     p = self.params[name]
                     self._add(out, name, clipped_sum(used.pop(name), lam, p.shape, dtype))
                 names = [n for n in self.params if n not in tapped and n not in from_query]
+                # The second backward adds every use of a parameter in the graph; the norms,
+                # what the layers' hooks saw. Anything the hooks missed (a use outside the
+                # layer's call, a custom autograd.Function, a view made before the query, a
+                # user's hook, saved tensors given back changed: 1.4-7290 C from one example,
+                # an audit and three red teams) shows as a difference from the book-keeping
+                # sum, which random projections find: taken here, before any code of the
+                # model's runs again (the backward's hooks could change the factors in place),
+                # from a generator seeded from the OS now and kept nowhere else
+                rng = torch.Generator().manual_seed(secrets.randbits(63))
+                probes = {n: self._probe(used.get(n, []), lam, rng) for n in names}
                 second: dict[str, Tensor] = {}
                 for coef, state, _, losses in graphs if names else ():
                     with self._state(state):
@@ -1475,25 +1507,29 @@ class ClippingEngine:
                             g = g.to(dtype) * a
                             second[n] = second[n] + g if n in second else g
                     del grads
-                # The second backward adds every use of a parameter in the graph; the norms,
-                # what the layers' hooks saw. Anything the hooks missed (a use outside the
-                # layer's call, a custom autograd.Function, a view made before the query, a
-                # user's hook, saved tensors given back changed: 1.4-161 C from one example,
-                # an audit and two red teams) shows as a difference from the book-keeping
-                # sum, which a random projection finds; such a parameter takes that sum.
+                # each parameter within 1e-4 C / sqrt(number probed): the differences of all
+                # of them together within 1e-4 C (a red team spread 1e-3 C over 1,024)
+                cap = self.PROBE_TOLERANCE_C * self.clip_norm / math.sqrt(max(1, len(names)))
                 self.summed_by_query = set()
-                rng = torch.Generator().manual_seed(secrets.randbits(63))
                 for n in names:
                     contribs, g = used.pop(n, []), second.pop(n, None)
-                    if self._second_backward_agrees(contribs, g, lam, rng):
+                    if self._probe_agrees(probes[n], g, cap):
                         if g is not None:
                             self._add(out, n, g)
                         continue
                     self.summed_by_query.add(n)
-                    if contribs:
-                        p = self.params[n]
-                        self._add(out, n, clipped_sum(contribs, lam, p.shape, dtype))
-                del used, second
+                    if not contribs:
+                        continue
+                    if not self._probe_repeats(probes[n], contribs, lam):
+                        raise ClippingError(
+                            f"dptrain.clipping: mode='two_pass': the captured factors of {n} "
+                            f"changed during the second backward (a hook or autograd.Function "
+                            f"of the model's writing into a layer's input or output gradient "
+                            f"in place: 7-8 C from one example, a red team); neither sum can "
+                            f"be trusted; use mode='bookkeeping'")
+                    p = self.params[n]
+                    self._add(out, n, clipped_sum(contribs, lam, p.shape, dtype))
+                del used, second, probes
             else:
                 for name in list(used):
                     contribs = used.pop(name)  # released as soon as it is summed
