@@ -478,6 +478,12 @@ def test_two_pass_refuses_parameters_of_low_precision():
     with pytest.raises(ValueError, match="two_pass' with parameters in \\['torch.bfloat16'\\]"):
         ClippingEngine(_two_layers().to(torch.bfloat16), clip_norm=1.0, mode="two_pass")
     ClippingEngine(_two_layers().to(torch.bfloat16), clip_norm=1.0)  # book-keeping: fine
+    # bf16 losses of float32 parameters: the second backward weights them by clip factors
+    # rounded up to 2^-8 (1.003 C from one example, a red team)
+    engine = ClippingEngine(_two_layers(), clip_norm=1.0, mode="two_pass")
+    batch = (torch.randn(6, 8), torch.randint(0, 3, (6,)))
+    with pytest.raises(ValueError, match="two_pass' with losses in torch.bfloat16"):
+        engine.accumulate(lambda m, b: _ce(m, b).to(torch.bfloat16), batch, {})
 
 
 def test_two_pass_sums_by_its_second_backward_where_the_hooks_see_every_use():
