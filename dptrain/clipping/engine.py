@@ -1065,15 +1065,15 @@ class ClippingEngine:
     PROBES = 4
 
     def _probe(self, contribs: list, lam: Tensor, rng: torch.Generator | None,
-               directions: tuple[Tensor, Tensor] | None = None) -> dict:
+               directions: tuple[Tensor, Tensor] | None = None) -> dict | None:
         """Random projections of the book-keeping sum of a parameter's ``contribs`` (all plain
         :class:`Outer`: sum_b lam_b coef sum_t L_bt (x) R_bt, the parameter viewed as (L's
         width, R's width)): ``want`` = u^T S v for ``PROBES`` Gaussian pairs (u, v), each
         O(B T (out + in)), the sum never formed, with ``scale`` = sum_b |lam_b coef| sum_t
         |L_bt| |R_bt|, a bound on the sum's rounding. ``directions``: (U, V) again, for
-        :meth:`_probe_repeats`."""
+        :meth:`_probe_repeats`. None without contributions."""
         if not contribs:
-            return {"U": None}
+            return None
         c0 = contribs[0]
         width_l = c0.L.num if isinstance(c0.L, OneHot) else c0.L.shape[-1]
         width_r = c0.R.shape[-1]
@@ -1100,10 +1100,10 @@ class ClippingEngine:
             scale += float(torch.einsum("b,bt,bt->", w.abs(), l_norm, r_norm))
         return {"U": U, "V": V, "want": want, "scale": scale, "widths": (width_l, width_r)}
 
-    def _probe_agrees(self, probe: dict, g: Tensor | None, cap: float) -> bool:
+    def _probe_agrees(self, probe: dict | None, g: Tensor | None, cap: float) -> bool:
         """Whether the second backward's sum ``g`` (None: none reached the parameter) has the
         projections of :meth:`_probe`, to min(2^-13 ``scale``, ``cap``)."""
-        if probe["U"] is None:  # no contributions: nothing may arrive
+        if probe is None:  # no contributions: nothing may arrive
             return g is None or not bool(g.any())
         U, V, (width_l, width_r) = probe["U"], probe["V"], probe["widths"]
         if g is not None and g.numel() != width_l * width_r:
