@@ -134,12 +134,22 @@ class RunConfig:
 
 class StopRequested(Exception):
     """Raised by :meth:`Trainer.run` after a requested stop (``Trainer.stop_signal``, set by
-    ``dptrain train`` on SIGTERM): every rank finished the same step and, with an output
-    directory, a checkpoint of that step was written (``checkpoint``, None without one)."""
+    ``dptrain train`` on SIGTERM): every rank finished the same step (or, in an evaluation, the
+    same batch: the evaluation is dropped) and, with an output directory, a checkpoint covers
+    that step (``checkpoint``: the newest this run wrote, the stop's or a scheduled one; None
+    without an output directory, or when the run resumed at that step and wrote none)."""
 
     def __init__(self, signum: int, step: int, checkpoint: Path | None):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         super().__init__(f"stopped by signal {signum} after step {step}")
+
+
+class _EvaluationStopped(Exception):
+    """Raised inside an evaluation run by :meth:`Trainer.run` when a stop is agreed (before a
+    batch, the same one on every rank)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
 
 
 def resolve_device(perf: PerformanceConfig) -> torch.device:
@@ -805,23 +815,31 @@ class Trainer:
         for line in lines:
             print(f"dptrain: {line}", file=sys.stderr)
 
-    def evaluate(self, generate: bool = False) -> dict:
+    def evaluate(self, generate: bool = False, stoppable: bool = False) -> dict:
         """Test metrics of the model; with a parameter EMA (``optim.ema_decay``), of the average,
         and of the last iterate as ``last_iterate_*``. ``generate``: also BLEU and ROUGE-L of
-        greedy generations (``train.generate_prompts``; the final evaluation)."""
+        greedy generations (``train.generate_prompts``; the final evaluation). ``stoppable``
+        (:meth:`run`'s evaluations): a stop signal ends it before the next batch, raising
+        ``_EvaluationStopped`` (a collective per batch with several ranks)."""
         ema = self.optimizer.ema
-        metrics = self._evaluate(generate)
+        poll = self._poll_stop if stoppable else None
+        metrics = self._evaluate(generate, poll)
         if ema is None:
             return metrics
         with ema.swapped_in():
-            averaged = self._evaluate(generate)
+            averaged = self._evaluate(generate, poll)
         return {**averaged, **{f"last_iterate_{k}": v for k, v in metrics.items()}}
 
-    def _evaluate(self, generate: bool = False) -> dict:
+    def _poll_stop(self) -> None:
+        if signum := self._stop_agreed():
+            raise _EvaluationStopped(signum)
+
+    def _evaluate(self, generate: bool = False, poll=None) -> dict:
         tc = self.cfg.train
         self.model.eval()
         try:
-            metrics = self.task.evaluate(self.model, self.task.test, tc.eval_batch_size)
+            metrics = self.task.evaluate(self.model, self.task.test, tc.eval_batch_size,
+                                         poll=poll)
             if generate and tc.generate_prompts != 0:
                 # every rank generates the same prompts (FSDP2's forwards are collective)
                 from dptrain.eval.text import generate_and_score
@@ -830,7 +848,8 @@ class Trainer:
                 scores = generate_and_score(self.model, self.task.tokenizer, refs,
                                             max_new_tokens=tc.max_new_tokens,
                                             batch_size=tc.eval_batch_size,
-                                            progress=tc.progress and self.rank == 0)
+                                            progress=tc.progress and self.rank == 0,
+                                            poll=poll)
                 metrics.update(bleu=scores["bleu"], bleu_uncased=scores["bleu_uncased"],
                                rouge_l=scores["rouge_l"],
                                generated_prompts=scores["num_prompts"])
@@ -948,7 +967,12 @@ class Trainer:
                         peak_gib = max(peak_gib or 0.0, row["peak_memory_gib"])
                         row.update(self._gpu_row(gpu))
                     if evaluate:
-                        row.update({f"test_{k}": v for k, v in self.evaluate().items()})
+                        try:
+                            row.update({f"test_{k}": v
+                                        for k, v in self.evaluate(stoppable=True).items()})
+                        except _EvaluationStopped:
+                            # the row goes without it; the stop follows at this step's end
+                            pass
                         peak_memory_bytes(self.device, reset=True)  # the next row: training
                         gpu.window()  # likewise
                     if metrics_file:
@@ -982,7 +1006,14 @@ class Trainer:
             self.engine.release_workspace()
             if metrics_file:
                 metrics_file.close()
-        final = self.evaluate(generate=True)
+        try:
+            final = self.evaluate(generate=True, stoppable=True)
+        except _EvaluationStopped as e:
+            # a stop in the final evaluation (which can outlast a scheduler's grace period):
+            # checkpoint the last step unless one covers it; --resume auto then evaluates
+            if out is not None and saved_step != self.step:
+                saved_path = ckpt.save(self, out)
+            raise StopRequested(e.signum, self.step, saved_path) from None
         summary = {
             "epsilon": self.epsilon(),
             "delta": self.plan.delta,

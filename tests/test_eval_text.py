@@ -379,3 +379,25 @@ def test_the_progress_bar_counts_each_prompt_once_when_it_is_done(monkeypatch):
         greedy_generate(model, prompts, 6, eos_id=256, batch_size=bs, progress=True)
         counts = bars[-1].counts
         assert counts[0] == 2 and counts[-1] == 6 and counts == sorted(counts), (bs, counts)
+
+
+def test_greedy_generate_polls_before_each_batch_and_stops_when_the_poll_raises():
+    # the trainer's stop signal: a poll that raises ends the generation before the next batch
+    model = _spiky_gpt2().train()
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11, 12], [13]]
+    polls = []
+
+    def poll():
+        polls.append(len(polls))
+        if len(polls) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        greedy_generate(model, prompts, 4, eos_id=256, batch_size=2, poll=poll)
+    assert polls == [0, 1, 2]
+    assert model.training  # the model is put back as it was
+    polls.clear()
+    assert greedy_generate(model, prompts, 4, eos_id=256, batch_size=4,
+                           poll=lambda: polls.append(1)) == greedy_generate(
+        model, prompts, 4, eos_id=256, batch_size=4)
+    assert polls == [1, 1]

@@ -121,6 +121,24 @@ def _stop_on_one_rank(rank: int, world: int, out: str, stop_rank: int) -> tuple:
     return t.step, None, None
 
 
+def _stop_in_final_evaluation_on_one_rank(rank: int, world: int, out: str) -> tuple:
+    """Rank 1 alone gets the stop request, during the second test batch of the final
+    evaluation of a 2-rank FSDP run."""
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, StopRequested, Trainer
+
+    t = Trainer(load(RunConfig, TINY, ["train.progress=false", "privacy.accountant=rdp",
+                                       "performance.sharding=fsdp", "train.eval_batch_size=8",
+                                       *ARGS[:2], "privacy.steps=2", "train.checkpoint_every=0"]),
+                out)
+    collated = _stop_in_evaluation(t, 2, 1) if rank == 1 else _stop_in_evaluation(t, 2, 99)
+    try:
+        t.run()
+    except StopRequested as e:
+        return e.step, e.signum, None if e.checkpoint is None else str(e.checkpoint), collated
+    return t.step, None, None, collated
+
+
 def _stop_after_step(t: Trainer, k: int) -> None:
     """A SIGTERM request arrives while step ``k`` runs (seen at the boundary after it)."""
     real_step = t.private_step
@@ -147,6 +165,21 @@ def test_a_stop_seen_by_one_rank_stops_every_rank_at_the_same_step(tmp_path, sto
     assert only.name == "step-00000002" and ckpt.verify(only) is None
     assert ckpt.read(only)["step"] == 2
     assert _steps_logged(out) == [1, 2]
+
+
+@pytest.mark.distributed
+def test_a_stop_seen_by_one_rank_in_the_final_evaluation_stops_every_rank_there(tmp_path):
+    # the ranks agree before each test batch (FSDP2's forwards are collective): both stop
+    # before the third, and write one sharded checkpoint of the last step
+    from dptrain.parallel.dist import spawn
+
+    out = tmp_path / "run"
+    got = spawn(_stop_in_final_evaluation_on_one_rank, 2, str(out), timeout=180)
+    assert [g[:2] for g in got] == [(2, signal.SIGTERM), (2, signal.SIGTERM)]
+    assert [g[3] for g in got] == [[2, 2], [2, 2]]
+    (only,) = sorted((out / "checkpoints").glob("step-*"))
+    assert got[0][2] == str(only) and only.name == "step-00000002"
+    assert ckpt.verify(only) is None and not (out / "summary.json").exists()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
@@ -317,7 +350,7 @@ def test_secure_mode_without_checkpoints_writes_the_last_step_s_before_its_rows(
     t = Trainer(load(RunConfig, TINY, over), tmp_path)
     seen = []
 
-    def evaluate(generate=False):
+    def evaluate(generate=False, stoppable=False):
         seen.append((ckpt.complete_steps(tmp_path), _steps_logged(tmp_path)))
         raise KeyboardInterrupt  # killed during the final evaluation
 
@@ -326,6 +359,65 @@ def test_secure_mode_without_checkpoints_writes_the_last_step_s_before_its_rows(
         t.run()
     (steps, rows), = seen
     assert list(steps) == [3] and rows == [1, 2, 3]
+
+
+def _stop_in_evaluation(t: Trainer, at_step: int, batch: int) -> list[int]:
+    """A SIGTERM request arrives while the test batch ``batch`` (0-based) of the evaluation at
+    step ``at_step`` is scored; returns the steps at which test batches were collated."""
+    collated = []
+    real = t.task.test.collate
+    count = {"n": 0}
+
+    def collate(indices):
+        if collated and collated[-1] != t.step:
+            count["n"] = 0
+        collated.append(t.step)
+        if t.step == at_step and count["n"] == batch:
+            t.stop_signal = signal.SIGTERM
+        count["n"] += 1
+        return real(indices)
+
+    t.task.test.collate = collate
+    return collated
+
+
+def test_a_stop_during_the_final_evaluation_checkpoints_and_resume_evaluates(tmp_path, capsys):
+    # the final evaluation (E2E generation over a test set) can outlast a grace period: a stop
+    # there was not acted on, so with checkpoint_every 0 a SIGKILL after it lost every step
+    over = ["train.progress=false", "privacy.epsilon=null", "privacy.noise_multiplier=1.1",
+            "privacy.steps=3", "train.checkpoint_every=0", "train.eval_batch_size=8"]
+    whole = Trainer(load(RunConfig, TINY, over), tmp_path / "whole").run()
+    out = tmp_path / "run"
+    t = Trainer(load(RunConfig, TINY, over), out)
+    collated = _stop_in_evaluation(t, 3, 1)
+    with pytest.raises(StopRequested) as e:
+        t.run()
+    # stopped before the third of 8 test batches, with the last step checkpointed
+    assert collated == [3, 3] and e.value.step == 3 and ckpt.step_of(e.value.checkpoint) == 3
+    assert not (out / "summary.json").exists() and not (out / "final").exists()
+    assert _steps_logged(out) == [1, 2, 3]
+    assert main(["train", "--config", TINY, "--output-dir", str(out), "--resume", "auto",
+                 *over]) == 0
+    capsys.readouterr()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["metrics"] == whole["metrics"]
+
+
+def test_a_stop_during_an_eval_every_evaluation_drops_it_and_stops_at_its_step(tmp_path):
+    over = ["train.progress=false", "privacy.epsilon=null", "privacy.noise_multiplier=1.1",
+            "privacy.steps=6", "train.checkpoint_every=0", "train.eval_every=2",
+            "train.log_every=1", "train.eval_batch_size=8", "optim.ema_decay=0.5"]
+    t = Trainer(load(RunConfig, TINY, over), tmp_path)
+    # 8 test batches per evaluation, two per step with the EMA: the stop arrives in the third
+    # batch of step 4's second evaluation
+    collated = _stop_in_evaluation(t, 4, 10)
+    with pytest.raises(StopRequested) as e:
+        t.run()
+    assert collated == [2] * 16 + [4] * 11
+    assert e.value.step == 4 and ckpt.step_of(e.value.checkpoint) == 4
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if any(k.startswith("test_") for k in r)] == [2]
 
 
 @pytest.mark.parametrize("status", [0, 1])

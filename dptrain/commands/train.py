@@ -230,7 +230,8 @@ def _stop_on_signals(stop, keep_ignoring: bool = False):
             stop.trainer.stop_signal = signum
         if stop.rank == 0:
             print(f"dptrain train: {signal.Signals(signum).name} received: stopping when the "
-                  f"step in progress ends, with a checkpoint (Ctrl-C or SIGKILL stop at once)",
+                  f"step (or evaluation batch) in progress ends, with a checkpoint (Ctrl-C or "
+                  f"SIGKILL stop at once)",
                   file=sys.stderr)
 
     before = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}

@@ -245,7 +245,10 @@ class Task:
     """With augmult: ``augment(batch, seed=, step=, indices=, view=)`` -> the batch's
     ``view``-th views (same examples, same order)."""
 
-    def evaluate(self, model, dataset=None, batch_size: int = 32) -> dict:
+    def evaluate(self, model, dataset=None, batch_size: int = 32,
+                 poll: Callable[[], None] | None = None) -> dict:
+        """Test metrics of ``model`` on ``dataset`` (default: the test set); ``poll`` is called
+        before each batch and may raise to stop (the trainer's stop signal)."""
         from dptrain.data.images import classification_evaluate
         from dptrain.data.lm import lm_evaluate
         from dptrain.parallel.fsdp import reshard
@@ -253,8 +256,8 @@ class Task:
         ds = self.test if dataset is None else dataset
         try:
             if self.info.kind == "lm":
-                return lm_evaluate(model, ds, batch_size)
-            return classification_evaluate(model, ds, batch_size)
+                return lm_evaluate(model, ds, batch_size, poll)
+            return classification_evaluate(model, ds, batch_size, poll)
         finally:
             # no_grad forwards leave FSDP2's root unsharded: parameters written next (the EMA
             # swapped in) would be evaluated from stale copies (a no-op without FSDP)

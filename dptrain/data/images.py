@@ -9,6 +9,7 @@ import gzip
 import importlib.util
 import math
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -138,10 +139,11 @@ def classification_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def classification_evaluate(model, dataset, batch_size: int = 256) -> dict:
+def classification_evaluate(model, dataset, batch_size: int = 256,
+                            poll: Callable[[], None] | None = None) -> dict:
     """``accuracy`` and mean cross-entropy ``loss`` over the dataset, and ``examples`` (those
     scored: a batch's ``decoded`` mask, where the dataset skips damaged files, leaves rows
-    out)."""
+    out). ``poll``: called before each batch; it may raise to stop the evaluation."""
     from dptrain.data.lm import _model_device
 
     was_training = model.training
@@ -151,6 +153,8 @@ def classification_evaluate(model, dataset, batch_size: int = 256) -> dict:
     correct, loss_sum, n = 0, 0.0, 0
     try:
         for s in range(0, len(dataset), batch_size):
+            if poll is not None:
+                poll()
             batch = dataset.collate(np.arange(s, min(s + batch_size, len(dataset))))
             x, y = batch["images"], batch["labels"]
             decoded = batch.get("decoded")  # (images that could not be decoded: left out)

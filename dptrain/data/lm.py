@@ -20,6 +20,7 @@ import io
 import math
 import sys
 from collections import OrderedDict
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -413,8 +414,10 @@ def _model_device(model) -> torch.device:
 
 
 @torch.no_grad()
-def lm_evaluate(model, dataset: LMDataset, batch_size: int = 32) -> dict:
-    """``nll_per_token`` (summed NLL / number of target tokens), ``perplexity``, ``tokens``."""
+def lm_evaluate(model, dataset: LMDataset, batch_size: int = 32,
+                poll: Callable[[], None] | None = None) -> dict:
+    """``nll_per_token`` (summed NLL / number of target tokens), ``perplexity``, ``tokens``.
+    ``poll``: called before each batch; it may raise to stop the evaluation."""
     was_training = model.training
     model.eval()
     device = _model_device(model)
@@ -422,6 +425,8 @@ def lm_evaluate(model, dataset: LMDataset, batch_size: int = 32) -> dict:
     try:
         order = np.argsort(dataset.lengths, kind="stable")  # similar lengths -> less padding
         for s in range(0, len(dataset), batch_size):
+            if poll is not None:
+                poll()
             batch = {k: v.to(device) for k, v in dataset.collate(order[s:s + batch_size]).items()}
             nll, mask = lm_token_nll(model, batch)
             total += float(nll.sum().double())

@@ -23,7 +23,7 @@ decoding is greedy.
 from __future__ import annotations
 
 import inspect
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -74,7 +74,8 @@ def _logits(out):
 @torch.no_grad()
 def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int,
                     pad_id: int | None = None, batch_size: int = 16,
-                    use_cache: bool = True, progress: bool = False) -> list[list[int]]:
+                    use_cache: bool = True, progress: bool = False,
+                    poll: Callable[[], None] | None = None) -> list[list[int]]:
     """Greedy continuation of each prompt (token ids), up to ``max_new_tokens`` or EOS (not
     included), and up to the model's positions (:func:`model_positions`) minus that prompt's
     length.
@@ -84,7 +85,9 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     batch's sequence never exceeds ``n_positions``: rows that reach that length before their own
     limit (shorter prompts batched with a longer one) are continued in later rounds from their
     prompt plus what they generated, which greedy decoding continues identically.
-    ``progress``: a progress bar of the prompts done (tqdm, on stderr)."""
+    ``progress``: a progress bar of the prompts done (tqdm, on stderr). ``poll``: called before
+    each batch; it may raise to stop the generation (the trainer's stop signal: collective with
+    several ranks, which generate the same batches)."""
     from tqdm import tqdm
 
     pad = eos_id if pad_id is None else pad_id
@@ -103,7 +106,7 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
         while pending:
             new, finished = _greedy_batches(model, [seqs[i] for i in pending],
                                             [left[i] for i in pending], eos_id, pad, n_pos,
-                                            batch_size, use_cache, bar.update)
+                                            batch_size, use_cache, bar.update, poll)
             still = []
             for i, toks, fin in zip(pending, new, finished):
                 out[i] += toks
@@ -125,18 +128,22 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
 
 def _greedy_batches(model, prompts: list[list[int]], limits: list[int], eos_id: int, pad: int,
                     n_pos: int | None, batch_size: int, use_cache: bool,
-                    done_rows=lambda n: None) -> tuple[list[list[int]], list[bool]]:
+                    done_rows=lambda n: None,
+                    poll: Callable[[], None] | None = None,
+                    ) -> tuple[list[list[int]], list[bool]]:
     """One round of batched greedy decoding: row r generates at most ``limits[r]`` tokens and
     stops at EOS; a batch stops when its sequence reaches ``n_positions``. Returns the tokens
     and, per row, whether it finished (EOS or its limit) rather than being stopped by the
     batch's length; ``done_rows(n)`` after each batch, with the number of its rows that
-    finished or ran out of positions for good."""
+    finished or ran out of positions for good; ``poll()`` before each batch."""
     device = _model_device(model)
     cache_kw = _cache_kwarg(model)
     tokens: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
     order = np.argsort([len(p) for p in prompts], kind="stable")
     for s in range(0, len(order), batch_size):
+        if poll is not None:
+            poll()
         chunk = order[s:s + batch_size]
         width = max(len(prompts[i]) for i in chunk)
         lim = torch.tensor([limits[i] for i in chunk], device=device)
@@ -213,20 +220,22 @@ def score_texts(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) 
 
 def generate_and_score(model, tokenizer, mr_to_refs: Mapping[str, Sequence[str]],
                        max_new_tokens: int = 64, batch_size: int = 16,
-                       return_texts: bool = False, progress: bool = False) -> dict:
+                       return_texts: bool = False, progress: bool = False,
+                       poll: Callable[[], None] | None = None) -> dict:
     """Greedy generation for every E2E meaning representation (prompt ``mr || ``), scored
     against all its references: ``{"bleu", "bleu_uncased", "rouge_l", "num_prompts"}`` (+
     ``"texts"``, the generations in ``mr_to_refs`` order, when ``return_texts``), and
     ``"no_room"``, the number of scored prompts that fill the model's positions
     (:func:`model_positions`), which generate nothing and score as empty texts.
     ``tokenizer`` is a dptrain tokenizer (``dptrain.data.tokenizers``); ``mr_to_refs`` e.g.
-    ``task.test.references_by_mr()``. Prompts without references are generated, not scored."""
+    ``task.test.references_by_mr()``. Prompts without references are generated, not scored.
+    ``poll``: see :func:`greedy_generate`."""
     from dptrain.data.lm import e2e_prompt
 
     mrs = list(mr_to_refs)
     prompt_ids = [tokenizer.encode_pair(e2e_prompt(mr), "")[0] for mr in mrs]
     gen = greedy_generate(model, prompt_ids, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id,
-                          batch_size, progress=progress)
+                          batch_size, progress=progress, poll=poll)
     texts = [tokenizer.decode(g).strip() for g in gen]
     scored = [(t, list(mr_to_refs[m])) for t, m in zip(texts, mrs) if len(mr_to_refs[m])]
     result = score_texts([t for t, _ in scored], [r for _, r in scored])
