@@ -269,3 +269,45 @@ def test_a_vit_cls_token_is_not_refused_under_bf16_products(restore_precision):
     # before the fix: ValueError "the parameter cls_token ... has rows that reach other
     # examples' losses"
     assert torch.equal(per_example_grad_norms(model, _ce, batch), exact)
+
+
+def test_sq_rows_is_float64_accurate_where_float32_reduction_rounds_low():
+    # float32 vector_norm on CPU lost 5.7e-5 relative over 590k alike elements: the clip
+    # factor of an instantiated weight-standardised conv's example followed that norm, and its
+    # clipped gradient came out at 1.000027 C
+    from dptrain.clipping import contributions
+
+    torch.manual_seed(0)
+    g = (1.0 + 1e-3 * torch.randn(3, 590_000)) * 0.57
+    exact = g.double().square().sum(1)
+    rounded = torch.linalg.vector_norm(g, dim=1).square().double()
+    assert float(((rounded - exact) / exact).abs().max()) > 1e-5  # the failure is real here
+    for block in (contributions.SQ_ROWS_BLOCK, 1000, 10**6):  # a tail, none, only the tail
+        contributions.SQ_ROWS_BLOCK, saved = block, contributions.SQ_ROWS_BLOCK
+        try:
+            got = contributions.sq_rows(g.view(3, 590, 1000))
+        finally:
+            contributions.SQ_ROWS_BLOCK = saved
+        assert got.dtype == torch.float32
+        assert float(((got.double() - exact) / exact).abs().max()) < 1e-7
+
+
+def test_an_instantiated_example_of_alike_values_adds_at_most_c():
+    # the clipped gradient of one example is lam * rows, lam = C / ||rows||: a norm that rounds
+    # low lets it out above C (a wide layer whose per-example gradient is alike everywhere)
+    torch.manual_seed(0)
+    lin = nn.Linear(768, 768, bias=False)
+    with torch.no_grad():
+        lin.weight.fill_(1e-3)
+    x = 100.0 + 1e-6 * torch.randn(2, 4, 768)  # alike positions: alike gradient entries
+
+    def loss_fn(m, batch):
+        return m(batch).sum((1, 2))
+
+    worst = 0.0
+    for b in range(2):
+        acc = {}
+        ClippingEngine(lin, clip_norm=1.0, ghost="instantiate").accumulate(loss_fn, x[b:b + 1],
+                                                                           acc)
+        worst = max(worst, float(torch.cat([v.double().reshape(-1) for v in acc.values()]).norm()))
+    assert worst <= 1.0 + 1e-6
