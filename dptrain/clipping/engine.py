@@ -1317,8 +1317,9 @@ class ClippingEngine:
     def _norms(self, query: "_Query", B: int, device, dtype):
         """Per-example norms of the query; returns (norms, forms kept for the clipped sum,
         whether some examples' ghost sums were within rounding of 0 and had their rows
-        instantiated). The query's entries are released as they are consumed."""
-        sq = torch.zeros(B, device=device, dtype=dtype)
+        instantiated). The query's entries are released as they are consumed. The parameters'
+        squared norms are added in float64 (hundreds of terms)."""
+        sq = torch.zeros(B, device=device, dtype=torch.float64)
         used = {}
         ghost = []  # (name, squared norms, examples whose ghost sum is within rounding of 0)
         for name in list(query.forms):
@@ -1332,14 +1333,14 @@ class ClippingEngine:
                 if doubt is not None:
                     ghost.append((name, s, doubt))
                     continue
-            sq = sq + s.to(dtype)
+            sq = sq + s.to(sq.dtype)
         # one device sync for all parameters; the recomputation itself is rare
         refined = bool(ghost) and bool(torch.stack([d for _, _, d in ghost]).any())
         for name, s, doubt in ghost:
             if refined and bool(doubt.any()):
                 s, used[name] = refine_cancelled(used[name], s, doubt)
-            sq = sq + s.to(dtype)
-        return sq.clamp_min(0).sqrt(), used, refined
+            sq = sq + s.to(sq.dtype)
+        return sq.clamp_min(0).sqrt().to(dtype), used, refined
 
     def _exact(self):
         """The engine's own arithmetic (contributions, norms, clipped sums) in float32 or float64
