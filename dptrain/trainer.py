@@ -161,13 +161,10 @@ def resolve_device(perf: PerformanceConfig) -> torch.device:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    """The batch's tensors on ``device``, in the same containers (dicts, lists, tuples,
+    namedtuples: torch's pytree)."""
+    return torch.utils._pytree.tree_map_only(
+        Tensor, lambda t: t.to(device, non_blocking=True), batch)
 
 
 def git_commit() -> str | None:

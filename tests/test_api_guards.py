@@ -587,3 +587,16 @@ def test_an_fsdp_forward_without_gradients_between_queries_is_not_a_change():
 
     want = ["0.bias,0.weight,2.bias,2.weight"] * 2
     assert spawn(_fsdp_eval_between_queries, 2) == [want, want]
+
+
+def test_to_device_keeps_namedtuples_lists_and_non_tensors():
+    # type(batch)(generator) failed for a namedtuple batch (its fields are positional)
+    from collections import namedtuple
+
+    from dptrain.trainer import to_device
+
+    Batch = namedtuple("Batch", "x y")
+    moved = to_device(Batch(torch.ones(2), {"ids": [torch.zeros(1, dtype=torch.long), 3]}),
+                      torch.device("cpu"))
+    assert type(moved) is Batch and torch.equal(moved.x, torch.ones(2))
+    assert moved.y["ids"][1] == 3 and moved.y["ids"][0].dtype == torch.long

@@ -311,3 +311,36 @@ def test_an_instantiated_example_of_alike_values_adds_at_most_c():
                                                                            acc)
         worst = max(worst, float(torch.cat([v.double().reshape(-1) for v in acc.values()]).norm()))
     assert worst <= 1.0 + 1e-6
+
+
+def test_a_fallback_layer_taking_a_list_runs_under_bf16_autocast():
+    # the torch.func fallback's captured inputs were made float32 inside dicts and tuples only:
+    # a list argument kept its bf16 tensor, and the norms failed with a bare dtype error
+    class Mix(nn.Module):  # no rule: the torch.func fallback
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4) * 0.1)
+
+        def forward(self, x, extra):
+            return F.linear(extra[0], self.w) * x
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.mix = nn.Linear(4, 4), nn.Linear(4, 4), Mix()
+
+        def forward(self, x):
+            return self.mix(self.a(x), [self.b(x)])
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(3, 4)
+
+    def loss_fn(m, batch):
+        return m(batch).float().pow(2).sum(1)
+
+    engine = ClippingEngine(model, clip_norm=1.0)
+    exact = engine.per_example_norms(loss_fn, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = engine.per_example_norms(loss_fn, x)
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(half, exact, rtol=3e-2, atol=0)

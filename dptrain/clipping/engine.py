@@ -93,16 +93,12 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _to_float(v: Any) -> Any:
-    """Half tensors (autocast's captures) as float32, inside dicts and tuples too (the torch.func
-    fallback keeps its layer's inputs as a tuple, the conv rules nest the fallback's dict): the
-    engine's arithmetic runs at float32 whatever the forward's precision."""
-    if isinstance(v, Tensor):
-        return v.float() if v.dtype in _HALF else v
-    if isinstance(v, dict):
-        return {k: _to_float(x) for k, x in v.items()}
-    if isinstance(v, tuple):
-        return tuple(_to_float(x) for x in v)
-    return v
+    """Half tensors (autocast's captures) as float32, inside containers too (the torch.func
+    fallback keeps its layer's inputs, lists among them, as a tuple; the conv rules nest the
+    fallback's dict): the engine's arithmetic runs at float32 whatever the forward's
+    precision."""
+    return torch.utils._pytree.tree_map_only(
+        Tensor, lambda t: t.float() if t.dtype in _HALF else t, v)
 
 
 def _shapes(batch: Any) -> tuple:
