@@ -995,6 +995,7 @@ class Trainer:
                 saved_step, saved_path = self.step, ckpt.save(self, out)
             flush()
         finally:
+            trained = time.time() - start  # the loop: steps, its evaluations and checkpoints
             bar.close()
             gpu.close()
             if main and gpu.reason and gpu.reason.startswith("NVML sampling stopped"):
@@ -1027,7 +1028,8 @@ class Trainer:
             "secure_mode": self.cfg.privacy.secure_mode,
             "guarantee": guarantee(self.cfg.privacy),
             "git_commit": git_commit(),
-            "train_seconds": time.time() - start,
+            "train_seconds": trained,
+            "final_eval_seconds": time.time() - start - trained,
             "peak_memory_gib": peak_gib,
             "gpu_energy_kwh": self._gpu_energy_kwh(gpu),
             "inner_momentum_memory": self.query_memory,

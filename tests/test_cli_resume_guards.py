@@ -868,3 +868,29 @@ def test_doppler_with_other_coefficients_at_a_resume_restarts_its_state_and_says
     assert [x for x in err.splitlines() if "DOPPLER's filter state restarts empty" in x]
     code, err = train(capsys, tmp_path / "same", "--resume", step, *args)
     assert code == 0 and "restarts empty" not in err
+
+
+def test_train_seconds_is_the_loop_and_the_final_evaluation_is_timed_apart(tmp_path,
+                                                                            monkeypatch):
+    # train_seconds once ended after the final evaluation (E2E generation can be longer than
+    # the training), which benchmarks reported as training time
+    import time
+
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    t = Trainer(load(RunConfig, TINY, ["privacy.steps=2", "train.checkpoint_every=0"]),
+                tmp_path)
+    real, began = t.evaluate, []
+
+    def slow(generate=False, stoppable=False):
+        if generate:
+            began.append(time.time())
+            time.sleep(1.0)
+        return real(generate, stoppable)
+
+    monkeypatch.setattr(t, "evaluate", slow)
+    before = time.time()
+    summary = t.run()
+    assert 0 < summary["train_seconds"] <= began[0] - before
+    assert summary["final_eval_seconds"] >= 1.0
