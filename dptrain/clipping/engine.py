@@ -6,8 +6,10 @@ current parameters; DiSK and inner momentum evaluate at several states):
 
 1. for each state: swap the state's parameter values in, run the forward with hooks that capture
    each layer's input (forward hook) and output gradient (tensor hook), then ONE backward
-   ``autograd.grad(sum_b loss_b, targets)`` whose targets are activations only — autograd then
-   skips every weight-gradient product, which book-keeping recomputes with the clip factors;
+   ``autograd.grad(sum_b loss_b, targets)`` whose targets are activations (and the per-example
+   leaves of tapped parameters, below) — autograd then skips every weight-gradient product,
+   which book-keeping recomputes with the clip factors (the checks, and two_pass, add
+   backwards of their own);
 2. every parameter's per-example gradient of the query u_b = sum_j a_j grad l(theta_j; x_b) is a
    list of contributions (contributions.py); the squared norm of the complete query is the sum
    over parameters of their ghost (or instantiated) squared norms, cross terms included;
@@ -23,8 +25,9 @@ Parameters that no layer rule sees (owned by a module whose submodules have para
 own: a ViT's class token, ConvNeXt's layer scale) are tapped: each use that meets the examples
 gets one row per example (taps.py), and row b's gradient is example b's, checked, not assumed.
 
-Targets of the backward: float inputs that do not require grad are replaced, in a pre-hook, by
-leaves that do (cheap: the first layer's input gradient), and layers with integer inputs
+Targets of the backward: float inputs that do not require grad, and a caller's own leaves that
+do, are replaced in a pre-hook by leaves of the engine's (cheap: the first layer's input
+gradient), and layers with integer inputs
 (embeddings) make their output a target. Every trainable tensor then lies on a path from the
 loss to a target, so every hooked layer's output gradient is computed, and nothing else extra.
 Tensor hooks registered before an in-place op (timm's in-place activations) receive the gradient
@@ -85,7 +88,6 @@ LossFn = Callable[[nn.Module, Any], Tensor]
 #: follow the entry's index instead (``dptrain.models.dropout``). An
 #: optional fourth element is a view, ``view(batch) -> batch`` (same examples, same order): the
 #: entry is evaluated on the views (augmentation multiplicity, ``dptrain.data.augment``).
-Coef = "float | dict[str, float]"
 QueryPlan = list[tuple]
 
 
@@ -133,9 +135,9 @@ class _Record:
     module: nn.Module
     rule: LayerRule
     saved: dict
-    coef: float
+    coef: float | dict[str, float]  # the state's coefficient (per parameter: a dict)
     G: Tensor | None = None
-    target_index: int | None = None
+    is_target: bool = False  # its output is a target of the backward
     output: Tensor | None = None
     version: int = 0
     node: Any = None  # the output's autograd node (tensor-hook captures)
@@ -203,7 +205,7 @@ class _FirstForwardCheck(TorchFunctionMode):
     (``.unsqueeze(0)``) the check above does not see. Inputs made from one row for all
     (``arange(K).expand(B, K)``: learned queries) are the same for every example, and fine."""
 
-    def __init__(self, engine: "ClippingEngine", batch: Any = None, batch_size: int = 0):
+    def __init__(self, engine: "ClippingEngine", batch: Any, batch_size: int):
         super().__init__()
         #: id -> weak reference: the batch's tensors and every result of a torch call on one
         self.derived: dict[int, weakref.ref] = {}
@@ -461,8 +463,9 @@ class ClippingEngine:
     """Per-example norms and clipped sums for ``model``'s trainable parameters.
 
     Args:
-        model: any module whose trainable parameters all belong to layers with a rule (or to
-            parameter-owning leaf modules, handled by the torch.func fallback).
+        model: any module whose trainable parameters all belong to layers with a rule, to
+            parameter-owning leaf modules (the torch.func fallback), or to modules whose
+            submodules have parameters of their own (tapped: taps.py).
         clip_norm: C; ``None`` only for computing norms.
         ghost: per-layer norm form, a performance setting (same result either way): by
             estimated time ("auto"), by bytes held ("memory"), or one form for every layer.
@@ -579,8 +582,9 @@ class ClippingEngine:
     # capture
 
     @contextlib.contextmanager
-    def _capture(self, batch_size: int, coef: float, records: list[_Record],
-                 targets: list[Tensor], op_taps: list) -> Iterator[None]:
+    def _capture(self, batch_size: int, coef: float | dict[str, float],
+                 records: list[_Record], targets: list[Tensor],
+                 op_taps: list) -> Iterator[None]:
         handles = []
         tap_leaves: set[int] = set()  # the tapped parameters' leaves (kept in targets)
 
@@ -711,7 +715,7 @@ class ClippingEngine:
                 if not output.requires_grad:
                     return None
                 if not any(isinstance(a, Tensor) and a.requires_grad for a in args):
-                    rec.target_index = len(targets)
+                    rec.is_target = True
                     rec.output = output
                     rec.version = output._version
                     targets.append(output)
@@ -772,9 +776,11 @@ class ClippingEngine:
 
     @contextlib.contextmanager
     def _state(self, state: dict[str, Tensor] | None, seed: int | None = None) -> Iterator[None]:
-        """Evaluate at ``state`` (name -> values): copy the values in (through ``.data``, so
-        autograd's version counters are untouched) and the current ones back afterwards. Under
-        sharding the values are each rank's local shards. With ``seed``, the forward randomness
+        """Evaluate at ``state`` (name -> values), through ``.data`` (autograd's version
+        counters are untouched): a parameter is pointed at the state's tensor and back
+        afterwards (no copy); one whose storage must stay its own (FSDP2 gathers from it) has
+        the values copied in and its own copied back. Under sharding the values are each
+        rank's local shards. With ``seed``, the forward randomness
         comes from a forked RNG stream seeded with it. The state's names and shapes were checked
         with its plan (``_check_plan``)."""
         rng = contextlib.nullcontext()
@@ -905,7 +911,8 @@ class ClippingEngine:
         """Evaluate every state of the plan; each state's captured tensors are turned into
         contributions and handed to ``query`` as soon as that state's backward is done (so a
         parameter whose contributions are instantiated keeps one per-example buffer, not every
-        state's activations)."""
+        state's activations). ``retain`` (two_pass): each state's graph is kept, and returned
+        as (coefficient, state, per-example losses) for the second backward."""
         self._check_params()
         for name, m in self._batchnorms:
             if m.training:
@@ -969,8 +976,7 @@ class ClippingEngine:
                 if not isinstance(losses, Tensor):
                     raise TypeError(f"loss_fn must return a tensor of per-example losses of "
                                     f"shape ({B},), got {type(losses).__name__}")
-                if retain and self.mode == "two_pass" and losses.dtype not in (torch.float32,
-                                                                               torch.float64):
+                if retain and losses.dtype not in (torch.float32, torch.float64):  # two_pass
                     # (its second backward weights them by the clip factors rounded to theirs)
                     raise ClippingError(
                         f"dptrain.clipping: mode='two_pass' with losses in {losses.dtype}: the "
@@ -1029,7 +1035,7 @@ class ClippingEngine:
             self._check_op_taps(op_taps, index)
             del op_taps
             for rec in records:
-                if rec.target_index is not None:
+                if rec.is_target:
                     if rec.output._version != rec.version:
                         raise ClippingError(
                             f"dptrain.clipping: the output of {type(rec.module).__name__} was "
@@ -1042,7 +1048,7 @@ class ClippingEngine:
                 query.add(self._contributions(records))
             del records
             if retain:
-                graphs.append((coef, state, seed, losses))
+                graphs.append((coef, state, losses))
         if current > 1:
             loss_total = loss_total / current
         return graphs, loss_total
@@ -1504,7 +1510,7 @@ class ClippingEngine:
                 rng = torch.Generator().manual_seed(secrets.randbits(63))
                 probes = {n: self._probe(used.get(n, []), lam, rng) for n in names}
                 second: dict[str, Tensor] = {}
-                for coef, state, _, losses in graphs if names else ():
+                for coef, state, losses in graphs if names else ():
                     with self._state(state):
                         weighted = (losses * lam.to(losses.dtype)).sum()
                         grads = torch.autograd.grad(weighted, [self.params[n] for n in names],
