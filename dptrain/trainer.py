@@ -855,6 +855,10 @@ class Trainer:
                           f"prompts fill the model's positions: nothing is generated for them, "
                           f"and they score as empty texts in BLEU and ROUGE-L (model.n_positions,"
                           f" or shorter prompts)", file=sys.stderr)
+        except _EvaluationStopped:
+            # its undecodable images are not reported: the next evaluation finds its own
+            getattr(self.task.test, "undecodable", []).clear()
+            raise
         finally:
             self.model.train()  # (Task.evaluate reshards FSDP2's root after its forwards)
         failed = getattr(self.task.test, "undecodable", None)
@@ -951,7 +955,7 @@ class Trainer:
                 # (the final evaluation follows the loop)
                 evaluate = bool(tc.eval_every) and self.step % tc.eval_every == 0 and not last
                 # a row at every log_every-th step, the last, and every evaluation (whose
-                # metrics it holds: an evaluation at a step without a row was skipped)
+                # metrics it holds, unless a stop signal dropped it: then it has none)
                 if self.step % tc.log_every == 0 or last or evaluate:
                     eps, eps_step = self.epsilon(), self.step
                     row["epsilon"] = eps

@@ -543,15 +543,20 @@ def sq_rows(g: Tensor) -> Tensor:
     g's dtype. The clip factors follow these norms, so they must not round low: float32's own
     reduction over a long row does (on CPU, 5.7e-5 relative over 590k alike elements, 1.4e-3
     over 2.4M: an instantiated 768 x 768 Linear's example then added 1.0005 C). So a row is
-    reduced in blocks of :data:`SQ_ROWS_BLOCK` columns and the blocks' squares are added in
-    float64 (1e-8 relative; about 1.2 times plain float32's time)."""
+    reduced in blocks of :data:`SQ_ROWS_BLOCK` columns (a view: no copy) and the blocks'
+    squares are added in float64 (1e-8 relative; BENCHMARKS.md: no slower within a formed
+    instantiated gradient's time)."""
     g = g.reshape(g.shape[0], -1)
-    if g.dtype == torch.float64:
-        return torch.linalg.vector_norm(g, dim=1).square()
     B, n = g.shape
+    if g.dtype == torch.float64 or n <= SQ_ROWS_BLOCK:  # (one block: float32 is exact enough)
+        return torch.linalg.vector_norm(g, dim=1).square()
+    if g.stride(1) != 1:
+        g = g.contiguous()
     whole = n // SQ_ROWS_BLOCK * SQ_ROWS_BLOCK
-    total = torch.linalg.vector_norm(g[:, :whole].reshape(B, -1, SQ_ROWS_BLOCK), dim=2
-                                     ).double().square().sum(1)
+    # each row's whole blocks, as a view (no copy, whatever the tail)
+    blocks = g.as_strided((B, whole // SQ_ROWS_BLOCK, SQ_ROWS_BLOCK),
+                          (g.stride(0), SQ_ROWS_BLOCK, 1), g.storage_offset())
+    total = torch.linalg.vector_norm(blocks, dim=2).double().square().sum(1)
     if whole < n:
         total += torch.linalg.vector_norm(g[:, whole:].double(), dim=1).square()
     return total.to(g.dtype)
