@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 import math
 import os
 import subprocess
@@ -165,6 +166,24 @@ def to_device(batch: Any, device: torch.device) -> Any:
     namedtuples: torch's pytree)."""
     return torch.utils._pytree.tree_map_only(
         Tensor, lambda t: t.to(device, non_blocking=True), batch)
+
+
+def _rows_peak(path: Path) -> float:
+    """The highest ``peak_memory_gib`` of the readable rows of a ``metrics.jsonl``; 0 if none
+    (no file, secure mode's rows)."""
+    peak = 0.0
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return peak
+    for line in lines:
+        try:
+            value = json.loads(line).get("peak_memory_gib")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            peak = max(peak, float(value))
+    return peak
 
 
 def git_commit() -> str | None:
@@ -909,7 +928,11 @@ class Trainer:
 
         eps, eps_step = self.epsilon(), self.step  # shown with its step: computed every log_every
         start = time.time()
-        peak_gib = None  # the highest peak_memory_gib of this process's rows (none: secure mode)
+        # the highest peak_memory_gib of the run's rows, those before a resume included (none:
+        # secure mode, or no row yet); the same on every rank
+        (peak,) = all_reduce_scalars(_rows_peak(out / "metrics.jsonl") if main and out else 0.0,
+                                     device=self.device, op="max")
+        peak_gib = peak or None
         peak_memory_bytes(self.device, reset=True)  # rows measure the steps, not the build
         gpu = GpuMonitor(self.device).start()  # off (and silent) without CUDA
         if main and gpu.reason and self.device.type == "cuda":

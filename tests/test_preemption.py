@@ -401,6 +401,9 @@ def test_a_stop_during_the_final_evaluation_checkpoints_and_resume_evaluates(tmp
     capsys.readouterr()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["metrics"] == whole["metrics"]
+    # the resume ran no step: its peak is the rows' of the process that ran them (was null)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert summary["peak_memory_gib"] == max(r["peak_memory_gib"] for r in rows) > 0
 
 
 def test_a_stop_during_an_eval_every_evaluation_drops_it_and_stops_at_its_step(tmp_path):
