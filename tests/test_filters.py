@@ -390,3 +390,41 @@ def test_doppler_correction_change_whose_recomputed_normaliser_reaches_0_restart
     new.load_state_dict(old.state_dict())
     assert new.num_steps == 0 and not new.m_hist
     assert "restarts empty" in new.restart_note and "at step 1200" in new.restart_note
+
+
+def test_disk_plans_a_parameter_that_had_no_gradient_at_the_last_step():
+    # x_{t-1} was recorded only for parameters with a gradient: the next plan raised KeyError
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.full((3,), 2.0))
+    named = [("a", a), ("b", b)]
+    f = DiSKFilter(0.5, 0.5)
+    a.grad, b.grad = torch.ones(3), None
+    f.apply(named)
+    with torch.no_grad():
+        a.add_(1.0)  # the step moves a only
+    (c, ahead), _ = f.query_plan(named)
+    assert torch.equal(ahead["b"], b.detach())  # not moved: no extrapolation
+    assert torch.equal(ahead["a"], a.detach() + 0.5 * torch.ones(3))
+
+
+@pytest.mark.parametrize("saved, loader", [("disk", "doppler"), ("doppler", "disk")])
+def test_another_filter_s_state_is_refused_naming_the_field(saved, loader):
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    make = {"disk": lambda: DiSKFilter(0.5, 0.5), "doppler": lambda: DopplerFilter([-0.9], [0.1])}
+    source = make[saved]()
+    source.apply([("p", p)])
+    with pytest.raises(ConfigError, match="optim.filter.name"):
+        make[loader]().load_state_dict(source.state_dict())
+
+
+def test_doppler_restarting_empty_drops_its_own_state_too():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    f = DopplerFilter([-0.9], [0.1])
+    for _ in range(3):
+        f.apply([("p", p)])
+    other = DopplerFilter([-0.5], [0.5])
+    other.apply([("p", p)])
+    f.load_state_dict(other.state_dict())  # other coefficients: restarts empty
+    assert f.restart_note and f.num_steps == 0 and f.c_hist == [] and f.m_hist == {}
+    assert f.state_dict() == DopplerFilter([-0.9], [0.1]).state_dict()

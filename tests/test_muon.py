@@ -492,3 +492,18 @@ def test_smooth_ns_of_a_zero_matrix_with_a_huge_constant_is_zero():
     """bc_gamma_ns = 1e20 (accepted): gamma^2 is inf in float32, so the rescue took the zero
     matrix too and divided it by its largest entry, 0: NaN where the plain form gives 0."""
     assert torch.equal(smooth_newton_schulz(torch.zeros(4, 6), 5, 1e20), torch.zeros(4, 6))
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (3, 0, 2, 2)])
+@pytest.mark.parametrize("make", [
+    lambda p: Muon([p], lr=0.1, scale="original"),  # r / c divided by 0
+    lambda p: MuonBC([p], lr=0.1, release_noise_std=0.1, seed=0),  # a batch of empty matrices
+    lambda p: MuonS([p], lr=0.1, seed=0),
+])
+def test_an_empty_weight_steps_without_error(shape, make):
+    p = torch.nn.Parameter(torch.zeros(shape))
+    p.grad = torch.zeros(shape)
+    opt = make(p)
+    opt.step()
+    opt.step()
+    assert p.shape == shape

@@ -10,7 +10,8 @@ A filter has two faces:
   and remember what the filter needs (its state, and for DiSK the current parameters x_t).
 
 ``noise_gain()`` is the coefficient of the latest release in the output (DP-MuonBC needs it).
-Everything is keyed by parameter name, so ``state_dict`` survives regrouping and resharding.
+Everything is keyed by parameter name, so ``state_dict`` survives resharding (a change of
+parameter groups is refused by ``DPOptimizer.check_groups``).
 """
 
 from __future__ import annotations
@@ -196,6 +197,21 @@ def _in_param_dtypes(states: list[dict], named_params: NamedParams) -> None:
                 state[n] = v.to(want)
 
 
+def filter_kind(state: dict) -> str:
+    """The filter a filter state (``state_dict()``) is of, from its keys: "disk", "doppler" or
+    "none"."""
+    return "doppler" if "c_hist" in state else "disk" if "x_prev" in state else "none"
+
+
+def _check_kind(state: dict, mine: str) -> None:
+    """A ConfigError unless ``state`` is empty or this kind of filter's (another's keys would
+    fail with a bare KeyError; turning a filter on is allowed: it starts empty)."""
+    saved = filter_kind(state)
+    if saved not in ("none", mine):
+        raise ConfigError("optim.filter.name", f"{mine} here, {saved} in the checkpoint: its "
+                                               f"filter state cannot continue as {mine}'s")
+
+
 class Filter:
     """The identity: the query is the gradient at the current parameters, the output the release."""
 
@@ -240,7 +256,8 @@ class DiSKFilter(Filter):
             return [(1.0, None)]
         _in_param_dtypes([self.x_prev, self.g], named_params)
         with torch.no_grad():
-            ahead = {n: p.detach() + self.gamma * (p.detach() - self.x_prev[n])
+            # (a parameter without a gradient at the last step was not moved by it: d = 0)
+            ahead = {n: p.detach() + self.gamma * (p.detach() - self.x_prev.get(n, p.detach()))
                      for n, p in named_params}
         plan: QueryPlan = [(self.c, ahead)]
         if self.c != 1.0:
@@ -271,6 +288,7 @@ class DiSKFilter(Filter):
         return {"num_steps": self.num_steps, "g": dict(self.g), "x_prev": dict(self.x_prev)}
 
     def load_state_dict(self, state: dict) -> None:
+        _check_kind(state, "disk")
         self.num_steps = int(state["num_steps"])
         self.g = {n: t.clone() for n, t in state["g"].items()}
         self.x_prev = {n: t.clone() for n, t in state["x_prev"].items()}
@@ -294,11 +312,16 @@ class DopplerFilter(Filter):
         self.a = [float(x) for x in a]
         self.b = [float(x) for x in b]
         self.correction = correction
-        self.num_steps = 0
         self.restart_note: str | None = None  # set by load_state_dict when the state restarts
+        self.num_steps = 0
         self.c_hist: list[float] = []  # c_{t-1}, c_{t-2}, ... (newest first, len <= p)
         self.m_hist: dict[str, list[Tensor]] = {}  # m_{t-1}, ... (newest first, len <= p)
         self.g_hist: dict[str, list[Tensor]] = {}  # g_{t-1}, ... (newest first, len <= q)
+
+    def _restart(self) -> None:
+        """The state of step 0."""
+        self.num_steps = 0
+        self.c_hist, self.m_hist, self.g_hist = [], {}, {}
 
     def _next_c(self) -> float:
         return doppler_normaliser(self.a, self.b, self.correction, self.c_hist, self.num_steps)
@@ -353,7 +376,9 @@ class DopplerFilter(Filter):
         goes on (m and g do not depend on it) with c_t recomputed from step 0. A checkpoint from
         before the coefficients were stored (2026-12-03) restarts only where its history would
         lead to c_t = 0 within the config check's horizon."""
+        _check_kind(state, "doppler")
         self.restart_note = None
+        self._restart()  # (a filter that has stepped: nothing of its own state stays)
         saved, now = state.get("coefficients"), self._coefficients()
         steps = int(state["num_steps"])
         c_hist, last_c = [float(c) for c in state["c_hist"]], state["last_c"]

@@ -47,7 +47,7 @@ SCALES: dict[str, Callable[[int, int], float]] = {
     # Moonshot's rule, torch.optim.Muon's adjust_lr_fn="match_rms_adamw": update RMS ~ 0.2.
     "match_rms_adamw": lambda r, c: 0.2 * math.sqrt(max(r, c)),
     # Keller Jordan's rule (also seed 3's sqrt(max(1, m/n))).
-    "original": lambda r, c: math.sqrt(max(1.0, r / c)),
+    "original": lambda r, c: math.sqrt(max(1.0, r / max(c, 1))),  # (an empty matrix: 1)
 }
 
 
@@ -107,7 +107,7 @@ class Muon(torch.optim.Optimizer):
     Warnings:
     - every parameter must have >= 2 dims; conv weights are orthogonalised as (out, in*kh*kw);
       embeddings, heads, gains and biases belong in another group (see ``groups.py`` presets);
-    - ``ns_dtype`` is a performance option (bf16 is ~2x cheaper on GPUs); ``float64`` is exact;
+    - ``ns_dtype`` is a performance option (bf16 is ~2x cheaper on GPUs); ``float64`` computes the same J steps with float64 rounding;
     - with ``momentum_style="ema"`` N is (1-mu) times Eq. 7's; Newton–Schulz's Frobenius
       normalisation removes that factor (up to ``eps``), so both styles give the same step;
     - ``scale="original"`` uses sqrt(max(1, r/c)) with r = fan-out of a ``nn.Linear``; HF GPT-2's
@@ -268,8 +268,10 @@ class MuonBC(Muon):
     ``noise_gain`` (a param-group entry, 1 by default) is the gain of a filter in front of the
     optimizer on the current release; ``build_optimizer`` sets it every step.
 
-    Probes are public randomness: a fresh ``torch.Generator`` per (seed, step, parameter name),
-    independent of the release's noise stream; resuming at step t redraws the same probes.
+    Probes are public randomness: a fresh ``torch.Generator`` per (seed, the parameter's step,
+    parameter name), on the parameter's device, independent of the release's noise stream;
+    resuming at step t on the same kind of device redraws the same probes (CPU and CUDA
+    generators give different draws for one seed).
 
     Warnings:
     - 1 + 2*bc_probes Newton–Schulz evaluations per matrix per step (batched in one call);
@@ -450,9 +452,12 @@ class MuonS(torch.optim.Optimizer):
     sigma_1 by Lanczos on M^T M (``top_singular_value``: at most ``power_iters`` products, fewer
     once the residual is within ``power_tol``) warm-started from the previous step's top Ritz
     vector (kept in the state); parameters with < 2 dims take the heavy-ball SGD step
-    W <- W - lr*M_t.
+    W <- W - lr*M_t. ``weight_decay``: W <- W*(1 - lr*weight_decay) first, for every parameter
+    (1-D ones too).
 
     Warnings:
+    - ``eps`` is Newton–Schulz's normalisation guard with ``ns_coefficients="muon"`` only: the
+      Polar Express coefficients (the default) use their own fixed safety terms;
     - U V^T is approximated by Newton–Schulz; the default Polar Express coefficients get much
       closer to the polar factor than Muon's at 5 steps (Muon's leave singular values in
       ~[0.7, 1.2]);

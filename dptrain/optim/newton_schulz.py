@@ -77,7 +77,7 @@ def _iterate(X_wide: Tensor, schedule: list[tuple[float, float, float]]) -> Tens
             X = torch.addmm(X, B, X, beta=a)  # a*X + B@X
         return X
     batch = X_wide.shape[:-2]
-    X = X_wide.reshape(-1, *X_wide.shape[-2:])
+    X = X_wide.flatten(0, -3)  # (a reshape to -1 is ambiguous for an empty matrix)
     for a, b, c in schedule:
         A = X @ X.mT  # (batch, m, m)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)

@@ -32,8 +32,9 @@ it is not implemented.
 **auto** (default): matrices with m >= n and m*n > ``max_owner_numel`` (too big for one rank)
 are model-parallel; for the rest, the cost model estimates the per-rank makespan
 (LPT makespan of the owner matrices + the per-rank cost of the model-parallel ones, flops plus a
-weighted count of communicated elements) and moves the most expensive tall/square matrices to
-model-parallel only while that lowers it, e.g. one dominant matrix that LPT cannot balance. With
+weighted count of communicated elements) and moves the k most expensive tall/square matrices
+to model-parallel for the k (0 included) that gives the lowest makespan, e.g. one dominant
+matrix that LPT cannot balance. With
 many similar matrices (GPT-2, ResNet) everything stays owner-compute, as in Dion, torchtitan's
 DistMuon and DMuon. The plan depends only on the shapes, the world size and the options, so
 every rank computes the same plan without communication.
