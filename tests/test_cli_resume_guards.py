@@ -175,6 +175,7 @@ def test_resume_with_another_optimizer_structure_exits_2(tmp_path, capsys, finis
     ({"foo": 1}, "lacks step, optimizer, ledger, config, rng"),
     ([1, 2], "holds a list"),
     ("drop ledger", "lacks ledger"),
+    ("drop privacy_seed", "privacy seed"),  # was an assert: KeyError, exit 1
 ])
 def test_a_checkpoint_with_intact_checksums_but_other_content_exits_2(tmp_path, capsys, finished,
                                                                      content, words):
@@ -186,9 +187,9 @@ def test_a_checkpoint_with_intact_checksums_but_other_content_exits_2(tmp_path, 
     out = unfinished_copy(finished, tmp_path / "copy")
     step_dir = sorted((out / "checkpoints").glob("step-*"))[-1]
     state_pt = step_dir / "state.pt"
-    if content == "drop ledger":
+    if content in ("drop ledger", "drop privacy_seed"):
         state = torch.load(state_pt, weights_only=False)
-        del state["ledger"]
+        del state[content.split()[1]]
         content = state
     torch.save(content, state_pt)
     marker = json.loads((step_dir / ckpt.MARKER).read_text())
@@ -894,3 +895,24 @@ def test_train_seconds_is_the_loop_and_the_final_evaluation_is_timed_apart(tmp_p
     summary = t.run()
     assert 0 < summary["train_seconds"] <= began[0] - before
     assert summary["final_eval_seconds"] >= 1.0
+
+
+def test_an_empty_resume_is_refused_before_anything_is_built(tmp_path, capsys):
+    code, err = train(capsys, tmp_path / "run", "--resume", " ")
+    assert code == 2 and "resume: is empty" in one_line(err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_metrics_row_without_an_integer_step_is_kept_not_a_traceback(tmp_path, capsys,
+                                                                       finished):
+    # {"step": null} made --resume auto fail with a TypeError when it dropped the rows after
+    # its checkpoint
+    out = unfinished_copy(finished, tmp_path / "copy")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": null, "note": "mine"}\n')
+    code, err = train(capsys, out, "--resume", "auto", "train.checkpoint_every=1",
+                      "train.keep_checkpoints=4")
+    assert code == 0, err
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert '{"step": null, "note": "mine"}' in lines
+    assert [json.loads(x)["step"] for x in lines if '"note"' not in x] == [1, 2, 3, 4]

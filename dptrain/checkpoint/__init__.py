@@ -954,8 +954,12 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         if trainer.rank == 0:  # (said once, as the "resumed from" line)
             print("dptrain: secure mode: resuming with fresh randomness (a new privacy seed "
                   "from OS entropy; exact replay is impossible by design)", file=sys.stderr)
-    else:
-        assert state["privacy_seed"] == trainer._privacy_seed
+    elif state.get("privacy_seed") != trainer._privacy_seed:
+        # (privacy.seed is compared with the config above: a checkpoint written by something
+        # else; never an assert, which python -O removes)
+        raise ConfigError("resume", f"checkpoint {path} is unusable: its privacy seed is not "
+                                    f"this run's (privacy.seed); it was not written by "
+                                    f"dptrain train for this config")
 
 
 def unused_state(saved: dict, optimizer) -> list[str]:

@@ -59,6 +59,8 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
     cfg = load(RunConfig, args.config, args.overrides)
     if args.output_dir is not None and not args.output_dir.strip():
         raise ConfigError("output-dir", "is empty (leave it out for runs/<config name>)")
+    if args.resume is not None and not args.resume.strip():
+        raise ConfigError("resume", "is empty: 'auto', or a checkpoint directory")
     out = Path(args.output_dir) if args.output_dir else Path("runs") / Path(args.config).stem
     if out.exists() and not out.is_dir():
         raise ConfigError("output-dir", f"{out} exists and is not a directory")
@@ -104,7 +106,12 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         _check_secure_resume(resume_path)
         _check_secure_branch(resume_path, out)
     trainer = Trainer(cfg, out)
-    stop.trainer, trainer.stop_signal = trainer, stop.stop_signal
+    # a signal from here on sets the trainer's flag itself; one that lands between reading
+    # and storing the flag below is in stop.stop_signal, read again after
+    stop.trainer = trainer
+    trainer.stop_signal = stop.stop_signal
+    if stop.stop_signal is not None:
+        trainer.stop_signal = stop.stop_signal
     if args.resume == "auto":
         # the checksums, hashed by the ranks in turn (each file read once in all), of rank 0's
         # list, whatever each rank's first look found: a rank whose view of a shared file
@@ -263,8 +270,14 @@ def _json_rows(path: Path) -> list[tuple[str, dict]]:
     return rows
 
 
+def _row_step(row: dict) -> int | None:
+    """A row's ``step``, if it is an integer (rows dptrain writes have one)."""
+    step = row.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def _metrics_steps(path: Path) -> list[int]:
-    return [int(row.get("step", 0)) for _, row in _json_rows(path)]
+    return [s for _, row in _json_rows(path) if (s := _row_step(row)) is not None]
 
 
 #: what a run writes in its output directory: name -> whether it is a directory
@@ -292,7 +305,7 @@ def _check_layout(out: Path) -> None:
 def _holds_a_run(out: Path) -> bool:
     """``out`` has a checkpoint, logged steps or a final model of an earlier run (a fresh run
     would mix in, or overwrite it)."""
-    return (any((out / "checkpoints").glob("step-*")) or bool(_metrics_steps(out / "metrics.jsonl"))
+    return (any((out / "checkpoints").glob("step-*")) or bool(_json_rows(out / "metrics.jsonl"))
             or any((out / "final").glob("*")))
 
 
@@ -409,7 +422,9 @@ def _drop_metrics_after(path: Path, step: int) -> None:
     are recomputed now): drop them, so metrics.jsonl holds each step once."""
     if not path.exists():
         return
-    keep = [line for line, row in _json_rows(path) if row.get("step", 0) <= step]
+    # (a row without an integer step is not one of dptrain's: kept as it is)
+    keep = [line for line, row in _json_rows(path)
+            if (s := _row_step(row)) is None or s <= step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)
