@@ -271,6 +271,7 @@ def test_a_causal_lm_with_batchnorm_is_refused(monkeypatch):
     ("model.hf_config.model_type=bert", "model.hf_config.model_type"),
     ("model.hf_config.vocab_size=64", "model.hf_config.vocab_size"),
     ("model.hf_config.num_key_value_heads=3", "model.hf_config"),  # when the model is built
+    ("model.hf_config.num_key_value_heads=0", "model.hf_config"),  # was a ZeroDivisionError
     ("model.hf_config.max_position_embeddings=8", "model.hf_config.max_position_embeddings"),
     ("model.hf_config=[1]", "model.hf_config"),
     ("model.n_head=4", "model.n_head"),

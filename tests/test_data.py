@@ -867,6 +867,48 @@ def test_webdataset_random_access_matches_webdataset_stream(tmp_path):
     assert len(t2.train) == 10 and len(t2.test) == 4
 
 
+def _labelled_shards(root: Path, labels: dict[str, list[int]]) -> None:
+    """One shard per split (``imagenet-<split>-000000.tar``) of 8x8 images with these labels."""
+    import webdataset as wds
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(buf, format="PNG")
+    for split, ys in labels.items():
+        with wds.TarWriter(str(root / f"imagenet-{split}-000000.tar")) as w:
+            for j, y in enumerate(ys):
+                w.write({"__key__": f"{split}{j}", "png": buf.getvalue(), "cls": str(y).encode()})
+
+
+def test_webdataset_classes_are_the_shards_not_a_max_examples_subset(tmp_path):
+    # the classes were counted after max_*_examples thinned the data: a subset of label-0
+    # examples gave a one-class head (every loss 0, a silent run that learns nothing)
+    _labelled_shards(tmp_path, {"train": [0, 0, 0, 3, 0, 0], "val": [0, 1, 0]})
+    few = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                                max_train_examples=2, max_test_examples=1))
+    labels = few.train.labels.tolist() + few.test.labels.tolist()
+    assert max(labels) < 3  # the subset has not the highest class
+    assert few.info.num_classes == 4
+
+
+def test_webdataset_path_with_glob_characters_is_a_path(tmp_path):
+    # data.path "run[1]" was read as a pattern: "no shard matches .../run[1]/*train*.tar"
+    root = tmp_path / "run[1]*"
+    root.mkdir()
+    _labelled_shards(root, {"train": [0, 1], "val": [1]})
+    task = build_data(DataConfig(name="webdataset", path=str(root), image_size=8))
+    assert len(task.train) == 2 and len(task.test) == 1
+
+
+def test_webdataset_shards_of_one_class_are_refused_naming_num_classes(tmp_path):
+    _labelled_shards(tmp_path, {"train": [0, 0], "val": [0, 0]})
+    with pytest.raises(ConfigError, match="data.num_classes: every label in the shards is 0"):
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                                 num_classes=2))
+    assert task.info.num_classes == 2
+
+
 def test_webdataset_shard_with_a_repeated_key_is_refused(tmp_path):
     # keys x, y, x: merging the two x's would make one example of two samples' files
     import webdataset as wds
@@ -1576,3 +1618,34 @@ def test_webdataset_index_cache_is_read_back_while_the_shard_is_unchanged(tmp_pa
     blocked = tmp_path / "blocked"
     blocked.write_text("")
     assert np.array_equal(build(blocked).index["label"], fresh["label"])
+
+
+@pytest.mark.parametrize("name, extra", [("synthetic_lm", {"max_length": 64}),
+                                         ("synthetic_images", {"image_size": 32})])
+def test_a_synthetic_set_too_large_names_the_size_furthest_above_its_default(name, extra):
+    # train 300 (above its default 256) and test 10^6: the train size was named
+    with pytest.raises(ConfigError) as e:
+        DataConfig(name=name, synthetic_train_size=300, synthetic_test_size=10**6,
+                   **extra).validate()
+    assert e.value.field == "synthetic_test_size", e.value
+    with pytest.raises(ConfigError) as e:
+        DataConfig(name=name, synthetic_train_size=10**6, synthetic_test_size=100,
+                   **extra).validate()
+    assert e.value.field == "synthetic_train_size", e.value
+
+
+def test_decoding_with_a_channel_count_other_than_1_or_3_is_one_error_not_undecodable_rows():
+    # the check sat inside each image's decoding, whose ValueError handler recorded every
+    # image as undecodable (with skip_undecodable: clip factor 0 for the whole batch)
+    from PIL import Image
+
+    from dptrain.data.wds import decode_images, image_stats
+
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(buf, format="PNG")
+    failed = []
+    with pytest.raises(ConfigError, match="data.in_chans"):
+        decode_images([io.BytesIO(buf.getvalue())], str, 8, 2, *image_stats(1), failed=failed)
+    assert failed == []
+    with pytest.raises(ConfigError, match="data.in_chans"):
+        image_stats(2)

@@ -452,3 +452,7 @@ def test_timm_model_gets_drop_path_rate_and_input_channels_from_the_config():
         assert model(torch.randn(2, 1, 16, 16)).shape == (2, 5)
     plain = build_model(ModelConfig(name="timm", timm_name="nf_resnet_tiny"), info)
     assert not any(isinstance(m, DropPath) for m in plain.modules())
+    # a timm model without stochastic depth: one error naming the field (was a bare TypeError)
+    with pytest.raises(ConfigError) as e:
+        build_model(ModelConfig(name="timm", timm_name="vgg11", drop_path_rate=0.1), info)
+    assert e.value.field == "model.drop_path_rate" and "drop_path_rate" in e.value.message

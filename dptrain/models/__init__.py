@@ -65,7 +65,8 @@ class ModelConfig:
     causal_lm: every dropout probability of the model's config (Llama, Qwen2, Mistral: their
     ``attention_dropout``; a family without one refuses a non-zero value). 0 by default so that
     a forward is deterministic; dropout is per example and allowed (with dropout a causal_lm
-    runs eager attention, whose dropout dptrain's per-example masks replace; without, sdpa)."""
+    runs eager attention, whose dropout dptrain's per-example masks replace; without, sdpa,
+    except in bfloat16 or for a family without it: ``_attention``)."""
     pretrained_path: str | None = None
     """gpt2, causal_lm: directory of a HF-format checkpoint (config.json + weights), loaded
     with ``from_pretrained(local_files_only=True)``. Null: random initialisation from the fields
@@ -92,7 +93,8 @@ class ModelConfig:
     decoder-only ``model_type`` (llama, qwen2, mistral, ...); a key the config class does not
     know is refused. ``vocab_size``, ``tie_word_embeddings`` and the dropout probabilities are
     set by model.vocab_size, model.tie_embeddings and model.dropout; the attention
-    implementation by dptrain (sdpa, eager with dropout). With ``pretrained_path``: empty (the
+    implementation by dptrain (sdpa; eager with dropout, in bfloat16, or for a family without
+    sdpa). With ``pretrained_path``: empty (the
     checkpoint's config.json decides)."""
 
     # --- timm ---
@@ -611,7 +613,8 @@ def scratch_config(cfg: ModelConfig, vocab_size: int | None = None,
         if key in _HF_CHOSEN_KEYS:
             raise ConfigError(f"model.hf_config.{key}",
                               "dptrain chooses the attention implementation (sdpa; eager with "
-                              "model.dropout > 0, so that its dropout is per example)")
+                              "model.dropout > 0, so that its dropout is per example, and in "
+                              "bfloat16)")
     try:
         cls = CONFIG_MAPPING[model_type]
     except KeyError:
@@ -695,7 +698,7 @@ def _check_runs(model: nn.Module) -> None:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model(input_ids=torch.zeros(1, 2, dtype=torch.long))
     except (RuntimeError, ValueError, IndexError, AssertionError, TypeError,
-            NotImplementedError) as e:
+            NotImplementedError, ArithmeticError) as e:
         raise ConfigError("model.hf_config", f"the model it builds cannot run: "
                                              f"{type(e).__name__}: {_one_line(e)}") from None
     finally:
@@ -796,7 +799,8 @@ def _build_causal_lm(cfg: ModelConfig, info: DataInfo, low_precision: bool) -> n
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=_attention(config, cfg.dropout, low_precision))
     except (ValueError, TypeError, RuntimeError, AssertionError, KeyError, IndexError,
-            AttributeError, ImportError) as e:  # ImportError: a family's extra package
+            AttributeError, ImportError, ArithmeticError) as e:
+        # (ImportError: a family's extra package; ArithmeticError: num_key_value_heads 0)
         raise ConfigError("model.hf_config", f"transformers cannot build it: "
                                              f"{type(e).__name__}: {_one_line(e)}") from None
     check_no_batchnorm(model, "model.hf_config")
@@ -851,11 +855,12 @@ def build_model(cfg: ModelConfig, info: DataInfo, *, low_precision: bool = False
                 raise ConfigError("model.timm_name", str(e)) from None
             except (TypeError, ValueError, AssertionError, IndexError, KeyError) as e:
                 # an argument it does not take, or a value its constructor cannot use
-                if not cfg.timm_kwargs:
-                    raise
-                raise ConfigError("model.timm_kwargs",
-                                  f"timm.create_model({cfg.timm_name!r}, ...) refused "
-                                  f"{cfg.timm_kwargs}: {type(e).__name__}: {e}") from None
+                given = {**cfg.timm_kwargs, **extra}
+                field = ("model.timm_kwargs" if cfg.timm_kwargs else
+                         "model.drop_path_rate" if extra else "model.timm_name")
+                raise ConfigError(field, f"timm.create_model({cfg.timm_name!r}, ...) refused "
+                                         f"{given or 'its defaults'}: {type(e).__name__}: "
+                                         f"{_one_line(e)}") from None
             check_no_batchnorm(model, "model.timm_name")
             _check_fits_images(model, cfg, in_chans, info.image_size)
             if cfg.pretrained_path is not None:
