@@ -251,3 +251,33 @@ def test_each_rank_gets_its_own_rng_state_back(tmp_path, sharding):
     ckpt.load(one, path)
     assert torch.equal(torch.get_rng_state(), results[0][1])
     assert not torch.equal(results[0][1], results[1][1])
+
+
+def _rank0_cannot_write(rank: int, world: int, out: str, sharding: str) -> str:
+    """Rank 0's checkpoint write fails (a full disk): what each rank's save raises."""
+    from dptrain import checkpoint as ckpt
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    t = Trainer(load(RunConfig, TINY, _rng_args(sharding)), out)
+    t.private_step()
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    if rank == 0:
+        ckpt.write = ckpt._seal = full
+    try:
+        ckpt.save(t, Path(out))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "returned"
+
+
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_a_checkpoint_rank_0_cannot_write_fails_on_every_rank(tmp_path, sharding):
+    # the other ranks waited at a barrier for a rank 0 that had left (without torchrun to tear
+    # the group down, for ever)
+    got = spawn(_rank0_cannot_write, 2, str(tmp_path / "run"), sharding, timeout=120)
+    assert got[0] == "OSError: [Errno 28] No space left on device"
+    assert got[1].startswith("RuntimeError: dptrain: rank 0 could not write the checkpoint")

@@ -254,20 +254,39 @@ def save(trainer, output_dir: Path) -> Path | None:
     its own shards (see ``_save_dcp``). Returns the path on rank 0, None elsewhere."""
     if not _sharded(trainer):
         rngs = _rank_rngs(trainer) if trainer.world > 1 else None  # every rank takes part
-        path = None
-        if trainer.rank == 0:
+
+        def write_whole() -> Path:
             state = capture(trainer)
             if rngs is not None:
                 state["rng"].update(rngs)
-            path = write(state, output_dir, trainer.step, trainer.cfg.train.keep_checkpoints)
-        if trainer.world > 1:
-            # every rank returns once the checkpoint is sealed: after a stop (SIGTERM) the
-            # others would otherwise exit while rank 0 writes, and the launcher would kill it
-            import torch.distributed as dist
+            return write(state, output_dir, trainer.step, trainer.cfg.train.keep_checkpoints)
 
-            dist.barrier()
-        return path
+        return _on_rank0_for_all(trainer, write_whole)
     return _save_dcp(trainer, Path(output_dir))
+
+
+def _on_rank0_for_all(trainer, fn) -> Any:
+    """``fn()`` on rank 0 (its result there, None elsewhere), every rank returning once it is
+    done: after a stop (SIGTERM) the others would otherwise exit while rank 0 writes, and the
+    launcher would kill it. Its failure (a full disk) is every rank's: the others raise too,
+    rather than wait for a rank that has left (a launcher without torchrun's teardown)."""
+    result, error = None, None
+    if trainer.rank == 0:
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
+    if trainer.world > 1:
+        from dptrain.parallel.fsdp import all_reduce_scalars
+
+        (failed,) = all_reduce_scalars(float(error is not None), device=trainer.device,
+                                       op="max")
+        if failed and error is None:
+            raise RuntimeError("dptrain: rank 0 could not write the checkpoint (its error is "
+                               "on rank 0's stderr)")
+    if error is not None:
+        raise error
+    return result
 
 
 # ------------------------------------------------------------------ FSDP: re-shard full states
@@ -423,8 +442,8 @@ def _save_dcp(trainer, output_dir: Path) -> Path | None:
     mine = {f.name: _sha256(f) for f in sorted(tmp.glob(f"__{rank}_*.distcp"))}
     sums = [None] * trainer.world
     dist.all_gather_object(sums, mine)
-    path = None
-    if rank == 0:
+
+    def seal() -> Path:
         meta = {
             "format": 2,
             "step": step,
@@ -444,10 +463,10 @@ def _save_dcp(trainer, output_dir: Path) -> Path | None:
             torch.save(meta, f)
             f.flush()
             os.fsync(f.fileno())
-        path = _seal(tmp, root, name, step, {k: v for s in sums for k, v in s.items()},
+        return _seal(tmp, root, name, step, {k: v for s in sums for k, v in s.items()},
                      trainer.cfg.train.keep_checkpoints)
-    dist.barrier()
-    return path
+
+    return _on_rank0_for_all(trainer, seal)
 
 
 def _dedup(model) -> tuple[dict, dict[str, str]]:

@@ -102,7 +102,12 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         raise ConfigError("output-dir", f"{out} holds an unfinished run (checkpoints, "
                                         "metrics.jsonl or final/); pass --resume auto to "
                                         "continue it, or choose another directory")
-    if cfg.privacy.secure_mode and resume_path is not None:
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if cfg.privacy.secure_mode and resume_path is not None and not (several
+                                                                    and args.resume == "auto"):
+        # (early, before the model is built; with several ranks, --resume auto's first look is
+        # each rank's own, and one refusing alone would leave the others waiting in the
+        # process group: the checks below, on rank 0's list, do it for all)
         _check_secure_resume(resume_path)
         _check_secure_branch(resume_path, out)
     trainer = Trainer(cfg, out)
