@@ -1079,44 +1079,49 @@ class ClippingEngine:
         c0 = contribs[0]
         width_l = c0.L.num if isinstance(c0.L, OneHot) else c0.L.shape[-1]
         width_r = c0.R.shape[-1]
+        device = c0.R.device
         k = self.PROBES
         if directions is None:
-            U = torch.randn(width_l, k, generator=rng, dtype=torch.float64)
-            V = torch.randn(width_r, k, generator=rng, dtype=torch.float64)
+            U = torch.randn(width_l, k, generator=rng, dtype=torch.float64).to(device)
+            V = torch.randn(width_r, k, generator=rng, dtype=torch.float64).to(device)
         else:
             U, V = directions
-        want = torch.zeros(k, dtype=torch.float64)
-        scale = 0.0
+        # on the device, no sync: the caller reads every parameter's verdict at once
+        want = torch.zeros(k, dtype=torch.float64, device=device)
+        scale = torch.zeros((), dtype=torch.float64, device=device)
         for c in contribs:
-            w = (lam.double() * c.coef).to(c.R.device)
+            w = (lam.double() * c.coef).to(device)
             R = c.R
-            rv = (R @ V.to(R.device, R.dtype)).double()  # (B, T, k)
+            rv = (R @ V.to(R.dtype)).double()  # (B, T, k)
             if isinstance(c.L, OneHot):
-                lu = U.to(R.device)[c.L.ids]
-                l_norm = torch.ones(c.L.ids.shape, dtype=torch.float64, device=R.device)
+                lu = U[c.L.ids]
+                l_norm = torch.ones(c.L.ids.shape, dtype=torch.float64, device=device)
             else:
-                lu = (c.L @ U.to(c.L.device, c.L.dtype)).double()
+                lu = (c.L @ U.to(c.L.dtype)).double()
                 l_norm = c.L.norm(dim=-1).double()  # (the scale needs no more precision)
-            want += torch.einsum("b,btk,btk->k", w, lu, rv).cpu()
+            want += torch.einsum("b,btk,btk->k", w, lu, rv)
             r_norm = R.norm(dim=-1).double()
-            scale += float(torch.einsum("b,bt,bt->", w.abs(), l_norm, r_norm))
+            scale += torch.einsum("b,bt,bt->", w.abs(), l_norm, r_norm)
         return {"U": U, "V": V, "want": want, "scale": scale, "widths": (width_l, width_r)}
 
-    def _probe_agrees(self, probe: dict | None, g: Tensor | None, cap: float) -> bool:
+    def _probe_agrees(self, probe: dict | None, g: Tensor | None, cap: float,
+                      device: torch.device) -> Tensor:
         """Whether the second backward's sum ``g`` (None: none reached the parameter) has the
-        projections of :meth:`_probe`, to min(2^-13 ``scale``, ``cap``)."""
+        projections of :meth:`_probe`, to min(2^-13 ``scale``, ``cap``): a bool tensor on
+        ``device``, not read here (one sync for all parameters)."""
         if probe is None:  # no contributions: nothing may arrive
-            return g is None or not bool(g.any())
+            return (torch.ones((), dtype=torch.bool, device=device) if g is None
+                    else ~g.any().to(device))
         U, V, (width_l, width_r) = probe["U"], probe["V"], probe["widths"]
         if g is not None and g.numel() != width_l * width_r:
-            return False
+            return torch.zeros((), dtype=torch.bool, device=device)
         if g is None:
-            got = torch.zeros(U.shape[1], dtype=torch.float64)
+            got = torch.zeros(U.shape[1], dtype=torch.float64, device=U.device)
         else:
             G = g.reshape(width_l, width_r).double()
-            got = ((U.to(G.device).T @ G) * V.to(G.device).T).sum(-1).cpu()
-        tolerance = min(self.PROBE_TOLERANCE * probe["scale"], cap)
-        return bool(((got - probe["want"]).abs() <= tolerance).all())
+            got = ((U.to(G.device).T @ G) * V.to(G.device).T).sum(-1)
+        tolerance = torch.clamp(self.PROBE_TOLERANCE * probe["scale"], max=cap)
+        return ((got.to(U.device) - probe["want"]).abs() <= tolerance).all().to(device)
 
     def _probe_repeats(self, probe: dict, contribs: list, lam: Tensor, cap: float) -> bool:
         """Whether ``contribs`` still have ``probe``'s projections (a parameter about to take
@@ -1126,7 +1131,8 @@ class ClippingEngine:
         ``cap`` (2^-20 of the scale alone let a write of 0.2% into one example's input out
         at B = 256, T = 1024, a red team)."""
         again = self._probe(contribs, lam, None, (probe["U"], probe["V"]))
-        tolerance = min(2.0 ** -20 * max(probe["scale"], again["scale"]), 0.01 * cap)
+        tolerance = min(2.0 ** -20 * float(torch.maximum(probe["scale"], again["scale"])),
+                        0.01 * cap)
         return bool(((again["want"] - probe["want"]).abs() <= tolerance).all())
 
     def _check_op_taps(self, op_taps: list, index: dict) -> None:
@@ -1525,9 +1531,12 @@ class ClippingEngine:
                 # of them together within 1e-4 C (a red team spread 1e-3 C over 1,024)
                 cap = self.PROBE_TOLERANCE_C * self.clip_norm / math.sqrt(max(1, len(names)))
                 self.summed_by_query = set()
-                for n in names:
+                verdicts = (torch.stack([self._probe_agrees(probes[n], second.get(n), cap,
+                                                            device) for n in names]).tolist()
+                            if names else [])  # (one device sync for all parameters)
+                for n, agrees in zip(names, verdicts):
                     contribs, g = used.pop(n, []), second.pop(n, None)
-                    if self._probe_agrees(probes[n], g, cap):
+                    if agrees:
                         if g is not None:
                             self._add(out, n, g)
                         continue
