@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import math
 import os
 import subprocess
@@ -46,8 +45,9 @@ from dptrain.privacy.accounting import (Ledger, calibrate_noise_multiplier, chec
 from dptrain.privacy.config import NOISE_TAIL, PrivacyConfig, noise_fits
 from dptrain.privacy.noise import block_share, chacha20, gaussian_noise, secure_seed
 from dptrain.privacy.sampling import poisson_sample, shard_indices
-from dptrain.telemetry import peak_memory_bytes, strict_json
+from dptrain.telemetry import json_rows, peak_memory_bytes, strict_json
 from dptrain.telemetry.gpu import GpuMonitor
+from dptrain.tree import map_tensors
 from dptrain.parallel.dist import init_from_env
 from dptrain.parallel.fsdp import (all_reduce_scalars, apply_fsdp, as_grad, flat_range,
                                    is_sharded, reduce_sum)
@@ -162,28 +162,16 @@ def resolve_device(perf: PerformanceConfig) -> torch.device:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """The batch's tensors on ``device``, in the same containers (dicts, lists, tuples,
-    namedtuples: torch's pytree)."""
-    return torch.utils._pytree.tree_map_only(
-        Tensor, lambda t: t.to(device, non_blocking=True), batch)
+    """The batch's tensors on ``device``, in the same containers (``dptrain.tree``)."""
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
 
 
 def _rows_peak(path: Path) -> float:
     """The highest ``peak_memory_gib`` of the readable rows of a ``metrics.jsonl``; 0 if none
     (no file, secure mode's rows)."""
-    peak = 0.0
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return peak
-    for line in lines:
-        try:
-            value = json.loads(line).get("peak_memory_gib")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            peak = max(peak, float(value))
-    return peak
+    values = [row.get("peak_memory_gib") for _, row in json_rows(path)]
+    return max((float(v) for v in values if isinstance(v, (int, float))
+                and not isinstance(v, bool) and math.isfinite(v)), default=0.0)
 
 
 def git_commit() -> str | None:
@@ -930,8 +918,9 @@ class Trainer:
         start = time.time()
         # the highest peak_memory_gib of the run's rows, those before a resume included (none:
         # secure mode, or no row yet); the same on every rank
-        (peak,) = all_reduce_scalars(_rows_peak(out / "metrics.jsonl") if main and out else 0.0,
-                                     device=self.device, op="max")
+        earlier = (_rows_peak(out / "metrics.jsonl")
+                   if main and out and not self.cfg.privacy.secure_mode else 0.0)
+        (peak,) = all_reduce_scalars(earlier, device=self.device, op="max")
         peak_gib = peak or None
         peak_memory_bytes(self.device, reset=True)  # rows measure the steps, not the build
         gpu = GpuMonitor(self.device).start()  # off (and silent) without CUDA

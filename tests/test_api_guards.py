@@ -600,3 +600,23 @@ def test_to_device_keeps_namedtuples_lists_and_non_tensors():
                       torch.device("cpu"))
     assert type(moved) is Batch and torch.equal(moved.x, torch.ones(2))
     assert moved.y["ids"][1] == 3 and moved.y["ids"][0].dtype == torch.long
+
+
+def test_to_device_and_the_float32_copies_reach_tensors_inside_container_subclasses():
+    # torch's pytree takes an unregistered dict or list subclass for one leaf: its tensors
+    # were neither moved nor made float32
+    from dptrain.clipping.engine import _to_float
+    from dptrain.trainer import to_device
+
+    class Fields(dict):
+        pass
+
+    class Items(list):
+        pass
+
+    batch = Fields(x=Items([torch.ones(2, dtype=torch.bfloat16)]))
+    floated = _to_float(batch)
+    assert type(floated) is Fields and type(floated["x"]) is Items
+    assert floated["x"][0].dtype == torch.float32
+    moved = to_device(batch, torch.device("cpu"))
+    assert type(moved) is Fields and moved["x"][0].dtype == torch.bfloat16

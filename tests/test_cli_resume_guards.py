@@ -364,6 +364,24 @@ def test_secure_resume_auto_does_not_fall_back_past_written_outputs(tmp_path, ca
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize("step", [4.0, "4", None])
+def test_secure_resume_over_a_row_without_an_integer_step_is_refused(tmp_path, capsys, step):
+    # such a row was once read as step int(step) (None: a TypeError), then skipped, which let
+    # a secure resume draw the releases it may stand for again: it counts as after every step
+    out = tmp_path / "run"
+    code, _ = train(capsys, out, "train.checkpoint_every=1", "privacy.steps=2", *SECURE)
+    assert code == 0
+    unfinished_copy(out, tmp_path / "copy")
+    with open(tmp_path / "copy" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": step}) + "\n")
+    before = snapshot(tmp_path / "copy")
+    code, err = train(capsys, tmp_path / "copy", "--resume", "auto", "train.checkpoint_every=1",
+                      "privacy.steps=2", *SECURE)
+    line = one_line(err)
+    assert code == 2 and "a metrics row without an integer step" in line
+    assert snapshot(tmp_path / "copy") == before
+
+
 def test_secure_restart_from_no_checkpoint_over_logged_releases_is_refused(tmp_path, capsys):
     # rows of releases without any checkpoint (written by a version before rows were held
     # back): a restart from step 0 would draw those releases again

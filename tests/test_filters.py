@@ -404,6 +404,18 @@ def test_disk_plans_a_parameter_that_had_no_gradient_at_the_last_step():
     (c, ahead), _ = f.query_plan(named)
     assert torch.equal(ahead["b"], b.detach())  # not moved: no extrapolation
     assert torch.equal(ahead["a"], a.detach() + 0.5 * torch.ones(3))
+    # b had a gradient once and moved then, but not at the last step: still no extrapolation
+    # (its x_{t-1} was left at the step before, so the query extrapolated that old move)
+    a.grad, b.grad = torch.ones(3), torch.ones(3)
+    f.apply(named)
+    with torch.no_grad():
+        a.add_(1.0), b.add_(1.0)
+    a.grad, b.grad = torch.ones(3), None
+    f.apply(named)
+    with torch.no_grad():
+        a.add_(1.0)
+    (c, ahead), _ = f.query_plan(named)
+    assert torch.equal(ahead["b"], b.detach())
 
 
 @pytest.mark.parametrize("saved, loader", [("disk", "doppler"), ("doppler", "disk")])

@@ -77,6 +77,7 @@ from dptrain.clipping.taps import TAP as _TAP
 from dptrain.clipping.taps import OpTaps, Tapped, same_elements, tolerance
 from dptrain.models.dropout import set_stream as set_dropout_stream
 from dptrain.parallel.fsdp import all_reduce_scalars
+from dptrain.tree import map_tensors
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 #: [(coefficient, state), ...]: example b's query is u_b = sum_j a_j * grad l(state_j; x_b).
@@ -99,8 +100,7 @@ def _to_float(v: Any) -> Any:
     fallback keeps its layer's inputs, lists among them, as a tuple; the conv rules nest the
     fallback's dict): the engine's arithmetic runs at float32 whatever the forward's
     precision."""
-    return torch.utils._pytree.tree_map_only(
-        Tensor, lambda t: t.float() if t.dtype in _HALF else t, v)
+    return map_tensors(lambda t: t.float() if t.dtype in _HALF else t, v)
 
 
 def _shapes(batch: Any) -> tuple:

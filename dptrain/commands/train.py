@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from dptrain.commands import check_can_create
 from dptrain.config import ConfigError
+from dptrain.telemetry import json_rows
 
 
 def add_parser(sub) -> None:
@@ -259,30 +261,18 @@ def _stop_on_signals(stop, keep_ignoring: bool = False):
             signal.signal(sig, signal.SIG_IGN if done else previous)
 
 
-def _json_rows(path: Path) -> list[tuple[str, dict]]:
-    """(line, row) of every readable row of a JSON-lines file (``metrics.jsonl``,
-    ``secure_resumes.jsonl``; a line cut short by a kill is skipped); [] when there is none."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append((line, row))
-    return rows
-
-
-def _row_step(row: dict) -> int | None:
-    """A row's ``step``, if it is an integer (rows dptrain writes have one)."""
+def _row_step(row: dict) -> int | float:
+    """A row's ``step`` (rows dptrain writes have an integer one); a row without a readable
+    one counts as after every step (inf): the guards that read these refuse rather than
+    overlook it, and a resume keeps it."""
     step = row.get("step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    return math.inf
 
 
-def _metrics_steps(path: Path) -> list[int]:
-    return [s for _, row in _json_rows(path) if (s := _row_step(row)) is not None]
+def _metrics_steps(path: Path) -> list[int | float]:
+    return [_row_step(row) for _, row in json_rows(path)]
 
 
 #: what a run writes in its output directory: name -> whether it is a directory
@@ -310,7 +300,7 @@ def _check_layout(out: Path) -> None:
 def _holds_a_run(out: Path) -> bool:
     """``out`` has a checkpoint, logged steps or a final model of an earlier run (a fresh run
     would mix in, or overwrite it)."""
-    return (any((out / "checkpoints").glob("step-*")) or bool(_json_rows(out / "metrics.jsonl"))
+    return (any((out / "checkpoints").glob("step-*")) or bool(json_rows(out / "metrics.jsonl"))
             or any((out / "final").glob("*")))
 
 
@@ -362,7 +352,8 @@ def _check_secure_resume(path: Path | None, run_dir: Path | None = None) -> None
     finished = (run_dir / "summary.json").exists()
     if later or logged or finished:
         what = (f"checkpoint step {later[-1]}" if later else
-                f"metrics of step {max(logged)}" if logged else "summary.json")
+                f"metrics of step {max(logged)}" if logged and max(logged) < math.inf else
+                "a metrics row without an integer step" if logged else "summary.json")
         start = f"resuming from {path}" if path is not None else "starting afresh"
         advice = ("Resume from the run's latest checkpoint (restore it if it was reported "
                   "damaged)" if later else
@@ -388,7 +379,7 @@ def _check_secure_branch(path: Path, out: Path) -> None:
     src = Path(path).resolve().parent.parent  # in checkpoints/ (_check_secure_resume)
     claims = src / SECURE_RESUMES
     into = str(Path(out).resolve())
-    others = sorted({str(row.get("into")) for _, row in _json_rows(claims)} - {into})
+    others = sorted({str(row.get("into")) for _, row in json_rows(claims)} - {into})
     if others:
         raise ConfigError("resume", f"secure mode: a checkpoint of {src} was already resumed "
                                     f"into {others[0]} ({claims}); resuming {path} into {out} "
@@ -410,7 +401,7 @@ def _record_secure_resume(path: Path, out: Path, *, write: bool) -> None:
     claims = Path(path).resolve().parent.parent / SECURE_RESUMES
     row = {"step": ckpt.checkpoint_step(path), "checkpoint": str(Path(path).resolve()),
            "into": str(Path(out).resolve())}
-    if not write or row in [r for _, r in _json_rows(claims)]:
+    if not write or row in [r for _, r in json_rows(claims)]:
         return
     try:
         with open(claims, "a") as f:
@@ -428,8 +419,8 @@ def _drop_metrics_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     # (a row without an integer step is not one of dptrain's: kept as it is)
-    keep = [line for line, row in _json_rows(path)
-            if (s := _row_step(row)) is None or s <= step]
+    keep = [line for line, row in json_rows(path)
+            if (s := _row_step(row)) == math.inf or s <= step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)

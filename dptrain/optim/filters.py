@@ -256,7 +256,7 @@ class DiSKFilter(Filter):
             return [(1.0, None)]
         _in_param_dtypes([self.x_prev, self.g], named_params)
         with torch.no_grad():
-            # (a parameter without a gradient at the last step was not moved by it: d = 0)
+            # (a parameter new since the last step has no x_{t-1}: d = 0)
             ahead = {n: p.detach() + self.gamma * (p.detach() - self.x_prev.get(n, p.detach()))
                      for n, p in named_params}
         plan: QueryPlan = [(self.c, ahead)]
@@ -268,6 +268,12 @@ class DiSKFilter(Filter):
     def apply(self, named_params: NamedParams) -> None:
         _in_param_dtypes([self.x_prev, self.g], named_params)
         for n, p in named_params:
+            # x_t of every parameter, one without a gradient too (a stale x_{t-1} would
+            # extrapolate a move it made steps ago)
+            if n in self.x_prev:
+                self.x_prev[n].copy_(p.detach())
+            else:
+                self.x_prev[n] = p.detach().clone()
             if p.grad is None:
                 continue
             if n in self.g:
@@ -275,10 +281,6 @@ class DiSKFilter(Filter):
                 p.grad.copy_(self.g[n])
             else:
                 self.g[n] = p.grad.detach().clone()
-            if n in self.x_prev:
-                self.x_prev[n].copy_(p.detach())
-            else:
-                self.x_prev[n] = p.detach().clone()
         self.num_steps += 1
 
     def noise_gain(self) -> float:

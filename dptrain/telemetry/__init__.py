@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported where memory is measured: the CLI starts without it
     import torch
 
-__all__ = ["jsonable", "strict_json", "write_json", "replace_atomically", "peak_memory_bytes"]
+__all__ = ["jsonable", "strict_json", "write_json", "replace_atomically", "peak_memory_bytes",
+           "json_rows"]
 
 
 def jsonable(obj: Any) -> Any:
@@ -88,3 +89,20 @@ def peak_memory_bytes(device: torch.device, reset: bool = False) -> int:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS: bytes; else KiB
+
+
+def json_rows(path: Path) -> list[tuple[str, dict]]:
+    """(line, row) of every readable row of a JSON-lines file (``metrics.jsonl``,
+    ``secure_resumes.jsonl``; a line cut short by a kill is skipped); [] when there is none.
+    (``dptrain plot`` reads strictly instead: ``commands/plot.py``.)"""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append((line, row))
+    return rows
