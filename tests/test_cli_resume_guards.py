@@ -934,3 +934,24 @@ def test_a_metrics_row_without_an_integer_step_is_kept_not_a_traceback(tmp_path,
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert '{"step": null, "note": "mine"}' in lines
     assert [json.loads(x)["step"] for x in lines if '"note"' not in x] == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_whose_model_does_not_fit_names_resume_not_optim(tmp_path, capsys,
+                                                                      finished):
+    # a model tensor missing (or of another shape: a head of another class count) was
+    # reported as "optim: the checkpoint's optimizer state does not fit"
+    import hashlib
+
+    out = unfinished_copy(finished, tmp_path / "copy")
+    step_dir = sorted((out / "checkpoints").glob("step-*"))[-1]
+    state_pt = step_dir / "state.pt"
+    state = torch.load(state_pt, weights_only=False)
+    state["model"].pop(next(iter(state["model"])))
+    torch.save(state, state_pt)
+    marker = json.loads((step_dir / ckpt.MARKER).read_text())
+    marker["sha256"]["state.pt"] = hashlib.sha256(state_pt.read_bytes()).hexdigest()
+    marker["bytes"]["state.pt"] = state_pt.stat().st_size
+    (step_dir / ckpt.MARKER).write_text(json.dumps(marker))
+    code, err = train(capsys, tmp_path / "other", "--resume", str(step_dir))
+    line = one_line(err)
+    assert code == 2 and "resume: checkpoint" in line and "its model does not fit" in line

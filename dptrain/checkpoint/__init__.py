@@ -4,9 +4,9 @@ A checkpoint is a directory ``DIR/checkpoints/step-00000012/``. Unsharded runs w
 ``state.pt`` (model, optimizer and filter states, the inner-momentum history, the privacy ledger,
 the step, RNG states, the resolved config). FSDP-sharded runs write with
 torch.distributed.checkpoint, each rank its own shards (``__<rank>_0.distcp``, ``.metadata``) and
-rank 0 ``meta.pt`` (everything but the tensors). Either way ``COMPLETE``, with the SHA-256 of
-every file, is written last, under a temporary name that is then renamed into place, so a reader
-never sees a partial checkpoint; a checkpoint whose marker is missing or whose checksums do not
+rank 0 ``meta.pt`` (everything but the tensors). Either way the files go into a temporary
+directory, ``COMPLETE`` (the SHA-256 of every file) last, and the directory is then renamed into
+place, so a reader never sees a partial checkpoint; a checkpoint whose marker is missing or whose checksums do not
 match is reported and skipped in favour of the previous one. Any world size loads any
 checkpoint (DCP re-shards; ``read`` assembles full tensors in one process).
 
@@ -848,7 +848,8 @@ def read_meta(path: Path, verified: bool = False) -> dict[str, Any]:
 
 
 _REQUIRED = ("step", "optimizer", "ledger", "config", "rng")
-"""What every checkpoint's state.pt / meta.pt holds (``save`` writes more)."""
+"""What :func:`read_meta` requires of a state.pt / meta.pt before anything reads it (``save``
+writes more, which :func:`load` checks as it reads it)."""
 
 
 def read(path: Path, verified: bool = False) -> dict[str, Any]:
@@ -920,19 +921,29 @@ def load(trainer, path: Path, verified: bool = False) -> None:
             if _sharded(trainer):
                 _load_sharded(trainer, state)
             else:
-                restore_model(trainer.model, state, path, frozen=_frozen(trainer))
+                try:
+                    restore_model(trainer.model, state, path, frozen=_frozen(trainer))
+                except (KeyError, ValueError, RuntimeError) as e:  # (not the optimizer's)
+                    raise ConfigError("resume", f"checkpoint {path}: its model does not fit "
+                                                f"this run's ({type(e).__name__}: "
+                                                f"{str(e).splitlines()[0][:200]}); resume "
+                                                f"needs the same model and data settings (a "
+                                                f"classifier's head: data.num_classes)"
+                                      ) from None
                 # filter/history states onto their parameters' device (torch optimizers do it)
                 trainer.optimizer.load_state_dict(_map_optimizer(
                     trainer, state["optimizer"], lambda i, v, p: v,
                     lambda v, p: v.to(p.device) if p is not None else v))
     except ConfigError:
-        raise  # names its field (a group's optimizer changed)
+        raise  # names its field (a group's optimizer changed; an unsharded model's misfit)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        # model and data settings are compared above: what is left is the optimizer's
-        # structure (another optimizer, other groups, inner momentum or a filter on or off)
-        raise ConfigError("optim", f"the checkpoint's optimizer state does not fit this config "
-                                   f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                                   "resume needs the same optim settings") from None
+        # model and data settings are compared above, so this is mostly the optimizer's
+        # structure (another optimizer, other groups, inner momentum or a filter on or off);
+        # a sharded load reads the model and the optimizer together
+        raise ConfigError("optim", f"the checkpoint's optimizer (or, sharded, model) state does "
+                                   f"not fit this config ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:200]}); resume needs the same "
+                                   "optim settings") from None
     unused = unused_state(state["optimizer"], trainer.optimizer)
     if unused and trainer.rank == 0:
         print(f"dptrain train: the checkpoint's {'; '.join(unused)}: not used by this run",
@@ -1012,19 +1023,27 @@ def export_hf(trainer, directory: Path) -> Path | None:
     tmp = Path(directory) / f".tmp-hf-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    if not getattr(config, "architectures", None):  # built from a config: name the class
-        import copy
+    try:
+        if not getattr(config, "architectures", None):  # built from a config: name the class
+            import copy
 
-        config = copy.deepcopy(config)
-        # (FSDP2 subclasses the model's class as FSDP<name>)
-        config.architectures = [next(c.__name__ for c in type(model).__mro__
-                                     if not c.__name__.startswith("FSDP"))]
-    config.save_pretrained(str(tmp))
-    shutil.copyfile(directory / "model.safetensors", tmp / "model.safetensors")
-    tokenizer = getattr(trainer.task, "tokenizer", None)
-    if getattr(tokenizer, "name", None) == "hf":
-        tokenizer.hf.save_pretrained(str(tmp))
+            config = copy.deepcopy(config)
+            # (FSDP2 subclasses the model's class as FSDP<name>)
+            config.architectures = [next(c.__name__ for c in type(model).__mro__
+                                         if not c.__name__.startswith("FSDP"))]
+        config.save_pretrained(str(tmp))
+        shutil.copyfile(directory / "model.safetensors", tmp / "model.safetensors")
+        tokenizer = getattr(trainer.task, "tokenizer", None)
+        if getattr(tokenizer, "name", None) == "hf":
+            tokenizer.hf.save_pretrained(str(tmp))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # an earlier hf/ (a resumed export) is moved aside, not deleted, until the new one is in
+    # place: a kill between the two leaves one of them
+    old = Path(directory) / f".old-hf-{os.getpid()}"
     if hf.exists():
-        shutil.rmtree(hf)
+        os.replace(hf, old)
     os.replace(tmp, hf)
+    shutil.rmtree(old, ignore_errors=True)
     return hf
