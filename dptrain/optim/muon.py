@@ -107,7 +107,8 @@ class Muon(torch.optim.Optimizer):
     Warnings:
     - every parameter must have >= 2 dims; conv weights are orthogonalised as (out, in*kh*kw);
       embeddings, heads, gains and biases belong in another group (see ``groups.py`` presets);
-    - ``ns_dtype`` is a performance option (bf16 is ~2x cheaper on GPUs); ``float64`` computes the same J steps with float64 rounding;
+    - ``ns_dtype`` is a performance option (bf16 is ~2x cheaper on GPUs); ``float64`` computes
+      the same J steps with float64 rounding;
     - with ``momentum_style="ema"`` N is (1-mu) times Eq. 7's; Newton–Schulz's Frobenius
       normalisation removes that factor (up to ``eps``), so both styles give the same step;
     - ``scale="original"`` uses sqrt(max(1, r/c)) with r = fan-out of a ``nn.Linear``; HF GPT-2's
