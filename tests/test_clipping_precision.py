@@ -344,3 +344,37 @@ def test_a_fallback_layer_taking_a_list_runs_under_bf16_autocast():
         half = engine.per_example_norms(loss_fn, x)
     assert half.dtype == torch.float32
     torch.testing.assert_close(half, exact, rtol=3e-2, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "two_pass"])
+def test_a_weight_standardised_conv_of_alike_positions_adds_at_most_c(mode):
+    # half the positions one vector, half one 0.55% away, output gradients of opposite signs:
+    # the standardised conv's ghost row (2^16 ulps, no factor for many positions) was 0.6%
+    # short, and the example added 1.0059 C
+    from timm.layers import StdConv2d
+
+    torch.manual_seed(0)
+    n, side = 2048, 32
+    conv = StdConv2d(n, 2, 1)
+    u = torch.randn(n) * 10 + 3.0
+    d = torch.randn(n)
+    d = d / d.norm() * 0.0055 * u.norm()
+    x = torch.empty(1, n, side * side)
+    x[..., : side * side // 2] = u[:, None]
+    x[..., side * side // 2:] = (u + d)[:, None]
+    x = x.view(1, n, side, side)
+    g = torch.ones(1, 2, side * side)
+    g[..., side * side // 2:] = -1
+    g = (g * (1 + 1e-3 * torch.randn_like(g))).view(1, 2, side, side)
+
+    def loss_fn(m, batch):
+        return (m(batch[0]) * batch[1]).flatten(1).sum(1)
+
+    conv64 = StdConv2d(n, 2, 1).double()
+    conv64.load_state_dict(conv.state_dict())
+    exact = torch.autograd.grad(loss_fn(conv64, (x.double(), g.double())).sum(),
+                                conv64.weight)[0].norm()
+    C = float(exact) / 2  # clipped: the added gradient is scaled to C
+    acc = {}
+    ClippingEngine(conv, clip_norm=C, ghost="ghost", mode=mode).accumulate(loss_fn, (x, g), acc)
+    assert float(acc["weight"].double().norm()) <= C * (1 + 1e-6)

@@ -1192,6 +1192,33 @@ def test_fallback_layer_called_with_keyword_arguments(per_example):
     check(model, (x, torch.randn(5, 4, generator=gen, dtype=torch.float64)))
 
 
+class _KwargConv(nn.Conv2d):
+    """A conv subclass whose forward of its own takes a keyword argument."""
+
+    def forward(self, x, scale=1.0):
+        return super().forward(x) * scale
+
+
+class _KwargConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = _KwargConv(2, 3, 3)
+
+    def forward(self, x):
+        return self.conv(x, scale=5.0).flatten(1)
+
+
+def test_a_conv_subclass_forward_called_with_keyword_arguments_is_exact():
+    # the conv rule sent it to the fallback at capture, without the call's keyword arguments:
+    # the fallback re-ran it at scale 1 and the norms were 5 times too small
+    gen = torch.Generator().manual_seed(5)
+    with pytest.warns(UserWarning, match="_KwargConv"):
+        model = _KwargConvNet().double()
+        ClippingEngine(model)
+    x = torch.randn(4, 2, 6, 6, generator=gen, dtype=torch.float64)
+    check(model, (x, torch.randn(4, 48, generator=gen, dtype=torch.float64)))
+
+
 class _Scaled(nn.Module):
     """No rule (torch.func fallback); a second positional tensor: a scale of shape (T, 4)
     shared by all examples, or (B, T, 4), one per example."""

@@ -24,7 +24,7 @@ from torch import nn
 from _reference import reference_grads
 from test_clipping_rules import check, mse_loss
 
-from dptrain.clipping import ClippingEngine
+from dptrain.clipping import ClippingEngine, ClippingError
 
 
 def ce_loss(model, batch):
@@ -659,7 +659,28 @@ def test_the_engine_tells_its_refusals_from_the_forwards_errors_by_class_not_tex
                                             r"\['scale'\].*dptrain.userlib: a check"):
         ClippingEngine(Scaled()).per_example_norms(_sq, (torch.randn(3, 4),))
     with pytest.raises(ClippingError) as refusal:  # one of the engine's own
-        ClippingEngine(nn.Embedding(5, 3, max_norm=1.0)).per_example_norms(
-            lambda m, batch: m(batch[0]).sum((1, 2)), (torch.randint(5, (3, 2)),))
+        ClippingEngine(nn.Embedding(5, 3, max_norm=1.0))
     assert isinstance(refusal.value, ValueError)
-    assert str(refusal.value).startswith("dptrain.clipping: nn.Embedding with max_norm")
+    assert str(refusal.value).startswith("dptrain.clipping: Embedding (Embedding) has max_norm")
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_an_embedding_with_max_norm_is_refused_before_its_forward_writes_the_batch(frozen):
+    # its forward renormalises the looked-up rows in place: a frozen one was accepted, and
+    # the model then held which rows the private batch used (a trainable one was refused
+    # only after the forward had written them)
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5, 3, max_norm=0.1)
+            self.emb.weight.requires_grad_(not frozen)
+            self.head = nn.Linear(3, 1)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids)).sum((1, 2))
+
+    model = Model()
+    before = model.emb.weight.detach().clone()
+    with pytest.raises(ClippingError, match="emb \\(Embedding\\) has max_norm 0.1"):
+        ClippingEngine(model)
+    assert torch.equal(model.emb.weight, before)

@@ -55,19 +55,38 @@ def _image_folder(root, names, rng):
 def test_image_folders_by_class_and_file_name_wherever_the_copy_lives(tmp_path):
     from dptrain.data.folders import load_imagefolder
 
+    import shutil
+
+    from PIL import Image
+
     rng = np.random.default_rng(1)
     names = [("cat", "a.png"), ("cat", "b.png"), ("dog", "c.png")]
     _image_folder(tmp_path / "node0", names, rng)
-    _image_folder(tmp_path / "node1", names, rng)  # other pixels, same names: not read
+    shutil.copytree(tmp_path / "node0", tmp_path / "node1")
     _image_folder(tmp_path / "node2", [("cat", "a.png"), ("cat", "b2.png"), ("dog", "c.png")],
                   rng)
-
+    # another version of one file, same name (its size differs; the bytes are not read)
+    shutil.copytree(tmp_path / "node0", tmp_path / "node3")
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(tmp_path / "node3/train/cat/b.png")
     def fp(root):
         train, _, _ = load_imagefolder(root, "train", "val", 8, 3, None, None)
         return index_fingerprint(train)
 
     assert fp(tmp_path / "node0") == fp(tmp_path / "node1")
     assert fp(tmp_path / "node2") != fp(tmp_path / "node0")
+    assert fp(tmp_path / "node3") != fp(tmp_path / "node0")
+
+
+def test_image_folder_classes_whose_names_share_a_prefix_keep_their_folder():
+    # the paths were cut at the last "/" up to and including the first difference of the
+    # first and last path: with classes "a" and "ab" that "/" ends "a", so "a/x" hashed as "x"
+    from dptrain.data.folders import ImageFolderImages
+
+    def fp(paths):
+        return index_fingerprint(ImageFolderImages([(p, i) for i, p in enumerate(paths)], 8, 3))
+
+    assert fp(["/r/a/x.png", "/r/ab/y.png"]) != fp(["/r/c/x.png", "/r/cb/y.png"])
+    assert fp(["/r/a/x.png", "/r/ab/y.png"]) == fp(["/elsewhere/a/x.png", "/elsewhere/ab/y.png"])
 
 
 def test_webdataset_shards_by_name_layout_and_label(tmp_path):
@@ -107,7 +126,8 @@ def test_e2e_splits_by_their_references_too(tmp_path):
     def digest(test_rows, folder):
         d = tmp_path / folder
         d.mkdir()
-        (d / "train.csv").write_text("mr,ref\n" + "\n".join(rows) + "\n")
+        # (a training file of its own: one equal to the test file is refused)
+        (d / "train.csv").write_text("mr,ref\n" + '"name[C]","C."' + "\n")
         (d / "test.csv").write_text("mr,ref\n" + "\n".join(test_rows) + "\n")
         task = build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(d),
                                      train_file="train.csv", test_file="test.csv",

@@ -186,6 +186,26 @@ def test_cifar10_batches_are_read_channel_major_and_resized_on_request(tmp_path)
     torch.testing.assert_close(x, ref)
 
 
+@pytest.mark.parametrize("how, name, field", [
+    ("link", "data_batch_4", "data.path"), ("copy", "data_batch_2", "data.path"),
+    ("link", "test_batch", "data.test_file"), ("copy", "test_batch", "data.test_file")])
+def test_cifar10_a_batch_file_that_is_another_is_refused(tmp_path, how, name, field):
+    # linked batch files gave 50 rows of which 10 distinct (each drawn on its own: sensitivity
+    # 5C) and a test split of training rows
+    import shutil
+
+    root = tmp_path / "c"
+    _cifar(root, 2, np.random.default_rng(4))
+    (root / name).unlink()
+    if how == "link":
+        (root / name).symlink_to(root / "data_batch_1")
+    else:
+        shutil.copyfile(root / "data_batch_1", root / name)
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="cifar10", path=str(root)))
+    assert e.value.field == field and "the same batch" in e.value.message
+
+
 @pytest.mark.parametrize("data, labels, words", [
     (np.random.default_rng(0).random((2, 3072)).astype(np.float32), [0, 1],
      "pixels must be integers in 0..255"),  # [0, 1] floats were cast to black images

@@ -433,10 +433,18 @@ def _check_reached(records: list[_Record], losses: Tensor) -> None:
 
 def _refuse_unsupported(name: str, m: nn.Module) -> None:
     """Modules with trainable parameters (their own or their submodules') that no rule, tap or
-    fallback handles; refused by name at construction (they failed in the first forward, with
-    torch's own error, or were refused by a check that named something else)."""
+    fallback handles, and embeddings whose forward writes their weight (``max_norm``); refused
+    by name at construction (they failed in the first forward, with torch's own error, or were
+    refused by a check that named something else, after the forward had written)."""
     from torch.nn.utils import parametrize
 
+    if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+        # trainable or frozen: its forward writes the rows the private batch looks up
+        raise ClippingError(
+            f"dptrain.clipping: {name or type(m).__name__} ({type(m).__name__}) has max_norm "
+            f"{m.max_norm}: its forward renormalises, in place, the weight rows the batch looks "
+            f"up, so the model would hold what the private batch selected outside the clipped, "
+            f"noised release (frozen too). Set max_norm=None")
     if not isinstance(m, (nn.MultiheadAttention, parametrize.ParametrizationList)):
         return
     trainable = sorted(k for k, p in m.named_parameters() if p.requires_grad)

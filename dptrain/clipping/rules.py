@@ -35,8 +35,8 @@ class LayerRule:
     #: gradient target of the engine's backward, see engine.py).
     integer_input = False
     #: forward functions the rule understands, when it checks them itself (the convolution
-    #: rules, at capture); empty: :func:`find_rule` accepts only the registered class's own
-    #: ``forward``, so a subclass that overrides it goes to the torch.func fallback
+    #: rules: ``known(module)``); empty: :func:`find_rule` accepts only the registered class's
+    #: own ``forward``, so a subclass that overrides it goes to the torch.func fallback
     forwards: tuple = ()
     #: True: ``capture`` also takes the call's keyword arguments (``capture(..., kwargs)``)
     wants_kwargs = False
@@ -71,7 +71,12 @@ def find_rule(module: nn.Module) -> LayerRule | None:
     for klass in type(module).__mro__:
         rule = _RULES.get(klass)
         if rule is not None:
-            if rule.forwards or type(module).forward is klass.forward:
+            if rule.forwards:
+                # (decided here, not at capture: the fallback takes the call's keyword
+                # arguments, which a conv rule's capture does not; a subclass forward called
+                # with them got norms 5x too small)
+                return rule if rule.known(module) else None
+            if type(module).forward is klass.forward:
                 return rule
             return _copied_form_rule(module)
     return _copied_form_rule(module)
@@ -156,9 +161,6 @@ class EmbeddingRule(LayerRule):
         G = _flat_bt(G)
         if module.padding_idx is not None:
             G = G * (ids != module.padding_idx).unsqueeze(-1).to(G.dtype)
-        if module.max_norm is not None:
-            raise ClippingError(f"dptrain.clipping: nn.Embedding with max_norm is not supported "
-                                f"(it renormalises weights in the forward): {module}")
         if module.scale_grad_by_freq:
             raise ClippingError(f"dptrain.clipping: nn.Embedding with scale_grad_by_freq is not "
                                 f"supported (it divides each row's gradient by its count in the "
@@ -258,6 +260,31 @@ def _register_timm_layernorm() -> None:
 _register_timm_layernorm()
 
 
+class _Watched:
+    """A captured tensor and its version counter at capture time, held in an object the engine
+    leaves as it is. The engine replaces each half-precision TENSOR of the saved dict by a
+    float32 copy (bf16 autocast), and a copy has a fresh counter: it would flag an in-place
+    modification made before the capture (timm's in-place ReLU producing a conv's input) and
+    hide one made after it (an in-place activation on a conv's output)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: Tensor):
+        self.tensor = t.detach()
+        self.version = t._version
+
+    @property
+    def modified(self) -> bool:
+        return self.tensor._version != self.version
+
+
+def _check_unmodified(module: nn.Module, saved: dict) -> None:
+    if saved["x"].modified:
+        raise ClippingError(f"dptrain.clipping: the input of {type(module).__name__} was modified "
+                            f"in place after the forward; its per-example gradients cannot be "
+                            f"computed (use an out-of-place operation there)")
+
+
 # ---------------------------------------------------------------------------------------------
 # RMSNorm: torch's, and the forms transformers' decoder LMs copy from one model to the next
 
@@ -287,10 +314,13 @@ class RMSNormRule(LayerRule):
         eps = getattr(module, "eps", None)
         if isinstance(module, nn.RMSNorm) and eps is None:
             eps = torch.finfo(x.dtype).eps
-        return {"x": x.detach(), "eps": eps}
+        # (watched: autograd saves the form's float32 copy of a half input, so an in-place
+        # change of the input after the forward would go unseen)
+        return {"x": _Watched(x), "eps": eps}
 
     def contributions(self, module, saved, G):
-        x = saved["x"]
+        _check_unmodified(module, saved)
+        x = saved["x"].tensor
         match = None if isinstance(module, nn.RMSNorm) else _transformers_rmsnorm_match(module)
         if match is None:  # torch's nn.RMSNorm: F.rms_norm in the input's dtype
             shape = tuple(module.normalized_shape)

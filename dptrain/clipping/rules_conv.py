@@ -35,10 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dptrain.clipping.contributions import (MAX_INSTANTIATE_NUMEL, Dense, Factored, Outer,
+from dptrain.clipping.contributions import (CANCELLATION_TOKENS, CANCELLATION_ULPS,
+                                           MAX_INSTANTIATE_NUMEL, Dense, Factored, Outer,
                                            sq_rows)
 from dptrain.clipping.errors import ClippingError
-from dptrain.clipping.rules import FALLBACK, LayerRule, register_rule
+from dptrain.clipping.rules import (FALLBACK, LayerRule, _check_unmodified, _Watched,
+                                    register_rule)
 
 _conv_backward = torch.ops.aten.convolution_backward
 
@@ -49,10 +51,6 @@ _conv_backward = torch.ops.aten.convolution_backward
 # choice matches the measured faster form on 50 of its 54 layers (the other four: ties within
 # 2.5 ms): the stem and stages.0 instantiated, stages.1 mixed, stages.2-3 ghost.
 _MEM_WEIGHT = 100.0
-#: A weight-standardised conv's ghost row ``||g - m1 1||^2 - n (2 - r) m2^2`` below this many
-#: ulps of ``||g - m1 1||^2`` is taken as lost to cancellation (relative error of a kept row at
-#: most about 100 / 2^16, i.e. 1.5e-3 in its square, for sums of up to 10^4 terms).
-_CANCELLATION_ULPS = 2.0 ** 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,8 +404,13 @@ class StdConvWeight(Factored):
         # a large gradient. Those examples' rows are computed from their instantiated
         # per-example gradients, the same VJP as the clipped sum's, which then adds those
         # examples as these rows (their contribution is then exactly what was measured: the
-        # VJP itself loses digits in this case, ~2^-24 var/eps relative).
-        tol = _CANCELLATION_ULPS * torch.finfo(rows.dtype).eps
+        # VJP itself loses digits in this case, ~2^-24 var/eps relative). The threshold is the
+        # linear forms' (contributions.cancelled: 2^19 ulps, times T / 256 past 256 positions);
+        # at 2^16 without the factor, alike positions in a 2,048-wide conv left a row 0.6%
+        # short and its example added 1.0059 C (a red team).
+        T = G.shape[-1]
+        tol = (CANCELLATION_ULPS * max(1.0, T / CANCELLATION_TOKENS)
+               * torch.finfo(rows.dtype).eps)
         doubtful = (rows < tol * (centred + scale)).any(1)
         if not bool(doubtful.any()):
             return sq, None
@@ -454,31 +457,6 @@ class StdConvGain(Factored):
 # rules
 
 
-class _Watched:
-    """A captured tensor and its version counter at capture time, held in an object the engine
-    leaves as it is. The engine replaces each half-precision TENSOR of the saved dict by a
-    float32 copy (bf16 autocast), and a copy has a fresh counter: it would flag an in-place
-    modification made before the capture (timm's in-place ReLU producing a conv's input) and
-    hide one made after it (an in-place activation on a conv's output)."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, t: Tensor):
-        self.tensor = t.detach()
-        self.version = t._version
-
-    @property
-    def modified(self) -> bool:
-        return self.tensor._version != self.version
-
-
-def _check_unmodified(module: nn.Module, saved: dict) -> None:
-    if saved["x"].modified:
-        raise ClippingError(f"dptrain.clipping: the input of {type(module).__name__} was modified "
-                            f"in place after the forward; its per-example gradients cannot be "
-                            f"computed (use an out-of-place operation there)")
-
-
 class _ConvLikeRule(LayerRule):
     """Shared capture: the (raw) input and its version; subclasses whose class overrides
     ``forward`` with something this rule does not know go to the torch.func fallback."""
@@ -486,7 +464,7 @@ class _ConvLikeRule(LayerRule):
     #: forward functions this rule understands (a subclass with another forward: fallback)
     forwards: tuple = ()
 
-    def _known(self, module: nn.Module) -> bool:
+    def known(self, module: nn.Module) -> bool:
         # a subclass may keep the forward and override the _conv_forward it calls (a common
         # way to write weight standardisation): then the weight used is not the parameter
         conv = getattr(type(module), "_conv_forward", None)
@@ -495,7 +473,7 @@ class _ConvLikeRule(LayerRule):
                                 for k in (nn.Conv1d, nn.Conv2d, nn.Conv3d)))
 
     def capture(self, module, args, output):
-        if not self._known(module):
+        if not self.known(module):  # (find_rule sends these to the fallback already)
             warnings.warn(f"dptrain.clipping: {type(module).__name__} overrides the forward of "
                           f"its convolution base class; using the torch.func fallback for it",
                           stacklevel=3)

@@ -8,7 +8,8 @@ others are dropped. The trainer refuses to start when the digests differ.
 
 What is hashed is what fixes the examples' identity and order, cheaply: the tensors of
 in-memory sets (images, labels, token ids, prompt lengths); an image folder's file paths below
-their common folder, and labels (not the files' bytes: 1.28M reads); webdataset shards' names
+their common folder, labels and the training files' sizes (not their bytes: 1.28M reads; the
+loader stats every file anyway); webdataset shards' names
 and their index (each member's offset and size, and the label). A dataset of another kind
 gives None and only its length is compared.
 """
@@ -60,10 +61,14 @@ def index_fingerprint(dataset: Any) -> int | None:
         if paths:
             lo, hi = min(paths), max(paths)
             common = next((i for i, (a, b) in enumerate(zip(lo, hi)) if a != b), len(lo))
-            cut = lo.rfind("/", 0, common + 1) + 1
+            # (the last "/" before the first difference: one at it would cut class "a" off
+            # "a/x" when the other path is "ab/y")
+            cut = lo.rfind("/", 0, common) + 1
             for p in paths:
                 h.update(f"{p[cut:]}\0".encode("utf-8", "surrogateescape"))
         _update(h, dataset.labels.numpy())
+        if dataset.sizes is not None:  # another version of a file (same name) differs here
+            _update(h, dataset.sizes)
     elif isinstance(dataset, WebDatasetImages):
         for s in dataset.shards:
             h.update(f"{s.name}\0".encode("utf-8", "surrogateescape"))

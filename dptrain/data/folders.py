@@ -26,6 +26,7 @@ from the official archive's: a re-packed or sub-sampled copy, or a test's own fi
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 
@@ -34,7 +35,7 @@ import torch
 
 from dptrain.config import ConfigError
 from dptrain.data import even_subset
-from dptrain.data.wds import ImageDecoding, image_stats
+from dptrain.data.wds import ImageDecoding, file_id, image_stats
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -48,10 +49,12 @@ class ImageFolderImages(ImageDecoding):
     kind = "classification"
 
     def __init__(self, samples: list[tuple[str, int]], image_size: int, in_chans: int,
-                 max_examples: int | None = None):
+                 max_examples: int | None = None, sizes: list[int] | None = None):
         keep = even_subset(len(samples), max_examples)
         self.paths = [samples[i][0] for i in keep]
         self.labels = torch.tensor([samples[i][1] for i in keep], dtype=torch.int64)
+        #: each file's size in bytes, for the ranks' index digest (None: not known)
+        self.sizes = None if sizes is None else np.asarray([sizes[i] for i in keep], np.int64)
         self.image_size, self.in_chans = int(image_size), int(in_chans)
         self.mean, self.std = image_stats(self.in_chans)
         self.decode_threads = 1  # (performance.decode_threads, set by the trainer)
@@ -89,8 +92,6 @@ def _list(folder: Path, field: str):
 def load_imagefolder(root: Path | None, train_name: str, test_name: str, image_size: int,
                      in_chans: int, max_train: int | None, max_test: int | None):
     """(train, test, class names) of an ImageFolder tree; see the module docstring."""
-    from dptrain.data.wds import file_id
-
     train_dir = _split_folder(root, train_name, "data.train_file")
     test_dir = _split_folder(root, test_name, "data.test_file")
     if file_id(train_dir) == file_id(test_dir):
@@ -105,8 +106,11 @@ def load_imagefolder(root: Path | None, train_name: str, test_name: str, image_s
     # it twice in N and let it be drawn twice in a step (sensitivity 2C), as for shards
     # (expand_shards); and no test image may be a training one
     owner: dict[tuple[int, int], str] = {}
+    sizes: list[int] = []  # (one stat per file for both)
     for path, _ in train.samples:
-        first = owner.setdefault(file_id(Path(path)), path)
+        st = os.stat(path)
+        sizes.append(st.st_size)
+        first = owner.setdefault((st.st_dev, st.st_ino), path)
         if first != path:
             raise ConfigError("data.train_file", f"{path} and {first} are the same file (a "
                                                  f"link): one example would be counted twice; "
@@ -118,7 +122,7 @@ def load_imagefolder(root: Path | None, train_name: str, test_name: str, image_s
                                                 f"link): the test split would hold training "
                                                 f"examples")
     test_samples = [(p, train.class_to_idx[test.classes[y]]) for p, y in test.samples]
-    return (ImageFolderImages(train.samples, image_size, in_chans, max_train),
+    return (ImageFolderImages(train.samples, image_size, in_chans, max_train, sizes),
             ImageFolderImages(test_samples, image_size, in_chans, max_test), train.classes)
 
 
@@ -171,6 +175,21 @@ def load_cifar10(root: Path | None):
     if root is None:
         raise ConfigError("data.path", "cifar10 needs data.path (the extracted "
                                        "cifar-10-batches-py folder)")
+    # six distinct files: a link (or a copy) of one batch file as another holds its examples
+    # twice, each counted in N and drawn on its own (sensitivity 2C), or as test examples
+    import hashlib
+
+    seen: dict[object, str] = {}
+    for name in (*CIFAR10_TRAIN, CIFAR10_TEST):
+        path = root / name
+        if not path.is_file():
+            continue  # (_cifar_batch says which is missing)
+        for key in (file_id(path), hashlib.sha256(path.read_bytes()).hexdigest()):
+            if key in seen:
+                raise ConfigError("data.test_file" if name == CIFAR10_TEST else "data.path",
+                                  f"{path} and {root / seen[key]} are the same batch (a link "
+                                  f"or a copy): its examples would be in the data twice")
+            seen[key] = name
     parts = [_cifar_batch(root / name) for name in CIFAR10_TRAIN]
     train = (np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts]))
     return train, _cifar_batch(root / CIFAR10_TEST)
