@@ -282,7 +282,8 @@ def test_sq_rows_is_float64_accurate_where_float32_reduction_rounds_low():
     exact = g.double().square().sum(1)
     rounded = torch.linalg.vector_norm(g, dim=1).square().double()
     assert float(((rounded - exact) / exact).abs().max()) > 1e-5  # the failure is real here
-    for block in (contributions.SQ_ROWS_BLOCK, 1000, 7919):  # tails of 176, 0 and 3,994
+    for block in (contributions.SQ_ROWS_BLOCK, 1000, 7919):  # tails of 176, 0 and 3,994 at 512
+        # (and identical values below)
         contributions.SQ_ROWS_BLOCK, saved = block, contributions.SQ_ROWS_BLOCK
         try:
             got = contributions.sq_rows(g.view(3, 590, 1000))
@@ -290,6 +291,9 @@ def test_sq_rows_is_float64_accurate_where_float32_reduction_rounds_low():
             contributions.SQ_ROWS_BLOCK = saved
         assert got.dtype == torch.float32
         assert float(((got.double() - exact) / exact).abs().max()) < 1e-7
+    same = torch.full((2, 2_400_000), 0.5731)
+    exact = same.double().square().sum(1)
+    assert float(((contributions.sq_rows(same).double() - exact) / exact).abs().max()) < 2e-7
 
 
 def test_an_instantiated_example_of_alike_values_adds_at_most_c():

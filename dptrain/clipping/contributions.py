@@ -534,8 +534,9 @@ def refine_cancelled(contribs: list[Contribution], sq: Tensor, doubt: Tensor
     return out, [*contribs, Rows(idx, g)]
 
 
-#: Columns per block of :func:`sq_rows`: float32's error over 4,096 alike elements is ~1e-8.
-SQ_ROWS_BLOCK = 4096
+#: Columns per block of :func:`sq_rows`: float32's own reduction of 512 elements is within 1e-7
+#: (identical values; 2e-9 for alike ones), of 4,096 identical ones 4.6e-6.
+SQ_ROWS_BLOCK = 512
 
 
 def sq_rows(g: Tensor) -> Tensor:
@@ -544,8 +545,8 @@ def sq_rows(g: Tensor) -> Tensor:
     reduction over a long row does (on CPU, 5.7e-5 relative over 590k alike elements, 1.4e-3
     over 2.4M: an instantiated 768 x 768 Linear's example then added 1.0005 C). So a row is
     reduced in blocks of :data:`SQ_ROWS_BLOCK` columns (a view: no copy) and the blocks'
-    squares are added in float64 (1e-8 relative; BENCHMARKS.md: no slower within a formed
-    instantiated gradient's time)."""
+    squares are added in float64 (within 1e-7 relative; BENCHMARKS.md: within a few percent
+    of forming the instantiated gradient)."""
     g = g.reshape(g.shape[0], -1)
     B, n = g.shape
     if g.dtype == torch.float64 or n <= SQ_ROWS_BLOCK:  # (one block: float32 is exact enough)
