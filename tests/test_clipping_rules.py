@@ -1208,6 +1208,29 @@ class _KwargConvNet(nn.Module):
         return self.conv(x, scale=5.0).flatten(1)
 
 
+class _GatedConv(nn.Conv2d):
+    """A conv subclass with a forward of its own and a trainable child (an SE-style gate)."""
+
+    def __init__(self):
+        super().__init__(2, 3, 3)
+        self.gate = nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y * torch.sigmoid(self.gate(y.mean((2, 3))))[:, :, None, None]
+
+
+def test_a_conv_subclass_with_its_own_forward_and_a_trainable_child_is_a_fallback_layer():
+    # find_rule's None for it made the engine tap its weight (a module with trainable
+    # children), which the first query refused; it is the fallback's, as before
+    gen = torch.Generator().manual_seed(6)
+    model = nn.Sequential(_GatedConv(), nn.Flatten()).double()
+    with pytest.warns(UserWarning, match="_GatedConv"):
+        ClippingEngine(model)
+    x = torch.randn(4, 2, 6, 6, generator=gen, dtype=torch.float64)
+    check(model, (x, torch.randn(4, 48, generator=gen, dtype=torch.float64)))
+
+
 def test_a_conv_subclass_forward_called_with_keyword_arguments_is_exact():
     # the conv rule sent it to the fallback at capture, without the call's keyword arguments:
     # the fallback re-ran it at scale 1 and the norms were 5 times too small

@@ -1042,6 +1042,9 @@ def export_hf(trainer, directory: Path) -> Path | None:
     # an earlier hf/ (a resumed export) is moved aside, not deleted, until the new one is in
     # place: a kill between the two leaves one of them
     old = Path(directory) / f".old-hf-{os.getpid()}"
+    # (one left by a kill between the renames; os.replace below needs its path free)
+    for stale in Path(directory).glob(".old-hf-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     if hf.exists():
         os.replace(hf, old)
     os.replace(tmp, hf)

@@ -551,7 +551,7 @@ class ClippingEngine:
                                         {k: self.names[id(p)] for k, p in direct.items()}))
                 owned.update(id(p) for p in direct.values())
                 continue
-            if rule is None:
+            if rule is None or rule is FALLBACK:
                 # (submodules without trainable parameters, timm's GroupNormAct's activation,
                 # run inside the fallback's vmapped forward)
                 import warnings

@@ -63,7 +63,8 @@ def register_rule(*module_types: type) -> Callable[[type], type]:
 def find_rule(module: nn.Module) -> LayerRule | None:
     """The rule registered for the nearest class of ``module``'s MRO; None (the torch.func
     fallback) when the module's class overrides that class's ``forward`` (a subclass that
-    scales its output, adds a parameter, ...), unless the rule checks forwards itself, and when
+    scales its output, adds a parameter, ...), or FALLBACK itself where the rule checks
+    forwards and does not know this one (a conv subclass), and when
     the instance has a ``forward`` of its own (``layer.forward = ...``: the rule's gradient is
     that of its class's forward; in two_pass, 1.6 C from one example, a red team)."""
     if "forward" in vars(module):
@@ -75,7 +76,9 @@ def find_rule(module: nn.Module) -> LayerRule | None:
                 # (decided here, not at capture: the fallback takes the call's keyword
                 # arguments, which a conv rule's capture does not; a subclass forward called
                 # with them got norms 5x too small)
-                return rule if rule.known(module) else None
+                # (FALLBACK, not None: a layer with trainable children of its own stays a
+                # fallback layer, not a tapped module)
+                return rule if rule.known(module) else FALLBACK
             if type(module).forward is klass.forward:
                 return rule
             return _copied_form_rule(module)
