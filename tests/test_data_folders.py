@@ -74,6 +74,23 @@ def test_imagefolder_examples_are_torchvisions_files_labelled_by_the_training_cl
                                _want(tmp_path / "val" / "normal" / "000.jpg", 8, 1))
 
 
+def test_imagefolder_files_it_does_not_list_are_counted_on_stderr(tmp_path, capsys):
+    # torchvision's listing drops .gif, DICOM's .dcm and the like: they were left out in silence
+    from torchvision.datasets import ImageFolder
+
+    rng = np.random.default_rng(1)
+    _tree(tmp_path, "train", {"a": 2, "b": 1}, rng)
+    _tree(tmp_path, "val", {"a": 1}, rng)
+    for name in ("a/x.dcm", "a/y.dcm", "b/z.gif", "b/notes"):
+        (tmp_path / "train" / name).write_bytes(b"not listed")
+    task = build_data(DataConfig(name="imagefolder", path=str(tmp_path), image_size=8))
+    assert len(task.train) == 3 == len(ImageFolder(str(tmp_path / "train")).samples)
+    err = capsys.readouterr().err
+    assert err.count("dptrain: note:") == 1  # the val split lost nothing
+    assert ("4 file(s) of a type torchvision does not list are left out (2 .dcm, "
+            "1 (no extension), 1 .gif)") in err
+
+
 def test_imagefolder_trees_that_cannot_be_trained_on_are_refused_naming_the_field(tmp_path):
     rng = np.random.default_rng(1)
     _tree(tmp_path, "train", {"a": 2, "b": 2}, rng)

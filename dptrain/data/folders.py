@@ -6,7 +6,8 @@ imagefolder: ``data.path`` holds one folder per split (``data.train_file``, defa
 
     path/train/<class>/<image>.png     path/val/<class>/<image>.jpg
 
-torchvision's ``ImageFolder`` lists the images (its extensions, class folders in sorted order);
+torchvision's ``ImageFolder`` lists the images (its extensions, class folders in sorted order;
+files of other types are left out, with a count on stderr);
 the class index is the class folder's rank among the TRAINING split's classes, and a test class
 the training split lacks is refused (its label would mean another class). Example i is the
 i-th file in ImageFolder's order; ``collate`` decodes exactly the requested files with the
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -81,12 +83,33 @@ def _split_folder(root: Path | None, name: str, field: str) -> Path:
 
 
 def _list(folder: Path, field: str):
+    """torchvision's listing of ``folder``; files of a type it does not list (``.gif``, DICOM's
+    ``.dcm``, ...) are left out, and said on stderr with their count (they were dropped in
+    silence: a folder of 8 files gave 2 examples)."""
+    from collections import Counter
+
     from torchvision.datasets import ImageFolder
+    from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+
+    skipped: Counter = Counter()
+
+    def listed(path: str) -> bool:
+        ok = has_file_allowed_extension(path, IMG_EXTENSIONS)
+        if not ok:
+            skipped[os.path.splitext(path)[1].lower() or "(no extension)"] += 1
+        return ok
 
     try:
-        return ImageFolder(str(folder), allow_empty=False)
+        images = ImageFolder(str(folder), is_valid_file=listed, allow_empty=False)
     except (FileNotFoundError, RuntimeError) as e:  # no class folders, a class without images
         raise ConfigError(field, f"{folder}: {e}") from None
+    if skipped:
+        kinds = ", ".join(f"{n} {ext}" for ext, n in
+                          sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0]))[:5])
+        print(f"dptrain: note: {folder}: {sum(skipped.values())} file(s) of a type torchvision "
+              f"does not list are left out ({kinds}); convert them (e.g. DICOM to PNG) to use "
+              f"them", file=sys.stderr)
+    return images
 
 
 def load_imagefolder(root: Path | None, train_name: str, test_name: str, image_size: int,
