@@ -48,7 +48,7 @@ from dptrain.privacy.sampling import poisson_sample, shard_indices
 from dptrain.telemetry import json_rows, peak_memory_bytes, strict_json
 from dptrain.telemetry.gpu import GpuMonitor
 from dptrain.tree import map_tensors
-from dptrain.parallel.dist import init_from_env
+from dptrain.parallel.dist import init_from_env, local_rank
 from dptrain.parallel.fsdp import (all_reduce_scalars, apply_fsdp, as_grad, flat_range,
                                    is_sharded, reduce_sum)
 
@@ -158,7 +158,7 @@ def resolve_device(perf: PerformanceConfig) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("performance.device", "cuda requested but no GPU is available")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cuda", local_rank())
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -702,6 +702,34 @@ def test_a_complete_or_absent_launcher_environment_is_read(monkeypatch, env, wan
     assert launch_environment() == want
 
 
+@pytest.mark.parametrize("env, words", [
+    ({"LOCAL_RANK": "a"}, "must be an integer, got 'a'"),
+    ({"RANK": "1", "WORLD_SIZE": "2"}, "is not set, but WORLD_SIZE is (2): every rank would "
+                                       "use cuda:0"),
+    ({"LOCAL_RANK": "99"}, "is 99, but this node has"),
+])
+def test_local_rank_of_a_cuda_run_is_one_error_naming_it(monkeypatch, env, words):
+    # read with int() and a default of 0: a bare ValueError, or every rank on cuda:0
+    from dptrain.config import ConfigError
+    from dptrain.parallel.dist import local_rank
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as e:
+        local_rank()
+    assert e.value.field == "LOCAL_RANK" and words in e.value.message
+
+
+def test_local_rank_of_a_plain_process_is_0(monkeypatch):
+    from dptrain.parallel.dist import local_rank
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert local_rank() == 0
+
+
 def test_collective_timeout_reaches_the_process_group_and_bad_values_exit_2(
         monkeypatch, capsys, tmp_path):
     import dptrain.trainer as trainer_mod

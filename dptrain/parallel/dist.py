@@ -73,7 +73,7 @@ def init_from_env(backend: str | None = None, *,
         return 0, 1
     backend = backend or default_backend()
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank())
     kwargs: dict[str, Any] = {}
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -115,6 +115,33 @@ def launch_environment() -> tuple[int, int]:
         raise ConfigError("RANK", f"is {rank}, outside 0..{world - 1} (WORLD_SIZE {world}, "
                                   f"environment)")
     return rank, world
+
+
+def local_rank() -> int:
+    """This process's GPU on its node (LOCAL_RANK, as torchrun and accelerate launch set it; 0
+    for a plain process), for CUDA runs; a ConfigError naming LOCAL_RANK where it is not an
+    integer, is not this node's GPU, or is missing with several ranks (each would take cuda:0:
+    a launcher that sets only RANK and WORLD_SIZE, e.g. ``srun`` without it)."""
+    from dptrain.config import ConfigError
+
+    raw = os.environ.get("LOCAL_RANK")
+    if raw is None:
+        _, world = launch_environment()
+        if world > 1:
+            raise ConfigError("LOCAL_RANK", f"is not set, but WORLD_SIZE is ({world}): every "
+                                            f"rank would use cuda:0; torchrun and accelerate "
+                                            f"launch set it (under srun: "
+                                            f"LOCAL_RANK=$SLURM_LOCALID)")
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError("LOCAL_RANK", f"must be an integer, got {raw!r} (environment)") from None
+    count = torch.cuda.device_count()
+    if not 0 <= value < count:
+        raise ConfigError("LOCAL_RANK", f"is {value}, but this node has {count} GPU(s) "
+                                        f"(environment)")
+    return value
 
 
 def shard_bounds(dim0: int, rank: int, world: int) -> tuple[int, int]:
