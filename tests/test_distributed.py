@@ -722,6 +722,25 @@ def test_local_rank_of_a_cuda_run_is_one_error_naming_it(monkeypatch, env, words
     assert e.value.field == "LOCAL_RANK" and words in e.value.message
 
 
+@pytest.mark.parametrize("env, field", [({"MASTER_PORT": "29500"}, "MASTER_ADDR"),
+                                        ({"MASTER_ADDR": "localhost"}, "MASTER_PORT"),
+                                        ({"MASTER_ADDR": "localhost", "MASTER_PORT": "x"},
+                                         "MASTER_PORT")])
+def test_a_launch_without_its_rendezvous_is_one_error_naming_it(monkeypatch, env, field):
+    from dptrain.config import ConfigError
+    from dptrain.parallel.dist import init_from_env
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as e:
+        init_from_env("gloo")
+    assert e.value.field == field
+
+
 def test_local_rank_of_a_plain_process_is_0(monkeypatch):
     from dptrain.parallel.dist import local_rank
 

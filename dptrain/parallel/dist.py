@@ -71,6 +71,15 @@ def init_from_env(backend: str | None = None, *,
     rank, world = launch_environment()
     if world == 1 and "WORLD_SIZE" not in os.environ:
         return 0, 1
+    from dptrain.config import ConfigError
+
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # (torch's env:// raised a bare ValueError)
+        if not os.environ.get(name, "").strip():
+            raise ConfigError(name, f"is not set, but WORLD_SIZE is ({world}): the ranks "
+                                    f"cannot meet; torchrun and accelerate launch set it")
+    if not os.environ["MASTER_PORT"].strip().isdigit():
+        raise ConfigError("MASTER_PORT", f"must be a port number, got "
+                                         f"{os.environ['MASTER_PORT']!r} (environment)")
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
