@@ -451,7 +451,7 @@ def squared_norms_scaled(contribs: list[Contribution], kernels: Kernels = "torch
 #: shared by all pairs). Red-team constructions (half the tokens one vector, half a nearby one,
 #: opposite signs) just above 2^16 ulps reached norms 0.45% short at width 2,048 and T = 1,024;
 #: 2^19 leaves them within about 0.06%. Ordinary batches sit at 0.5 of the scale or above
-#: (the threshold is 0.031 in float32 up to 256 tokens).
+#: (the threshold is 0.0625 = 2^19 x 2^-23 in float32 up to 256 tokens).
 CANCELLATION_ULPS = 2.0 ** 19
 CANCELLATION_TOKENS = 256
 

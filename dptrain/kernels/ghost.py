@@ -14,11 +14,11 @@ only the tiles on and above the diagonal are computed, the off-diagonal ones cou
 about half the multiply-adds and none of the 3 x B x T^2 floats of memory traffic.
 
 Exactness: the products use ``input_precision="ieee"`` (float32 FMA, no TF32) and float32
-accumulation for half and float32 inputs (float64 for float64 ones), because these norms decide
-the clip factors: a norm rounded short would let a clipped example add more than C. Each tile's
-partial sum is written to its own slot and the slots are summed by torch in a fixed order (no
-atomics), so the result is deterministic; it differs from the reference only in the order of
-float additions.
+accumulation of the Gram tiles for half and float32 inputs (float64 for float64 ones), because
+these norms decide the clip factors: a norm rounded short would let a clipped example add more
+than C. Each tile's elementwise product is summed in float64 (summed in float32 it rounded far
+more than the reference for alike tokens, whose terms cancel) into its own slot, and the slots
+are summed by torch in float64 in a fixed order (no atomics), so the result is deterministic.
 
 The kernel is opt-in (``performance.kernels=triton``): it runs on CUDA tensors, and on CPU
 tensors only under Triton's interpreter (``TRITON_INTERPRET=1``, how the tests run it here).
@@ -104,7 +104,10 @@ if triton is not None:
                         t, s, mt, ms, O, BT, BK, ACC)
         rr = _gram_tile(ru + b * s_rub, rv + b * s_rvb, s_rut, s_rui, s_rvt, s_rvi,
                         t, s, mt, ms, I, BT, BK, ACC)
-        part = tl.sum(tl.sum(ll * rr, axis=1), axis=0)
+        # the tile's sum in float64 (exact products of the float32 Gram entries): in float32
+        # it rounded ~280x the cancelled result for alike tokens, and a clipped example added
+        # 1 + 2.5e-5 C (the torch path: 3e-6)
+        part = tl.sum(tl.sum(ll.to(tl.float64) * rr.to(tl.float64), axis=1), axis=0)
         if SYMMETRIC:
             part = part * tl.where(ti == si, 1.0, 2.0)
         tl.store(out + b * n_tiles + p, part)
@@ -172,11 +175,11 @@ def outer_inner(Lu: Tensor, Ru: Tensor, Lv: Tensor | None = None,
     rows, cols = _tiles(triton.cdiv(Tu, bt), triton.cdiv(Tv, bt), symmetric, Lu.device)
     n = rows.numel()
     wide = torch.float64 in (Lu.dtype, Ru.dtype, Lv.dtype, Rv.dtype)
-    parts = torch.empty(B, n, device=Lu.device, dtype=torch.float64 if wide else torch.float32)
+    parts = torch.empty(B, n, device=Lu.device, dtype=torch.float64)
     _outer_inner_kernel[(B, n)](
         Lu, Ru, Lv, Rv, rows, cols, parts,
         Tu, Tv, O, I, n,
         *Lu.stride(), *Ru.stride(), *Lv.stride(), *Rv.stride(),
         SYMMETRIC=symmetric, BT=bt, BK=32, ACC=tl.float64 if wide else tl.float32,
     )
-    return parts.sum(dim=1)
+    return parts.sum(dim=1).to(torch.float64 if wide else torch.float32)
