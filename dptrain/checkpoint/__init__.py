@@ -7,8 +7,8 @@ torch.distributed.checkpoint, each rank its own shards (``__<rank>_0.distcp``, `
 rank 0 ``meta.pt`` (everything but the tensors). Either way the files go into a temporary
 directory, ``COMPLETE`` (the SHA-256 of every file) last, and the directory is then renamed into
 place, so a reader never sees a partial checkpoint; a checkpoint whose marker is missing or
-whose checksums do not match is reported and skipped in favour of the previous one. Any world size loads any
-checkpoint (DCP re-shards; ``read`` assembles full tensors in one process).
+whose checksums do not match is reported and skipped in favour of the previous one. Any world
+size loads any checkpoint (DCP re-shards; ``read`` assembles full tensors in one process).
 
 The ledger in a checkpoint counts exactly the releases that produced its parameters. In secure
 mode the privacy seed is not stored (resume then draws fresh randomness and says so).
