@@ -432,6 +432,8 @@ def test_init_from_env_joins_with_the_launcher_s_rank_and_world(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "node0")  # (the rendezvous a launcher sets)
+    monkeypatch.setenv("MASTER_PORT", "29500")
     timeout = datetime.timedelta(seconds=7)
     assert d.init_from_env("gloo", timeout=timeout) == (3, 4)
     assert seen == {"backend": "gloo", "init_method": "env://", "rank": 3, "world_size": 4,
