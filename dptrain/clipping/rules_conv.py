@@ -29,7 +29,6 @@ rules see must be those the layer used).
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +38,7 @@ from dptrain.clipping.contributions import (CANCELLATION_TOKENS, CANCELLATION_UL
                                            MAX_INSTANTIATE_NUMEL, Dense, Factored, Outer,
                                            sq_rows)
 from dptrain.clipping.errors import ClippingError
-from dptrain.clipping.rules import (FALLBACK, LayerRule, _check_unmodified, _Watched,
-                                    register_rule)
+from dptrain.clipping.rules import LayerRule, _check_unmodified, _Watched, register_rule
 
 _conv_backward = torch.ops.aten.convolution_backward
 
@@ -458,8 +456,10 @@ class StdConvGain(Factored):
 
 
 class _ConvLikeRule(LayerRule):
-    """Shared capture: the (raw) input and its version; subclasses whose class overrides
-    ``forward`` with something this rule does not know go to the torch.func fallback."""
+    """Shared capture: the (raw) input and its version. Subclasses whose class overrides
+    ``forward`` (or ``_conv_forward``) with something this rule does not know (``known``) never
+    get it: :func:`find_rule` gives them the torch.func fallback, which keeps the call's keyword
+    arguments."""
 
     #: forward functions this rule understands (a subclass with another forward: fallback)
     forwards: tuple = ()
@@ -473,11 +473,6 @@ class _ConvLikeRule(LayerRule):
                                 for k in (nn.Conv1d, nn.Conv2d, nn.Conv3d)))
 
     def capture(self, module, args, output):
-        if not self.known(module):  # (find_rule sends these to the fallback already)
-            warnings.warn(f"dptrain.clipping: {type(module).__name__} overrides the forward of "
-                          f"its convolution base class; using the torch.func fallback for it",
-                          stacklevel=3)
-            return {"fallback": FALLBACK.capture(module, args, output)}
         return {"x": _Watched(args[0]), **self.capture_params(module, output)}
 
     def capture_params(self, module, output) -> dict:
@@ -487,8 +482,6 @@ class _ConvLikeRule(LayerRule):
         return _torch_conv_input(module, x)
 
     def contributions(self, module, saved, G):
-        if "fallback" in saved:
-            return FALLBACK.contributions(module, saved["fallback"], G)
         _check_unmodified(module, saved)
         x, padding = self.conv_input(module, saved["x"].tensor.to(G.dtype))
         geom = _geom(module, padding)
