@@ -382,3 +382,36 @@ def test_a_weight_standardised_conv_of_alike_positions_adds_at_most_c(mode):
     acc = {}
     ClippingEngine(conv, clip_norm=C, ghost="ghost", mode=mode).accumulate(loss_fn, (x, g), acc)
     assert float(acc["weight"].double().norm()) <= C * (1 + 1e-6)
+
+
+class _ManyScalars(nn.Module):
+    """n + 1 weights 1 x 1: example x's squared norm per weight is x_k^2."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(1, 1, bias=False) for _ in range(n + 1))
+
+    def forward(self, x):
+        return sum(m(x[:, k:k + 1]) for k, m in enumerate(self.layers)).squeeze(1)
+
+
+def test_many_parameters_squared_norms_are_added_without_float32_loss():
+    # one weight's squared norm 1, then 256 of 2^-24 each: a float32 running total rounds every
+    # one of those away (half an ulp of 1, ties to even), 1 + 2^-16 -> 1, and with C between
+    # the two the example would be added unclipped, above C
+    n = 256
+    model = _ManyScalars(n)
+    with torch.no_grad():
+        for m in model.layers:
+            m.weight.fill_(1.0)
+    x = torch.full((2, n + 1), 2.0 ** -12)
+    x[:, 0] = 1.0
+    true = (1 + n * 2.0 ** -24) ** 0.5
+    norms = ClippingEngine(model).per_example_norms(lambda m, b: m(b[0]), (x,))
+    assert torch.allclose(norms.double(), torch.full((2,), true, dtype=torch.float64),
+                          rtol=1e-7, atol=0), norms
+    C = 1 + 2.0 ** -18
+    acc = {}
+    ClippingEngine(model, clip_norm=C).accumulate(lambda m, b: m(b[0]), (x[:1],), acc)
+    added = sum(float(v.double().square().sum()) for v in acc.values()) ** 0.5
+    assert added <= C * (1 + 1e-7), (added, C)

@@ -1539,3 +1539,19 @@ def test_a_loss_that_uses_the_parameters_directly_is_refused():
 
     with pytest.raises(ValueError, match=r"0\.weight is used outside the forward"):
         ClippingEngine(model).per_example_norms(penalised, (x, y))
+
+
+def test_the_cancellation_threshold_grows_with_the_tokens_past_256():
+    # 2^19 ulps of the scale, times T / 256 beyond 256 positions (the rounding of a sum of T
+    # terms grows with T); checked against the documented value, not the module's own
+    from dptrain.clipping.contributions import CANCELLATION_TOKENS, CANCELLATION_ULPS, cancelled
+
+    assert (CANCELLATION_ULPS, CANCELLATION_TOKENS) == (2 ** 19, 256)
+    eps = torch.finfo(torch.float32).eps
+    scale = torch.tensor([1.0, 1.0])
+    sq = torch.tensor([0.99, 1.01]) * 2 ** 19 * eps
+    assert cancelled(sq, scale, 1).tolist() == [True, False]
+    assert cancelled(sq, scale, 256).tolist() == [True, False]
+    assert cancelled(sq * 4, scale, 1024).tolist() == [True, False]
+    assert cancelled(sq * 2, scale, 1024).tolist() == [True, True]
+    assert cancelled(sq, None, 1024) is None

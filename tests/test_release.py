@@ -187,6 +187,17 @@ def test_an_empty_sample_still_releases_pure_noise():
         torch.testing.assert_close(out[name], expected.to(out[name].dtype))
 
 
+def test_an_empty_sample_is_a_release_the_ledger_counts():
+    # its noise is published like any other step's: a ledger that skipped it would report an
+    # epsilon too low (the test above calls release() alone, past the ledger)
+    t = make("privacy.sample_rate=0.0001", "privacy.noise_multiplier=2.0", "privacy.epsilon=null",
+             "privacy.steps=50", "train.checkpoint_every=0")
+    empty = next(s for s in range(50) if len(t.sample(s)) == 0)
+    for _ in range(empty + 1):
+        t.private_step()
+    assert t.ledger.history == [(t.plan.noise_multiplier, t.plan.sample_rate, empty + 1)]
+
+
 def test_zero_gradient_release_has_std_sigma_C_over_b():
     # zero the loss's dependence on the parameters: every clipped sum is exactly 0 (through
     # the model: a loss that used the parameters directly would be refused, since the engine
