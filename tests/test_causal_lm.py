@@ -271,7 +271,16 @@ def test_a_causal_lm_with_batchnorm_is_refused(monkeypatch):
     ("model.hf_config.model_type=bert", "model.hf_config.model_type"),
     ("model.hf_config.vocab_size=64", "model.hf_config.vocab_size"),
     ("model.hf_config.num_key_value_heads=3", "model.hf_config"),  # when the model is built
-    ("model.hf_config.num_key_value_heads=0", "model.hf_config"),  # was a ZeroDivisionError
+    ("model.hf_config.num_key_value_heads=0", "model.hf_config.num_key_value_heads"),
+    # each trained on NaN, with exit 0; the last named optim.preset
+    ("model.hf_config.rope_theta=-1", "model.hf_config.rope_theta"),
+    ("model.hf_config.rms_norm_eps=.nan", "model.hf_config.rms_norm_eps"),
+    ("model.hf_config.rms_norm_eps=0", "model.hf_config.rms_norm_eps"),
+    ("model.hf_config.initializer_range=.inf", "model.hf_config.initializer_range"),
+    ("model.hf_config.rope_scaling={rope_type: linear, factor: .nan}",
+     "model.hf_config.rope_scaling.factor"),
+    ("model.hf_config.num_hidden_layers=0", "model.hf_config.num_hidden_layers"),
+    ("model.hf_config.hidden_size=2.5", "model.hf_config.hidden_size"),
     ("model.hf_config.max_position_embeddings=8", "model.hf_config.max_position_embeddings"),
     ("model.hf_config=[1]", "model.hf_config"),
     ("model.n_head=4", "model.n_head"),

@@ -10,6 +10,7 @@ per-example clipping would no longer bound its influence.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -586,6 +587,43 @@ def _config_keys(cls) -> set[str]:
     return known
 
 
+#: hf_config sizes that must be whole numbers >= 1 (0 builds a model without that part; the
+#: error came later, from elsewhere, naming another field)
+_HF_POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                     "head_dim")
+#: hf_config numbers that must be > 0 (a negative RoPE base or norm epsilon trains on NaN)
+_HF_POSITIVE_FLOATS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon",
+                       "norm_eps")
+
+
+def _check_hf_values(hf: dict) -> None:
+    """ConfigError naming ``model.hf_config.<key>`` for a non-finite number anywhere in it
+    (also inside a nested setting such as ``rope_scaling``), and for the sizes and positive
+    constants above out of range; transformers' configs accept them, and the model then
+    trains on NaN."""
+    def numbers(value, where):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                yield from numbers(v, f"{where}.{k}")
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                yield from numbers(v, f"{where}[{i}]")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield where, value
+
+    for key, value in hf.items():
+        for where, x in numbers(value, f"model.hf_config.{key}"):
+            if not math.isfinite(x):
+                raise ConfigError(where, f"must be a finite number, got {x}")
+        if key in _HF_POSITIVE_INTS and value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"model.hf_config.{key}", f"must be an integer >= 1, got {value!r}")
+        if key in _HF_POSITIVE_FLOATS and value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ConfigError(f"model.hf_config.{key}", f"must be a number > 0, got {value!r}")
+
+
 def scratch_config(cfg: ModelConfig, vocab_size: int | None = None,
                    special: dict[str, int | None] | None = None):
     """The transformers config of a causal_lm built from ``cfg.hf_config``: checked key by key
@@ -615,6 +653,7 @@ def scratch_config(cfg: ModelConfig, vocab_size: int | None = None,
                               "dptrain chooses the attention implementation (sdpa; eager with "
                               "model.dropout > 0, so that its dropout is per example, and in "
                               "bfloat16)")
+    _check_hf_values(hf)
     try:
         cls = CONFIG_MAPPING[model_type]
     except KeyError:
@@ -812,7 +851,49 @@ def build_model(cfg: ModelConfig, info: DataInfo, *, low_precision: bool = False
     """Build the model of ``cfg`` for data described by ``info`` (random init unless
     ``pretrained_path``). ``low_precision``: the forward will run in bfloat16 (autocast or
     FSDP's mixed precision), which rules out sdpa attention (``_attention``). Raises
-    ConfigError naming the field on any mismatch."""
+    ConfigError naming the field on any mismatch, and on a model too large for the memory
+    (``model.vocab_size: 10^11`` was a traceback from the allocator)."""
+    try:
+        return _build_model(cfg, info, low_precision)
+    except (MemoryError, RuntimeError) as e:
+        if not (isinstance(e, MemoryError) or _allocation_failure(e)):
+            raise
+        raise ConfigError(_largest_size_field(cfg), f"the model does not fit in memory: "
+                                                    f"{_one_line(e)}") from None
+
+
+def _allocation_failure(e: BaseException) -> bool:
+    """Whether ``e`` is torch's failure to allocate a tensor (CPU or CUDA)."""
+    oom = getattr(torch, "OutOfMemoryError", None)
+    text = str(e)
+    return ((oom is not None and isinstance(e, oom)) or "can't allocate memory" in text
+            or "out of memory" in text.lower())
+
+
+def _largest_size_field(cfg: ModelConfig) -> str:
+    """The size setting furthest above its default (the likely cause of a model too large to
+    build); else where the family's other sizes are set."""
+    sizes = {"model.vocab_size": (cfg.vocab_size, 50257 if cfg.name == "gpt2" else 152064)}
+    if cfg.name == "gpt2":
+        sizes.update({"model.n_embd": (cfg.n_embd, 768), "model.n_layer": (cfg.n_layer, 12),
+                      "model.n_positions": (cfg.n_positions, 1024)})
+        rest = "model"
+    elif cfg.name == "causal_lm":
+        rest = "model.pretrained_path" if cfg.pretrained_path else "model.hf_config"
+    else:
+        sizes = {"model.num_classes": (cfg.num_classes, 1000)}
+        if cfg.name == "cnn":
+            sizes.update({"model.channels": (max(cfg.channels, default=1), 32),
+                          "model.hidden": (cfg.hidden, 32), "model.pool": (cfg.pool, 4)})
+            rest = "model.channels"
+        else:
+            rest = "model.timm_kwargs" if cfg.timm_kwargs else "model.timm_name"
+    ratios = {name: value / default for name, (value, default) in sizes.items()
+              if value is not None and value > default}
+    return max(ratios, key=ratios.get) if ratios else rest
+
+
+def _build_model(cfg: ModelConfig, info: DataInfo, low_precision: bool) -> nn.Module:
     if cfg.name == "gpt2":
         model = _build_gpt2(cfg, info)
     elif cfg.name == "causal_lm":
