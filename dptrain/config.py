@@ -459,8 +459,8 @@ def load_yaml(path: str | Path) -> dict:
     except yaml.YAMLError as e:
         raise ConfigError("config", f"{path} is not valid YAML: {_yaml_error_line(e)}") from None
     if data is None:  # an empty (or truncated, or mistyped) file would be the whole default run
-        raise ConfigError("config", f"{path} holds no settings (write {{}} to take every "
-                                    "default: GPT-2 small on E2E)")
+        raise ConfigError("config", f"{path} holds no settings (for the defaults' GPT-2 "
+                                    "small on E2E with DP-Muon, write {optim: {preset: gpt2}})")
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping at the top level")
     return data

@@ -110,7 +110,7 @@ _OPTION_RANGES: dict[str, tuple[Any, str]] = {
     "ns_steps": (lambda x: x >= 1, "must be >= 1"),
     "bc_lambda": (lambda x: _finite(x) and x >= 0, "must be finite and >= 0"),
     "bc_kappa": (lambda x: _finite(x) and x > 0, "must be finite and > 0"),
-    "bc_gamma_ns": (lambda x: _finite(x) and x * x >= FLOAT32_TINY,
+    "bc_gamma_ns": (lambda x: _finite(x) and x > 0 and x * x >= FLOAT32_TINY,
                     f"must be finite and >= {math.sqrt(FLOAT32_TINY):.5g} (its square is added "
                     f"in float32 or bf16: a smaller one rounds to 0, and Smooth-NS is then "
                     f"not smooth at 0, as the bias correction needs)"),
