@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -82,6 +83,7 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
                                             "config, so whether it is this run's cannot be "
                                             "checked; move it away, or choose another directory")
         ckpt.check_compatible(saved, cfg, source="the finished run (summary.json)")
+        _check_same_training(saved, cfg, out)
         if os.environ.get("RANK", "0") == "0":
             print(f"dptrain train: {out} holds a finished run (summary.json); nothing to do",
                   file=sys.stderr)
@@ -278,6 +280,35 @@ def _metrics_steps(path: Path) -> list[int | float]:
 #: what a run writes in its output directory: name -> whether it is a directory
 _LAYOUT = {"checkpoints": True, "final": True, "metrics.jsonl": False, "summary.json": False,
            "secure_resumes.jsonl": False}
+
+
+#: train settings of a finished run that its outputs depend on (the final evaluation's
+#: generations); the others (how often it logged, evaluated and checkpointed, progress bars)
+#: leave its model and summary metrics as they are
+_FINAL_METRICS_SETTINGS = frozenset({"generate_prompts", "max_new_tokens"})
+
+
+def _check_same_training(saved: dict, cfg, out: Path) -> None:
+    """A finished run's optimizer settings (and the settings of its final metrics) must be this
+    config's too: a sweep that reused an output directory would otherwise read the earlier
+    run's "nothing to do" (exit 0) as its own run done. A resume may change them; a finished run
+    is never rewritten."""
+    from dptrain import checkpoint as ckpt
+
+    from dptrain.config import to_dict
+
+    skip = frozenset(f.name for f in dataclasses.fields(cfg.train)) - _FINAL_METRICS_SETTINGS
+    for section, ignored in (("optim", frozenset()), ("train", skip)):
+        # a setting newer than the finished run: it ran with the default
+        defaults = to_dict(type(getattr(cfg, section))())
+        was = {section: {**defaults, **(saved.get(section) or {})}}
+        changes = ckpt.section_changes(was, cfg, section, skip=ignored)
+        if changes:
+            key, _, values = changes[0].partition(": ")
+            raise ConfigError(key, f"differs from the finished run (summary.json) in {out} "
+                                   f"({values}): it was trained with the other value, and a "
+                                   f"finished run is never rewritten; choose another "
+                                   f"output directory")
 
 
 def _check_layout(out: Path) -> None:
