@@ -127,6 +127,11 @@ class RunConfig:
                               f"{o.ema_start_step} is not before the run's last step "
                               f"(privacy.steps = {self.privacy.steps}): the average would "
                               f"never start, and the exported model would be the last iterate")
+        if o.warmup_steps > self.privacy.steps:
+            raise ConfigError("optim.warmup_steps",
+                              f"{o.warmup_steps} is more than the run's steps (privacy.steps = "
+                              f"{self.privacy.steps}): the learning rate would never reach "
+                              f"optim.lr")
         if self.train.generate_prompts != 0 and self.data.name != "e2e":
             raise ConfigError("train.generate_prompts",
                               f"scores generations against E2E/DART references: it applies only "
@@ -202,6 +207,11 @@ def plan_privacy(cfg: PrivacyConfig, train_size: int) -> PrivacyPlan:
     """Calibrate or check sigma; refuse a plan that would exceed the target epsilon."""
     n = cfg.public_dataset_size(train_size)
     b = cfg.release_denominator(train_size)
+    if b > n:
+        # (an explicit b: a batch of Poisson samples from N examples holds at most N)
+        raise ConfigError("privacy.expected_batch_size",
+                          f"{b} is more than the dataset size N = {n}, the most a batch can "
+                          f"hold")
     if cfg.noise_multiplier is None:
         try:
             sigma = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, cfg.sample_rate,
@@ -238,6 +248,22 @@ def delta_warning(delta: float, n: int) -> str | None:
     return (f"privacy.delta = {delta:g} is at least 1/N = 1/{n}: (epsilon, delta)-DP then allows "
             f"a mechanism that publishes one example in the clear; choose delta well below "
             f"1/N (e.g. {1 / (10 * n):.1g})")
+
+
+def sampling_note(cfg: PrivacyConfig, train_size: int, plan: PrivacyPlan) -> str | None:
+    """A line for a plan whose public numbers do not describe the data it samples: a
+    ``privacy.dataset_size`` N off the training set's length by more than 10% (b = floor(qN)
+    then scales every release by the wrong amount), or an expected batch q * (examples) below
+    one example (most releases are then noise alone); None otherwise."""
+    expected = cfg.sample_rate * train_size
+    if cfg.dataset_size is not None and abs(cfg.dataset_size - train_size) > 0.1 * train_size:
+        return (f"privacy.dataset_size N = {cfg.dataset_size} is far from the training set's "
+                f"{train_size} examples: each release is divided by b = {plan.denominator}, "
+                f"while q * {train_size} = {expected:.4g} examples are expected in a batch")
+    if expected < 1:
+        return (f"privacy.sample_rate = {cfg.sample_rate:g} expects {expected:.3g} of the "
+                f"{train_size} training examples in a batch: most releases will be noise alone")
+    return None
 
 
 def truncation_note(task, max_length) -> str | None:
@@ -804,8 +830,8 @@ class Trainer:
 
     def print_start_notes(self) -> None:
         """What a run says on stderr before its first step (the dry run says it too): the
-        seed's meaning without secure mode, a delta at or above 1/N, examples cut at
-        ``data.max_length``."""
+        seed's meaning without secure mode, a delta at or above 1/N, a dataset size or sample
+        rate that does not fit the data, examples cut at ``data.max_length``."""
         lines = [] if self.cfg.privacy.secure_mode else [PUBLIC_SEED_WARNING]
         # (the examples sampled from, or a larger public N: privacy.dataset_size need not be
         # the training set's length)
@@ -813,6 +839,9 @@ class Trainer:
                                     max(self.train_size, self.plan.dataset_size))
         if small_delta is not None:
             lines.append(f"warning: {small_delta}")
+        sampling = sampling_note(self.cfg.privacy, self.train_size, self.plan)
+        if sampling is not None:
+            lines.append(f"warning: {sampling}")
         cut = truncation_note(self.task, self.cfg.data.max_length)
         if cut is not None:
             lines.append(f"note: {cut}")

@@ -142,6 +142,11 @@ def test_metrics_rows_log_the_learning_rates_their_step_applied(tmp_path, capsys
     (("optim.name=muon_bc", "optim.bc_lambda=nan"), "optim.bc_lambda"),
     (("optim.name=muon_bc", "optim.bc_gamma_ns=nan"), "optim.bc_gamma_ns"),
     (("optim.name=muon_bc", "optim.bc_gamma_ns=0"), "optim.bc_gamma_ns"),  # Smooth-NS needs > 0
+    (("optim.name=muon_bc", "optim.bc_gamma_ns=-1"), "optim.bc_gamma_ns"),  # named optim.name
+    # (10^15 bytes: beyond any address space, refused whatever the overcommit setting)
+    ("model.vocab_size=10000000000000", "model.vocab_size"),  # the allocator's traceback
+    ("optim.warmup_steps=5", "optim.warmup_steps"),  # tiny.yaml: 4 steps; lr never reached
+    ("privacy.expected_batch_size=257", "privacy.expected_batch_size"),  # N = 256
     (("optim.name=muon_bc", "optim.bc_kappa=inf"), "optim.bc_kappa"),
     (("optim.filter.name=doppler", "optim.filter.b=[nan]"), "optim.filter.b"),
     (("optim.filter.name=disk", "optim.filter.gamma=inf"), "optim.filter.gamma"),
@@ -386,6 +391,23 @@ def test_a_delta_at_or_above_one_over_n_is_warned_about(tmp_path, capsys, dry):
                                f"privacy.dataset_size={n}", f"--output-dir={tmp_path / n}")
         lines = [x for x in err.splitlines() if "warning: privacy.delta" in x]
         assert code == 0 and len(lines) == 1 and f"1/N = {warned}" in lines[0], err
+
+
+def test_a_dataset_size_or_sample_rate_that_does_not_fit_the_data_is_warned_about(tmp_path,
+                                                                                  capsys):
+    # tiny.yaml: 256 examples, q = 0.125; a public N within 10% of them is a public estimate
+    for extra, warned in ((("privacy.dataset_size=240",), None),
+                          (("privacy.dataset_size=1",), "divided by b = 1"),
+                          (("privacy.dataset_size=1000",), "divided by b = 125"),
+                          (("privacy.sample_rate=0.001",), "expects 0.256 of the 256"),
+                          (("privacy.sample_rate=0.004",), None)):
+        code, _, err = run_cli(capsys, "train", "--config", TINY, "--dry-run", *extra,
+                               f"--output-dir={tmp_path / 'out'}")
+        lines = [x for x in err.splitlines()
+                 if "warning: privacy.dataset_size" in x or "warning: privacy.sample_rate" in x]
+        assert code == 0 and len(lines) == (warned is not None), err
+        assert warned is None or warned in lines[0], lines
+    assert not (tmp_path / "out").exists()
 
 
 def test_resume_with_a_changed_privacy_setting_exits_2(tmp_path, capsys):
