@@ -1,8 +1,8 @@
 """Post-processing of the private release: filters, the Muon family, AdamW/SGD, groups.
 
-Public API: ``newton_schulz`` (CONTRACT.md), ``OptimConfig`` and ``build_optimizer`` (the one
-object the trainer drives). Everything here acts on ``p.grad`` after the release, so none of it
-costs privacy.
+Public API: ``newton_schulz(X, steps=5)`` (Muon's iteration; outside checks call it),
+``OptimConfig`` and ``build_optimizer`` (the one object the trainer drives). Everything here
+acts on ``p.grad`` after the release, so none of it costs privacy.
 """
 
 from dptrain.optim.build import DPOptimizer, build_optimizer
