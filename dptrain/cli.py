@@ -24,9 +24,26 @@ def _commands():
             if importlib.util.find_spec(f"dptrain.commands.{n}") is not None}
 
 
+class _StoreOnce(argparse.Action):
+    """argparse's ``store``, refusing an option given twice (argparse keeps the last: a
+    ``--config A --config B`` ran B in silence)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = vars(namespace).setdefault("_options_given", set())
+        if self.dest in given:
+            parser.error(f"{option_string} given twice")
+        given.add(self.dest)
+        setattr(namespace, self.dest, values)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's usage errors as one line (argparse prints the usage block first), exit 2;
-    subcommand parsers inherit the class."""
+    an option given twice is one too; subcommand parsers inherit the class."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

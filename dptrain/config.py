@@ -436,6 +436,8 @@ def apply_override(data: dict, keys: list[str], value: Any) -> None:
 def require_file(field: str, path: str | Path) -> None:
     """ConfigError naming ``field`` unless ``path`` is a file: "file not found", or, for a
     directory, that it is one (a directory given for a file was reported as not found)."""
+    if not str(path).strip():  # (Path("") is the current directory)
+        raise ConfigError(field, "is empty: give a file")
     path = Path(path)
     if path.is_dir():
         raise ConfigError(field, f"{path} is a directory, not a file")
@@ -445,8 +447,8 @@ def require_file(field: str, path: str | Path) -> None:
 
 def load_yaml(path: str | Path) -> dict:
     check_path_name("config", str(path))
-    path = Path(path)
     require_file("config", path)
+    path = Path(path)
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:

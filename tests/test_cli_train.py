@@ -255,6 +255,9 @@ def test_bad_e2e_data_exits_2_with_one_line(tmp_path, capsys, train_csv, test_cs
     # a misspelt option written with '=' is an unknown option, not a config override
     (("train", "--config", TINY, "--ouput-dir=runs/x"), ["unrecognized", "--ouput-dir=runs/x"]),
     (("train", "--config", TINY, "privacy.steps=1", "-x=1"), ["unrecognized", "-x=1"]),
+    # argparse kept the last of two: the run used the second config in silence
+    (("train", "--config", TINY, "--config", TINY), ["--config given twice"]),
+    (("plot", "--run", "a", "--output", "x.png", "--output", "y.png"), ["--output given twice"]),
 ])
 def test_usage_errors_are_one_line_with_status_2(capsys, args, words):
     with pytest.raises(SystemExit) as e:
@@ -269,6 +272,8 @@ def test_usage_errors_are_one_line_with_status_2(capsys, args, words):
 def test_missing_config_file_exits_2(tmp_path, capsys):
     code, _, err = run_cli(capsys, "train", "--config", str(tmp_path / "nope.yaml"))
     assert code == 2 and "config" in err and "not found" in err
+    code, _, err = run_cli(capsys, "train", "--config", "")  # was ". is a directory"
+    assert code == 2 and "config: is empty" in err
     # a directory given for the file was reported as "file not found" too
     code, _, err = run_cli(capsys, "train", "--config", str(tmp_path), "--output-dir",
                            str(tmp_path / "o"))
