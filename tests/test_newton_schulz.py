@@ -185,6 +185,23 @@ def test_a_norm_that_underflows_is_rescued_not_divided_by_eps_or_zero(dtype, tol
         assert float((out.double() - ref).abs().max()) <= tol, (f.__name__, out)
 
 
+@pytest.mark.parametrize("sync_free", [False, True])
+@pytest.mark.parametrize("scale", [1e-25, 1e-21])
+def test_a_rescued_norm_keeps_eps_in_proportion(scale, sync_free, monkeypatch):
+    """The rescue rescales the matrix by s before the norm, so the guard is ||X|| + eps / s:
+    with the default eps 1e-7 a 1e-25 gradient is ~1e-15 after it, as in float64 (a mutant
+    adding eps itself gave an O(1) orthogonal update; the test above has eps ~ 0 only)."""
+    import functools
+
+    monkeypatch.setattr(NS, "_normalise", functools.partial(NS._normalise, sync_free=sync_free))
+    X = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(0),
+                    dtype=torch.float64) * scale
+    ref = newton_schulz(X, eps=1e-7)  # float64: no underflow, the plain path
+    out = newton_schulz(X.float(), eps=1e-7).double()  # float32: the rescue
+    assert float(ref.abs().max()) < 1e-6
+    assert torch.allclose(out, ref, rtol=1e-3, atol=1e-30)
+
+
 def test_float16_smooth_ns_whose_gamma_squared_rounds_to_0():
     """float16: gamma_ns^2 = 1e-8 and ||X||^2 = 4e-10 both round to 0, the root's argument was 0
     and the result unnormalised (a red team's case); now X / sqrt(gamma^2 + ||X||^2)."""
