@@ -500,3 +500,19 @@ def test_a_target_under_prvs_error_margin_is_refused_saying_why():
         calibrate_noise_multiplier(0.005, 1e-5, 0.01, 100, accountant="prv")
     assert e.value.field == "epsilon" and "unreachable" in e.value.message
     assert "error margin of 0.01" in e.value.message
+
+
+def test_calibration_falls_back_to_rdp_when_prv_reports_over_the_target(monkeypatch):
+    # PRV's reported epsilon at the sigma found within its eps_error (0.01) of the target but
+    # above it: the run would report more than its target; the sigma must be RDP's then (a
+    # mutant accepting target + 0.01 passed: no test reached this branch)
+    import dptrain.privacy.accounting as A
+
+    real = A._epsilon_of
+    monkeypatch.setattr(A, "_epsilon_of", lambda s, q, n, d, acc: (
+        2.005 if acc == "prv" else real(s, q, n, d, acc)))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        sigma = A.calibrate_noise_multiplier(2.0, 1e-5, 0.05, 20)
+    assert any("cannot be used at the calibrated sigma" in str(x.message) for x in w)
+    assert real(sigma, 0.05, 20, 1e-5, "rdp") <= 2.0 * (1 + A.EPSILON_ROUNDING)

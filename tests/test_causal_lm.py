@@ -206,7 +206,7 @@ def test_an_example_s_padded_length_leaves_the_others_clipped_sum_in_bfloat16_to
     ({"attention_dropout": 0.1}, {}, "model.hf_config.attention_dropout", "model.dropout"),
     ({"attn_implementation": "eager"}, {}, "model.hf_config.attn_implementation", "sdpa"),
     ({"hidden_sizes": 64}, {}, "model.hf_config.hidden_sizes", "not a setting of LlamaConfig"),
-    ({"hidden_size": "wide"}, {}, "model.hf_config.hidden_size", "expected int"),
+    ({"hidden_size": "wide"}, {}, "model.hf_config.hidden_size", "must be an integer >= 1"),
     ({"num_attention_heads": 3}, {}, "model.hf_config", "not a multiple"),
     ({"num_key_value_heads": 3}, {}, "model.hf_config", "cannot run"),
     ({"model_type": "bert"}, {}, "model.hf_config.model_type", "not a decoder-only"),

@@ -121,9 +121,11 @@ def test_resume_auto_on_a_finished_run_does_nothing(tmp_path, capsys, finished):
     out = tmp_path / "copy"
     shutil.copytree(finished, out)
     before = snapshot(out)
-    # (settings that leave its model and summary as they are may differ)
+    # (settings that leave its model and summary as they are may differ, and settings that
+    # neither config reads: no EMA, no inner momentum, no generations)
     code, err = train(capsys, out, "--resume", "auto", "train.progress=false",
-                      "train.checkpoint_every=2", "train.log_every=3")
+                      "train.checkpoint_every=2", "train.log_every=3", "optim.ema_start_step=2",
+                      "optim.inner_momentum.gamma_muon=0.9", "train.max_new_tokens=3")
     assert code == 0 and "finished run" in one_line(err) and "nothing to do" in err
     assert snapshot(out) == before
     # but a changed setting is an error, as it is against a checkpoint; and so is one that a
@@ -133,11 +135,32 @@ def test_resume_auto_on_a_finished_run_does_nothing(tmp_path, capsys, finished):
                             ("model.n_embd=64", "model.n_embd"),
                             ("optim.ema_decay=0.5", "optim.ema_decay"),
                             ("optim.lr=0.5", "optim.lr"),
-                            ("train.max_new_tokens=3", "train.max_new_tokens")):
+                            ("optim.inner_momentum.k_muon=1", "optim.inner_momentum.k_muon")):
         code, err = train(capsys, out, "--resume", "auto", override)
         line = one_line(err)
         assert code == 2 and line.split("error: ")[1].startswith(field + ":"), line
         assert "the finished run (summary.json)" in line, line  # not "the checkpoint"
+    assert snapshot(out) == before
+
+
+def test_a_finished_run_s_older_summary_and_reordered_group_options_are_its_config(
+        tmp_path, capsys):
+    # a setting newer than the finished run's summary, nested (optim.filter.correction came
+    # later): the run had its default; and a group's options in another order are the same
+    group = ("optim.groups=[{pattern: ln_f, optimizer: adamw, lr: 0.01, "
+             "kwargs: {betas: [0.9, 0.95], eps: 1.0e-8}}]")
+    out = tmp_path / "run"
+    assert train(capsys, out, "privacy.steps=1", group)[0] == 0
+    summary = json.loads((out / "summary.json").read_text())
+    del summary["config"]["optim"]["filter"]["correction"]
+    (out / "summary.json").write_text(json.dumps(summary))
+    before = snapshot(out)
+    reordered = group.replace("betas: [0.9, 0.95], eps: 1.0e-8", "eps: 1.0e-8, betas: [0.9, 0.95]")
+    code, err = train(capsys, out, "--resume", "auto", "privacy.steps=1", reordered)
+    assert code == 0 and "nothing to do" in one_line(err)
+    code, err = train(capsys, out, "--resume", "auto", "privacy.steps=1",
+                      reordered.replace("eps: 1.0e-8", "eps: 1.0e-6"))
+    assert code == 2 and "optim.groups[0].kwargs.eps: differs" in one_line(err), err
     assert snapshot(out) == before
 
 

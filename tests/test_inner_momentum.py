@@ -382,3 +382,56 @@ def test_past_states_under_bf16_autocast_are_evaluated_at_their_own_weights(ghos
     assert torch.allclose(norms.double(), ref_norms, rtol=2e-3), (norms, ref_norms)
     for n, p in named:
         assert torch.equal(p.detach(), current[n])
+
+
+def _mlp_loss(m, b):
+    return 0.5 * (m(b[0]) - b[1]).pow(2).sum(1)
+
+
+def test_each_state_of_a_query_draws_its_own_dropout_masks():
+    # the mask key is (seed, step, state, call, example): a mutant giving every state stream
+    # 0's masks passed the suite (no test combined dropout with several states)
+    from torch import nn
+
+    from dptrain.models.dropout import ExampleDropout, example_dropout
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 3)).train()
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    idx = [5, 9, 2, 7]
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plan = [(1.0, None), (1.0, state)]  # the same weights twice: only the masks differ
+    with example_dropout(model, 3, 1, idx):  # (as the trainer enters it)
+        got = ClippingEngine(model).per_example_norms(_mlp_loss, (x, y), plan)
+    ref = []
+    for b in range(4):
+        g = 0
+        for j in range(2):
+            mode = ExampleDropout(seed=3, step=1, indices=[idx[b]])
+            with mode:
+                mode.set_stream(j)
+                grads = torch.autograd.grad(_mlp_loss(model, (x[b:b + 1], y[b:b + 1])).sum(),
+                                            list(model.parameters()))
+            g = g + torch.cat([t.flatten() for t in grads])
+        ref.append(g.norm())
+    torch.testing.assert_close(got, torch.stack(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_a_name_missing_from_a_plan_entry_s_weights_weighs_0():
+    # documented: a parameter an entry's weights do not name gets 0 there (in its norm and in
+    # its sum alike); a mutant defaulting to 1 passed (the trainer's plans name every one)
+    from torch import nn
+
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
+    x, y = torch.randn(6, 5), torch.randn(6, 2)
+    only = "2.weight"
+    plan = [({only: 1.0}, None)]
+    engine = ClippingEngine(model, clip_norm=1e6)
+    norms = engine.per_example_norms(_mlp_loss, (x, y), plan)
+    ref = [torch.autograd.grad(_mlp_loss(model, (x[b:b + 1], y[b:b + 1])).sum(),
+                               [model[2].weight])[0].norm() for b in range(6)]
+    torch.testing.assert_close(norms, torch.stack(ref), rtol=1e-5, atol=1e-7)
+    acc = {}
+    engine.accumulate(_mlp_loss, (x, y), acc, plan)
+    assert all(n == only or float(v.abs().max()) == 0.0 for n, v in acc.items()), sorted(acc)

@@ -780,6 +780,13 @@ def section_changes(saved_cfg: dict, cfg, section: str = "optim",
         for k, v in d.items():
             if isinstance(v, dict):  # (an empty mapping sets nothing)
                 out.update(flat(v, f"{prefix}{k}."))
+            elif isinstance(v, list) and any(isinstance(x, dict) for x in v):
+                # (a group's entries by name: their order in its mapping is not a setting)
+                for i, x in enumerate(v):
+                    if isinstance(x, dict):
+                        out.update(flat(x, f"{prefix}{k}[{i}]."))
+                    else:
+                        out[f"{prefix}{k}[{i}]"] = repr(x)
             else:
                 out[f"{prefix}{k}"] = repr(v)
         return out

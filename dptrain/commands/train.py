@@ -292,23 +292,48 @@ def _check_same_training(saved: dict, cfg, out: Path) -> None:
     """A finished run's optimizer settings (and the settings of its final metrics) must be this
     config's too: a sweep that reused an output directory would otherwise read the earlier
     run's "nothing to do" (exit 0) as its own run done. A resume may change them; a finished run
-    is never rewritten."""
+    is never rewritten. A setting that both configs leave unused (an EMA's start without an
+    EMA) may differ."""
     from dptrain import checkpoint as ckpt
-
     from dptrain.config import to_dict
+
+    def with_defaults(defaults, given):  # a setting newer than the run: it ran with the default
+        if not (isinstance(defaults, dict) and isinstance(given, dict)):
+            return given
+        return {**defaults, **{k: with_defaults(defaults.get(k), v) for k, v in given.items()}}
 
     skip = frozenset(f.name for f in dataclasses.fields(cfg.train)) - _FINAL_METRICS_SETTINGS
     for section, ignored in (("optim", frozenset()), ("train", skip)):
-        # a setting newer than the finished run: it ran with the default
-        defaults = to_dict(type(getattr(cfg, section))())
-        was = {section: {**defaults, **(saved.get(section) or {})}}
-        changes = ckpt.section_changes(was, cfg, section, skip=ignored)
-        if changes:
-            key, _, values = changes[0].partition(": ")
+        was = {section: with_defaults(to_dict(type(getattr(cfg, section))()),
+                                      saved.get(section) or {})}
+        for change in ckpt.section_changes(was, cfg, section, skip=ignored):
+            key, _, values = change.partition(": ")
+            if _unused_by_both(key, was, cfg):
+                continue
             raise ConfigError(key, f"differs from the finished run (summary.json) in {out} "
                                    f"({values}): it was trained with the other value, and a "
                                    f"finished run is never rewritten; choose another "
                                    f"output directory")
+
+
+def _unused_by_both(key: str, saved: dict, cfg) -> bool:
+    """Whether the setting ``key`` is read neither by the finished run's config (``saved``,
+    sections as dicts) nor by ``cfg``: the EMA's start without an EMA, an inner-momentum
+    weight without its history, generation's length without generations."""
+    def off(path: str, now) -> bool:
+        section, *rest = path.split(".")
+        value = saved.get(section) or {}
+        for part in rest:
+            value = value.get(part) if isinstance(value, dict) else None
+        return not value and not now
+
+    im = cfg.optim.inner_momentum
+    switches = {"optim.ema_start_step": ("optim.ema_decay", cfg.optim.ema_decay),
+                "optim.inner_momentum.gamma_muon": ("optim.inner_momentum.k_muon", im.k_muon),
+                "optim.inner_momentum.gamma_other": ("optim.inner_momentum.k_other",
+                                                     im.k_other),
+                "train.max_new_tokens": ("train.generate_prompts", cfg.train.generate_prompts)}
+    return key in switches and off(*switches[key])
 
 
 def _check_layout(out: Path) -> None:

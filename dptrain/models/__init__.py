@@ -602,26 +602,27 @@ def _check_hf_values(hf: dict) -> None:
     (also inside a nested setting such as ``rope_scaling``), and for the sizes and positive
     constants above out of range; transformers' configs accept them, and the model then
     trains on NaN."""
-    def numbers(value, where):
+    def settings(value, where, key):  # (where, the innermost key, value) of every leaf
         if isinstance(value, dict):
             for k, v in value.items():
-                yield from numbers(v, f"{where}.{k}")
+                yield from settings(v, f"{where}.{k}", k)
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
-                yield from numbers(v, f"{where}[{i}]")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            yield where, value
+                yield from settings(v, f"{where}[{i}]", key)
+        else:
+            yield where, key, value
 
-    for key, value in hf.items():
-        for where, x in numbers(value, f"model.hf_config.{key}"):
-            if not math.isfinite(x):
+    for top, value in hf.items():
+        # (nested too: transformers 5 keeps RoPE's base in rope_parameters.rope_theta)
+        for where, key, x in settings(value, f"model.hf_config.{top}", top):
+            number = isinstance(x, (int, float)) and not isinstance(x, bool)
+            if number and not math.isfinite(x):
                 raise ConfigError(where, f"must be a finite number, got {x}")
-        if key in _HF_POSITIVE_INTS and value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"model.hf_config.{key}", f"must be an integer >= 1, got {value!r}")
-        if key in _HF_POSITIVE_FLOATS and value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-            raise ConfigError(f"model.hf_config.{key}", f"must be a number > 0, got {value!r}")
+            if key in _HF_POSITIVE_INTS and x is not None and (
+                    not number or not isinstance(x, int) or x < 1):
+                raise ConfigError(where, f"must be an integer >= 1, got {x!r}")
+            if key in _HF_POSITIVE_FLOATS and x is not None and (not number or x <= 0):
+                raise ConfigError(where, f"must be a number > 0, got {x!r}")
 
 
 def scratch_config(cfg: ModelConfig, vocab_size: int | None = None,
@@ -840,6 +841,8 @@ def _build_causal_lm(cfg: ModelConfig, info: DataInfo, low_precision: bool) -> n
     except (ValueError, TypeError, RuntimeError, AssertionError, KeyError, IndexError,
             AttributeError, ImportError, ArithmeticError) as e:
         # (ImportError: a family's extra package; ArithmeticError: num_key_value_heads 0)
+        if _allocation_failure(e):
+            raise  # build_model names the size setting
         raise ConfigError("model.hf_config", f"transformers cannot build it: "
                                              f"{type(e).__name__}: {_one_line(e)}") from None
     check_no_batchnorm(model, "model.hf_config")
@@ -873,7 +876,8 @@ def _allocation_failure(e: BaseException) -> bool:
 def _largest_size_field(cfg: ModelConfig) -> str:
     """The size setting furthest above its default (the likely cause of a model too large to
     build); else where the family's other sizes are set."""
-    sizes = {"model.vocab_size": (cfg.vocab_size, 50257 if cfg.name == "gpt2" else 152064)}
+    # (vocabularies: GPT-2's 50,257; causal_lm's, the largest of common families, Gemma's)
+    sizes = {"model.vocab_size": (cfg.vocab_size, 50257 if cfg.name == "gpt2" else 262144)}
     if cfg.name == "gpt2":
         sizes.update({"model.n_embd": (cfg.n_embd, 768), "model.n_layer": (cfg.n_layer, 12),
                       "model.n_positions": (cfg.n_positions, 1024)})
