@@ -577,3 +577,20 @@ def test_the_noise_check_passes_the_calibrated_noise_and_finds_it_missing_or_sma
     assert _noise_check_of(s, s, steps=4, m=200, shapes=many)[1]["ok"] is True
     # without noise in the claim (sigma = 0) there is nothing to check
     assert _noise_check_of(0.0, 0.0)[1]["ok"] is None
+
+
+def test_the_noise_check_corrects_each_coordinate_s_test_for_their_number():
+    """A coordinate whose chi-square lower tail is 5e-7 fails a lone 1e-6 test but not the
+    Bonferroni-corrected one (1e-6 over 10 coordinates, 1 parameter and the pool); one at 1e-9
+    fails both."""
+    from scipy.stats import chi2
+
+    c = GradientCanaries([("w", (10, 10))], m=10, clip_norm=1.0, sample_rate=0.5, seed=0,
+                         noise_multiplier=1.0)
+    squares, count = np.ones(10), np.ones(10)
+    squares[3] = chi2.ppf(5e-7, 1)
+    out = c.noise_check(squares, count, significance=1e-6)
+    assert out["coordinates_below"] == 0 and out["ok"] is True
+    squares[3] = chi2.ppf(1e-9, 1)
+    out = c.noise_check(squares, count, significance=1e-6)
+    assert out["coordinates_below"] == 1 and out["ok"] is False

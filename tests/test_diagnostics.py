@@ -520,3 +520,13 @@ def test_non_finite_entries_give_nan_not_an_exception_or_a_zero_polar_factor(bad
     json.dumps(out)  # NaN is still a JSON float (as other degenerate values are)
     # the finite reference is unaffected
     assert out["reference"]["wedin_threshold"] == wedin_threshold(X, 1.0, 1.0)
+
+
+def test_effective_rank_of_an_uneven_spectrum_by_hand():
+    # (sum s)^2 / sum s^2: s = (3, 1) gives 16 / 10 (a mutant's nuclear / spectral norm, 4 / 3,
+    # passed: the spectra tested before were flat)
+    from dptrain.diagnostics.geometry import effective_rank
+
+    assert effective_rank(torch.diag(torch.tensor([3.0, 1.0]))) == pytest.approx(1.6, rel=1e-12)
+    X = torch.diag(torch.tensor([4.0, 2.0, 1.0, 1.0]))
+    assert effective_rank(X) == pytest.approx(64 / 22, rel=1e-12)

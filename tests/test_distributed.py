@@ -774,3 +774,18 @@ def test_collective_timeout_reaches_the_process_group_and_bad_values_exit_2(
         err = capsys.readouterr().err.strip().splitlines()
         assert "performance.collective_timeout_s" in err[-1], err
     assert len(seen) == 2 and not (tmp_path / "a").exists()
+
+
+def test_shard_bounds_are_torch_chunk_s_rows():
+    # FSDP2 shards dim 0 as torch.chunk does; a mutant with dim0 // world + 1 rows per rank
+    # passed the cheap tests (uneven splits only)
+    from dptrain.parallel.dist import shard_bounds
+
+    for world in range(1, 6):
+        for dim0 in range(0, 13):
+            sizes = [c.shape[0] for c in torch.arange(dim0).chunk(world)] if dim0 else []
+            sizes += [0] * (world - len(sizes))
+            got = [shard_bounds(dim0, r, world) for r in range(world)]
+            assert [e - s for s, e in got] == sizes, (dim0, world, got)
+            assert got[0][0] == 0 and got[-1][1] == dim0
+            assert all(got[r][1] == got[r + 1][0] for r in range(world - 1))

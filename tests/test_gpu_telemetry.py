@@ -237,3 +237,23 @@ def test_a_device_nvml_cannot_sample_leaves_the_monitor_off_not_the_run_down(cud
     assert mon.window() is None and mon.energy_j() is None
     mon.close()
     assert nvml.shutdowns == 1
+
+
+class _PowerSometimes(FakeNVML):
+    """Every other sample has no power reading (NVML's "not available now")."""
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        if self.calls % 2 == 0:
+            raise self.NVMLError("not available now")
+        return 200_000  # mW
+
+
+def test_power_is_the_mean_of_the_samples_that_read_it(cuda_props):
+    monitor = GpuMonitor(CUDA, nvml=_PowerSometimes(util=[50], memory=[2**30]))
+    assert monitor.active
+    for _ in range(4):
+        monitor.sample()
+    w = monitor.window()
+    assert w["samples"] == 4 and w["gpu_util_pct"] == 50.0
+    assert w["gpu_power_w"] == pytest.approx(200.0)  # 2 readings of 200 W, not 400 W / 4
+    monitor.close()

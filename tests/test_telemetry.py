@@ -122,3 +122,20 @@ def test_the_command_line_starts_without_importing_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+def test_the_summary_s_peak_memory_is_the_highest_row_not_the_last(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    peaks = iter([3.0, 1.0, 2.0, 0.5, 0.5, 0.5])
+    monkeypatch.setattr(Trainer, "_peak_memory_gib", lambda self: next(peaks))
+    over = ["train.progress=false", "privacy.epsilon=null", "privacy.noise_multiplier=1.1",
+            "privacy.steps=3", "train.checkpoint_every=0", "train.log_every=1"]
+    summary = Trainer(load(RunConfig, tiny, over), tmp_path / "run").run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["peak_memory_gib"] for r in rows] == [3.0, 1.0, 2.0]
+    assert summary["peak_memory_gib"] == 3.0
