@@ -48,10 +48,11 @@ class PrivacyConfig:
     (see docs/privacy.md): its sensitivity is 2C and the Poisson-subsampled accountants used here
     only cover add/remove."""
     dataset_size: int | None = None
-    """Public dataset size N. Null: the training set's length (treated as public)."""
+    """Public dataset size N. Null: the training set's length (treated as public). A value more
+    than 10% off that length is warned about at the start of a run."""
     expected_batch_size: int | None = None
-    """Public release denominator b. Null: max(1, floor(q * N)), q * N read to a relative 1e-9
-    (``expected_batch_size``: q = 0.29, N = 100 gives 29)."""
+    """Public release denominator b, at most N. Null: max(1, floor(q * N)), q * N read to a
+    relative 1e-9 (``expected_batch_size``: q = 0.29, N = 100 gives 29)."""
     seed: int | None = 0
     """Seed of the counter-based sampling and noise streams. Null with secure_mode."""
     secure_mode: bool = False
