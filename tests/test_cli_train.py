@@ -398,18 +398,20 @@ def test_a_delta_at_or_above_one_over_n_is_warned_about(tmp_path, capsys, dry):
         assert code == 0 and len(lines) == 1 and f"1/N = {warned}" in lines[0], err
 
 
-def test_a_dataset_size_or_sample_rate_that_does_not_fit_the_data_is_warned_about(tmp_path,
-                                                                                  capsys):
+def test_a_dataset_size_sample_rate_or_noise_that_does_not_fit_is_warned_about(tmp_path, capsys):
     # tiny.yaml: 256 examples, q = 0.125; a public N within 10% of them is a public estimate
     for extra, warned in ((("privacy.dataset_size=240",), None),
                           (("privacy.dataset_size=1",), "divided by b = 1"),
                           (("privacy.dataset_size=1000",), "divided by b = 125"),
                           (("privacy.sample_rate=0.001",), "expects 0.256 of the 256"),
-                          (("privacy.sample_rate=0.004",), None)):
+                          (("privacy.sample_rate=0.004",), None),
+                          (("privacy.epsilon=null", "privacy.noise_multiplier=0",
+                            "privacy.accountant=rdp"), "epsilon is infinite")):
         code, _, err = run_cli(capsys, "train", "--config", TINY, "--dry-run", *extra,
                                f"--output-dir={tmp_path / 'out'}")
-        lines = [x for x in err.splitlines()
-                 if "warning: privacy.dataset_size" in x or "warning: privacy.sample_rate" in x]
+        lines = [x for x in err.splitlines() if any(
+            f"warning: privacy.{k}" in x for k in ("dataset_size", "sample_rate",
+                                                     "noise_multiplier"))]
         assert code == 0 and len(lines) == (warned is not None), err
         assert warned is None or warned in lines[0], lines
     assert not (tmp_path / "out").exists()
