@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 import math
 import os
 import subprocess
@@ -441,6 +442,11 @@ class Trainer:
     def __init__(self, cfg: RunConfig, output_dir: str | Path | None = None):
         self.cfg = cfg
         self.output_dir = Path(output_dir) if output_dir is not None else None
+        # secure mode's metrics rows held until a checkpoint covers them (:meth:`run`), which
+        # that checkpoint carries; and those of the checkpoint this run resumed in its own
+        # directory, for rank 0 to write where a kill after the seal lost them
+        self._held_rows: list[str] = []
+        self._resumed_rows: list[str] = []
         perf = cfg.performance
         if perf.num_threads is not None:
             torch.set_num_threads(perf.num_threads)
@@ -939,7 +945,10 @@ class Trainer:
         # free only if nothing derived from the lost ones was written (a crash drops the held
         # rows with them; a restart from no checkpoint draws every release again).
         held = self.cfg.privacy.secure_mode
-        pending: list[str] = []
+        pending = self._held_rows  # (a checkpoint carries those it covers: ckpt.save)
+        pending.clear()
+        if metrics_file and self._resumed_rows:
+            self._write_lost_rows(out / "metrics.jsonl", metrics_file)
 
         def flush() -> None:
             if metrics_file and pending:
@@ -1109,6 +1118,19 @@ class Trainer:
             tmp.write_text(strict_json(summary, indent=2, default=str))
             os.replace(tmp, out / "summary.json")
         return summary
+
+    def _write_lost_rows(self, path: Path, metrics_file) -> None:
+        """The rows the resumed checkpoint covers that ``metrics.jsonl`` lacks (secure mode: a
+        kill between the checkpoint's seal and the rows' write lost them for good before)."""
+        logged = {row.get("step") for _, row in json_rows(path)}
+        lost = [r for r in self._resumed_rows if json.loads(r).get("step") not in logged]
+        if lost:
+            metrics_file.write("".join(lost))
+            metrics_file.flush()
+            print(f"dptrain: wrote {len(lost)} metrics row(s) of the checkpoint that "
+                  f"metrics.jsonl lacked (a stop after the checkpoint, before the rows)",
+                  file=sys.stderr)
+        self._resumed_rows = []
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's state on CPU (gathered from all ranks when sharded). Unsharded on

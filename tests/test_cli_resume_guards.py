@@ -349,6 +349,38 @@ def test_secure_mode_writes_metrics_only_with_checkpoints(tmp_path, capsys, monk
         and peak >= max(r["peak_memory_gib"] for r in rows[2:]))
 
 
+@pytest.mark.parametrize("secure", [True, False])
+def test_rows_a_kill_after_a_checkpoint_s_seal_lost_are_written_at_its_resume(
+        tmp_path, capsys, monkeypatch, secure):
+    # secure mode holds its rows until a checkpoint covers them and writes them after its seal:
+    # a kill in between lost rows 1 and 2 for good (the resume starts at 3); the checkpoint
+    # carries them now
+    out = tmp_path / "run"
+    extra = (*SECURE, "train.checkpoint_every=2") if secure else ("train.checkpoint_every=2",)
+    real = ckpt.save
+
+    def save_then_die(trainer, output_dir):
+        real(trainer, output_dir)
+        raise KeyboardInterrupt("killed after the seal")
+
+    monkeypatch.setattr(ckpt, "save", save_then_die)
+    assert main(["train", "--config", TINY, "--output-dir", str(out), *extra]) == 130
+    logged = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged == ([] if secure else [1, 2]) and ckpt.complete_steps(out) == [2]
+    monkeypatch.undo()
+    code, err = train(capsys, out, "--resume", "auto", *extra)
+    assert code == 0 and ("wrote 2 metrics row(s) of the checkpoint" in err) == secure, err
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # a branch of that checkpoint into another directory starts its rows afresh
+    other = tmp_path / "branch"
+    if not secure:  # (secure mode refuses a branch: test_a_secure_checkpoint_is_resumed_...)
+        code, _ = train(capsys, other, "--resume", str(out / "checkpoints" / "step-00000002"),
+                        *extra)
+        rows = [json.loads(x) for x in (other / "metrics.jsonl").read_text().splitlines()]
+        assert code == 0 and [r["step"] for r in rows] == [3, 4]
+
+
 def test_secure_resume_from_a_checkpoint_with_later_outputs_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     code, _ = train(capsys, out, "train.checkpoint_every=1", "train.keep_checkpoints=4",

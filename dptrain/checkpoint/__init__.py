@@ -180,6 +180,7 @@ def capture(trainer) -> dict[str, Any]:
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         # Secure mode: the seed is never written (exact replay impossible by design).
         "privacy_seed": None if trainer.cfg.privacy.secure_mode else trainer._privacy_seed,
+        "held_rows": list(trainer._held_rows),  # (secure mode: rows not yet in metrics.jsonl)
     }
 
 
@@ -458,6 +459,7 @@ def _save_dcp(trainer, output_dir: Path) -> Path | None:
             "world_size": trainer.world,
             "rng": {"torch": rngs["torch_ranks"][0], "cuda": None, **rngs},
             "privacy_seed": None if trainer.cfg.privacy.secure_mode else trainer._privacy_seed,
+            "held_rows": list(trainer._held_rows),
         }
         with open(tmp / "meta.pt", "wb") as f:
             torch.save(meta, f)
@@ -978,6 +980,11 @@ def load(trainer, path: Path, verified: bool = False) -> None:
               file=sys.stderr)
     trainer.ledger = ledger
     trainer.step = state["step"]
+    out = trainer.output_dir
+    if out is not None and path.resolve().parent == _root(out).resolve():
+        # this run's own checkpoint: its held rows go where a kill after its seal lost them
+        # (a branch into another directory starts its rows afresh)
+        trainer._resumed_rows = list(state.get("held_rows") or [])
     ranks = state["rng"].get("torch_ranks")
     same_world = ranks is not None and len(ranks) == trainer.world
     torch.set_rng_state(ranks[trainer.rank] if same_world else state["rng"]["torch"])
