@@ -125,7 +125,8 @@ def test_resume_auto_on_a_finished_run_does_nothing(tmp_path, capsys, finished):
     # neither config reads: no EMA, no inner momentum, no generations)
     code, err = train(capsys, out, "--resume", "auto", "train.progress=false",
                       "train.checkpoint_every=2", "train.log_every=3", "optim.ema_start_step=2",
-                      "optim.inner_momentum.gamma_muon=0.9", "train.max_new_tokens=3")
+                      "optim.inner_momentum.gamma_muon=0.9", "train.max_new_tokens=3",
+                      "optim.lr=2e-2", "optim.momentum=0.95", "optim.aux.kwargs={}")
     assert code == 0 and "finished run" in one_line(err) and "nothing to do" in err
     assert snapshot(out) == before
     # but a changed setting is an error, as it is against a checkpoint; and so is one that a
@@ -135,12 +136,37 @@ def test_resume_auto_on_a_finished_run_does_nothing(tmp_path, capsys, finished):
                             ("model.n_embd=64", "model.n_embd"),
                             ("optim.ema_decay=0.5", "optim.ema_decay"),
                             ("optim.lr=0.5", "optim.lr"),
-                            ("optim.inner_momentum.k_muon=1", "optim.inner_momentum.k_muon")):
+                            ("optim.inner_momentum.k_muon=1", "optim.inner_momentum.k_muon"),
+                            ("optim.aux.lr=0.5", "optim.aux.lr"),
+                            ("optim.schedule=cosine", "optim.schedule")):
         code, err = train(capsys, out, "--resume", "auto", override)
         line = one_line(err)
         assert code == 2 and line.split("error: ")[1].startswith(field + ":"), line
         assert "the finished run (summary.json)" in line, line  # not "the checkpoint"
     assert snapshot(out) == before
+
+
+def test_a_finished_run_s_generation_length_counts_when_any_prompts_are_generated(tmp_path):
+    # generate_prompts null (every test prompt: the shipped E2E configs) reads max_new_tokens
+    import copy
+
+    from dptrain.commands.train import _check_same_training
+    from dptrain.config import ConfigError, load, to_dict
+
+    cfg = load(trainer_mod.RunConfig, TINY)
+    saved = to_dict(cfg)
+    for prompts, refused in ((None, True), (8, True), (0, False)):
+        now = copy.deepcopy(cfg)
+        now.train.generate_prompts = prompts
+        now.train.max_new_tokens = 128
+        was = copy.deepcopy(saved)
+        was["train"]["generate_prompts"] = prompts
+        if refused:
+            with pytest.raises(ConfigError) as e:
+                _check_same_training(was, now, tmp_path)
+            assert e.value.field == "train.max_new_tokens"
+        else:
+            _check_same_training(was, now, tmp_path)
 
 
 def test_a_finished_run_s_older_summary_and_reordered_group_options_are_its_config(
@@ -159,8 +185,10 @@ def test_a_finished_run_s_older_summary_and_reordered_group_options_are_its_conf
     code, err = train(capsys, out, "--resume", "auto", "privacy.steps=1", reordered)
     assert code == 0 and "nothing to do" in one_line(err)
     code, err = train(capsys, out, "--resume", "auto", "privacy.steps=1",
-                      reordered.replace("eps: 1.0e-8", "eps: 1.0e-6"))
-    assert code == 2 and "optim.groups[0].kwargs.eps: differs" in one_line(err), err
+                      reordered.replace("lr: 0.01", "lr: 0.02"))
+    assert code == 2 and "optim.groups[0].lr: differs" in one_line(err), err
+    code, err = train(capsys, out, "--resume", "auto", "privacy.steps=1")  # the group dropped
+    assert code == 2 and "optim.groups[0].lr: differs" in one_line(err), err
     assert snapshot(out) == before
 
 

@@ -782,8 +782,9 @@ def section_changes(saved_cfg: dict, cfg, section: str = "optim",
         for k, v in d.items():
             if isinstance(v, dict):  # (an empty mapping sets nothing)
                 out.update(flat(v, f"{prefix}{k}."))
-            elif isinstance(v, list) and any(isinstance(x, dict) for x in v):
-                # (a group's entries by name: their order in its mapping is not a setting)
+            elif isinstance(v, list) and (not v or any(isinstance(x, dict) for x in v)):
+                # (a group's entries by name: their order in its mapping is not a setting;
+                # an empty list, like an empty mapping, sets nothing)
                 for i, x in enumerate(v):
                     if isinstance(x, dict):
                         out.update(flat(x, f"{prefix}{k}[{i}]."))

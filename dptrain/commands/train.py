@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -282,58 +281,90 @@ _LAYOUT = {"checkpoints": True, "final": True, "metrics.jsonl": False, "summary.
            "secure_resumes.jsonl": False}
 
 
-#: train settings of a finished run that its outputs depend on (the final evaluation's
-#: generations); the others (how often it logged, evaluated and checkpointed, progress bars)
-#: leave its model and summary metrics as they are
-_FINAL_METRICS_SETTINGS = frozenset({"generate_prompts", "max_new_tokens"})
+def _finished_settings(config: dict) -> dict[str, object]:
+    """The settings of a run config (as summary.json holds it) that decide a finished run's
+    model or summary metrics and that a resume may change: the axes a sweep varies (the
+    optimizer, its learning rates and schedule, the EMA, inner momentum, the filter, the
+    groups' optimizers and rates, what the final evaluation scores). Numbers as floats; a
+    setting missing from an older summary as its default. Those read only when another is on
+    are compared as :data:`_SWITCHED` says; left out are the optimizers' own options, whose
+    "default" may be spelt out as its value (momentum None or 0.95)."""
+    from dptrain.data import DataConfig
+    from dptrain.optim import OptimConfig
+    from dptrain.trainer import TrainConfig
+
+    def get(section: dict, default_obj, *path):
+        value = section
+        for part in path:
+            value = value.get(part, _MISSING) if isinstance(value, dict) else _MISSING
+        if value is _MISSING:
+            value = default_obj
+            for part in path:
+                value = getattr(value, part)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        return value
+
+    optim, train = config.get("optim") or {}, config.get("train") or {}
+    data = config.get("data") or {}
+    o, t, d = OptimConfig(), TrainConfig(), DataConfig()
+    out = {f"optim.{k}": get(optim, o, k) for k in (
+        "name", "lr", "preset", "weight_decay", "schedule", "warmup_steps", "ema_decay")}
+    out.update({f"optim.inner_momentum.{k}": get(optim, o, "inner_momentum", k)
+                for k in ("k_muon", "k_other")})
+    out["optim.ema_start_step"] = get(optim, o, "ema_start_step")
+    for part in ("muon", "other"):
+        out[f"optim.inner_momentum.gamma_{part}"] = get(optim, o, "inner_momentum",
+                                                        f"gamma_{part}")
+    out["optim.filter.name"] = get(optim, o, "filter", "name")
+    out["optim.aux.optimizer"] = get(optim, o, "aux", "optimizer")
+    out["optim.aux.lr"] = get(optim, o, "aux", "lr")
+    for i, group in enumerate(optim.get("groups") or []):
+        group = group if isinstance(group, dict) else {}
+        for k in ("pattern", "optimizer", "lr"):
+            value = group.get(k)
+            out[f"optim.groups[{i}].{k}"] = (float(value) if isinstance(value, (int, float))
+                                            and not isinstance(value, bool) else value)
+    out["train.generate_prompts"] = get(train, t, "generate_prompts")
+    out["train.max_new_tokens"] = get(train, t, "max_new_tokens")
+    out["data.test_file"] = get(data, d, "test_file")
+    out["data.max_test_examples"] = get(data, d, "max_test_examples")
+    return out
+
+
+_MISSING = object()
+
+#: settings read only when another is on, with the test of that one: compared unless off in
+#: both runs, and after the other settings (so that a switch turned on is what is named)
+_SWITCHED = {
+    "optim.ema_start_step": ("optim.ema_decay", bool),
+    "optim.inner_momentum.gamma_muon": ("optim.inner_momentum.k_muon", bool),
+    "optim.inner_momentum.gamma_other": ("optim.inner_momentum.k_other", bool),
+    "optim.aux.optimizer": ("optim.preset", lambda v: v is not None),
+    "optim.aux.lr": ("optim.preset", lambda v: v is not None),
+    "train.max_new_tokens": ("train.generate_prompts", lambda v: v != 0),  # (null: all)
+}
 
 
 def _check_same_training(saved: dict, cfg, out: Path) -> None:
-    """A finished run's optimizer settings (and the settings of its final metrics) must be this
-    config's too: a sweep that reused an output directory would otherwise read the earlier
-    run's "nothing to do" (exit 0) as its own run done. A resume may change them; a finished run
-    is never rewritten. A setting that both configs leave unused (an EMA's start without an
-    EMA) may differ."""
-    from dptrain import checkpoint as ckpt
+    """The settings of :func:`_finished_settings` must be the finished run's: a sweep that
+    reused an output directory would otherwise read the earlier run's "nothing to do" (exit
+    0) as its own run done. (A resume may change them; a finished run is never rewritten.)"""
     from dptrain.config import to_dict
 
-    def with_defaults(defaults, given):  # a setting newer than the run: it ran with the default
-        if not (isinstance(defaults, dict) and isinstance(given, dict)):
-            return given
-        return {**defaults, **{k: with_defaults(defaults.get(k), v) for k, v in given.items()}}
-
-    skip = frozenset(f.name for f in dataclasses.fields(cfg.train)) - _FINAL_METRICS_SETTINGS
-    for section, ignored in (("optim", frozenset()), ("train", skip)):
-        was = {section: with_defaults(to_dict(type(getattr(cfg, section))()),
-                                      saved.get(section) or {})}
-        for change in ckpt.section_changes(was, cfg, section, skip=ignored):
-            key, _, values = change.partition(": ")
-            if _unused_by_both(key, was, cfg):
+    was, now = _finished_settings(saved), _finished_settings(to_dict(cfg))
+    for key in sorted(set(was) | set(now), key=lambda k: (k in _SWITCHED, k)):
+        if key in _SWITCHED:
+            switch, on = _SWITCHED[key]
+            if not (on(was[switch]) or on(now[switch])):
                 continue
+        if was.get(key, _MISSING) != now.get(key, _MISSING):
+            show = (lambda v: "(not set)" if v is _MISSING else repr(v))
             raise ConfigError(key, f"differs from the finished run (summary.json) in {out} "
-                                   f"({values}): it was trained with the other value, and a "
-                                   f"finished run is never rewritten; choose another "
-                                   f"output directory")
-
-
-def _unused_by_both(key: str, saved: dict, cfg) -> bool:
-    """Whether the setting ``key`` is read neither by the finished run's config (``saved``,
-    sections as dicts) nor by ``cfg``: the EMA's start without an EMA, an inner-momentum
-    weight without its history, generation's length without generations."""
-    def off(path: str, now) -> bool:
-        section, *rest = path.split(".")
-        value = saved.get(section) or {}
-        for part in rest:
-            value = value.get(part) if isinstance(value, dict) else None
-        return not value and not now
-
-    im = cfg.optim.inner_momentum
-    switches = {"optim.ema_start_step": ("optim.ema_decay", cfg.optim.ema_decay),
-                "optim.inner_momentum.gamma_muon": ("optim.inner_momentum.k_muon", im.k_muon),
-                "optim.inner_momentum.gamma_other": ("optim.inner_momentum.k_other",
-                                                     im.k_other),
-                "train.max_new_tokens": ("train.generate_prompts", cfg.train.generate_prompts)}
-    return key in switches and off(*switches[key])
+                                   f"({show(was.get(key, _MISSING))} there, "
+                                   f"{show(now.get(key, _MISSING))} now): it was trained or "
+                                   f"evaluated with the other value, and a finished run is "
+                                   f"never rewritten; choose another output directory")
 
 
 def _check_layout(out: Path) -> None:

@@ -595,13 +595,17 @@ _HF_POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers",
 #: hf_config numbers that must be > 0 (a negative RoPE base or norm epsilon trains on NaN)
 _HF_POSITIVE_FLOATS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon",
                        "norm_eps")
+#: hf_config numbers that must be finite (NaN is refused everywhere)
+_HF_FINITE = (*_HF_POSITIVE_FLOATS, *_HF_POSITIVE_INTS, "initializer_range", "factor",
+              "partial_rotary_factor", "attention_multiplier", "embedding_multiplier",
+              "logits_scaling", "residual_multiplier")
 
 
 def _check_hf_values(hf: dict) -> None:
-    """ConfigError naming ``model.hf_config.<key>`` for a non-finite number anywhere in it
-    (also inside a nested setting such as ``rope_scaling``), and for the sizes and positive
-    constants above out of range; transformers' configs accept them, and the model then
-    trains on NaN."""
+    """ConfigError naming ``model.hf_config.<key>`` for a NaN anywhere in it (also inside a
+    nested setting such as ``rope_scaling``), an infinite value of the settings above, and
+    the sizes and positive constants above out of range; transformers' configs accept them,
+    and the model then trains on NaN."""
     def settings(value, where, key):  # (where, the innermost key, value) of every leaf
         if isinstance(value, dict):
             for k, v in value.items():
@@ -616,7 +620,9 @@ def _check_hf_values(hf: dict) -> None:
         # (nested too: transformers 5 keeps RoPE's base in rope_parameters.rope_theta)
         for where, key, x in settings(value, f"model.hf_config.{top}", top):
             number = isinstance(x, (int, float)) and not isinstance(x, bool)
-            if number and not math.isfinite(x):
+            # (NaN anywhere; inf where a finite value is needed: some families' defaults hold
+            # an infinite limit, Mamba-2's time_step_limit (0, inf))
+            if number and (math.isnan(x) or (math.isinf(x) and key in _HF_FINITE)):
                 raise ConfigError(where, f"must be a finite number, got {x}")
             if key in _HF_POSITIVE_INTS and x is not None and (
                     not number or not isinstance(x, int) or x < 1):
