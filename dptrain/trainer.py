@@ -837,8 +837,8 @@ class Trainer:
     def print_start_notes(self) -> None:
         """What a run says on stderr before its first step (the dry run says it too): the
         seed's meaning without secure mode, a delta at or above 1/N, a dataset size or sample
-        rate that does not fit the data, no noise at all, examples cut at
-        ``data.max_length``."""
+        rate that does not fit the data, no noise at all, no learning rate at all, examples
+        cut at ``data.max_length``."""
         lines = [] if self.cfg.privacy.secure_mode else [PUBLIC_SEED_WARNING]
         # (the examples sampled from, or a larger public N: privacy.dataset_size need not be
         # the training set's length)
@@ -852,6 +852,10 @@ class Trainer:
         if self.plan.noise_multiplier == 0:
             lines.append("warning: privacy.noise_multiplier = 0: the releases hold no noise and "
                          "epsilon is infinite (a clipped, non-private baseline)")
+        if not any(self.optimizer.base_lrs):
+            lines.append("warning: every parameter group's learning rate is 0 (optim.lr, and "
+                         "optim.aux.lr or the groups' lr): the model will not move, while each "
+                         "step still spends its share of the privacy budget")
         cut = truncation_note(self.task, self.cfg.data.max_length)
         if cut is not None:
             lines.append(f"note: {cut}")

@@ -461,3 +461,18 @@ def test_a_resumed_run_s_progress_starts_at_its_step(tmp_path, monkeypatch):
     # the loss of the step and epsilon at its step (computed every step with log_every 1)
     assert all(set(p) == {"loss", "eps"} for p in bar.postfix)
     assert float(bar.postfix[-1]["eps"]) == pytest.approx(second.epsilon(), abs=5e-4)
+
+
+def test_a_one_process_resume_restores_torch_s_global_rng(tmp_path):
+    # (anything in a model that still draws from torch's RNG continues its stream; only the
+    # 2-process sharded test caught a resume that skipped the restore)
+    fast = ["train.progress=false", "privacy.steps=4", "train.checkpoint_every=0"]
+    t = Trainer(load(RunConfig, TINY, fast), tmp_path / "run")
+    torch.manual_seed(777)
+    t.private_step()
+    ckpt.save(t, tmp_path / "run")
+    want = torch.get_rng_state()
+    torch.manual_seed(12345)
+    fresh = Trainer(load(RunConfig, TINY, fast), tmp_path / "run")
+    ckpt.load(fresh, ckpt.find_latest(tmp_path / "run"))
+    assert torch.equal(torch.get_rng_state(), want)

@@ -406,12 +406,14 @@ def test_a_dataset_size_sample_rate_or_noise_that_does_not_fit_is_warned_about(t
                           (("privacy.sample_rate=0.001",), "expects 0.256 of the 256"),
                           (("privacy.sample_rate=0.004",), None),
                           (("privacy.epsilon=null", "privacy.noise_multiplier=0",
-                            "privacy.accountant=rdp"), "epsilon is infinite")):
+                            "privacy.accountant=rdp"), "epsilon is infinite"),
+                          (("optim.lr=0", "optim.aux.lr=0"), "the model will not move"),
+                          (("optim.lr=0",), None)):  # (the aux group still trains)
         code, _, err = run_cli(capsys, "train", "--config", TINY, "--dry-run", *extra,
                                f"--output-dir={tmp_path / 'out'}")
         lines = [x for x in err.splitlines() if any(
-            f"warning: privacy.{k}" in x for k in ("dataset_size", "sample_rate",
-                                                     "noise_multiplier"))]
+            f"warning: {k}" in x for k in ("privacy.dataset_size", "privacy.sample_rate",
+                                             "privacy.noise_multiplier", "every parameter"))]
         assert code == 0 and len(lines) == (warned is not None), err
         assert warned is None or warned in lines[0], lines
     assert not (tmp_path / "out").exists()
