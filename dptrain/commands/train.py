@@ -281,6 +281,19 @@ _LAYOUT = {"checkpoints": True, "final": True, "metrics.jsonl": False, "summary.
            "secure_resumes.jsonl": False}
 
 
+_MISSING = object()
+
+#: the settings :func:`_finished_settings` reads, as paths into a run config
+_FINISHED_PATHS = (
+    *(("optim", k) for k in ("name", "lr", "preset", "weight_decay", "schedule",
+                             "warmup_steps", "ema_decay", "ema_start_step")),
+    *(("optim", "inner_momentum", k) for k in ("k_muon", "k_other", "gamma_muon",
+                                               "gamma_other")),
+    ("optim", "filter", "name"), ("optim", "aux", "optimizer"), ("optim", "aux", "lr"),
+    ("train", "generate_prompts"), ("train", "max_new_tokens"),
+    ("data", "test_file"), ("data", "max_test_examples"))
+
+
 def _finished_settings(config: dict) -> dict[str, object]:
     """The settings of a run config (as summary.json holds it) that decide a finished run's
     model or summary metrics and that a resume may change: the axes a sweep varies (the
@@ -289,50 +302,31 @@ def _finished_settings(config: dict) -> dict[str, object]:
     setting missing from an older summary as its default. Those read only when another is on
     are compared as :data:`_SWITCHED` says; left out are the optimizers' own options, whose
     "default" may be spelt out as its value (momentum None or 0.95)."""
-    from dptrain.data import DataConfig
-    from dptrain.optim import OptimConfig
-    from dptrain.trainer import TrainConfig
+    from dptrain.trainer import RunConfig
 
-    def get(section: dict, default_obj, *path):
-        value = section
-        for part in path:
-            value = value.get(part, _MISSING) if isinstance(value, dict) else _MISSING
-        if value is _MISSING:
-            value = default_obj
-            for part in path:
-                value = getattr(value, part)
+    def number_as_float(value):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         return value
 
-    optim, train = config.get("optim") or {}, config.get("train") or {}
-    data = config.get("data") or {}
-    o, t, d = OptimConfig(), TrainConfig(), DataConfig()
-    out = {f"optim.{k}": get(optim, o, k) for k in (
-        "name", "lr", "preset", "weight_decay", "schedule", "warmup_steps", "ema_decay")}
-    out.update({f"optim.inner_momentum.{k}": get(optim, o, "inner_momentum", k)
-                for k in ("k_muon", "k_other")})
-    out["optim.ema_start_step"] = get(optim, o, "ema_start_step")
-    for part in ("muon", "other"):
-        out[f"optim.inner_momentum.gamma_{part}"] = get(optim, o, "inner_momentum",
-                                                        f"gamma_{part}")
-    out["optim.filter.name"] = get(optim, o, "filter", "name")
-    out["optim.aux.optimizer"] = get(optim, o, "aux", "optimizer")
-    out["optim.aux.lr"] = get(optim, o, "aux", "lr")
-    for i, group in enumerate(optim.get("groups") or []):
+    def get(path):
+        value = config
+        for part in path:
+            value = value.get(part, _MISSING) if isinstance(value, dict) else _MISSING
+        if value is _MISSING:  # (a setting newer than the summary: the run had its default)
+            value = defaults
+            for part in path:
+                value = getattr(value, part)
+        return number_as_float(value)
+
+    defaults = RunConfig()
+    out = {".".join(path): get(path) for path in _FINISHED_PATHS}
+    for i, group in enumerate((config.get("optim") or {}).get("groups") or []):
         group = group if isinstance(group, dict) else {}
         for k in ("pattern", "optimizer", "lr"):
-            value = group.get(k)
-            out[f"optim.groups[{i}].{k}"] = (float(value) if isinstance(value, (int, float))
-                                            and not isinstance(value, bool) else value)
-    out["train.generate_prompts"] = get(train, t, "generate_prompts")
-    out["train.max_new_tokens"] = get(train, t, "max_new_tokens")
-    out["data.test_file"] = get(data, d, "test_file")
-    out["data.max_test_examples"] = get(data, d, "max_test_examples")
+            out[f"optim.groups[{i}].{k}"] = number_as_float(group.get(k))
     return out
 
-
-_MISSING = object()
 
 #: settings read only when another is on, with the test of that one: compared unless off in
 #: both runs, and after the other settings (so that a switch turned on is what is named)
@@ -352,6 +346,9 @@ def _check_same_training(saved: dict, cfg, out: Path) -> None:
     0) as its own run done. (A resume may change them; a finished run is never rewritten.)"""
     from dptrain.config import to_dict
 
+    def show(value) -> str:
+        return "(not set)" if value is _MISSING else repr(value)
+
     was, now = _finished_settings(saved), _finished_settings(to_dict(cfg))
     for key in sorted(set(was) | set(now), key=lambda k: (k in _SWITCHED, k)):
         if key in _SWITCHED:
@@ -359,7 +356,6 @@ def _check_same_training(saved: dict, cfg, out: Path) -> None:
             if not (on(was[switch]) or on(now[switch])):
                 continue
         if was.get(key, _MISSING) != now.get(key, _MISSING):
-            show = (lambda v: "(not set)" if v is _MISSING else repr(v))
             raise ConfigError(key, f"differs from the finished run (summary.json) in {out} "
                                    f"({show(was.get(key, _MISSING))} there, "
                                    f"{show(now.get(key, _MISSING))} now): it was trained or "
