@@ -281,3 +281,60 @@ def test_a_checkpoint_rank_0_cannot_write_fails_on_every_rank(tmp_path, sharding
     got = spawn(_rank0_cannot_write, 2, str(tmp_path / "run"), sharding, timeout=120)
     assert got[0] == "OSError: [Errno 28] No space left on device"
     assert got[1].startswith("RuntimeError: dptrain: rank 0 could not write the checkpoint")
+
+
+def _load_other_width(rank: int, world: int, out: str) -> str:
+    """A sharded checkpoint at width 32 loaded into a width-48 model (the config comparison
+    bypassed, as for a checkpoint written by something else): what ``load`` raises."""
+    from dptrain import checkpoint as ckpt
+    from dptrain.config import ConfigError, load
+    from dptrain.trainer import RunConfig, Trainer
+
+    t = Trainer(load(RunConfig, TINY, _rng_args("fsdp")), out)
+    t.private_step()
+    ckpt.save(t, Path(out))
+    wide = Trainer(load(RunConfig, TINY, [*_rng_args("fsdp"), "model.n_embd=48"]), out)
+    ckpt.check_compatible = lambda *a, **k: []
+    try:
+        ckpt.load(wide, ckpt.find_latest(Path(out)))
+    except ConfigError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_sharded_checkpoint_whose_model_does_not_fit_names_resume_not_optim(tmp_path):
+    # DCP's own shape error came out as "optim: the checkpoint's optimizer (or, sharded,
+    # model) state does not fit"; the model's tensors are now checked from its metadata first
+    got = spawn(_load_other_width, 2, str(tmp_path / "run"))
+    assert got[0] == got[1]
+    assert got[0].startswith("resume: checkpoint") and "its model does not fit" in got[0]
+    # the first three misfits by name, each with both shapes
+    assert "transformer.h.0.attn.c_attn.bias: (96,) in the checkpoint, (144,) here" in got[0]
+    assert got[0].count("in the checkpoint, (") == 3
+
+
+def test_the_dcp_model_check_names_missing_extra_and_reshaped_tensors(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from dptrain import checkpoint as ckpt
+    from dptrain.config import ConfigError
+
+    path = tmp_path / "c"
+    stored = {"a.weight": torch.zeros(3, 4), "b.weight": torch.zeros(2), "gone": torch.zeros(1)}
+    dcp.save({"model": stored, "optim": {}}, checkpoint_id=str(path), no_dist=True)
+    meta = {"model_keys": list(stored), "model_aliases": {"tied.weight": "a.weight"},
+            "frozen": {"keys": ["base.weight"]}}
+    mine = {"a.weight": torch.zeros(3, 4), "b.weight": torch.zeros(2),
+            "tied.weight": torch.zeros(3, 4), "base.weight": torch.zeros(5)}
+    with pytest.raises(ConfigError, match=r"gone: not in this model\)") as e:
+        ckpt._check_dcp_model(mine, meta, path)
+    assert e.value.field == "resume"
+    meta["model_keys"].remove("gone")
+    ckpt._check_dcp_model(mine, meta, path)  # the alias and the frozen tensor are left out
+    with pytest.raises(ConfigError, match=r"new\.bias: not in the checkpoint\)"):
+        ckpt._check_dcp_model({**mine, "new.bias": torch.zeros(1)}, meta, path)
+    with pytest.raises(ConfigError, match=r"b\.weight: \(2,\) in the checkpoint, \(3,\) here"):
+        ckpt._check_dcp_model({**mine, "b.weight": torch.zeros(3)}, meta, path)
+    del meta["frozen"]  # every tensor written: a missing one does not fit
+    with pytest.raises(ConfigError, match=r"base\.weight: not in the checkpoint"):
+        ckpt._check_dcp_model(mine, meta, path)

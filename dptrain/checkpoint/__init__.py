@@ -508,6 +508,34 @@ def _fill_refs(obj, tensors: dict):
     return obj
 
 
+def _misfit(path: Path, detail: str) -> ConfigError:
+    """The error of a checkpoint whose model is not this run's (either layout)."""
+    return ConfigError("resume", f"checkpoint {path}: its model does not fit this run's "
+                                 f"({detail}); resume needs the same model and data settings "
+                                 f"(a classifier's head: data.num_classes)")
+
+
+def _check_dcp_model(model: dict, meta: dict, path: Path) -> None:
+    """Refuse a DCP checkpoint whose model tensors are not ``model``'s (names and global
+    shapes, read from its metadata, before any collective load): a key this model lacks, one
+    it has that the checkpoint neither holds nor left out (a tied alias, a frozen tensor), or
+    another shape. Without this, DCP's own error came out labelled as the optimizer's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = set(meta["model_keys"])
+    left_out = set(meta.get("model_aliases") or {}) | set((meta.get("frozen") or {})
+                                                          .get("keys", ()))
+    bad = [f"{k}: not in this model" for k in sorted(saved - set(model))]
+    bad += [f"{k}: not in the checkpoint" for k in sorted(set(model) - saved - left_out)]
+    for k in sorted(saved & set(model)):
+        size = getattr(stored.get(f"model.{k}"), "size", None)
+        if size is not None and tuple(size) != tuple(model[k].shape):
+            bad.append(f"{k}: {tuple(size)} in the checkpoint, {tuple(model[k].shape)} here")
+    if bad:
+        raise _misfit(path, "; ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""))
+
+
 def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
     """Load a DCP checkpoint into a sharded run of any world size: DCP reads each rank's rows
     of every tensor from whichever files hold them (re-sharding)."""
@@ -522,6 +550,7 @@ def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
     from dptrain.parallel.fsdp import is_sharded
 
     model = get_model_state_dict(trainer.model)
+    _check_dcp_model(model, meta, path)
     saved = set(meta["model_keys"])  # without the frozen tensors, when it left them out
     model = {k: v for k, v in model.items() if k in saved}
     targets: dict[str, Any] = {}
@@ -934,23 +963,19 @@ def load(trainer, path: Path, verified: bool = False) -> None:
                 try:
                     restore_model(trainer.model, state, path, frozen=_frozen(trainer))
                 except (KeyError, ValueError, RuntimeError) as e:  # (not the optimizer's)
-                    raise ConfigError("resume", f"checkpoint {path}: its model does not fit "
-                                                f"this run's ({type(e).__name__}: "
-                                                f"{str(e).splitlines()[0][:200]}); resume "
-                                                f"needs the same model and data settings (a "
-                                                f"classifier's head: data.num_classes)"
-                                      ) from None
+                    raise _misfit(path, f"{type(e).__name__}: "
+                                        f"{str(e).splitlines()[0][:200]}") from None
                 # filter/history states onto their parameters' device (torch optimizers do it)
                 trainer.optimizer.load_state_dict(_map_optimizer(
                     trainer, state["optimizer"], lambda i, v, p: v,
                     lambda v, p: v.to(p.device) if p is not None else v))
     except ConfigError:
-        raise  # names its field (a group's optimizer changed; an unsharded model's misfit)
+        raise  # names its field (a group's optimizer changed; a model's misfit)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        # model and data settings are compared above, so this is mostly the optimizer's
-        # structure (another optimizer, other groups, inner momentum or a filter on or off);
-        # a sharded load reads the model and the optimizer together
-        raise ConfigError("optim", f"the checkpoint's optimizer (or, sharded, model) state does "
+        # model and data settings are compared above, and the model's tensors checked, so
+        # this is the optimizer's structure (another optimizer, other groups, inner momentum
+        # or a filter on or off)
+        raise ConfigError("optim", f"the checkpoint's optimizer state does "
                                    f"not fit this config ({type(e).__name__}: "
                                    f"{str(e).splitlines()[0][:200]}); resume needs the same "
                                    "optim settings") from None
