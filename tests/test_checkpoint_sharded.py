@@ -338,3 +338,32 @@ def test_the_dcp_model_check_names_missing_extra_and_reshaped_tensors(tmp_path):
     del meta["frozen"]  # every tensor written: a missing one does not fit
     with pytest.raises(ConfigError, match=r"base\.weight: not in the checkpoint"):
         ckpt._check_dcp_model(mine, meta, path)
+
+
+def test_shards_dcp_cannot_read_are_one_resume_error_not_a_traceback(tmp_path):
+    # DCP's CheckpointException is a BaseException: it went past `except Exception` as a
+    # traceback of every rank's traceback, exit 1 (here: one checkpoint's .metadata over
+    # another's shard file, which has no bytes where it points)
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from dptrain import checkpoint as ckpt
+    from dptrain.config import ConfigError
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    dcp.save({"model": {"w": torch.ones(1000)}, "optim": {}}, checkpoint_id=str(a), no_dist=True)
+    dcp.save({"model": {"v": torch.ones(3)}, "optim": {}}, checkpoint_id=str(b), no_dist=True)
+    shutil.copy(a / ".metadata", b / ".metadata")
+    with pytest.raises(ConfigError) as e:
+        ckpt._whole(b, {"format": 2, "model_keys": ["w"]})
+    assert e.value.field == "resume" and "cannot read its shards" in str(e.value)
+    assert len(str(e.value).splitlines()) == 1 and "CheckpointException" not in str(e.value)
+    assert len(str(e.value)) < 500
+
+
+def test_an_exception_without_a_message_is_named_not_an_index_error():
+    from dptrain import checkpoint as ckpt
+
+    assert ckpt._brief(KeyError()) == "KeyError"
+    assert ckpt._brief(ValueError("first\nsecond")) == "ValueError: first"

@@ -1030,18 +1030,76 @@ def test_a_checkpoint_whose_model_does_not_fit_names_resume_not_optim(tmp_path, 
                                                                       finished):
     # a model tensor missing (or of another shape: a head of another class count) was
     # reported as "optim: the checkpoint's optimizer state does not fit"
+    out = unfinished_copy(finished, tmp_path / "copy")
+    step_dir = forged(out, lambda state: state["model"].pop(next(iter(state["model"]))))
+    code, err = train(capsys, tmp_path / "other", "--resume", str(step_dir))
+    line = one_line(err)
+    assert code == 2 and "resume: checkpoint" in line and "its model does not fit" in line
+
+
+def forged(run: Path, edit) -> Path:
+    """``run``'s newest checkpoint with ``edit(state)`` applied to its state.pt and the
+    marker's checksum and size rewritten to match (a checkpoint written by something else, or
+    edited by hand: the checksums prove the files whole, not who wrote them)."""
     import hashlib
 
-    out = unfinished_copy(finished, tmp_path / "copy")
-    step_dir = sorted((out / "checkpoints").glob("step-*"))[-1]
+    step_dir = sorted((run / "checkpoints").glob("step-*"))[-1]
     state_pt = step_dir / "state.pt"
     state = torch.load(state_pt, weights_only=False)
-    state["model"].pop(next(iter(state["model"])))
+    edit(state)
     torch.save(state, state_pt)
     marker = json.loads((step_dir / ckpt.MARKER).read_text())
     marker["sha256"]["state.pt"] = hashlib.sha256(state_pt.read_bytes()).hexdigest()
     marker["bytes"]["state.pt"] = state_pt.stat().st_size
+    marker["step"] = state["step"] if type(state["step"]) is int else marker["step"]
     (step_dir / ckpt.MARKER).write_text(json.dumps(marker))
+    return step_dir
+
+
+def _history(state, fn) -> None:
+    state["ledger"]["history"] = [fn(list(e)) for e in state["ledger"]["history"]]
+
+
+@pytest.mark.parametrize("edit, says", [
+    # a larger sigma or a smaller sampling rate: the accountant would report less than spent
+    (lambda s: _history(s, lambda e: [e[0] * 100, e[1], e[2]]), "at noise multiplier"),
+    (lambda s: _history(s, lambda e: [e[0], e[1] / 1000, e[2]]), "sampling rate 0.000125"),
+    # a ledger of the wrong types: was a TypeError's traceback, exit 1
+    (lambda s: _history(s, lambda e: [str(e[0]), e[1], e[2]]), "its ledger: "),
+    (lambda s: _history(s, lambda e: [e[0], e[1], -1]), "its ledger: "),
+    # beyond privacy.steps with a matching ledger: trained on past the target (epsilon 26
+    # against 8), exit 0
+    (lambda s: (s.update(step=99), _history(s, lambda e: [e[0], e[1], 99])),
+     "at step 99, beyond privacy.steps (4)"),
+    (lambda s: s.update(step="2"), "has step '2', not a non-negative integer"),
+])
+def test_a_ledger_the_run_cannot_have_written_is_refused(tmp_path, capsys, finished, edit,
+                                                         says):
+    out = unfinished_copy(finished, tmp_path / "copy")
+    step_dir = forged(out, edit)
+    before = snapshot(out)
     code, err = train(capsys, tmp_path / "other", "--resume", str(step_dir))
     line = one_line(err)
-    assert code == 2 and "resume: checkpoint" in line and "its model does not fit" in line
+    assert code == 2 and line.startswith(f"dptrain train: error: resume: checkpoint {step_dir}")
+    assert says in line
+    assert snapshot(out) == before and not (tmp_path / "other").exists()
+
+
+def test_a_ledger_of_the_checkpoints_own_calibration_is_accepted(tmp_path, capsys, finished):
+    # the releases at the checkpoint's sigma (another version's calibration, a little
+    # larger than this run's): recorded as they were made, and the resume goes on
+    sigma: list[float] = []
+
+    def older_calibration(state):
+        sigma.append(state["plan"]["noise_multiplier"] * 1.01)
+        state["plan"]["noise_multiplier"] = sigma[0]
+        _history(state, lambda e: [sigma[0], e[1], e[2]])
+
+    out = unfinished_copy(finished, tmp_path / "copy")
+    step_dir = forged(out, older_calibration)
+    code, err = train(capsys, tmp_path / "other", "--resume", str(step_dir),
+                      "train.checkpoint_every=0")
+    assert code == 0, err
+    assert "sigma is calibrated to" in err
+    history = json.loads((tmp_path / "other" / "summary.json").read_text())
+    assert history["steps"] == 4

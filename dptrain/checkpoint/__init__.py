@@ -41,6 +41,18 @@ PRIVACY_FIELDS = ("sample_rate", "noise_multiplier", "clip_norm", "dataset_size"
                   "expected_batch_size", "delta", "steps", "adjacency", "epsilon", "accountant")
 
 
+def _brief(e: BaseException) -> str:
+    """``e`` as one line for an error message: its type and the first line of its message
+    (200 characters at most). DCP's CheckpointException, whose message is every rank's
+    traceback: the first failing rank's own exception."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) else first
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -869,13 +881,15 @@ def read_meta(path: Path, verified: bool = False) -> dict[str, Any]:
         state = torch.load(path / name, map_location="cpu", weights_only=False)
     except Exception as e:  # intact checksums but unreadable: written by something else
         raise ConfigError("resume", f"checkpoint {path} is unusable: cannot read {name} "
-                                    f"({type(e).__name__}: {e})") from None
+                                    f"({_brief(e)})") from None
     if not isinstance(state, dict):
         what = f"holds a {type(state).__name__}"
     elif missing := [k for k in _REQUIRED if k not in state]:
         what = f"lacks {', '.join(missing)}"
     elif not isinstance(state["config"], dict):
         what = "has no config mapping"
+    elif type(state["step"]) is not int or state["step"] < 0:
+        what = f"has step {state['step']!r}, not a non-negative integer"
     elif (marked := _marker_step(path)) is not None and marked != state["step"]:
         # the marker's step is what --resume auto, the output-directory and the secure-mode
         # guards go by
@@ -901,11 +915,13 @@ def _whole(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` (from ``read_meta``) with the tensors of a sharded checkpoint filled in."""
     if state.get("format") != 2:
         return state
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         tensors = _dcp_full(path)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
         raise ConfigError("resume", f"checkpoint {path} is unusable: cannot read its "
-                                    f"shards ({type(e).__name__}: {e})") from None
+                                    f"shards ({_brief(e)})") from None
     model = {k: tensors["model"][k] for k in state.pop("model_keys")}
     for dropped, kept in state.pop("model_aliases", {}).items():
         model[dropped] = model[kept]
@@ -915,9 +931,28 @@ def _whole(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def _check_ledger(ledger, saved_plan: dict, plan, path: Path) -> None:
+    """Refuse a ledger whose releases the run cannot have made: each one's sampling rate must
+    be the plan's, and its noise multiplier at most the larger of the checkpoint's calibrated
+    sigma and this run's (the privacy settings are the same; only another dptrain or opacus
+    version calibrates another sigma). A larger sigma or a smaller rate would have the
+    accountant report less than the releases spent."""
+    rates = {plan.sample_rate, saved_plan.get("sample_rate", plan.sample_rate)}
+    top = max(plan.noise_multiplier, saved_plan.get("noise_multiplier") or 0.0)
+    for sigma, q, n in ledger.history:
+        if q not in rates or sigma > top:
+            raise ConfigError("resume", f"checkpoint {path} is inconsistent: its ledger records "
+                                        f"{n} release(s) at noise multiplier {sigma!r} and "
+                                        f"sampling rate {q!r}, but its run released at "
+                                        f"{top!r} and {plan.sample_rate!r}: the epsilon "
+                                        f"reported would not be the one spent")
+
+
 def load(trainer, path: Path, verified: bool = False) -> None:
     """Continue ``trainer`` from the checkpoint at ``path`` (any format, any world size);
     ``verified``: ``path`` comes from ``find_latest`` just now (checksums not hashed again)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from dptrain.privacy.accounting import Ledger
 
     path = Path(path)
@@ -932,10 +967,18 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         print(f"dptrain train: resuming with other files or test settings than the checkpoint's "
               f"({'; '.join(moved)}); the training set must be the same (its size is checked, "
               f"its contents are not)", file=sys.stderr)
-    ledger = Ledger.from_dict(state["ledger"])
+    try:
+        ledger = Ledger.from_dict(state["ledger"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError("resume", f"checkpoint {path} is unusable: its ledger: {e}") from None
     if ledger.num_releases != state["step"]:
         raise ConfigError("resume", f"checkpoint {path} is inconsistent: its ledger counts "
                                     f"{ledger.num_releases} releases at step {state['step']}")
+    if state["step"] > trainer.plan.steps:  # (privacy.steps is compared above)
+        raise ConfigError("resume", f"checkpoint {path} is inconsistent: it is at step "
+                                    f"{state['step']}, beyond privacy.steps "
+                                    f"({trainer.plan.steps}) of its own config")
+    _check_ledger(ledger, state.get("plan") or {}, trainer.plan, path)
     saved_sigma = (state.get("plan") or {}).get("noise_multiplier")
     if saved_sigma is not None and saved_sigma != trainer.plan.noise_multiplier:
         # the same target calibrated by another dptrain or opacus version: the releases made
@@ -963,21 +1006,20 @@ def load(trainer, path: Path, verified: bool = False) -> None:
                 try:
                     restore_model(trainer.model, state, path, frozen=_frozen(trainer))
                 except (KeyError, ValueError, RuntimeError) as e:  # (not the optimizer's)
-                    raise _misfit(path, f"{type(e).__name__}: "
-                                        f"{str(e).splitlines()[0][:200]}") from None
+                    raise _misfit(path, _brief(e)) from None
                 # filter/history states onto their parameters' device (torch optimizers do it)
                 trainer.optimizer.load_state_dict(_map_optimizer(
                     trainer, state["optimizer"], lambda i, v, p: v,
                     lambda v, p: v.to(p.device) if p is not None else v))
     except ConfigError:
         raise  # names its field (a group's optimizer changed; a model's misfit)
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError,
+            CheckpointException) as e:  # (DCP's: a BaseException, and a shard it cannot read)
         # model and data settings are compared above, and the model's tensors checked, so
         # this is the optimizer's structure (another optimizer, other groups, inner momentum
         # or a filter on or off)
         raise ConfigError("optim", f"the checkpoint's optimizer state does "
-                                   f"not fit this config ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0][:200]}); resume needs the same "
+                                   f"not fit this config ({_brief(e)}); resume needs the same "
                                    "optim settings") from None
     unused = unused_state(state["optimizer"], trainer.optimizer)
     if unused and trainer.rank == 0:
