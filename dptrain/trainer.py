@@ -502,7 +502,8 @@ class Trainer:
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = build_optimizer(
             cfg.optim, self.named_params, total_steps=self.plan.steps,
-            release_noise_std=self.plan.noise_multiplier * self.plan.clip_norm / self.plan.denominator,
+            release_noise_std=(self.plan.noise_multiplier * self.plan.clip_norm
+                               / self.plan.denominator),
             seed=cfg.seed, ns_dtype=perf.newton_schulz_dtype,
             transposed=transposed_weights(self.model))
         self.ledger = Ledger()
@@ -1017,23 +1018,7 @@ class Trainer:
                 if self.step % tc.log_every == 0 or last or evaluate:
                     eps, eps_step = self.epsilon(), self.step
                     row["epsilon"] = eps
-                    if not self.cfg.privacy.secure_mode:
-                        # a step's time and memory follow its realised batch (the number of
-                        # examples and, for text, the padded length: side channels on the
-                        # sample): a run meant for release does not write them per row
-                        row["time"] = time.time() - start
-                        row["peak_memory_gib"] = self._peak_memory_gib()
-                        peak_gib = max(peak_gib or 0.0, row["peak_memory_gib"])
-                        row.update(self._gpu_row(gpu))
-                    if evaluate:
-                        try:
-                            row.update({f"test_{k}": v
-                                        for k, v in self.evaluate(stoppable=True).items()})
-                        except _EvaluationStopped:
-                            # the row goes without it; the stop follows at this step's end
-                            pass
-                        peak_memory_bytes(self.device, reset=True)  # the next row: training
-                        gpu.window()  # likewise
+                    peak_gib = self._measure_row(row, start, gpu, evaluate, peak_gib)
                     if metrics_file:
                         pending.append(strict_json(row) + "\n")
                         if not held:
@@ -1074,7 +1059,36 @@ class Trainer:
             if out is not None and saved_step != self.step:
                 saved_path = ckpt.save(self, out)
             raise StopRequested(e.signum, self.step, saved_path) from None
-        summary = {
+        summary = self._summary(final, start, trained, peak_gib, gpu)
+        self._write_final(summary)  # collective under sharding: every rank
+        return summary
+
+
+    def _measure_row(self, row: dict, start: float, gpu, evaluate: bool,
+                     peak_gib: float | None) -> float | None:
+        """Add a logged row's time, memory and GPU readings (not in secure mode) and, at an
+        evaluation step, the test metrics; return the run's peak memory so far."""
+        if not self.cfg.privacy.secure_mode:
+            # a step's time and memory follow its realised batch (the number of examples and,
+            # for text, the padded length: side channels on the sample): a run meant for
+            # release does not write them per row
+            row["time"] = time.time() - start
+            row["peak_memory_gib"] = self._peak_memory_gib()
+            peak_gib = max(peak_gib or 0.0, row["peak_memory_gib"])
+            row.update(self._gpu_row(gpu))
+        if evaluate:
+            try:
+                row.update({f"test_{k}": v for k, v in self.evaluate(stoppable=True).items()})
+            except _EvaluationStopped:
+                pass  # the row goes without it; the stop follows at this step's end
+            peak_memory_bytes(self.device, reset=True)  # the next row: training
+            gpu.window()  # likewise
+        return peak_gib
+
+    def _summary(self, final: dict, start: float, trained: float, peak_gib: float | None,
+                 gpu) -> dict:
+        """summary.json's contents: the guarantee spent, the final metrics, the run's cost."""
+        return {
             "epsilon": self.epsilon(),
             "delta": self.plan.delta,
             "steps": self.step,
@@ -1097,6 +1111,16 @@ class Trainer:
             "inner_momentum_memory": self.query_memory,
             "config": to_dict(self.cfg),
         }
+
+    def _write_final(self, summary: dict) -> None:
+        """Export the final model under ``final/`` (the EMA, which was evaluated, when there is
+        one, and the last iterate), its transformers folder and LoRA adapter, then
+        ``summary.json``, which marks the run finished. Collective under sharding (the full
+        state dicts): every rank calls it, rank 0 writes."""
+        from dptrain import checkpoint as ckpt
+
+        out = self.output_dir
+        write = out is not None and self.rank == 0
         ema = self.optimizer.ema
         # LoRA: the adapters alone, for peft (only when they are all that was trained), of the
         # evaluated model
@@ -1107,11 +1131,11 @@ class Trainer:
             # leaving the block sets back to the last iterate (final/adapter held that one)
             with ema.swapped_in():
                 evaluated = self.full_state_dict()  # collective under sharding
-                if out is not None and main:
+                if write:
                     self.export(out / "final", evaluated)
                     adapter(evaluated)
         state = self.full_state_dict()  # collective under sharding: every rank takes part
-        if out is not None and main:
+        if write:
             self.export(out / "final", state,
                         "model.safetensors" if ema is None else "last_iterate.safetensors")
             ckpt.export_hf(self, out / "final")  # GPT-2, causal_lm: final/hf/ for transformers
@@ -1121,7 +1145,6 @@ class Trainer:
             tmp = out / "summary.json.tmp"
             tmp.write_text(strict_json(summary, indent=2, default=str))
             os.replace(tmp, out / "summary.json")
-        return summary
 
     def _write_lost_rows(self, path: Path, metrics_file) -> None:
         """The rows the resumed checkpoint covers that ``metrics.jsonl`` lacks (secure mode: a
