@@ -485,6 +485,8 @@ def _scalars_and_rows(rank: int, world: int) -> dict:
     from dptrain.parallel.fsdp import all_reduce_scalars, flat_range, local_rows, reduce_sum
 
     sums = all_reduce_scalars(float(rank + 1), 10.0 * (rank + 1))
+    # float64: a byte count above 2^24 and a fraction below float32's resolution stay exact
+    exact = all_reduce_scalars(2.0 ** 40 + rank, 1.0 + 2.0 ** -40 * (rank + 1))
     maxima = all_reduce_scalars(float(rank + 1), -10.0 * (rank + 1), op="max")
     torch.manual_seed(0)
     lin = nn.Linear(4, 5)
@@ -528,7 +530,9 @@ def _scalars_and_rows(rank: int, world: int) -> dict:
     return {"sums": sums, "maxima": maxima, "rows": rows, "rows_fallback": rows_fallback,
             "other_error": other_error,
             "all_reduces": all_reduces, "fallback_all_reduces": len(calls) - all_reduces,
-            "flat": flat_range(w), "local_rows": local_rows(w),
+            "flat": flat_range(w), "local_rows": local_rows(w), "exact": exact,
+            # a replicated tensor (not sharded) under a process group: every rank holds it all
+            "plain": (flat_range(torch.zeros(5, 4)), local_rows(torch.zeros(5, 4))),
             "secure_seed": trainer_mod._shared_secure_seed(world)}
 
 
@@ -547,6 +551,8 @@ def test_scalars_and_sharded_rows_are_reduced_over_the_ranks():
     assert a["secure_seed"] == b["secure_seed"] == 1000
     assert a["local_rows"] == (0, 3) and b["local_rows"] == (3, 5)
     assert a["flat"] == (20, 0, 12) and b["flat"] == (20, 12, 20)
+    assert a["exact"] == b["exact"] == [2.0 ** 41 + 1, 2.0 + 3 * 2.0 ** -40]
+    assert a["plain"] == b["plain"] == ((20, 0, 20), (0, 5))
 
 
 def _sleep(rank: int, world: int) -> None:

@@ -8,6 +8,7 @@ checks of the LPT assignment, the planner and ``shard_bounds``.
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -250,3 +251,40 @@ def test_plan_auto():
                               max_owner_numel=1 << 20)
     assert plan.methods == ("model_parallel", "owner", "owner")
     assert plan_newton_schulz([(5, 3)], 1).methods == ("local",)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "owner", "model_parallel"])
+def test_a_plan_is_consistent_with_its_costs(strategy):
+    # an owner for exactly the owner-computed matrices, and the makespan it reports: a matrix
+    # left out of the assignment kept owner -1 and ran on the last rank unbalanced
+    from dptrain.parallel.newton_schulz import model_parallel_cost, owner_cost
+
+    rng = random.Random(7)
+    for world in (2, 3, 4):
+        for _ in range(5):
+            shapes = [(rng.choice((16, 64, 256, 1024)), rng.choice((16, 64, 256)))
+                      for _ in range(rng.randint(1, 9))]
+            plan = plan_newton_schulz(shapes, world, strategy=strategy, max_owner_numel=1 << 14)
+            loads = [0.0] * world
+            spread = 0.0
+            for (m, n), how, r in zip(shapes, plan.methods, plan.owners):
+                assert (0 <= r < world) == (how == "owner"), (shapes, plan)
+                if how == "owner":
+                    loads[r] += owner_cost(m, n, 5, world)
+                else:
+                    spread += model_parallel_cost(m, n, 5, world)
+            assert plan.est_makespan == pytest.approx(max(loads) + spread, rel=1e-12)
+
+
+def test_the_cost_model_boundaries():
+    from dptrain.parallel.newton_schulz import model_parallel_cost
+
+    # each rank's rows: the ceiling of m / W (5 rows on 4 ranks: 2 on the busiest, as 8)
+    assert model_parallel_cost(5, 4, 1, 4) == model_parallel_cost(8, 4, 1, 4)
+    assert model_parallel_cost(4, 4, 1, 4) < model_parallel_cost(5, 4, 1, 4)
+    # a matrix of exactly max_owner_numel elements may still be owned by one rank (only a
+    # larger one is forced model-parallel): four equal squares balance best as owners
+    square = [(256, 256)] * 4
+    assert set(plan_newton_schulz(square, 2, max_owner_numel=256 * 256).methods) == {"owner"}
+    assert set(plan_newton_schulz(square, 2, max_owner_numel=256 * 256 - 1).methods) == {
+        "model_parallel"}
