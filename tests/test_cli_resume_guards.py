@@ -1063,6 +1063,7 @@ def _history(state, fn) -> None:
 @pytest.mark.parametrize("edit, says", [
     # a larger sigma or a smaller sampling rate: the accountant would report less than spent
     (lambda s: _history(s, lambda e: [e[0] * 100, e[1], e[2]]), "at noise multiplier"),
+    (lambda s: _history(s, lambda e: [e[0] * 1.2, e[1], e[2]]), "at noise multiplier"),
     (lambda s: _history(s, lambda e: [e[0], e[1] / 1000, e[2]]), "sampling rate 0.000125"),
     # a ledger of the wrong types: was a TypeError's traceback, exit 1
     (lambda s: _history(s, lambda e: [str(e[0]), e[1], e[2]]), "its ledger: "),
@@ -1085,21 +1086,22 @@ def test_a_ledger_the_run_cannot_have_written_is_refused(tmp_path, capsys, finis
     assert snapshot(out) == before and not (tmp_path / "other").exists()
 
 
-def test_a_ledger_of_the_checkpoints_own_calibration_is_accepted(tmp_path, capsys, finished):
-    # the releases at the checkpoint's sigma (another version's calibration, a little
-    # larger than this run's): recorded as they were made, and the resume goes on
-    sigma: list[float] = []
-
+@pytest.mark.parametrize("plan_too", [True, False])
+def test_a_ledger_of_another_versions_calibration_is_accepted(tmp_path, capsys, finished,
+                                                               plan_too):
+    # releases at a sigma another version calibrated, a little larger than this run's: in the
+    # checkpoint's plan too (its run was that version), or only in its ledger (that version's
+    # run was resumed by this version, which checkpointed with its own plan)
     def older_calibration(state):
-        sigma.append(state["plan"]["noise_multiplier"] * 1.01)
-        state["plan"]["noise_multiplier"] = sigma[0]
-        _history(state, lambda e: [sigma[0], e[1], e[2]])
+        sigma = state["plan"]["noise_multiplier"] * 1.05
+        if plan_too:
+            state["plan"]["noise_multiplier"] = sigma
+        _history(state, lambda e: [sigma, e[1], e[2]])
 
     out = unfinished_copy(finished, tmp_path / "copy")
     step_dir = forged(out, older_calibration)
     code, err = train(capsys, tmp_path / "other", "--resume", str(step_dir),
                       "train.checkpoint_every=0")
     assert code == 0, err
-    assert "sigma is calibrated to" in err
-    history = json.loads((tmp_path / "other" / "summary.json").read_text())
-    assert history["steps"] == 4
+    assert ("sigma is calibrated to" in err) == plan_too
+    assert json.loads((tmp_path / "other" / "summary.json").read_text())["steps"] == 4

@@ -933,19 +933,25 @@ def _whole(path: Path, state: dict[str, Any]) -> dict[str, Any]:
 
 def _check_ledger(ledger, saved_plan: dict, plan, path: Path) -> None:
     """Refuse a ledger whose releases the run cannot have made: each one's sampling rate must
-    be the plan's, and its noise multiplier at most the larger of the checkpoint's calibrated
-    sigma and this run's (the privacy settings are the same; only another dptrain or opacus
-    version calibrates another sigma). A larger sigma or a smaller rate would have the
-    accountant report less than the releases spent."""
+    be the plan's, and its noise multiplier at most :data:`SIGMA_DRIFT` above the larger of
+    the checkpoint's calibrated sigma and this run's. The privacy settings are the same, so
+    only another dptrain or opacus version calibrates another sigma, within the calibration's
+    tolerance (an earlier version's releases stay in the ledger after the next resume). A
+    larger sigma or a smaller rate would have the accountant report less than was spent."""
     rates = {plan.sample_rate, saved_plan.get("sample_rate", plan.sample_rate)}
     top = max(plan.noise_multiplier, saved_plan.get("noise_multiplier") or 0.0)
     for sigma, q, n in ledger.history:
-        if q not in rates or sigma > top:
+        if q not in rates or sigma > top * (1 + SIGMA_DRIFT):
             raise ConfigError("resume", f"checkpoint {path} is inconsistent: its ledger records "
                                         f"{n} release(s) at noise multiplier {sigma!r} and "
-                                        f"sampling rate {q!r}, but its run released at "
+                                        f"sampling rate {q!r}, but its run releases at "
                                         f"{top!r} and {plan.sample_rate!r}: the epsilon "
                                         f"reported would not be the one spent")
+
+
+SIGMA_DRIFT = 0.1
+"""How far above the run's calibrated sigma a checkpoint's ledger may record a release (10%:
+versions calibrate to 0.01 of the target epsilon, which moves sigma by well under 1%)."""
 
 
 def load(trainer, path: Path, verified: bool = False) -> None:
