@@ -658,6 +658,15 @@ def test_the_engine_tells_its_refusals_from_the_forwards_errors_by_class_not_tex
     with pytest.raises(ClippingError, match=r"the forward failed with the tapped parameters "
                                             r"\['scale'\].*dptrain.userlib: a check"):
         ClippingEngine(Scaled()).per_example_norms(_sq, (torch.randn(3, 4),))
+    # a bare assert of the forward (no message): named by its class; its empty text made the
+    # handler itself fail with an IndexError
+    def bare_assert(self, x):
+        raise AssertionError  # (an assert here would get pytest's message)
+
+    Scaled.forward = bare_assert
+    with pytest.raises(ClippingError, match=r"the forward failed with the tapped parameters "
+                                            r"\['scale'\].*: AssertionError If that is a"):
+        ClippingEngine(Scaled()).per_example_norms(_sq, (torch.randn(3, 4),))
     with pytest.raises(ClippingError) as refusal:  # one of the engine's own
         ClippingEngine(nn.Embedding(5, 3, max_norm=1.0))
     assert isinstance(refusal.value, ValueError)

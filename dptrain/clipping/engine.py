@@ -975,12 +975,12 @@ class ClippingEngine:
                         raise ClippingError(
                             f"dptrain.clipping: the forward failed with the tapped parameters "
                             f"{self._tap_names()} given one row per example (clipping/taps.py):"
-                            f" {str(e).splitlines()[0]} If that is a shape error, the forward "
-                            f"uses such a parameter in a way that does not broadcast it over "
-                            f"the examples (p.view(-1), or after a reshape of the examples' "
-                            f"tensors): move it into a module of its own (timm's LayerScale), "
-                            f"whose rule or torch.func fallback gives its per-example "
-                            f"gradient") from e
+                            f" {(str(e).splitlines() or [type(e).__name__])[0]} If that is a "
+                            f"shape error, the forward uses such a parameter in a way that does "
+                            f"not broadcast it over the examples (p.view(-1), or after a reshape "
+                            f"of the examples' tensors): move it into a module of its own (timm's "
+                            f"LayerScale), whose rule or torch.func fallback gives its "
+                            f"per-example gradient") from e
                 if not isinstance(losses, Tensor):
                     raise TypeError(f"loss_fn must return a tensor of per-example losses of "
                                     f"shape ({B},), got {type(losses).__name__}")
