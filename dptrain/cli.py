@@ -70,14 +70,21 @@ def main(argv: list[str] | None = None, *, process_exits: bool = False) -> int:
     # argparse stops collecting a positional list at the first option
     if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
         args.overrides = list(args.overrides or []) + rest
-    elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    elif rest:  # (said by the subcommand's parser: its name and its --help)
+        command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        command.choices[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         for attr in _PATH_OPTIONS:  # a name too long for the OS: one line, not an OSError
             value = getattr(args, attr, None)
-            if isinstance(value, str) and not (attr == "resume" and value == "auto"):
+            values = value if isinstance(value, list) else [value]  # (plot's --run is a list)
+            for value in values:
+                if not isinstance(value, str) or (attr == "resume" and value == "auto"):
+                    continue
                 name = attr.replace("_", "-")  # (train names its options without dashes)
-                check_path_name(name if args.command == "train" else f"--{name}", value)
+                name = name if args.command == "train" else f"--{name}"
+                if args.command != "train" and not value.strip():  # (train says more)
+                    raise ConfigError(name, "is empty: give a path")  # (Path("") is ".")
+                check_path_name(name, value)
         return int(commands[args.command].run(args) or 0)
     except ConfigError as e:
         print(f"dptrain {args.command}: error: {e}", file=sys.stderr)

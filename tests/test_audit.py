@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from scipy.optimize import brentq
 from scipy.stats import norm
 
@@ -303,6 +304,22 @@ def test_an_existing_output_is_kept_without_force(tmp_path, capsys):
     code = main(["audit", "--config", TINY, "--output", str(out), *RUN])
     assert code == 2 and "output" in capsys.readouterr().err
     assert out.read_text() == "earlier"
+
+
+def test_the_config_is_never_the_output_even_with_force(tmp_path, capsys):
+    # --output over the --config (JSON is YAML) replaced the config with the report, exit 0
+    from dptrain.cli import main
+
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(yaml.safe_load(Path(TINY).read_text())))
+    before = config.read_bytes()
+    code = main(["audit", "--config", str(config), "--output", str(config), "--force", *RUN])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"dptrain audit: error: --output: {config} is also the "
+                                 f"--config (input) file"]
+    assert config.read_bytes() == before
+    code = main(["audit", "--config", "", *RUN])  # was named "config", the YAML's field
+    assert code == 2 and "error: --config: is empty" in capsys.readouterr().err
 
 
 def test_a_write_that_fails_after_the_run_exits_2_naming_the_option_after_the_verdict(

@@ -164,7 +164,8 @@ def test_accountant_name_is_case_and_space_insensitive(capsys):
 @pytest.mark.parametrize("argv,line", [
     # the CLI's own checks, with the value as typed (not the accountant's re-check of a float)
     (["--delta", "1"], "--delta: must be in (0, 1), got 1"),
-    (["--epsilon-tolerance", "0"], "--epsilon-tolerance: must be > 0, got 0"),
+    (["--epsilon-tolerance", "0"], "--epsilon-tolerance: must be finite and > 0, got 0"),
+    (["--epsilon-tolerance", "inf"], "--epsilon-tolerance: must be finite and > 0, got inf"),
     # a ConfigError of the accountant names the option as typed on the command line
     (["--epsilon-tolerance", "5"], "--epsilon-tolerance: must be in [1e-9 x epsilon, epsilon)"),
     # '-.5e-5' is not a negative number to argparse's default matcher: the range check still

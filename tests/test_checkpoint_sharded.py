@@ -365,5 +365,5 @@ def test_shards_dcp_cannot_read_are_one_resume_error_not_a_traceback(tmp_path):
 def test_an_exception_without_a_message_is_named_not_an_index_error():
     from dptrain import checkpoint as ckpt
 
-    assert ckpt._brief(KeyError()) == "KeyError"
-    assert ckpt._brief(ValueError("first\nsecond")) == "ValueError: first"
+    assert ckpt.brief(KeyError()) == "KeyError"
+    assert ckpt.brief(ValueError("first\nsecond")) == "ValueError: first"

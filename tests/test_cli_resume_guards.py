@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _forge import forged
+
 from dptrain import checkpoint as ckpt
 from dptrain import trainer as trainer_mod
 from dptrain.cli import main
@@ -1035,25 +1037,6 @@ def test_a_checkpoint_whose_model_does_not_fit_names_resume_not_optim(tmp_path, 
     code, err = train(capsys, tmp_path / "other", "--resume", str(step_dir))
     line = one_line(err)
     assert code == 2 and "resume: checkpoint" in line and "its model does not fit" in line
-
-
-def forged(run: Path, edit) -> Path:
-    """``run``'s newest checkpoint with ``edit(state)`` applied to its state.pt and the
-    marker's checksum and size rewritten to match (a checkpoint written by something else, or
-    edited by hand: the checksums prove the files whole, not who wrote them)."""
-    import hashlib
-
-    step_dir = sorted((run / "checkpoints").glob("step-*"))[-1]
-    state_pt = step_dir / "state.pt"
-    state = torch.load(state_pt, weights_only=False)
-    edit(state)
-    torch.save(state, state_pt)
-    marker = json.loads((step_dir / ckpt.MARKER).read_text())
-    marker["sha256"]["state.pt"] = hashlib.sha256(state_pt.read_bytes()).hexdigest()
-    marker["bytes"]["state.pt"] = state_pt.stat().st_size
-    marker["step"] = state["step"] if type(state["step"]) is int else marker["step"]
-    (step_dir / ckpt.MARKER).write_text(json.dumps(marker))
-    return step_dir
 
 
 def _history(state, fn) -> None:

@@ -250,6 +250,10 @@ def test_bad_e2e_data_exits_2_with_one_line(tmp_path, capsys, train_csv, test_cs
 
 @pytest.mark.parametrize("args, words", [
     (("train", "--config", TINY, "--bogus"), ["--bogus"]),
+    # said by the subcommand (it said "dptrain: error:", and "see dptrain --help")
+    (("calibrate", "--epsilon", "1", "--delta", "1e-5", "--sample-rate", "0.1", "--steps", "2",
+      "--bogus", "1"), ["dptrain calibrate: error: unrecognized arguments: --bogus 1",
+                        "see dptrain calibrate --help"]),
     (("calibrate", "--epsilon", "1"), ["--delta", "--sample-rate", "--steps"]),
     (("frobnicate",), ["frobnicate"]),
     # a misspelt option written with '=' is an unknown option, not a config override
@@ -267,6 +271,19 @@ def test_usage_errors_are_one_line_with_status_2(capsys, args, words):
     lines = [line for line in err.strip().splitlines() if line]
     assert len(lines) == 1, err
     assert "error" in lines[0] and all(w in lines[0] for w in words)
+
+
+@pytest.mark.parametrize("args", [("diagnose", "--run", ""), ("diagnose", "--checkpoint", " "),
+                                  ("plot", "--run", "a", "--run", ""),
+                                  ("audit", "--config", TINY, "--output", "")])
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(tmp_path, capsys,
+                                                                    monkeypatch, args):
+    # diagnose --run "" looked for ./checkpoints and would write ./diagnostics.json
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, *args)
+    option = args[-2]
+    assert code == 2 and err.strip() == f"dptrain {args[0]}: error: {option}: is empty: give a path"
+    assert not list(tmp_path.iterdir())
 
 
 def test_missing_config_file_exits_2(tmp_path, capsys):

@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from _forge import forged
+
 from dptrain.cli import main
 from dptrain.commands import check_new_files
 from dptrain.config import ConfigError
@@ -343,6 +345,9 @@ def test_output_paths_are_checked_before_the_work(plain_run, tmp_path, capsys, m
     same = tmp_path / "same.json"
     summary = Path(plain_run) / "summary.json"
     before = summary.read_bytes()
+    exported = (Path(plain_run) / "final" / "hf" / "config.json").read_bytes()
+    config = tmp_path / "config.json"  # (JSON is YAML: a config the report could replace)
+    config.write_text(json.dumps({"optim": {"preset": "gpt2"}}))
     for extra, option in [(["--output", tmp_path / "afile" / "r.json"], "--output"),
                           (["--output", tmp_path / "ok.json",  # not the run's default file
                             "--plot", tmp_path / "afile" / "sub" / "p.png"], "--plot"),
@@ -351,13 +356,19 @@ def test_output_paths_are_checked_before_the_work(plain_run, tmp_path, capsys, m
                           (["--output", tmp_path / "r.png"], "--output"),
                           (["--output", same, "--plot", tmp_path / "p.txt"], "--plot"),
                           # never the run's own summary, even with --force
-                          (["--output", summary, "--force"], "--output")]:
+                          (["--output", summary, "--force"], "--output"),
+                          # nor a file of its exported model, nor its --config input
+                          (["--output", Path(plain_run) / "final" / "hf" / "config.json",
+                            "--force"], "--output"),
+                          (["--output", config, "--force", "--config", config], "--output")]:
         code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "2",
                                *extra)
         lines = [line for line in err.strip().splitlines() if line]
         assert code == 2 and len(lines) == 1 and option in lines[0], err
     assert not same.exists() and (tmp_path / "afile").read_text() == "x"
     assert summary.read_bytes() == before
+    assert (Path(plain_run) / "final" / "hf" / "config.json").read_bytes() == exported
+    assert json.loads(config.read_text()) == {"optim": {"preset": "gpt2"}}
 
 
 def test_a_mapping_override_of_a_checkpoints_section_keeps_its_other_keys():
@@ -705,6 +716,59 @@ def test_memory_budget_counts_the_three_copies_of_an_im_probe(im_run, monkeypatc
     calls.clear()
     probes.diagnose(run, max_bytes=2 * one, **kw)
     assert calls == [names]  # current only: one copy each, both fit
+
+
+def _first_weight_cut(state):
+    name = next(k for k, v in state["model"].items() if v.dim() == 2)
+    state["model"][name] = state["model"][name][:-1]
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda s: s.pop("plan"), "it has no privacy plan"),  # was KeyError: 'plan'
+    (lambda s: s["plan"].update(denominator=0), "its plan's denominator is 0"),  # ZeroDivision
+    # (a ValueError after all the probing)
+    (lambda s: s["plan"].update(noise_multiplier=float("nan")),
+     "its plan's noise_multiplier is nan"),
+    (_first_weight_cut, "its model does not fit its own config (RuntimeError: "),
+])
+def test_a_checkpoint_with_whole_files_but_foreign_contents_is_one_error(plain_run, tmp_path,
+                                                                           capsys, edit, says):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(plain_run, run)
+    step_dir = forged(run, edit)
+    code, _, err = run_cli(capsys, "diagnose", "--checkpoint", step_dir, "--probe-examples", "2",
+                           "--output", tmp_path / "d.json")
+    lines = [line for line in err.strip().splitlines() if line]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"dptrain diagnose: error: --checkpoint: checkpoint {step_dir}")
+    assert says in lines[0]
+    assert not (tmp_path / "d.json").exists()
+
+
+def test_a_runs_own_files_and_folders_are_never_an_output(tmp_path):
+    from dptrain.commands import run_owned
+
+    run = tmp_path / "run"
+    (run / "final" / "hf").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000001").mkdir(parents=True)
+    assert run_owned(run / "final" / "hf" / "config.json") is None  # not a run yet
+    (run / "metrics.jsonl").write_text("")
+    for owned in (run / "metrics.jsonl", run / "summary.json", run / "final" / "new.json",
+                  run / "final" / "hf" / "config.json",
+                  run / "checkpoints" / "step-00000001" / "x.png"):
+        assert run_owned(owned) is not None, owned
+    for free in (run / "diagnostics.json", run / "metrics.png", run / "plots" / "final.png",
+                 tmp_path / "final" / "x.json", tmp_path / "summary.json"):
+        assert run_owned(free) is None, free
+    with pytest.raises(ConfigError, match=r"inside the run .*'s final/ folder; write elsewhere"):
+        check_new_files((("--output", run / "final" / "r.json", ()),), force=True)
+    # an output naming an input: refused even with force
+    (tmp_path / "c.yaml").write_text("{}")
+    with pytest.raises(ConfigError, match=r"--output: .*c\.yaml is also the --config \(input\)"):
+        check_new_files((("--output", tmp_path / "c.yaml", ()),), force=True,
+                        inputs=(("--config", tmp_path / "c.yaml"),))
 
 
 def test_two_outputs_naming_one_file_are_refused(tmp_path):

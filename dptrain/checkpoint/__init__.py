@@ -41,7 +41,7 @@ PRIVACY_FIELDS = ("sample_rate", "noise_multiplier", "clip_norm", "dataset_size"
                   "expected_batch_size", "delta", "steps", "adjacency", "epsilon", "accountant")
 
 
-def _brief(e: BaseException) -> str:
+def brief(e: BaseException) -> str:
     """``e`` as one line for an error message: its type and the first line of its message
     (200 characters at most). DCP's CheckpointException, whose message is every rank's
     traceback: the first failing rank's own exception."""
@@ -881,7 +881,7 @@ def read_meta(path: Path, verified: bool = False) -> dict[str, Any]:
         state = torch.load(path / name, map_location="cpu", weights_only=False)
     except Exception as e:  # intact checksums but unreadable: written by something else
         raise ConfigError("resume", f"checkpoint {path} is unusable: cannot read {name} "
-                                    f"({_brief(e)})") from None
+                                    f"({brief(e)})") from None
     if not isinstance(state, dict):
         what = f"holds a {type(state).__name__}"
     elif missing := [k for k in _REQUIRED if k not in state]:
@@ -921,7 +921,7 @@ def _whole(path: Path, state: dict[str, Any]) -> dict[str, Any]:
         tensors = _dcp_full(path)
     except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
         raise ConfigError("resume", f"checkpoint {path} is unusable: cannot read its "
-                                    f"shards ({_brief(e)})") from None
+                                    f"shards ({brief(e)})") from None
     model = {k: tensors["model"][k] for k in state.pop("model_keys")}
     for dropped, kept in state.pop("model_aliases", {}).items():
         model[dropped] = model[kept]
@@ -1012,7 +1012,7 @@ def load(trainer, path: Path, verified: bool = False) -> None:
                 try:
                     restore_model(trainer.model, state, path, frozen=_frozen(trainer))
                 except (KeyError, ValueError, RuntimeError) as e:  # (not the optimizer's)
-                    raise _misfit(path, _brief(e)) from None
+                    raise _misfit(path, brief(e)) from None
                 # filter/history states onto their parameters' device (torch optimizers do it)
                 trainer.optimizer.load_state_dict(_map_optimizer(
                     trainer, state["optimizer"], lambda i, v, p: v,
@@ -1025,7 +1025,7 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         # this is the optimizer's structure (another optimizer, other groups, inner momentum
         # or a filter on or off)
         raise ConfigError("optim", f"the checkpoint's optimizer state does "
-                                   f"not fit this config ({_brief(e)}); resume needs the same "
+                                   f"not fit this config ({brief(e)}); resume needs the same "
                                    "optim settings") from None
     unused = unused_state(state["optimizer"], trainer.optimizer)
     if unused and trainer.rank == 0:

@@ -9,13 +9,35 @@ FIGURES = (".png", ".pdf", ".svg")
 """The suffixes of the files the commands write: a report, a figure (its format)."""
 RUN_FILES = ("summary.json", "metrics.jsonl")
 """What ``dptrain train`` writes at the top of a run directory: never another command's output."""
+RUN_FOLDERS = ("final", "checkpoints")
+"""The folders ``dptrain train`` writes in a run directory (the exported model, the checkpoints,
+which it prunes): no other command's output goes inside them."""
+
+
+def _is_run(directory) -> bool:
+    return (directory / "metrics.jsonl").is_file() or (directory / "summary.json").is_file()
+
+
+def run_owned(path) -> str | None:
+    """Why ``path`` belongs to a run that ``dptrain train`` wrote (None if it does not): one of
+    its ``RUN_FILES``, or anything inside its ``RUN_FOLDERS``."""
+    from pathlib import Path
+
+    path = Path(path).absolute()
+    if path.name in RUN_FILES and (path.parent / "metrics.jsonl").is_file():
+        return f"{path} is a run's own file"
+    for folder in path.parents:
+        if folder.name in RUN_FOLDERS and _is_run(folder.parent):
+            return f"{path} is inside the run {folder.parent}'s {folder.name}/ folder"
+    return None
 
 
 def check_new_file(option: str, path, force: bool, suffixes: tuple[str, ...] = ()) -> None:
-    """An output file a command is about to write: never a directory, never a run's own
-    summary.json or metrics.jsonl (``RUN_FILES``, even with ``force``), never another existing
-    file unless ``force`` (nothing written before is lost), and, with ``suffixes``, named for
-    what it holds (a report's JSON under a .png name). ConfigError naming ``option``."""
+    """An output file a command is about to write: never a directory, never a run's own file
+    (summary.json, metrics.jsonl, anything in its final/ or checkpoints/: :func:`run_owned`,
+    even with ``force``), never another existing file unless ``force`` (nothing written before
+    is lost), and, with ``suffixes``, named for what it holds (a report's JSON under a .png
+    name). ConfigError naming ``option``."""
     from pathlib import Path
 
     from dptrain.config import ConfigError
@@ -24,8 +46,8 @@ def check_new_file(option: str, path, force: bool, suffixes: tuple[str, ...] = (
     if suffixes and path.suffix.lower() not in suffixes:
         names = ", ".join(suffixes[:-1]) + (" or " if len(suffixes) > 1 else "") + suffixes[-1]
         raise ConfigError(option, f"must end in {names}, got {path.name}")
-    if path.name in RUN_FILES and (path.parent / "metrics.jsonl").is_file():
-        raise ConfigError(option, f"{path} is a run's own file; write elsewhere")
+    if (owned := run_owned(path)) is not None:
+        raise ConfigError(option, f"{owned}; write elsewhere")
     if path.is_dir():
         raise ConfigError(option, f"{path} is a directory")
     if path.exists() and not force:
@@ -51,21 +73,24 @@ def check_can_create(option: str, directory, target=None) -> None:
         raise ConfigError(option, f"cannot write {target}: {parent} is not writable")
 
 
-def check_new_files(files, force: bool) -> None:
+def check_new_files(files, force: bool, inputs=()) -> None:
     """:func:`check_new_file` of each ``(option, path, suffixes)`` (path None: not asked for),
-    and no two options naming one file (the later write would replace the earlier output)."""
+    no two options naming one file (the later write would replace the earlier output), and no
+    output naming one of the ``inputs``, ``(option, path)`` pairs of the files the command
+    reads (even with ``force``: ``--output`` over ``--config``)."""
     from pathlib import Path
 
     from dptrain.config import ConfigError
 
-    seen: dict = {}
+    seen: dict = {Path(path).resolve(): f"{option} (input)" for option, path in inputs
+                  if path is not None}
     for option, path, suffixes in files:
         if path is None:
             continue
-        check_new_file(option, path, force, suffixes)
         key = Path(path).resolve()
         if key in seen:
             raise ConfigError(option, f"{path} is also the {seen[key]} file")
+        check_new_file(option, path, force, suffixes)
         seen[key] = option
 
 

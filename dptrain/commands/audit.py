@@ -20,7 +20,7 @@ import math
 import sys
 
 from dptrain.commands import FIGURES, JSON, check_new_files, require_matplotlib, writing
-from dptrain.config import ConfigError
+from dptrain.config import ConfigError, require_file
 from dptrain.telemetry import write_json
 
 PROG = "dptrain audit"
@@ -69,8 +69,9 @@ def _parse(args: argparse.Namespace) -> tuple[int, float, int]:
     seed = _number("--audit-seed", args.audit_seed, int)
     if seed < 0:
         raise ConfigError("--audit-seed", f"must be >= 0, got {seed}")
+    require_file("--config", args.config)
     check_new_files((("--output", args.output, JSON), ("--plot", args.plot, FIGURES)),
-                    args.force)
+                    args.force, inputs=(("--config", args.config),))
     if args.plot is not None:
         require_matplotlib("--plot")
     return m, confidence, seed

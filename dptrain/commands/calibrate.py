@@ -124,7 +124,8 @@ def _validate(args) -> dict:
     else:
         tol = _number("--epsilon-tolerance", tol)
         if not (tol > 0 and math.isfinite(tol)):
-            raise _ArgError("--epsilon-tolerance", f"must be > 0, got {args.epsilon_tolerance}")
+            raise _ArgError("--epsilon-tolerance",
+                            f"must be finite and > 0, got {args.epsilon_tolerance}")
     return dict(epsilon=eps, delta=delta, sample_rate=q, steps=steps, accountant=accountant,
                 epsilon_tolerance=tol)
 

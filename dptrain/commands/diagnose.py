@@ -184,11 +184,12 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else (
         Path(args.run) / "diagnostics.json" if args.run is not None else None)
     plot = Path(args.plot) if args.plot else None
-    check_new_files((("--output", output, JSON), ("--plot", plot, FIGURES)), args.force)
-    if plot is not None:
-        require_matplotlib("--plot")
     if args.config is not None:
         require_file("--config", args.config)
+    check_new_files((("--output", output, JSON), ("--plot", plot, FIGURES)), args.force,
+                    inputs=(("--config", args.config),))
+    if plot is not None:
+        require_matplotlib("--plot")
 
     path = resolve_checkpoint(run_dir=args.run, checkpoint=args.checkpoint)
     run_ = load_run(path, config_path=args.config, overrides=args.overrides)

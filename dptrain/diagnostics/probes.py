@@ -210,6 +210,27 @@ def resolve_checkpoint(run_dir: str | Path | None = None,
     return path
 
 
+def _checked_plan(state: dict, path: Path) -> dict:
+    """The checkpoint's privacy plan, whose sigma, C and b the probes use: one line naming
+    ``--checkpoint`` when it lacks one or holds values no run has (not a traceback after the
+    model is built, or a ValueError after all the probing)."""
+    plan = state.get("plan")
+    if not isinstance(plan, dict):
+        raise ConfigError("--checkpoint", f"checkpoint {path} is unusable: it has no privacy "
+                                          f"plan; it was not written by dptrain train")
+    wants = {"noise_multiplier": "a number >= 0", "clip_norm": "a number > 0",
+             "denominator": "a number > 0", "steps": "an integer >= 1"}
+    for key, want in wants.items():
+        value = plan.get(key)
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value) and (value >= 0 if key == "noise_multiplier" else value > 0)
+              and (key != "steps" or value == int(value)))
+        if not ok:
+            raise ConfigError("--checkpoint", f"checkpoint {path} is unusable: its plan's {key} "
+                                              f"is {value!r}, not {want}")
+    return plan
+
+
 def _build_config(saved: dict, config_path: str | Path | None, overrides: Sequence[str]):
     from dptrain.trainer import RunConfig
 
@@ -252,7 +273,7 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     cfg = _build_config(state["config"], config_path, overrides)
     relocated = ckpt.check_compatible(state["config"], cfg,
                                       needs="diagnose measures the checkpoint's run: keep its {}")
-    plan = state["plan"]
+    plan = _checked_plan(state, path)
     perf = cfg.performance
     if perf.num_threads is not None:
         torch.set_num_threads(perf.num_threads)
@@ -278,7 +299,11 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
                                 release_noise_std=sigma * C / b, seed=cfg.seed,
                                 ns_dtype=perf.newton_schulz_dtype,
                                 transposed=transposed_weights(model))
-    ckpt.restore_model(model, state, path, frozen=frozen)
+    try:
+        ckpt.restore_model(model, state, path, frozen=frozen)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise ConfigError("--checkpoint", f"checkpoint {path}: its model does not fit its own "
+                                          f"config ({ckpt.brief(e)})") from None
     try:
         optimizer.load_state_dict(state["optimizer"])
     except ConfigError:
@@ -325,9 +350,10 @@ def select_matrices(run: LoadedRun, pattern: str | None = None) -> list[str]:
     ``pattern``."""
     candidates = muon_matrices(run)
     if not candidates:
-        raise ConfigError("--params", f"the run has no Muon-family matrix (optimizer "
-                                      f"{run.cfg.optim.name!r}, no muon/muon_bc/muon_s group): "
-                                      f"nothing to probe")
+        # (named by the run's setting, not --params, which may not have been given)
+        raise ConfigError("optim.name", f"the run has no Muon-family matrix (optimizer "
+                                        f"{run.cfg.optim.name!r}, no muon/muon_bc/muon_s group): "
+                                        f"nothing to probe")
     if pattern is None:
         return list(candidates)
     try:
