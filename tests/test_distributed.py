@@ -36,7 +36,7 @@ def _train(rank: int, world: int, overrides: list[str], config: str = TINY) -> d
 
     t = Trainer(load(RunConfig, config, ["train.progress=false", "train.checkpoint_every=0",
                                        "privacy.accountant=rdp", "privacy.steps=3", *overrides]))
-    first, _ = t.release(0)
+    first, stats = t.release(0)
     first = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
              for k, v in first.items()}
     while t.step < t.plan.steps:
@@ -55,7 +55,7 @@ def _train(rank: int, world: int, overrides: list[str], config: str = TINY) -> d
     return {"params": {k: v.clone() for k, v in state.items()}, "tied": tied,
             "units": [isinstance(m, FSDPModule) for m in (*block_modules(t.model), t.model)],
             "release0": first, "sizes": [len(t.local_sample(s)) for s in range(t.plan.steps)],
-            "metrics": metrics}
+            "metrics": metrics, "loss0": stats["train_loss"]}
 
 
 def _rel(a: dict, b: dict) -> float:
@@ -80,6 +80,8 @@ def _check(overrides: list[str], worlds: list[tuple[int, str]], config: str = TI
             assert len(r["units"]) >= 3 and all(u == (sharding == "fsdp") for u in r["units"])
         assert results[0]["params"]
         assert _rel(results[0]["release0"], ref["release0"]) <= 1e-5
+        for r in results:  # the batch's mean loss (every rank's examples), on every rank
+            assert r["loss0"] == pytest.approx(ref["loss0"], rel=1e-5), (world, sharding)
         for r in results:  # test metrics (with an EMA: of the average and the last iterate)
             assert r["metrics"].keys() == ref["metrics"].keys()
             for k, v in ref["metrics"].items():
@@ -98,6 +100,8 @@ def test_dp_muon_gpt2_with_dropout_same_on_1_2_4_ranks_and_any_microbatch():
         results = spawn(_train, world, ["performance.sharding=fsdp", *drop, *extra])
         assert _rel(results[0]["params"], ref["params"]) <= 1e-5
         assert _rel(results[0]["release0"], ref["release0"]) <= 1e-5
+        for r in results:  # the batch's mean loss (every rank's examples), on every rank
+            assert r["loss0"] == pytest.approx(ref["loss0"], rel=1e-5), (world, sharding)
         assert [sum(s) for s in zip(*(r["sizes"] for r in results))] == ref["sizes"]
 
 
@@ -678,6 +682,7 @@ def test_ranks_that_load_other_pretrained_weights_are_refused(tmp_path):
     ({"RANK": "1"}, "WORLD_SIZE"),  # trained alone, as if it were the only rank
     ({"WORLD_SIZE": "2"}, "RANK"),  # every process rank 0 (EADDRINUSE, or a store timeout)
     ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK"),  # a connect timeout naming neither
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK"),  # (ranks are 0 .. WORLD_SIZE - 1)
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK"),
     ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE"),
 ])
