@@ -367,3 +367,64 @@ def test_an_exception_without_a_message_is_named_not_an_index_error():
 
     assert ckpt.brief(KeyError()) == "KeyError"
     assert ckpt.brief(ValueError("first\nsecond")) == "ValueError: first"
+
+
+def _save_one_step(rank: int, world: int, out: str, sharding: str) -> None:
+    from dptrain import checkpoint as ckpt
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    t = Trainer(load(RunConfig, TINY, _rng_args(sharding)), out)
+    t.private_step()
+    ckpt.save(t, Path(out))
+
+
+def _load_on_fsdp_ranks(rank: int, world: int, path: str) -> str:
+    from dptrain import checkpoint as ckpt
+    from dptrain.config import ConfigError, load
+    from dptrain.trainer import RunConfig, Trainer
+
+    t = Trainer(load(RunConfig, TINY, _rng_args("fsdp")), str(Path(path).parents[1]))
+    try:
+        ckpt.load(t, Path(path))
+    except ConfigError as e:
+        return str(e)
+    return "loaded"
+
+
+def _rehash(step_dir: Path, name: str) -> None:
+    """The marker made to vouch for ``name`` as it is now (a foreign or edited checkpoint)."""
+    import hashlib
+    import json
+
+    from dptrain import checkpoint as ckpt
+
+    marker = json.loads((step_dir / ckpt.MARKER).read_text())
+    marker["sha256"][name] = hashlib.sha256((step_dir / name).read_bytes()).hexdigest()
+    marker["bytes"][name] = (step_dir / name).stat().st_size
+    (step_dir / ckpt.MARKER).write_text(json.dumps(marker))
+
+
+def test_sharded_resumes_of_a_foreign_checkpoint_name_what_is_wrong(tmp_path):
+    from _forge import forged
+
+    from dptrain import checkpoint as ckpt
+
+    # a whole checkpoint without one of the model's tensors, resumed on 2 FSDP ranks: that
+    # tensor trained on from its initialisation, exit 0 (one rank refused it)
+    _save_one_step(0, 1, str(tmp_path / "whole"), "none")
+    step_dir = forged(tmp_path / "whole",
+                      lambda s: s["model"].pop("transformer.h.1.mlp.c_fc.weight"))
+    got = spawn(_load_on_fsdp_ranks, 2, str(step_dir))
+    assert got[0] == got[1] and "its model does not fit" in got[0]
+    assert "transformer.h.1.mlp.c_fc.weight: not in the checkpoint" in got[0]
+    # a DCP shard file DCP cannot read: was "optim: the checkpoint's optimizer state does not
+    # fit" on 2 ranks
+    spawn(_save_one_step, 2, str(tmp_path / "dcp"), "fsdp")
+    step_dir = ckpt.find_latest(tmp_path / "dcp")
+    shard = step_dir / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    _rehash(step_dir, shard.name)
+    got = spawn(_load_on_fsdp_ranks, 2, str(step_dir))
+    assert got[0] == got[1] and got[0].startswith(f"resume: checkpoint {step_dir} is unusable: "
+                                                  f"cannot read its shards ("), got

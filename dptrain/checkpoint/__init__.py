@@ -372,9 +372,16 @@ def _map_optimizer(trainer, sd: dict, fn_opt, fn_other) -> dict:
     return out
 
 
-def _load_sharded(trainer, state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+def _load_sharded(trainer, state: dict, path: Path) -> None:
+    """Load a whole checkpoint (``state`` from :func:`_whole`) into a sharded run: each rank
+    takes its rows of every tensor."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_model_state_dict,
+                                                         set_model_state_dict)
 
+    _check_model_fits(get_model_state_dict(trainer.model),
+                      {k: tuple(v.shape) for k, v in state["model"].items()},
+                      _left_out(state), path)
     set_model_state_dict(trainer.model, state["model"],
                          options=StateDictOptions(full_state_dict=True, strict=False))
     local = [getattr(opt, "local_state_rows", False) for opt in trainer.optimizer.optimizers]
@@ -527,25 +534,36 @@ def _misfit(path: Path, detail: str) -> ConfigError:
                                  f"(a classifier's head: data.num_classes)")
 
 
+def _check_model_fits(model: dict, saved: dict, left_out: set, path: Path) -> None:
+    """Refuse a checkpoint whose model tensors (``saved``: name -> global shape) are not
+    ``model``'s (name -> tensor, global shapes): a key this model lacks, one it has that the
+    checkpoint neither holds nor left out (``left_out``: tied aliases, frozen tensors), or
+    another shape. For the sharded loads, which read the model and the optimizer together:
+    without this, a misfit came out as the optimizer's, or (a whole checkpoint missing a
+    tensor) loaded without it."""
+    bad = [f"{k}: not in this model" for k in sorted(set(saved) - set(model))]
+    bad += [f"{k}: not in the checkpoint" for k in sorted(set(model) - set(saved) - left_out)]
+    for k in sorted(set(saved) & set(model)):
+        if saved[k] is not None and tuple(saved[k]) != tuple(model[k].shape):
+            bad.append(f"{k}: {tuple(saved[k])} in the checkpoint, {tuple(model[k].shape)} here")
+    if bad:
+        raise _misfit(path, "; ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""))
+
+
+def _left_out(state: dict) -> set:
+    """The model tensors a checkpoint does not hold: its frozen ones (rebuilt by the run)."""
+    return set((state.get("frozen") or {}).get("keys", ()))
+
+
 def _check_dcp_model(model: dict, meta: dict, path: Path) -> None:
-    """Refuse a DCP checkpoint whose model tensors are not ``model``'s (names and global
-    shapes, read from its metadata, before any collective load): a key this model lacks, one
-    it has that the checkpoint neither holds nor left out (a tied alias, a frozen tensor), or
-    another shape. Without this, DCP's own error came out labelled as the optimizer's."""
+    """:func:`_check_model_fits` of a DCP checkpoint, its shapes read from its metadata
+    (before any collective load); its tied aliases are stored once."""
     from torch.distributed.checkpoint import FileSystemReader
 
     stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    saved = set(meta["model_keys"])
-    left_out = set(meta.get("model_aliases") or {}) | set((meta.get("frozen") or {})
-                                                          .get("keys", ()))
-    bad = [f"{k}: not in this model" for k in sorted(saved - set(model))]
-    bad += [f"{k}: not in the checkpoint" for k in sorted(set(model) - saved - left_out)]
-    for k in sorted(saved & set(model)):
-        size = getattr(stored.get(f"model.{k}"), "size", None)
-        if size is not None and tuple(size) != tuple(model[k].shape):
-            bad.append(f"{k}: {tuple(size)} in the checkpoint, {tuple(model[k].shape)} here")
-    if bad:
-        raise _misfit(path, "; ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""))
+    saved = {k: getattr(stored.get(f"model.{k}"), "size", None) for k in meta["model_keys"]}
+    _check_model_fits(model, saved, set(meta.get("model_aliases") or {}) | _left_out(meta),
+                      path)
 
 
 def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
@@ -553,6 +571,7 @@ def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
     of every tensor from whichever files hold them (re-sharding)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                          get_model_state_dict,
                                                          set_model_state_dict)
@@ -583,7 +602,11 @@ def _load_dcp_sharded(trainer, meta: dict, path: Path) -> None:
         return ref
 
     _map_optimizer(trainer, meta["optimizer"], lambda i, v, p: target(v, p), target)
-    dcp.load({"model": model, "optim": targets}, checkpoint_id=str(path))
+    try:
+        dcp.load({"model": model, "optim": targets}, checkpoint_id=str(path))
+    except CheckpointException as e:  # (the model's names and shapes are checked above)
+        raise ConfigError("resume", f"checkpoint {path} is unusable: cannot read its shards "
+                                    f"({brief(e)})") from None
     set_model_state_dict(trainer.model, model, options=StateDictOptions(strict=False))
     local = [getattr(opt, "local_state_rows", False) for opt in trainer.optimizer.optimizers]
 
@@ -1007,7 +1030,7 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         else:
             state = _whole(path, state)
             if _sharded(trainer):
-                _load_sharded(trainer, state)
+                _load_sharded(trainer, state, path)
             else:
                 try:
                     restore_model(trainer.model, state, path, frozen=_frozen(trainer))
@@ -1020,10 +1043,10 @@ def load(trainer, path: Path, verified: bool = False) -> None:
     except ConfigError:
         raise  # names its field (a group's optimizer changed; a model's misfit)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError,
-            CheckpointException) as e:  # (DCP's: a BaseException, and a shard it cannot read)
-        # model and data settings are compared above, and the model's tensors checked, so
-        # this is the optimizer's structure (another optimizer, other groups, inner momentum
-        # or a filter on or off)
+            CheckpointException) as e:  # (DCP's is a BaseException)
+        # model and data settings are compared above, the model's tensors checked and DCP's
+        # reads refused as such, so this is the optimizer's structure (another optimizer,
+        # other groups, inner momentum or a filter on or off)
         raise ConfigError("optim", f"the checkpoint's optimizer state does "
                                    f"not fit this config ({brief(e)}); resume needs the same "
                                    "optim settings") from None
