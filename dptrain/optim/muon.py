@@ -82,7 +82,7 @@ def _param_names(group: dict) -> list[str]:
 
 
 def probe_seed(*parts: object) -> int:
-    """A 63-bit torch seed from public values, e.g. ("muon_bc", seed, step, name)."""
+    """A 63-bit torch seed from public values, e.g. ("muon_bc_probe", seed, step, name)."""
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
@@ -267,7 +267,8 @@ class MuonBC(Muon):
     ``heat_bias_correction`` at nu = release_noise_std * noise_gain * (coefficient of G_t in N_t):
     (1 + mu) after Nesterov with accumulated momentum, (1 - mu)(1 + mu) with EMA momentum.
     ``noise_gain`` (a param-group entry, 1 by default) is the gain of a filter in front of the
-    optimizer on the current release; ``build_optimizer`` sets it every step.
+    optimizer on the current release; ``DPOptimizer.step`` sets it before every step (a
+    standalone MuonBC keeps 1).
 
     Probes are public randomness: a fresh ``torch.Generator`` per (seed, the parameter's step,
     parameter name), on the parameter's device, independent of the release's noise stream;

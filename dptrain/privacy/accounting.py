@@ -510,8 +510,10 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None) -> float:
 
 
 class Budget:
-    """Budget checks, grouped: ``Budget.check_plan(cfg, sigma)`` before training,
-    ``Budget.would_exceed(ledger, sigma, q, delta, target_epsilon)`` before each release."""
+    """Budget checks, grouped: ``Budget.check_plan(cfg, sigma)`` before training (what the
+    trainer does); ``Budget.would_exceed(ledger, sigma, q, delta, target_epsilon)``, whether
+    further releases after a ledger would exceed a target, for a loop of one's own (the
+    trainer does not call it)."""
 
     check_plan = staticmethod(check_plan)
     would_exceed = staticmethod(would_exceed)

@@ -109,7 +109,9 @@ class PrivacyConfig:
         return self.dataset_size if self.dataset_size is not None else train_size
 
     def release_denominator(self, dataset_size: int) -> int:
-        """b: the public denominator of the release, floor(q*N) unless set explicitly."""
+        """b: the public denominator of the release, ``expected_batch_size`` when set, else
+        max(1, floor(q N)) with q N read to a relative 1e-9 (:func:`expected_batch_size`; N
+        is :meth:`public_dataset_size`)."""
         if self.expected_batch_size is not None:
             return self.expected_batch_size
         return expected_batch_size(self.sample_rate, self.public_dataset_size(dataset_size))
