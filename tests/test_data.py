@@ -1311,25 +1311,51 @@ def test_webdataset_grey_shards_and_max_examples_spread_evenly(tmp_path):
     assert len(task.test) == 4
 
 
-def test_webdataset_num_classes_from_both_splits_and_too_small_is_refused(tmp_path):
+def _label_shard(path: Path, labels) -> None:
     import webdataset as wds
 
-    def shard(name, labels):
-        with wds.TarWriter(str(tmp_path / name)) as w:
-            for j, label in enumerate(labels):
-                w.write({"__key__": f"k{j}", "jpg": b"\xff\xd8not-decoded-here",
-                         "cls": str(label).encode()})
+    with wds.TarWriter(str(path)) as w:
+        for j, label in enumerate(labels):
+            w.write({"__key__": f"k{j}", "jpg": b"\xff\xd8not-decoded-here",
+                     "cls": str(label).encode()})
+
+
+def test_webdataset_num_classes_from_both_splits_and_too_small_is_refused(tmp_path, capsys):
+    shard = lambda name, labels: _label_shard(tmp_path / name, labels)  # noqa: E731
 
     shard("imagenet-train-000000.tar", [0, 1, 2, 1])
     shard("imagenet-val-000000.tar", [4, 0])
+    capsys.readouterr()
     task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
-    assert task.info.num_classes == 5  # the test split's label 4 counts
+    assert task.info.num_classes == 5  # the test split's label 4 counts, and that is said
+    assert ("the test shards' labels reach 4, the training shards' only 2 (classes training "
+            "never sees)") in capsys.readouterr().err
     with pytest.raises(ConfigError) as e:
         build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
                               num_classes=4))
     assert e.value.field == "data.num_classes"
     assert build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
                                  num_classes=5)).info.num_classes == 5
+    # one mistyped label: a head of 100,001 classes for 3 distinct labels, said at the start
+    capsys.readouterr()
+    shard("imagenet-train-000000.tar", [0, 1, 2, 100000])
+    task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert task.info.num_classes == 100001
+    err = capsys.readouterr().err
+    assert "data.num_classes is inferred as 100001" in err and "only 4 distinct labels" in err
+    shard("imagenet-train-000000.tar", [0, 1, 2, 4])  # (a class of 5 missing, 4 in training)
+    build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert capsys.readouterr().err == ""
+
+
+def test_an_empty_test_split_is_refused_before_the_budget_is_spent(tmp_path):
+    # the run trained, then reported accuracy nan, loss nan, exit 0
+    import tarfile
+
+    _label_shard(tmp_path / "imagenet-train-000000.tar", [0, 1, 1])
+    tarfile.open(tmp_path / "imagenet-val-000000.tar", "w").close()
+    with pytest.raises(ConfigError, match=r"data.test_file: the test set of webdataset is empty"):
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
 
 
 def test_webdataset_damaged_header_inside_a_shard_is_refused(tmp_path):

@@ -456,3 +456,16 @@ def test_timm_model_gets_drop_path_rate_and_input_channels_from_the_config():
     with pytest.raises(ConfigError) as e:
         build_model(ModelConfig(name="timm", timm_name="vgg11", drop_path_rate=0.1), info)
     assert e.value.field == "model.drop_path_rate" and "drop_path_rate" in e.value.message
+
+
+def test_a_head_too_large_for_memory_names_where_its_class_count_came_from():
+    # the count inferred from the data (one mistyped label of 10^13) was blamed on
+    # model.channels; the model's own num_classes, when set, is named itself
+    huge = DataInfo(kind="classification", num_classes=10 ** 13, in_chans=3, image_size=8)
+    with pytest.raises(ConfigError) as e:
+        build_model(ModelConfig(name="cnn", channels=[4]), huge)
+    assert e.value.field == "data.num_classes" and "does not fit in memory" in e.value.message
+    small = DataInfo(kind="classification", num_classes=10, in_chans=3, image_size=8)
+    with pytest.raises(ConfigError) as e:
+        build_model(ModelConfig(name="cnn", channels=[4], num_classes=10 ** 13), small)
+    assert e.value.field == "model.num_classes"

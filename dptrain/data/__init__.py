@@ -17,6 +17,7 @@ A batch depends only on its indices: no shuffling, augmentation or state in the 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -103,7 +104,9 @@ class DataConfig:
     synthetic_vocab_size: int = 32
     """synthetic_lm: symbols of the Markov chain; the vocabulary is this + 1 (EOS/pad)."""
     num_classes: int | None = None
-    """synthetic_images: classes (null: 10). webdataset: classes (null: max label + 1)."""
+    """synthetic_images: classes (null: 10). webdataset: classes (null: the largest label of
+    the training and test shards + 1, with a note when most of those classes occur in no
+    training example or the test shards hold labels the training shards lack)."""
     in_chans: int | None = None
     """Image channels (null: mnist 1, cifar10 3, synthetic_images 3, webdataset and
     imagefolder 3); webdataset and imagefolder: 1 (decoded as grey) or 3; cifar10: 3."""
@@ -286,14 +289,36 @@ def _data_file(directory: Path, name: str, field: str) -> Path:
     return f
 
 
+def _note_inferred_classes(k: int, train, test) -> None:
+    """Say on stderr when a class count inferred from shards' labels (the largest + 1) looks
+    wrong: most of its classes occur in no training example (one mistyped ``.cls`` of 100000
+    made a 100,001-class head without a word), or the test shards hold labels the training
+    shards lack (the model never sees those classes, and the test split sized its head)."""
+    reasons = []
+    if k > 2 * train.label_count:
+        reasons.append(f"only {train.label_count} distinct labels occur in the training shards "
+                       f"(a mistyped .cls?)")
+    if train.label_range and test.label_range and test.label_range[1] > train.label_range[1]:
+        reasons.append(f"the test shards' labels reach {test.label_range[1]}, the training "
+                       f"shards' only {train.label_range[1]} (classes training never sees)")
+    if reasons:
+        print(f"dptrain: note: data.num_classes is inferred as {k} from the shards' largest "
+              f"label, but {'; and '.join(reasons)}; set data.num_classes to say how many "
+              f"classes there are", file=sys.stderr)
+
+
 def build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
     """Load or generate the data of ``cfg``. ``seed`` only drives the synthetic generators
     (null -> 0: in secure mode the data must not depend on the secret seed). An empty
-    training set is a ConfigError naming ``data.train_file``."""
+    training or test set is a ConfigError naming ``data.train_file`` or ``data.test_file``."""
     task = _build_data(cfg, seed)
     if len(task.train) == 0:
         raise ConfigError("data.train_file", f"the training set of {cfg.name} is empty "
                                              f"(a file with only a header?): nothing to train on")
+    if len(task.test) == 0:  # (the run would spend its budget, then report NaN metrics)
+        raise ConfigError("data.test_file", f"the test set of {cfg.name} is empty (a file "
+                                            f"with only a header, a shard without examples?): "
+                                            f"nothing to evaluate on")
     if cfg.augmult:
         _attach_augmult(task, cfg)
     return task
@@ -435,6 +460,8 @@ def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
             raise ConfigError("data.num_classes",
                               f"every label in the shards is {high}: a classifier needs at "
                               f"least 2 classes (set data.num_classes)")
+        if cfg.num_classes is None:
+            _note_inferred_classes(k, train, test)
         info = DataInfo(kind="classification", num_classes=k, in_chans=c, image_size=size)
         return Task(train=train, test=test, info=info, loss_fn=classification_loss)
 

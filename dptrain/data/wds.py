@@ -421,6 +421,8 @@ class WebDatasetImages(ImageDecoding):
         #: classes are the data's, not a subset's); None without examples
         labels = self.index["label"]
         self.label_range = (int(labels.min()), int(labels.max())) if len(labels) else None
+        #: how many distinct labels they hold (the classes a head inferred from the range has)
+        self.label_count = len(np.unique(labels))
         if max_examples is not None and max_examples < len(self.index["label"]):
             keep = even_subset(len(self.index["label"]), max_examples)
             self.index = {k: v[keep] for k, v in self.index.items()}

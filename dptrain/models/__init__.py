@@ -867,8 +867,8 @@ def build_model(cfg: ModelConfig, info: DataInfo, *, low_precision: bool = False
     except (MemoryError, RuntimeError) as e:
         if not (isinstance(e, MemoryError) or _allocation_failure(e)):
             raise
-        raise ConfigError(_largest_size_field(cfg), f"the model does not fit in memory: "
-                                                    f"{_one_line(e)}") from None
+        raise ConfigError(_largest_size_field(cfg, info), f"the model does not fit in memory: "
+                                                          f"{_one_line(e)}") from None
 
 
 def _allocation_failure(e: BaseException) -> bool:
@@ -879,9 +879,10 @@ def _allocation_failure(e: BaseException) -> bool:
             or "out of memory" in text.lower())
 
 
-def _largest_size_field(cfg: ModelConfig) -> str:
+def _largest_size_field(cfg: ModelConfig, info: DataInfo | None = None) -> str:
     """The size setting furthest above its default (the likely cause of a model too large to
-    build); else where the family's other sizes are set."""
+    build); else where the family's other sizes are set. A classifier's head: the model's
+    ``num_classes``, else the data's (``data.num_classes``, or inferred from the labels)."""
     # (vocabularies: GPT-2's 50,257; causal_lm's, the largest of common families, Gemma's)
     sizes = {"model.vocab_size": (cfg.vocab_size, 50257 if cfg.name == "gpt2" else 262144)}
     if cfg.name == "gpt2":
@@ -891,7 +892,8 @@ def _largest_size_field(cfg: ModelConfig) -> str:
     elif cfg.name == "causal_lm":
         rest = "model.pretrained_path" if cfg.pretrained_path else "model.hf_config"
     else:
-        sizes = {"model.num_classes": (cfg.num_classes, 1000)}
+        sizes = ({"model.num_classes": (cfg.num_classes, 1000)} if cfg.num_classes is not None
+                 else {"data.num_classes": (getattr(info, "num_classes", None), 1000)})
         if cfg.name == "cnn":
             sizes.update({"model.channels": (max(cfg.channels, default=1), 32),
                           "model.hidden": (cfg.hidden, 32), "model.pool": (cfg.pool, 4)})
