@@ -980,10 +980,6 @@ versions calibrate to 0.01 of the target epsilon, which moves sigma by well unde
 def load(trainer, path: Path, verified: bool = False) -> None:
     """Continue ``trainer`` from the checkpoint at ``path`` (any format, any world size);
     ``verified``: ``path`` comes from ``find_latest`` just now (checksums not hashed again)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from dptrain.privacy.accounting import Ledger
-
     path = Path(path)
     if not verified:  # the ranks hash the files in turn
         problem = verify(path, collective=trainer.world > 1)
@@ -996,85 +992,13 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         print(f"dptrain train: resuming with other files or test settings than the checkpoint's "
               f"({'; '.join(moved)}); the training set must be the same (its size is checked, "
               f"its contents are not)", file=sys.stderr)
-    try:
-        ledger = Ledger.from_dict(state["ledger"])
-    except (TypeError, ValueError) as e:
-        raise ConfigError("resume", f"checkpoint {path} is unusable: its ledger: {e}") from None
-    if ledger.num_releases != state["step"]:
-        raise ConfigError("resume", f"checkpoint {path} is inconsistent: its ledger counts "
-                                    f"{ledger.num_releases} releases at step {state['step']}")
-    if state["step"] > trainer.plan.steps:  # (privacy.steps is compared above)
-        raise ConfigError("resume", f"checkpoint {path} is inconsistent: it is at step "
-                                    f"{state['step']}, beyond privacy.steps "
-                                    f"({trainer.plan.steps}) of its own config")
-    _check_ledger(ledger, state.get("plan") or {}, trainer.plan, path)
-    saved_sigma = (state.get("plan") or {}).get("noise_multiplier")
-    if saved_sigma is not None and saved_sigma != trainer.plan.noise_multiplier:
-        # the same target calibrated by another dptrain or opacus version: the releases made
-        # and the remaining ones at the new sigma must stay within the target together
-        from dptrain.privacy.accounting import check_plan
-
-        check_plan(trainer.cfg.privacy, trainer.plan.noise_multiplier, ledger=ledger)
-        if trainer.rank == 0:
-            print(f"dptrain train: note: sigma is calibrated to "
-                  f"{trainer.plan.noise_multiplier!r} now, {saved_sigma!r} in the checkpoint's "
-                  "run (another dptrain or opacus version); the ledger records each release's "
-                  "sigma, and the planned releases stay within the target, but the run will not "
-                  "repeat the checkpoint's bit for bit", file=sys.stderr)
+    ledger = _checked_ledger(trainer, state, path)
     # the tensors a checkpoint left out (frozen) must be the ones rebuilt here (collective
     # under FSDP: every rank)
     check_frozen(state.get("frozen"), _frozen(trainer), path)
-    try:
-        if _sharded(trainer) and state.get("format") == 2:
-            _load_dcp_sharded(trainer, state, path)  # each rank reads its own rows
-        else:
-            state = _whole(path, state)
-            if _sharded(trainer):
-                _load_sharded(trainer, state, path)
-            else:
-                try:
-                    restore_model(trainer.model, state, path, frozen=_frozen(trainer))
-                except (KeyError, ValueError, RuntimeError) as e:  # (not the optimizer's)
-                    raise _misfit(path, brief(e)) from None
-                # filter/history states onto their parameters' device (torch optimizers do it)
-                trainer.optimizer.load_state_dict(_map_optimizer(
-                    trainer, state["optimizer"], lambda i, v, p: v,
-                    lambda v, p: v.to(p.device) if p is not None else v))
-    except ConfigError:
-        raise  # names its field (a group's optimizer changed; a model's misfit)
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError,
-            CheckpointException) as e:  # (DCP's is a BaseException)
-        # model and data settings are compared above, the model's tensors checked and DCP's
-        # reads refused as such, so this is the optimizer's structure (another optimizer,
-        # other groups, inner momentum or a filter on or off)
-        raise ConfigError("optim", f"the checkpoint's optimizer state does "
-                                   f"not fit this config ({brief(e)}); resume needs the same "
-                                   "optim settings") from None
-    unused = unused_state(state["optimizer"], trainer.optimizer)
-    if unused and trainer.rank == 0:
-        print(f"dptrain train: the checkpoint's {'; '.join(unused)}: not used by this run",
-              file=sys.stderr)
-    # what the user changed (in config keys), then what that changes in the optimizer's
-    # parameter groups (and what a performance setting does: ns_dtype)
-    changed = "; ".join(section_changes(state["config"], trainer.cfg, "optim"))
-    groups = "; ".join(trainer.optimizer.changed_settings)
-    if groups:
-        groups = f"parameter groups: {groups}"
-        changed = f"{changed} ({groups})" if changed else groups
-    if changed and trainer.rank == 0:
-        print(f"dptrain train: optimizer settings differ from the checkpoint's, this config's "
-              f"apply: {changed}", file=sys.stderr)
-    note = getattr(trainer.optimizer.filter, "restart_note", None)
-    if note and trainer.rank == 0:
-        print(f"dptrain train: {note}", file=sys.stderr)
-    from dptrain.performance import NOT_ARITHMETIC
-
-    perf = section_changes(state["config"], trainer.cfg, "performance", skip=NOT_ARITHMETIC)
-    if perf and trainer.rank == 0:
-        print(f"dptrain train: performance settings differ from the checkpoint's "
-              f"({'; '.join(perf)}): the privacy mechanism is the same, but the arithmetic "
-              f"is not, so the run will not repeat the checkpoint's run bit for bit",
-              file=sys.stderr)
+    state = _load_tensors(trainer, state, path)
+    if trainer.rank == 0:
+        _report_changes(trainer, state)
     trainer.ledger = ledger
     trainer.step = state["step"]
     out = trainer.output_dir
@@ -1082,15 +1006,7 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         # this run's own checkpoint: its held rows go where a kill after its seal lost them
         # (a branch into another directory starts its rows afresh)
         trainer._resumed_rows = list(state.get("held_rows") or [])
-    ranks = state["rng"].get("torch_ranks")
-    same_world = ranks is not None and len(ranks) == trainer.world
-    torch.set_rng_state(ranks[trainer.rank] if same_world else state["rng"]["torch"])
-    cuda_ranks = state["rng"].get("cuda_ranks")
-    if torch.cuda.is_available():
-        if same_world and cuda_ranks is not None:  # this rank's device, as it was
-            torch.cuda.set_rng_state(cuda_ranks[trainer.rank])
-        elif state["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    _restore_rngs(trainer, state)
     if trainer.cfg.privacy.secure_mode:
         if trainer.rank == 0:  # (said once, as the "resumed from" line)
             print("dptrain: secure mode: resuming with fresh randomness (a new privacy seed "
@@ -1101,6 +1017,119 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         raise ConfigError("resume", f"checkpoint {path} is unusable: its privacy seed is not "
                                     f"this run's (privacy.seed); it was not written by "
                                     f"dptrain train for this config")
+
+
+def _checked_ledger(trainer, state: dict, path: Path):
+    """The checkpoint's privacy ledger, once it is one this run can have written: it counts
+    ``step`` releases, ``step`` is within ``privacy.steps``, and each release is at the plan's
+    rate and sigma (:func:`_check_ledger`). A sigma calibrated by another version is checked
+    against the target with the releases still to come, and said."""
+    from dptrain.privacy.accounting import Ledger, check_plan
+
+    try:
+        ledger = Ledger.from_dict(state["ledger"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError("resume", f"checkpoint {path} is unusable: its ledger: {e}") from None
+    if ledger.num_releases != state["step"]:
+        raise ConfigError("resume", f"checkpoint {path} is inconsistent: its ledger counts "
+                                    f"{ledger.num_releases} releases at step {state['step']}")
+    if state["step"] > trainer.plan.steps:  # (privacy.steps is compared by check_compatible)
+        raise ConfigError("resume", f"checkpoint {path} is inconsistent: it is at step "
+                                    f"{state['step']}, beyond privacy.steps "
+                                    f"({trainer.plan.steps}) of its own config")
+    _check_ledger(ledger, state.get("plan") or {}, trainer.plan, path)
+    saved_sigma = (state.get("plan") or {}).get("noise_multiplier")
+    if saved_sigma is not None and saved_sigma != trainer.plan.noise_multiplier:
+        # the same target calibrated by another dptrain or opacus version: the releases made
+        # and the remaining ones at the new sigma must stay within the target together
+        check_plan(trainer.cfg.privacy, trainer.plan.noise_multiplier, ledger=ledger)
+        if trainer.rank == 0:
+            print(f"dptrain train: note: sigma is calibrated to "
+                  f"{trainer.plan.noise_multiplier!r} now, {saved_sigma!r} in the checkpoint's "
+                  "run (another dptrain or opacus version); the ledger records each release's "
+                  "sigma, and the planned releases stay within the target, but the run will not "
+                  "repeat the checkpoint's bit for bit", file=sys.stderr)
+    return ledger
+
+
+def _load_tensors(trainer, state: dict, path: Path) -> dict:
+    """Load the checkpoint's model and optimizer state into ``trainer`` (each rank its own rows
+    when it is sharded, from either layout); the state with its tensors (a whole one's are
+    read here). A misfit is one ConfigError: the model's names ``resume``, the optimizer's
+    ``optim``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        if _sharded(trainer) and state.get("format") == 2:
+            _load_dcp_sharded(trainer, state, path)  # each rank reads its own rows
+            return state
+        state = _whole(path, state)
+        if _sharded(trainer):
+            _load_sharded(trainer, state, path)
+            return state
+        try:
+            restore_model(trainer.model, state, path, frozen=_frozen(trainer))
+        except (KeyError, ValueError, RuntimeError) as e:  # (not the optimizer's)
+            raise _misfit(path, brief(e)) from None
+        # filter/history states onto their parameters' device (torch optimizers do it)
+        trainer.optimizer.load_state_dict(_map_optimizer(
+            trainer, state["optimizer"], lambda i, v, p: v,
+            lambda v, p: v.to(p.device) if p is not None else v))
+        return state
+    except ConfigError:
+        raise  # names its field (a group's optimizer changed; a model's misfit)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError,
+            CheckpointException) as e:  # (DCP's is a BaseException)
+        # model and data settings are compared before, the model's tensors checked and DCP's
+        # reads refused as such, so this is the optimizer's structure (another optimizer,
+        # other groups, inner momentum or a filter on or off)
+        raise ConfigError("optim", f"the checkpoint's optimizer state does "
+                                   f"not fit this config ({brief(e)}); resume needs the same "
+                                   "optim settings") from None
+
+
+def _report_changes(trainer, state: dict) -> None:
+    """Say on stderr what of the checkpoint this run does not use, and which of its optimizer
+    and performance settings differ from the checkpoint's (a resume may change them)."""
+    from dptrain.performance import NOT_ARITHMETIC
+
+    unused = unused_state(state["optimizer"], trainer.optimizer)
+    if unused:
+        print(f"dptrain train: the checkpoint's {'; '.join(unused)}: not used by this run",
+              file=sys.stderr)
+    # what the user changed (in config keys), then what that changes in the optimizer's
+    # parameter groups (and what a performance setting does: ns_dtype)
+    changed = "; ".join(section_changes(state["config"], trainer.cfg, "optim"))
+    groups = "; ".join(trainer.optimizer.changed_settings)
+    if groups:
+        groups = f"parameter groups: {groups}"
+        changed = f"{changed} ({groups})" if changed else groups
+    if changed:
+        print(f"dptrain train: optimizer settings differ from the checkpoint's, this config's "
+              f"apply: {changed}", file=sys.stderr)
+    note = getattr(trainer.optimizer.filter, "restart_note", None)
+    if note:
+        print(f"dptrain train: {note}", file=sys.stderr)
+    perf = section_changes(state["config"], trainer.cfg, "performance", skip=NOT_ARITHMETIC)
+    if perf:
+        print(f"dptrain train: performance settings differ from the checkpoint's "
+              f"({'; '.join(perf)}): the privacy mechanism is the same, but the arithmetic "
+              f"is not, so the run will not repeat the checkpoint's run bit for bit",
+              file=sys.stderr)
+
+
+def _restore_rngs(trainer, state: dict) -> None:
+    """torch's global generators as they were: this rank's own on the same world size, rank
+    0's (CPU) and the saved devices' otherwise."""
+    ranks = state["rng"].get("torch_ranks")
+    same_world = ranks is not None and len(ranks) == trainer.world
+    torch.set_rng_state(ranks[trainer.rank] if same_world else state["rng"]["torch"])
+    cuda_ranks = state["rng"].get("cuda_ranks")
+    if torch.cuda.is_available():
+        if same_world and cuda_ranks is not None:  # this rank's device, as it was
+            torch.cuda.set_rng_state(cuda_ranks[trainer.rank])
+        elif state["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
 
 
 def unused_state(saved: dict, optimizer) -> list[str]:
