@@ -764,6 +764,12 @@ def test_a_runs_own_files_and_folders_are_never_an_output(tmp_path):
         assert run_owned(free) is None, free
     with pytest.raises(ConfigError, match=r"inside the run .*'s final/ folder; write elsewhere"):
         check_new_files((("--output", run / "final" / "r.json", ()),), force=True)
+    # where the file lands: through a link to final/ (written into it), and run/checkpoints/..
+    # (the run's own folder, free)
+    (tmp_path / "link").symlink_to(run / "final")
+    assert run_owned(tmp_path / "link" / "hf" / "config.json") is not None
+    assert run_owned(run / "checkpoints" / ".." / "metrics.png") is None
+    assert run_owned(run / "final" / "hf" / ".." / ".." / "summary.json") is not None
     # an output naming an input: refused even with force
     (tmp_path / "c.yaml").write_text("{}")
     with pytest.raises(ConfigError, match=r"--output: .*c\.yaml is also the --config \(input\)"):

@@ -23,7 +23,11 @@ def run_owned(path) -> str | None:
     its ``RUN_FILES``, or anything inside its ``RUN_FOLDERS``."""
     from pathlib import Path
 
+    # where the file lands: its folder with links and '..' resolved (a link to a run's final/
+    # wrote into it; run/checkpoints/.. is the run itself), its own name as it is (a link there
+    # is replaced by the write, not written through)
     path = Path(path).absolute()
+    path = path.parent.resolve() / path.name
     if path.name in RUN_FILES and (path.parent / "metrics.jsonl").is_file():
         return f"{path} is a run's own file"
     for folder in path.parents:
