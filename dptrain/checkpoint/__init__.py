@@ -179,17 +179,24 @@ def capture(trainer) -> dict[str, Any]:
         model = {k: v for k, v in model.items() if k not in skip}
     return {
         "format": 1,
-        "step": trainer.step,
         "model": model,
-        "frozen": frozen,  # the parameters left out (rebuilt by the run), and their digest
         "optimizer": trainer.optimizer.state_dict(),
+        "rng": {"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        **_run_state(trainer, frozen),
+    }
+
+
+def _run_state(trainer, frozen: dict[str, Any] | None) -> dict[str, Any]:
+    """What both layouts record of the run besides its tensors and RNG states."""
+    return {
+        "step": trainer.step,
+        "frozen": frozen,  # the parameters left out (rebuilt by the run), and their digest
         "ledger": trainer.ledger.to_dict(),
         "plan": vars(trainer.plan),
         "train_size": trainer.train_size,  # N of Poisson sampling (a resume must see the same N)
         "config": to_dict(trainer.cfg),
         "world_size": trainer.world,
-        "rng": {"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         # Secure mode: the seed is never written (exact replay impossible by design).
         "privacy_seed": None if trainer.cfg.privacy.secure_mode else trainer._privacy_seed,
         "held_rows": list(trainer._held_rows),  # (secure mode: rows not yet in metrics.jsonl)
@@ -466,19 +473,11 @@ def _save_dcp(trainer, output_dir: Path) -> Path | None:
     def seal() -> Path:
         meta = {
             "format": 2,
-            "step": step,
             "optimizer": optim,
             "model_keys": list(model),
             "model_aliases": aliases,  # tied names (GPT-2's lm_head.weight -> wte's), stored once
-            "frozen": frozen,
-            "ledger": trainer.ledger.to_dict(),
-            "plan": vars(trainer.plan),
-            "train_size": trainer.train_size,
-            "config": to_dict(trainer.cfg),
-            "world_size": trainer.world,
             "rng": {"torch": rngs["torch_ranks"][0], "cuda": None, **rngs},
-            "privacy_seed": None if trainer.cfg.privacy.secure_mode else trainer._privacy_seed,
-            "held_rows": list(trainer._held_rows),
+            **_run_state(trainer, frozen),
         }
         with open(tmp / "meta.pt", "wb") as f:
             torch.save(meta, f)
