@@ -29,12 +29,12 @@ GRID = [  # (sigma, q, T, delta)
 ]
 
 
-def _opacus(cls, releases, delta):
+def _opacus(cls, releases, delta, **kwargs):
     acc = cls()
     for sigma, q, t in releases:
         for _ in range(t):
             acc.step(noise_multiplier=sigma, sample_rate=q)
-    return acc.get_epsilon(delta=delta)
+    return acc.get_epsilon(delta=delta, **kwargs)
 
 
 @pytest.mark.parametrize("sigma,q,steps,delta", GRID)
@@ -47,9 +47,11 @@ def test_epsilon_equals_opacus(sigma, q, steps, delta):
     assert prv == _opacus(PRVAccountant, [(sigma, q, steps)], delta)
     assert rdp == _opacus(RDPAccountant, [(sigma, q, steps)], delta)
     assert 0 < prv <= rdp  # PRV is the tighter of two valid upper bounds here
-    # default accountant is PRV; eps_error is passed through
+    # default accountant is PRV; eps_error is passed through (a coarser grid: another bound)
     assert epsilon(ledger, delta) == prv
-    assert epsilon(ledger, delta, eps_error=0.05) > prv - 0.05
+    coarse = epsilon(ledger, delta, eps_error=0.05)
+    assert coarse == _opacus(PRVAccountant, [(sigma, q, steps)], delta, eps_error=0.05)
+    assert coarse != prv
 
 
 def test_heterogeneous_ledger_equals_opacus():

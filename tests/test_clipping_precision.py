@@ -308,13 +308,14 @@ def test_an_instantiated_example_of_alike_values_adds_at_most_c():
     def loss_fn(m, batch):
         return m(batch).sum((1, 2))
 
-    worst = 0.0
+    added = []
     for b in range(2):
         acc = {}
         ClippingEngine(lin, clip_norm=1.0, ghost="instantiate").accumulate(loss_fn, x[b:b + 1],
                                                                            acc)
-        worst = max(worst, float(torch.cat([v.double().reshape(-1) for v in acc.values()]).norm()))
-    assert worst <= 1.0 + 1e-6
+        added.append(float(torch.cat([v.double().reshape(-1) for v in acc.values()]).norm()))
+    # C, to float32's rounding, and never above it (each gradient's norm is ~3e5 C)
+    assert max(added) <= 1.0 + 1e-6 and min(added) >= 1.0 - 1e-5, added
 
 
 def test_a_fallback_layer_taking_a_list_runs_under_bf16_autocast():
@@ -381,7 +382,8 @@ def test_a_weight_standardised_conv_of_alike_positions_adds_at_most_c(mode):
     C = float(exact) / 2  # clipped: the added gradient is scaled to C
     acc = {}
     ClippingEngine(conv, clip_norm=C, ghost="ghost", mode=mode).accumulate(loss_fn, (x, g), acc)
-    assert float(acc["weight"].double().norm()) <= C * (1 + 1e-6)
+    added = float(acc["weight"].double().norm())
+    assert C * (1 - 1e-3) <= added <= C * (1 + 1e-6), added / C  # clipped to C, not above
 
 
 class _ManyScalars(nn.Module):
@@ -414,4 +416,4 @@ def test_many_parameters_squared_norms_are_added_without_float32_loss():
     acc = {}
     ClippingEngine(model, clip_norm=C).accumulate(lambda m, b: m(b[0]), (x[:1],), acc)
     added = sum(float(v.double().square().sum()) for v in acc.values()) ** 0.5
-    assert added <= C * (1 + 1e-7), (added, C)
+    assert C * (1 - 1e-6) <= added <= C * (1 + 1e-7), (added, C)  # clipped to C, not above

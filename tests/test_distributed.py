@@ -101,7 +101,7 @@ def test_dp_muon_gpt2_with_dropout_same_on_1_2_4_ranks_and_any_microbatch():
         assert _rel(results[0]["params"], ref["params"]) <= 1e-5
         assert _rel(results[0]["release0"], ref["release0"]) <= 1e-5
         for r in results:  # the batch's mean loss (every rank's examples), on every rank
-            assert r["loss0"] == pytest.approx(ref["loss0"], rel=1e-5), (world, sharding)
+            assert r["loss0"] == pytest.approx(ref["loss0"], rel=1e-5), (world, extra)
         assert [sum(s) for s in zip(*(r["sizes"] for r in results))] == ref["sizes"]
 
 

@@ -226,7 +226,7 @@ def test_norms_and_clipped_sum_equal_materialised_reference_nf_resnet(k_muon, k_
 
 
 def test_sensitivity_of_the_im_release_is_at_most_C():
-    # adding one (adversarially scaled) example changes the clipped sum by at most C
+    # adding one example changes the clipped sum by at most C: by C, its norm being above
     t = trainer("performance.dtype=float64", "optim.inner_momentum.k_muon=2",
                 "optim.inner_momentum.k_other=2", "optim.inner_momentum.gamma_muon=0.9")
     t.private_step()
@@ -241,7 +241,11 @@ def test_sensitivity_of_the_im_release_is_at_most_C():
     t.engine.accumulate(t.task.loss_fn, base, a, plan)
     t.engine.accumulate(t.task.loss_fn, plus, b, plan)
     diff = torch.sqrt(sum((b[n] - a.get(n, 0)).pow(2).sum() for n in b))
-    assert float(diff) <= t.plan.clip_norm * (1 + 1e-9)
+    # exactly the added example's clipped multi-state query: C, its query's norm being above
+    # C (not merely at most C, which an example dropped or clipped too far would pass)
+    norm = float(t.engine.per_example_norms(t.task.loss_fn, plus, plan)[-1])
+    assert norm > t.plan.clip_norm
+    assert float(diff) == pytest.approx(t.plan.clip_norm, rel=1e-9)
 
 
 def test_run_frees_the_per_example_query_buffers_at_the_end(tmp_path):

@@ -257,7 +257,9 @@ def test_the_plan_calibrates_sigma_with_the_configured_accountant():
     assert plan.accountant == "prv" and plan.steps == 4 and plan.sample_rate == 0.125
     assert 7.8 < prv_eps(plan.noise_multiplier) <= 8.0 + 1e-6
     assert prv_eps(plan.noise_multiplier * 0.97) > 8.0
-    assert plan.planned_epsilon == pytest.approx(prv_eps(plan.noise_multiplier), abs=0.05)
+    # opacus' own PRV epsilon of that sigma at its default eps_error (0.01; 0.05 gave 8.04,
+    # above the target, within the 0.05 this used to allow)
+    assert plan.planned_epsilon == pytest.approx(prv_eps(plan.noise_multiplier), rel=1e-12)
 
 
 def test_muon_bc_is_told_the_release_noise_std_sigma_C_over_b():
