@@ -428,3 +428,33 @@ def test_sharded_resumes_of_a_foreign_checkpoint_name_what_is_wrong(tmp_path):
     got = spawn(_load_on_fsdp_ranks, 2, str(step_dir))
     assert got[0] == got[1] and got[0].startswith(f"resume: checkpoint {step_dir} is unusable: "
                                                   f"cannot read its shards ("), got
+
+
+def _who_writes_and_says(rank: int, world: int, out: str) -> tuple[int, str]:
+    """A 2-step sharded run to its end, then a resume of its checkpoint with another learning
+    rate: (the exports this rank made, what this rank's resume said on stderr)."""
+    import contextlib
+    import io
+
+    from dptrain import checkpoint as ckpt
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    t = Trainer(load(RunConfig, TINY, [*_rng_args("fsdp"), "train.checkpoint_every=1"]), out)
+    exports, export = [], t.export
+    t.export = lambda *a, **k: exports.append(a[0]) or export(*a, **k)
+    t.run()
+    other = Trainer(load(RunConfig, TINY, [*_rng_args("fsdp"), "optim.lr=0.03"]), out)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        ckpt.load(other, ckpt.find_latest(Path(out)))
+    return len(exports), said.getvalue()
+
+
+def test_only_rank_0_writes_the_final_model_and_says_what_a_resume_changes(tmp_path):
+    # (every rank takes part in gathering the full state; the files and the notes are one)
+    (n0, said0), (n1, said1) = spawn(_who_writes_and_says, 2, str(tmp_path / "run"))
+    assert n0 == 1 and n1 == 0
+    assert (tmp_path / "run" / "summary.json").is_file()
+    assert "optimizer settings differ from the checkpoint's" in said0 and "optim.lr" in said0
+    assert said1 == ""

@@ -1343,6 +1343,11 @@ def test_webdataset_num_classes_from_both_splits_and_too_small_is_refused(tmp_pa
     assert task.info.num_classes == 100001
     err = capsys.readouterr().err
     assert "data.num_classes is inferred as 100001" in err and "only 4 distinct labels" in err
+    shard("imagenet-train-000000.tar", [0, 1, 2, 8])  # 9 classes, 4 seen: more than half
+    build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert "only 4 distinct labels" in capsys.readouterr().err
+    build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8, num_classes=9))
+    assert capsys.readouterr().err == ""  # (a class count given is not second-guessed)
     shard("imagenet-train-000000.tar", [0, 1, 2, 4])  # (a class of 5 missing, 4 in training)
     build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
     assert capsys.readouterr().err == ""

@@ -730,6 +730,9 @@ def _first_weight_cut(state):
     (lambda s: s["plan"].update(noise_multiplier=float("nan")),
      "its plan's noise_multiplier is nan"),
     (_first_weight_cut, "its model does not fit its own config (RuntimeError: "),
+    (lambda s: s["plan"].update(clip_norm=float("inf")), "its plan's clip_norm is inf"),
+    (lambda s: s["plan"].update(steps=2.5), "its plan's steps is 2.5"),
+    (lambda s: s["plan"].update(clip_norm=True), "its plan's clip_norm is True"),
 ])
 def test_a_checkpoint_with_whole_files_but_foreign_contents_is_one_error(plain_run, tmp_path,
                                                                            capsys, edit, says):
@@ -747,6 +750,16 @@ def test_a_checkpoint_with_whole_files_but_foreign_contents_is_one_error(plain_r
     assert not (tmp_path / "d.json").exists()
 
 
+def test_a_plan_of_any_real_run_is_accepted():
+    # sigma 0 is a run's (privacy.noise_multiplier: 0, epsilon infinite); integer values too
+    from dptrain.diagnostics.probes import _checked_plan
+
+    plan = {"noise_multiplier": 0, "clip_norm": 1, "denominator": 32, "steps": 4}
+    assert _checked_plan({"plan": plan}, Path("c")) is plan
+    plan = {"noise_multiplier": 0.9, "clip_norm": 0.1, "denominator": 32.0, "steps": 4.0}
+    assert _checked_plan({"plan": plan}, Path("c")) is plan
+
+
 def test_a_runs_own_files_and_folders_are_never_an_output(tmp_path):
     from dptrain.commands import run_owned
 
@@ -762,6 +775,10 @@ def test_a_runs_own_files_and_folders_are_never_an_output(tmp_path):
     for free in (run / "diagnostics.json", run / "metrics.png", run / "plots" / "final.png",
                  tmp_path / "final" / "x.json", tmp_path / "summary.json"):
         assert run_owned(free) is None, free
+    finished = tmp_path / "finished"  # a finished run's summary marks it too
+    (finished / "final").mkdir(parents=True)
+    (finished / "summary.json").write_text("{}")
+    assert run_owned(finished / "final" / "x.json") is not None
     with pytest.raises(ConfigError, match=r"inside the run .*'s final/ folder; write elsewhere"):
         check_new_files((("--output", run / "final" / "r.json", ()),), force=True)
     # where the file lands: through a link to final/ (written into it), and run/checkpoints/..

@@ -323,6 +323,8 @@ def test_run_reports_the_query_memory_once_the_history_is_full(tmp_path, capsys)
     assert err.count("inner momentum makes 3 evaluations") == 1
     t.private_step()
     assert capsys.readouterr().err.count("inner momentum makes") == 0
+    assert t.step == t.plan.steps  # (tiny.yaml: 4) run() evaluates and reports it
+    assert t.run()["inner_momentum_memory"] == q
     plain = trainer()
     plain.private_step()
     plain.private_step()

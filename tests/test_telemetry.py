@@ -139,3 +139,36 @@ def test_the_summary_s_peak_memory_is_the_highest_row_not_the_last(tmp_path, mon
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["peak_memory_gib"] for r in rows] == [3.0, 1.0, 2.0]
     assert summary["peak_memory_gib"] == 3.0
+
+
+def test_an_evaluation_rows_readings_start_a_new_window_for_the_next_row(monkeypatch):
+    # a row at an evaluation step measures the steps before it; the evaluation's own memory
+    # and GPU samples must not go into the next row's (its peak memory would be the
+    # evaluation's batch, not training's)
+    from pathlib import Path
+
+    import dptrain.trainer as trainer_mod
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    t = Trainer(load(RunConfig, tiny, ["train.checkpoint_every=0", "privacy.accountant=rdp"]))
+    resets, windows = [], []
+    monkeypatch.setattr(trainer_mod, "peak_memory_bytes",
+                        lambda device, reset=False: resets.append(reset) or 2 ** 30)
+    monkeypatch.setattr(t, "evaluate", lambda stoppable=False: {"loss": 1.5})
+
+    class Gpu:
+        def window(self):
+            windows.append(1)
+            return None
+
+    monkeypatch.setattr(t, "_gpu_row", lambda gpu: {})
+    row: dict = {}
+    assert t._measure_row(row, 0.0, Gpu(), False, 3.0) == 3.0  # the run's peak so far, kept
+    assert row["peak_memory_gib"] == 1.0 and row["time"] > 0 and "test_loss" not in row
+    assert resets == [True] and windows == []  # (the row's own reading starts a window)
+    row = {}
+    assert t._measure_row(row, 0.0, Gpu(), True, None) == 1.0
+    assert row["test_loss"] == 1.5
+    assert resets == [True, True, True] and windows == [1]  # the reading, then the evaluation's
