@@ -133,6 +133,12 @@ class RunConfig:
                               f"{o.warmup_steps} is more than the run's steps (privacy.steps = "
                               f"{self.privacy.steps}): the learning rate would never reach "
                               f"optim.lr")
+        if (self.privacy.secure_mode and self.data.name == "webdataset"
+                and self.data.num_classes is None):
+            raise ConfigError("data.num_classes",
+                              "must be given in secure mode: inferred, it is the shards' largest "
+                              "label + 1, a function of the private data that the model's head "
+                              "would publish outside the guarantee")
         if self.train.generate_prompts != 0 and self.data.name != "e2e":
             raise ConfigError("train.generate_prompts",
                               f"scores generations against E2E/DART references: it applies only "
@@ -477,6 +483,9 @@ class Trainer:
         if self.world > 1:
             _check_ranks_agree_on_data(self.task, self.device)
         self.plan = plan_privacy(cfg.privacy, self.train_size)
+        #: every noise multiplier this run's plans have used (another dptrain or opacus version
+        #: before a resume may have calibrated another): the ledger's sigmas are among them
+        self._planned_sigmas: list[float] = [self.plan.noise_multiplier]
         # Sensitive in secure mode: the seed is never written anywhere.
         self._privacy_seed = (_shared_secure_seed(self.world) if cfg.privacy.secure_mode
                               else cfg.privacy.seed)

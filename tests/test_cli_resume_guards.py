@@ -516,6 +516,47 @@ def test_a_secure_checkpoint_is_resumed_into_one_directory_only(tmp_path, capsys
     assert snapshot(a) == before
 
 
+def test_a_secure_resume_the_checkpoint_refuses_records_no_branch(tmp_path, capsys,
+                                                                  monkeypatch):
+    # the branch was recorded before the checkpoint was loaded: a load that refused (here, a
+    # ledger the run cannot have written) left a record that refused every later branch
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    extra = ("train.checkpoint_every=2", "privacy.steps=4", *SECURE)
+    _crash_at(monkeypatch, 3)
+    assert main(["train", "--config", TINY, "--output-dir", str(a), *extra]) == 130
+    capsys.readouterr()
+    monkeypatch.undo()
+    step2 = a / "checkpoints" / "step-00000002"
+    shutil.copytree(step2, tmp_path / "kept")
+    forged(a, lambda s: _history(s, lambda e: [e[0] * 100, e[1], e[2]]))
+    code, err = train(capsys, b, "--resume", str(step2), *extra)
+    assert code == 2 and "which no plan of its run used" in one_line(err)
+    assert not (a / "secure_resumes.jsonl").exists()
+    shutil.rmtree(step2)
+    shutil.copytree(tmp_path / "kept", step2)  # the checkpoint as it was written
+    code, err = train(capsys, c, "--resume", str(step2), *extra)
+    assert code == 0, err
+    claims = [json.loads(x) for x in (a / "secure_resumes.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["into"]) for r in claims] == [(2, str(c.resolve()))]
+
+
+def test_a_secure_run_on_shards_needs_the_class_count_given():
+    # inferred, it is the shards' largest label + 1: the model's head would publish it
+    from dptrain.config import ConfigError, from_dict, validate_tree
+    from dptrain.trainer import RunConfig
+
+    tree = {"privacy": {"secure_mode": True, "seed": None},
+            "data": {"name": "webdataset", "path": "shards"}, "model": {"name": "cnn"},
+            "optim": {"preset": None, "name": "sgd"}}
+    with pytest.raises(ConfigError) as e:
+        validate_tree(from_dict(RunConfig, tree))
+    assert e.value.field == "data.num_classes" and "secure mode" in e.value.message
+    tree["data"]["num_classes"] = 1000
+    validate_tree(from_dict(RunConfig, tree))
+    tree["data"]["num_classes"], tree["privacy"] = None, {}
+    validate_tree(from_dict(RunConfig, tree))  # (outside secure mode: inferred, with a note)
+
+
 def test_a_branched_secure_checkpoint_is_refused_when_only_the_checksummed_look_finds_it(
         tmp_path, capsys, monkeypatch):
     # a rank whose first look (no process group yet) saw no checkpoint, as with a lagging
@@ -1055,7 +1096,7 @@ def _history(state, fn) -> None:
 @pytest.mark.parametrize("edit, says", [
     # a larger sigma or a smaller sampling rate: the accountant would report less than spent
     (lambda s: _history(s, lambda e: [e[0] * 100, e[1], e[2]]), "at noise multiplier"),
-    (lambda s: _history(s, lambda e: [e[0] * 1.2, e[1], e[2]]), "at noise multiplier"),
+    (lambda s: _history(s, lambda e: [e[0] * 1.01, e[1], e[2]]), "which no plan of its run"),
     (lambda s: _history(s, lambda e: [e[0], e[1] / 1000, e[2]]), "sampling rate 0.000125"),
     # a ledger of the wrong types: was a TypeError's traceback, exit 1
     (lambda s: _history(s, lambda e: [str(e[0]), e[1], e[2]]), "its ledger: "),
@@ -1079,23 +1120,29 @@ def test_a_ledger_the_run_cannot_have_written_is_refused(tmp_path, capsys, finis
     assert snapshot(out) == before and not (tmp_path / "other").exists()
 
 
-@pytest.mark.parametrize("plan_too, factor", [(True, 1.05), (False, 1.05), (True, 1.3)])
+@pytest.mark.parametrize("where", ["plan", "recorded"])
 def test_a_ledger_of_another_versions_calibration_is_accepted(tmp_path, capsys, finished,
-                                                               plan_too, factor):
-    # releases at a sigma another version calibrated, a little larger than this run's: in the
-    # checkpoint's plan too (its run was that version; the drift is measured from the larger
-    # of the two sigmas), or only in its ledger (that version's run was resumed by this
-    # version, which checkpointed with its own plan)
+                                                               where):
+    # releases at a sigma another version calibrated, 30% larger than this run's: in the
+    # checkpoint's plan (its run was that version), or recorded among its planned sigmas (that
+    # version's run was resumed by this version, which checkpointed with its own plan)
     def older_calibration(state):
-        sigma = state["plan"]["noise_multiplier"] * factor
-        if plan_too:
+        sigma = state["plan"]["noise_multiplier"] * 1.3
+        if where == "plan":
             state["plan"]["noise_multiplier"] = sigma
+        else:
+            state["planned_sigmas"] = [state["plan"]["noise_multiplier"], sigma]
         _history(state, lambda e: [sigma, e[1], e[2]])
 
     out = unfinished_copy(finished, tmp_path / "copy")
+    shutil.rmtree(sorted((out / "checkpoints").glob("step-*"))[-1])  # step 3: one to go
     step_dir = forged(out, older_calibration)
     code, err = train(capsys, tmp_path / "other", "--resume", str(step_dir),
-                      "train.checkpoint_every=0")
+                      "train.checkpoint_every=1")
     assert code == 0, err
-    assert ("sigma is calibrated to" in err) == plan_too
+    assert ("sigma is calibrated to" in err) == (where == "plan")
     assert json.loads((tmp_path / "other" / "summary.json").read_text())["steps"] == 4
+    # the resumed run's own checkpoint carries both sigmas on, for its next resume
+    last = sorted((tmp_path / "other" / "checkpoints").glob("step-*"))[-1]
+    planned = torch.load(last / "state.pt", weights_only=False)["planned_sigmas"]
+    assert len(planned) == 2 and max(planned) == pytest.approx(min(planned) * 1.3)

@@ -200,6 +200,7 @@ def _run_state(trainer, frozen: dict[str, Any] | None) -> dict[str, Any]:
         # Secure mode: the seed is never written (exact replay impossible by design).
         "privacy_seed": None if trainer.cfg.privacy.secure_mode else trainer._privacy_seed,
         "held_rows": list(trainer._held_rows),  # (secure mode: rows not yet in metrics.jsonl)
+        "planned_sigmas": sorted(set(trainer._planned_sigmas)),  # (the ledger's, checked)
     }
 
 
@@ -953,27 +954,29 @@ def _whole(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _check_ledger(ledger, saved_plan: dict, plan, path: Path) -> None:
-    """Refuse a ledger whose releases the run cannot have made: each one's sampling rate must
-    be the plan's, and its noise multiplier at most :data:`SIGMA_DRIFT` above the larger of
-    the checkpoint's calibrated sigma and this run's. The privacy settings are the same, so
-    only another dptrain or opacus version calibrates another sigma, within the calibration's
-    tolerance (an earlier version's releases stay in the ledger after the next resume). A
-    larger sigma or a smaller rate would have the accountant report less than was spent."""
+def _check_ledger(ledger, state: dict, plan, path: Path) -> list[float]:
+    """Refuse a ledger whose releases the run cannot have made; return the noise multipliers
+    the run's plans have used, this one's included. Each release's sampling rate must be the
+    plan's, and its sigma at most the largest sigma a plan of the run used: the checkpoint's,
+    those it records of earlier versions before its resumes (``planned_sigmas``), or this
+    run's. The privacy settings are the same, so only another dptrain or opacus version
+    calibrates another sigma. A larger sigma or a smaller rate would have the accountant
+    report less than was spent."""
+    saved_plan = state.get("plan") or {}
     rates = {plan.sample_rate, saved_plan.get("sample_rate", plan.sample_rate)}
-    top = max(plan.noise_multiplier, saved_plan.get("noise_multiplier") or 0.0)
+    sigmas = {plan.noise_multiplier, *(state.get("planned_sigmas") or ())}
+    if saved_plan.get("noise_multiplier") is not None:
+        sigmas.add(saved_plan["noise_multiplier"])
+    top = max(sigmas)
     for sigma, q, n in ledger.history:
-        if q not in rates or sigma > top * (1 + SIGMA_DRIFT):
+        if q not in rates or sigma > top:
             raise ConfigError("resume", f"checkpoint {path} is inconsistent: its ledger records "
                                         f"{n} release(s) at noise multiplier {sigma!r} and "
-                                        f"sampling rate {q!r}, but its run releases at "
-                                        f"{top!r} and {plan.sample_rate!r}: the epsilon "
-                                        f"reported would not be the one spent")
-
-
-SIGMA_DRIFT = 0.1
-"""How far above the run's calibrated sigma a checkpoint's ledger may record a release (10%:
-versions calibrate to 0.01 of the target epsilon, which moves sigma by well under 1%)."""
+                                        f"sampling rate {q!r}, which no plan of its run used "
+                                        f"(at most {top!r}, and {plan.sample_rate!r}): it was "
+                                        f"edited, or written by a version that records its "
+                                        f"plans otherwise (resume with that version)")
+    return sorted(sigmas)
 
 
 def load(trainer, path: Path, verified: bool = False) -> None:
@@ -1036,7 +1039,7 @@ def _checked_ledger(trainer, state: dict, path: Path):
         raise ConfigError("resume", f"checkpoint {path} is inconsistent: it is at step "
                                     f"{state['step']}, beyond privacy.steps "
                                     f"({trainer.plan.steps}) of its own config")
-    _check_ledger(ledger, state.get("plan") or {}, trainer.plan, path)
+    trainer._planned_sigmas = _check_ledger(ledger, state, trainer.plan, path)
     saved_sigma = (state.get("plan") or {}).get("noise_multiplier")
     if saved_sigma is not None and saved_sigma != trainer.plan.noise_multiplier:
         # the same target calibrated by another dptrain or opacus version: the releases made

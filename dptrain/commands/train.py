@@ -138,8 +138,6 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
             trainer.print_start_notes()  # as the run would say
             print(_dry_run_report(trainer, out, resume_path), end="")
         return 0
-    if cfg.privacy.secure_mode and resume_path is not None:
-        _record_secure_resume(resume_path, out, write=trainer.rank == 0)
     if args.resume == "auto" and resume_path is None and trainer.rank == 0:
         damaged = ckpt.has_step_dirs(out)
         print(f"dptrain train: no {'intact' if damaged else 'complete'} checkpoint in {out}"
@@ -151,6 +149,10 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         _drop_metrics_after(out / "metrics.jsonl", 0)
     if resume_path is not None:
         ckpt.load(trainer, resume_path, verified=args.resume == "auto")
+        if cfg.privacy.secure_mode:
+            # (after the load, whose refusals must not leave a branch recorded: a later
+            # resume into another directory would be refused as a second branch)
+            _record_secure_resume(resume_path, out, write=trainer.rank == 0)
         if trainer.rank == 0:
             print(f"dptrain train: resumed from {resume_path} at step {trainer.step}",
                   file=sys.stderr)

@@ -106,7 +106,8 @@ class DataConfig:
     num_classes: int | None = None
     """synthetic_images: classes (null: 10). webdataset: classes (null: the largest label of
     the training and test shards + 1, with a note when most of those classes occur in no
-    training example or the test shards hold labels the training shards lack)."""
+    training example or the test shards hold labels the training shards lack; refused in
+    secure mode, where the head's size would publish the largest label)."""
     in_chans: int | None = None
     """Image channels (null: mnist 1, cifar10 3, synthetic_images 3, webdataset and
     imagefolder 3); webdataset and imagefolder: 1 (decoded as grey) or 3; cifar10: 3."""
