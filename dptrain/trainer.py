@@ -138,7 +138,8 @@ class RunConfig:
             raise ConfigError("data.num_classes",
                               "must be given in secure mode: inferred, it is the shards' largest "
                               "label + 1, a function of the private data that the model's head "
-                              "would publish outside the guarantee")
+                              "would publish outside the guarantee (model.num_classes alone "
+                              "does not stop the inference)")
         if self.train.generate_prompts != 0 and self.data.name != "e2e":
             raise ConfigError("train.generate_prompts",
                               f"scores generations against E2E/DART references: it applies only "
@@ -483,9 +484,6 @@ class Trainer:
         if self.world > 1:
             _check_ranks_agree_on_data(self.task, self.device)
         self.plan = plan_privacy(cfg.privacy, self.train_size)
-        #: every noise multiplier this run's plans have used (another dptrain or opacus version
-        #: before a resume may have calibrated another): the ledger's sigmas are among them
-        self._planned_sigmas: list[float] = [self.plan.noise_multiplier]
         # Sensitive in secure mode: the seed is never written anywhere.
         self._privacy_seed = (_shared_secure_seed(self.world) if cfg.privacy.secure_mode
                               else cfg.privacy.seed)

@@ -530,7 +530,7 @@ def test_a_secure_resume_the_checkpoint_refuses_records_no_branch(tmp_path, caps
     shutil.copytree(step2, tmp_path / "kept")
     forged(a, lambda s: _history(s, lambda e: [e[0] * 100, e[1], e[2]]))
     code, err = train(capsys, b, "--resume", str(step2), *extra)
-    assert code == 2 and "which no plan of its run used" in one_line(err)
+    assert code == 2 and "which this run's privacy settings cannot give" in one_line(err)
     assert not (a / "secure_resumes.jsonl").exists()
     shutil.rmtree(step2)
     shutil.copytree(tmp_path / "kept", step2)  # the checkpoint as it was written
@@ -1096,7 +1096,9 @@ def _history(state, fn) -> None:
 @pytest.mark.parametrize("edit, says", [
     # a larger sigma or a smaller sampling rate: the accountant would report less than spent
     (lambda s: _history(s, lambda e: [e[0] * 100, e[1], e[2]]), "at noise multiplier"),
-    (lambda s: _history(s, lambda e: [e[0] * 1.01, e[1], e[2]]), "which no plan of its run"),
+    # (even with the checkpoint's plan edited to match: no bound, it can be edited too)
+    (lambda s: (s["plan"].update(noise_multiplier=s["plan"]["noise_multiplier"] * 1.02),
+                _history(s, lambda e: [e[0] * 1.02, e[1], e[2]])), "cannot give"),
     (lambda s: _history(s, lambda e: [e[0], e[1] / 1000, e[2]]), "sampling rate 0.000125"),
     # a ledger of the wrong types: was a TypeError's traceback, exit 1
     (lambda s: _history(s, lambda e: [str(e[0]), e[1], e[2]]), "its ledger: "),
@@ -1120,29 +1122,33 @@ def test_a_ledger_the_run_cannot_have_written_is_refused(tmp_path, capsys, finis
     assert snapshot(out) == before and not (tmp_path / "other").exists()
 
 
-@pytest.mark.parametrize("where", ["plan", "recorded"])
+@pytest.mark.parametrize("where", ["plan", "ledger"])
 def test_a_ledger_of_another_versions_calibration_is_accepted(tmp_path, capsys, finished,
                                                                where):
-    # releases at a sigma another version calibrated, 30% larger than this run's: in the
-    # checkpoint's plan (its run was that version), or recorded among its planned sigmas (that
-    # version's run was resumed by this version, which checkpointed with its own plan)
+    # releases at a sigma another version calibrated for the same target, 0.5% larger than
+    # this run's: in the checkpoint's plan too (its run was that version), or only in its
+    # ledger (that version's run was resumed by this version, which checkpointed with its own
+    # plan)
     def older_calibration(state):
-        sigma = state["plan"]["noise_multiplier"] * 1.3
+        sigma = state["plan"]["noise_multiplier"] * 1.005
         if where == "plan":
             state["plan"]["noise_multiplier"] = sigma
-        else:
-            state["planned_sigmas"] = [state["plan"]["noise_multiplier"], sigma]
         _history(state, lambda e: [sigma, e[1], e[2]])
 
     out = unfinished_copy(finished, tmp_path / "copy")
     shutil.rmtree(sorted((out / "checkpoints").glob("step-*"))[-1])  # step 3: one to go
     step_dir = forged(out, older_calibration)
-    code, err = train(capsys, tmp_path / "other", "--resume", str(step_dir),
-                      "train.checkpoint_every=1")
+    code, err = train(capsys, tmp_path / "other", "--resume", str(step_dir))
     assert code == 0, err
     assert ("sigma is calibrated to" in err) == (where == "plan")
     assert json.loads((tmp_path / "other" / "summary.json").read_text())["steps"] == 4
-    # the resumed run's own checkpoint carries both sigmas on, for its next resume
-    last = sorted((tmp_path / "other" / "checkpoints").glob("step-*"))[-1]
-    planned = torch.load(last / "state.pt", weights_only=False)["planned_sigmas"]
-    assert len(planned) == 2 and max(planned) == pytest.approx(min(planned) * 1.3)
+    # a sigma given in the config is every release's: no drift is another version's
+    def given(state):
+        state["config"]["privacy"].update(noise_multiplier=0.6, epsilon=None)
+        state["plan"]["noise_multiplier"] = 0.6
+        _history(state, lambda e: [0.6 * 1.005, e[1], e[2]])
+
+    step_dir = forged(out, given)
+    code, err = train(capsys, tmp_path / "given", "--resume", str(step_dir),
+                      "privacy.noise_multiplier=0.6", "privacy.epsilon=null")
+    assert code == 2 and "which this run's privacy settings cannot give" in one_line(err)
