@@ -540,6 +540,46 @@ def test_a_secure_resume_the_checkpoint_refuses_records_no_branch(tmp_path, caps
     assert [(r["step"], r["into"]) for r in claims] == [(2, str(c.resolve()))]
 
 
+def test_two_secure_branches_started_at_once_record_one(tmp_path):
+    # both passed the first look before either recorded itself: both trained, and the step
+    # after the checkpoint was released twice. The record checks again under a lock.
+    from dptrain.commands.train import _record_secure_resume
+    from dptrain.config import ConfigError
+
+    step = tmp_path / "a" / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    b, c = tmp_path / "b", tmp_path / "c"
+    _record_secure_resume(step, b, write=True)
+    _record_secure_resume(step, b, write=True)  # (the same branch again: one row)
+    with pytest.raises(ConfigError, match=r"resume: secure mode: a checkpoint of .* was "
+                                          r"already resumed into .*b"):
+        _record_secure_resume(step, c, write=True)
+    rows = (tmp_path / "a" / "secure_resumes.jsonl").read_text().splitlines()
+    assert [json.loads(r)["into"] for r in rows] == [str(b.resolve())]
+
+
+def _record_on_ranks(rank: int, world: int, step: str, into: str) -> str:
+    from dptrain.commands.train import _record_secure_resume
+    from dptrain.config import ConfigError
+
+    try:
+        _record_secure_resume(Path(step), Path(into), write=rank == 0)
+    except ConfigError as e:
+        return str(e)
+    return "recorded"
+
+
+def test_a_branch_rank_0_finds_taken_is_refused_on_every_rank(tmp_path):
+    # rank 0 checks under the lock: the other ranks must not go on into the releases alone
+    from dptrain.parallel.dist import spawn
+
+    step = tmp_path / "a" / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    assert spawn(_record_on_ranks, 2, str(step), str(tmp_path / "b")) == ["recorded"] * 2
+    got = spawn(_record_on_ranks, 2, str(step), str(tmp_path / "c"))
+    assert got[0] == got[1] and "already resumed into" in got[0]
+
+
 def test_a_secure_run_on_shards_needs_the_class_count_given():
     # inferred, it is the shards' largest label + 1: the model's head would publish it
     from dptrain.config import ConfigError, from_dict, validate_tree

@@ -475,7 +475,11 @@ def _check_secure_branch(path: Path, out: Path) -> None:
 
 def _record_secure_resume(path: Path, out: Path, *, write: bool) -> None:
     """Record (rank 0, ``write``) that the run in ``out`` resumes checkpoint ``path``, after
-    every rank has checked the file (:func:`_check_secure_branch`) and before any release."""
+    every rank has checked the file (:func:`_check_secure_branch`) and before any release.
+    Rank 0 checks the file again under an exclusive lock, so of two branches started at once
+    only the first records itself, and the other is refused (every rank raises)."""
+    import fcntl
+
     from dptrain import checkpoint as ckpt
     from dptrain.parallel.dist import is_distributed
 
@@ -486,16 +490,30 @@ def _record_secure_resume(path: Path, out: Path, *, write: bool) -> None:
     claims = Path(path).resolve().parent.parent / SECURE_RESUMES
     row = {"step": ckpt.checkpoint_step(path), "checkpoint": str(Path(path).resolve()),
            "into": str(Path(out).resolve())}
-    if not write or row in [r for _, r in json_rows(claims)]:
-        return
-    try:
-        with open(claims, "a") as f:
-            f.write(json.dumps(row) + "\n")
-    except OSError as e:
-        raise ConfigError("resume", f"secure mode: cannot record this resume in {claims} "
-                                    f"({e}); that record is how a second branch from the same "
-                                    "checkpoint is refused. Copy the run to a writable "
-                                    "directory and resume from there") from None
+    refused = None
+    if write:
+        try:
+            with open(claims, "a+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # (released when the file closes)
+                try:
+                    _check_secure_branch(path, out)  # again: another branch since the first look
+                except ConfigError as e:
+                    refused = e.message
+                else:
+                    if row not in [r for _, r in json_rows(claims)]:
+                        f.write(json.dumps(row) + "\n")
+                        f.flush()
+                        os.fsync(f.fileno())
+        except OSError as e:
+            refused = (f"secure mode: cannot record this resume in {claims} ({e}); that record "
+                       "is how a second branch from the same checkpoint is refused. Copy the "
+                       "run to a writable directory and resume from there")
+    if is_distributed():  # rank 0's verdict, on every rank, before any release
+        verdict = [refused]
+        dist.broadcast_object_list(verdict, src=0)
+        refused = verdict[0]
+    if refused is not None:
+        raise ConfigError("resume", refused)
 
 
 def _drop_metrics_after(path: Path, step: int) -> None:
