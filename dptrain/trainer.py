@@ -1070,7 +1070,6 @@ class Trainer:
         self._write_final(summary)  # collective under sharding: every rank
         return summary
 
-
     def _measure_row(self, row: dict, start: float, gpu, evaluate: bool,
                      peak_gib: float | None) -> float | None:
         """Add a logged row's time, memory and GPU readings (not in secure mode) and, at an

@@ -953,7 +953,7 @@ def _whole(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _check_ledger(ledger, state: dict, trainer, path: Path) -> None:
+def _check_ledger(ledger, trainer, path: Path) -> None:
     """Refuse a ledger whose releases the run cannot have made, by bounds from this run's
     config alone (the checkpoint's own plan is no bound: it can be edited with the ledger).
     Each release's sampling rate must be the plan's; its sigma at most the plan's when
@@ -1041,7 +1041,7 @@ def _checked_ledger(trainer, state: dict, path: Path):
         raise ConfigError("resume", f"checkpoint {path} is inconsistent: it is at step "
                                     f"{state['step']}, beyond privacy.steps "
                                     f"({trainer.plan.steps}) of its own config")
-    _check_ledger(ledger, state, trainer, path)
+    _check_ledger(ledger, trainer, path)
     saved_sigma = (state.get("plan") or {}).get("noise_multiplier")
     if saved_sigma is not None and saved_sigma != trainer.plan.noise_multiplier:
         # the same target calibrated by another dptrain or opacus version: the releases made
