@@ -21,9 +21,16 @@ def forged(run: Path, edit) -> Path:
     state = torch.load(state_pt, weights_only=False)
     edit(state)
     torch.save(state, state_pt)
-    marker = json.loads((step_dir / ckpt.MARKER).read_text())
-    marker["sha256"]["state.pt"] = hashlib.sha256(state_pt.read_bytes()).hexdigest()
-    marker["bytes"]["state.pt"] = state_pt.stat().st_size
-    marker["step"] = state["step"] if type(state["step"]) is int else marker["step"]
-    (step_dir / ckpt.MARKER).write_text(json.dumps(marker))
+    rehash(step_dir, "state.pt", step=state["step"] if type(state["step"]) is int else None)
     return step_dir
+
+
+def rehash(step_dir: Path, name: str, step: int | None = None) -> None:
+    """The marker of ``step_dir`` made to vouch for its file ``name`` as it is now (and for
+    ``step``, when given)."""
+    marker = json.loads((step_dir / ckpt.MARKER).read_text())
+    marker["sha256"][name] = hashlib.sha256((step_dir / name).read_bytes()).hexdigest()
+    marker["bytes"][name] = (step_dir / name).stat().st_size
+    if step is not None:
+        marker["step"] = step
+    (step_dir / ckpt.MARKER).write_text(json.dumps(marker))

@@ -392,21 +392,8 @@ def _load_on_fsdp_ranks(rank: int, world: int, path: str) -> str:
     return "loaded"
 
 
-def _rehash(step_dir: Path, name: str) -> None:
-    """The marker made to vouch for ``name`` as it is now (a foreign or edited checkpoint)."""
-    import hashlib
-    import json
-
-    from dptrain import checkpoint as ckpt
-
-    marker = json.loads((step_dir / ckpt.MARKER).read_text())
-    marker["sha256"][name] = hashlib.sha256((step_dir / name).read_bytes()).hexdigest()
-    marker["bytes"][name] = (step_dir / name).stat().st_size
-    (step_dir / ckpt.MARKER).write_text(json.dumps(marker))
-
-
 def test_sharded_resumes_of_a_foreign_checkpoint_name_what_is_wrong(tmp_path):
-    from _forge import forged
+    from _forge import forged, rehash
 
     from dptrain import checkpoint as ckpt
 
@@ -424,7 +411,7 @@ def test_sharded_resumes_of_a_foreign_checkpoint_name_what_is_wrong(tmp_path):
     step_dir = ckpt.find_latest(tmp_path / "dcp")
     shard = step_dir / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    _rehash(step_dir, shard.name)
+    rehash(step_dir, shard.name)
     got = spawn(_load_on_fsdp_ranks, 2, str(step_dir))
     assert got[0] == got[1] and got[0].startswith(f"resume: checkpoint {step_dir} is unusable: "
                                                   f"cannot read its shards ("), got

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _forge import forged
+from _forge import forged, rehash
 
 from dptrain import checkpoint as ckpt
 from dptrain import trainer as trainer_mod
@@ -240,8 +240,6 @@ def test_resume_with_another_optimizer_structure_exits_2(tmp_path, capsys, finis
 def test_a_checkpoint_with_intact_checksums_but_other_content_exits_2(tmp_path, capsys, finished,
                                                                      content, words):
     # state.pt replaced and the marker rewritten to vouch for it: written by something else
-    import hashlib
-
     import torch
 
     out = unfinished_copy(finished, tmp_path / "copy")
@@ -252,10 +250,7 @@ def test_a_checkpoint_with_intact_checksums_but_other_content_exits_2(tmp_path, 
         del state[content.split()[1]]
         content = state
     torch.save(content, state_pt)
-    marker = json.loads((step_dir / ckpt.MARKER).read_text())
-    marker["sha256"]["state.pt"] = hashlib.sha256(state_pt.read_bytes()).hexdigest()
-    marker["bytes"]["state.pt"] = state_pt.stat().st_size
-    (step_dir / ckpt.MARKER).write_text(json.dumps(marker))
+    rehash(step_dir, "state.pt")
     before = snapshot(out)
     code, err = train(capsys, tmp_path / "other", "--resume", str(step_dir))
     line = one_line(err)

@@ -7,11 +7,14 @@ import os
 JSON = (".json",)
 FIGURES = (".png", ".pdf", ".svg")
 """The suffixes of the files the commands write: a report, a figure (its format)."""
-RUN_FILES = ("summary.json", "metrics.jsonl")
-"""What ``dptrain train`` writes at the top of a run directory: never another command's output."""
-RUN_FOLDERS = ("final", "checkpoints")
-"""The folders ``dptrain train`` writes in a run directory (the exported model, the checkpoints,
-which it prunes): no other command's output goes inside them."""
+RUN_LAYOUT = {"checkpoints": True, "final": True, "metrics.jsonl": False, "summary.json": False,
+              "secure_resumes.jsonl": False}
+"""What ``dptrain train`` writes in a run directory: name -> whether it is a directory."""
+RUN_FILES = tuple(name for name, is_dir in RUN_LAYOUT.items() if not is_dir)
+"""A run's own files: never another command's output."""
+RUN_FOLDERS = tuple(name for name, is_dir in RUN_LAYOUT.items() if is_dir)
+"""A run's folders (the checkpoints, which it prunes; the exported model): no other command's
+output goes inside them."""
 
 
 def _is_run(directory) -> bool:

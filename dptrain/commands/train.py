@@ -14,7 +14,7 @@ import threading
 import types
 from pathlib import Path
 
-from dptrain.commands import check_can_create
+from dptrain.commands import RUN_LAYOUT, check_can_create
 from dptrain.config import ConfigError
 from dptrain.telemetry import json_rows
 
@@ -278,11 +278,6 @@ def _metrics_steps(path: Path) -> list[int | float]:
     return [_row_step(row) for _, row in json_rows(path)]
 
 
-#: what a run writes in its output directory: name -> whether it is a directory
-_LAYOUT = {"checkpoints": True, "final": True, "metrics.jsonl": False, "summary.json": False,
-           "secure_resumes.jsonl": False}
-
-
 _MISSING = object()
 
 #: the settings :func:`_finished_settings` reads, as paths into a run config
@@ -369,7 +364,7 @@ def _check_layout(out: Path) -> None:
     """Each path a run writes in ``out`` is absent, or of the kind it writes (a directory, a
     file) and writable: a file named ``checkpoints`` raised FileExistsError at the first
     checkpoint, and one named ``final`` after the whole run had trained."""
-    for name, is_dir in _LAYOUT.items():
+    for name, is_dir in RUN_LAYOUT.items():
         path = out / name
         if not path.exists() and not path.is_symlink():
             continue
