@@ -23,7 +23,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from _reference import reference_grads

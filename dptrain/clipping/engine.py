@@ -54,7 +54,6 @@ from dptrain.clipping.contributions import (
     Kernels,
     OneHot,
     Outer,
-    Rows,
     add_instantiated,
     cancelled,
     choose_form_states,
@@ -467,6 +466,184 @@ def _refuse_unsupported(name: str, m: nn.Module) -> None:
         f"parametrization (parametrize.remove_parametrizations) or train without it")
 
 
+@dataclass
+class _Capture:
+    """What one forward's hooks share: the microbatch's size, the state's coefficient, and the
+    lists they fill (records, the backward's targets, the taps' uses)."""
+
+    batch_size: int
+    coef: float | dict[str, float]
+    records: list[_Record]
+    targets: list[Tensor]
+    op_taps: list
+    two_pass: bool
+    tap_leaves: set[int] = field(default_factory=set)  # the tapped parameters' leaves
+
+
+def _tap_hooks(cap: _Capture, t: Tapped):
+    """A tapped module's (pre, post) forward hooks: each call's parameters are swapped for
+    leaves of the engine's, and each use of them that meets the examples gets a row per
+    example (taps.py) whose gradient rows become records."""
+    batch_size, records, targets, op_taps = cap.batch_size, cap.records, cap.targets, cap.op_taps
+    tap_leaves = cap.tap_leaves
+    # per call of the module: the values put back, and the OpTaps mode entered (or None)
+    stack: list[tuple[dict[str, Tensor], OpTaps | None]] = []
+
+    def record(module, attr: str, shape) -> _Record:
+        rec = _Record(module, _TAP, {"attr": attr, "shape": tuple(shape)}, cap.coef,
+                      name=f"{t.name}.{attr}" if t.name else attr)
+        records.append(rec)
+        return rec
+
+    def pre(module, args, kwargs):
+        swapped: dict[str, Tensor] = {}
+        if not torch.is_grad_enabled():
+            stack.append((swapped, None))
+            return
+        leaves, meetings = {}, {}
+        for attr in t.params:
+            cur = module._parameters[attr]  # (FSDP2: gathered by its pre-hook)
+            leaf = cur.detach().requires_grad_(True)
+            swapped[attr] = cur
+            module._parameters[attr] = leaf  # type: ignore[assignment]
+            tap_leaves.add(id(leaf))
+            leaves[attr] = leaf
+            targets.append(leaf)  # its whole gradient: "nothing is missing"
+            meetings[attr] = []
+            op_taps.append((t.names[attr], leaf, meetings[attr]))
+
+        def on_meet(attrs, qa, q_B, module=module, leaves=leaves, meetings=meetings):
+            attrs = sorted(attrs)
+            mine = []
+            for attr in attrs:
+                rec = record(module, attr, leaves[attr].shape)
+                meetings[attr].append(rec)
+                mine.append(rec)
+            mine[0].output = q_B  # (for the rows check: its rows' gradient, Gq)
+
+            def hook(g, mine=mine, qa=qa, P=[leaves[a] for a in attrs]):
+                mine[0].Gq = g
+                # example b's gradient of each parameter: the VJP of row b through the
+                # parameter-made computation P -> qa, which the backward frees after
+                # this hook; a reshape of the parameter itself (ConvNeXt's
+                # gamma.reshape(1, -1, 1, 1), a gain): the rows, reshaped
+                if len(P) == 1 and same_elements(qa, P[0]):
+                    per = (g.reshape(g.shape[0], *P[0].shape),)
+                else:
+                    per = torch.autograd.grad(qa, P, g.unsqueeze(1), retain_graph=True,
+                                              is_grads_batched=True, allow_unused=True)
+                for rec, grad in zip(mine, per):
+                    rec.G = grad
+
+            q_B.register_hook(hook)
+
+        mode = OpTaps(leaves, (args, kwargs), batch_size, t.name or "<root>", on_meet)
+        mode.__enter__()
+        stack.append((swapped, mode))
+
+    def post(module, args, kwargs, output):
+        swapped, mode = stack.pop()
+        for attr, cur in swapped.items():
+            module._parameters[attr] = cur  # type: ignore[assignment]
+        if mode is not None:
+            mode.__exit__(None, None, None)
+            made = [o for o in torch.utils._pytree.tree_leaves(output)
+                    if mode.made_attr(o) is not None]
+            if made and torch.is_grad_enabled():
+                raise ClippingError(mode.refusal(
+                    mode.made_attr(made[0]), "the module's forward",
+                    "returns a tensor computed from it and not from the examples"))
+
+    return pre, post
+
+
+def _layer_hooks(cap: _Capture, h: _Hooked):
+    """A hooked layer's (pre, post) forward hooks: the pre-hook makes the backward's targets
+    (the examples' float inputs become leaves of the engine's, broadcast ids one row per
+    example), the post-hook captures what the layer's rule needs and the output's gradient."""
+    batch_size, targets, tap_leaves = cap.batch_size, cap.targets, cap.tap_leaves
+    def pre(module, args):
+        if (cap.two_pass and torch.is_grad_enabled()
+                and torch._C._autograd._top_saved_tensors_default_hooks(False)
+                is not None):
+            raise ClippingError(
+                f"dptrain.clipping: mode='two_pass' with saved-tensor hooks active at "
+                f"{h.name} (torch.autograd.graph.saved_tensors_hooks: activation "
+                f"checkpointing, offloading or compression): its second backward "
+                f"computes the weights' gradients from what the hooks give back, the "
+                f"norms from the layer's real input (one example added 9.95 C, a red "
+                f"team); use mode='bookkeeping'")
+        if not torch.is_grad_enabled() or not args or not isinstance(args[0], Tensor):
+            return None
+        x = args[0]
+        if h.rule.integer_input:
+            if x.shape[0] == 1 and batch_size != 1:
+                # broadcast ids (GPT-2's position_ids): one row per example, so each
+                # example's gradient is separable; same forward values.
+                return (x.expand(batch_size, *x.shape[1:]),) + tuple(args[1:])
+            return None
+        new = list(args)
+        changed = False
+        for i, a in enumerate(args):
+            # a float input that needs no grad, or a caller's own leaf that does (not
+            # a parameter): a leaf of the engine's, so a backward target lies below
+            if isinstance(a, Tensor) and a.is_floating_point() and (
+                    not a.requires_grad or (a.grad_fn is None
+                                            and not isinstance(a, nn.Parameter)
+                                            and id(a) not in tap_leaves)):
+                leaf = a.detach().requires_grad_(True)
+                targets.append(leaf)
+                new[i] = leaf
+                changed = True
+        return tuple(new) if changed else None
+
+    def post(module, args, output, kwargs=None):
+        if not torch.is_grad_enabled():
+            return None
+        if not isinstance(output, Tensor):
+            raise ClippingError(f"dptrain.clipping: {h.name} ({type(module).__name__}) "
+                                f"returned {type(output).__name__}, expected a Tensor")
+        if output.shape[0] != batch_size:
+            raise ClippingError(
+                f"dptrain.clipping: {h.name} ({type(module).__name__}) produced a "
+                f"leading dimension {output.shape[0]} for a microbatch of {batch_size} "
+                f"examples: its per-example gradients cannot be separated")
+        saved = (h.rule.capture(module, args, output, kwargs) if h.rule.wants_kwargs
+                 else h.rule.capture(module, args, output))
+        rec = _Record(module, h.rule, saved, cap.coef, name=h.name)
+        cap.records.append(rec)
+        if not output.requires_grad:
+            return None
+        if not any(isinstance(a, Tensor) and a.requires_grad for a in args):
+            rec.is_target = True
+            rec.output = output
+            rec.version = output._version
+            targets.append(output)
+            # the module returns a non-view alias of the target's storage, with a
+            # version counter of its own: an in-place op after the layer (an
+            # Embedding followed by ReLU(inplace=True)) then leaves the target as
+            # the backward's input, whose gradient is w.r.t. the value before it
+            return torch.ops.aten._unsafe_view(output, output.shape)
+        else:
+            def grab(g, rec=rec):
+                rec.G = g
+
+            replaced = None
+            if output._is_view():
+                # (a Linear on a (B, T, d) input returns a view) an in-place op on a
+                # view rebases its history and the hooks registered on it never fire:
+                # the layer would look unused and drop out of the norm. The module
+                # returns a non-view alias of the same storage instead, whose hooks
+                # see the gradient w.r.t. the value before any in-place op.
+                output = replaced = torch.ops.aten._unsafe_view(output, output.shape)
+            output.register_hook(grab)
+            rec.node = output.grad_fn  # to tell "unused" from "not reached" later
+            return replaced
+        return None
+
+    return pre, post
+
+
 class ClippingEngine:
     """Per-example norms and clipped sums for ``model``'s trainable parameters.
 
@@ -593,167 +770,13 @@ class ClippingEngine:
     def _capture(self, batch_size: int, coef: float | dict[str, float],
                  records: list[_Record], targets: list[Tensor],
                  op_taps: list) -> Iterator[None]:
+        """One forward's hooks on every hooked layer and tapped module; they append to
+        ``records``, ``targets`` and ``op_taps``, and are removed on leaving."""
+        cap = _Capture(batch_size, coef, records, targets, op_taps, self.mode == "two_pass")
         handles = []
-        tap_leaves: set[int] = set()  # the tapped parameters' leaves (kept in targets)
-
-        def make_tap_hooks(t: Tapped):
-            # per call of the module: the values put back, and the OpTaps mode entered (or None)
-            stack: list[tuple[dict[str, Tensor], OpTaps | None]] = []
-
-            def record(module, attr: str, shape) -> _Record:
-                rec = _Record(module, _TAP, {"attr": attr, "shape": tuple(shape)}, coef,
-                              name=f"{t.name}.{attr}" if t.name else attr)
-                records.append(rec)
-                return rec
-
-            def pre(module, args, kwargs):
-                swapped: dict[str, Tensor] = {}
-                if not torch.is_grad_enabled():
-                    stack.append((swapped, None))
-                    return
-                leaves, meetings = {}, {}
-                for attr in t.params:
-                    cur = module._parameters[attr]  # (FSDP2: gathered by its pre-hook)
-                    leaf = cur.detach().requires_grad_(True)
-                    swapped[attr] = cur
-                    module._parameters[attr] = leaf  # type: ignore[assignment]
-                    tap_leaves.add(id(leaf))
-                    leaves[attr] = leaf
-                    targets.append(leaf)  # its whole gradient: "nothing is missing"
-                    meetings[attr] = []
-                    op_taps.append((t.names[attr], leaf, meetings[attr]))
-
-                def on_meet(attrs, qa, q_B, module=module, leaves=leaves, meetings=meetings):
-                    attrs = sorted(attrs)
-                    mine = []
-                    for attr in attrs:
-                        rec = record(module, attr, leaves[attr].shape)
-                        meetings[attr].append(rec)
-                        mine.append(rec)
-                    mine[0].output = q_B  # (for the rows check: its rows' gradient, Gq)
-
-                    def hook(g, mine=mine, qa=qa, P=[leaves[a] for a in attrs]):
-                        mine[0].Gq = g
-                        # example b's gradient of each parameter: the VJP of row b through the
-                        # parameter-made computation P -> qa, which the backward frees after
-                        # this hook; a reshape of the parameter itself (ConvNeXt's
-                        # gamma.reshape(1, -1, 1, 1), a gain): the rows, reshaped
-                        if len(P) == 1 and same_elements(qa, P[0]):
-                            per = (g.reshape(g.shape[0], *P[0].shape),)
-                        else:
-                            per = torch.autograd.grad(qa, P, g.unsqueeze(1), retain_graph=True,
-                                                      is_grads_batched=True, allow_unused=True)
-                        for rec, grad in zip(mine, per):
-                            rec.G = grad
-
-                    q_B.register_hook(hook)
-
-                mode = OpTaps(leaves, (args, kwargs), batch_size, t.name or "<root>", on_meet)
-                mode.__enter__()
-                stack.append((swapped, mode))
-
-            def post(module, args, kwargs, output):
-                swapped, mode = stack.pop()
-                for attr, cur in swapped.items():
-                    module._parameters[attr] = cur  # type: ignore[assignment]
-                if mode is not None:
-                    mode.__exit__(None, None, None)
-                    made = [o for o in torch.utils._pytree.tree_leaves(output)
-                            if mode.made_attr(o) is not None]
-                    if made and torch.is_grad_enabled():
-                        raise ClippingError(mode.refusal(
-                            mode.made_attr(made[0]), "the module's forward",
-                            "returns a tensor computed from it and not from the examples"))
-
-            return pre, post
-
-        two_pass = self.mode == "two_pass"
-
-        def make_hooks(h: _Hooked):
-            def pre(module, args):
-                if (two_pass and torch.is_grad_enabled()
-                        and torch._C._autograd._top_saved_tensors_default_hooks(False)
-                        is not None):
-                    raise ClippingError(
-                        f"dptrain.clipping: mode='two_pass' with saved-tensor hooks active at "
-                        f"{h.name} (torch.autograd.graph.saved_tensors_hooks: activation "
-                        f"checkpointing, offloading or compression): its second backward "
-                        f"computes the weights' gradients from what the hooks give back, the "
-                        f"norms from the layer's real input (one example added 9.95 C, a red "
-                        f"team); use mode='bookkeeping'")
-                if not torch.is_grad_enabled() or not args or not isinstance(args[0], Tensor):
-                    return None
-                x = args[0]
-                if h.rule.integer_input:
-                    if x.shape[0] == 1 and batch_size != 1:
-                        # broadcast ids (GPT-2's position_ids): one row per example, so each
-                        # example's gradient is separable; same forward values.
-                        return (x.expand(batch_size, *x.shape[1:]),) + tuple(args[1:])
-                    return None
-                new = list(args)
-                changed = False
-                for i, a in enumerate(args):
-                    # a float input that needs no grad, or a caller's own leaf that does (not
-                    # a parameter): a leaf of the engine's, so a backward target lies below
-                    if isinstance(a, Tensor) and a.is_floating_point() and (
-                            not a.requires_grad or (a.grad_fn is None
-                                                    and not isinstance(a, nn.Parameter)
-                                                    and id(a) not in tap_leaves)):
-                        leaf = a.detach().requires_grad_(True)
-                        targets.append(leaf)
-                        new[i] = leaf
-                        changed = True
-                return tuple(new) if changed else None
-
-            def post(module, args, output, kwargs=None):
-                if not torch.is_grad_enabled():
-                    return None
-                if not isinstance(output, Tensor):
-                    raise ClippingError(f"dptrain.clipping: {h.name} ({type(module).__name__}) "
-                                        f"returned {type(output).__name__}, expected a Tensor")
-                if output.shape[0] != batch_size:
-                    raise ClippingError(
-                        f"dptrain.clipping: {h.name} ({type(module).__name__}) produced a "
-                        f"leading dimension {output.shape[0]} for a microbatch of {batch_size} "
-                        f"examples: its per-example gradients cannot be separated")
-                saved = (h.rule.capture(module, args, output, kwargs) if h.rule.wants_kwargs
-                         else h.rule.capture(module, args, output))
-                rec = _Record(module, h.rule, saved, coef, name=h.name)
-                records.append(rec)
-                if not output.requires_grad:
-                    return None
-                if not any(isinstance(a, Tensor) and a.requires_grad for a in args):
-                    rec.is_target = True
-                    rec.output = output
-                    rec.version = output._version
-                    targets.append(output)
-                    # the module returns a non-view alias of the target's storage, with a
-                    # version counter of its own: an in-place op after the layer (an
-                    # Embedding followed by ReLU(inplace=True)) then leaves the target as
-                    # the backward's input, whose gradient is w.r.t. the value before it
-                    return torch.ops.aten._unsafe_view(output, output.shape)
-                else:
-                    def grab(g, rec=rec):
-                        rec.G = g
-
-                    replaced = None
-                    if output._is_view():
-                        # (a Linear on a (B, T, d) input returns a view) an in-place op on a
-                        # view rebases its history and the hooks registered on it never fire:
-                        # the layer would look unused and drop out of the norm. The module
-                        # returns a non-view alias of the same storage instead, whose hooks
-                        # see the gradient w.r.t. the value before any in-place op.
-                        output = replaced = torch.ops.aten._unsafe_view(output, output.shape)
-                    output.register_hook(grab)
-                    rec.node = output.grad_fn  # to tell "unused" from "not reached" later
-                    return replaced
-                return None
-
-            return pre, post
-
         try:
             for h in self.hooked:
-                pre, post = make_hooks(h)
+                pre, post = _layer_hooks(cap, h)
                 if h.rule.wants_kwargs:  # the torch.func fallback re-runs the call: all of it
                     def pre_kw(module, args, kwargs, pre=pre):
                         new = pre(module, args)
@@ -771,7 +794,7 @@ class ClippingEngine:
                 handles.append(h.module.register_forward_pre_hook(pre))
                 handles.append(h.module.register_forward_hook(post, prepend=True))
             for t in self.taps:
-                pre, post = make_tap_hooks(t)
+                pre, post = _tap_hooks(cap, t)
                 # after FSDP2's pre-hook gathers the parameters, put back before its post-hook
                 # reshards them (prepend), and also when the forward raises (always_call)
                 handles.append(t.module.register_forward_pre_hook(pre, with_kwargs=True))
@@ -1405,7 +1428,8 @@ class ClippingEngine:
         p = next(iter(self.params.values()))
         return torch.float64 if p.dtype == torch.float64 else torch.float32
 
-    def per_example_norms(self, loss_fn: LossFn, batch: Any, plan: QueryPlan | None = None) -> Tensor:
+    def per_example_norms(self, loss_fn: LossFn, batch: Any,
+                          plan: QueryPlan | None = None) -> Tensor:
         """||u_b|| for each example of ``batch`` (no clipping, no accumulation)."""
         B = batch_size_of(batch)
         dtype = self._acc_dtype()

@@ -37,7 +37,6 @@ from torch import Tensor, nn
 from dptrain.clipping.contributions import (CANCELLATION_TOKENS, CANCELLATION_ULPS,
                                            MAX_INSTANTIATE_NUMEL, Dense, Factored, Outer,
                                            sq_rows)
-from dptrain.clipping.errors import ClippingError
 from dptrain.clipping.rules import LayerRule, _check_unmodified, _Watched, register_rule
 
 _conv_backward = torch.ops.aten.convolution_backward
