@@ -1680,3 +1680,14 @@ def test_decoding_with_a_channel_count_other_than_1_or_3_is_one_error_not_undeco
     assert failed == []
     with pytest.raises(ConfigError, match="data.in_chans"):
         image_stats(2)
+
+
+def test_every_dataset_name_the_config_accepts_has_a_loader():
+    """data.name's accepted values and the loaders are one set: a name added to the config
+    without a loader would pass validation and fail at build time."""
+    import typing
+
+    from dptrain.data import _BUILDERS, DataConfig
+
+    names = typing.get_args(typing.get_type_hints(DataConfig)["name"])
+    assert set(names) == set(_BUILDERS)

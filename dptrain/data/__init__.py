@@ -345,149 +345,176 @@ def _attach_augmult(task: Task, cfg: DataConfig) -> None:
 def _build_data(cfg: DataConfig, seed: int | None = 0) -> Task:
     seed = 0 if seed is None else int(seed)
     default_train, default_test = _DEFAULT_FILES.get(cfg.name, (None, None))
-    train_name = cfg.train_file or default_train
-    test_name = cfg.test_file or default_test
+    build = _BUILDERS.get(cfg.name)
+    if build is None:
+        raise ConfigError("data.name", f"unknown dataset {cfg.name!r}")  # pragma: no cover
+    return build(cfg, seed, cfg.train_file or default_train, cfg.test_file or default_test)
 
-    if cfg.name == "e2e":
-        from dptrain.data.lm import lm_loss, load_e2e_split
-        from dptrain.data.tokenizers import build_tokenizer
 
-        directory = _resolve_dir(cfg.path, DEFAULT_E2E_PATH)
-        train_path = _data_file(directory, train_name, "data.train_file")
-        test_path = _data_file(directory, test_name, "data.test_file")
-        from dptrain.data.wds import file_id
+def _e2e(cfg: DataConfig, seed: int, train_name: str | None, test_name: str | None) -> Task:
+    """The E2E NLG challenge: meaning representations and references (``dptrain.data.lm``)."""
+    from dptrain.data.lm import lm_loss, load_e2e_split
+    from dptrain.data.tokenizers import build_tokenizer
+    from dptrain.data.wds import file_id
 
-        if file_id(train_path) == file_id(test_path):  # any spelling of, or link to, one file
-            raise ConfigError("data.test_file",
-                              f"{test_path} is the training file ({train_path}): the test "
-                              f"split would hold training examples")
-        tok = build_tokenizer(cfg.tokenizer, cfg.tokenizer_path)
-        train = load_e2e_split(train_path, "data.train_file", tok, cfg.max_length,
-                               cfg.max_train_examples, references=True)
-        test = load_e2e_split(test_path, "data.test_file", tok, cfg.max_length,
-                              cfg.max_test_examples)
-        info = DataInfo(kind="lm", vocab_size=tok.vocab_size, pad_id=tok.pad_id,
-                        eos_id=tok.eos_id, bos_id=getattr(tok, "bos_id", None),
-                        max_length=max(train.max_length, test.max_length))
-        return Task(train=train, test=test, info=info, loss_fn=lm_loss, tokenizer=tok)
+    directory = _resolve_dir(cfg.path, DEFAULT_E2E_PATH)
+    train_path = _data_file(directory, train_name, "data.train_file")
+    test_path = _data_file(directory, test_name, "data.test_file")
+    if file_id(train_path) == file_id(test_path):  # any spelling of, or link to, one file
+        raise ConfigError("data.test_file",
+                          f"{test_path} is the training file ({train_path}): the test "
+                          f"split would hold training examples")
+    tok = build_tokenizer(cfg.tokenizer, cfg.tokenizer_path)
+    train = load_e2e_split(train_path, "data.train_file", tok, cfg.max_length,
+                           cfg.max_train_examples, references=True)
+    test = load_e2e_split(test_path, "data.test_file", tok, cfg.max_length,
+                          cfg.max_test_examples)
+    info = DataInfo(kind="lm", vocab_size=tok.vocab_size, pad_id=tok.pad_id,
+                    eos_id=tok.eos_id, bos_id=getattr(tok, "bos_id", None),
+                    max_length=max(train.max_length, test.max_length))
+    return Task(train=train, test=test, info=info, loss_fn=lm_loss, tokenizer=tok)
 
-    if cfg.name == "synthetic_lm":
-        from dptrain.data.lm import lm_loss, markov_transitions, synthetic_lm
 
-        rng = np.random.default_rng([seed, 1])
-        v = cfg.synthetic_vocab_size
-        length = cfg.max_length or 16
-        trans = markov_transitions(v, rng)
-        train = synthetic_lm(_cap(cfg.synthetic_train_size, cfg.max_train_examples), v, length,
-                             rng, trans)
-        test = synthetic_lm(_cap(cfg.synthetic_test_size, cfg.max_test_examples), v, length,
-                            rng, trans)
-        info = DataInfo(kind="lm", vocab_size=v + 1, pad_id=v, eos_id=v,
-                        max_length=max(train.max_length, test.max_length))
-        return Task(train=train, test=test, info=info, loss_fn=lm_loss)
+def _synthetic_lm(cfg: DataConfig, seed: int, train_name: str | None,
+                  test_name: str | None) -> Task:
+    """Token sequences from a random Markov chain drawn from ``seed``."""
+    from dptrain.data.lm import lm_loss, markov_transitions, synthetic_lm
 
+    rng = np.random.default_rng([seed, 1])
+    v = cfg.synthetic_vocab_size
+    length = cfg.max_length or 16
+    trans = markov_transitions(v, rng)
+    train = synthetic_lm(_cap(cfg.synthetic_train_size, cfg.max_train_examples), v, length,
+                         rng, trans)
+    test = synthetic_lm(_cap(cfg.synthetic_test_size, cfg.max_test_examples), v, length,
+                        rng, trans)
+    info = DataInfo(kind="lm", vocab_size=v + 1, pad_id=v, eos_id=v,
+                    max_length=max(train.max_length, test.max_length))
+    return Task(train=train, test=test, info=info, loss_fn=lm_loss)
+
+
+def _mnist(cfg: DataConfig, seed: int, train_name: str | None, test_name: str | None) -> Task:
+    """MNIST from its IDX files, grey replicated into ``in_chans`` channels when asked."""
+    from dptrain.data.images import MNIST_MEAN, MNIST_STD, load_mnist
+
+    directory = _resolve_dir(cfg.path, None)
+    (xtr, ytr), (xte, yte) = load_mnist(str(directory) if directory is not None else None)
+    if cfg.in_chans not in (None, 1):  # replicate grey into C channels
+        xtr, xte = (np.repeat(a, cfg.in_chans, axis=1) for a in (xtr, xte))
+    return _images_in_memory(cfg, (xtr, ytr), (xte, yte), MNIST_MEAN, MNIST_STD,
+                             cfg.image_size or 28)
+
+
+def _synthetic_images(cfg: DataConfig, seed: int, train_name: str | None,
+                      test_name: str | None) -> Task:
+    """Noisy copies of random class templates drawn from ``seed``."""
     from dptrain.data.images import ImageDataset, classification_loss
+    from dptrain.data.images import synthetic_images, synthetic_templates
 
-    if cfg.name == "mnist":
-        from dptrain.data.images import MNIST_MEAN, MNIST_STD, load_mnist
+    rng = np.random.default_rng([seed, 2])
+    k, c, size = cfg.num_classes or 10, cfg.in_chans or 3, cfg.image_size or 16
+    templates = synthetic_templates(k, c, size, rng)
+    xtr, ytr = synthetic_images(_cap(cfg.synthetic_train_size, cfg.max_train_examples),
+                                k, c, size, rng, templates)
+    xte, yte = synthetic_images(_cap(cfg.synthetic_test_size, cfg.max_test_examples),
+                                k, c, size, rng, templates)
+    train = ImageDataset(xtr, ytr, 0.5, 0.25, size)
+    test = ImageDataset(xte, yte, 0.5, 0.25, size)
+    info = DataInfo(kind="classification", num_classes=k, in_chans=c, image_size=size)
+    return Task(train=train, test=test, info=info, loss_fn=classification_loss)
 
-        directory = _resolve_dir(cfg.path, None)
-        (xtr, ytr), (xte, yte) = load_mnist(str(directory) if directory is not None else None)
-        if cfg.in_chans not in (None, 1):  # replicate grey into C channels
-            xtr, xte = (np.repeat(a, cfg.in_chans, axis=1) for a in (xtr, xte))
-        return _images_in_memory(cfg, (xtr, ytr), (xte, yte), MNIST_MEAN, MNIST_STD,
-                                 cfg.image_size or 28)
 
-    if cfg.name == "synthetic_images":
-        from dptrain.data.images import synthetic_images, synthetic_templates
+def _webdataset(cfg: DataConfig, seed: int, train_name: str | None, test_name: str | None) -> Task:
+    """ImageNet-style webdataset shards; the class count from the config or the labels."""
+    from dptrain.data.images import classification_loss
+    from dptrain.data.wds import WebDatasetImages, expand_shards, file_id, find_copy
 
-        rng = np.random.default_rng([seed, 2])
-        k, c, size = cfg.num_classes or 10, cfg.in_chans or 3, cfg.image_size or 16
-        templates = synthetic_templates(k, c, size, rng)
-        xtr, ytr = synthetic_images(_cap(cfg.synthetic_train_size, cfg.max_train_examples),
-                                    k, c, size, rng, templates)
-        xte, yte = synthetic_images(_cap(cfg.synthetic_test_size, cfg.max_test_examples),
-                                    k, c, size, rng, templates)
-        train = ImageDataset(xtr, ytr, 0.5, 0.25, size)
-        test = ImageDataset(xte, yte, 0.5, 0.25, size)
-        info = DataInfo(kind="classification", num_classes=k, in_chans=c, image_size=size)
-        return Task(train=train, test=test, info=info, loss_fn=classification_loss)
+    directory = _resolve_dir(cfg.path, None)
+    if directory is not None and not directory.is_dir():
+        raise ConfigError("data.path", f"file not found: no directory {directory}")
+    size, c = cfg.image_size or 224, cfg.in_chans or 3
+    train_shards = expand_shards(directory, train_name, "data.train_file")
+    test_shards = expand_shards(directory, test_name, "data.test_file")
+    test_ids = {file_id(p) for p in test_shards}  # files, whatever their spelling
+    shared = [p for p in train_shards if file_id(p) in test_ids]
+    if shared:  # e.g. *train*.tar and *val*.tar both matching imagenet-trainval-*.tar
+        raise ConfigError("data.test_file",
+                          f"{len(shared)} shard(s) match both the training and the test "
+                          f"pattern ({train_name!r}, {test_name!r}), e.g. {shared[0]}: "
+                          f"the test split would hold training examples")
+    train = WebDatasetImages(train_shards, size, c, cfg.max_train_examples,
+                             cfg.index_cache_dir)
+    test = WebDatasetImages(test_shards, size, c, cfg.max_test_examples,
+                            cfg.index_cache_dir)
+    # a copied shard (not a link: expand_shards keeps one name per file) holds the same
+    # examples twice: each counted in N and sampled on its own, two queries of one record
+    copy = find_copy(train.shards + test.shards, train.layouts + test.layouts)
+    if copy is not None:
+        a, b = copy
+        in_test = b in test.shards
+        where = ("the test split would hold training examples" if in_test and a in
+                 train.shards else f"each of its examples would be in the "
+                 f"{'test' if in_test else 'training'} set twice")
+        raise ConfigError("data.test_file" if in_test else "data.train_file",
+                          f"{a} and {b} are the same shard, byte for byte (a copy): "
+                          f"{where}; leave one out")
+    # the classes of all the shards' examples: max_*_examples must not thin them (a
+    # subset whose labels were all 0 gave a one-class head, every loss 0)
+    ranges = [r for r in (train.label_range, test.label_range) if r is not None]
+    low = min((r[0] for r in ranges), default=0)
+    high = max((r[1] for r in ranges), default=-1)
+    k = cfg.num_classes or high + 1
+    if low < 0:
+        raise ConfigError("data.path", f"a shard holds the negative label {low} "
+                                       "(.cls must be a class index >= 0)")
+    if ranges and high >= k:
+        raise ConfigError("data.num_classes",
+                          f"labels range over [{low}, {high}], outside 0..{k - 1}")
+    if ranges and k < 2:
+        raise ConfigError("data.num_classes",
+                          f"every label in the shards is {high}: a classifier needs at "
+                          f"least 2 classes (set data.num_classes)")
+    if cfg.num_classes is None:
+        _note_inferred_classes(k, train, test)
+    info = DataInfo(kind="classification", num_classes=k, in_chans=c, image_size=size)
+    return Task(train=train, test=test, info=info, loss_fn=classification_loss)
 
-    if cfg.name == "webdataset":
-        from dptrain.data.wds import WebDatasetImages, expand_shards, file_id, find_copy
 
-        directory = _resolve_dir(cfg.path, None)
-        if directory is not None and not directory.is_dir():
-            raise ConfigError("data.path", f"file not found: no directory {directory}")
-        size, c = cfg.image_size or 224, cfg.in_chans or 3
-        train_shards = expand_shards(directory, train_name, "data.train_file")
-        test_shards = expand_shards(directory, test_name, "data.test_file")
-        test_ids = {file_id(p) for p in test_shards}  # files, whatever their spelling
-        shared = [p for p in train_shards if file_id(p) in test_ids]
-        if shared:  # e.g. *train*.tar and *val*.tar both matching imagenet-trainval-*.tar
-            raise ConfigError("data.test_file",
-                              f"{len(shared)} shard(s) match both the training and the test "
-                              f"pattern ({train_name!r}, {test_name!r}), e.g. {shared[0]}: "
-                              f"the test split would hold training examples")
-        train = WebDatasetImages(train_shards, size, c, cfg.max_train_examples,
-                                 cfg.index_cache_dir)
-        test = WebDatasetImages(test_shards, size, c, cfg.max_test_examples,
-                                cfg.index_cache_dir)
-        # a copied shard (not a link: expand_shards keeps one name per file) holds the same
-        # examples twice: each counted in N and sampled on its own, two queries of one record
-        copy = find_copy(train.shards + test.shards, train.layouts + test.layouts)
-        if copy is not None:
-            a, b = copy
-            in_test = b in test.shards
-            where = ("the test split would hold training examples" if in_test and a in
-                     train.shards else f"each of its examples would be in the "
-                     f"{'test' if in_test else 'training'} set twice")
-            raise ConfigError("data.test_file" if in_test else "data.train_file",
-                              f"{a} and {b} are the same shard, byte for byte (a copy): "
-                              f"{where}; leave one out")
-        # the classes of all the shards' examples: max_*_examples must not thin them (a
-        # subset whose labels were all 0 gave a one-class head, every loss 0)
-        ranges = [r for r in (train.label_range, test.label_range) if r is not None]
-        low = min((r[0] for r in ranges), default=0)
-        high = max((r[1] for r in ranges), default=-1)
-        k = cfg.num_classes or high + 1
-        if low < 0:
-            raise ConfigError("data.path", f"a shard holds the negative label {low} "
-                                           "(.cls must be a class index >= 0)")
-        if ranges and high >= k:
-            raise ConfigError("data.num_classes",
-                              f"labels range over [{low}, {high}], outside 0..{k - 1}")
-        if ranges and k < 2:
-            raise ConfigError("data.num_classes",
-                              f"every label in the shards is {high}: a classifier needs at "
-                              f"least 2 classes (set data.num_classes)")
-        if cfg.num_classes is None:
-            _note_inferred_classes(k, train, test)
-        info = DataInfo(kind="classification", num_classes=k, in_chans=c, image_size=size)
-        return Task(train=train, test=test, info=info, loss_fn=classification_loss)
+def _imagefolder(cfg: DataConfig, seed: int, train_name: str | None, test_name: str | None) -> Task:
+    """An ImageFolder tree (one folder per class) per split."""
+    from dptrain.data.images import classification_loss
+    from dptrain.data.folders import load_imagefolder
 
-    if cfg.name == "imagefolder":
-        from dptrain.data.folders import load_imagefolder
+    size, c = cfg.image_size or 224, cfg.in_chans or 3
+    train, test, classes = load_imagefolder(_resolve_dir(cfg.path, None), train_name,
+                                            test_name, size, c, cfg.max_train_examples,
+                                            cfg.max_test_examples)
+    info = DataInfo(kind="classification", num_classes=len(classes), in_chans=c,
+                    image_size=size)
+    return Task(train=train, test=test, info=info, loss_fn=classification_loss)
 
-        size, c = cfg.image_size or 224, cfg.in_chans or 3
-        train, test, classes = load_imagefolder(_resolve_dir(cfg.path, None), train_name,
-                                                test_name, size, c, cfg.max_train_examples,
-                                                cfg.max_test_examples)
-        info = DataInfo(kind="classification", num_classes=len(classes), in_chans=c,
-                        image_size=size)
-        return Task(train=train, test=test, info=info, loss_fn=classification_loss)
 
-    if cfg.name == "cifar10":
-        from dptrain.data.folders import CIFAR10_MEAN, CIFAR10_STD, load_cifar10
+def _cifar10(cfg: DataConfig, seed: int, train_name: str | None, test_name: str | None) -> Task:
+    """CIFAR-10 from its python batches."""
+    from dptrain.data.folders import CIFAR10_MEAN, CIFAR10_STD, load_cifar10
 
-        directory = _resolve_dir(cfg.path, None)
-        if directory is not None and not directory.is_dir():
-            raise ConfigError("data.path", f"file not found: no directory {directory}")
-        train, test = load_cifar10(directory)
-        return _images_in_memory(cfg, train, test, CIFAR10_MEAN, CIFAR10_STD,
-                                 cfg.image_size or 32)
+    directory = _resolve_dir(cfg.path, None)
+    if directory is not None and not directory.is_dir():
+        raise ConfigError("data.path", f"file not found: no directory {directory}")
+    train, test = load_cifar10(directory)
+    return _images_in_memory(cfg, train, test, CIFAR10_MEAN, CIFAR10_STD,
+                             cfg.image_size or 32)
 
-    raise ConfigError("data.name", f"unknown dataset {cfg.name!r}")  # pragma: no cover
+
+_BUILDERS = {
+    "e2e": _e2e,
+    "synthetic_lm": _synthetic_lm,
+    "mnist": _mnist,
+    "synthetic_images": _synthetic_images,
+    "webdataset": _webdataset,
+    "imagefolder": _imagefolder,
+    "cifar10": _cifar10,
+}
 
 
 def _images_in_memory(cfg: DataConfig, train: tuple, test: tuple, mean, std,
