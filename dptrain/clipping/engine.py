@@ -1523,68 +1523,7 @@ class ClippingEngine:
                 two_pass = False
                 graphs = None
             if two_pass:
-                # tapped parameters are detached from the graph (the engine's leaves stand in
-                # for them): their clipped sums come from the query, as book-keeping's. So do
-                # those held as per-example gradients (instantiated, biases, norms), and those
-                # with rows instantiated for cancellation: the norm was taken of those very rows,
-                # where the second backward would round its own way (under cancelling terms, a
-                # few % of C apart); and those of layers with contributions of their own forms
-                # (convolutions), which the probe below does not read
-                tapped = set(self._tap_names())
-                from_query = {n for n, cs in used.items()
-                              if n in tapped or not all(type(c) is Outer for c in cs)}
-                for name in from_query:
-                    p = self.params[name]
-                    self._add(out, name, clipped_sum(used.pop(name), lam, p.shape, dtype))
-                names = [n for n in self.params if n not in tapped and n not in from_query]
-                # The second backward adds every use of a parameter in the graph; the norms,
-                # what the layers' hooks saw. Anything the hooks missed (a use outside the
-                # layer's call, a custom autograd.Function, a view made before the query, a
-                # user's hook, saved tensors given back changed: 1.4-7290 C from one example,
-                # an audit and three red teams) shows as a difference from the book-keeping
-                # sum, which random projections find: taken here, before any code of the
-                # model's runs again (the backward's hooks could change the factors in place),
-                # from a generator seeded from the OS now and held by this frame only
-                rng = torch.Generator().manual_seed(secrets.randbits(63))
-                probes = {n: self._probe(used.get(n, []), lam, rng) for n in names}
-                second: dict[str, Tensor] = {}
-                for coef, state, losses in graphs if names else ():
-                    with self._state(state):
-                        weighted = (losses * lam.to(losses.dtype)).sum()
-                        grads = torch.autograd.grad(weighted, [self.params[n] for n in names],
-                                                    allow_unused=True)
-                    for n, g in zip(names, grads):
-                        a = coef.get(n, 0.0) if isinstance(coef, dict) else coef
-                        if g is not None and a != 0.0:
-                            g = g.to(dtype) * a
-                            second[n] = second[n] + g if n in second else g
-                    del grads
-                # each parameter within 1e-4 C / sqrt(number probed): the differences of all
-                # of them together within 1e-4 C (a red team spread 1e-3 C over 1,024)
-                cap = self.PROBE_TOLERANCE_C * self.clip_norm / math.sqrt(max(1, len(names)))
-                self.summed_by_query = set()
-                verdicts = (torch.stack([self._probe_agrees(probes[n], second.get(n), cap,
-                                                            device) for n in names]).tolist()
-                            if names else [])  # (one device sync for all parameters)
-                for n, agrees in zip(names, verdicts):
-                    contribs, g = used.pop(n, []), second.pop(n, None)
-                    if agrees:
-                        if g is not None:
-                            self._add(out, n, g)
-                        continue
-                    self.summed_by_query.add(n)
-                    if not contribs:
-                        continue
-                    if not self._probe_repeats(probes[n], contribs, lam, cap):
-                        raise ClippingError(
-                            f"dptrain.clipping: mode='two_pass': the captured factors of {n} "
-                            f"changed during the second backward (a hook or autograd.Function "
-                            f"of the model's writing into a layer's input or output gradient "
-                            f"in place: 7-8 C from one example, a red team); neither sum can "
-                            f"be trusted; use mode='bookkeeping'")
-                    p = self.params[n]
-                    self._add(out, n, clipped_sum(contribs, lam, p.shape, dtype))
-                del used, second, probes
+                self._two_pass_sum(used, lam, graphs, out, dtype, device)
             else:
                 for name in list(used):
                     contribs = used.pop(name)  # released as soon as it is summed
@@ -1598,6 +1537,75 @@ class ClippingEngine:
         held, least = sizes
         return StepStats(num_examples=num_examples, loss_sum=loss_sum, states=len(plan),
                          query_bytes=held, least_query_bytes=least)
+
+    def _two_pass_sum(self, used: dict[str, list[Contribution]], lam: Tensor, graphs: list,
+                      out: dict[str, Tensor], dtype: torch.dtype, device) -> None:
+        """two_pass's clipped sum into ``out``: a second backward of sum_b lam_b a_j loss_b per
+        state for the parameters whose sums it can give, each checked against the book-keeping
+        sum by random projections (the rest, and any that disagree, from ``used``, which this
+        empties)."""
+        # tapped parameters are detached from the graph (the engine's leaves stand in
+        # for them): their clipped sums come from the query, as book-keeping's. So do
+        # those held as per-example gradients (instantiated, biases, norms), and those
+        # with rows instantiated for cancellation: the norm was taken of those very rows,
+        # where the second backward would round its own way (under cancelling terms, a
+        # few % of C apart); and those of layers with contributions of their own forms
+        # (convolutions), which the probe below does not read
+        tapped = set(self._tap_names())
+        from_query = {n for n, cs in used.items()
+                      if n in tapped or not all(type(c) is Outer for c in cs)}
+        for name in from_query:
+            p = self.params[name]
+            self._add(out, name, clipped_sum(used.pop(name), lam, p.shape, dtype))
+        names = [n for n in self.params if n not in tapped and n not in from_query]
+        # The second backward adds every use of a parameter in the graph; the norms,
+        # what the layers' hooks saw. Anything the hooks missed (a use outside the
+        # layer's call, a custom autograd.Function, a view made before the query, a
+        # user's hook, saved tensors given back changed: 1.4-7290 C from one example,
+        # an audit and three red teams) shows as a difference from the book-keeping
+        # sum, which random projections find: taken here, before any code of the
+        # model's runs again (the backward's hooks could change the factors in place),
+        # from a generator seeded from the OS now and held by this frame only
+        rng = torch.Generator().manual_seed(secrets.randbits(63))
+        probes = {n: self._probe(used.get(n, []), lam, rng) for n in names}
+        second: dict[str, Tensor] = {}
+        for coef, state, losses in graphs if names else ():
+            with self._state(state):
+                weighted = (losses * lam.to(losses.dtype)).sum()
+                grads = torch.autograd.grad(weighted, [self.params[n] for n in names],
+                                            allow_unused=True)
+            for n, g in zip(names, grads):
+                a = coef.get(n, 0.0) if isinstance(coef, dict) else coef
+                if g is not None and a != 0.0:
+                    g = g.to(dtype) * a
+                    second[n] = second[n] + g if n in second else g
+            del grads
+        # each parameter within 1e-4 C / sqrt(number probed): the differences of all
+        # of them together within 1e-4 C (a red team spread 1e-3 C over 1,024)
+        cap = self.PROBE_TOLERANCE_C * self.clip_norm / math.sqrt(max(1, len(names)))
+        self.summed_by_query = set()
+        verdicts = (torch.stack([self._probe_agrees(probes[n], second.get(n), cap,
+                                                    device) for n in names]).tolist()
+                    if names else [])  # (one device sync for all parameters)
+        for n, agrees in zip(names, verdicts):
+            contribs, g = used.pop(n, []), second.pop(n, None)
+            if agrees:
+                if g is not None:
+                    self._add(out, n, g)
+                continue
+            self.summed_by_query.add(n)
+            if not contribs:
+                continue
+            if not self._probe_repeats(probes[n], contribs, lam, cap):
+                raise ClippingError(
+                    f"dptrain.clipping: mode='two_pass': the captured factors of {n} "
+                    f"changed during the second backward (a hook or autograd.Function "
+                    f"of the model's writing into a layer's input or output gradient "
+                    f"in place: 7-8 C from one example, a red team); neither sum can "
+                    f"be trusted; use mode='bookkeeping'")
+            p = self.params[n]
+            self._add(out, n, clipped_sum(contribs, lam, p.shape, dtype))
+        del second, probes
 
     @staticmethod
     def _add(acc: dict[str, Tensor], name: str, value: Tensor) -> None:
