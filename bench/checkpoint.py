@@ -70,8 +70,10 @@ def build(kind: str, gpt2: str, k: int):
         opt.step()
         opt.zero_grad()
     n_params = sum(p.numel() for _, p in named)
+    # (what checkpoint.read requires of any state: a config and the RNG states, here this
+    # process's; not a run's, which the table does not need)
     return {"step": max(k, 1), "model": model.state_dict(), "optimizer": opt.state_dict(),
-            "ledger": {}}, n_params
+            "ledger": {}, "config": {}, "rng": {"torch": torch.get_rng_state()}}, n_params
 
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")

@@ -211,3 +211,22 @@ def test_wds_index_bench_against_a_base_revision_gives_the_same_index(capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["same_index"] is True and summary["tree_over_base"] > 0
     assert set(summary["seconds"]) == {"base (HEAD)", "this tree"}
+
+
+def test_checkpoint_bench_writes_states_the_reader_accepts(tmp_path, monkeypatch):
+    # bench/checkpoint.py times checkpoint.write and checkpoint.read on states it builds; the
+    # reader came to require a config and RNG states, and the bench failed after its header
+    import torch
+
+    from dptrain import checkpoint as ckpt
+    from dptrain.data.info import DataInfo
+
+    bench = _load("checkpoint")
+    # (a vocabulary of 512, not GPT-2's 50,257: the same state, 5x smaller)
+    monkeypatch.setattr(bench, "DataInfo", lambda **kw: DataInfo(**{**kw, "vocab_size": 512}))
+    state, n = bench.build("gpt2", "tiny", 0)
+    path = ckpt.write(state, tmp_path / "out", state["step"], keep=1)
+    back = ckpt.read(path)
+    assert back["step"] == state["step"] == 1 and 3 * 10**6 < n < 4 * 10**6
+    name = "transformer.h.0.attn.c_attn.weight"
+    assert torch.equal(back["model"][name], state["model"][name])
