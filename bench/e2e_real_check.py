@@ -267,6 +267,10 @@ def main() -> None:
             futs = [pool.submit(train, args, *j) for j in jobs]
             for f in futs:
                 f.result()
+    elif not args.out.is_dir():
+        print(f"e2e_real_check: --out {args.out}: no such folder (--report-only reads the "
+              f"runs a previous call wrote there)", file=sys.stderr)
+        sys.exit(2)
     report(args.out)
 
 
