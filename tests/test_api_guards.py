@@ -294,8 +294,14 @@ def _penalty(kind: str, model: nn.Module):
         model.register_buffer("w_t", w.t())
         return lambda m, b: _ce(m, b) + 5.0 * m.w_t.pow(2).sum()
     if kind == "user pre-hook":  # runs before the layer's call, in its module's __call__
-        model[2].register_forward_pre_hook(lambda mod, a: (a[0] + 3 * mod.weight.sum(0),))
-        return _ce
+        # (registered after the first query, which refuses a hook's use of the parameter)
+        def loss(m, b):
+            h = m[2].register_forward_pre_hook(lambda mod, a: (a[0] + 3 * mod.weight.sum(0),))
+            try:
+                return _ce(m, b)
+            finally:
+                h.remove()
+        return loss
     if kind == "forward of the instance":  # the Linear rule knows the class's forward only
         lin = model[2]
         lin.forward = lambda x: F.linear(x, 10 * lin.weight, lin.bias)
@@ -498,6 +504,7 @@ def test_two_pass_sums_by_its_second_backward_where_the_hooks_see_every_use():
         assert engine.summed_by_query == set()
     model = _two_layers()
     engine = ClippingEngine(model, clip_norm=1.0, mode="two_pass")
+    engine.accumulate(_ce, batch, {})  # (the first query refuses the hook below)
     model[0].register_forward_hook(lambda mod, a, o: o + 1e-3 * mod.weight.sum())
     engine.accumulate(_ce, batch, {})
     assert engine.summed_by_query == {"0.weight"}

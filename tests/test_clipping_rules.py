@@ -1556,6 +1556,34 @@ def test_a_loss_that_uses_the_parameters_directly_is_refused():
         ClippingEngine(model).per_example_norms(penalised, (x, y))
 
 
+@pytest.mark.parametrize("hook", ["forward", "pre"])
+def test_a_hook_that_uses_its_own_modules_parameter_is_refused(hook):
+    # a user's hook runs outside the layer's forward, and so outside what its rule computes: a
+    # forward hook adding the layer's bias again went unseen (norms 7.9% off, an API fuzz)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    if hook == "forward":
+        model[0].register_forward_hook(lambda m, args, out: out + m.bias)
+        used = "0.bias"
+    else:
+        model[0].register_forward_pre_hook(lambda m, args: (args[0] * m.weight[0, :3],))
+        used = "0.weight"
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match=rf"{used} is used outside the forward.*hook"):
+        ClippingEngine(model).per_example_norms(mse_loss, (x, y))
+
+
+def test_hooks_that_change_a_layers_input_or_output_but_use_no_parameter_are_exact():
+    # the rule sees the layer's own input (after the pre-hooks) and output (before the
+    # forward hooks): the hooks' changes are the model's, and the norms still exact
+    gen = torch.Generator().manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model[0].register_forward_pre_hook(lambda m, args: (args[0] * 2 + 1,))
+    model[0].register_forward_hook(lambda m, args, out: out.pow(2))
+    model[2].register_forward_hook(lambda m, args, out: 3 * out)
+    x = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    check(model, (x, torch.randn(5, 2, generator=gen, dtype=torch.float64)))
+
+
 def test_the_cancellation_threshold_grows_with_the_tokens_past_256():
     # 2^19 ulps of the scale, times T / 256 beyond 256 positions (the rounding of a sum of T
     # terms grows with T); checked against the documented value, not the module's own

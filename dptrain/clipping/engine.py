@@ -256,8 +256,11 @@ class _FirstForwardCheck(TorchFunctionMode):
                     f"the layer one row per example, made from the batch by torch ops (a "
                     f"tensor built through numpy or Python lists looks shared too)")
 
+        def forward_done(module, args, output):
+            if self.active.get(id(module)):  # (not when a pre-hook before ``enter`` raised)
+                self.active[id(module)] -= 1
+
         def leave(module, args, output, name):
-            self.active[id(module)] -= 1
             if not isinstance(output, Tensor):
                 return
             B = self.batch_size
@@ -275,7 +278,15 @@ class _FirstForwardCheck(TorchFunctionMode):
             self._mark(output, name)
 
         for m, name in self.hooked:
-            self.handles.append(m.register_forward_pre_hook(enter, prepend=True))
+            # A use of a parameter is its module's from the last forward pre-hook to the first
+            # forward hook: the module's own forward. A user's hook on the module runs outside,
+            # as the engine's capture hooks do: a use there (a forward hook adding the layer's
+            # own bias again) is not in what the layer's rule computes (its output and input),
+            # and is refused as any other use elsewhere (it went unseen: 7.9% off the norms)
+            self.handles.append(m.register_forward_pre_hook(enter))
+            self.handles.append(m.register_forward_hook(forward_done, prepend=True,
+                                                        always_call=True))
+            # the output after every hook: the tensor the rest of the forward computes from
             self.handles.append(m.register_forward_hook(
                 lambda mod, a, o, name=name: leave(mod, a, o, name), always_call=True))
         return super().__enter__()
@@ -311,7 +322,8 @@ class _FirstForwardCheck(TorchFunctionMode):
                     raise ClippingError(
                         f"dptrain.clipping: the trainable parameter {owner[1]} is used outside "
                         f"the forward of the module that owns it (by "
-                        f"{getattr(func, '__name__', func)}): the hooks would not see that use, "
+                        f"{getattr(func, '__name__', func)}; a forward hook or pre-hook on the "
+                        f"module is outside too): the hooks would not see that use, "
                         f"and its gradient would be missing from the per-example norms. Use it "
                         f"through a module (a tied head: an nn.Linear whose weight is the "
                         f"embedding's)")
@@ -444,12 +456,32 @@ def _refuse_unsupported(name: str, m: nn.Module) -> None:
             f"{m.max_norm}: its forward renormalises, in place, the weight rows the batch looks "
             f"up, so the model would hold what the private batch selected outside the clipped, "
             f"noised release (frozen too). Set max_norm=None")
-    if not isinstance(m, (nn.MultiheadAttention, parametrize.ParametrizationList)):
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    legacy = [h for h in m._forward_pre_hooks.values() if isinstance(h, (WeightNorm, SpectralNorm))]
+    if not legacy and not isinstance(m, (nn.MultiheadAttention, parametrize.ParametrizationList,
+                                         nn.RNNBase, nn.LSTMCell)):
         return
     trainable = sorted(k for k, p in m.named_parameters() if p.requires_grad)
     if not trainable:
         return
     where = f"{name} ({type(m).__name__})" if name else type(m).__name__
+    if legacy:
+        kind = "weight_norm" if isinstance(legacy[0], WeightNorm) else "spectral_norm"
+        raise ClippingError(
+            f"dptrain.clipping: {where} has the trainable parameters {trainable} and a "
+            f"torch.nn.utils.{kind} hook: the layer's weight is computed from them in a "
+            f"forward pre-hook, outside the layer's forward, and the layer's rule gives the "
+            f"gradient of the weight only. Remove it (torch.nn.utils.remove_weight_norm or "
+            f"remove_spectral_norm) or train without it")
+    if isinstance(m, (nn.RNNBase, nn.LSTMCell)):
+        raise ClippingError(
+            f"dptrain.clipping: {where} has the trainable parameters {trainable}: torch.nn's "
+            f"recurrent layers (RNN, LSTM, GRU: every step in one fused kernel; LSTMCell: a "
+            f"tuple (h, c) out) have no per-example rule. Loop over an nn.RNNCell or "
+            f"nn.GRUCell, passing the initial state explicitly (hx=torch.zeros(B, H)), or "
+            f"build the gates from nn.Linear layers")
     if isinstance(m, nn.MultiheadAttention):
         raise ClippingError(
             f"dptrain.clipping: {where} has the trainable parameters {trainable}: "
@@ -608,6 +640,11 @@ def _layer_hooks(cap: _Capture, h: _Hooked):
                 f"dptrain.clipping: {h.name} ({type(module).__name__}) produced a "
                 f"leading dimension {output.shape[0]} for a microbatch of {batch_size} "
                 f"examples: its per-example gradients cannot be separated")
+        if not h.rule.wants_kwargs and not (args and isinstance(args[0], Tensor)):
+            raise ClippingError(
+                f"dptrain.clipping: {h.name} ({type(module).__name__}) was called without a "
+                f"tensor as its first positional argument (a keyword input=...?): its rule "
+                f"reads the layer's input from there; call it as layer(x)")
         saved = (h.rule.capture(module, args, output, kwargs) if h.rule.wants_kwargs
                  else h.rule.capture(module, args, output))
         rec = _Record(module, h.rule, saved, cap.coef, name=h.name)
@@ -707,6 +744,18 @@ class ClippingEngine:
                                 "parameters: its second backward gives the gathered copies' "
                                 "gradients, not the sharded parameters'; use "
                                 "mode='bookkeeping' with sharding")
+        hooked_grads = sorted(n for n, p in self.params.items()
+                              if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks",
+                                                              None))
+        if hooked_grads:
+            import warnings
+
+            warnings.warn(f"dptrain.clipping: the parameters {hooked_grads} have gradient "
+                          f"hooks (Tensor.register_hook, register_post_accumulate_grad_hook): "
+                          f"the engine computes each example's gradient itself, and they run "
+                          f"on none of them, nor on the clipped sum (a mask on an embedding's "
+                          f"rows does not freeze them). Change the model instead (detach the "
+                          f"rows, or freeze the parameter)", stacklevel=2)
         if not self.params:  # (a StopIteration at the first query before)
             raise ClippingError(f"dptrain.clipping: {type(model).__name__} has no trainable "
                                 f"parameters (requires_grad=True): there is nothing to clip")
@@ -743,8 +792,8 @@ class ClippingEngine:
         #: (two_pass) the parameters of the last query whose second-backward sum the probe
         #: refused (:meth:`_probe_agrees`), summed by book-keeping instead
         self.summed_by_query: set[str] = set()
-        #: batch norms, refused in training mode (checked at every query: train()/eval() can
-        #: change between calls)
+        #: batch norms, refused when they use batch statistics (checked at every query:
+        #: train()/eval() can change between calls)
         self._batchnorms = [(n, m) for n, m in model.named_modules()
                             if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         # Sensitive: per-example gradients of the last multi-state query stay here until
@@ -946,9 +995,14 @@ class ClippingEngine:
         as (coefficient, state, per-example losses) for the second backward."""
         self._check_params()
         for name, m in self._batchnorms:
-            if m.training:
+            # (torch's own test: without running statistics it normalises by the batch's in
+            # eval mode too)
+            if m.training or (m.running_mean is None and m.running_var is None):
+                state = ("is in training mode" if m.training else
+                         "keeps no running statistics (track_running_stats=False), so it uses "
+                         "the batch's in eval mode too")
                 raise ClippingError(
-                    f"dptrain.clipping: {name} ({type(m).__name__}) is in training mode: its "
+                    f"dptrain.clipping: {name} ({type(m).__name__}) {state}: its "
                     f"batch statistics couple the examples of a microbatch, so an example's "
                     f"gradient depends on the others and no clip bounds its influence. Use "
                     f"GroupNorm or LayerNorm, or keep it in eval mode (running statistics)")

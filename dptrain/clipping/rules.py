@@ -485,14 +485,18 @@ class FuncFallbackRule(LayerRule):
         try:
             return self._contributions(module, saved, G)
         except RuntimeError as e:
-            if "vmap" not in str(e):
+            if isinstance(e, torch.OutOfMemoryError):
                 raise
+            # (everything here runs under vmap: torch's message may not say so, e.g. an
+            # nn.GRUCell given hx=None writes into a zero state it made, one example wide)
             raise ClippingError(
                 f"dptrain.clipping: the torch.func fallback for {type(module).__name__} "
                 f"(no layer rule) computes its per-example gradients under vmap, which could "
                 f"not run its forward: {str(e).splitlines()[0]} Write that forward with ops vmap "
                 f"supports (torch.where, not Python branches on values or boolean-mask "
-                f"indexing), or register a layer rule (dptrain.clipping.rules.register_rule)"
+                f"indexing; no in-place write into a tensor the forward makes: pass such a "
+                f"state as an input), or register a layer rule "
+                f"(dptrain.clipping.rules.register_rule)"
             ) from e
 
     def _contributions(self, module, saved, G):
