@@ -110,8 +110,11 @@ MAX_THREADS = 4096
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, 1e7
 
 #: performance settings that do not change the run's arithmetic (a resume that changes them
-#: repeats the checkpoint's run bit for bit)
-NOT_ARITHMETIC = frozenset({"collective_timeout_s"})
+#: repeats the checkpoint's run bit for bit): when the noise is drawn and the batches are
+#: assembled, and by how many threads the images are decoded, give the same numbers (each
+#: one's docstring); a timeout none
+NOT_ARITHMETIC = frozenset({"collective_timeout_s", "noise_prefetch", "collate_prefetch",
+                            "decode_threads"})
 
 
 def check_kernels(perf: PerformanceConfig, device: torch.device) -> None:

@@ -1115,6 +1115,9 @@ def _report_changes(trainer, state: dict) -> None:
     if note:
         print(f"dptrain train: {note}", file=sys.stderr)
     perf = section_changes(state["config"], trainer.cfg, "performance", skip=NOT_ARITHMETIC)
+    world = state.get("world_size")
+    if world is not None and world != trainer.world:  # the sums' order (the noise is the same)
+        perf.append(f"ranks: {world} -> {trainer.world}")
     if perf:
         print(f"dptrain train: performance settings differ from the checkpoint's "
               f"({'; '.join(perf)}): the privacy mechanism is the same, but the arithmetic "
