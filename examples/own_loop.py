@@ -1,6 +1,6 @@
 """DP-Muon in your own training loop, built from dptrain's pieces (no Trainer, no config).
 
-    python examples/own_loop.py            # a few seconds on one CPU core
+    python examples/own_loop.py            # about ten seconds on one CPU core
 
 What `dptrain train` does for every logical batch, written out for a model and data of your own:
 

@@ -536,3 +536,20 @@ def test_gradient_hooks_on_parameters_are_warned_of():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # none without hooks
         ClippingEngine(nn.Sequential(nn.Embedding(5, 4), nn.Flatten(), nn.Linear(8, 2)))
+
+
+@pytest.mark.parametrize("entry", [torch.zeros(3), torch.zeros(2, 4, dtype=torch.int64)])
+def test_an_accumulator_entry_of_another_shape_or_an_integer_one_is_refused_by_name(entry):
+    # (torch's broadcast or cast error from inside the engine before)
+    m = nn.Sequential(nn.Linear(4, 2))
+    acc = {"0.weight": entry.clone()}
+    with pytest.raises(ValueError, match=r"acc\['0.weight'\] is .*the clipped sum of 0.weight "
+                                         r"torch.float32 \(2, 4\)"):
+        ClippingEngine(m, clip_norm=1.0).accumulate(sq_loss, (torch.randn(3, 4),), acc)
+    assert acc.keys() == {"0.weight"} and torch.equal(acc["0.weight"], entry)  # as it was
+    good: dict = {}
+    ClippingEngine(m, clip_norm=1.0).accumulate(sq_loss, (torch.randn(3, 4),), good)
+    twice = {k: v.clone() for k, v in good.items()}
+    ClippingEngine(m, clip_norm=1.0).accumulate(sq_loss, (torch.randn(3, 4),), twice)
+    assert set(twice) == {"0.weight", "0.bias"} and not torch.equal(twice["0.bias"],
+                                                                     good["0.bias"])

@@ -639,7 +639,9 @@ def _layer_hooks(cap: _Capture, h: _Hooked):
             raise ClippingError(
                 f"dptrain.clipping: {h.name} ({type(module).__name__}) produced a "
                 f"leading dimension {output.shape[0]} for a microbatch of {batch_size} "
-                f"examples: its per-example gradients cannot be separated")
+                f"examples (the leading dimension of the batch's first tensor): its "
+                f"per-example gradients cannot be separated. Every layer's input and output "
+                f"must hold the examples along their first dimension (batch_first=True)")
         if not h.rule.wants_kwargs and not (args and isinstance(args[0], Tensor)):
             raise ClippingError(
                 f"dptrain.clipping: {h.name} ({type(module).__name__}) was called without a "
@@ -1529,6 +1531,16 @@ class ClippingEngine:
                                 f"got {type(active).__name__} "
                                 f"{getattr(active, 'dtype', '')} "
                                 f"{tuple(getattr(active, 'shape', ()))}")
+        for name, have in acc.items():  # (before any work: acc is left as it was)
+            p = self.params.get(name)
+            if p is not None and not (isinstance(have, Tensor) and have.is_floating_point()
+                                      and have.shape == p.shape):
+                raise ClippingError(
+                    f"dptrain.clipping: acc[{name!r}] is "
+                    f"{getattr(have, 'dtype', type(have).__name__)} "
+                    f"{tuple(getattr(have, 'shape', ()))}, the clipped sum of {name} "
+                    f"{p.dtype} {tuple(p.shape)}: pass an empty dict (the engine creates "
+                    f"each entry) or one the engine filled")
         if B == 0:
             return StepStats()
         dtype = self._acc_dtype()
