@@ -553,3 +553,20 @@ def test_an_accumulator_entry_of_another_shape_or_an_integer_one_is_refused_by_n
     ClippingEngine(m, clip_norm=1.0).accumulate(sq_loss, (torch.randn(3, 4),), twice)
     assert set(twice) == {"0.weight", "0.bias"} and not torch.equal(twice["0.bias"],
                                                                      good["0.bias"])
+
+
+def test_a_loss_of_the_inputs_gradient_is_refused_by_name():
+    # a gradient penalty inside loss_fn: torch's "appears to not have been used in the
+    # graph" from the engine's own leaf before
+    m = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    x = torch.randn(5, 4, requires_grad=True)
+
+    def penalised(model, batch):
+        (inp,) = batch
+        out = model(inp).sum(1)
+        (g,) = torch.autograd.grad(out.sum(), inp, create_graph=True)
+        return out + g.pow(2).sum(1)
+
+    with pytest.raises(ValueError, match=r"loss_fn differentiates with respect to a tensor of "
+                                         r"the batch .*gradient penalty.*\(RuntimeError: "):
+        per_example_grad_norms(m, penalised, (x,))

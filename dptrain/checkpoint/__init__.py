@@ -35,22 +35,11 @@ from typing import Any
 import torch
 
 from dptrain.config import ConfigError, to_dict, unused_fields
+from dptrain.messages import brief  # noqa: F401  (also ckpt.brief, for the probes)
 
 MARKER = "COMPLETE"
 PRIVACY_FIELDS = ("sample_rate", "noise_multiplier", "clip_norm", "dataset_size",
                   "expected_batch_size", "delta", "steps", "adjacency", "epsilon", "accountant")
-
-
-def brief(e: BaseException) -> str:
-    """``e`` as one line for an error message: its type and the first line of its message
-    (200 characters at most). DCP's CheckpointException, whose message is every rank's
-    traceback: the first failing rank's own exception."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        e = first[0] if isinstance(first, tuple) else first
-    lines = str(e).splitlines()
-    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
 
 
 def _sha256(path: Path) -> str:

@@ -69,6 +69,7 @@ from dptrain.clipping.contributions import (
 from dptrain.clipping.errors import ClippingError
 from dptrain.clipping.precision import ieee_float32
 from dptrain.config import FLOAT32_TINY
+from dptrain.messages import brief
 from dptrain.clipping.rows import (COMPARED, MAX_ATTEMPTS, UNCHECKABLE, cannot_check,
                                    check_example_rows, check_stored_across)
 from dptrain.clipping.rules import FALLBACK, LayerRule, _no_rule, find_rule
@@ -1048,13 +1049,22 @@ class ClippingEngine:
                         losses = loss_fn(self.model, inputs)
                     # (torch's own shape checks raise ValueError or AssertionError too)
                     except (RuntimeError, IndexError, ValueError, AssertionError) as e:
+                        if "appears to not have been used in the graph" in str(e):
+                            raise ClippingError(
+                                f"dptrain.clipping: loss_fn differentiates with respect to a "
+                                f"tensor of the batch (torch.autograd.grad inside it: a "
+                                f"gradient penalty, an input-gradient loss), which is not "
+                                f"supported: the engine gives each layer a leaf of its own as "
+                                f"input, and its per-example rules are for losses of the "
+                                f"layers' outputs, not of their gradients ({brief(e)})"
+                            ) from e
                         # (the engine's own refusals, raised from its hooks, are ClippingErrors)
                         if self._taps_checked or isinstance(e, ClippingError):
                             raise
                         raise ClippingError(
                             f"dptrain.clipping: the forward failed with the tapped parameters "
                             f"{self._tap_names()} given one row per example (clipping/taps.py):"
-                            f" {(str(e).splitlines() or [type(e).__name__])[0]} If that is a "
+                            f" {brief(e)}. If that is a "
                             f"shape error, the forward uses such a parameter in a way that does "
                             f"not broadcast it over the examples (p.view(-1), or after a reshape "
                             f"of the examples' tensors): move it into a module of its own (timm's "

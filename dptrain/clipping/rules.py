@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from dptrain.clipping.contributions import Contribution, Dense, OneHot, Outer
 from dptrain.clipping.errors import ClippingError
+from dptrain.messages import brief
 
 _RULES: dict[type, "LayerRule"] = {}
 
@@ -492,7 +493,7 @@ class FuncFallbackRule(LayerRule):
             raise ClippingError(
                 f"dptrain.clipping: the torch.func fallback for {type(module).__name__} "
                 f"(no layer rule) computes its per-example gradients under vmap, which could "
-                f"not run its forward: {str(e).splitlines()[0]} Write that forward with ops vmap "
+                f"not run its forward: {brief(e)}. Write that forward with ops vmap "
                 f"supports (torch.where, not Python branches on values or boolean-mask "
                 f"indexing; no in-place write into a tensor the forward makes: pass such a "
                 f"state as an input), or register a layer rule "

@@ -121,6 +121,7 @@ def require_matplotlib(option: str) -> None:
     before the work: else one line naming ``option``, exit 2 (an installed matplotlib that
     fails to import, or a bad backend name, was a traceback, after an audit's whole run)."""
     from dptrain.config import ConfigError
+    from dptrain.messages import brief
 
     try:
         import matplotlib  # noqa: F401
@@ -128,7 +129,7 @@ def require_matplotlib(option: str) -> None:
         from matplotlib.figure import Figure  # noqa: F401
     except ImportError as e:
         raise ConfigError(option, f"needs matplotlib (pip install 'dptrain[plot]'): "
-                                  f"{str(e).splitlines()[0] if str(e) else e!r}") from None
+                                  f"{brief(e)}") from None
     except ValueError as e:  # (rcParams' validation: MPLBACKEND=bogus)
         raise ConfigError(option, f"matplotlib refuses its settings: "
-                                  f"{str(e).splitlines()[0]}") from None
+                                  f"{brief(e)}") from None

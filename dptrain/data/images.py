@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dptrain.config import ConfigError, require_file
+from dptrain.messages import brief
 
 MNIST_FILE = "mnist_5k.csv.gz"
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -83,9 +84,8 @@ def load_mnist(path: str | None, test_per_class: int = 100):
               else open(f, encoding="utf-8")) as fh:
             arr = np.loadtxt(fh, delimiter=",", dtype=np.float64, ndmin=2)
     except (OSError, EOFError, ValueError) as e:  # not gzip, not UTF-8, not numbers, ...
-        why = (str(e).splitlines() or [type(e).__name__])[0]
         raise ConfigError("data.path", f"{f} is not an MNIST CSV (784 pixels and a label per "
-                                       f"row): {why}") from None
+                                       f"row): {brief(e)}") from None
     if arr.shape[1] != 28 * 28 + 1 or len(arr) == 0:
         raise ConfigError("data.path", f"{f} is not an MNIST CSV: {arr.shape[1]} columns per "
                                        f"row, expected 785 (784 pixels and a label)")

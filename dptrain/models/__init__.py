@@ -21,6 +21,7 @@ from torch import nn
 
 from dptrain.config import ConfigError, refuse_unused, require_file
 from dptrain.data.info import DataInfo
+from dptrain.messages import brief
 
 __all__ = [
     "ModelConfig",
@@ -298,8 +299,7 @@ def _load_timm_weights(model: nn.Module, path: Path) -> None:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the field's error
         # the first line: torch's weights-only refusal explains itself over several paragraphs
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise ConfigError(field_, f"cannot read {path}: {type(e).__name__}: {first}") from None
+        raise ConfigError(field_, f"cannot read {path}: {brief(e)}") from None
     for key in ("state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
