@@ -94,7 +94,11 @@ class DPOptimizer:
     def query_plan(self) -> QueryPlan:
         """Each example's query as [(coefficient, {name: parameter values} or None = current),
         ...]: the filter's (a float coefficient per entry), or inner momentum's (a dict name ->
-        coefficient and an RNG seed per entry; ``dptrain.clipping.engine.QueryPlan``)."""
+        coefficient and an RNG seed per entry; ``dptrain.clipping.engine.QueryPlan``).
+
+        The states are views of the optimizer's own buffers, not copies: use the plan before
+        the next :meth:`step`, which overwrites the oldest state of a full history (the
+        trainer queries, then steps; a plan kept past a step holds other states)."""
         if self.history is not None:
             return self.history.plan(self.num_steps)
         return self.filter.query_plan(self.named_params)
