@@ -96,7 +96,7 @@ class DPOptimizer:
         ...]: the filter's (a float coefficient per entry), or inner momentum's (a dict name ->
         coefficient and an RNG seed per entry; ``dptrain.clipping.engine.QueryPlan``).
 
-        The states are views of the optimizer's own buffers, not copies: use the plan before
+        Inner momentum's states are views of its history, not copies: use the plan before
         the next :meth:`step`, which overwrites the oldest state of a full history (the
         trainer queries, then steps; a plan kept past a step holds other states)."""
         if self.history is not None:
