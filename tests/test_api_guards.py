@@ -506,7 +506,12 @@ def test_two_pass_sums_by_its_second_backward_where_the_hooks_see_every_use():
     engine = ClippingEngine(model, clip_norm=1.0, mode="two_pass")
     engine.accumulate(_ce, batch, {})  # (the first query refuses the hook below)
     model[0].register_forward_hook(lambda mod, a, o: o + 1e-3 * mod.weight.sum())
-    engine.accumulate(_ce, batch, {})
+    with pytest.warns(UserWarning, match=r"second backward's sum of 0.weight is not"):
+        engine.accumulate(_ce, batch, {})
+    assert engine.summed_by_query == {"0.weight"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per parameter
+        engine.accumulate(_ce, batch, {})
     assert engine.summed_by_query == {"0.weight"}
 
     def compressed(m, b):  # bf16 activation compression: 1.00067 C from one example

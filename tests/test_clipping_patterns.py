@@ -385,14 +385,20 @@ def test_a_layer_with_parameters_its_rule_does_not_compute_is_refused():
         m = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 4)), nn.Tanh(),
                           nn.Linear(4, 1)).double()
     x = torch.randn(3, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"0 \(Linear\) has the trainable parameters \['bias', "
-                                         r"'weight_g', 'weight_v'\] and a torch.nn.utils."
-                                         r"weight_norm hook"):
+    with pytest.raises(ValueError, match=r"0 \(Linear\) has a torch.nn.utils.weight_norm hook, "
+                                         r"which computes its weight from \['weight_g', "
+                                         r"'weight_v'\]"):
         ClippingEngine(m, clip_norm=1.0).per_example_norms(sq_loss, (x,))
     s = nn.Sequential(torch.nn.utils.spectral_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 1))
-    with pytest.raises(ValueError, match=r"0 \(Linear\) has the trainable parameters \['bias', "
-                                         r"'weight_orig'\] and a torch.nn.utils.spectral_norm"):
+    with pytest.raises(ValueError, match=r"0 \(Linear\) has a torch.nn.utils.spectral_norm hook, "
+                                         r"which computes its weight from \['weight_orig'\]"):
         ClippingEngine(s.double(), clip_norm=1.0)
+    # frozen, they still make the weight the rule takes for a parameter (it named the bias
+    # as what the weight is computed from)
+    m[0].weight_g.requires_grad_(False)
+    m[0].weight_v.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"computes its weight from \['weight_g', 'weight_v'\]"):
+        ClippingEngine(m, clip_norm=1.0)
 
 
 @pytest.mark.parametrize("build, words", [
@@ -570,3 +576,48 @@ def test_a_loss_of_the_inputs_gradient_is_refused_by_name():
     with pytest.raises(ValueError, match=r"loss_fn differentiates with respect to a tensor of "
                                          r"the batch .*gradient penalty.*\(RuntimeError: "):
         per_example_grad_norms(m, penalised, (x,))
+
+
+def test_a_global_forward_hook_is_refused():
+    # it runs before the layers' own hooks, the engine's included: they saw the output as the
+    # hook changed it, and missed a parameter it used (norms 6-24% off, a red team)
+    from torch.nn.modules.module import register_module_forward_hook
+
+    m = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    handle = register_module_forward_hook(lambda mod, a, o: o * 2 if mod is m[0] else None)
+    try:
+        with pytest.raises(ValueError, match="a global forward hook is registered"):
+            per_example_grad_norms(m, sq_loss, (torch.randn(3, 4),))
+    finally:
+        handle.remove()
+    per_example_grad_norms(m, sq_loss, (torch.randn(3, 4),))  # (once it is removed)
+
+
+class _NoRule(nn.Module):
+    """A layer no rule knows: the torch.func fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.sin(x * self.w)
+
+
+def test_the_fallback_does_not_run_a_layers_hooks_again():
+    # it re-ran the call through module(...): the captured input, which has the pre-hook's
+    # change already, changed again, and the output gradient met the forward hook twice
+    # (norms 6-23% off); and a hook calling .item() failed under vmap
+    torch.manual_seed(0)
+    m = nn.Sequential(_NoRule(), nn.Linear(4, 3)).double()
+    m[0].register_forward_pre_hook(lambda mod, a: (a[0] * 2,))
+    m[0].register_forward_hook(lambda mod, a, o: o * 3)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    ref = ref_norms(m, sq_loss, x)  # (vmapped through the hooks: before the .item() one)
+    seen = []
+    m[0].register_forward_hook(lambda mod, a, o: seen.append(float(o.sum().item())))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the fallback's note)
+        norms = per_example_grad_norms(m, sq_loss, (x,))
+    torch.testing.assert_close(norms, ref, rtol=1e-9, atol=1e-12)  # (.item(): not vmapped)
+    assert seen  # (the engine's forwards ran it)

@@ -665,7 +665,7 @@ def test_the_engine_tells_its_refusals_from_the_forwards_errors_by_class_not_tex
 
     Scaled.forward = bare_assert
     with pytest.raises(ClippingError, match=r"the forward failed with the tapped parameters "
-                                            r"\['scale'\].*: AssertionError If that is a"):
+                                            r"\['scale'\].*: AssertionError\. If that is a"):
         ClippingEngine(Scaled()).per_example_norms(_sq, (torch.randn(3, 4),))
     with pytest.raises(ClippingError) as refusal:  # one of the engine's own
         ClippingEngine(nn.Embedding(5, 3, max_norm=1.0))

@@ -460,22 +460,26 @@ def _refuse_unsupported(name: str, m: nn.Module) -> None:
     from torch.nn.utils.spectral_norm import SpectralNorm
     from torch.nn.utils.weight_norm import WeightNorm
 
-    legacy = [h for h in m._forward_pre_hooks.values() if isinstance(h, (WeightNorm, SpectralNorm))]
-    if not legacy and not isinstance(m, (nn.MultiheadAttention, parametrize.ParametrizationList,
-                                         nn.RNNBase, nn.LSTMCell)):
+    for hook in m._forward_pre_hooks.values():
+        if not isinstance(hook, (WeightNorm, SpectralNorm)):
+            continue
+        kind, made_from = (("weight_norm", (f"{hook.name}_g", f"{hook.name}_v"))
+                           if isinstance(hook, WeightNorm) else
+                           ("spectral_norm", (f"{hook.name}_orig",)))
+        if any(p.requires_grad for p in m.parameters(recurse=False)):
+            where = f"{name} ({type(m).__name__})" if name else type(m).__name__
+            raise ClippingError(
+                f"dptrain.clipping: {where} has a torch.nn.utils.{kind} hook, which computes "
+                f"its {hook.name} from {list(made_from)} in a forward pre-hook, outside the "
+                f"layer's forward; the layer's rule takes {hook.name} for a parameter of its "
+                f"own. Remove it (torch.nn.utils.remove_{kind}) or train without it")
+    if not isinstance(m, (nn.MultiheadAttention, parametrize.ParametrizationList, nn.RNNBase,
+                          nn.LSTMCell)):
         return
     trainable = sorted(k for k, p in m.named_parameters() if p.requires_grad)
     if not trainable:
         return
     where = f"{name} ({type(m).__name__})" if name else type(m).__name__
-    if legacy:
-        kind = "weight_norm" if isinstance(legacy[0], WeightNorm) else "spectral_norm"
-        raise ClippingError(
-            f"dptrain.clipping: {where} has the trainable parameters {trainable} and a "
-            f"torch.nn.utils.{kind} hook: the layer's weight is computed from them in a "
-            f"forward pre-hook, outside the layer's forward, and the layer's rule gives the "
-            f"gradient of the weight only. Remove it (torch.nn.utils.remove_weight_norm or "
-            f"remove_spectral_norm) or train without it")
     if isinstance(m, (nn.RNNBase, nn.LSTMCell)):
         raise ClippingError(
             f"dptrain.clipping: {where} has the trainable parameters {trainable}: torch.nn's "
@@ -795,6 +799,7 @@ class ClippingEngine:
         #: (two_pass) the parameters of the last query whose second-backward sum the probe
         #: refused (:meth:`_probe_agrees`), summed by book-keeping instead
         self.summed_by_query: set[str] = set()
+        self.summed_by_query_ever: set[str] = set()  # (each warned of once)
         #: batch norms, refused when they use batch statistics (checked at every query:
         #: train()/eval() can change between calls)
         self._batchnorms = [(n, m) for n, m in model.named_modules()
@@ -997,6 +1002,16 @@ class ClippingEngine:
         state's activations). ``retain`` (two_pass): each state's graph is kept, and returned
         as (coefficient, state, per-example losses) for the second backward."""
         self._check_params()
+        if torch.nn.modules.module._global_forward_hooks:
+            # they run before a module's own forward hooks, so before the engine's: its layer
+            # rules would see the output as the global hook changed it, and miss a parameter
+            # the hook uses (norms 6-24% off, a red team)
+            raise ClippingError(
+                "dptrain.clipping: a global forward hook is registered "
+                "(torch.nn.modules.module.register_module_forward_hook): it runs on every "
+                "layer before the layer's own hooks, the engine's included, which would then "
+                "see the output as the hook changed it. Remove it for the query, or register "
+                "hooks on the modules themselves")
         for name, m in self._batchnorms:
             # (torch's own test: without running statistics it normalises by the batch's in
             # eval mode too)
@@ -1669,6 +1684,16 @@ class ClippingEngine:
                 if g is not None:
                     self._add(out, n, g)
                 continue
+            if n not in self.summed_by_query_ever:
+                self.summed_by_query_ever.add(n)
+                import warnings
+
+                warnings.warn(
+                    f"dptrain.clipping: mode='two_pass': the second backward's sum of {n} is "
+                    f"not the clipped sum of what the layers' hooks saw (a use of it they miss: "
+                    f"a hook or autograd.Function added after the first query?); it takes the "
+                    f"book-keeping sum, which each example's norm bounds, but that norm may "
+                    f"miss the use too (said once per parameter)", stacklevel=3)
             self.summed_by_query.add(n)
             if not contribs:
                 continue

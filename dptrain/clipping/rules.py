@@ -501,7 +501,7 @@ class FuncFallbackRule(LayerRule):
             ) from e
 
     def _contributions(self, module, saved, G):
-        from torch.func import functional_call, vjp, vmap
+        from torch.func import vjp, vmap
 
         params = saved["params"]
         args = saved["args"]  # half captures arrive as float32 (the engine's _to_float)
@@ -513,7 +513,7 @@ class FuncFallbackRule(LayerRule):
             isinstance(t, Tensor) for t in pytree.tree_leaves(a)) for a in args)
         if (any(isinstance(t, Tensor) for t in pytree.tree_leaves(kwargs)) or any(batched[1:])
                 or nested):
-            _, pull = vjp(lambda p: functional_call(module, p, args, kwargs), params)
+            _, pull = vjp(lambda p: _forward_at(module, p, args, kwargs), params)
             rows = torch.eye(B, dtype=G.dtype, device=G.device).view(B, B, *[1] * (G.dim() - 1))
             grads = vmap(lambda row: pull(G * row)[0])(rows)
             return {n: Dense(g) for n, g in grads.items()}
@@ -525,7 +525,7 @@ class FuncFallbackRule(LayerRule):
                 full.append(next(it).unsqueeze(0) if is_b else a)
 
             def f(p):
-                return functional_call(module, p, tuple(full), kwargs)
+                return _forward_at(module, p, tuple(full), kwargs)
 
             _, pull = vjp(f, params)
             (grads,) = pull(g.unsqueeze(0))
@@ -536,6 +536,20 @@ class FuncFallbackRule(LayerRule):
 
 
 FALLBACK = FuncFallbackRule()
+
+
+def _forward_at(module: nn.Module, params: dict[str, Tensor], args: tuple, kwargs: dict):
+    """``module.forward(*args, **kwargs)`` with ``params`` in place of its parameters (as
+    ``torch.func.functional_call``, but not through ``module(...)``): the module's hooks, and
+    global ones, do not run again. The captured input already has the pre-hooks' changes and
+    the output gradient is the forward's own output's; a hook that scaled either counted
+    twice (norms 6-23% off, a red team), and a hook calling .item() failed under vmap."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    # (tie_weights: a parameter registered under two names is replaced under both, as
+    # functional_call does)
+    with _reparametrize_module(module, params, tie_weights=True):
+        return module.forward(*args, **kwargs)
 
 
 def _no_rule(module: nn.Module) -> str:
