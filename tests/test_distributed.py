@@ -754,6 +754,56 @@ def test_a_launch_without_its_rendezvous_is_one_error_naming_it(monkeypatch, env
     assert e.value.field == field
 
 
+def test_one_rank_without_a_rendezvous_runs_as_a_plain_process(monkeypatch):
+    # some platforms export RANK=0 WORLD_SIZE=1 and nothing else: it was refused, naming
+    # MASTER_ADDR ("the ranks cannot meet"), though there is no other rank to meet
+    import torch.distributed as dist
+
+    from dptrain.parallel.dist import init_from_env
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert init_from_env("gloo") == (0, 1) and not dist.is_initialized()
+
+
+def test_a_rank_waiting_for_its_peers_ends_on_sigterm(tmp_path):
+    # the rendezvous waits in C++, where dptrain train's Python stop handler never runs: a rank
+    # whose peers never came ignored every SIGTERM until gloo's 30-minute timeout (an audit)
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from dptrain.parallel.dist import find_free_port
+
+    port = find_free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+           "WORLD_SIZE": "2", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"}
+    tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    proc = subprocess.Popen([sys.executable, "-m", "dptrain", "train", "--config", tiny,
+                             "--output-dir", str(tmp_path / "out"), "train.progress=false"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # rank 0 hosts the store: listening = in the rendezvous
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == -signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (tmp_path / "out").exists()
+
+
 def test_local_rank_of_a_plain_process_is_0(monkeypatch):
     from dptrain.parallel.dist import local_rank
 

@@ -179,8 +179,9 @@ STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1") if hasat
 """Signals that ask a run to stop at the next step boundary with a checkpoint: SIGTERM (what
 preemption, Slurm's ``--signal=TERM@120`` and torchrun's agent send) and SIGUSR1 (what clusters
 set up for PyTorch Lightning send, e.g. ``--signal=USR1@120``; torchrun passes it on to its
-ranks only with ``TORCHELASTIC_SIGNALS_TO_HANDLE`` naming it). The exit status is 128 + the
-signal's number (143, 138)."""
+ranks only with its ``--signals_to_handle`` / ``PET_SIGNALS_TO_HANDLE`` naming it). The exit
+status is 128 + the signal's number (143, 138). While the ranks meet, they end the process
+(``dptrain.parallel.dist.init_from_env``)."""
 
 
 _DRY_RUN_HEADER = ("# dptrain train --dry-run: every check before the first step passed; "

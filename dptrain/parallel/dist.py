@@ -13,11 +13,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
 import queue as queue_mod
+import signal
 import socket
+import threading
 import time
 from typing import Any, Callable
 
@@ -62,14 +65,15 @@ def init_from_env(backend: str | None = None, *,
     """Initialise the default process group from the launcher's environment; returns (rank, world).
 
     Reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as ``accelerate launch`` and ``torchrun``
-    set them). Without WORLD_SIZE (a plain ``python`` run) nothing is initialised and (0, 1) is
-    returned. Idempotent: an existing group is reused. With NCCL the CUDA device is set from
+    set them). Without WORLD_SIZE (a plain ``python`` run), or with WORLD_SIZE 1 and no
+    MASTER_ADDR, nothing is initialised and (0, 1) is returned. Idempotent: an existing group is reused. With NCCL the CUDA device is set from
     LOCAL_RANK first, so each rank gets its own GPU.
     """
     if is_distributed():
         return dist.get_rank(), dist.get_world_size()
     rank, world = launch_environment()
-    if world == 1 and "WORLD_SIZE" not in os.environ:
+    if world == 1 and not os.environ.get("MASTER_ADDR", "").strip():
+        # (one process needs no rendezvous: some platforms export RANK=0 WORLD_SIZE=1 alone)
         return 0, 1
     from dptrain.config import ConfigError
 
@@ -86,9 +90,31 @@ def init_from_env(backend: str | None = None, *,
     kwargs: dict[str, Any] = {}
     if timeout is not None:
         kwargs["timeout"] = timeout
-    dist.init_process_group(backend=backend, init_method="env://", rank=rank,
-                            world_size=world, **kwargs)
+    with _stop_signals_terminate():
+        dist.init_process_group(backend=backend, init_method="env://", rank=rank,
+                                world_size=world, **kwargs)
     return rank, world
+
+
+@contextlib.contextmanager
+def _stop_signals_terminate():
+    """While the ranks meet, SIGTERM and SIGUSR1 take their default action (the process ends)
+    instead of a Python handler's (``dptrain train``'s stop request): the rendezvous waits in
+    C++, where no Python handler runs, so a rank whose peers never came ignored every SIGTERM
+    until the timeout (30 minutes with gloo; an audit). Nothing is there to checkpoint yet."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = [getattr(signal, n) for n in ("SIGTERM", "SIGUSR1") if hasattr(signal, n)]
+    handlers = {s: signal.getsignal(s) for s in signals}
+    handlers = {s: h for s, h in handlers.items() if callable(h)}  # (not SIG_IGN, SIG_DFL)
+    for s in handlers:
+        signal.signal(s, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
 
 
 def launch_environment() -> tuple[int, int]:
