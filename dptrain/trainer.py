@@ -506,6 +506,8 @@ class Trainer:
                 kernels=perf.kernels)
         except ClippingError as e:
             raise ConfigError(self._model_field(), str(e)) from None
+        # (two_pass's fallback warnings: a step that tells something of the sampled examples)
+        self.engine.warn_at_queries = not cfg.privacy.secure_mode
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = build_optimizer(
             cfg.optim, self.named_params, total_steps=self.plan.steps,

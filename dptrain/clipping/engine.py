@@ -503,6 +503,32 @@ def _refuse_unsupported(name: str, m: nn.Module) -> None:
         f"parametrization (parametrize.remove_parametrizations) or train without it")
 
 
+#: torch's global forward hooks (``register_module_forward_hook``), a dict it mutates in place
+_GLOBAL_FORWARD_HOOKS = torch.nn.modules.module._global_forward_hooks
+
+
+def _guarded_global_hook(hook: Callable, hooked: dict[int, str]) -> Callable:
+    """``hook``, a global forward hook, run as it is, but refused when it changes the output of
+    a layer the engine hooks: global hooks run before a module's own, the engine's capture
+    included, which would take the changed output for the layer's (norms 6-33% off, two red
+    teams). One that returns None or the output itself (a profiler's: FlopCounterMode,
+    ModuleTracker) changes nothing and passes."""
+
+    def guarded(module, *rest):
+        result = hook(module, *rest)
+        if (result is not None and result is not rest[-1] and id(module) in hooked
+                and torch.is_grad_enabled()):
+            raise ClippingError(
+                f"dptrain.clipping: a global forward hook (register_module_forward_hook) "
+                f"changed the output of {hooked[id(module)]} ({type(module).__name__}): it "
+                f"runs before the layer's own hooks, the engine's included, which would take "
+                f"the changed output for the layer's. Register the hook on the module itself "
+                f"(it then runs after the engine's), or remove it for the query")
+        return result
+
+    return guarded
+
+
 @dataclass
 class _Capture:
     """What one forward's hooks share: the microbatch's size, the state's coefficient, and the
@@ -515,6 +541,7 @@ class _Capture:
     op_taps: list
     two_pass: bool
     tap_leaves: set[int] = field(default_factory=set)  # the tapped parameters' leaves
+    global_hooks: set[int] = field(default_factory=set)  # those registered before (guarded)
 
 
 def _tap_hooks(cap: _Capture, t: Tapped):
@@ -637,6 +664,12 @@ def _layer_hooks(cap: _Capture, h: _Hooked):
     def post(module, args, output, kwargs=None):
         if not torch.is_grad_enabled():
             return None
+        if _GLOBAL_FORWARD_HOOKS and not cap.global_hooks.issuperset(_GLOBAL_FORWARD_HOOKS):
+            raise ClippingError(
+                f"dptrain.clipping: a global forward hook (register_module_forward_hook) was "
+                f"registered during the query, and ran on {h.name} ({type(module).__name__}) "
+                f"before the engine's hook could tell what it does to the layer's output. "
+                f"Register it before the query, or on the modules themselves")
         if not isinstance(output, Tensor):
             raise ClippingError(f"dptrain.clipping: {h.name} ({type(module).__name__}) "
                                 f"returned {type(output).__name__}, expected a Tensor")
@@ -800,6 +833,9 @@ class ClippingEngine:
         #: refused (:meth:`_probe_agrees`), summed by book-keeping instead
         self.summed_by_query: set[str] = set()
         self.summed_by_query_ever: set[str] = set()  # (each warned of once)
+        #: warn of what happened at a query (two_pass's fallbacks): when, and whether, can
+        #: depend on the examples; secure mode turns it off (the trainer), as its other notes
+        self.warn_at_queries = True
         #: batch norms, refused when they use batch statistics (checked at every query:
         #: train()/eval() can change between calls)
         self._batchnorms = [(n, m) for n, m in model.named_modules()
@@ -831,6 +867,11 @@ class ClippingEngine:
         ``records``, ``targets`` and ``op_taps``, and are removed on leaving."""
         cap = _Capture(batch_size, coef, records, targets, op_taps, self.mode == "two_pass")
         handles = []
+        globals_before = dict(_GLOBAL_FORWARD_HOOKS)
+        hooked_names = {id(h.module): h.name for h in self.hooked}
+        cap.global_hooks = set(globals_before)
+        for key, hook in globals_before.items():
+            _GLOBAL_FORWARD_HOOKS[key] = _guarded_global_hook(hook, hooked_names)
         try:
             for h in self.hooked:
                 pre, post = _layer_hooks(cap, h)
@@ -861,6 +902,9 @@ class ClippingEngine:
         finally:
             for handle in handles:
                 handle.remove()
+            for key, hook in globals_before.items():
+                if key in _GLOBAL_FORWARD_HOOKS:  # (unless removed meanwhile)
+                    _GLOBAL_FORWARD_HOOKS[key] = hook
 
     @contextlib.contextmanager
     def _state(self, state: dict[str, Tensor] | None, seed: int | None = None) -> Iterator[None]:
@@ -1002,16 +1046,6 @@ class ClippingEngine:
         state's activations). ``retain`` (two_pass): each state's graph is kept, and returned
         as (coefficient, state, per-example losses) for the second backward."""
         self._check_params()
-        if torch.nn.modules.module._global_forward_hooks:
-            # they run before a module's own forward hooks, so before the engine's: its layer
-            # rules would see the output as the global hook changed it, and miss a parameter
-            # the hook uses (norms 6-24% off, a red team)
-            raise ClippingError(
-                "dptrain.clipping: a global forward hook is registered "
-                "(torch.nn.modules.module.register_module_forward_hook): it runs on every "
-                "layer before the layer's own hooks, the engine's included, which would then "
-                "see the output as the hook changed it. Remove it for the query, or register "
-                "hooks on the modules themselves")
         for name, m in self._batchnorms:
             # (torch's own test: without running statistics it normalises by the batch's in
             # eval mode too)
@@ -1556,16 +1590,22 @@ class ClippingEngine:
                                 f"got {type(active).__name__} "
                                 f"{getattr(active, 'dtype', '')} "
                                 f"{tuple(getattr(active, 'shape', ()))}")
+        bits = torch.finfo(self._acc_dtype()).bits
         for name, have in acc.items():  # (before any work: acc is left as it was)
             p = self.params.get(name)
-            if p is not None and not (isinstance(have, Tensor) and have.is_floating_point()
-                                      and have.shape == p.shape):
+            if p is not None and not (
+                    isinstance(have, Tensor) and have.is_floating_point()
+                    and have.shape == p.shape and torch.finfo(have.dtype).bits >= bits
+                    and not have.requires_grad  # (add_ into a leaf that does: refused by torch)
+                    and not any(st == 0 and n > 1 for st, n in zip(have.stride(), have.shape))):
+                what = (f"{have.dtype} {tuple(have.shape)}"
+                        f"{', requires grad' if have.requires_grad else ''}"
+                        f"{', expanded' if 0 in have.stride() else ''}"
+                        if isinstance(have, Tensor) else type(have).__name__)
                 raise ClippingError(
-                    f"dptrain.clipping: acc[{name!r}] is "
-                    f"{getattr(have, 'dtype', type(have).__name__)} "
-                    f"{tuple(getattr(have, 'shape', ()))}, the clipped sum of {name} "
-                    f"{p.dtype} {tuple(p.shape)}: pass an empty dict (the engine creates "
-                    f"each entry) or one the engine filled")
+                    f"dptrain.clipping: acc[{name!r}] is {what}, the clipped sum of {name} "
+                    f"{self._acc_dtype()} {tuple(p.shape)} (a tensor of its own): pass an empty "
+                    f"dict (the engine creates each entry) or one the engine filled")
         if B == 0:
             return StepStats()
         dtype = self._acc_dtype()
@@ -1684,7 +1724,7 @@ class ClippingEngine:
                 if g is not None:
                     self._add(out, n, g)
                 continue
-            if n not in self.summed_by_query_ever:
+            if self.warn_at_queries and n not in self.summed_by_query_ever:
                 self.summed_by_query_ever.add(n)
                 import warnings
 

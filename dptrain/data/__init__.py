@@ -394,7 +394,8 @@ def _synthetic_lm(cfg: DataConfig, seed: int, train_name: str | None,
 
 
 def _mnist(cfg: DataConfig, seed: int, train_name: str | None, test_name: str | None) -> Task:
-    """MNIST from its IDX files, grey replicated into ``in_chans`` channels when asked."""
+    """MNIST (its CSV of digits and labels), grey replicated into ``in_chans`` channels when
+    asked."""
     from dptrain.data.images import MNIST_MEAN, MNIST_STD, load_mnist
 
     directory = _resolve_dir(cfg.path, None)
