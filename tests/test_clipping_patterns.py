@@ -619,6 +619,40 @@ def test_a_global_forward_hook_that_changes_a_layers_output_is_refused():
 
     with pytest.raises(ValueError, match="registered during the query"):
         per_example_grad_norms(m, registering, (x,))
+    # in place, returning None (or the output itself): the layer's output changed all the same
+    # (31% off, a third red team); so did one using the layer's own bias in place (10%)
+    for hook in (lambda mod, a, o: o.mul_(2) if mod is m[0] else None,
+                 lambda mod, a, o: o.add_(mod.bias) if mod is m[0] else None):
+        handle = register_module_forward_hook(hook)
+        try:
+            with pytest.raises(ValueError, match=r"changed the output of 0 \(Linear\): "):
+                per_example_grad_norms(m, sq_loss, (x,))
+        finally:
+            handle.remove()
+    # with a global hook there before the query, one registered in it that changes nothing (a
+    # profiler inside loss_fn) passes, and one that removes itself after changing the output
+    # is still seen
+    handle = register_module_forward_hook(lambda mod, a, o: None)
+
+    def profiled(model, batch):
+        with ModuleTracker():
+            return sq_loss(model, batch)
+
+    def vanishing(model, batch):
+        def once(mod, a, o):
+            h.remove()
+            return o * 2
+        h = register_module_forward_hook(once)
+        return sq_loss(model, batch)
+
+    try:
+        torch.testing.assert_close(per_example_grad_norms(m, profiled, (x,)), norms, rtol=0,
+                                   atol=0)
+        with pytest.raises(ValueError, match=r"changed the output of 0 \(Linear\) \(returned"):
+            per_example_grad_norms(m, vanishing, (x,))
+    finally:
+        handle.remove()
+    assert not torch.nn.modules.module._global_forward_hooks  # (the engine's own removed)
 
 
 class _NoRule(nn.Module):

@@ -507,26 +507,18 @@ def _refuse_unsupported(name: str, m: nn.Module) -> None:
 _GLOBAL_FORWARD_HOOKS = torch.nn.modules.module._global_forward_hooks
 
 
-def _guarded_global_hook(hook: Callable, hooked: dict[int, str]) -> Callable:
-    """``hook``, a global forward hook, run as it is, but refused when it changes the output of
-    a layer the engine hooks: global hooks run before a module's own, the engine's capture
-    included, which would take the changed output for the layer's (norms 6-33% off, two red
-    teams). One that returns None or the output itself (a profiler's: FlopCounterMode,
-    ModuleTracker) changes nothing and passes."""
+def _record_raw_outputs(cap: "_Capture", layers: set[int]):
+    """A global forward hook, moved before the others, that records each hooked layer's own
+    output and its version in ``cap.raw``, for the layer's hook to tell whether another global
+    hook changed it (in place too); its handle."""
 
-    def guarded(module, *rest):
-        result = hook(module, *rest)
-        if (result is not None and result is not rest[-1] and id(module) in hooked
-                and torch.is_grad_enabled()):
-            raise ClippingError(
-                f"dptrain.clipping: a global forward hook (register_module_forward_hook) "
-                f"changed the output of {hooked[id(module)]} ({type(module).__name__}): it "
-                f"runs before the layer's own hooks, the engine's included, which would take "
-                f"the changed output for the layer's. Register the hook on the module itself "
-                f"(it then runs after the engine's), or remove it for the query")
-        return result
+    def record(module, args, output):
+        if id(module) in layers and isinstance(output, Tensor):
+            cap.raw[id(module)] = (output, output._version)
 
-    return guarded
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    _GLOBAL_FORWARD_HOOKS.move_to_end(handle.id, last=False)
+    return handle
 
 
 @dataclass
@@ -541,7 +533,11 @@ class _Capture:
     op_taps: list
     two_pass: bool
     tap_leaves: set[int] = field(default_factory=set)  # the tapped parameters' leaves
-    global_hooks: set[int] = field(default_factory=set)  # those registered before (guarded)
+    #: global forward hooks there were when the query began (those seen by ``raw``)
+    global_hooks: set[int] = field(default_factory=set)
+    #: id(layer) -> (its forward's own output, its version): recorded by the engine's global
+    #: hook, run before any other while there are others, and compared by the layer's hook
+    raw: dict[int, tuple[Tensor, int]] = field(default_factory=dict)
 
 
 def _tap_hooks(cap: _Capture, t: Tapped):
@@ -664,12 +660,26 @@ def _layer_hooks(cap: _Capture, h: _Hooked):
     def post(module, args, output, kwargs=None):
         if not torch.is_grad_enabled():
             return None
-        if _GLOBAL_FORWARD_HOOKS and not cap.global_hooks.issuperset(_GLOBAL_FORWARD_HOOKS):
-            raise ClippingError(
-                f"dptrain.clipping: a global forward hook (register_module_forward_hook) was "
-                f"registered during the query, and ran on {h.name} ({type(module).__name__}) "
-                f"before the engine's hook could tell what it does to the layer's output. "
-                f"Register it before the query, or on the modules themselves")
+        if _GLOBAL_FORWARD_HOOKS:
+            # global hooks run before a module's own, this one included: it must see the
+            # forward's own output, which the engine's global hook recorded before them (one
+            # there is when the query began with global hooks)
+            if not cap.global_hooks:
+                raise ClippingError(
+                    f"dptrain.clipping: a global forward hook (register_module_forward_hook) "
+                    f"was registered during the query, and ran on {h.name} "
+                    f"({type(module).__name__}) before the engine could see the layer's own "
+                    f"output. Register it before the query, or on the modules themselves")
+            raw, version = cap.raw.pop(id(module), (output, None))
+            if raw is not output or (version is not None and output._version != version):
+                raise ClippingError(
+                    f"dptrain.clipping: a global forward hook (register_module_forward_hook) "
+                    f"changed the output of {h.name} ({type(module).__name__})"
+                    f"{'' if raw is output else ' (returned another tensor)'}: "
+                    f"it runs before the layer's own hooks, the engine's included, which would "
+                    f"take the changed output for the layer's (norms 6-33% off, red teams). "
+                    f"Register the hook on the module itself (it then runs after the "
+                    f"engine's), or remove it for the query")
         if not isinstance(output, Tensor):
             raise ClippingError(f"dptrain.clipping: {h.name} ({type(module).__name__}) "
                                 f"returned {type(output).__name__}, expected a Tensor")
@@ -867,11 +877,9 @@ class ClippingEngine:
         ``records``, ``targets`` and ``op_taps``, and are removed on leaving."""
         cap = _Capture(batch_size, coef, records, targets, op_taps, self.mode == "two_pass")
         handles = []
-        globals_before = dict(_GLOBAL_FORWARD_HOOKS)
-        hooked_names = {id(h.module): h.name for h in self.hooked}
-        cap.global_hooks = set(globals_before)
-        for key, hook in globals_before.items():
-            _GLOBAL_FORWARD_HOOKS[key] = _guarded_global_hook(hook, hooked_names)
+        if _GLOBAL_FORWARD_HOOKS:  # (none: torch's fast path for modules without hooks)
+            handles.append(_record_raw_outputs(cap, {id(h.module) for h in self.hooked}))
+            cap.global_hooks = set(_GLOBAL_FORWARD_HOOKS)
         try:
             for h in self.hooked:
                 pre, post = _layer_hooks(cap, h)
@@ -902,9 +910,6 @@ class ClippingEngine:
         finally:
             for handle in handles:
                 handle.remove()
-            for key, hook in globals_before.items():
-                if key in _GLOBAL_FORWARD_HOOKS:  # (unless removed meanwhile)
-                    _GLOBAL_FORWARD_HOOKS[key] = hook
 
     @contextlib.contextmanager
     def _state(self, state: dict[str, Tensor] | None, seed: int | None = None) -> Iterator[None]:
