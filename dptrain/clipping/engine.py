@@ -622,6 +622,7 @@ def _layer_hooks(cap: _Capture, h: _Hooked):
     (the examples' float inputs become leaves of the engine's, broadcast ids one row per
     example), the post-hook captures what the layer's rule needs and the output's gradient."""
     batch_size, targets, tap_leaves = cap.batch_size, cap.targets, cap.tap_leaves
+
     def pre(module, args):
         if (cap.two_pass and torch.is_grad_enabled()
                 and torch._C._autograd._top_saved_tensors_default_hooks(False)

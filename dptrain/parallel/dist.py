@@ -66,8 +66,9 @@ def init_from_env(backend: str | None = None, *,
 
     Reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as ``accelerate launch`` and ``torchrun``
     set them). Without WORLD_SIZE (a plain ``python`` run), or with WORLD_SIZE 1 and no
-    MASTER_ADDR, nothing is initialised and (0, 1) is returned. Idempotent: an existing group is reused. With NCCL the CUDA device is set from
-    LOCAL_RANK first, so each rank gets its own GPU.
+    MASTER_ADDR, nothing is initialised and (0, 1) is returned. Idempotent: an existing group
+    is reused. With NCCL the CUDA device is set from LOCAL_RANK first, so each rank gets its
+    own GPU.
     """
     if is_distributed():
         return dist.get_rank(), dist.get_world_size()
