@@ -645,13 +645,42 @@ def test_a_global_forward_hook_that_changes_a_layers_output_is_refused():
         h = register_module_forward_hook(once)
         return sq_loss(model, batch)
 
+    def jumping(model, batch):  # before the engine's own (a fourth red team)
+        h = register_module_forward_hook(lambda mod, a, o: o.mul_(2) if mod is m[2] else None)
+        torch.nn.modules.module._global_forward_hooks.move_to_end(h.id, last=False)
+        try:
+            return sq_loss(model, batch)
+        finally:
+            h.remove()
+
     try:
         torch.testing.assert_close(per_example_grad_norms(m, profiled, (x,)), norms, rtol=0,
                                    atol=0)
         with pytest.raises(ValueError, match=r"changed the output of 0 \(Linear\) \(returned"):
             per_example_grad_norms(m, vanishing, (x,))
+        with pytest.raises(ValueError, match=r"moved before the engine's during the query"):
+            per_example_grad_norms(m, jumping, (x,))
     finally:
         handle.remove()
+
+    def midway(model, batch):  # registered after the first layer, gone before the last's hook
+        h = model[1](model[0](batch[0]))
+        handles = []
+
+        def once(mod, a, o):
+            if mod is model[2]:
+                handles[0].remove()
+                o.mul_(2)
+
+        handles.append(register_module_forward_hook(once))
+        try:
+            out = model[2](h)
+        finally:
+            handles[0].remove()  # (the refusal comes first)
+        return 0.5 * out.pow(2).sum(1)
+
+    with pytest.raises(ValueError, match=r"registered during the query, and runs on 2 \(Linear\)"):
+        per_example_grad_norms(m, midway, (x,))
     assert not torch.nn.modules.module._global_forward_hooks  # (the engine's own removed)
 
 

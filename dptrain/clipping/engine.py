@@ -507,6 +507,14 @@ def _refuse_unsupported(name: str, m: nn.Module) -> None:
 _GLOBAL_FORWARD_HOOKS = torch.nn.modules.module._global_forward_hooks
 
 
+def _global_hook_too_late(h: "_Hooked", module: nn.Module) -> ClippingError:
+    return ClippingError(
+        f"dptrain.clipping: a global forward hook (register_module_forward_hook) was "
+        f"registered during the query, and runs on {h.name} ({type(module).__name__}) before "
+        f"the engine could see the layer's own output. Register it before the query, or on the "
+        f"modules themselves")
+
+
 def _record_raw_outputs(cap: "_Capture", layers: set[int]):
     """A global forward hook, moved before the others, that records each hooked layer's own
     output and its version in ``cap.raw``, for the layer's hook to tell whether another global
@@ -533,8 +541,9 @@ class _Capture:
     op_taps: list
     two_pass: bool
     tap_leaves: set[int] = field(default_factory=set)  # the tapped parameters' leaves
-    #: global forward hooks there were when the query began (those seen by ``raw``)
-    global_hooks: set[int] = field(default_factory=set)
+    #: the id of the engine's own global forward hook, first of them, registered when the query
+    #: began with global hooks (None: there were none)
+    recorder: int | None = None
     #: id(layer) -> (its forward's own output, its version): recorded by the engine's global
     #: hook, run before any other while there are others, and compared by the layer's hook
     raw: dict[int, tuple[Tensor, int]] = field(default_factory=dict)
@@ -624,6 +633,8 @@ def _layer_hooks(cap: _Capture, h: _Hooked):
     batch_size, targets, tap_leaves = cap.batch_size, cap.targets, cap.tap_leaves
 
     def pre(module, args):
+        if _GLOBAL_FORWARD_HOOKS and torch.is_grad_enabled() and cap.recorder is None:
+            raise _global_hook_too_late(h, module)
         if (cap.two_pass and torch.is_grad_enabled()
                 and torch._C._autograd._top_saved_tensors_default_hooks(False)
                 is not None):
@@ -665,12 +676,14 @@ def _layer_hooks(cap: _Capture, h: _Hooked):
             # global hooks run before a module's own, this one included: it must see the
             # forward's own output, which the engine's global hook recorded before them (one
             # there is when the query began with global hooks)
-            if not cap.global_hooks:
+            if cap.recorder is None:
+                raise _global_hook_too_late(h, module)
+            if next(iter(_GLOBAL_FORWARD_HOOKS)) != cap.recorder:
                 raise ClippingError(
                     f"dptrain.clipping: a global forward hook (register_module_forward_hook) "
-                    f"was registered during the query, and ran on {h.name} "
+                    f"was moved before the engine's during the query, and ran on {h.name} "
                     f"({type(module).__name__}) before the engine could see the layer's own "
-                    f"output. Register it before the query, or on the modules themselves")
+                    f"output. Leave torch's order of global hooks as it is")
             raw, version = cap.raw.pop(id(module), (output, None))
             if raw is not output or (version is not None and output._version != version):
                 raise ClippingError(
@@ -880,7 +893,7 @@ class ClippingEngine:
         handles = []
         if _GLOBAL_FORWARD_HOOKS:  # (none: torch's fast path for modules without hooks)
             handles.append(_record_raw_outputs(cap, {id(h.module) for h in self.hooked}))
-            cap.global_hooks = set(_GLOBAL_FORWARD_HOOKS)
+            cap.recorder = handles[-1].id
         try:
             for h in self.hooked:
                 pre, post = _layer_hooks(cap, h)
