@@ -363,10 +363,10 @@ def test_shards_dcp_cannot_read_are_one_resume_error_not_a_traceback(tmp_path):
 
 
 def test_an_exception_without_a_message_is_named_not_an_index_error():
-    from dptrain import checkpoint as ckpt
+    from dptrain.messages import brief
 
-    assert ckpt.brief(KeyError()) == "KeyError"
-    assert ckpt.brief(ValueError("first\nsecond")) == "ValueError: first"
+    assert brief(KeyError()) == "KeyError"
+    assert brief(ValueError("first\nsecond")) == "ValueError: first"
 
 
 def _save_one_step(rank: int, world: int, out: str, sharding: str) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from dptrain.config import ConfigError, to_dict, unused_fields
-from dptrain.messages import brief  # noqa: F401  (also ckpt.brief, for the probes)
+from dptrain.messages import brief
 
 MARKER = "COMPLETE"
 PRIVACY_FIELDS = ("sample_rate", "noise_multiplier", "clip_norm", "dataset_size",

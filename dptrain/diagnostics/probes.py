@@ -58,6 +58,7 @@ from dptrain.config import (
     validate_tree,
 )
 from dptrain.data import even_subset
+from dptrain.messages import brief
 from dptrain.diagnostics.geometry import (
     PRIVACY_NOTE,
     as_matrix,
@@ -303,7 +304,7 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
         ckpt.restore_model(model, state, path, frozen=frozen)
     except (KeyError, ValueError, RuntimeError) as e:
         raise ConfigError("--checkpoint", f"checkpoint {path}: its model does not fit its own "
-                                          f"config ({ckpt.brief(e)})") from None
+                                          f"config ({brief(e)})") from None
     try:
         optimizer.load_state_dict(state["optimizer"])
     except ConfigError:

@@ -99,15 +99,17 @@ def init_from_env(backend: str | None = None, *,
 
 @contextlib.contextmanager
 def _stop_signals_terminate():
-    """While the ranks meet, SIGTERM and SIGUSR1 take their default action (the process ends)
-    instead of a Python handler's (``dptrain train``'s stop request): the rendezvous waits in
-    C++, where no Python handler runs, so a rank whose peers never came ignored every SIGTERM
-    until the timeout (30 minutes with gloo; an audit). Nothing is there to checkpoint yet."""
+    """While the ranks meet, the stop signals (SIGTERM, SIGUSR1) take their default action (the
+    process ends) instead of a Python handler's (``dptrain train``'s stop request): the
+    rendezvous waits in C++, where no Python handler runs, so a rank whose peers never came
+    ignored every SIGTERM until the timeout (30 minutes with gloo; an audit). Nothing is there
+    to checkpoint yet."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signals = [getattr(signal, n) for n in ("SIGTERM", "SIGUSR1") if hasattr(signal, n)]
-    handlers = {s: signal.getsignal(s) for s in signals}
+    from dptrain.commands.train import STOP_SIGNALS  # (that module stays free of torch)
+
+    handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     handlers = {s: h for s, h in handlers.items() if callable(h)}  # (not SIG_IGN, SIG_DFL)
     for s in handlers:
         signal.signal(s, signal.SIG_DFL)
