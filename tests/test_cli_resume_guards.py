@@ -31,7 +31,10 @@ def train(capsys, out, *args) -> tuple[int, str]:
 
 
 def snapshot(d: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    """Every file's bytes, but run.lock's: a start takes the lock, and names itself there,
+    before its checks (tests/test_cli_run_lock.py); the run's outputs are the rest."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*"))
+            if p.is_file() and p.name != "run.lock"}
 
 
 def one_line(err: str) -> str:

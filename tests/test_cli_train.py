@@ -324,7 +324,7 @@ def test_an_output_dir_that_cannot_be_made_is_refused_before_any_work(tmp_path, 
 
 @pytest.mark.parametrize("name, kind", [("checkpoints", "file"), ("final", "file"),
                                         ("metrics.jsonl", "dir"), ("summary.json", "dir"),
-                                        ("secure_resumes.jsonl", "dir")])
+                                        ("secure_resumes.jsonl", "dir"), ("run.lock", "dir")])
 @pytest.mark.parametrize("resume", [False, True])
 def test_a_path_of_the_wrong_kind_in_the_output_dir_is_refused_before_any_work(
         tmp_path, capsys, monkeypatch, name, kind, resume):

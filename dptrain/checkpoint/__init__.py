@@ -69,8 +69,9 @@ def _fsync_dir(path: Path) -> None:
 
 def _clean_stale(root: Path) -> None:
     """Temporary directories of writers that died mid-write. There is one writer per output
-    directory and it calls this before it creates its own, so every one is stale, including
-    one named with this process's pid (a restarted container often reuses the pid)."""
+    directory (``dptrain train`` holds its ``run.lock``) and it calls this before it creates
+    its own, so every one is stale, including one named with this process's pid (a restarted
+    container often reuses the pid)."""
     for p in root.glob(".tmp-*"):
         shutil.rmtree(p, ignore_errors=True)
     for p in root.glob(".old-*"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import math
 import os
@@ -54,9 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
-    from dptrain import checkpoint as ckpt
     from dptrain.config import load
-    from dptrain.trainer import RunConfig, StopRequested, Trainer
+    from dptrain.trainer import RunConfig
 
     cfg = load(RunConfig, args.config, args.overrides)
     if args.output_dir is not None and not args.output_dir.strip():
@@ -68,6 +68,15 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         raise ConfigError("output-dir", f"{out} exists and is not a directory")
     check_can_create("output-dir", out)  # before the data and the model are built
     _check_layout(out)
+    with _run_lock(out, rank=stop.rank, dry_run=args.dry_run):
+        return _run_in(out, cfg, args, stop)
+
+
+def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
+    """:func:`_run` once ``out`` is this run's alone (its lock held)."""
+    from dptrain import checkpoint as ckpt
+    from dptrain.trainer import StopRequested, Trainer
+
     resume_path = None
     if args.resume == "auto" and (out / "summary.json").exists():
         # summary.json is written last: the run is finished (a requeued job lands here), and
@@ -376,6 +385,114 @@ def _check_layout(out: Path) -> None:
                                             f"directory")
         if not os.access(path, os.W_OK | (os.X_OK if is_dir else 0)):
             raise ConfigError("output-dir", f"cannot write {path}: it is not writable")
+
+
+LOCK = "run.lock"  # in a run directory: held (flock) by the run's rank 0 while it runs
+_NO_LOCKS = frozenset(getattr(errno, n) for n in ("ENOLCK", "ENOSYS", "EOPNOTSUPP", "ENOTSUP")
+                      if hasattr(errno, n))
+"""What ``flock`` says on a file system that cannot lock (Lustre mounted without ``-o flock``,
+some FUSE and SMB mounts)."""
+
+
+@contextlib.contextmanager
+def _run_lock(out: Path, rank: int, dry_run: bool = False):
+    """One run at a time in ``out``: rank 0 holds an exclusive ``flock`` on ``out/run.lock``
+    (created, and ``out`` with it) from before its first look at the directory until it
+    returns; a second run's rank 0 is refused (ConfigError naming output-dir, exit 2) before
+    it reads or writes anything there, and its other ranks are ended by the launcher. The lock
+    is the open file's, so the kernel drops it when the process dies however it dies (a
+    preempted run leaves nothing stale; on NFS the server drops it when the client's lease
+    lapses, about 90 s after a node is lost); the file stays, naming the last holder, except
+    that a start refused before it wrote anything removes the folders it created. A file system that cannot lock gets a warning and the run goes on unguarded. ``dry_run``
+    writes nothing: it only asks whether another run holds the lock."""
+    try:
+        import fcntl
+    except ImportError:  # (not a POSIX system)
+        fcntl = None
+    if rank != 0 or fcntl is None:
+        yield
+        return
+
+    path = out / LOCK
+    if dry_run:
+        if path.is_file():  # a shared probe, on a read-only descriptor: nothing is written
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                _take(fcntl, f.fileno(), fcntl.LOCK_SH, path, out)
+        yield
+        return
+    fd, locked, made = _open_locked(fcntl, path, out)
+    try:
+        yield
+    finally:
+        try:
+            if locked and made and [p.name for p in out.iterdir()] == [LOCK]:
+                # a start refused before writing anything leaves no folder behind; the file
+                # goes while still held, so a run that opened it sees it gone and opens anew
+                os.unlink(path)
+                for folder in made:
+                    folder.rmdir()
+        except OSError:
+            pass
+        finally:
+            os.close(fd)  # (the lock goes with the descriptor)
+
+
+def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path]]:
+    """Create ``out`` and ``path`` in it, and take its lock: (the descriptor, whether locked
+    (False: the file system cannot lock), the folders created, deepest first)."""
+    import socket
+    import time
+
+    for _ in range(8):
+        made = [d for d in (out, *out.absolute().parents) if not d.exists()]
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:  # (/proc: os.access says yes to root, mkdir says no)
+            raise ConfigError("output-dir", f"cannot write {path}: {e.strerror or e}") from None
+        try:
+            if not _take(fcntl, fd, fcntl.LOCK_EX, path, out):
+                return fd, False, made
+            held = os.fstat(fd)
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                holder = {"host": socket.gethostname(), "pid": os.getpid(),
+                          "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+                return fd, True, made
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # its holder removed the file after this process opened it: again
+    raise ConfigError("output-dir", f"cannot lock {path}: it keeps being replaced")
+
+
+def _take(fcntl, fd: int, kind: int, path: Path, out: Path) -> bool:
+    """``flock(fd, kind)`` without waiting: True when taken, False (with a warning) when the
+    file system cannot lock; another run holding it is a ConfigError naming it."""
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            held = json.loads(path.read_text())
+            who = f"pid {held['pid']} on {held['host']}, since {held['since']}"
+        except (OSError, ValueError, TypeError, KeyError):
+            who = "its holder did not say who"
+        raise ConfigError("output-dir", f"{out} is in use by another run ({who}; {path} is "
+                                        "locked): one run writes a directory at a time. Wait "
+                                        "for it, stop it, or choose another directory") from None
+    except OSError as e:
+        if e.errno not in _NO_LOCKS:
+            raise ConfigError("output-dir", f"cannot lock {path}: {e.strerror or e}") from None
+        print(f"dptrain train: warning: {path}: the file system cannot lock files "
+              f"({e.strerror or e}); a second run started into {out} would not be refused",
+              file=sys.stderr)
+        return False
+    return True
 
 
 def _holds_a_run(out: Path) -> bool:

@@ -1,0 +1,185 @@
+"""One run at a time in an output directory: rank 0 holds ``run.lock`` (flock) while it runs.
+
+Two runs started into one directory both passed the "holds a run" check (it looks at files the
+other had not written yet), and one then crashed when the other removed its temporary
+checkpoint; a ``--resume auto`` next to a live run would have continued it as a second writer.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dptrain.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+HOLD = ("import fcntl, json, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.ftruncate(fd, 0)\n"
+        "os.write(fd, json.dumps({'host': 'node7', 'pid': os.getpid(), 'since': 'then'})"
+        ".encode())\n"
+        "print('held', flush=True)\n"
+        "time.sleep(120)\n")
+
+
+def _cli(capsys, out: Path, *args) -> tuple[int, str]:
+    code = main(["train", "--config", TINY, "--output-dir", str(out), "train.progress=false",
+                 *args])
+    return code, capsys.readouterr().err
+
+
+def _snapshot(directory: Path) -> dict:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture
+def held(tmp_path):
+    """A directory holding a run's checkpoints whose lock another process holds."""
+    out = tmp_path / "run"
+    code = main(["train", "--config", TINY, "--output-dir", str(out), "privacy.steps=4"])
+    assert code == 0
+    (out / "summary.json").unlink()  # an unfinished run, as one in progress looks
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(out / "run.lock")],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    yield out, proc
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.parametrize("args", [("--resume", "auto"), (), ("--resume", "auto", "--dry-run"),
+                                  ("--dry-run",)])
+def test_a_directory_another_run_holds_is_refused_before_anything_is_read_or_written(
+        held, capsys, args):
+    out, proc = held
+    capsys.readouterr()
+    before = _snapshot(out)
+    code, err = _cli(capsys, out, *args)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "output-dir" in lines[0] and "in use by another run" in lines[0]
+    assert f"pid {proc.pid} on node7" in lines[0]  # who holds it, from the lock file
+    assert _snapshot(out) == before  # the holder's lock file too
+
+
+def test_a_lock_whose_holder_died_is_no_lock(held, capsys):
+    out, proc = held
+    proc.send_signal(signal.SIGKILL)  # a preempted node: nothing removes the file
+    proc.wait()
+    assert (out / "run.lock").exists()
+    code, err = _cli(capsys, out, "--resume", "auto")
+    assert code == 0, err
+    assert "resumed from" in err and (out / "summary.json").exists()
+    holder = json.loads((out / "run.lock").read_text())
+    assert holder["pid"] == os.getpid() and holder["host"] != "node7"
+
+
+def test_the_lock_is_held_while_the_run_trains_and_released_after(tmp_path, capsys,
+                                                                  monkeypatch):
+    import dptrain.trainer as trainer_module
+
+    out = tmp_path / "run"
+    seen = []
+    real = trainer_module.Trainer.run
+
+    def run(self):
+        fd = os.open(out / "run.lock", os.O_RDONLY)  # another open file: another holder
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            seen.append("free")
+        except BlockingIOError:
+            seen.append("held")
+        finally:
+            os.close(fd)
+        return real(self)
+
+    monkeypatch.setattr(trainer_module.Trainer, "run", run)
+    code, err = _cli(capsys, out)
+    assert code == 0 and seen == ["held"], err
+    fd = os.open(out / "run.lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the command returned
+    finally:
+        os.close(fd)
+    code, err = _cli(capsys, out, "--resume", "auto")  # the same process, again
+    assert code == 0 and "nothing to do" in err
+
+
+def test_a_stopped_run_releases_its_lock(tmp_path):
+    """SIGTERM mid-run: exit 143 with a checkpoint, and the lock goes with the process."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "dptrain", "train", "--config", TINY, "--output-dir", str(out),
+           "privacy.steps=400", "train.checkpoint_every=50"]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    fd = os.open(out / "run.lock", os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 143, err
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+
+
+def test_a_file_system_that_cannot_lock_is_warned_about_and_the_run_goes_on(
+        tmp_path, capsys, monkeypatch):
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    out = tmp_path / "run"
+    code, err = _cli(capsys, out)
+    assert code == 0, err
+    assert "cannot lock files" in err and "would not be refused" in err
+    assert (out / "summary.json").exists()
+
+
+def test_another_lock_error_is_one_line_naming_the_output_dir(tmp_path, capsys, monkeypatch):
+    def denied(fd, op):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(fcntl, "flock", denied)
+    out = tmp_path / "run"
+    code, err = _cli(capsys, out)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "output-dir" in lines[0], err
+    assert "cannot lock" in lines[0] and not (out / "metrics.jsonl").exists()
+
+
+def test_a_dry_run_of_a_new_directory_creates_nothing(tmp_path, capsys):
+    out = tmp_path / "new"
+    code, err = _cli(capsys, out, "--dry-run")
+    assert code == 0, err
+    assert not out.exists()
+
+
+def test_only_rank_0_locks(tmp_path):
+    from dptrain.commands.train import _run_lock
+
+    out = tmp_path / "run"
+    with _run_lock(out, rank=1):
+        assert not out.exists()
+    with _run_lock(out, rank=0):
+        with pytest.raises(Exception, match="in use by another run"):
+            with _run_lock(out, rank=0):
+                pass
+    with _run_lock(out, rank=0):  # released on the way out
+        pass
