@@ -705,6 +705,62 @@ def _start_on_each_rank(rank: int, world: int, overrides: list):
         return str(e)
 
 
+def _train_on_each_rank(rank: int, world: int, per_rank: list) -> tuple[int, str]:
+    """``dptrain train`` with this rank's arguments: (exit status, its last stderr line)."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["train", "--config", TINY, "train.progress=false", *per_rank[rank]])
+    return code, (err.getvalue().strip().splitlines() or [""])[-1]
+
+
+@pytest.mark.parametrize("differ", ["resume", "output-dir", "dry-run"])
+def test_ranks_that_start_another_run_are_refused_on_every_rank(tmp_path, differ):
+    from dptrain.parallel.dist import spawn
+
+    # one node's launcher line with --resume auto, the other's without: rank 0 would load a
+    # checkpoint (its collectives) while rank 1 starts afresh; other --resume paths would put
+    # the ranks at different steps (an example in two shares of a release)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    per_rank = {"resume": [["--output-dir", a, "--resume", "auto"], ["--output-dir", a]],
+                "output-dir": [["--output-dir", a], ["--output-dir", b]],
+                "dry-run": [["--output-dir", a], ["--output-dir", a, "--dry-run"]]}[differ]
+    got = spawn(_train_on_each_rank, 2, per_rank, timeout=240)
+    assert all(code == 2 and f"error: {differ}: rank 1 starts with" in line
+               for code, line in got), got
+    assert not (tmp_path / "a" / "checkpoints").exists() and not (tmp_path / "b").exists()
+
+
+def _resume_on_each_rank(rank: int, world: int, paths: list[str]) -> str | None:
+    """A Trainer that resumes ``paths[rank]``: None, or its ConfigError's line."""
+    from dptrain.config import ConfigError, load
+    from dptrain.trainer import RunConfig, Trainer
+
+    t = Trainer(load(RunConfig, TINY, ["train.progress=false"]))
+    try:
+        ckpt.load(t, Path(paths[rank]))
+        return None
+    except ConfigError as e:
+        return str(e)
+
+
+def test_ranks_that_resume_other_checkpoints_are_refused_on_every_rank(tmp_path, capsys):
+    from dptrain.parallel.dist import spawn
+
+    # one path, two node-local copies of it at other steps: the ranks agree on --resume, and
+    # each took its share of another step's sample (red team: rank 0 at step 3, rank 1 at 2)
+    out = tmp_path / "run"
+    code, err = train(capsys, out, "train.checkpoint_every=1", "train.keep_checkpoints=2")
+    assert code == 0, err
+    older, newer = (str(out / "checkpoints" / f"step-0000000{s}") for s in (3, 4))
+    got = spawn(_resume_on_each_rank, 2, [newer, older], timeout=240)
+    assert all(e is not None and e.startswith(f"resume: rank 1 resumes {older} at step 3, "
+                                              f"rank 0 {newer} at step 4") for e in got), got
+    assert spawn(_resume_on_each_rank, 2, [older, older], timeout=240) == [None, None]
+
+
 def _node_local_e2e(tmp_path, rows: dict[str, list[int]],
                     test_rows: dict[str, int] | None = None) -> dict[str, list[str]]:
     """For each name, an E2E folder holding the devset rows ``rows[name]`` and the first

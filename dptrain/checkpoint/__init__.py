@@ -980,6 +980,8 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         if problem is not None:
             raise ConfigError("resume", f"checkpoint {path} is unusable: {problem}")
     state = read_meta(path, verified=True)
+    if trainer.world > 1:  # (before the first collective whose shape the checkpoint sets)
+        _check_ranks_resume_alike(state, path)
     moved = check_compatible(state["config"], trainer.cfg)
     check_same_data(state, trainer)
     if moved and trainer.rank == 0:
@@ -1011,6 +1013,27 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         raise ConfigError("resume", f"checkpoint {path} is unusable: its privacy seed is not "
                                     f"this run's (privacy.seed); it was not written by "
                                     f"dptrain train for this config")
+
+
+def _check_ranks_resume_alike(state: dict, path: Path) -> None:
+    """Every rank continues from one step with one ledger. The ranks agree on ``--resume``
+    (``commands.train``), but the same path can name node-local copies at different steps;
+    ranks at different steps take their shares of different samples (an example in two
+    shares of one release: sensitivity 2C) and count different releases. Refused on every
+    rank, naming ``resume``."""
+    import torch.distributed as dist
+
+    ledger = json.dumps(state.get("ledger"), sort_keys=True, default=repr).encode()
+    mine = (state.get("step"), hashlib.sha256(ledger).hexdigest(), str(path))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for rank, (step, digest, where) in enumerate(every):
+        if (step, digest) != every[0][:2]:
+            another = " with another ledger" if step == every[0][0] else ""
+            raise ConfigError("resume", f"rank {rank} resumes {where} at step {step}{another}, "
+                                        f"rank 0 {every[0][2]} at step {every[0][0]}: every "
+                                        "rank must resume one checkpoint (node-local copies "
+                                        "that differ?)")
 
 
 def _checked_ledger(trainer, state: dict, path: Path):

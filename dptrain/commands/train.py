@@ -123,6 +123,8 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
         _check_secure_resume(resume_path)
         _check_secure_branch(resume_path, out)
     trainer = Trainer(cfg, out)
+    if trainer.world > 1:  # (the ranks' configs, data and weights are compared by now)
+        _check_ranks_agree_on_start(args, out)
     # a signal from here on sets the trainer's flag itself; one that lands between reading
     # and storing the flag below is in stop.stop_signal, read again after
     stop.trainer = trainer
@@ -493,6 +495,26 @@ def _take(fcntl, fd: int, kind: int, path: Path, out: Path) -> bool:
               file=sys.stderr)
         return False
     return True
+
+
+def _check_ranks_agree_on_start(args: argparse.Namespace, out: Path) -> None:
+    """Every rank starts one run: the same ``--resume`` (none, auto, one checkpoint),
+    ``--output-dir`` and ``--dry-run``. A rank resuming from another checkpoint than its peers
+    would take its share of another step's sample (an example in two shares of one release:
+    sensitivity 2C), with another ledger; one resuming while the others start afresh, or
+    writing elsewhere, would wait in collectives the others never enter. A node's launcher
+    line that differs is refused on every rank, naming the option."""
+    import torch.distributed as dist
+
+    mine = {"resume": args.resume, "output-dir": str(out), "dry-run": bool(args.dry_run)}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for rank, theirs in enumerate(every):
+        for key in mine:
+            if theirs[key] != every[0][key]:
+                raise ConfigError(key, f"rank {rank} starts with {theirs[key]!r}, rank 0 with "
+                                       f"{every[0][key]!r}: every rank must start the same "
+                                       "run (a launcher line that differs between nodes?)")
 
 
 def _holds_a_run(out: Path) -> bool:
