@@ -448,6 +448,24 @@ def test_plot_spectra_draws_normalised_singular_values_from_index_1(monkeypatch,
     assert list(ax.get_lines()[0].get_ydata()) == pytest.approx([4.0, 2.0, 1.0])
 
 
+def test_plot_spectra_leaves_out_what_polar_counts_as_zero(monkeypatch, tmp_path, recwarn):
+    # an exactly rank-1 gradient (c_proj's before a LayerNorm): its rounding noise at 1e-17
+    # stretched the log axis over 17 decades (diagnose audit); polar() treats it as zero
+    v = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    rank1 = torch.outer(v, v)
+    assert float(singular_values(rank1)[1]) > 0  # (the SVD's rounding, not an exact zero)
+    ax = _captured_axes(monkeypatch, tmp_path, {"r": rank1, "z": torch.zeros(3, 3),
+                                                "n": torch.full((2, 2), math.nan)})
+    r, z, n = ax.get_lines()
+    ys = list(r.get_ydata())
+    assert ys[0] == pytest.approx(1.0) and all(math.isnan(y) for y in ys[1:])
+    assert z.get_label() == "z (zero)" and n.get_label() == "n (not finite)"
+    assert all(math.isnan(y) for y in z.get_ydata())
+    lo, _ = ax.get_ylim()
+    assert lo > 1e-3  # the axis spans the drawn values, not the rounding
+    assert not [w for w in recwarn if "log-scaled" in str(w.message)]
+
+
 def test_package_exports_every_geometry_function():
     from dptrain.diagnostics import geometry
 

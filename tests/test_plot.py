@@ -305,3 +305,23 @@ def test_a_matplotlib_that_refuses_its_settings_is_one_line_naming_the_option(tm
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert "--output: matplotlib refuses its settings" in p.stderr
+
+
+def test_the_step_axis_has_whole_steps_only(tmp_path, monkeypatch):
+    # four steps drew ticks at 1.5, 2.5, ...; one evaluated step an axis from 3.8 to 4.2
+    import dptrain.diagnostics.plotting as plotting
+
+    seen = {}
+    real_save = plotting._save
+
+    def save(fig, path):
+        fig.canvas.draw()  # (the ticks are placed at drawing time)
+        seen["ticks"] = [[t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+                         for ax in fig.axes if ax.get_visible()]
+        return real_save(fig, path)
+
+    monkeypatch.setattr(plotting, "_save", save)
+    plotting.plot_metrics({"loss": {"train_loss": ([1, 2, 3, 4], [3.0, 2.9, 2.8, 2.7])},
+                           "test": {"test_nll": ([4], [2.5])}}, tmp_path / "m.png")
+    assert all(seen["ticks"]) and len(seen["ticks"]) == 2
+    assert all(float(t).is_integer() for ticks in seen["ticks"] for t in ticks), seen

@@ -10,7 +10,7 @@ FIGURES = (".png", ".pdf", ".svg")
 RUN_LAYOUT = {"checkpoints": True, "final": True, "metrics.jsonl": False, "summary.json": False,
               "secure_resumes.jsonl": False, "run.lock": False}
 """What ``dptrain train`` writes in a run directory: name -> whether it is a directory
-(``run.lock``: the lock its rank 0 holds while it runs, :func:`dptrain.commands.train._run_lock`)."""
+(``run.lock``: the lock its rank 0 holds while it runs, ``commands.train._run_lock``)."""
 RUN_FILES = tuple(name for name, is_dir in RUN_LAYOUT.items() if not is_dir)
 """A run's own files: never another command's output."""
 RUN_FOLDERS = tuple(name for name, is_dir in RUN_LAYOUT.items() if is_dir)

@@ -405,8 +405,9 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False):
     is the open file's, so the kernel drops it when the process dies however it dies (a
     preempted run leaves nothing stale; on NFS the server drops it when the client's lease
     lapses, about 90 s after a node is lost); the file stays, naming the last holder, except
-    that a start refused before it wrote anything removes the folders it created. A file system that cannot lock gets a warning and the run goes on unguarded. ``dry_run``
-    writes nothing: it only asks whether another run holds the lock."""
+    that a start refused before it wrote anything removes the folders it created. A file
+    system that cannot lock gets a warning and the run goes on unguarded. ``dry_run`` writes
+    nothing: it only asks whether another run holds the lock."""
     try:
         import fcntl
     except ImportError:  # (not a POSIX system)

@@ -9,7 +9,7 @@ from typing import Iterable, Mapping, Sequence
 
 from torch import Tensor
 
-from dptrain.diagnostics.geometry import singular_values
+from dptrain.diagnostics.geometry import _EPS64, as_matrix, singular_values
 
 __all__ = ["metric_series", "plot_audit_scores", "plot_metrics", "plot_spectra"]
 
@@ -25,7 +25,9 @@ def plot_spectra(
 
     normalize: divide each spectrum by its sigma_1, so that matrices of different scale (an
     unclipped gradient, a clipped mean, a noisy release) compare by shape. Log y-axis; zero
-    singular values are not drawn. Creates the parent directory. Returns the path.
+    singular values (at most max(r, c) eps64 sigma_1, as :func:`polar` counts them) are not
+    drawn, and a matrix of zeros is named "(zero)" in the legend. Creates the parent
+    directory. Returns the path.
     """
     if not named_matrices:
         raise ValueError("plot_spectra needs at least one matrix")
@@ -36,9 +38,17 @@ def plot_spectra(
     ax = fig.add_subplot(1, 1, 1)
     for name, X in named_matrices.items():
         s = singular_values(X).cpu()
-        if normalize and s.numel() and float(s[0]) > 0.0:
-            s = s / s[0]
-        ax.plot(range(1, s.numel() + 1), s.tolist(), marker="." if s.numel() <= 64 else None, label=name)
+        top = float(s[0]) if s.numel() else 0.0
+        # zero as polar() counts it (at most max(r, c) eps64 sigma_1): a rank-deficient
+        # gradient's rounding noise at 1e-17 squeezed the informative decades into the top
+        zero = max(as_matrix(X).shape) * _EPS64 * top
+        if normalize and top > 0.0:
+            s, zero = s / top, zero / top
+        y = [v if v > zero else math.nan for v in s.tolist()]
+        said = ("" if any(not math.isnan(v) for v in y) else
+                " (not finite)" if math.isnan(top) else " (zero)")
+        ax.plot(range(1, s.numel() + 1), y, marker="." if s.numel() <= 64 else None,
+                label=name + said)
     ax.set_yscale("log", nonpositive="mask")
     ax.set_xlabel("index i")
     ax.set_ylabel("sigma_i / sigma_1" if normalize else "sigma_i")
@@ -156,6 +166,7 @@ def plot_metrics(series: Mapping[str, Series], path: str | Path, *,
     if not series:
         raise ValueError("plot_metrics needs at least one series")
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     cols = 1 if len(series) == 1 else 2
     rows = -(-len(series) // cols)
@@ -177,6 +188,10 @@ def plot_metrics(series: Mapping[str, Series], path: str | Path, *,
             ax.set_yscale("log")
         ax.set_title(panel)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # (no step 1.5)
+        every = [x for steps, _ in curves.values() for x in steps]
+        if every and max(every) - min(every) < 2:  # (one step: an axis from 3.8 to 4.2)
+            ax.set_xlim(min(every) - 1, max(every) + 1)
         ax.grid(True, alpha=0.3)
         if len(curves) > 1 or runs:  # (several runs: whose curve it is)
             ax.legend(fontsize="small", ncol=2 if len(curves) > 6 else 1)
