@@ -282,3 +282,17 @@ def test_slurm_script_submitted_outside_the_checkout(tmp_path):
     assert (tmp_path / "logs" / "cwd").read_text().strip() == str(elsewhere)
     assert acc[acc.index("--config") + 1] == "my.yaml"
     assert acc[acc.index("--output-dir") + 1] == "runs/my-4242"
+
+
+@pytest.mark.parametrize("env, said", [
+    # a CPU node (--gpus-per-node 0) without GPUS_PER_NODE: accelerate got --num_processes 0
+    ({"GPUS_PER_NODE": "", "SLURM_GPUS_ON_NODE": "0"}, "got '0' (SLURM_GPUS_ON_NODE=0)"),
+    ({"GPUS_PER_NODE": "two"}, "got 'two'"),
+    ({"GPUS_PER_NODE": "-1"}, "got '-1'"),
+])
+def test_slurm_script_refuses_a_rank_count_that_is_not_positive(tmp_path, env, said):
+    code, err, srun, acc = _sbatch(tmp_path, [TINY], **env)
+    assert code == 2 and not srun and not acc
+    assert len(err.strip().splitlines()) == 1 and "GPUS_PER_NODE" in err and said in err, err
+    code, err, _, acc = _sbatch(tmp_path, [TINY], GPUS_PER_NODE="", SLURM_GPUS_ON_NODE="4")
+    assert code == 0 and acc[acc.index("--num_processes") + 1] == "8", err  # 2 nodes x 4
