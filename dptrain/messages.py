@@ -1,7 +1,12 @@
 """Exceptions as one line, for dptrain's own error messages (which name a field or a layer and
-then say what torch, safetensors or a file reader said)."""
+then say what torch, safetensors or a file reader said); notes about the training data, which a
+secure-mode run does not print."""
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
 
 
 def brief(e: BaseException) -> str:
@@ -14,3 +19,26 @@ def brief(e: BaseException) -> str:
         e = first[0] if isinstance(first, tuple) else first
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+
+
+_SECURE = contextvars.ContextVar("dptrain_secure_notes", default=False)
+
+
+@contextlib.contextmanager
+def secure_notes(on: bool = True):
+    """While ``on`` (a secure-mode run building its data), :func:`data_note` says nothing about
+    the training split: in secure mode whatever the run prints is an output the guarantee must
+    cover, and a count of training examples (cut short, left out) is an exact statistic of the
+    private data, without noise."""
+    token = _SECURE.set(bool(on))
+    try:
+        yield
+    finally:
+        _SECURE.reset(token)
+
+
+def data_note(text: str, training: bool) -> None:
+    """``dptrain: note: text`` on stderr, about the data; ``training``: about the training
+    split's examples, which :func:`secure_notes` silences (docs/privacy.md, "Secure mode")."""
+    if not (training and _SECURE.get()):
+        print(f"dptrain: note: {text}", file=sys.stderr)

@@ -38,6 +38,7 @@ from dptrain.data.wds import default_decode_threads
 from dptrain.models import ModelConfig, build_model
 from dptrain.models.finetune import merged_state, write_adapter
 from dptrain.models.dropout import example_dropout
+from dptrain.messages import secure_notes
 from dptrain.optim import OptimConfig, build_optimizer
 from dptrain.optim.build import transposed_weights
 from dptrain.performance import PerformanceConfig, check_kernels
@@ -274,13 +275,14 @@ def sampling_note(cfg: PrivacyConfig, train_size: int, plan: PrivacyPlan) -> str
     return None
 
 
-def truncation_note(task, max_length) -> str | None:
+def truncation_note(task, max_length, secure: bool = False) -> str | None:
     """A line for examples cut short at ``data.max_length`` (their EOS and the end of their
     target lost: a model trained on them is not taught to stop; a cut test target changes the
     test NLL's tokens; an example left without a target token adds nothing, while it still
-    counts in N and b), or None when none was."""
+    counts in N and b), or None when none was. ``secure``: of the test split only (a count of
+    training examples is an exact statistic of the private data: ``messages.secure_notes``)."""
     parts = []
-    for name in ("train", "test"):
+    for name in ("test",) if secure else ("train", "test"):
         split = getattr(task, name)
         cut, empty = getattr(split, "truncated", 0), getattr(split, "no_target", 0)
         if cut:
@@ -465,7 +467,8 @@ class Trainer:
         self.rank, self.world = init_from_env(backend, timeout=timeout)
         if self.world > 1:
             _check_ranks_agree_on_config(cfg)
-        self.task = build_data(cfg.data, seed=cfg.seed)
+        with secure_notes(cfg.privacy.secure_mode):  # (no counts of training examples)
+            self.task = build_data(cfg.data, seed=cfg.seed)
         threads = perf.decode_threads or default_decode_threads()
         for split in (self.task.train, self.task.test):
             if hasattr(split, "decode_threads"):  # datasets that decode files per step
@@ -866,7 +869,8 @@ class Trainer:
             lines.append("warning: every parameter group's learning rate is 0 (optim.lr, and "
                          "optim.aux.lr or the groups' lr): the model will not move, while each "
                          "step still spends its share of the privacy budget")
-        cut = truncation_note(self.task, self.cfg.data.max_length)
+        cut = truncation_note(self.task, self.cfg.data.max_length,
+                              secure=self.cfg.privacy.secure_mode)
         if cut is not None:
             lines.append(f"note: {cut}")
         for line in lines:

@@ -569,6 +569,27 @@ def test_the_kept_one_example_microbatches_go_with_release_workspace():
     assert engine._rows_other is None
 
 
+@pytest.mark.parametrize("case", ["rows", "one example", "alike"])
+def test_secure_mode_says_nothing_of_a_check_it_could_not_make(case):
+    # whether, and at which query, the check gives up depends on the examples: in secure mode
+    # (the trainer sets warn_at_queries False) that warning was an output outside the guarantee
+    from dptrain.clipping.rows import MAX_ATTEMPTS
+
+    model = BatchCentred() if case == "alike" else _Jitter()
+    batches = {"rows": [(_x(4, 4),)], "one example": [(_x(1, 4, seed=i),) for i in range(6)],
+               "alike": [(_x(1, 4, seed=2).expand(2, 4).clone(),)] * MAX_ATTEMPTS}[case]
+    for warn in (True, False):
+        engine = ClippingEngine(model.double(), clip_norm=1.0)
+        engine.warn_at_queries = warn
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for batch in batches:
+                engine.accumulate(sq_loss, batch, {})
+        said = [w for w in seen if "could not check" in str(w.message)]
+        assert len(said) == (1 if warn else 0), [str(w.message) for w in seen]
+        assert engine._rows_checked  # given up alike, warned of or not
+
+
 def test_a_nondeterministic_buffer_write_is_warned_about_not_refused():
     with pytest.warns(UserWarning, match="gave different values"):
         ClippingEngine(_Jitter().double(), clip_norm=1.0).accumulate(sq_loss, (_x(4, 4),), {})

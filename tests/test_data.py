@@ -260,6 +260,15 @@ def test_dart_records_without_annotations_are_left_out_with_a_note(tmp_path, cap
     assert len(task.train) == 3 and len(task.test.references_by_mr()) == 2
     err = capsys.readouterr().err
     assert err.count("1 of 3 DART records have no annotations and are left out") == 2
+    # secure mode: a count of the private (training) records is printed by no one; the test
+    # file's still is (the secure audit)
+    from dptrain.messages import secure_notes
+
+    with secure_notes():
+        build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
+                              train_file="train.json", test_file="test.json"))
+    err = capsys.readouterr().err
+    assert err.count("DART records have no annotations") == 1 and "test.json: 1 of 3" in err
 
 
 def test_e2e_test_file_that_is_the_training_file_is_refused(tmp_path):
@@ -668,6 +677,8 @@ def test_e2e_cut_examples_are_counted_and_a_length_that_leaves_no_target_is_refu
     note = truncation_note(task, 20)
     assert "6 of 6 train examples (2 of them left without a target token)" in note
     assert "6 of 6 test examples" in note
+    secure = truncation_note(task, 20, secure=True)  # no count of the private examples
+    assert "train" not in secure and "6 of 6 test examples" in secure
     (tmp_path / "long").mkdir()
     assert truncation_note(_csv_task(tmp_path / "long", max_length=256), 256) is None
     # a length every prompt fills: the losses would all be 0 (a run on noise alone)
@@ -1691,3 +1702,30 @@ def test_every_dataset_name_the_config_accepts_has_a_loader():
 
     names = typing.get_args(typing.get_type_hints(DataConfig)["name"])
     assert set(names) == set(_BUILDERS)
+
+
+def test_a_secure_run_prints_no_count_of_its_training_examples(tmp_path, capsys):
+    # cut short at data.max_length, or DART records left out: exact counts of the private
+    # examples, printed by a run whose every output the guarantee must cover (secure audit);
+    # the test split's counts are still said
+    import json
+
+    from dptrain.cli import main
+
+    records = [DART_RECORDS[0], {"tripleset": [["x", "y", "z"]], "annotations": []},
+               DART_RECORDS[1]]
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.json").write_text(json.dumps(records))
+    tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    args = ["train", "--config", tiny, "--output-dir", str(tmp_path / "out"), "--dry-run",
+            "data.name=e2e", "data.tokenizer=bytes", f"data.path={tmp_path}",
+            "data.train_file=train.json", "data.test_file=test.json", "data.max_length=100",
+            "model.n_positions=100"]
+    for secure in (False, True):
+        mode = ["privacy.secure_mode=true", "privacy.seed=null"] if secure else []
+        code = main(args + mode)
+        err = capsys.readouterr().err
+        assert code == 0, err
+        assert ("train.json: 1 of 3 DART records" in err) != secure, err
+        assert ("train examples" in err) != secure, err
+        assert "test.json: 1 of 3 DART records" in err and "test examples" in err, err

@@ -89,6 +89,11 @@ def test_imagefolder_files_it_does_not_list_are_counted_on_stderr(tmp_path, caps
     assert err.count("dptrain: note:") == 1  # the val split lost nothing
     assert ("4 file(s) of a type torchvision does not list are left out (2 .dcm, "
             "1 (no extension), 1 .gif)") in err
+    from dptrain.messages import secure_notes
+
+    with secure_notes():  # a count of the private (training) files: not in secure mode
+        build_data(DataConfig(name="imagefolder", path=str(tmp_path), image_size=8))
+    assert "dptrain: note:" not in capsys.readouterr().err
 
 
 def test_imagefolder_trees_that_cannot_be_trained_on_are_refused_naming_the_field(tmp_path):

@@ -857,8 +857,9 @@ class ClippingEngine:
         #: refused (:meth:`_probe_agrees`), summed by book-keeping instead
         self.summed_by_query: set[str] = set()
         self.summed_by_query_ever: set[str] = set()  # (each warned of once)
-        #: warn of what happened at a query (two_pass's fallbacks): when, and whether, can
-        #: depend on the examples; secure mode turns it off (the trainer), as its other notes
+        #: warn of what happened at a query (two_pass's fallbacks, a rows check that could
+        #: not be made): when, and whether, can depend on the examples; secure mode turns it
+        #: off (the trainer), as its other notes
         self.warn_at_queries = True
         #: batch norms, refused when they use batch statistics (checked at every query:
         #: train()/eval() can change between calls)
@@ -1423,7 +1424,8 @@ class ClippingEngine:
                 if other is not None:
                     other_shapes = _shapes(batch) != _shapes(other)
                     found = check_stored_across(self.model, hooked, loss_fn, batch, other, 0,
-                                                view=view, other_shapes=other_shapes)
+                                                view=view, other_shapes=other_shapes,
+                                                warn=self.warn_at_queries)
                     self._rows_compared |= found == COMPARED
                     done = found == UNCHECKABLE or (found == COMPARED and other_shapes)
                 if not done:
@@ -1431,7 +1433,7 @@ class ClippingEngine:
                         lambda t: t.detach().clone() if isinstance(t, Tensor) else t, batch)
             else:
                 done = check_example_rows(self.model, hooked, loss_fn, batch, B, 0, view=view,
-                                          collective=collective)
+                                          collective=collective, warn=self.warn_at_queries)
         # (under a process group every check is a round of forwards on every rank, and the
         # ranks must count alike: their microbatch sizes differ)
         self._rows_attempts += 1
@@ -1441,7 +1443,7 @@ class ClippingEngine:
         elif not done and self._rows_attempts >= MAX_ATTEMPTS:
             cannot_check(f"in {self._rows_attempts} microbatches no example that differs from "
                          f"another reached a layer's input (inputs alike, only labels differ, "
-                         f"or one example per rank?)")
+                         f"or one example per rank?)", warn=self.warn_at_queries)
             done = True
         self._rows_checked = done
         if done:

@@ -79,8 +79,11 @@ BLOCK = 2**24
 MAX_ATTEMPTS = 8
 
 
-def cannot_check(why: str, stacklevel: int = 3) -> None:
-    """The warning of a check that could not be made (the run goes on)."""
+def cannot_check(why: str, stacklevel: int = 3, warn: bool = True) -> None:
+    """The warning of a check that could not be made (the run goes on); none when not ``warn``
+    (secure mode: whether, and when, it appears depends on the examples)."""
+    if not warn:
+        return
     warnings.warn(f"dptrain.clipping: could not check that the model keeps the examples of a "
                   f"microbatch apart: {why}", stacklevel=stacklevel + 1)
 
@@ -272,7 +275,8 @@ def _forward(model, loss_fn, batch, view, hooked, B, stream, slots, directions):
 
 def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
                        loss_fn: Callable, batch: Any, B: int, stream: int, *,
-                       view: Callable | None = None, collective: bool) -> bool:
+                       view: Callable | None = None, collective: bool,
+                       warn: bool = True) -> bool:
     """Refuse a forward whose hooked-layer inputs or per-example losses are not one example per
     row (see the module docstring). ``view``: the plan entry's view of the batch (None: the
     batch itself); ``stream``: its dropout stream. Each forward starts from the torch RNG state
@@ -282,7 +286,8 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
     microbatch with nothing to replace runs none, and the sixth runs only when rows moved.
     Returns whether the check is done: False when no replacement reached a layer's input; True
     when one did, or when the forward cannot be checked (a warning says so). ``collective``:
-    the same answer on every rank (done when done on any), and a refusal on every rank."""
+    the same answer on every rank (done when done on any), and a refusal on every rank.
+    ``warn``: False silences the warning (:func:`cannot_check`)."""
     sources = _replacements(batch, B) if B > 1 else []
     if not sources and not collective:
         return False
@@ -315,12 +320,13 @@ def check_example_rows(model: nn.Module, hooked: list[tuple[str, nn.Module]],
             refusal = stored
         elif _differ(control, again, slots, directions):
             cannot_check("two forwards of the same microbatch from the same randomness gave "
-                         "different values")
+                         "different values", warn=warn)
             done = True
         elif stored is not None:
             refusal = stored
         elif problem == _CALLS:
-            cannot_check("its layer calls or their shapes change when some examples change")
+            cannot_check("its layer calls or their shapes change when some examples change",
+                         warn=warn)
             done = True
         else:
             refusal = problem
@@ -368,7 +374,8 @@ def _runner(model, hooked, loss_fn, view, B: int, stream: int, slots: list[_Slot
 
 def check_stored_across(model: nn.Module, hooked: list[tuple[str, nn.Module]],
                         loss_fn: Callable, batch: Any, other: Any, stream: int, *,
-                        view: Callable | None = None, other_shapes: bool = False) -> int:
+                        view: Callable | None = None, other_shapes: bool = False,
+                        warn: bool = True) -> int:
     """The check of a microbatch of one example (one process): it has no other example to
     replace, so its forward is compared with that of ``other``, an earlier microbatch of one
     example (the engine keeps it; ``other_shapes``: its shapes differ, which for text are its
@@ -377,7 +384,8 @@ def check_stored_across(model: nn.Module, hooked: list[tuple[str, nn.Module]],
     as in ``check_example_rows`` (whether or not the data reached a layer). Returns
     ``NOTHING_COMPARED`` when the other example reached no layer differently (inputs alike,
     only labels differing: the engine tries a later one), ``COMPARED``, or ``UNCHECKABLE``
-    (a forward that is not deterministic: warned, and the check is over)."""
+    (a forward that is not deterministic: warned unless not ``warn``, and the check is
+    over)."""
     slots = _slots(model)
     directions: dict[tuple, Tensor] = {}
     forwards = _runner(model, hooked, loss_fn, view, 1, stream, slots, directions)
@@ -396,7 +404,7 @@ def check_stored_across(model: nn.Module, hooked: list[tuple[str, nn.Module]],
     # (as in check_example_rows: only the buffers' own repeatability is asked)
     if _stored_values(control, forwards(batch)[0], slots, directions):
         cannot_check("two forwards of the same microbatch from the same randomness gave "
-                     "different values")
+                     "different values", warn=warn)
         return UNCHECKABLE
     raise ClippingError(refusal)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +37,7 @@ import torch
 from dptrain.config import ConfigError
 from dptrain.data import even_subset
 from dptrain.data.wds import ImageDecoding, file_id, image_stats
+from dptrain.messages import data_note
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -106,9 +106,9 @@ def _list(folder: Path, field: str):
     if skipped:
         kinds = ", ".join(f"{n} {ext}" for ext, n in
                           sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0]))[:5])
-        print(f"dptrain: note: {folder}: {sum(skipped.values())} file(s) of a type torchvision "
-              f"does not list are left out ({kinds}); convert them (e.g. DICOM to PNG) to use "
-              f"them", file=sys.stderr)
+        text = (f"{folder}: {sum(skipped.values())} file(s) of a type torchvision does not list "
+                f"are left out ({kinds}); convert them (e.g. DICOM to PNG) to use them")
+        data_note(text, training=field == "data.train_file")
     return images
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import csv
 import io
 import math
-import sys
 from collections import OrderedDict
 from typing import Callable
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 
 from dptrain.config import ConfigError, require_file
 from dptrain.data import even_subset
+from dptrain.messages import data_note
 
 E2E_SEPARATOR = " || "
 
@@ -234,8 +234,9 @@ def read_dart_json(path: Path, field: str) -> tuple[list[str], list[str]]:
     if not mrs:
         raise ConfigError(field, f"{path} holds no annotated examples")
     if unannotated:  # nothing to train on or to score against: said, not dropped in silence
-        print(f"dptrain: note: {path.name}: {unannotated} of {len(records)} DART records have "
-              f"no annotations and are left out", file=sys.stderr)
+        text = (f"{path.name}: {unannotated} of {len(records)} DART records have no "
+                f"annotations and are left out")
+        data_note(text, training=field == "data.train_file")
     return mrs, refs
 
 
