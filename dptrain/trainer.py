@@ -42,8 +42,8 @@ from dptrain.messages import secure_notes
 from dptrain.optim import OptimConfig, build_optimizer
 from dptrain.optim.build import transposed_weights
 from dptrain.performance import PerformanceConfig, check_kernels
-from dptrain.privacy.accounting import (Ledger, calibrate_noise_multiplier, check_plan,
-                                        epsilon as ledger_epsilon)
+from dptrain.privacy.accounting import (NEGLIGIBLE_SIGMA, Ledger, calibrate_noise_multiplier,
+                                        check_plan, epsilon as ledger_epsilon)
 from dptrain.privacy.config import NOISE_TAIL, PrivacyConfig, noise_fits
 from dptrain.privacy.noise import block_share, chacha20, gaussian_noise, secure_seed
 from dptrain.privacy.sampling import poisson_sample, shard_indices
@@ -862,9 +862,10 @@ class Trainer:
         sampling = sampling_note(self.cfg.privacy, self.train_size, self.plan)
         if sampling is not None:
             lines.append(f"warning: {sampling}")
-        if self.plan.noise_multiplier == 0:
-            lines.append("warning: privacy.noise_multiplier = 0: the releases hold no noise and "
-                         "epsilon is infinite (a clipped, non-private baseline)")
+        if self.plan.noise_multiplier < NEGLIGIBLE_SIGMA:
+            lines.append(f"warning: privacy.noise_multiplier = {self.plan.noise_multiplier:g}: "
+                         f"the releases hold no noise to speak of and epsilon is infinite (a "
+                         f"clipped, non-private baseline)")
         if not any(self.optimizer.base_lrs):
             lines.append("warning: every parameter group's learning rate is 0 (optim.lr, and "
                          "optim.aux.lr or the groups' lr): the model will not move, while each "

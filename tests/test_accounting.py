@@ -3,6 +3,7 @@
 import json
 import math
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,6 +88,33 @@ def test_epsilon_monotone_in_steps_and_sigma():
     assert eps(1.0, 50, "rdp") < eps(1.0, 100, "rdp") < eps(1.0, 200, "rdp")
     assert eps(2.0, 100, "rdp") < eps(1.0, 100, "rdp") < eps(0.7, 100, "rdp")
     assert eps(2.0, 100, "prv") < eps(1.0, 100, "prv") < eps(1.0, 200, "prv")
+
+
+def test_a_negligible_noise_multiplier_is_no_noise_not_a_hang(tmp_path):
+    # sigma 1e-155: opacus' series for fractional RDP orders never ended, and the planning of a
+    # run with it ignored SIGTERM for ten minutes (accounting audit); 1e-165 was an error
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import math, warnings; warnings.simplefilter('ignore')\n"
+            "from dptrain.privacy.accounting import Ledger, epsilon\n"
+            "for s in (1e-101, 1e-155, 1e-160, 1e-170, 5e-324):\n"
+            "    for acc in ('rdp', 'prv'):\n"
+            "        assert epsilon(Ledger([(s, 0.01, 10)]), 1e-5, acc) == math.inf, (s, acc)\n"
+            "assert math.isfinite(epsilon(Ledger([(1e-100, 0.01, 10)]), 1e-5, 'rdp'))\n")
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "dptrain", "train", "--config",
+                        str(root / "configs" / "tiny.yaml"), "--output-dir", str(tmp_path / "o"),
+                        "--dry-run", "privacy.noise_multiplier=1e-160", "privacy.epsilon=null"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "planned_epsilon: .inf" in r.stdout
+    assert "noise_multiplier = 1e-160: the releases hold no noise to speak of" in r.stderr
 
 
 def test_empty_and_noiseless():

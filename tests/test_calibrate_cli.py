@@ -168,6 +168,9 @@ def test_accountant_name_is_case_and_space_insensitive(capsys):
     (["--epsilon-tolerance", "inf"], "--epsilon-tolerance: must be finite and > 0, got inf"),
     # a ConfigError of the accountant names the option as typed on the command line
     (["--epsilon-tolerance", "5"], "--epsilon-tolerance: must be in [1e-9 x epsilon, epsilon)"),
+    # the default tolerance (1% of the target) underflows: it named --epsilon-tolerance, which
+    # no one passed (accounting audit)
+    (["--epsilon", "5e-324"], "--epsilon: 4.94066e-324 is too small to calibrate"),
     # '-.5e-5' is not a negative number to argparse's default matcher: the range check still
     # answers (one line), not argparse's "expected one argument"
     (["--delta", "-.5e-5"], "--delta: must be in (0, 1), got -.5e-5"),
@@ -184,6 +187,17 @@ def test_more_bad_values_give_one_exact_line(capsys, argv, line):
     assert lines[0].startswith("dptrain calibrate: error: " + line)
     if line.endswith(("got 1", "got 0")):
         assert lines[0] == "dptrain calibrate: error: " + line
+
+
+@pytest.mark.parametrize("eps, hint", [(0.005, False), (0.015, True), (0.1, True)])
+def test_an_rdp_target_out_of_reach_points_to_prv_only_where_prv_reaches_it(capsys, eps, hint):
+    # RDP's floor here is ~0.18, PRV's its 0.01 error margin: below that the hint was false
+    argv = ["--epsilon", str(eps), "--delta", "1e-5", "--sample-rate", "0.01", "--steps", "10"]
+    rc, _, err = _run([*argv, "--accountant", "rdp"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "unreachable" in err, err
+    assert ("the prv accountant certifies smaller epsilons" in err) == hint
+    rc, _, err = _run(argv, capsys)
+    assert (rc == 0) == hint, err  # (what the hint says, prv does)
 
 
 @pytest.mark.parametrize("eps", [0.01, 0.03])

@@ -116,7 +116,7 @@ def _validate(args) -> dict:
     accountant = str(args.accountant).strip().lower()
     if accountant not in ("prv", "rdp"):
         raise _ArgError("--accountant", f"must be prv or rdp, got {args.accountant!r}")
-    tol = getattr(args, "epsilon_tolerance", None)
+    tol = given = getattr(args, "epsilon_tolerance", None)
     if tol is None:
         from dptrain.privacy.accounting import default_epsilon_tolerance
 
@@ -126,8 +126,9 @@ def _validate(args) -> dict:
         if not (tol > 0 and math.isfinite(tol)):
             raise _ArgError("--epsilon-tolerance",
                             f"must be finite and > 0, got {args.epsilon_tolerance}")
+        given = tol
     return dict(epsilon=eps, delta=delta, sample_rate=q, steps=steps, accountant=accountant,
-                epsilon_tolerance=tol)
+                epsilon_tolerance=tol, tolerance_given=given)
 
 
 def _error(message: str) -> int:
@@ -149,9 +150,11 @@ def run(args) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
+            # (a tolerance not given goes as None: the library's default, and an epsilon too
+            # small for it is refused naming --epsilon, not a tolerance no one passed)
             sigma = calibrate_noise_multiplier(v["epsilon"], v["delta"], v["sample_rate"],
                                                v["steps"], accountant=v["accountant"],
-                                               epsilon_tolerance=v["epsilon_tolerance"])
+                                               epsilon_tolerance=v["tolerance_given"])
         except ConfigError as e:
             option = "--" + e.field.replace("_", "-") if e.field else ""
             return _error(f"{option}: {e.message}" if option else e.message)

@@ -227,6 +227,10 @@ def _prv_epsilon(history, delta: float, eps_error: float) -> float:
     return _rdp_epsilon(history, delta)
 
 
+NEGLIGIBLE_SIGMA = 1e-100
+"""A noise multiplier below this counts as none (:func:`epsilon` gives inf)."""
+
+
 def epsilon(ledger: Ledger, delta: float, accountant: str = "prv", *,
             eps_error: float = DEFAULT_EPS_ERROR) -> float:
     """Epsilon spent by the releases in ``ledger`` at ``delta``, with opacus' semantics.
@@ -236,7 +240,9 @@ def epsilon(ledger: Ledger, delta: float, accountant: str = "prv", *,
     negative value (opacus' PRV and RDP give one when delta exceeds what the releases can
     spend, e.g. delta = 0.1 with every example's chance of ever being sampled 0.05) is reported
     as 0.0: (0, delta)-DP is the weaker, valid statement, and epsilon < 0 is no DP guarantee
-    anyone states. An empty ledger gives 0.0; any release with sigma = 0 gives inf.
+    anyone states. An empty ledger gives 0.0; any release with sigma = 0, or below
+    ``NEGLIGIBLE_SIGMA`` (1e-100: epsilon would be above 1e200, and opacus' series for
+    fractional RDP orders never end below about 1e-153), gives inf.
     """
     delta = _check_delta(delta)
     _check_accountant(accountant)
@@ -251,7 +257,7 @@ def epsilon(ledger: Ledger, delta: float, accountant: str = "prv", *,
     history = [(s, q, n) for s, q, n in ledger.history if n > 0]
     if not history:
         return 0.0
-    if any(s == 0.0 for s, _, _ in history):
+    if any(s < NEGLIGIBLE_SIGMA for s, _, _ in history):
         return math.inf
     if accountant == "rdp":
         return max(0.0, _rdp_epsilon(history, delta))
@@ -346,9 +352,12 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
         if "budget is too low" in str(e):
             from opacus.accountants.utils import MAX_SIGMA
 
+            # (PRV's bound never goes below its error margin: no hint to use it down there)
             hint = ("; the prv accountant certifies smaller epsilons" if accountant == "rdp"
+                    and epsilon > DEFAULT_EPS_ERROR
                     else f"; PRV's bound includes its error margin of {DEFAULT_EPS_ERROR:g}, "
-                         f"so it never goes below that" if epsilon <= 2 * DEFAULT_EPS_ERROR
+                         f"so it never goes below that" if accountant == "prv"
+                         and epsilon <= 2 * DEFAULT_EPS_ERROR
                     else "")
             raise ConfigError("epsilon", f"{epsilon} at delta={delta} is unreachable with "
                                          f"{steps} steps at sample rate {sample_rate}: no "
