@@ -167,6 +167,17 @@ class _EvaluationStopped(Exception):
         self.signum = signum
 
 
+def join_ranks(perf: PerformanceConfig) -> tuple[int, int]:
+    """(rank, world) of this process in the launcher's process group, which it joins (NCCL on
+    CUDA, else gloo; ``performance.collective_timeout_s``) unless it is in it already: the
+    trainer calls it, and ``dptrain train`` first, so that the ranks share the output
+    directory's lock verdict."""
+    backend = "nccl" if resolve_device(perf).type == "cuda" else "gloo"
+    timeout = (None if perf.collective_timeout_s is None else
+               datetime.timedelta(seconds=perf.collective_timeout_s))
+    return init_from_env(backend, timeout=timeout)
+
+
 def resolve_device(perf: PerformanceConfig) -> torch.device:
     if perf.device == "cpu" or (perf.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -461,10 +472,7 @@ class Trainer:
             torch.set_num_threads(perf.num_threads)
         self.device = resolve_device(perf)
         check_kernels(perf, self.device)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        timeout = (None if perf.collective_timeout_s is None else
-                   datetime.timedelta(seconds=perf.collective_timeout_s))
-        self.rank, self.world = init_from_env(backend, timeout=timeout)
+        self.rank, self.world = join_ranks(perf)
         if self.world > 1:
             _check_ranks_agree_on_config(cfg)
         with secure_notes(cfg.privacy.secure_mode):  # (no counts of training examples)

@@ -183,3 +183,63 @@ def test_only_rank_0_locks(tmp_path):
                 pass
     with _run_lock(out, rank=0):  # released on the way out
         pass
+
+
+def test_a_lock_file_that_is_a_link_or_not_a_file_is_refused_and_nothing_is_overwritten(
+        tmp_path, capsys):
+    # os.open followed the link: the holder's line replaced the target's contents (red team)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious data")
+    for make in ("link", "link to /dev/null", "fifo"):
+        out = tmp_path / make.replace(" ", "_").replace("/", "")
+        out.mkdir()
+        if make == "link":
+            (out / "run.lock").symlink_to(victim)
+        elif make == "fifo":
+            os.mkfifo(out / "run.lock")
+        else:
+            (out / "run.lock").symlink_to("/dev/null")
+        for args in ((), ("--dry-run",)):
+            code, err = _cli(capsys, out, *args)
+            lines = [line for line in err.splitlines() if line.strip()]
+            assert code == 2 and len(lines) == 1 and "output-dir" in lines[0], err
+            assert ("symbolic link" if "link" in make else "not a regular file") in lines[0]
+    assert victim.read_text() == "precious data"
+
+
+def test_a_lock_held_for_a_moment_is_waited_for(tmp_path):
+    # a dry run's shared probe made a real start that met it fail as "in use" (red team)
+    import threading
+
+    from dptrain.commands.train import LOCK_WAIT_S, _run_lock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.lock").write_text("")
+    fd = os.open(out / "run.lock", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    threading.Timer(LOCK_WAIT_S / 4, os.close, (fd,)).start()  # the probe ends
+    with _run_lock(out, rank=0):
+        holder = json.loads((out / "run.lock").read_text())
+    assert holder["pid"] == os.getpid()
+
+
+def _start_where_another_holds(rank: int, world: int, out: str) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["train", "--config", TINY, "--output-dir", out, "train.progress=false"])
+    return code, err.getvalue().strip().splitlines()[-1]
+
+
+def test_every_rank_of_a_refused_run_is_refused(held):
+    # only rank 0 took the lock, so only rank 0 was refused: without torchrun's agent the
+    # others waited for it until the collective timeout (red team)
+    from dptrain.parallel.dist import spawn
+
+    out, proc = held
+    got = spawn(_start_where_another_holds, 2, str(out), timeout=240)
+    assert all(code == 2 and "output-dir" in line and "in use by another run" in line
+               and f"pid {proc.pid} on node7" in line for code, line in got), got

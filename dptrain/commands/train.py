@@ -10,6 +10,7 @@ import json
 import math
 import os
 import signal
+import stat
 import sys
 import threading
 import types
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
     from dptrain.config import load
-    from dptrain.trainer import RunConfig
+    from dptrain.trainer import RunConfig, join_ranks
 
     cfg = load(RunConfig, args.config, args.overrides)
     if args.output_dir is not None and not args.output_dir.strip():
@@ -68,7 +69,11 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         raise ConfigError("output-dir", f"{out} exists and is not a directory")
     check_can_create("output-dir", out)  # before the data and the model are built
     _check_layout(out)
-    with _run_lock(out, rank=stop.rank, dry_run=args.dry_run):
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if several:  # the ranks meet here: one start, and one verdict on the directory's lock
+        join_ranks(cfg.performance)
+        _check_ranks_agree_on_start(args, out)
+    with _run_lock(out, rank=stop.rank, dry_run=args.dry_run, shared=several):
         return _run_in(out, cfg, args, stop)
 
 
@@ -100,7 +105,7 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
                       f"nothing to do\n", end="")
         return 0
     if args.resume == "auto":
-        # before the process group exists: marker, files and sizes only (no hashing)
+        # each rank's own first look: marker, files and sizes only (no hashing)
         resume_path = ckpt.find_latest(out, shallow=True, quiet=True)
     elif args.resume is not None:
         resume_path = Path(args.resume)
@@ -123,8 +128,6 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
         _check_secure_resume(resume_path)
         _check_secure_branch(resume_path, out)
     trainer = Trainer(cfg, out)
-    if trainer.world > 1:  # (the ranks' configs, data and weights are compared by now)
-        _check_ranks_agree_on_start(args, out)
     # a signal from here on sets the trainer's flag itself; one that lands between reading
     # and storing the flag below is in stop.stop_signal, read again after
     stop.trainer = trainer
@@ -396,48 +399,95 @@ _NO_LOCKS = frozenset(getattr(errno, n) for n in ("ENOLCK", "ENOSYS", "EOPNOTSUP
 some FUSE and SMB mounts)."""
 
 
+LOCK_WAIT_S = 1.0
+"""How long a start retries a held lock before it calls it another run's: a dry run's probe,
+or the cleanup of a start refused at the same moment, holds it for microseconds."""
+
+
 @contextlib.contextmanager
-def _run_lock(out: Path, rank: int, dry_run: bool = False):
+def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False):
     """One run at a time in ``out``: rank 0 holds an exclusive ``flock`` on ``out/run.lock``
     (created, and ``out`` with it) from before its first look at the directory until it
-    returns; a second run's rank 0 is refused (ConfigError naming output-dir, exit 2) before
-    it reads or writes anything there, and its other ranks are ended by the launcher. The lock
-    is the open file's, so the kernel drops it when the process dies however it dies (a
-    preempted run leaves nothing stale; on NFS the server drops it when the client's lease
-    lapses, about 90 s after a node is lost); the file stays, naming the last holder, except
-    that a start refused before it wrote anything removes the folders it created. A file
-    system that cannot lock gets a warning and the run goes on unguarded. ``dry_run`` writes
-    nothing: it only asks whether another run holds the lock."""
+    returns; a second run is refused (ConfigError naming output-dir, exit 2) before it reads
+    or writes anything there. ``shared`` (the ranks are in a process group): rank 0's verdict
+    is every rank's, so every rank exits (ranks started without torchrun's agent waited for
+    the others until the collective timeout). The lock is the open file's, so the kernel drops
+    it when the process dies however it dies (a preempted run leaves nothing stale; on NFS the
+    server drops it when the client's lease lapses, about 90 s after a node is lost); the file
+    stays, naming the last holder, except that a start refused before it wrote anything
+    removes the folders it created. A file system that cannot lock gets a warning and the run
+    goes on unguarded. ``dry_run`` writes nothing: it only asks whether another run holds the
+    lock."""
     try:
         import fcntl
     except ImportError:  # (not a POSIX system)
         fcntl = None
-    if rank != 0 or fcntl is None:
-        yield
-        return
-
     path = out / LOCK
-    if dry_run:
-        if path.is_file():  # a shared probe, on a read-only descriptor: nothing is written
-            with contextlib.suppress(OSError), open(path, "rb") as f:
-                _take(fcntl, f.fileno(), fcntl.LOCK_SH, path, out)
-        yield
-        return
-    fd, locked, made = _open_locked(fcntl, path, out)
+    held, error = None, None
+    if rank == 0 and fcntl is not None:
+        try:
+            if dry_run:
+                _probe(fcntl, path, out)
+            else:
+                held = _open_locked(fcntl, path, out)
+        except ConfigError as e:
+            error = e
+    if shared:
+        import torch.distributed as dist
+
+        verdict = [None if error is None else (error.field, error.message)]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None and error is None:
+            error = ConfigError(*verdict[0])
+    if error is not None:
+        raise error
     try:
         yield
     finally:
-        try:
-            if locked and made and [p.name for p in out.iterdir()] == [LOCK]:
-                # a start refused before writing anything leaves no folder behind; the file
-                # goes while still held, so a run that opened it sees it gone and opens anew
-                os.unlink(path)
-                for folder in made:
-                    folder.rmdir()
-        except OSError:
-            pass
-        finally:
-            os.close(fd)  # (the lock goes with the descriptor)
+        if held is not None:
+            _release(path, out, *held)
+
+
+def _release(path: Path, out: Path, fd: int, locked: bool, made: list[Path]) -> None:
+    try:
+        if locked and made and [p.name for p in out.iterdir()] == [LOCK]:
+            # a start refused before writing anything leaves no folder behind; the file goes
+            # while still held, so a run that opened it sees it gone and opens anew
+            os.unlink(path)
+            for folder in made:
+                folder.rmdir()
+    except OSError:
+        pass
+    finally:
+        os.close(fd)  # (the lock goes with the descriptor)
+
+
+def _open_lock_file(path: Path, flags: int) -> int:
+    """``os.open`` of the lock file, never through a link (its target would be overwritten
+    with the holder's line), and only a regular file; ConfigError naming output-dir."""
+    if path.is_symlink():
+        raise ConfigError("output-dir", f"{path} is a symbolic link; a run writes its lock "
+                                        "there: remove the link")
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError("output-dir", f"{path} is not a regular file; a run writes its lock "
+                                        "there: move it away")
+    return fd
+
+
+def _probe(fcntl, path: Path, out: Path) -> None:
+    """A dry run's question, on a read-only descriptor (nothing is written): is the lock held?"""
+    try:
+        fd = _open_lock_file(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise ConfigError("output-dir", f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        _take(fcntl, fd, fcntl.LOCK_SH, path, out)
+    finally:
+        os.close(fd)
 
 
 def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path]]:
@@ -450,7 +500,9 @@ def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path]]:
         made = [d for d in (out, *out.absolute().parents) if not d.exists()]
         try:
             out.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = _open_lock_file(path, os.O_RDWR | os.O_CREAT)
+        except (FileNotFoundError, FileExistsError):
+            continue  # (a refused start's cleanup removed the folder meanwhile: again)
         except OSError as e:  # (/proc: os.access says yes to root, mkdir says no)
             raise ConfigError("output-dir", f"cannot write {path}: {e.strerror or e}") from None
         try:
@@ -458,28 +510,49 @@ def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path]]:
                 return fd, False, made
             held = os.fstat(fd)
             try:
-                now = os.stat(path)
+                now = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
                 now = None
             if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
                 holder = {"host": socket.gethostname(), "pid": os.getpid(),
                           "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+                try:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+                except OSError as e:  # (a full disk, a quota)
+                    raise ConfigError("output-dir", f"cannot write {path}: "
+                                                    f"{e.strerror or e}") from None
                 return fd, True, made
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)  # its holder removed the file after this process opened it: again
-    raise ConfigError("output-dir", f"cannot lock {path}: it keeps being replaced")
+    raise ConfigError("output-dir", f"cannot lock {path}: it keeps being removed or replaced")
 
 
 def _take(fcntl, fd: int, kind: int, path: Path, out: Path) -> bool:
-    """``flock(fd, kind)`` without waiting: True when taken, False (with a warning) when the
-    file system cannot lock; another run holding it is a ConfigError naming it."""
-    try:
-        fcntl.flock(fd, kind | fcntl.LOCK_NB)
-    except BlockingIOError:
+    """``flock(fd, kind)``, retried for ``LOCK_WAIT_S``: True when taken, False (with a
+    warning) when the file system cannot lock; another run holding it is a ConfigError
+    naming it."""
+    import time
+
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.02)
+                continue
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                raise ConfigError("output-dir", f"cannot lock {path}: "
+                                                f"{e.strerror or e}") from None
+            print(f"dptrain train: warning: {path}: the file system cannot lock files "
+                  f"({e.strerror or e}); a second run started into {out} would not be "
+                  f"refused", file=sys.stderr)
+            return False
         try:
             held = json.loads(path.read_text())
             who = f"pid {held['pid']} on {held['host']}, since {held['since']}"
@@ -487,15 +560,7 @@ def _take(fcntl, fd: int, kind: int, path: Path, out: Path) -> bool:
             who = "its holder did not say who"
         raise ConfigError("output-dir", f"{out} is in use by another run ({who}; {path} is "
                                         "locked): one run writes a directory at a time. Wait "
-                                        "for it, stop it, or choose another directory") from None
-    except OSError as e:
-        if e.errno not in _NO_LOCKS:
-            raise ConfigError("output-dir", f"cannot lock {path}: {e.strerror or e}") from None
-        print(f"dptrain train: warning: {path}: the file system cannot lock files "
-              f"({e.strerror or e}); a second run started into {out} would not be refused",
-              file=sys.stderr)
-        return False
-    return True
+                                        "for it, stop it, or choose another directory")
 
 
 def _check_ranks_agree_on_start(args: argparse.Namespace, out: Path) -> None:
