@@ -494,8 +494,8 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None) -> float:
             warnings.filterwarnings("ignore", message=_OPACUS_NOTES, category=UserWarning)
             eps = epsilon(plan, cfg.delta, cfg.accountant)
     except (MemoryError, OverflowError, ValueError, ZeroDivisionError) as e:
-        # (sigma 1e-170: opacus divides by sigma^2, which underflows to 0; sigma 1e300 fails too)
-        if cfg.noise_multiplier is not None and not 1e-100 <= cfg.noise_multiplier <= 1e100:
+        # (sigma 1e300: opacus' sigma^2 overflows; below NEGLIGIBLE_SIGMA epsilon is inf)
+        if cfg.noise_multiplier is not None and cfg.noise_multiplier > 1e100:
             raise ConfigError("privacy.noise_multiplier",
                               f"{cfg.noise_multiplier:g} is beyond what the {cfg.accountant} "
                               f"accountant can handle ({type(e).__name__})") from None
