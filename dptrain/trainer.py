@@ -953,15 +953,7 @@ class Trainer:
         tc = self.cfg.train
         out = self.output_dir
         main = self.rank == 0  # only rank 0 writes files and shows progress
-        metrics_file = None
-        if out is not None and main:
-            try:  # (before the first release; the CLI checked the folder, but root passes
-                # every access check, and a file system can refuse anyway)
-                out.mkdir(parents=True, exist_ok=True)
-                metrics_file = open(out / "metrics.jsonl", "a")
-            except OSError as e:
-                raise ConfigError("output-dir", f"cannot write {out}: "
-                                                f"{e.strerror or e}") from None
+        metrics_file = self._open_metrics() if out is not None and main else None
         if main:
             self.print_start_notes()
         bar = tqdm(total=self.plan.steps, initial=self.step, disable=not (tc.progress and main),
@@ -985,26 +977,15 @@ class Trainer:
 
         eps, eps_step = self.epsilon(), self.step  # shown with its step: computed every log_every
         start = time.time()
-        # the highest peak_memory_gib of the run's rows, those before a resume included (none:
-        # secure mode, or no row yet); the same on every rank
-        earlier = (_rows_peak(out / "metrics.jsonl")
-                   if main and out and not self.cfg.privacy.secure_mode else 0.0)
-        (peak,) = all_reduce_scalars(earlier, device=self.device, op="max")
-        peak_gib = peak or None
+        peak_gib = self._peak_so_far()
         peak_memory_bytes(self.device, reset=True)  # rows measure the steps, not the build
         gpu = GpuMonitor(self.device).start()  # off (and silent) without CUDA
         if main and gpu.reason and self.device.type == "cuda":
             print(f"dptrain: no GPU telemetry in metrics.jsonl: {gpu.reason}", file=sys.stderr)
         try:
-            # the step of the newest checkpoint in this run's directory (a run resumed there
-            # starts at one; step 0 needs none; a branch resumed from another run's checkpoint
-            # has none yet) and its path, once this run has written it
-            has_own = (self.step == 0 or out is None
-                       or self.step in ckpt.complete_steps(out))
-            # the same answer on every rank (a stop's save is collective)
-            (owners,) = all_reduce_scalars(float(has_own), device=self.device)
-            has_own = owners == self.world
-            saved_step, saved_path = (self.step if has_own else -1), None
+            # the step of the newest checkpoint in this run's directory and its path, once
+            # this run has written it
+            saved_step, saved_path = (self.step if self._has_own_checkpoint() else -1), None
             diverged = False
             while True:
                 # (also after the last step: a stop there checkpoints it rather than going on
@@ -1019,19 +1000,7 @@ class Trainer:
                 if self.step >= self.plan.steps:
                     break
                 row = self.private_step()
-                if self.cfg.privacy.secure_mode:
-                    # computed from the private batch without noise: outside the guarantee, so
-                    # a run meant for release neither writes nor shows it
-                    row.pop("train_loss", None)
-                elif (not diverged and "train_loss" in row
-                      and not math.isfinite(row["train_loss"])):
-                    diverged = True  # said once (the loss is in metrics.jsonl anyway)
-                    if self.rank == 0:
-                        print(f"dptrain: note: the training loss is {row['train_loss']} at step "
-                              f"{self.step}: every example with a non-finite loss or gradient "
-                              f"gets clip factor 0, so the releases from here may be noise "
-                              f"alone (a learning rate or weight decay too large?)",
-                              file=sys.stderr)
+                diverged = self._public_row(row, diverged)
                 last = self.step == self.plan.steps
                 # (the final evaluation follows the loop)
                 evaluate = bool(tc.eval_every) and self.step % tc.eval_every == 0 and not last
@@ -1046,10 +1015,8 @@ class Trainer:
                         if not held:
                             flush()
                 shown = f"{eps:.3f}" if eps_step == self.step else f"{eps:.3f} at step {eps_step}"
-                if "train_loss" in row:
-                    bar.set_postfix(loss=f"{row['train_loss']:.4f}", eps=shown)
-                else:
-                    bar.set_postfix(eps=shown)
+                bar.set_postfix(**({"loss": f"{row['train_loss']:.4f}"} if "train_loss" in row
+                                   else {}), eps=shown)
                 bar.update(1)
                 if out is not None and tc.checkpoint_every and (
                         self.step % tc.checkpoint_every == 0 or last):
@@ -1073,17 +1040,69 @@ class Trainer:
             self.engine.release_workspace()
             if metrics_file:
                 metrics_file.close()
-        try:
-            final = self.evaluate(generate=True, stoppable=True)
-        except _EvaluationStopped as e:
-            # a stop in the final evaluation (which can outlast a scheduler's grace period):
-            # checkpoint the last step unless one covers it; --resume auto then evaluates
-            if out is not None and saved_step != self.step:
-                saved_path = ckpt.save(self, out)
-            raise StopRequested(e.signum, self.step, saved_path) from None
+        final = self._final_evaluation(saved_step, saved_path)
         summary = self._summary(final, start, trained, peak_gib, gpu)
         self._write_final(summary)  # collective under sharding: every rank
         return summary
+
+    def _open_metrics(self):
+        """``metrics.jsonl``, opened to append (rank 0, with an output directory), before the
+        first release: the CLI checked the folder, but root passes every access check, and a
+        file system can refuse anyway. ConfigError naming output-dir."""
+        out = self.output_dir
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            return open(out / "metrics.jsonl", "a")
+        except OSError as e:
+            raise ConfigError("output-dir", f"cannot write {out}: {e.strerror or e}") from None
+
+    def _peak_so_far(self) -> float | None:
+        """The highest ``peak_memory_gib`` of the run's rows, those before a resume included
+        (None: secure mode, or no row yet); the same on every rank (collective)."""
+        out = self.output_dir
+        earlier = (_rows_peak(out / "metrics.jsonl") if self.rank == 0 and out
+                   and not self.cfg.privacy.secure_mode else 0.0)
+        (peak,) = all_reduce_scalars(earlier, device=self.device, op="max")
+        return peak or None
+
+    def _has_own_checkpoint(self) -> bool:
+        """Whether this run's directory holds a checkpoint of the current step (a run resumed
+        there starts at one; step 0 needs none; a branch resumed from another run's checkpoint
+        has none yet); the same answer on every rank (a stop's save is collective)."""
+        from dptrain import checkpoint as ckpt
+
+        out = self.output_dir
+        has_own = self.step == 0 or out is None or self.step in ckpt.complete_steps(out)
+        (owners,) = all_reduce_scalars(float(has_own), device=self.device)
+        return owners == self.world
+
+    def _public_row(self, row: dict, diverged: bool) -> bool:
+        """Drop what secure mode must not write from a step's ``row`` (its training loss,
+        computed from the private batch without noise: outside the guarantee), and otherwise
+        say once that the loss went non-finite; returns whether it has."""
+        if self.cfg.privacy.secure_mode:
+            row.pop("train_loss", None)
+        elif not diverged and "train_loss" in row and not math.isfinite(row["train_loss"]):
+            diverged = True  # said once (the loss is in metrics.jsonl anyway)
+            if self.rank == 0:
+                print(f"dptrain: note: the training loss is {row['train_loss']} at step "
+                      f"{self.step}: every example with a non-finite loss or gradient gets clip "
+                      f"factor 0, so the releases from here may be noise alone (a learning "
+                      f"rate or weight decay too large?)", file=sys.stderr)
+        return diverged
+
+    def _final_evaluation(self, saved_step: int, saved_path: Path | None) -> dict:
+        """The final evaluation (with generations). A stop there (it can outlast a scheduler's
+        grace period) checkpoints the last step unless ``saved_step`` is it, and raises
+        StopRequested; ``--resume auto`` then evaluates."""
+        from dptrain import checkpoint as ckpt
+
+        try:
+            return self.evaluate(generate=True, stoppable=True)
+        except _EvaluationStopped as e:
+            if self.output_dir is not None and saved_step != self.step:
+                saved_path = ckpt.save(self, self.output_dir)
+            raise StopRequested(e.signum, self.step, saved_path) from None
 
     def _measure_row(self, row: dict, start: float, gpu, evaluate: bool,
                      peak_gib: float | None) -> float | None:

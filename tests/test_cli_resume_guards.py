@@ -733,6 +733,42 @@ def test_ranks_that_start_another_run_are_refused_on_every_rank(tmp_path, differ
     assert not (tmp_path / "a" / "checkpoints").exists() and not (tmp_path / "b").exists()
 
 
+def _train_from(rank: int, world: int, cwds: list[str], args: list[str]) -> tuple[int, str]:
+    """``dptrain train --output-dir run`` from this rank's working directory (a node's own
+    folder under one relative path): (exit status, its last stderr line)."""
+    import os
+
+    os.chdir(cwds[rank])
+    return _train_on_each_rank(0, 1, [["--output-dir", "run", *args]])
+
+
+@pytest.mark.parametrize("case", ["finished on rank 0 only", "unfinished on rank 1 only"])
+def test_ranks_that_see_another_directory_are_refused_on_every_rank(tmp_path, capsys, case):
+    # the ranks meet before the output directory's checks; one rank done or refused alone
+    # left the other in the trainer's collectives (a gloo traceback; NCCL: a hang)
+    from dptrain.parallel.dist import spawn
+
+    run = tmp_path / "finished" / "run"
+    assert train(capsys, run, "privacy.steps=2", "train.checkpoint_every=1")[0] == 0
+    nodes = [tmp_path / "n0", tmp_path / "n1"]
+    for n in nodes:
+        n.mkdir()
+    if case == "finished on rank 0 only":
+        shutil.copytree(run, nodes[0] / "run")
+        shutil.copytree(run, nodes[1] / "run", ignore=shutil.ignore_patterns("summary.json"))
+        args, words = ["--resume", "auto"], "rank 0 sees a finished run in run (summary.json), " \
+                                             "rank 1 does not"
+    else:
+        shutil.copytree(run, nodes[1] / "run", ignore=shutil.ignore_patterns("summary.json"))
+        args, words = [], "run holds an unfinished run"
+    got = spawn(_train_from, 2, [str(n) for n in nodes], [*args, "privacy.steps=2"],
+                timeout=240)
+    assert all(code == 2 and "error: output-dir: " in line and words in line
+               for code, line in got), got
+    if case != "finished on rank 0 only":
+        assert got[0][1].endswith("(on rank 1)") and not (nodes[0] / "run").exists()
+
+
 def _resume_on_each_rank(rank: int, world: int, paths: list[str]) -> str | None:
     """A Trainer that resumes ``paths[rank]``: None, or its ConfigError's line."""
     from dptrain.config import ConfigError, load

@@ -243,3 +243,15 @@ def test_every_rank_of_a_refused_run_is_refused(held):
     got = spawn(_start_where_another_holds, 2, str(out), timeout=240)
     assert all(code == 2 and "output-dir" in line and "in use by another run" in line
                and f"pid {proc.pid} on node7" in line for code, line in got), got
+
+
+def test_an_output_dir_that_is_a_link_to_nothing_is_one_line(tmp_path, capsys):
+    # the lock's folder could not be made: "cannot lock ...: it keeps being removed or
+    # replaced" after eight tries (red team); the dry run passed
+    out = tmp_path / "out"
+    out.symlink_to(tmp_path / "nowhere" / "x")
+    for args in ((), ("--dry-run",)):
+        code, err = _cli(capsys, out, *args)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and "symbolic link to nothing" in lines[0], err
+    assert out.is_symlink() and not (tmp_path / "nowhere").exists()

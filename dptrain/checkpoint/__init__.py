@@ -979,9 +979,14 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         problem = verify(path, collective=trainer.world > 1)
         if problem is not None:
             raise ConfigError("resume", f"checkpoint {path} is unusable: {problem}")
-    state = read_meta(path, verified=True)
     if trainer.world > 1:  # (before the first collective whose shape the checkpoint sets)
-        _check_ranks_resume_alike(state, path)
+        try:
+            state, problem = read_meta(path, verified=True), None
+        except ConfigError as e:  # (refused on every rank: one alone left the others waiting)
+            state, problem = {}, e
+        _check_ranks_resume_alike(state, path, problem)
+    else:
+        state = read_meta(path, verified=True)
     moved = check_compatible(state["config"], trainer.cfg)
     check_same_data(state, trainer)
     if moved and trainer.rank == 0:
@@ -1015,19 +1020,25 @@ def load(trainer, path: Path, verified: bool = False) -> None:
                                     f"dptrain train for this config")
 
 
-def _check_ranks_resume_alike(state: dict, path: Path) -> None:
+def _check_ranks_resume_alike(state: dict, path: Path, problem: ConfigError | None) -> None:
     """Every rank continues from one step with one ledger. The ranks agree on ``--resume``
     (``commands.train``), but the same path can name node-local copies at different steps;
     ranks at different steps take their shares of different samples (an example in two
     shares of one release: sensitivity 2C) and count different releases. Refused on every
-    rank, naming ``resume``."""
+    rank, naming ``resume``; so is ``problem``, a rank's refusal to read the checkpoint."""
     import torch.distributed as dist
 
     ledger = json.dumps(state.get("ledger"), sort_keys=True, default=repr).encode()
-    mine = (state.get("step"), hashlib.sha256(ledger).hexdigest(), str(path))
+    mine = (state.get("step"), hashlib.sha256(ledger).hexdigest(), str(path),
+            None if problem is None else (problem.field, problem.message))
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    for rank, (step, digest, where) in enumerate(every):
+    if problem is not None:
+        raise problem
+    for rank, (*_, theirs) in enumerate(every):
+        if theirs is not None:
+            raise ConfigError(theirs[0], f"{theirs[1]} (on rank {rank})")
+    for rank, (step, digest, where, _) in enumerate(every):
         if (step, digest) != every[0][:2]:
             another = " with another ledger" if step == every[0][0] else ""
             raise ConfigError("resume", f"rank {rank} resumes {where} at step {step}{another}, "

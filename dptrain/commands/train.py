@@ -67,6 +67,9 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
     out = Path(args.output_dir) if args.output_dir else Path("runs") / Path(args.config).stem
     if out.exists() and not out.is_dir():
         raise ConfigError("output-dir", f"{out} exists and is not a directory")
+    if out.is_symlink() and not out.exists():
+        raise ConfigError("output-dir", f"{out} is a symbolic link to nothing "
+                                        f"({os.readlink(out)}); make its target, or remove it")
     check_can_create("output-dir", out)  # before the data and the model are built
     _check_layout(out)
     several = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -82,51 +85,26 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
     from dptrain import checkpoint as ckpt
     from dptrain.trainer import StopRequested, Trainer
 
-    resume_path = None
-    if args.resume == "auto" and (out / "summary.json").exists():
-        # summary.json is written last: the run is finished (a requeued job lands here), and
-        # a finished run is never rewritten. Its config must be this one, as a checkpoint's
-        # must (a changed setting is not "nothing to do").
-        try:
-            saved = json.loads((out / "summary.json").read_text()).get("config")
-        except (OSError, ValueError, AttributeError):
-            saved = None
-        if not isinstance(saved, dict):
-            raise ConfigError("output-dir", f"{out / 'summary.json'} is unreadable or holds no "
-                                            "config, so whether it is this run's cannot be "
-                                            "checked; move it away, or choose another directory")
-        ckpt.check_compatible(saved, cfg, source="the finished run (summary.json)")
-        _check_same_training(saved, cfg, out)
-        if os.environ.get("RANK", "0") == "0":
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    finished, resume_path, error = False, None, None
+    try:
+        finished = _look(out, cfg, args)
+        if not finished:
+            resume_path = _resume_path(out, cfg, args, several)
+    except ConfigError as e:
+        error = e
+    if several:  # one verdict: a rank refusing, or done, alone left the others in collectives
+        finished = _agree_on_look(out, finished, error)
+    elif error is not None:
+        raise error
+    if finished:
+        if stop.rank == 0:
             print(f"dptrain train: {out} holds a finished run (summary.json); nothing to do",
                   file=sys.stderr)
             if args.dry_run:
                 print(f"{_DRY_RUN_HEADER}output_dir: {out}\nstart: finished (summary.json), "
                       f"nothing to do\n", end="")
         return 0
-    if args.resume == "auto":
-        # each rank's own first look: marker, files and sizes only (no hashing)
-        resume_path = ckpt.find_latest(out, shallow=True, quiet=True)
-    elif args.resume is not None:
-        resume_path = Path(args.resume)
-        if not resume_path.is_dir():
-            raise ConfigError("resume", f"no checkpoint directory at {resume_path}")
-        _check_explicit_resume(out, resume_path)
-    if args.resume is None and (out / "summary.json").exists():
-        raise ConfigError("output-dir", f"{out} already holds a finished run; choose another "
-                                        "directory")
-    if args.resume is None and _holds_a_run(out):
-        raise ConfigError("output-dir", f"{out} holds an unfinished run (checkpoints, "
-                                        "metrics.jsonl or final/); pass --resume auto to "
-                                        "continue it, or choose another directory")
-    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if cfg.privacy.secure_mode and resume_path is not None and not (several
-                                                                    and args.resume == "auto"):
-        # (early, before the model is built; with several ranks, --resume auto's first look is
-        # each rank's own, and one refusing alone would leave the others waiting in the
-        # process group: the checks below, on rank 0's list, do it for all)
-        _check_secure_resume(resume_path)
-        _check_secure_branch(resume_path, out)
     trainer = Trainer(cfg, out)
     # a signal from here on sets the trainer's flag itself; one that lands between reading
     # and storing the flag below is in stop.stop_signal, read again after
@@ -407,7 +385,7 @@ or the cleanup of a start refused at the same moment, holds it for microseconds.
 @contextlib.contextmanager
 def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False):
     """One run at a time in ``out``: rank 0 holds an exclusive ``flock`` on ``out/run.lock``
-    (created, and ``out`` with it) from before its first look at the directory until it
+    (created, and ``out`` with it) from before it reads anything a run wrote there until it
     returns; a second run is refused (ConfigError naming output-dir, exit 2) before it reads
     or writes anything there. ``shared`` (the ranks are in a process group): rank 0's verdict
     is every rank's, so every rank exits (ranks started without torchrun's agent waited for
@@ -432,6 +410,8 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False)
                 held = _open_locked(fcntl, path, out)
         except ConfigError as e:
             error = e
+        except OSError as e:  # (rank 0 alone would leave the others in the broadcast)
+            error = ConfigError("output-dir", f"cannot lock {path}: {e.strerror or e}")
     if shared:
         import torch.distributed as dist
 
@@ -561,6 +541,87 @@ def _take(fcntl, fd: int, kind: int, path: Path, out: Path) -> bool:
         raise ConfigError("output-dir", f"{out} is in use by another run ({who}; {path} is "
                                         "locked): one run writes a directory at a time. Wait "
                                         "for it, stop it, or choose another directory")
+
+
+def _look(out: Path, cfg, args: argparse.Namespace) -> bool:
+    """Whether ``--resume auto`` finds a finished run in ``out`` with this config (nothing to
+    do); ConfigError if a finished run is there that this one may not continue or rewrite."""
+    from dptrain import checkpoint as ckpt
+
+    if (out / "summary.json").exists() and args.resume is None:
+        raise ConfigError("output-dir", f"{out} already holds a finished run; choose another "
+                                        "directory")
+    if args.resume != "auto" or not (out / "summary.json").exists():
+        return False
+    # summary.json is written last: the run is finished (a requeued job lands here), and a
+    # finished run is never rewritten. Its config must be this one, as a checkpoint's must (a
+    # changed setting is not "nothing to do").
+    try:
+        saved = json.loads((out / "summary.json").read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        saved = None
+    if not isinstance(saved, dict):
+        raise ConfigError("output-dir", f"{out / 'summary.json'} is unreadable or holds no "
+                                        "config, so whether it is this run's cannot be "
+                                        "checked; move it away, or choose another directory")
+    ckpt.check_compatible(saved, cfg, source="the finished run (summary.json)")
+    _check_same_training(saved, cfg, out)
+    return True
+
+
+def _resume_path(out: Path, cfg, args: argparse.Namespace, several: bool) -> Path | None:
+    """This rank's checkpoint to resume (None: start afresh), after the checks that need no
+    model: ``--resume PATH`` exists and may write into ``out``, a fresh run finds no earlier
+    one there, and (one process, or ``--resume PATH``) secure mode's resume guards."""
+    from dptrain import checkpoint as ckpt
+
+    resume_path = None
+    if args.resume == "auto":
+        # each rank's own first look: marker, files and sizes only (no hashing)
+        resume_path = ckpt.find_latest(out, shallow=True, quiet=True)
+    elif args.resume is not None:
+        resume_path = Path(args.resume)
+        if not resume_path.is_dir():
+            raise ConfigError("resume", f"no checkpoint directory at {resume_path}")
+        _check_explicit_resume(out, resume_path)
+    if args.resume is None and _holds_a_run(out):
+        raise ConfigError("output-dir", f"{out} holds an unfinished run (checkpoints, "
+                                        "metrics.jsonl or final/); pass --resume auto to "
+                                        "continue it, or choose another directory")
+    if cfg.privacy.secure_mode and resume_path is not None and not (several
+                                                                    and args.resume == "auto"):
+        # (early, before the model is built; with several ranks, --resume auto's first look is
+        # each rank's own: the checks after the trainer is built, on rank 0's list, do it)
+        _check_secure_resume(resume_path)
+        _check_secure_branch(resume_path, out)
+    return resume_path
+
+
+def _agree_on_look(out: Path, finished: bool, error: ConfigError | None) -> bool:
+    """Every rank's verdict on ``out`` before the trainer is built, the same on every rank: a
+    refusal on any rank is raised on every rank (its own, or the first rank's that refused),
+    and ranks that disagree on whether the run is finished are refused (node-local copies that
+    differ, or a shared file system that lags). Else whether it is finished."""
+    import torch.distributed as dist
+
+    mine = (finished, None if error is None else (error.field, error.message))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if error is not None:
+        raise error
+    refused = [(rank, e) for rank, (_, e) in enumerate(every) if e is not None]
+    if refused:
+        rank, (field, message) = refused[0]
+        raise ConfigError(field, f"{message} (on rank {rank})")
+    done = [rank for rank, (f, _) in enumerate(every) if f]
+    if done and len(done) < len(every):
+        raise ConfigError("output-dir", f"rank {done[0]} sees a finished run in {out} "
+                                        f"(summary.json), rank "
+                                        f"{next(r for r in range(len(every)) if r not in done)} "
+                                        "does not: every rank must see one directory (node-local "
+                                        "copies that differ, or a shared file system that "
+                                        "lags?)")
+    return bool(done)
 
 
 def _check_ranks_agree_on_start(args: argparse.Namespace, out: Path) -> None:
