@@ -742,7 +742,8 @@ def _train_from(rank: int, world: int, cwds: list[str], args: list[str]) -> tupl
     return _train_on_each_rank(0, 1, [["--output-dir", "run", *args]])
 
 
-@pytest.mark.parametrize("case", ["finished on rank 0 only", "unfinished on rank 1 only"])
+@pytest.mark.parametrize("case", ["finished on rank 0 only", "unfinished on rank 1 only",
+                                  "a link to nothing on rank 1 only"])
 def test_ranks_that_see_another_directory_are_refused_on_every_rank(tmp_path, capsys, case):
     # the ranks meet before the output directory's checks; one rank done or refused alone
     # left the other in the trainer's collectives (a gloo traceback; NCCL: a hang)
@@ -758,6 +759,9 @@ def test_ranks_that_see_another_directory_are_refused_on_every_rank(tmp_path, ca
         shutil.copytree(run, nodes[1] / "run", ignore=shutil.ignore_patterns("summary.json"))
         args, words = ["--resume", "auto"], "rank 0 sees a finished run in run (summary.json), " \
                                              "rank 1 does not"
+    elif case == "a link to nothing on rank 1 only":  # (checked before the lock is taken)
+        (nodes[1] / "run").symlink_to(tmp_path / "nowhere")
+        args, words = [], "run is a symbolic link to nothing"
     else:
         shutil.copytree(run, nodes[1] / "run", ignore=shutil.ignore_patterns("summary.json"))
         args, words = [], "run holds an unfinished run"
@@ -767,6 +771,7 @@ def test_ranks_that_see_another_directory_are_refused_on_every_rank(tmp_path, ca
                for code, line in got), got
     if case != "finished on rank 0 only":
         assert got[0][1].endswith("(on rank 1)") and not (nodes[0] / "run").exists()
+        assert not got[1][1].endswith(")")  # (its own refusal, said as it is)
 
 
 def _resume_on_each_rank(rank: int, world: int, paths: list[str]) -> str | None:
@@ -795,6 +800,14 @@ def test_ranks_that_resume_other_checkpoints_are_refused_on_every_rank(tmp_path,
     assert all(e is not None and e.startswith(f"resume: rank 1 resumes {older} at step 3, "
                                               f"rank 0 {newer} at step 4") for e in got), got
     assert spawn(_resume_on_each_rank, 2, [older, older], timeout=240) == [None, None]
+    # one step, other contents (another run's copy, at another learning rate): the replicas
+    # trained apart, each from its own node's weights, exit 0 (red team)
+    other = tmp_path / "other"
+    code, err = train(capsys, other, "train.checkpoint_every=1", "optim.lr=0.05")
+    assert code == 0, err
+    elsewhere = str(other / "checkpoints" / "step-00000004")
+    got = spawn(_resume_on_each_rank, 2, [newer, elsewhere], timeout=240)
+    assert all(e is not None and "at step 4 with other contents" in e for e in got), got
 
 
 def _node_local_e2e(tmp_path, rows: dict[str, list[int]],

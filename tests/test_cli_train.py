@@ -393,6 +393,23 @@ def test_resume_auto_over_a_summary_without_its_config_exits_2(tmp_path, capsys,
     assert (out / "summary.json").read_text() == summary
 
 
+@pytest.mark.parametrize("section, value", [("optim", [1]), ("data", "x"), ("model", [1])])
+def test_resume_auto_over_a_summary_config_of_another_shape_exits_2(tmp_path, capsys, section,
+                                                                   value):
+    # its privacy settings this run's, a section of another shape: an AttributeError traceback
+    out = tmp_path / "run"
+    assert run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                   "train.checkpoint_every=0")[0] == 0
+    summary = json.loads((out / "summary.json").read_text())
+    summary["config"][section] = value
+    (out / "summary.json").write_text(json.dumps(summary))
+    before = (out / "summary.json").read_bytes()
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                           "--resume", "auto")
+    assert code == 2 and err.count("\n") == 1 and "summary.json" in err, err
+    assert (out / "summary.json").read_bytes() == before
+
+
 @pytest.mark.parametrize("dry", [True, False])
 def test_a_delta_at_or_above_one_over_n_is_warned_about(tmp_path, capsys, dry):
     # tiny.yaml trains on 256 examples: delta 1/256 allows publishing one in the clear

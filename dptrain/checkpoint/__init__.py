@@ -1021,15 +1021,19 @@ def load(trainer, path: Path, verified: bool = False) -> None:
 
 
 def _check_ranks_resume_alike(state: dict, path: Path, problem: ConfigError | None) -> None:
-    """Every rank continues from one step with one ledger. The ranks agree on ``--resume``
-    (``commands.train``), but the same path can name node-local copies at different steps;
-    ranks at different steps take their shares of different samples (an example in two
-    shares of one release: sensitivity 2C) and count different releases. Refused on every
-    rank, naming ``resume``; so is ``problem``, a rank's refusal to read the checkpoint."""
+    """Every rank continues from one checkpoint: one step, one ledger, the same files (the
+    checksums its marker lists). The ranks agree on ``--resume`` (``commands.train``), but the
+    same path can name node-local copies: at different steps, ranks take their shares of
+    different samples (an example in two shares of one release: sensitivity 2C) and count
+    different releases; at one step with other contents (a copy of another run, a resume that
+    changed the learning rate), the replicas train apart and the checks of the checkpoint
+    against the config could refuse on one rank alone. Refused on every rank, naming
+    ``resume``; so is ``problem``, a rank's refusal to read the checkpoint."""
     import torch.distributed as dist
 
-    ledger = json.dumps(state.get("ledger"), sort_keys=True, default=repr).encode()
-    mine = (state.get("step"), hashlib.sha256(ledger).hexdigest(), str(path),
+    contents = json.dumps([state.get("ledger"), _quick_check(path)[1]], sort_keys=True,
+                          default=repr).encode()
+    mine = (state.get("step"), hashlib.sha256(contents).hexdigest(), str(path),
             None if problem is None else (problem.field, problem.message))
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
@@ -1040,7 +1044,7 @@ def _check_ranks_resume_alike(state: dict, path: Path, problem: ConfigError | No
             raise ConfigError(theirs[0], f"{theirs[1]} (on rank {rank})")
     for rank, (step, digest, where, _) in enumerate(every):
         if (step, digest) != every[0][:2]:
-            another = " with another ledger" if step == every[0][0] else ""
+            another = " with other contents" if step == every[0][0] else ""
             raise ConfigError("resume", f"rank {rank} resumes {where} at step {step}{another}, "
                                         f"rank 0 {every[0][2]} at step {every[0][0]}: every "
                                         "rank must resume one checkpoint (node-local copies "

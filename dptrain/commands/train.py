@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dptrain.commands import RUN_LAYOUT, check_can_create
 from dptrain.config import ConfigError
+from dptrain.messages import brief
 from dptrain.telemetry import json_rows
 
 
@@ -65,17 +66,16 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
     if args.resume is not None and not args.resume.strip():
         raise ConfigError("resume", "is empty: 'auto', or a checkpoint directory")
     out = Path(args.output_dir) if args.output_dir else Path("runs") / Path(args.config).stem
-    if out.exists() and not out.is_dir():
-        raise ConfigError("output-dir", f"{out} exists and is not a directory")
-    if out.is_symlink() and not out.exists():
-        raise ConfigError("output-dir", f"{out} is a symbolic link to nothing "
-                                        f"({os.readlink(out)}); make its target, or remove it")
-    check_can_create("output-dir", out)  # before the data and the model are built
-    _check_layout(out)
     several = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if several:  # the ranks meet here: one start, and one verdict on the directory's lock
+    if several:  # the ranks meet here: one start, and one verdict on each check of the directory
         join_ranks(cfg.performance)
         _check_ranks_agree_on_start(args, out)
+    try:
+        _check_output_dir(out)  # before the data and the model are built
+        error = None
+    except ConfigError as e:
+        error = e
+    one_verdict(error, several)
     with _run_lock(out, rank=stop.rank, dry_run=args.dry_run, shared=several):
         return _run_in(out, cfg, args, stop)
 
@@ -120,9 +120,14 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
     if cfg.privacy.secure_mode and args.resume == "auto":
         # again on what the checksums chose: a damaged newest checkpoint sends the run back to
         # an older one (or to none, step 0), whose later releases have outputs on disk
-        _check_secure_resume(resume_path, run_dir=out)
-        if resume_path is not None:  # (the first look may have found none on this rank)
-            _check_secure_branch(resume_path, out)
+        try:
+            _check_secure_resume(resume_path, run_dir=out)
+            if resume_path is not None:  # (the first look may have found none on this rank)
+                _check_secure_branch(resume_path, out)
+            error = None
+        except ConfigError as e:
+            error = e
+        one_verdict(error, trainer.world > 1)
     if args.dry_run:
         if resume_path is not None:  # its settings against these, into memory only
             ckpt.load(trainer, resume_path, verified=args.resume == "auto")
@@ -543,6 +548,40 @@ def _take(fcntl, fd: int, kind: int, path: Path, out: Path) -> bool:
                                         "for it, stop it, or choose another directory")
 
 
+def _check_output_dir(out: Path) -> None:
+    """``out`` is a directory, or can be made; what a run writes there is absent or of its
+    kind."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError("output-dir", f"{out} exists and is not a directory")
+    if out.is_symlink() and not out.exists():
+        raise ConfigError("output-dir", f"{out} is a symbolic link to nothing "
+                                        f"({os.readlink(out)}); make its target, or remove it")
+    check_can_create("output-dir", out)
+    _check_layout(out)
+
+
+def one_verdict(error: ConfigError | None, several: bool, value=None) -> list:
+    """Each rank's ``value`` (``[value]`` in one process), once every rank has said whether a
+    check refused (``error``): a refusal on any rank is raised on every rank, its own or the
+    first rank's that refused ("(on rank R)"). A rank refusing alone would leave the others in
+    a collective (gloo: a traceback; NCCL: a hang until the timeout)."""
+    if not several:
+        if error is not None:
+            raise error
+        return [value]
+    import torch.distributed as dist
+
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (value, None if error is None else (error.field,
+                                                                       error.message)))
+    if error is not None:
+        raise error
+    for rank, (_, theirs) in enumerate(every):
+        if theirs is not None:
+            raise ConfigError(theirs[0], f"{theirs[1]} (on rank {rank})")
+    return [v for v, _ in every]
+
+
 def _look(out: Path, cfg, args: argparse.Namespace) -> bool:
     """Whether ``--resume auto`` finds a finished run in ``out`` with this config (nothing to
     do); ConfigError if a finished run is there that this one may not continue or rewrite."""
@@ -564,8 +603,14 @@ def _look(out: Path, cfg, args: argparse.Namespace) -> bool:
         raise ConfigError("output-dir", f"{out / 'summary.json'} is unreadable or holds no "
                                         "config, so whether it is this run's cannot be "
                                         "checked; move it away, or choose another directory")
-    ckpt.check_compatible(saved, cfg, source="the finished run (summary.json)")
-    _check_same_training(saved, cfg, out)
+    try:
+        ckpt.check_compatible(saved, cfg, source="the finished run (summary.json)")
+        _check_same_training(saved, cfg, out)
+    except (AttributeError, TypeError, KeyError, IndexError) as e:  # (sections of another shape)
+        raise ConfigError("output-dir", f"{out / 'summary.json'} holds a config of another "
+                                        f"shape ({brief(e)}), so whether it is this run's "
+                                        "cannot be checked; move it away, or choose another "
+                                        "directory") from None
     return True
 
 
@@ -598,29 +643,17 @@ def _resume_path(out: Path, cfg, args: argparse.Namespace, several: bool) -> Pat
 
 
 def _agree_on_look(out: Path, finished: bool, error: ConfigError | None) -> bool:
-    """Every rank's verdict on ``out`` before the trainer is built, the same on every rank: a
-    refusal on any rank is raised on every rank (its own, or the first rank's that refused),
-    and ranks that disagree on whether the run is finished are refused (node-local copies that
-    differ, or a shared file system that lags). Else whether it is finished."""
-    import torch.distributed as dist
-
-    mine = (finished, None if error is None else (error.field, error.message))
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if error is not None:
-        raise error
-    refused = [(rank, e) for rank, (_, e) in enumerate(every) if e is not None]
-    if refused:
-        rank, (field, message) = refused[0]
-        raise ConfigError(field, f"{message} (on rank {rank})")
-    done = [rank for rank, (f, _) in enumerate(every) if f]
+    """:func:`one_verdict` on the look before the trainer is built; ranks that disagree on
+    whether the run is finished are refused too (node-local copies that differ, or a shared
+    file system that lags). Else whether it is finished."""
+    every = one_verdict(error, True, finished)
+    done = [rank for rank, f in enumerate(every) if f]
     if done and len(done) < len(every):
+        other = next(r for r in range(len(every)) if r not in done)
         raise ConfigError("output-dir", f"rank {done[0]} sees a finished run in {out} "
-                                        f"(summary.json), rank "
-                                        f"{next(r for r in range(len(every)) if r not in done)} "
-                                        "does not: every rank must see one directory (node-local "
-                                        "copies that differ, or a shared file system that "
-                                        "lags?)")
+                                        f"(summary.json), rank {other} does not: every rank "
+                                        "must see one directory (node-local copies that differ, "
+                                        "or a shared file system that lags?)")
     return bool(done)
 
 
