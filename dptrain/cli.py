@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import signal
 import sys
 
@@ -87,7 +88,9 @@ def main(argv: list[str] | None = None, *, process_exits: bool = False) -> int:
                 check_path_name(name, value)
         return int(commands[args.command].run(args) or 0)
     except ConfigError as e:
-        print(f"dptrain {args.command}: error: {e}", file=sys.stderr)
+        # (a refusal every rank shares is said once, by rank 0: not W identical lines)
+        if not (e.every_rank and os.environ.get("RANK", "0").strip() not in ("", "0")):
+            print(f"dptrain {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"dptrain {args.command}: interrupted", file=sys.stderr)

@@ -32,7 +32,16 @@ class ConfigError(ValueError):
     def __init__(self, field: str, message: str):
         self.field = field
         self.message = message
+        #: raised alike on every rank of a run (a verdict the ranks share): ``dptrain`` prints
+        #: it on rank 0 only, not once per rank (:func:`said_by_rank_0`)
+        self.every_rank = False
         super().__init__(f"{field}: {message}" if field else message)
+
+
+def said_by_rank_0(error: ConfigError) -> ConfigError:
+    """``error``, marked as raised alike on every rank: the CLI prints it on rank 0 alone."""
+    error.every_rank = True
+    return error
 
 
 def _type_name(tp: Any) -> str:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from dptrain.clipping import ClippingEngine, ClippingError
-from dptrain.config import ConfigError, to_dict
+from dptrain.config import ConfigError, said_by_rank_0, to_dict
 from dptrain.data import DataConfig, build_data
 from dptrain.data.fingerprint import index_fingerprint
 from dptrain.data.wds import default_decode_threads
@@ -359,10 +359,10 @@ def _check_ranks_agree_on_config(cfg) -> None:
         if theirs != every[0]:
             key = next(k for k in sorted(set(theirs) | set(every[0]))
                        if theirs.get(k) != every[0].get(k))
-            raise ConfigError(key, f"rank {rank} runs with {theirs.get(key)!r}, rank 0 with "
-                                   f"{every[0].get(key)!r}: every rank must run the same "
-                                   f"configuration (a node-local config file or launcher "
-                                   f"line that differs?)")
+            raise said_by_rank_0(ConfigError(
+                key, f"rank {rank} runs with {theirs.get(key)!r}, rank 0 with "
+                     f"{every[0].get(key)!r}: every rank must run the same configuration (a "
+                     f"node-local config file or launcher line that differs?)"))
 
 
 def _check_ranks_agree_on_data(task, device: torch.device) -> None:
@@ -419,9 +419,9 @@ def _check_ranks_agree_on_weights(model: torch.nn.Module, path: str) -> None:
         said = "; ".join(
             f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} from "
             f"{', '.join(sorted({every[r][1] for r in ranks}))}" for ranks in groups.values())
-        raise ConfigError("model.pretrained_path",
-                          f"the ranks loaded {len(groups)} different sets of weights ({said}): "
-                          f"every rank must load the same checkpoint")
+        raise said_by_rank_0(ConfigError(
+            "model.pretrained_path", f"the ranks loaded {len(groups)} different sets of weights "
+                                     f"({said}): every rank must load the same checkpoint"))
 
 
 def _shared_secure_seed(world: int) -> int:

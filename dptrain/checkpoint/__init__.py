@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from dptrain.config import ConfigError, to_dict, unused_fields
+from dptrain.config import ConfigError, said_by_rank_0, to_dict, unused_fields
 from dptrain.messages import brief
 
 MARKER = "COMPLETE"
@@ -1037,18 +1037,18 @@ def _check_ranks_resume_alike(state: dict, path: Path, problem: ConfigError | No
             None if problem is None else (problem.field, problem.message))
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    if problem is not None:
-        raise problem
     for rank, (*_, theirs) in enumerate(every):
-        if theirs is not None:
-            raise ConfigError(theirs[0], f"{theirs[1]} (on rank {rank})")
+        if theirs is not None:  # (said by rank 0: its own, or the first rank's with the rank)
+            raise said_by_rank_0(problem if rank == dist.get_rank() and problem is not None else
+                                 ConfigError(theirs[0], theirs[1] + (f" (on rank {rank})"
+                                                                     if rank else "")))
     for rank, (step, digest, where, _) in enumerate(every):
         if (step, digest) != every[0][:2]:
             another = " with other contents" if step == every[0][0] else ""
-            raise ConfigError("resume", f"rank {rank} resumes {where} at step {step}{another}, "
-                                        f"rank 0 {every[0][2]} at step {every[0][0]}: every "
-                                        "rank must resume one checkpoint (node-local copies "
-                                        "that differ?)")
+            raise said_by_rank_0(ConfigError(
+                "resume", f"rank {rank} resumes {where} at step {step}{another}, rank 0 "
+                          f"{every[0][2]} at step {every[0][0]}: every rank must resume one "
+                          "checkpoint (node-local copies that differ?)"))
 
 
 def _checked_ledger(trainer, state: dict, path: Path):

@@ -17,7 +17,7 @@ import types
 from pathlib import Path
 
 from dptrain.commands import RUN_LAYOUT, check_can_create
-from dptrain.config import ConfigError
+from dptrain.config import ConfigError, said_by_rank_0
 from dptrain.messages import brief
 from dptrain.telemetry import json_rows
 
@@ -422,8 +422,8 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False)
 
         verdict = [None if error is None else (error.field, error.message)]
         dist.broadcast_object_list(verdict, src=0)
-        if verdict[0] is not None and error is None:
-            error = ConfigError(*verdict[0])
+        if verdict[0] is not None:
+            error = said_by_rank_0(error or ConfigError(*verdict[0]))
     if error is not None:
         raise error
     try:
@@ -574,11 +574,11 @@ def one_verdict(error: ConfigError | None, several: bool, value=None) -> list:
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, (value, None if error is None else (error.field,
                                                                        error.message)))
-    if error is not None:
-        raise error
     for rank, (_, theirs) in enumerate(every):
-        if theirs is not None:
-            raise ConfigError(theirs[0], f"{theirs[1]} (on rank {rank})")
+        if theirs is not None:  # (said by rank 0: its own, or the first rank's with the rank)
+            raise said_by_rank_0(error if rank == dist.get_rank() and error is not None else
+                                 ConfigError(theirs[0], theirs[1] + (f" (on rank {rank})"
+                                                                     if rank else "")))
     return [v for v, _ in every]
 
 
@@ -650,10 +650,10 @@ def _agree_on_look(out: Path, finished: bool, error: ConfigError | None) -> bool
     done = [rank for rank, f in enumerate(every) if f]
     if done and len(done) < len(every):
         other = next(r for r in range(len(every)) if r not in done)
-        raise ConfigError("output-dir", f"rank {done[0]} sees a finished run in {out} "
+        raise said_by_rank_0(ConfigError("output-dir", f"rank {done[0]} sees a finished run in {out} "
                                         f"(summary.json), rank {other} does not: every rank "
                                         "must see one directory (node-local copies that differ, "
-                                        "or a shared file system that lags?)")
+                                        "or a shared file system that lags?)"))
     return bool(done)
 
 
@@ -672,9 +672,10 @@ def _check_ranks_agree_on_start(args: argparse.Namespace, out: Path) -> None:
     for rank, theirs in enumerate(every):
         for key in mine:
             if theirs[key] != every[0][key]:
-                raise ConfigError(key, f"rank {rank} starts with {theirs[key]!r}, rank 0 with "
-                                       f"{every[0][key]!r}: every rank must start the same "
-                                       "run (a launcher line that differs between nodes?)")
+                raise said_by_rank_0(ConfigError(
+                    key, f"rank {rank} starts with {theirs[key]!r}, rank 0 with "
+                         f"{every[0][key]!r}: every rank must start the same run (a launcher "
+                         "line that differs between nodes?)"))
 
 
 def _holds_a_run(out: Path) -> bool:
