@@ -17,6 +17,14 @@ from dptrain.config import ConfigError, check_path_name
 _PATH_OPTIONS = ("config", "output_dir", "resume", "run", "checkpoint", "output", "plot")
 
 
+def _rank() -> int:
+    """This process's RANK as the launcher environment is read (``int``: "00" is rank 0)."""
+    try:
+        return int(os.environ.get("RANK", "0").strip() or 0)
+    except ValueError:
+        return 0
+
+
 def _commands():
     import importlib
 
@@ -89,7 +97,7 @@ def main(argv: list[str] | None = None, *, process_exits: bool = False) -> int:
         return int(commands[args.command].run(args) or 0)
     except ConfigError as e:
         # (a refusal every rank shares is said once, by rank 0: not W identical lines)
-        if not (e.every_rank and os.environ.get("RANK", "0").strip() not in ("", "0")):
+        if not (e.every_rank and _rank() != 0):
             print(f"dptrain {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

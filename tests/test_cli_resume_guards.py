@@ -780,6 +780,38 @@ def test_ranks_that_see_another_directory_are_refused_on_every_rank(tmp_path, ca
         assert line.endswith("(on rank 1)") and not (nodes[0] / "run").exists()
 
 
+def test_ranks_refused_for_different_reasons_each_say_theirs(tmp_path):
+    # rank 1's own refusal was silenced behind rank 0's: fixed, the run met it only next time
+    from dptrain.parallel.dist import spawn
+
+    nodes = [tmp_path / "n0", tmp_path / "n1"]
+    for n in nodes:
+        n.mkdir()
+    (nodes[0] / "run").write_text("a file")
+    (nodes[1] / "run").mkdir()
+    (nodes[1] / "run" / "checkpoints").write_text("a file")
+    got = spawn(_train_from, 2, [str(n) for n in nodes], [], timeout=240)
+    assert [code for code, _ in got] == [2, 2], got
+    assert len(got[0][1]) == 1 and "run exists and is not a directory" in got[0][1][0]
+    assert len(got[1][1]) == 1 and "checkpoints exists and is not a directory" in got[1][1][0]
+
+
+def test_a_shared_refusal_is_said_by_rank_0_however_its_rank_is_spelt(monkeypatch, capsys):
+    # RANK=00 is rank 0 to the launcher's reading (int), and was not to the CLI's: no rank
+    # printed the refusal (red team)
+    import dptrain.commands.train as train_command
+    from dptrain.config import ConfigError, said_by_rank_0
+
+    def refuse(args):
+        raise said_by_rank_0(ConfigError("output-dir", "shared refusal"))
+
+    monkeypatch.setattr(train_command, "run", refuse)
+    for rank, said in (("00", True), ("+0", True), (" 0", True), ("1", False), ("x", True)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["train", "--config", TINY]) == 2
+        assert ("error: output-dir: shared refusal" in capsys.readouterr().err) == said, rank
+
+
 def _resume_on_each_rank(rank: int, world: int, paths: list[str]) -> str | None:
     """A Trainer that resumes ``paths[rank]``: None, or its ConfigError's line."""
     from dptrain.config import ConfigError, load

@@ -393,6 +393,22 @@ def test_resume_auto_over_a_summary_without_its_config_exits_2(tmp_path, capsys,
     assert (out / "summary.json").read_text() == summary
 
 
+def test_a_summary_that_is_not_a_regular_file_is_refused_not_read(tmp_path):
+    # a FIFO named summary.json blocked --resume auto's read forever (red team)
+    import os
+
+    out = tmp_path / "run"
+    out.mkdir()
+    os.mkfifo(out / "summary.json")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "dptrain", "train", "--config", TINY,
+                        "--output-dir", str(out), "--resume", "auto"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    lines = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert r.returncode == 2 and len(lines) == 1 and "summary.json exists and is not a file" \
+        in lines[0], r.stderr
+
+
 @pytest.mark.parametrize("section, value", [("optim", [1]), ("data", "x"), ("model", [1])])
 def test_resume_auto_over_a_summary_config_of_another_shape_exits_2(tmp_path, capsys, section,
                                                                    value):

@@ -75,6 +75,8 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         error = None
     except ConfigError as e:
         error = e
+    except OSError as e:  # (EACCES on a parent: pathlib's exists() raises it)
+        error = ConfigError("output-dir", f"cannot read {out}: {e.strerror or e}")
     one_verdict(error, several)
     with _run_lock(out, rank=stop.rank, dry_run=args.dry_run, shared=several):
         return _run_in(out, cfg, args, stop)
@@ -93,6 +95,8 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
             resume_path = _resume_path(out, cfg, args, several)
     except ConfigError as e:
         error = e
+    except OSError as e:  # (as above: the verdict is every rank's)
+        error = ConfigError("output-dir", f"cannot read {out}: {e.strerror or e}")
     if several:  # one verdict: a rank refusing, or done, alone left the others in collectives
         finished = _agree_on_look(out, finished, error)
     elif error is not None:
@@ -366,7 +370,7 @@ def _check_layout(out: Path) -> None:
         path = out / name
         if not path.exists() and not path.is_symlink():
             continue
-        if path.is_dir() != is_dir:
+        if path.is_dir() != is_dir or not (is_dir or path.is_file()):  # (a FIFO blocked reads)
             kind = "a directory" if is_dir else "a file"
             raise ConfigError("output-dir", f"{path} exists and is not {kind}, which a run "
                                             f"writes there; move it away, or choose another "
@@ -562,9 +566,10 @@ def _check_output_dir(out: Path) -> None:
 
 def one_verdict(error: ConfigError | None, several: bool, value=None) -> list:
     """Each rank's ``value`` (``[value]`` in one process), once every rank has said whether a
-    check refused (``error``): a refusal on any rank is raised on every rank, its own or the
-    first rank's that refused ("(on rank R)"). A rank refusing alone would leave the others in
-    a collective (gloo: a traceback; NCCL: a hang until the timeout)."""
+    check refused (``error``): a refusal on any rank is raised on every rank, the first rank's
+    that refused, which rank 0 prints ("(on rank R)"; the others stay silent), except that a
+    rank whose own refusal differs raises, and prints, its own. A rank refusing alone would
+    leave the others in a collective (gloo: a traceback; NCCL: a hang until the timeout)."""
     if not several:
         if error is not None:
             raise error
@@ -575,10 +580,16 @@ def one_verdict(error: ConfigError | None, several: bool, value=None) -> list:
     dist.all_gather_object(every, (value, None if error is None else (error.field,
                                                                        error.message)))
     for rank, (_, theirs) in enumerate(every):
-        if theirs is not None:  # (said by rank 0: its own, or the first rank's with the rank)
-            raise said_by_rank_0(error if rank == dist.get_rank() and error is not None else
-                                 ConfigError(theirs[0], theirs[1] + (f" (on rank {rank})"
-                                                                     if rank else "")))
+        if theirs is None:
+            continue
+        # the first refusal is said by rank 0 (its own, or another's with the rank); a rank
+        # whose own refusal is another says it itself
+        if error is not None and rank != dist.get_rank() and (error.field,
+                                                             error.message) != theirs:
+            raise error
+        raise said_by_rank_0(error if rank == dist.get_rank() and error is not None else
+                             ConfigError(theirs[0], theirs[1] + (f" (on rank {rank})"
+                                                                 if rank else "")))
     return [v for v, _ in every]
 
 
