@@ -1029,20 +1029,13 @@ def _check_ranks_resume_alike(state: dict, path: Path, problem: ConfigError | No
     changed the learning rate), the replicas train apart and the checks of the checkpoint
     against the config could refuse on one rank alone. Refused on every rank, naming
     ``resume``; so is ``problem``, a rank's refusal to read the checkpoint."""
-    import torch.distributed as dist
+    from dptrain.parallel.dist import one_verdict
 
     contents = json.dumps([state.get("ledger"), _quick_check(path)[1]], sort_keys=True,
                           default=repr).encode()
-    mine = (state.get("step"), hashlib.sha256(contents).hexdigest(), str(path),
-            None if problem is None else (problem.field, problem.message))
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    for rank, (*_, theirs) in enumerate(every):
-        if theirs is not None:  # (said by rank 0: its own, or the first rank's with the rank)
-            raise said_by_rank_0(problem if rank == dist.get_rank() and problem is not None else
-                                 ConfigError(theirs[0], theirs[1] + (f" (on rank {rank})"
-                                                                     if rank else "")))
-    for rank, (step, digest, where, _) in enumerate(every):
+    every = one_verdict(problem, True, (state.get("step"), hashlib.sha256(contents).hexdigest(),
+                                        str(path)))
+    for rank, (step, digest, where) in enumerate(every):
         if (step, digest) != every[0][:2]:
             another = " with other contents" if step == every[0][0] else ""
             raise said_by_rank_0(ConfigError(

@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
     from dptrain.config import load
+    from dptrain.parallel.dist import one_verdict
     from dptrain.trainer import RunConfig, join_ranks
 
     cfg = load(RunConfig, args.config, args.overrides)
@@ -79,15 +80,16 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         error = ConfigError("output-dir", f"cannot read {out}: {e.strerror or e}")
     one_verdict(error, several)
     with _run_lock(out, rank=stop.rank, dry_run=args.dry_run, shared=several):
-        return _run_in(out, cfg, args, stop)
+        return _run_in(out, cfg, args, stop, several)
 
 
-def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
-    """:func:`_run` once ``out`` is this run's alone (its lock held)."""
+def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespace,
+            several: bool) -> int:
+    """:func:`_run` once ``out`` is this run's alone (its lock held); ``several``: ranks."""
     from dptrain import checkpoint as ckpt
+    from dptrain.parallel.dist import one_verdict
     from dptrain.trainer import StopRequested, Trainer
 
-    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
     finished, resume_path, error = False, None, None
     try:
         finished = _look(out, cfg, args)
@@ -564,35 +566,6 @@ def _check_output_dir(out: Path) -> None:
     _check_layout(out)
 
 
-def one_verdict(error: ConfigError | None, several: bool, value=None) -> list:
-    """Each rank's ``value`` (``[value]`` in one process), once every rank has said whether a
-    check refused (``error``): a refusal on any rank is raised on every rank, the first rank's
-    that refused, which rank 0 prints ("(on rank R)"; the others stay silent), except that a
-    rank whose own refusal differs raises, and prints, its own. A rank refusing alone would
-    leave the others in a collective (gloo: a traceback; NCCL: a hang until the timeout)."""
-    if not several:
-        if error is not None:
-            raise error
-        return [value]
-    import torch.distributed as dist
-
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (value, None if error is None else (error.field,
-                                                                       error.message)))
-    for rank, (_, theirs) in enumerate(every):
-        if theirs is None:
-            continue
-        # the first refusal is said by rank 0 (its own, or another's with the rank); a rank
-        # whose own refusal is another says it itself
-        if error is not None and rank != dist.get_rank() and (error.field,
-                                                             error.message) != theirs:
-            raise error
-        raise said_by_rank_0(error if rank == dist.get_rank() and error is not None else
-                             ConfigError(theirs[0], theirs[1] + (f" (on rank {rank})"
-                                                                 if rank else "")))
-    return [v for v, _ in every]
-
-
 def _look(out: Path, cfg, args: argparse.Namespace) -> bool:
     """Whether ``--resume auto`` finds a finished run in ``out`` with this config (nothing to
     do); ConfigError if a finished run is there that this one may not continue or rewrite."""
@@ -654,9 +627,11 @@ def _resume_path(out: Path, cfg, args: argparse.Namespace, several: bool) -> Pat
 
 
 def _agree_on_look(out: Path, finished: bool, error: ConfigError | None) -> bool:
-    """:func:`one_verdict` on the look before the trainer is built; ranks that disagree on
+    """``one_verdict`` on the look before the trainer is built; ranks that disagree on
     whether the run is finished are refused too (node-local copies that differ, or a shared
     file system that lags). Else whether it is finished."""
+    from dptrain.parallel.dist import one_verdict
+
     every = one_verdict(error, True, finished)
     done = [rank for rank, f in enumerate(every) if f]
     if done and len(done) < len(every):

@@ -120,6 +120,35 @@ def _stop_signals_terminate():
             signal.signal(s, h)
 
 
+def one_verdict(error, several: bool, value=None) -> list:
+    """Each rank's ``value`` (``[value]`` in one process), once every rank has said whether a
+    check refused (``error``, a ConfigError or None): a refusal on any rank is raised on every rank, the first rank's
+    that refused, which rank 0 prints ("(on rank R)"; the others stay silent), except that a
+    rank whose own refusal differs raises, and prints, its own. A rank refusing alone would
+    leave the others in a collective (gloo: a traceback; NCCL: a hang until the timeout)."""
+    if not several:
+        if error is not None:
+            raise error
+        return [value]
+    from dptrain.config import ConfigError, said_by_rank_0
+
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (value, None if error is None else (error.field,
+                                                                       error.message)))
+    for rank, (_, theirs) in enumerate(every):
+        if theirs is None:
+            continue
+        # the first refusal is said by rank 0 (its own, or another's with the rank); a rank
+        # whose own refusal is another says it itself
+        if error is not None and rank != dist.get_rank() and (error.field,
+                                                             error.message) != theirs:
+            raise error
+        raise said_by_rank_0(error if rank == dist.get_rank() and error is not None else
+                             ConfigError(theirs[0], theirs[1] + (f" (on rank {rank})"
+                                                                 if rank else "")))
+    return [v for v, _ in every]
+
+
 def launch_environment() -> tuple[int, int]:
     """(RANK, WORLD_SIZE) as a launcher set them, (0, 1) for a plain process; a ConfigError
     naming the variable where they are incomplete or inconsistent (a rank that silently ran
