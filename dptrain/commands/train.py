@@ -58,7 +58,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
     from dptrain.config import load
-    from dptrain.parallel.dist import one_verdict
     from dptrain.trainer import RunConfig, join_ranks
 
     cfg = load(RunConfig, args.config, args.overrides)
@@ -71,14 +70,8 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
     if several:  # the ranks meet here: one start, and one verdict on each check of the directory
         join_ranks(cfg.performance)
         _check_ranks_agree_on_start(args, out)
-    try:
+    with _one_verdict_on(out, several):
         _check_output_dir(out)  # before the data and the model are built
-        error = None
-    except ConfigError as e:
-        error = e
-    except OSError as e:  # (EACCES on a parent: pathlib's exists() raises it)
-        error = ConfigError("output-dir", f"cannot read {out}: {e.strerror or e}")
-    one_verdict(error, several)
     with _run_lock(out, rank=stop.rank, dry_run=args.dry_run, shared=several):
         return _run_in(out, cfg, args, stop, several)
 
@@ -87,7 +80,6 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
             several: bool) -> int:
     """:func:`_run` once ``out`` is this run's alone (its lock held); ``several``: ranks."""
     from dptrain import checkpoint as ckpt
-    from dptrain.parallel.dist import one_verdict
     from dptrain.trainer import StopRequested, Trainer
 
     finished, resume_path, error = False, None, None
@@ -97,7 +89,7 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
             resume_path = _resume_path(out, cfg, args, several)
     except ConfigError as e:
         error = e
-    except OSError as e:  # (as above: the verdict is every rank's)
+    except OSError as e:  # (as in _one_verdict_on)
         error = ConfigError("output-dir", f"cannot read {out}: {e.strerror or e}")
     if several:  # one verdict: a rank refusing, or done, alone left the others in collectives
         finished = _agree_on_look(out, finished, error)
@@ -126,14 +118,10 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
     if cfg.privacy.secure_mode and args.resume == "auto":
         # again on what the checksums chose: a damaged newest checkpoint sends the run back to
         # an older one (or to none, step 0), whose later releases have outputs on disk
-        try:
+        with _one_verdict_on(out, several):
             _check_secure_resume(resume_path, run_dir=out)
             if resume_path is not None:  # (the first look may have found none on this rank)
                 _check_secure_branch(resume_path, out)
-            error = None
-        except ConfigError as e:
-            error = e
-        one_verdict(error, trainer.world > 1)
     if args.dry_run:
         if resume_path is not None:  # its settings against these, into memory only
             ckpt.load(trainer, resume_path, verified=args.resume == "auto")
@@ -424,13 +412,10 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False)
         except OSError as e:  # (rank 0 alone would leave the others in the broadcast)
             error = ConfigError("output-dir", f"cannot lock {path}: {e.strerror or e}")
     if shared:
-        import torch.distributed as dist
+        from dptrain.parallel.dist import one_verdict
 
-        verdict = [None if error is None else (error.field, error.message)]
-        dist.broadcast_object_list(verdict, src=0)
-        if verdict[0] is not None:
-            error = said_by_rank_0(error or ConfigError(*verdict[0]))
-    if error is not None:
+        one_verdict(error, True)  # (rank 0's, the only one that looks)
+    elif error is not None:
         raise error
     try:
         yield
@@ -552,6 +537,23 @@ def _take(fcntl, fd: int, kind: int, path: Path, out: Path) -> bool:
         raise ConfigError("output-dir", f"{out} is in use by another run ({who}; {path} is "
                                         "locked): one run writes a directory at a time. Wait "
                                         "for it, stop it, or choose another directory")
+
+
+@contextlib.contextmanager
+def _one_verdict_on(out: Path, several: bool):
+    """The checks in the block give one verdict (``parallel.dist.one_verdict``): a refusal on
+    any rank, or an OSError reading ``out`` (EACCES on a parent: pathlib's ``exists()`` raises
+    it), is every rank's. In one process, the refusal as it is."""
+    from dptrain.parallel.dist import one_verdict
+
+    try:
+        yield
+        error = None
+    except ConfigError as e:
+        error = e
+    except OSError as e:
+        error = ConfigError("output-dir", f"cannot read {out}: {e.strerror or e}")
+    one_verdict(error, several)
 
 
 def _check_output_dir(out: Path) -> None:
