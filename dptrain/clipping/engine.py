@@ -415,6 +415,19 @@ def _einsum_rows_kept(func, args, kwargs, rows: dict, derived: dict) -> bool:
     return len(firsts) == 1 and "" not in firsts
 
 
+def _take_gradients(records: list[_Record], index: dict[int, Tensor | None]) -> None:
+    """Give each record of a layer output its gradient from ``index`` (the backward's, by the
+    output's ``id``: the record keeps the output alive until then) and drop the output."""
+    for rec in records:
+        if rec.is_target:
+            if rec.output._version != rec.version:
+                raise ClippingError(
+                    f"dptrain.clipping: the output of {type(rec.module).__name__} was "
+                    f"modified in place; its gradient cannot be captured")
+            rec.G = index.get(id(rec.output))
+            rec.output = None
+
+
 def _check_reached(records: list[_Record], losses: Tensor) -> None:
     """A layer whose output gradient did not arrive must be one the loss does not use (its
     per-example gradient is then 0). If the loss does use it, no backward target lay below it
@@ -1106,108 +1119,20 @@ class ClippingEngine:
             targets: list[Tensor] = []
             records: list[_Record] = []
             op_taps: list[tuple[str, Tensor, list[_Record]]] = []  # (name, leaf, its meetings)
-            check = contextlib.nullcontext()
-            if not self._uses_checked:  # (sets _uses_checked once a forward passed)
-                check = _FirstForwardCheck(self, inputs, B)
             if j == 0 and not self._rows_checked:  # at the end of the query (_finish_rows_check)
                 self._pending_rows = (loss_fn, batch, view, B, state)
             with self._state(state, seed), self._capture(B, coef, records, targets,
                                                                      op_taps):
-                with check:  # the forward only: it keeps references to outputs while open
-                    try:
-                        losses = loss_fn(self.model, inputs)
-                    # (torch's own shape checks raise ValueError or AssertionError too)
-                    except (RuntimeError, IndexError, ValueError, AssertionError) as e:
-                        if "appears to not have been used in the graph" in str(e):
-                            raise ClippingError(
-                                f"dptrain.clipping: loss_fn differentiates with respect to a "
-                                f"tensor of the batch (torch.autograd.grad inside it: a "
-                                f"gradient penalty, an input-gradient loss), which is not "
-                                f"supported: the engine gives each layer a leaf of its own as "
-                                f"input, and its per-example rules are for losses of the "
-                                f"layers' outputs, not of their gradients ({brief(e)})"
-                            ) from e
-                        # (the engine's own refusals, raised from its hooks, are ClippingErrors)
-                        if self._taps_checked or isinstance(e, ClippingError):
-                            raise
-                        raise ClippingError(
-                            f"dptrain.clipping: the forward failed with the tapped parameters "
-                            f"{self._tap_names()} given one row per example (clipping/taps.py):"
-                            f" {brief(e)}. If that is a "
-                            f"shape error, the forward uses such a parameter in a way that does "
-                            f"not broadcast it over the examples (p.view(-1), or after a reshape "
-                            f"of the examples' tensors): move it into a module of its own (timm's "
-                            f"LayerScale), whose rule or torch.func fallback gives its "
-                            f"per-example gradient") from e
-                if not isinstance(losses, Tensor):
-                    raise TypeError(f"loss_fn must return a tensor of per-example losses of "
-                                    f"shape ({B},), got {type(losses).__name__}")
-                if retain and losses.dtype not in (torch.float32, torch.float64):  # two_pass
-                    # (its second backward weights them by the clip factors rounded to theirs)
-                    raise ClippingError(
-                        f"dptrain.clipping: mode='two_pass' with losses in {losses.dtype}: the "
-                        f"second backward's weights, the clip factors, would be rounded to it "
-                        f"(up to 2^-8 more: 1.003 C from one example, a red team); return "
-                        f"float32 losses, or use mode='bookkeeping'")
-                if losses.shape != (B,):
-                    raise ValueError(f"loss_fn must return per-example losses of shape ({B},), "
-                                     f"got {tuple(losses.shape)}")
-                if not losses.requires_grad:
-                    # (an empty sum, silently: the release would be noise only)
-                    raise ClippingError("dptrain.clipping: loss_fn's losses do not depend on the "
-                                        "trainable parameters (detached, or computed without "
-                                        "autograd): there is no gradient to clip")
+                losses = self._losses(loss_fn, inputs, B, retain)
                 if not state:  # the current parameters (as in _state)
                     d = losses.detach()
                     loss_total = d if loss_total is None else loss_total + d
                     current += 1
-                loss = losses.sum()
-                live = [t for t in targets if t.requires_grad]
-                taps = [rec for rec in records if rec.rule is _TAP]
-                # (under a process group on every rank at once: FSDP2 gathers in the backward)
-                collective = (torch.distributed.is_available()
-                              and torch.distributed.is_initialized())
-                check_taps = not self._taps_checked and (B > 1 or collective) and bool(taps)
-                try:
-                    grads = (torch.autograd.grad(loss, live, allow_unused=True,
-                                                 retain_graph=retain or check_taps)
-                             if loss.requires_grad and live else [None] * len(live))
-                except RuntimeError as e:
-                    if "use_reentrant" not in str(e):
-                        raise
-                    raise ClippingError(
-                        "dptrain.clipping: the model uses torch.utils.checkpoint with "
-                        "use_reentrant=True, whose forward runs without autograd (the engine's "
-                        "hooks see no layer in it) and whose backward autograd.grad cannot "
-                        "run: pass use_reentrant=False (transformers: "
-                        "gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-                        "{'use_reentrant': False}))") from e
-                if check_taps:
-                    # at the state still in place: the retained graph reads the parameters'
-                    # values when its backward runs (a plan led by another state than the
-                    # current one, DiSK's, was refused when the check ran after it: a fuzz);
-                    # the check's backward fires the hooks too: what they grab is put back
-                    grabbed = [rec.G for rec in records]
-                    self._check_tap_rows(losses, [
-                        (rec.name, rec.output, rec.Gq) for rec in taps], retain, collective)
-                    for rec, G in zip(records, grabbed):
-                        rec.G = G
-                    del grabbed
-            index = {id(t): g for t, g in zip(live, grads)}
-            del grads, live, targets
-            for rec in taps:  # (their rows were for the check only)
-                rec.output = rec.Gq = None
-            del taps
+                index = self._backward(losses, targets, records, B, retain)
+            del targets  # (the outputs live on in their records until their gradient is taken)
             self._check_op_taps(op_taps, index)
             del op_taps
-            for rec in records:
-                if rec.is_target:
-                    if rec.output._version != rec.version:
-                        raise ClippingError(
-                            f"dptrain.clipping: the output of {type(rec.module).__name__} was "
-                            f"modified in place; its gradient cannot be captured")
-                    rec.G = index.get(id(rec.output))
-                    rec.output = None
+            _take_gradients(records, index)
             del index
             _check_reached(records, losses)
             with self._exact():
@@ -1218,6 +1143,100 @@ class ClippingEngine:
         if current > 1:
             loss_total = loss_total / current
         return graphs, loss_total
+
+    def _losses(self, loss_fn: LossFn, inputs: Any, B: int, retain: bool) -> Tensor:
+        """One state's forward: ``loss_fn``'s per-example losses, checked (a tensor of shape
+        (B,) that depends on the trainable parameters; float32 or float64 for two_pass), with
+        the forward's failures that the engine's taps can cause said as such."""
+        check = contextlib.nullcontext()
+        if not self._uses_checked:  # (sets _uses_checked once a forward passed)
+            check = _FirstForwardCheck(self, inputs, B)
+        with check:  # the forward only: it keeps references to outputs while open
+            try:
+                losses = loss_fn(self.model, inputs)
+            # (torch's own shape checks raise ValueError or AssertionError too)
+            except (RuntimeError, IndexError, ValueError, AssertionError) as e:
+                if "appears to not have been used in the graph" in str(e):
+                    raise ClippingError(
+                        f"dptrain.clipping: loss_fn differentiates with respect to a "
+                        f"tensor of the batch (torch.autograd.grad inside it: a "
+                        f"gradient penalty, an input-gradient loss), which is not "
+                        f"supported: the engine gives each layer a leaf of its own as "
+                        f"input, and its per-example rules are for losses of the "
+                        f"layers' outputs, not of their gradients ({brief(e)})"
+                    ) from e
+                # (the engine's own refusals, raised from its hooks, are ClippingErrors)
+                if self._taps_checked or isinstance(e, ClippingError):
+                    raise
+                raise ClippingError(
+                    f"dptrain.clipping: the forward failed with the tapped parameters "
+                    f"{self._tap_names()} given one row per example (clipping/taps.py):"
+                    f" {brief(e)}. If that is a "
+                    f"shape error, the forward uses such a parameter in a way that does "
+                    f"not broadcast it over the examples (p.view(-1), or after a reshape "
+                    f"of the examples' tensors): move it into a module of its own (timm's "
+                    f"LayerScale), whose rule or torch.func fallback gives its "
+                    f"per-example gradient") from e
+        if not isinstance(losses, Tensor):
+            raise TypeError(f"loss_fn must return a tensor of per-example losses of "
+                            f"shape ({B},), got {type(losses).__name__}")
+        if retain and losses.dtype not in (torch.float32, torch.float64):  # two_pass
+            # (its second backward weights them by the clip factors rounded to theirs)
+            raise ClippingError(
+                f"dptrain.clipping: mode='two_pass' with losses in {losses.dtype}: the "
+                f"second backward's weights, the clip factors, would be rounded to it "
+                f"(up to 2^-8 more: 1.003 C from one example, a red team); return "
+                f"float32 losses, or use mode='bookkeeping'")
+        if losses.shape != (B,):
+            raise ValueError(f"loss_fn must return per-example losses of shape ({B},), "
+                             f"got {tuple(losses.shape)}")
+        if not losses.requires_grad:
+            # (an empty sum, silently: the release would be noise only)
+            raise ClippingError("dptrain.clipping: loss_fn's losses do not depend on the "
+                                "trainable parameters (detached, or computed without "
+                                "autograd): there is no gradient to clip")
+        return losses
+
+    def _backward(self, losses: Tensor, targets: list[Tensor], records: list[_Record], B: int,
+                  retain: bool) -> dict[int, Tensor | None]:
+        """One state's backward, of the summed ``losses`` to the captured layer outputs
+        ``targets`` (the graph kept when ``retain``); their gradients by ``id``. The first
+        query with tapped parameters also checks the taps' rows here (``_check_tap_rows``)."""
+        loss = losses.sum()
+        live = [t for t in targets if t.requires_grad]
+        taps = [rec for rec in records if rec.rule is _TAP]
+        # (under a process group on every rank at once: FSDP2 gathers in the backward)
+        collective = (torch.distributed.is_available()
+                      and torch.distributed.is_initialized())
+        check_taps = not self._taps_checked and (B > 1 or collective) and bool(taps)
+        try:
+            grads = (torch.autograd.grad(loss, live, allow_unused=True,
+                                         retain_graph=retain or check_taps)
+                     if loss.requires_grad and live else [None] * len(live))
+        except RuntimeError as e:
+            if "use_reentrant" not in str(e):
+                raise
+            raise ClippingError(
+                "dptrain.clipping: the model uses torch.utils.checkpoint with "
+                "use_reentrant=True, whose forward runs without autograd (the engine's "
+                "hooks see no layer in it) and whose backward autograd.grad cannot "
+                "run: pass use_reentrant=False (transformers: "
+                "gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{'use_reentrant': False}))") from e
+        if check_taps:
+            # at the state still in place: the retained graph reads the parameters'
+            # values when its backward runs (a plan led by another state than the
+            # current one, DiSK's, was refused when the check ran after it: a fuzz);
+            # the check's backward fires the hooks too: what they grab is put back
+            grabbed = [rec.G for rec in records]
+            self._check_tap_rows(losses, [
+                (rec.name, rec.output, rec.Gq) for rec in taps], retain, collective)
+            for rec, G in zip(records, grabbed):
+                rec.G = G
+            del grabbed
+        for rec in taps:  # (their rows were for the check only)
+            rec.output = rec.Gq = None
+        return {id(t): g for t, g in zip(live, grads)}
 
     #: the probe's tolerance: 2^-13 of sum_b |lam_b| sum_t |L_bt| |R_bt| (a bound on either
     #: sum's float32 rounding, which stays far below it), and at most 1e-4 C over the square
