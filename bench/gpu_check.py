@@ -19,17 +19,18 @@ with overrides):
 Two parts, one process:
 
 1. **train**: ``dptrain.cli.main(["train", ...])`` exactly as the command line runs it
-   (``--steps`` releases, final evaluation, final model). Throughput = examples of steps 2..n
-   (the Poisson sample sizes, recomputed from the public seed) / their wall time from
-   metrics.jsonl (step 1 is warm-up: CUDA context, cuDNN/cuBLAS autotuning). Peak memory:
+   (``--steps`` releases, final evaluation, final model). Throughput = examples of steps
+   t = max(1, K)..n-1 (the Poisson sample sizes, recomputed from the public seed) / their wall
+   time from metrics.jsonl (step 0 is warm-up: CUDA context, cuDNN/cuBLAS autotuning; with
+   inner momentum, a step t < K evaluates t + 1 states per example, not K + 1). Peak memory:
    ``torch.cuda.max_memory_allocated`` and, from nvidia-ml-py (NVML) polled every 20 ms, the
    device's used memory and this process's (what nvidia-smi shows: the caching allocator's
    reserve, the CUDA context included).
 2. **compare**: a fresh Trainer of the same config; after one warm-up of each, ``--rounds``
    interleaved rounds of one private step (``Trainer.private_step``: clipped sums over
-   microbatches, one Gaussian release, the optimizer) and one non-private step on the same
-   logical batch (plain ``loss.sum()/b`` backward over the same microbatches, the same
-   optimizer). Ratio = median private / median non-private step time; peak allocation per
+   microbatches, one Gaussian release, the optimizer) and one non-private step (plain
+   ``loss.sum()/b`` backward over the same microbatches, the same optimizer), every variant of
+   a round on the same logical batch (``logical_batches``: each variant's sizes). Ratio = median private / median non-private step time; peak allocation per
    variant (peak stats reset before each step). For gpt2_small the private step is DP-Muon-IM
    K = 2 (three evaluations per example), the non-private one a plain step: the ratio includes
    inner momentum's cost. A third variant, ``private_inline``, is the same private step with
@@ -228,12 +229,17 @@ def part_train(config: str, overrides: list[str], device: str, out: Path) -> dic
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     times = [r["time"] for r in rows]
     sizes = logical_batch_sizes(config, overrides, len(rows))
-    timed = len(rows) - 1
     summary = json.loads((out / "summary.json").read_text())
+    # timed from the first step whose inner-momentum history holds its K past states (before
+    # it, fewer evaluations per example: a cheaper step), step 0 (warm-up) excluded anyway
+    im = summary["config"]["optim"]["inner_momentum"]
+    first = max(1, im["k_muon"], im["k_other"])
+    timed = len(rows) - first
     res.update(
         steps=len(rows), logical_batches=sizes, step_times_s=[
             b - a for a, b in zip([0.0, *times[:-1]], times)],
-        examples_per_s=(sum(sizes[1:]) / (times[-1] - times[0])) if timed > 0 else None,
+        examples_per_s=(sum(sizes[first:]) / (times[-1] - times[first - 1])
+                        if timed > 0 else None), timed_from_step=first,
         peak_allocated_mib=mem.peak_mib if device == "cuda" else None,
         peak_rss_above_start_mib=None if device == "cuda" else mem.above_start_mib,
         train_loss_last=rows[-1]["train_loss"], test_metrics=summary.get("metrics"),
@@ -276,18 +282,22 @@ def part_compare(config: str, overrides: list[str], device: str, rounds: int) ->
     peaks: dict[str, float] = {k: 0.0 for k in names}
     for r in range(rounds + 1):  # round 0: warm-up of all
         order = names[r % 3:] + names[:r % 3]
+        s = t.step  # the round's logical batch, S_s, for every variant
         for variant in order:
-            n = len(t.sample(t.step))
+            n = len(t.sample(s))
             with PeakMemory(device) as mem:
                 sync()
                 t0 = time.perf_counter()
                 if variant.startswith("private"):
                     # the same release either way (tests/test_release.py): noise drawn on the
-                    # background thread during the microbatches, or after them
+                    # background thread during the microbatches, or after them; the step
+                    # index is put back so that each variant of the round takes S_s (a
+                    # private step advances it; here nothing else reads it)
                     t.noise_prefetch = variant == "private"
+                    t.step = s
                     t.private_step()
                 else:
-                    _nonprivate_step(t, t.step)  # the same step index: the private one's batch
+                    _nonprivate_step(t, s)
                 sync()
                 dt = time.perf_counter() - t0
             peak = mem.peak_mib if device == "cuda" else mem.above_start_mib
@@ -295,6 +305,7 @@ def part_compare(config: str, overrides: list[str], device: str, rounds: int) ->
                 times[variant].append(dt)
                 examples[variant].append(n)
                 peaks[variant] = max(peaks[variant], peak)
+        t.step = s + 1  # the next round: the next logical batch
     med = {k: statistics.median(v) for k, v in times.items()}
     eps = {k: sum(examples[k]) / sum(times[k]) for k in times}
     return {"rounds": rounds, "private_step_s": med["private"],
@@ -302,7 +313,7 @@ def part_compare(config: str, overrides: list[str], device: str, rounds: int) ->
             "dp_over_nonprivate": med["private"] / med["nonprivate"],
             "private_inline_noise_step_s": med["private_inline"],
             "inline_over_background_noise": med["private_inline"] / med["private"],
-            "private_examples_per_s": eps["private"],
+            "private_examples_per_s": eps["private"], "logical_batches": examples,
             "nonprivate_examples_per_s": eps["nonprivate"],
             "private_peak_mib": peaks["private"], "nonprivate_peak_mib": peaks["nonprivate"],
             "peak_kind": "cuda max_memory_allocated" if device == "cuda"

@@ -154,11 +154,13 @@ export PY
 export -f install_deps
 if [ $DRY = 1 ]; then STATUS[install]="skipped (dry run)"; else part install 45 bash -c install_deps; fi
 part pytest_gpu 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
-rm -rf /tmp/gpu_check_gpt2 /tmp/gpu_check_nf
+# the train parts' run directories: this call's own (two dry runs at once kept apart)
+RUNS=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_runs.XXXXXX")
+trap 'rm -rf "$RUNS"' EXIT
 part gpt2_small 90 "$PY" bench/gpu_check.py --model gpt2_small "${CHECK_ARGS[@]}" \
-  --out /tmp/gpu_check_gpt2
+  --out "$RUNS/gpt2"
 part nf_resnet50 90 "$PY" bench/gpu_check.py --model nf_resnet50 "${CHECK_ARGS[@]}" \
-  --out /tmp/gpu_check_nf
+  --out "$RUNS/nf"
 # (the option checks read the source: a --help would import torch, seconds each)
 if grep -q -- '"--device"' bench/dp_step.py; then
   part dp_step 65 "$PY" bench/dp_step.py "${BENCH_ARGS[@]}" --models gpt2,nfresnet

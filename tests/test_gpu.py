@@ -410,7 +410,7 @@ def test_gpu_check_tiny_on_cpu(model, tmp_path):
     before = torch.get_num_threads()
     try:
         res = gc.main(["--model", model, "--tiny", "--device", "cpu", "--steps", "3",
-                       "--rounds", "1", "--out", str(tmp_path), "--json-out",
+                       "--rounds", "2", "--out", str(tmp_path), "--json-out",
                        str(tmp_path / "r.json")])
     finally:
         torch.set_num_threads(before)
@@ -419,9 +419,15 @@ def test_gpu_check_tiny_on_cpu(model, tmp_path):
     assert tr["examples_per_s"] > 0 and len(tr["logical_batches"]) == 3
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
     assert c["dp_over_nonprivate"] > 0 and c["private_examples_per_s"] > 0
+    # every variant of a round times the same logical batch (a private step advances the
+    # step: the non-private one took the next step's batch), one per timed round
+    sizes = c["logical_batches"]
+    assert sizes["private"] == sizes["private_inline"] == sizes["nonprivate"]
+    assert len(sizes["private"]) == 2 and min(sizes["private"]) > 0
     assert (tmp_path / "r.json").read_text().startswith("{")
-    if model == "gpt2_small":  # DP-Muon-IM K = 2
+    if model == "gpt2_small":  # DP-Muon-IM K = 2: timed from the first step with 2 past states
         assert "optim.inner_momentum.k_muon=2" in res["overrides"]
+    assert tr["timed_from_step"] == (2 if model == "gpt2_small" else 1)
 
 
 def test_gpu_check_skips_the_parts_its_budget_has_no_room_for(tmp_path):
