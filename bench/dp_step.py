@@ -29,6 +29,13 @@ Variants (plain SGD everywhere; C = 1, sigma = 1; per-example loss = mean token 
   changes it needs (ANCHORS.md): Conv1D -> Linear, untied embeddings, explicit contiguous
   position_ids of batch size B. dptrain runs the stock model.
 
+Same computation: before timing a model, each private variant makes one step with no noise,
+C = 1e-4 (every example clipped) and lr = 1e3 on a fresh copy, and its update is compared with
+-lr/B sum_i min(1, C/|g_i|) g_i from single-example backward passes (``update_errors``: column
+``upd err``); a variant further than 2% from it is marked "NOT the same update" (gpt2's
+opacus_ghost is ~1% off by design: its untied copy clips the two uses of the embedding as two
+parameters).
+
 Times: interleaved rounds (bench/common.py), medians of wall time and of process CPU time;
 ratios are ratios of medians. The load average at start and end is recorded (shared machines).
 Peak memory: each variant in a fresh subprocess, 2 steps after the build (bench/common.py).
@@ -38,8 +45,10 @@ The last line printed is one JSON object (keys documented in ``summarize``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
+import math
 import os
 import sys
 import time
@@ -285,27 +294,25 @@ def opacus_step(model: nn.Module, batch_tensors: tuple[Tensor, ...], forward: Ca
     return step
 
 
+def model_and_batch(kind: str, cfg: BenchConfig):
+    """(shape, a fresh model (same seed, same weights), its batch, per-example loss_fn, B)."""
+    dev = cfg.device
+    if kind in ("gpt2", "llama"):
+        s = cfg.gpt2 if kind == "gpt2" else cfg.llama
+        model = (build_gpt2 if kind == "gpt2" else build_llama)(s, cfg.seed, dev)
+        return s, model, gpt2_batch(s, cfg.seed, dev), gpt2_loss, s.batch_size
+    s = {"vit": cfg.vit, "convnext": cfg.convnext}.get(kind, cfg.resnet)
+    return (s, build_resnet(s, cfg.seed, dev), resnet_batch(s, cfg.seed, dev), resnet_loss,
+            s.batch_size)
+
+
 def build_variant(kind: str, variant: str, cfg: BenchConfig,
                   models: list | None = None) -> StepFn:
     """A fresh model (same seed, same weights) and the step of ``variant`` on it; the model
-    is appended to ``models`` when given (tests compare the variants' updates)."""
-    dev = cfg.device
-    if kind == "gpt2":
-        s = cfg.gpt2
-        model = build_gpt2(s, cfg.seed, dev)
-        batch = gpt2_batch(s, cfg.seed, dev)
-        loss_fn, B = gpt2_loss, s.batch_size
-    elif kind == "llama":
-        s = cfg.llama
-        model = build_llama(s, cfg.seed, dev)
-        batch = gpt2_batch(s, cfg.seed, dev)
-        loss_fn, B = gpt2_loss, s.batch_size
-    else:
-        s = {"vit": cfg.vit, "convnext": cfg.convnext}.get(kind, cfg.resnet)
-        model = build_resnet(s, cfg.seed, dev)
-        batch = resnet_batch(s, cfg.seed, dev)
-        loss_fn, B = resnet_loss, s.batch_size
-    if models is not None:
+    the step updates is appended to ``models`` when given (``update_errors`` compares the
+    variants' updates; for gpt2's Opacus variants, the copy Opacus trains)."""
+    s, model, batch, loss_fn, B = model_and_batch(kind, cfg)
+    if models is not None and not (kind == "gpt2" and variant.startswith("opacus_")):
         models.append(model)
     if variant == "nonprivate":
         return nonprivate_step(model, loss_fn, batch, cfg.lr)
@@ -324,6 +331,8 @@ def build_variant(kind: str, variant: str, cfg: BenchConfig,
     if kind == "gpt2":
         # tied for hooks (they accumulate a shared weight over both uses); ghost needs it untied
         model, pos = opacus_gpt2(model, s, untie=(mode == "ghost"))
+        if models is not None:
+            models.append(model)
         ids = batch["input_ids"]
 
         def forward(m):
@@ -334,6 +343,88 @@ def build_variant(kind: str, variant: str, cfg: BenchConfig,
                            (B, s.seq_len - 1))
     x, y = batch
     return opacus_step(model, (x, y), lambda m: m(x), y, cfg, mode, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# are the variants computing the same thing?
+
+#: a private variant whose update (no noise, every example clipped) is further than this from
+#: the reference, relative, is not a like-for-like baseline: its time is for another computation
+#: (Opacus 1.6's hooks on timm's ConvNeXt: its convolution grad sampler is wrong on the
+#: channels-last tensors ConvNeXt's LayerNorm2d hands the downsampling convolutions)
+SAME_UPDATE_TOLERANCE = 0.02
+#: the check's clip norm (far below every per-example gradient norm: each example is clipped)
+#: and learning rate (updates well above the float32 spacing of the weights they are read from)
+CHECK_CLIP_NORM = 1e-4
+CHECK_LR = 1e3
+
+
+def _named_update(model: nn.Module, before: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Each parameter's move, float64, in the stock model's layout: a Linear that was GPT-2's
+    Conv1D (``opacus_gpt2``) transposed back, an untied lm_head's move added to the embedding's
+    (the stock model's one tied weight)."""
+    moves = {}
+    for mname, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            name = f"{mname}.{pname}" if mname else pname
+            if name in before and name not in moves:
+                d = (p.detach() - before[name]).double()
+                moves[name] = d.T if getattr(mod, "_from_conv1d", False) and d.ndim == 2 else d
+    if "lm_head.weight" in moves and "transformer.wte.weight" in moves:
+        moves["transformer.wte.weight"] = moves["transformer.wte.weight"] + moves.pop(
+            "lm_head.weight")
+    return moves
+
+
+def reference_update(kind: str, cfg: BenchConfig) -> dict[str, Tensor]:
+    """The update every private variant should make with no noise (``cfg``'s clip norm and
+    learning rate): -lr/B sum_i min(1, C/|g_i|) g_i over single-example backward passes of the
+    stock model (float32 gradients, summed in float64)."""
+    _, model, batch, loss_fn, B = model_and_batch(kind, cfg)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    total = {n: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for n, p in params}
+    for i in range(B):
+        one = ({k: v[i:i + 1] for k, v in batch.items()} if isinstance(batch, dict)
+               else tuple(v[i:i + 1] for v in batch))
+        grads = torch.autograd.grad(loss_fn(model, one).sum(), [p for _, p in params],
+                                    allow_unused=True)
+        g = {n: (torch.zeros_like(p) if gi is None else gi).double()
+             for (n, p), gi in zip(params, grads)}
+        norm = float(torch.sqrt(sum(v.pow(2).sum() for v in g.values())))
+        factor = min(1.0, cfg.clip_norm / norm) if norm > 0 else 0.0
+        for n in total:
+            total[n].add_(g[n], alpha=factor)
+    return {n: -cfg.lr / B * v for n, v in total.items()}
+
+
+def update_errors(kind: str, cfg: BenchConfig, variants=VARIANTS) -> dict[str, float | str]:
+    """Per private variant, |its update - the reference's| / |the reference's| (Frobenius over
+    every parameter) for one step with no noise, C = CHECK_CLIP_NORM and lr = CHECK_LR, on the
+    same fresh model and batch as the timed steps; a variant that fails: its error line."""
+    c = dataclasses.replace(cfg, noise_multiplier=0.0, clip_norm=CHECK_CLIP_NORM, lr=CHECK_LR)
+    ref = reference_update(kind, c)
+    scale = math.sqrt(sum(float(v.pow(2).sum()) for v in ref.values()))
+    out: dict[str, float | str] = {}
+    for v in variants:
+        if v == "nonprivate":
+            continue
+        try:
+            models: list = []
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                step = build_variant(kind, v, c, models)
+                model = models[0]
+                before = {n: p.detach().clone() for n, p in model.named_parameters()}
+                step()
+            moved = _named_update(model, before)
+            missing = sorted(set(ref) ^ set(moved))
+            if missing:
+                raise RuntimeError(f"parameters not compared: {missing[:3]}")
+            diff = math.sqrt(sum(float((moved[n] - ref[n]).pow(2).sum()) for n in ref))
+            out[v] = diff / scale
+        except Exception as e:  # (reported beside the timings, as their failures are)
+            out[v] = first_line(e)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,14 +472,18 @@ def summarize(results: dict, cfg: BenchConfig) -> dict:
     *_cpu                   the same ratios from process CPU time instead of wall time
     targets_met(_cpu)       issue 2's GPT-2 targets, from wall (CPU) time
     faster_mode             the faster dptrain mode on GPT-2 (and nfresnet_faster_mode)
-    gpt2 / nfresnet / vit   per variant: median_s, over_nonprivate, peak_mib, error
+    gpt2 / nfresnet / vit   per variant: median_s, over_nonprivate, peak_mib, error, and for the
+                            private ones update_error (``update_errors``) and same_update
+                            (update_error <= SAME_UPDATE_TOLERANCE)
+    not_like_for_like       the GPT-2 variants whose update is not the reference's (their
+                            times are for another computation; nfresnet_not_like_for_like, ...)
     (the other models' ratios with their name as prefix: nfresnet_dp_over_nonprivate, ...)
     """
     default = default_dptrain_mode()
     out: dict[str, Any] = {"benchmark": "dp_step", "default_mode": default}
     for kind, res in results.items():
         t, errs, mem = res["times"], res["errors"], res.get("memory", {})
-        c = res["cpu_times"]
+        c, checked = res["cpu_times"], res.get("update_error", {})
         base = t.get("nonprivate")
         table = {}
         for v in VARIANTS:
@@ -400,6 +495,12 @@ def summarize(results: dict, cfg: BenchConfig) -> dict:
                 "peak_mib": (mem[v]["peak_bytes"] / 2**20
                              if "peak_bytes" in mem.get(v, {}) else None),
             }
+            if v in checked:
+                err = checked[v]
+                row["update_error"] = err if isinstance(err, float) else None
+                row["same_update"] = isinstance(err, float) and err <= SAME_UPDATE_TOLERANCE
+                if not isinstance(err, float):
+                    row["update_check_error"] = err
             if v in errs:
                 row["error"] = errs[v]
             elif "error" in mem.get(v, {}):
@@ -415,6 +516,8 @@ def summarize(results: dict, cfg: BenchConfig) -> dict:
         peak_o = table["opacus_ghost"]["peak_mib"]
         mem_ratio = peak_d / peak_o if peak_d is not None and peak_o else None
         prefix = "" if kind == "gpt2" else f"{kind}_"
+        out[f"{prefix}not_like_for_like"] = [v for v, row in table.items()
+                                             if row.get("same_update") is False]
         out[f"{prefix}dp_over_nonprivate"] = dp_np
         out[f"{prefix}dp_over_nonprivate_cpu"] = table[f"dptrain_{default}"]["cpu_over_nonprivate"]
         out[f"{prefix}opacus_over_dptrain"] = op_dp
@@ -458,12 +561,17 @@ def print_table(summary: dict) -> None:
         shape = cfg[kind if kind in ("gpt2", "vit", "convnext", "llama") else "resnet"]
         print(f"\n{titles[kind]}: {shape}")
         print(f"{'variant':<22}{'s/step':>9}{'x non-priv':>12}{'cpu s':>9}{'x (cpu)':>9}"
-              f"{'peak MiB':>10}  note")
+              f"{'peak MiB':>10}{'upd err':>9}  note")
         for v, row in summary[kind].items():
-            note = row.get("error") or row.get("memory_error") or ""
+            note = (row.get("error") or row.get("memory_error")
+                    or row.get("update_check_error") or "")
+            if row.get("same_update") is False and row.get("update_error") is not None:
+                note = (f"NOT the same update (error > {SAME_UPDATE_TOLERANCE:g}): not a "
+                        f"like-for-like baseline. {note}").strip()
             print(f"{v:<22}{_fmt(row['median_s']):>9}{_fmt(row['over_nonprivate'], '.2f', 'x'):>12}"
                   f"{_fmt(row['cpu_s']):>9}{_fmt(row['cpu_over_nonprivate'], '.2f', 'x'):>9}"
-                  f"{_fmt(row['peak_mib'], '.0f'):>10}  {note}")
+                  f"{_fmt(row['peak_mib'], '.0f'):>10}{_fmt(row.get('update_error'), '.0e'):>9}"
+                  f"  {note}")
     print(f"\ndptrain default mode: {summary['default_mode']}; faster mode on GPT-2: "
           f"{summary.get('faster_mode')} (bookkeeping / two_pass = "
           f"{_fmt(summary.get('bookkeeping_over_two_pass'), '.2f')})")
@@ -509,8 +617,11 @@ def run(cfg: BenchConfig, models=MODELS) -> dict:
 
     for kind in models:
         rounds = cfg.rounds if kind in ("gpt2", "llama") else cfg.resnet_rounds
+        log(f"checking {kind}: each private variant's update against single-example backwards")
+        checked = update_errors(kind, cfg)
         log(f"timing {kind}: {rounds} rounds x {len(VARIANTS)} variants")
         results[kind] = run_model(kind, cfg)
+        results[kind]["update_error"] = checked
     if cfg.memory:
         for kind in models:
             log(f"peak memory {kind}: one fresh process per variant")

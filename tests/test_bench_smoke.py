@@ -128,6 +128,23 @@ def test_trainer_step_bench_times_both_tiny_configs(capsys):
     assert last == out and out["tiny.yaml"] > 0 and out["tiny_images.yaml"] > 0
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "nfresnet", "vit", "convnext", "llama"])
+def test_dp_step_checks_each_variant_update_against_single_example_backwards(kind,
+                                                                             monkeypatch):
+    """bench/dp_step.py's check that its variants compute the same thing: dptrain's two modes
+    agree with the single-example reference on every model, and a step that computes
+    something else (here: the non-private one, no clipping) is told apart."""
+    dp_step = _load("dp_step")
+    cfg = dp_step.tiny_config()
+    errors = dp_step.update_errors(kind, cfg, ("dptrain_bookkeeping", "dptrain_two_pass"))
+    assert all(isinstance(e, float) and e < 1e-4 for e in errors.values()), errors
+    real = dp_step.build_variant
+    monkeypatch.setattr(dp_step, "build_variant",
+                        lambda k, v, c, models=None: real(k, "nonprivate", c, models))
+    wrong = dp_step.update_errors(kind, cfg, ("dptrain_bookkeeping",))["dptrain_bookkeeping"]
+    assert wrong > dp_step.SAME_UPDATE_TOLERANCE
+
+
 def test_dp_step_llama_variants_make_the_same_update():
     """The Llama rows compare like with like: with every example clipped (C far below the
     norms) and no noise, one step of dptrain (both modes) and of Opacus (hooks, ghost) on the
