@@ -392,6 +392,18 @@ def test_conv_geometries(make, dtype):
     check(m, make_batch(m, x, 14))
 
 
+@pytest.mark.parametrize("k,stride,groups", [(2, 2, 1), (3, 1, 1), (4, 4, 1), (3, 1, 4)])
+def test_conv_on_channels_last_inputs(k, stride, groups):
+    """Inputs laid out channels-last (what ConvNeXt's LayerNorm2d, a permute, hands its
+    downsampling convolutions; Opacus 1.6's conv grad sampler is 118-142% off there,
+    BENCHMARKS.md): the same norms and clipped sums as on contiguous inputs."""
+    torch.manual_seed(3)
+    m = nn.Conv2d(4, 8, k, stride=stride, groups=groups, padding=k // 2)
+    x = torch.randn(3, 4, 8, 8).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    assert not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    check(m, make_batch(m, x, 15))
+
+
 def test_timm_conv2d_same_and_subclass_fallback():
     from timm.layers.conv2d_same import Conv2dSame
 
