@@ -266,6 +266,30 @@ def test_convnext_preset_gives_muon_the_lora_factors_of_the_mlp():
     assert groups["matrices"] == ("muon", factors) and "others" not in groups
 
 
+def test_a_preset_for_another_layout_is_refused_not_given_the_embeddings():
+    """A GPT-2 config's ``preset: gpt2`` reused for a Llama gave ``model.embed_tokens`` to
+    Muon (the gpt2 preset keeps only wte/wpe/lm_head for AdamW), and the vit preset a Llama's
+    embedding and LM head, in silence: every preset keeps embeddings, position tables and
+    heads for optim.aux, so such a split is refused naming them. The fitting presets pass."""
+    transformers = pytest.importorskip("transformers")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64, tie_word_embeddings=False))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+    for preset, model, named in (("gpt2", llama, "model.embed_tokens.weight"),
+                                 ("vit", llama, "model.embed_tokens.weight, lm_head.weight"),
+                                 ("vit", gpt2, "transformer.wte.weight, transformer.wpe.weight")):
+        with pytest.raises(ConfigError, match="preset") as e:
+            _build({"name": "muon", "preset": preset}, model=model)
+        assert f"gives {named} to muon" in str(e.value)
+        assert ("'causal_lm'" in str(e.value)) == (model is llama)
+    for preset, model in (("causal_lm", llama), ("gpt2", gpt2), ("causal_lm", gpt2)):
+        muon = _members(_build({"name": "muon", "preset": preset}, model=model))["matrices"][1]
+        assert muon and not any("embed" in n or "wte" in n or "wpe" in n or "lm_head" in n
+                                for n in muon)
+
+
 def test_explicit_groups_come_before_the_preset():
     transformers = pytest.importorskip("transformers")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(

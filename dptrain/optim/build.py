@@ -11,13 +11,15 @@ Per logical batch the trainer does::
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
 from dptrain.config import ConfigError, validate_tree
 from dptrain.optim.config import OptimConfig
 from dptrain.optim.filters import Filter, QueryPlan, build_filter
-from dptrain.optim.groups import PRESETS, ParamGroupConfig, ResolvedGroup, resolve_groups
+from dptrain.optim.groups import (EMBEDDING_NAME, PRESETS, ParamGroupConfig, ResolvedGroup,
+                                  resolve_groups)
 from dptrain.optim.ema import ParameterEMA
 from dptrain.optim.inner_momentum import InnerMomentumHistory
 from dptrain.optim.optimizers import Runtime, construct
@@ -177,6 +179,28 @@ class DPOptimizer:
         self._set_lrs()
 
 
+def _check_preset_fits(cfg: OptimConfig, named_params: NamedParams,
+                       preset_groups: list[ParamGroupConfig]) -> None:
+    """Every preset gives embeddings, position tables and LM heads to ``optim.aux``: one that
+    would give such a parameter to ``optim.name`` was written for another model's layout (the
+    gpt2 preset, reusing a GPT-2 config, takes a Llama's ``model.embed_tokens`` for a block
+    matrix; the vit preset its embedding and LM head too): refused, naming the parameters."""
+    matrices = next((g for g in preset_groups if g.name == "matrices"), None)
+    if matrices is None:
+        return
+    pattern = re.compile(matrices.pattern)
+    embeddings = [n for n, _ in named_params if pattern.search(n) and EMBEDDING_NAME.search(n)]
+    if embeddings:
+        shown = ", ".join(embeddings[:3]) + (", ..." if len(embeddings) > 3 else "")
+        fitting = "causal_lm" if any("embed_tokens" in n for n in embeddings) else None
+        raise ConfigError("optim.preset", f"{cfg.preset!r} gives {shown} to {cfg.name} "
+                                          f"(optim.name), which the presets keep for "
+                                          f"optim.aux (embeddings, position tables, LM heads): "
+                                          f"the preset is for another model's layout; use "
+                                          + (f"preset {fitting!r}" if fitting else
+                                             "this model's preset") + " or explicit optim.groups")
+
+
 def plan_groups(cfg: OptimConfig, named_params: NamedParams) -> list[ResolvedGroup]:
     """Resolve ``cfg``'s explicit groups, preset and default group over ``named_params``."""
     main = cfg.main_group()
@@ -200,6 +224,7 @@ def plan_groups(cfg: OptimConfig, named_params: NamedParams) -> list[ResolvedGro
                                               f"model.trainable leaves no matrix of the "
                                               f"preset to train: optim.preset null and "
                                               f"optim.name adamw)")
+        _check_preset_fits(cfg, named_params, preset_groups)
         for g in preset_groups:
             specs.append(("optim" if g.name == "matrices" else "optim.aux", g, False))
     elif not cfg.groups or cfg.unmatched == "default":

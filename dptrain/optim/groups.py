@@ -143,7 +143,8 @@ def gpt2_groups(named_params: NamedParams, main: ParamGroupConfig,
 
 #: a numbered block of a ModuleList (``model.layers.3.``, ``transformer.h.0.``)
 _IN_BLOCK = re.compile(r"(^|\.)\d+\.")
-_EMBEDDING = re.compile(r"(^|\.)(\w*embed\w*|wte|wpe|lm_head)(\.|$)")
+#: an embedding, position table or LM head by its name (``model.embed_tokens``, ``wte``, ...)
+EMBEDDING_NAME = re.compile(r"(^|\.)(\w*embed\w*|wte|wpe|lm_head)(\.|$)")
 
 
 def causal_lm_groups(named_params: NamedParams, main: ParamGroupConfig,
@@ -153,7 +154,7 @@ def causal_lm_groups(named_params: NamedParams, main: ParamGroupConfig,
     projections); ``aux`` (AdamW) for the token embedding, the LM head (tied or not), the
     norms' weights and every bias (Qwen2's q/k/v biases)."""
     return _split(named_params, lambda n, p: (p.ndim == 2 and bool(_IN_BLOCK.search(n))
-                                              and not _EMBEDDING.search(n)), main, aux)
+                                              and not EMBEDDING_NAME.search(n)), main, aux)
 
 
 _CLASSIFIER = re.compile(r"(^|\.)(head|fc|classifier)(\.|$)")
