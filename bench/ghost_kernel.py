@@ -70,7 +70,7 @@ def main() -> None:
     for T in seq_lens:
         tot = {"ref_self": 0.0, "k_self": 0.0, "ref_cross": 0.0, "k_cross": 0.0}
         peaks = {"ref": 0, "k": 0}
-        max_err = 0.0
+        max_err = max_cross_err = 0.0
         for name, (O, I) in layers.items():
             L = torch.randn(B, T, O, device=device, generator=g)
             R = torch.randn(B, T, I, device=device, generator=g)
@@ -78,6 +78,11 @@ def main() -> None:
             R2 = torch.randn(B, T, I, device=device, generator=g)
             ref = outer_inner_reference(L.double(), R.double())
             max_err = max(max_err, float(((outer_inner(L, R).double() - ref).abs() / ref).max()))
+            # the cross term can vanish: its error against the Cauchy-Schwarz bound of its size
+            ref2 = outer_inner_reference(L2.double(), R2.double())
+            cross = outer_inner_reference(L.double(), R.double(), L2.double(), R2.double())
+            max_cross_err = max(max_cross_err, float((
+                (outer_inner(L, R, L2, R2).double() - cross).abs() / (ref * ref2).sqrt()).max()))
             # interleaved rounds (bench/common.py); the warm-up call compiles the kernel
             times, errors = time_interleaved({
                 "ref_self": lambda: outer_inner_reference(L, R),
@@ -102,6 +107,7 @@ def main() -> None:
             "peak_kernel_over_ref": (round(peaks["k"] / peaks["ref"], 4)
                                      if peaks["ref"] else None),
             "max_rel_err_vs_float64": max_err,
+            "max_cross_err_vs_float64": max_cross_err,  # (relative to sqrt(self x self'))
         }
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {device} ({name}), B {B}, float32 (no TF32), medians of {args.rounds} interleaved rounds")

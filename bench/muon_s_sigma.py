@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> dict:
         run(name, errors[name])
     counted = list(products)
     steps = {name: (lambda name=name: run(name)) for name in methods}
-    timings, _ = time_interleaved(steps, rounds=args.rounds, device=args.device)
+    timings, failed = time_interleaved(steps, rounds=args.rounds, device=args.device)
+    if failed:
+        raise SystemExit(f"bench/muon_s_sigma.py: {failed}")
     per_step = {n: median(v) / args.steps for n, v in timings.wall.items()}
     summary = {
         "bench": "muon_s_sigma", "date": now_utc(), "commit": git_commit(),
