@@ -208,7 +208,8 @@ def test_an_example_s_padded_length_leaves_the_others_clipped_sum_in_bfloat16_to
     ({"hidden_sizes": 64}, {}, "model.hf_config.hidden_sizes", "not a setting of LlamaConfig"),
     ({"hidden_size": "wide"}, {}, "model.hf_config.hidden_size", "must be an integer >= 1"),
     ({"num_attention_heads": 3}, {}, "model.hf_config", "not a multiple"),
-    ({"num_key_value_heads": 3}, {}, "model.hf_config", "cannot run"),
+    ({"num_key_value_heads": 3}, {}, "model.hf_config.num_key_value_heads",
+     "must divide num_attention_heads (4)"),
     ({"model_type": "bert"}, {}, "model.hf_config.model_type", "not a decoder-only"),
     ({"model_type": "bart"}, {}, "model.hf_config.model_type", "not a decoder-only"),
     ({"model_type": "gemma3"}, {}, "model.hf_config.model_type", "vision_config"),
@@ -377,12 +378,22 @@ def test_pretrained_causal_lm_refusals_name_their_field(llama_folder, tmp_path):
             build_model(causal_cfg(pretrained_path=str(folder), **kw), data_info)
         assert e.value.field == field, (folder, kw)
         assert words in e.value.message and "\n" not in e.value.message, e.value.message
-    for data, field in (({"hf_config": {"model_type": "llama"}}, "model.hf_config"),
-                        ({"pretrained_path": str(tmp_path / "none")}, "model.pretrained_path")):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.safetensors").write_bytes((llama_folder / "model.safetensors")
+                                                   .read_bytes())
+    for data, field, words in (
+            ({"hf_config": {"model_type": "llama"}}, "model.hf_config", "hf_config"),
+            ({"pretrained_path": str(tmp_path / "none")}, "model.pretrained_path", "not found"),
+            # (a file or an empty folder: "directory not found", or transformers' words on a
+            # missing model_type)
+            ({"pretrained_path": str(tmp_path / "weights.safetensors")}, "model.pretrained_path",
+             "is a file, not a folder"),
+            ({"pretrained_path": str(tmp_path / "empty")}, "model.pretrained_path",
+             "holds no config.json")):
         with pytest.raises(ConfigError) as e:
             validate_tree(from_dict(ModelConfig, {"name": "causal_lm", "pretrained_path":
                                                   str(llama_folder), **data}, "model"), "model")
-        assert e.value.field == field
+        assert e.value.field == field and words in e.value.message, e.value.message
 
 
 def test_a_partial_checkpoint_exits_2_with_one_line_and_no_loading_report(llama_folder,

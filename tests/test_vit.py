@@ -254,6 +254,11 @@ def test_a_convnext_trains_with_its_preset_and_inner_momentum(tmp_path):
     (["model.timm_name=convnext_atto"], "model.timm_name", "3 x 16 x 16 images"),
     (["model.timm_name=convnext_atto", "model.timm_kwargs.depths=[1, 1]"], "model.timm_kwargs",
      "IndexError"),
+    # patches that do not tile the 16-pixel images: timm's patch embedding built and ran, in
+    # silence without the last row and column of every image
+    (["model.timm_name=vit_tiny_patch16_224", "model.timm_kwargs.img_size=16",
+      "model.timm_kwargs.patch_size=5"], "model.timm_kwargs.patch_size",
+     "leave out the last 1 of every image's 16 rows or columns"),
 ])
 def test_a_timm_model_that_cannot_take_the_images_is_refused_when_built(tmp_path, capsys,
                                                                          overrides, field, words):

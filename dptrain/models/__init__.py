@@ -157,9 +157,8 @@ class ModelConfig:
             if self.pretrained_path is not None and not self.pretrained_path.strip():
                 raise ConfigError("pretrained_path", "must not be empty (null: no "
                                                      "checkpoint)")
-            if self.pretrained_path is not None and not Path(self.pretrained_path).is_dir():
-                raise ConfigError("pretrained_path",
-                                  f"directory not found: {self.pretrained_path}")
+            if self.pretrained_path is not None:
+                check_checkpoint_folder("pretrained_path", Path(self.pretrained_path))
         if self.name == "gpt2":
             for f in ("n_layer", "n_embd", "n_head", "n_positions"):
                 if getattr(self, f) < 1:
@@ -241,6 +240,23 @@ _TIMM_OWN_FIELDS = {"num_classes": "model.num_classes", "in_chans": "model.in_ch
                     "checkpoint_path": "model.pretrained_path"}
 
 
+def check_checkpoint_folder(field: str, path: Path) -> None:
+    """gpt2's and causal_lm's ``pretrained_path``: a Hugging Face checkpoint folder
+    (``save_pretrained``'s output, with its ``config.json``), said plainly when it is not."""
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(field, f"{path} holds no config.json: give a Hugging Face "
+                                     f"checkpoint folder (save_pretrained's output: config.json "
+                                     f"and the weights)")
+        return
+    if path.exists():
+        raise ConfigError(field, f"{path} is a file, not a folder: gpt2 and causal_lm load a "
+                                 f"Hugging Face checkpoint folder (save_pretrained's output: "
+                                 f"config.json and the weights); a weights file is for timm "
+                                 f"models")
+    raise ConfigError(field, f"directory not found: {path}")
+
+
 def _first_few(names: list[str]) -> str:
     """``a, b, c and 4 more``: the first three of ``names`` for a one-line message."""
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -282,6 +298,22 @@ def _check_fits_images(model: nn.Module, cfg: ModelConfig, in_chans: int,
                                   f"{str(e).rstrip('.')}{hint}") from None
     finally:
         model.train(was_training)
+    embed = getattr(model, "patch_embed", None)
+    patch = getattr(embed, "patch_size", None)
+    if isinstance(patch, int):
+        patch = (patch, patch)
+    if (isinstance(patch, tuple) and not getattr(embed, "dynamic_img_pad", False)
+            and any(image_size % p for p in patch)):
+        # (timm's patch embedding, a convolution of stride patch_size, then leaves the last
+        # image_size % p rows and columns out of every image, in silence)
+        field_ = ("model.timm_kwargs.patch_size" if "patch_size" in cfg.timm_kwargs
+                  else "model.timm_name")
+        raise ConfigError(field_, f"{cfg.timm_name}'s patches of {patch[0]} x {patch[1]} pixels "
+                                  f"do not tile the data's {image_size} x {image_size} images: "
+                                  f"the patch embedding would leave out the last "
+                                  f"{max(image_size % p for p in patch)} of every image's "
+                                  f"{image_size} rows or columns; choose a patch size that "
+                                  f"divides data.image_size")
 
 
 def _load_timm_weights(model: nn.Module, path: Path) -> None:
@@ -477,8 +509,7 @@ def _build_gpt2(cfg: ModelConfig, info: DataInfo) -> nn.Module:
     data_vocab = info.vocab_size
     if cfg.pretrained_path is not None:
         path = Path(cfg.pretrained_path)
-        if not path.is_dir():
-            raise ConfigError("model.pretrained_path", f"directory not found: {path}")
+        check_checkpoint_folder("model.pretrained_path", path)
         model = _load_pretrained_gpt2(GPT2LMHeadModel, path, cfg.dropout)
         vocab = model.config.vocab_size
         if data_vocab is not None and vocab < data_vocab:
@@ -674,6 +705,16 @@ def scratch_config(cfg: ModelConfig, vocab_size: int | None = None,
         raise ConfigError("model.hf_config" + (f".{key}" if key else ""),
                           f"{cls.__name__} refused it: {_one_line(e)}") from None
     _decoder_only(config, model_type, "model.hf_config.model_type")
+    heads = getattr(config, "num_attention_heads", None)
+    groups = getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(groups, int) and groups >= 1 and heads % groups:
+        # (grouped-query attention repeats each key/value head heads/groups times; the build
+        # check would say "the size of tensor a (4) must match ... (3)")
+        key = ("num_key_value_heads" if "num_key_value_heads" in hf
+               or "num_attention_heads" not in hf else "num_attention_heads")
+        raise ConfigError(f"model.hf_config.{key}",
+                          f"num_key_value_heads ({groups}) must divide num_attention_heads "
+                          f"({heads}): each key/value head serves a whole group of heads")
     known = _config_keys(cls)
     stored = vars(config)
     for key in hf:  # an unknown key is kept as an attribute; a legacy one is converted
@@ -821,8 +862,7 @@ def _build_causal_lm(cfg: ModelConfig, info: DataInfo, low_precision: bool) -> n
                                         f"data")
     if cfg.pretrained_path is not None:
         path = Path(cfg.pretrained_path)
-        if not path.is_dir():
-            raise ConfigError("model.pretrained_path", f"directory not found: {path}")
+        check_checkpoint_folder("model.pretrained_path", path)
         model = _load_pretrained_causal_lm(cfg, path, info, low_precision)
         check_no_batchnorm(model, "model.pretrained_path")
         return model
