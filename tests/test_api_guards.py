@@ -209,6 +209,16 @@ def test_an_active_mask_that_is_not_a_bool_row_per_example_is_refused(active):
         ClippingEngine(model, clip_norm=1.0).accumulate(loss, batch, {}, active=active)
 
 
+@pytest.mark.parametrize("acc", [None, [], 0])
+def test_an_accumulator_that_is_not_a_dict_is_refused_before_any_work(acc):
+    model, batch, loss = _setup()
+    calls = []
+    with pytest.raises(TypeError, match="acc must be a dict"):  # (None: an AttributeError)
+        ClippingEngine(model, clip_norm=1.0).accumulate(
+            lambda m, b: calls.append(1) or loss(m, b), batch, acc)
+    assert not calls
+
+
 @pytest.mark.parametrize("kwargs, field", [({"epsilon": True}, "epsilon"),
                                            ({"epsilon": "4"}, "epsilon"),
                                            ({"sample_rate": True}, "sample_rate"),

@@ -243,6 +243,7 @@ def test_a_model_the_engine_refuses_is_a_config_error_naming_the_model(monkeypat
         with pytest.raises(ConfigError) as e:
             trainer.private_step()
         assert e.value.field == field and "lin (Linear) produced a leading dimension" in str(e.value)
+        assert "one row per example, made from the batch" in str(e.value)
     out = tmp_path / "cli"
     assert main(["train", "--config", str(config), "--output-dir", str(out), *overrides]) == 2
     err = capsys.readouterr().err

@@ -716,7 +716,10 @@ def _layer_hooks(cap: _Capture, h: _Hooked):
                 f"leading dimension {output.shape[0]} for a microbatch of {batch_size} "
                 f"examples (the leading dimension of the batch's first tensor): its "
                 f"per-example gradients cannot be separated. Every layer's input and output "
-                f"must hold the examples along their first dimension (batch_first=True)")
+                f"must hold the examples along their first dimension: a layer called on a "
+                f"tensor shared by all examples (a position embedding of torch.arange(T)) "
+                f"needs one row per example, made from the batch (torch.arange(T).expand(B, "
+                f"T)); a sequence layer, batch_first=True")
         if not h.rule.wants_kwargs and not (args and isinstance(args[0], Tensor)):
             raise ClippingError(
                 f"dptrain.clipping: {h.name} ({type(module).__name__}) was called without a "
@@ -1630,6 +1633,9 @@ class ClippingEngine:
                                 f"got {type(active).__name__} "
                                 f"{getattr(active, 'dtype', '')} "
                                 f"{tuple(getattr(active, 'shape', ()))}")
+        if not isinstance(acc, dict):
+            raise TypeError(f"acc must be a dict (parameter name -> clipped sum; an empty {{}} "
+                            f"to start), got {type(acc).__name__}")
         bits = torch.finfo(self._acc_dtype()).bits
         for name, have in acc.items():  # (before any work: acc is left as it was)
             p = self.params.get(name)
