@@ -288,6 +288,10 @@ def test_a_preset_for_another_layout_is_refused_not_given_the_embeddings():
         muon = _members(_build({"name": "muon", "preset": preset}, model=model))["matrices"][1]
         assert muon and not any("embed" in n or "wte" in n or "wpe" in n or "lm_head" in n
                                 for n in muon)
+    # explicit groups take their parameters before the preset: nothing left to refuse
+    groups = _members(_build({"name": "muon", "preset": "gpt2", "groups": [
+        {"pattern": "embed_tokens", "optimizer": "adamw", "name": "emb"}]}, model=llama))
+    assert groups["emb"] == ("adamw", ["model.embed_tokens.weight"])
 
 
 def test_explicit_groups_come_before_the_preset():

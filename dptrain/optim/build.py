@@ -189,7 +189,9 @@ def _check_preset_fits(cfg: OptimConfig, named_params: NamedParams,
     if matrices is None:
         return
     pattern = re.compile(matrices.pattern)
-    embeddings = [n for n, _ in named_params if pattern.search(n) and EMBEDDING_NAME.search(n)]
+    explicit = [re.compile(g.pattern) for g in cfg.groups]  # (they take theirs first)
+    embeddings = [n for n, _ in named_params if pattern.search(n) and EMBEDDING_NAME.search(n)
+                  and not any(g.search(n) for g in explicit)]
     if embeddings:
         shown = ", ".join(embeddings[:3]) + (", ..." if len(embeddings) > 3 else "")
         fitting = "causal_lm" if any("embed_tokens" in n for n in embeddings) else None
