@@ -275,6 +275,26 @@ def test_a_timm_model_that_cannot_take_the_images_is_refused_when_built(tmp_path
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.parametrize("timm_name, kwargs, size, left_out", [
+    ("vit_tiny_patch16_224", {"img_size": 16, "patch_size": 8}, 16, 0),
+    ("vit_tiny_patch16_224", {"img_size": 18, "patch_size": 4}, 18, 2),
+    # overlapping patch embeddings cover sizes no kernel divides: PVT-v2's (kernel 7, stride
+    # 4, padding 3) at 32 and 36 pixels (a check of image_size % patch_size refused them)
+    ("pvt_v2_b0", {"depths": (1, 1, 1, 1)}, 32, 0),
+    ("pvt_v2_b0", {"depths": (1, 1, 1, 1)}, 36, 0),
+])
+def test_a_patch_embedding_that_leaves_pixels_out_is_refused_and_one_that_covers_them_is_not(
+        timm_name, kwargs, size, left_out):
+    cfg = ModelConfig(name="timm", timm_name=timm_name, timm_kwargs=kwargs)
+    if not left_out:
+        assert build_model(cfg, _img(size)) is not None
+        return
+    with pytest.raises(ConfigError) as e:
+        build_model(cfg, _img(size))
+    assert e.value.field == "model.timm_kwargs.patch_size"
+    assert f"leave out the last {left_out} of every image's {size} rows" in e.value.message
+
+
 def test_nf_resnet_tiny_weights_load_with_a_fresh_head_and_grey_scale_filters(tmp_path):
     # dptrain's registered test model had no pretrained_cfg (timm's NF-ResNets do): a file for
     # other classes or channels was refused ("other shapes for head.fc") instead of adapted

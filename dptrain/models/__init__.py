@@ -298,22 +298,34 @@ def _check_fits_images(model: nn.Module, cfg: ModelConfig, in_chans: int,
                                   f"{str(e).rstrip('.')}{hint}") from None
     finally:
         model.train(was_training)
-    embed = getattr(model, "patch_embed", None)
-    patch = getattr(embed, "patch_size", None)
-    if isinstance(patch, int):
-        patch = (patch, patch)
-    if (isinstance(patch, tuple) and not getattr(embed, "dynamic_img_pad", False)
-            and any(image_size % p for p in patch)):
-        # (timm's patch embedding, a convolution of stride patch_size, then leaves the last
-        # image_size % p rows and columns out of every image, in silence)
-        field_ = ("model.timm_kwargs.patch_size" if "patch_size" in cfg.timm_kwargs
-                  else "model.timm_name")
-        raise ConfigError(field_, f"{cfg.timm_name}'s patches of {patch[0]} x {patch[1]} pixels "
-                                  f"do not tile the data's {image_size} x {image_size} images: "
-                                  f"the patch embedding would leave out the last "
-                                  f"{max(image_size % p for p in patch)} of every image's "
-                                  f"{image_size} rows or columns; choose a patch size that "
-                                  f"divides data.image_size")
+    proj = getattr(getattr(model, "patch_embed", None), "proj", None)
+    # (an exact Conv2d: timm's Conv2dSame pads at call time, its padding attribute is 0)
+    if type(proj) is nn.Conv2d and not getattr(model.patch_embed, "dynamic_img_pad", False):
+        # a ViT's patch embedding is a convolution (kernel = stride = the patch size, no
+        # padding): the pixels past the last whole window are left out of every image in
+        # silence (16 px in patches of 5: the last row and column). PVT's (kernel 7, stride 4,
+        # padding 3) and PiT's (16, 8) overlapping ones cover more sizes
+        left = [(image_size + 2 * p - k) % s - p for k, s, p in
+                zip(proj.kernel_size, proj.stride, _padding_of(proj))]
+        if max(left) > 0:
+            field_ = next((f"model.timm_kwargs.{k}" for k in ("patch_size", "img_size")
+                           if k in cfg.timm_kwargs), "model.timm_name")
+            raise ConfigError(field_, f"{cfg.timm_name}'s patch embedding (kernel "
+                                      f"{tuple(proj.kernel_size)}, stride {tuple(proj.stride)}) "
+                                      f"does not cover the data's {image_size} x {image_size} "
+                                      f"images: it would leave out the last {max(left)} of every "
+                                      f"image's {image_size} rows or columns; choose a patch "
+                                      f"size (or data.image_size) that tiles them")
+
+
+def _padding_of(conv: nn.Conv2d) -> tuple[int, ...]:
+    """A convolution's padding per spatial side, as numbers ('valid': 0; 'same' pads so that
+    nothing is left out: enough to cover the window)."""
+    if conv.padding == "valid":
+        return (0,) * len(conv.kernel_size)
+    if conv.padding == "same":
+        return tuple(k for k in conv.kernel_size)
+    return tuple(conv.padding)
 
 
 def _load_timm_weights(model: nn.Module, path: Path) -> None:
