@@ -268,23 +268,27 @@ def test_convnext_preset_gives_muon_the_lora_factors_of_the_mlp():
 
 def test_a_preset_for_another_layout_is_refused_not_given_the_embeddings():
     """A GPT-2 config's ``preset: gpt2`` reused for a Llama gave ``model.embed_tokens`` to
-    Muon (the gpt2 preset keeps only wte/wpe/lm_head for AdamW), and the vit preset a Llama's
-    embedding and LM head, in silence: every preset keeps embeddings, position tables and
-    heads for optim.aux, so such a split is refused naming them. The fitting presets pass."""
+    Muon (the gpt2 preset keeps only wte/wpe/lm_head for AdamW), and reused for a ViT its
+    position table and patch embedding, in silence: every preset keeps embeddings, position
+    tables and heads for optim.aux, so such a split is refused naming them. The fitting
+    presets pass."""
     transformers = pytest.importorskip("transformers")
+    timm = pytest.importorskip("timm")
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, vocab_size=64, tie_word_embeddings=False))
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=8, depth=1,
+                            embed_dim=16, num_heads=2, num_classes=3)
     for preset, model, named in (("gpt2", llama, "model.embed_tokens.weight"),
-                                 ("vit", llama, "model.embed_tokens.weight, lm_head.weight"),
-                                 ("vit", gpt2, "transformer.wte.weight, transformer.wpe.weight")):
+                                 ("gpt2", vit, "pos_embed, patch_embed.proj.weight")):
         with pytest.raises(ConfigError, match="preset") as e:
             _build({"name": "muon", "preset": preset}, model=model)
         assert f"gives {named} to muon" in str(e.value)
-        assert ("'causal_lm'" in str(e.value)) == (model is llama)
-    for preset, model in (("causal_lm", llama), ("gpt2", gpt2), ("causal_lm", gpt2)):
+        assert "causal_lm: transformers' other causal LMs" in str(e.value)
+    for preset, model in (("causal_lm", llama), ("gpt2", gpt2), ("causal_lm", gpt2),
+                          ("vit", vit), ("vit", llama)):
         muon = _members(_build({"name": "muon", "preset": preset}, model=model))["matrices"][1]
         assert muon and not any("embed" in n or "wte" in n or "wpe" in n or "lm_head" in n
                                 for n in muon)
@@ -292,6 +296,22 @@ def test_a_preset_for_another_layout_is_refused_not_given_the_embeddings():
     groups = _members(_build({"name": "muon", "preset": "gpt2", "groups": [
         {"pattern": "embed_tokens", "optimizer": "adamw", "name": "emb"}]}, model=llama))
     assert groups["emb"] == ("adamw", ["model.embed_tokens.weight"])
+
+
+def test_the_vit_preset_keeps_relative_position_tables_for_aux():
+    """BEiT's and Swin's attention hold a 2-D relative_position_bias_table: a position table,
+    which the vit preset gave to Muon with the blocks' matrices (a red team)."""
+    timm = pytest.importorskip("timm")
+    for model in (
+            timm.create_model("beit_base_patch16_224", img_size=16, patch_size=8, depth=1,
+                              embed_dim=16, num_heads=2, num_classes=3),
+            timm.create_model("swin_tiny_patch4_window7_224", img_size=16, patch_size=2,
+                              window_size=4, depths=(1, 1), num_heads=(1, 2), embed_dim=8,
+                              num_classes=3)):
+        groups = _members(_build({"name": "muon", "preset": "vit"}, model=model))
+        tables = [n for n, _ in model.named_parameters() if "relative_position" in n]
+        assert tables and set(tables) <= set(groups["others"][1])
+        assert any(n.endswith("attn.qkv.weight") for n in groups["matrices"][1])
 
 
 def test_explicit_groups_come_before_the_preset():

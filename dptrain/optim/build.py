@@ -194,13 +194,13 @@ def _check_preset_fits(cfg: OptimConfig, named_params: NamedParams,
                   and not any(g.search(n) for g in explicit)]
     if embeddings:
         shown = ", ".join(embeddings[:3]) + (", ..." if len(embeddings) > 3 else "")
-        fitting = "causal_lm" if any("embed_tokens" in n for n in embeddings) else None
         raise ConfigError("optim.preset", f"{cfg.preset!r} gives {shown} to {cfg.name} "
                                           f"(optim.name), which the presets keep for "
                                           f"optim.aux (embeddings, position tables, LM heads): "
-                                          f"the preset is for another model's layout; use "
-                                          + (f"preset {fitting!r}" if fitting else
-                                             "this model's preset") + " or explicit optim.groups")
+                                          f"the preset is for another model's layout; use this "
+                                          f"model's (gpt2: GPT-2; causal_lm: transformers' "
+                                          f"other causal LMs; vit, convnext, nfresnet: timm's) "
+                                          f"or explicit optim.groups")
 
 
 def plan_groups(cfg: OptimConfig, named_params: NamedParams) -> list[ResolvedGroup]:

@@ -143,8 +143,11 @@ def gpt2_groups(named_params: NamedParams, main: ParamGroupConfig,
 
 #: a numbered block of a ModuleList (``model.layers.3.``, ``transformer.h.0.``)
 _IN_BLOCK = re.compile(r"(^|\.)\d+\.")
-#: an embedding, position table or LM head by its name (``model.embed_tokens``, ``wte``, ...)
-EMBEDDING_NAME = re.compile(r"(^|\.)(\w*embed\w*|wte|wpe|lm_head)(\.|$)")
+#: an embedding, position table or LM head by its name (``model.embed_tokens``, ``wte``, a
+#: ViT's ``patch_embed``/``pos_embed``, the relative position tables of BEiT, Swin and SAM's
+#: attention, ``relative_position_bias_table`` and ``rel_pos_h``/``rel_pos_w``)
+EMBEDDING_NAME = re.compile(
+    r"(^|\.)(\w*embed\w*|wte|wpe|lm_head|relative_position_bias_table|rel_pos\w*)(\.|$)")
 
 
 def causal_lm_groups(named_params: NamedParams, main: ParamGroupConfig,
@@ -177,10 +180,10 @@ def vit_groups(named_params: NamedParams, main: ParamGroupConfig,
                aux: ParamGroupConfig) -> list[ParamGroupConfig]:
     """Vision transformers (timm's ViT and DeiT, transformers' ViT): ``main`` (Muon) for the 2-D
     weights of the blocks (attention and MLP projections); ``aux`` (AdamW) for the patch
-    embedding (a 4-D convolution), the class, register and distillation tokens and the position
-    table (3-D), norms, biases and the classifier."""
-    return _split(named_params, lambda n, p: p.ndim == 2 and not _VIT_HEADS.search(n),
-                  main, aux)
+    embedding (a 4-D convolution, or a Linear), the class, register and distillation tokens and
+    the position tables (absolute, 3-D; relative, 2-D), norms, biases and the classifier."""
+    return _split(named_params, lambda n, p: (p.ndim == 2 and not _VIT_HEADS.search(n)
+                                              and not EMBEDDING_NAME.search(n)), main, aux)
 
 
 #: (and the LoRA factors of those Linears: ``...mlp.fc1.lora_A.default.weight``)
