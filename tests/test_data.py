@@ -902,6 +902,30 @@ def test_webdataset_classes_are_the_shards_not_a_max_examples_subset(tmp_path):
     assert few.info.num_classes == 4
 
 
+def test_webdataset_max_examples_keeps_that_many_and_shards_in_name_order(tmp_path):
+    """max_examples = m keeps min(m, N) examples, even_subset's (a mutant keeping all N at
+    m = N - 1 went unseen); shards are read in name order whatever order a brace pattern names
+    them in (the same seed samples the same images), and label_count counts distinct labels."""
+    from dptrain.data import even_subset
+    from dptrain.data.wds import WebDatasetImages, expand_shards
+
+    _labelled_shards(tmp_path, {"train": [0, 0, 0, 0, 2], "val": [0, 2]})
+    shard = tmp_path / "imagenet-train-000000.tar"
+    for m in (3, 4, 5, 6):
+        ds = WebDatasetImages([shard], 8, max_examples=m)
+        assert len(ds) == min(m, 5)
+        assert ds.labels.tolist() == [[0, 0, 0, 0, 2][i] for i in even_subset(5, m)]
+        assert ds.label_count == 2
+    (tmp_path / "b").mkdir()
+    _labelled_shards(tmp_path / "b", {"train": [1]})
+    (tmp_path / "b" / "imagenet-train-000000.tar").rename(tmp_path / "imagenet-train-000001.tar")
+    shards = expand_shards(tmp_path, "imagenet-train-{000001,000000}.tar", "data.train_file")
+    assert [p.name for p in shards] == ["imagenet-train-000000.tar", "imagenet-train-000001.tar"]
+    task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                                 train_file="imagenet-train-{000001,000000}.tar"))
+    assert task.train.labels.tolist() == [0, 0, 0, 0, 2, 1]
+
+
 def test_webdataset_path_with_glob_characters_is_a_path(tmp_path):
     # data.path "run[1]" was read as a pattern: "no shard matches .../run[1]/*train*.tar"
     root = tmp_path / "run[1]*"

@@ -392,6 +392,18 @@ def test_doppler_correction_change_whose_recomputed_normaliser_reaches_0_restart
     assert "restarts empty" in new.restart_note and "at step 1200" in new.restart_note
 
 
+def test_disk_does_not_extrapolate_a_parameter_new_since_the_last_step():
+    """A parameter the last step did not hold (a loop of one's own that adds one, an old
+    checkpoint's x_prev without it) has no x_{t-1}: its query point is the parameter itself
+    (a mutant extrapolating from 0 queried (1 + gamma) b)."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.full((3,), 2.0))
+    f = DiSKFilter(0.5, 0.5)
+    a.grad = torch.ones(3)
+    f.apply([("a", a)])
+    (c, ahead), _ = f.query_plan([("a", a), ("b", b)])
+    assert torch.equal(ahead["b"], b.detach()) and torch.equal(ahead["a"], a.detach())
+
+
 def test_disk_plans_a_parameter_that_had_no_gradient_at_the_last_step():
     # x_{t-1} was recorded only for parameters with a gradient: the next plan raised KeyError
     a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.full((3,), 2.0))

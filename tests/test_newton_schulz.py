@@ -201,19 +201,23 @@ def test_a_norm_that_underflows_is_rescued_not_divided_by_eps_or_zero(dtype, tol
         assert float((out.double() - ref).abs().max()) <= tol, (f.__name__, out)
 
 
+@pytest.mark.parametrize("coefficients", ["muon", "polar_express"])
 @pytest.mark.parametrize("sync_free", [False, True])
 @pytest.mark.parametrize("scale", [1e-25, 1e-21])
-def test_a_rescued_norm_keeps_eps_in_proportion(scale, sync_free, monkeypatch):
+def test_a_rescued_norm_keeps_eps_in_proportion(scale, sync_free, coefficients, monkeypatch):
     """The rescue rescales the matrix by s before the norm, so the guard is ||X|| + eps / s:
     with the default eps 1e-7 a 1e-25 gradient is ~1e-15 after it, as in float64 (a mutant
-    adding eps itself gave an O(1) orthogonal update; the test above has eps ~ 0 only)."""
+    adding eps itself gave an O(1) orthogonal update; the test above has eps ~ 0 only). Polar
+    Express has its own eps (1e-6), kept in proportion the same way (a mutant that was not
+    survived the muon case alone: a full-size step on a gradient of 1e-25)."""
     import functools
 
     monkeypatch.setattr(NS, "_normalise", functools.partial(NS._normalise, sync_free=sync_free))
     X = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(0),
                     dtype=torch.float64) * scale
-    ref = newton_schulz(X, eps=1e-7)  # float64: no underflow, the plain path
-    out = newton_schulz(X.float(), eps=1e-7).double()  # float32: the rescue
+    kw = {"eps": 1e-7, "coefficients": coefficients}
+    ref = newton_schulz(X, **kw)  # float64: no underflow, the plain path
+    out = newton_schulz(X.float(), **kw).double()  # float32: the rescue
     assert float(ref.abs().max()) < 1e-6
     assert torch.allclose(out, ref, rtol=1e-3, atol=1e-30)
 

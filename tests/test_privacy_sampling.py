@@ -322,3 +322,16 @@ def test_secure_uniforms_of_scattered_indices_in_any_order_and_shape():
     far = np.arange(300) * SECURE_CHUNK + 7
     assert inclusion_uniforms(4, 2, far, secure=True).tolist() == [
         _secure_reference(4, 2, int(i)) for i in far]
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_a_uniform_of_exactly_0_is_not_sampled_at_rate_0(secure, monkeypatch):
+    """Inclusion is u < q, strictly: at q = 0 nothing is sampled, even where an example's
+    number is exactly 0 (chance 2^-53 per example and step; a mutant with u <= q sampled it,
+    and no other test saw it)."""
+    import dptrain.privacy.sampling as sampling
+
+    name = "_secure_uniforms" if secure else "_uniforms_for"
+    monkeypatch.setattr(sampling, name, lambda *a: np.zeros(a[-1] if secure else len(a[-1])))
+    assert len(sampling.poisson_sample(0, 0, 5, 0.0, secure=secure)) == 0
+    assert list(sampling.poisson_sample(0, 0, 5, 1e-9, secure=secure)) == [0, 1, 2, 3, 4]
