@@ -385,7 +385,7 @@ def _named_update(model: nn.Module, before: dict[str, Tensor]) -> dict[str, Tens
 def reference_update(kind: str, cfg: BenchConfig) -> dict[str, Tensor]:
     """The update every private variant should make with no noise (``cfg``'s clip norm and
     learning rate): -lr/B sum_i min(1, C/|g_i|) g_i over single-example backward passes of the
-    stock model (float32 gradients, summed in float64)."""
+    stock model (gradients in ``cfg.dtype``, summed in float64)."""
     _, model, batch, loss_fn, B = model_and_batch(kind, cfg)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     total = {n: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for n, p in params}
