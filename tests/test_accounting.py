@@ -103,7 +103,14 @@ def test_a_negligible_noise_multiplier_is_no_noise_not_a_hang(tmp_path):
             "for s in (1e-101, 1e-155, 1e-160, 1e-170, 5e-324):\n"
             "    for acc in ('rdp', 'prv'):\n"
             "        assert epsilon(Ledger([(s, 0.01, 10)]), 1e-5, acc) == math.inf, (s, acc)\n"
-            "assert math.isfinite(epsilon(Ledger([(1e-100, 0.01, 10)]), 1e-5, 'rdp'))\n")
+            "assert math.isfinite(epsilon(Ledger([(1e-100, 0.01, 10)]), 1e-5, 'rdp'))\n"
+            # one negligible release among noisy ones is no noise too (a mutant with all()
+            # gave 5.5e239, or a ZeroDivisionError, for such ledgers)
+            "for s in (0.0, 1e-120, 1e-200):\n"
+            "    for acc in ('rdp', 'prv'):\n"
+            "        for entries in ([(s, 0.01, 1), (1.0, 0.01, 10)],\n"
+            "                        [(1.0, 0.01, 10), (s, 0.01, 1)]):\n"
+            "            assert epsilon(Ledger(entries), 1e-5, acc) == math.inf, (s, acc)\n")
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)

@@ -229,7 +229,8 @@ def build_tied(d, B, dtype):
 def build_layernorm(d, B, dtype):
     T, dim = d(I(1, 4)), d(I(2, 5))
     two = d(BOOL)
-    m = nn.LayerNorm((T, dim) if two else (dim,), bias=d(BOOL)).to(dtype)
+    # (eps drawn too: a rule reading a fixed 1e-5 in place of module.eps went unseen here)
+    m = nn.LayerNorm((T, dim) if two else (dim,), eps=d(Ch(1e-5, 0.5)), bias=d(BOOL)).to(dtype)
     randomise(m, torch.Generator().manual_seed(6))
     x = torch.randn(B, T, dim, dtype=dtype)
     return m, make_batch(m, x, 7), mse_loss
@@ -238,7 +239,7 @@ def build_layernorm(d, B, dtype):
 def build_groupnorm(d, B, dtype):
     groups = d(Ch(1, 2, 3))
     C = groups * d(I(1, 3))
-    m = nn.GroupNorm(groups, C).to(dtype)
+    m = nn.GroupNorm(groups, C, eps=d(Ch(1e-5, 0.5))).to(dtype)
     randomise(m, torch.Generator().manual_seed(8))
     x = torch.randn(B, C, d(I(2, 4)), d(I(1, 4)), dtype=dtype)  # > 1 value per group
     return m, make_batch(m, x, 9), mse_loss

@@ -235,8 +235,11 @@ def test_a_phantom_example_adds_exactly_nothing():
     with_phantom, alone = {}, {}
     stats = t.engine.accumulate(t.task.loss_fn, batch, with_phantom, None,
                                 torch.tensor([True, False]))
-    t.engine.accumulate(t.task.loss_fn, one, alone)
+    alone_stats = t.engine.accumulate(t.task.loss_fn, one, alone)
     assert stats.num_examples == 1
+    # (the loss shown counts the real examples only: a mutant adding the phantom's was seen
+    # by a spawned two-rank test alone)
+    assert stats.loss_sum == pytest.approx(alone_stats.loss_sum, rel=1e-12)
     for name in alone:
         assert torch.equal(with_phantom[name], alone[name]) or \
             torch.allclose(with_phantom[name], alone[name], rtol=1e-12, atol=1e-15)
