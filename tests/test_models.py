@@ -64,11 +64,13 @@ def test_trainable_named_parameters_skips_frozen():
     assert "head.bias" not in names and "head.weight" in names
 
 
-def test_gpt2_pretrained_path_round_trip(tmp_path):
+def test_gpt2_pretrained_path_round_trip(tmp_path, monkeypatch):
     torch.manual_seed(1)
     src = build_model(gpt2_cfg(), LM)
     src.save_pretrained(tmp_path / "ckpt")
-    loaded = build_model(gpt2_cfg(pretrained_path=str(tmp_path / "ckpt"), dropout=0.1), LM)
+    monkeypatch.setenv("HOME", str(tmp_path))  # "~/ckpt": expanded, as the data paths are
+    validate_tree(from_dict(ModelConfig, {"pretrained_path": "~/ckpt"}, "model"), "model")
+    loaded = build_model(gpt2_cfg(pretrained_path="~/ckpt", dropout=0.1), LM)
     assert loaded.config._attn_implementation == "eager"
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     assert all(m.p == 0.1 for m in loaded.modules() if isinstance(m, nn.Dropout))

@@ -70,8 +70,8 @@ class ModelConfig:
     runs eager attention, whose dropout dptrain's per-example masks replace; without, sdpa,
     except in bfloat16 or for a family without it: ``_attention``)."""
     pretrained_path: str | None = None
-    """gpt2, causal_lm: directory of a HF-format checkpoint (config.json + weights), loaded
-    with ``from_pretrained(local_files_only=True)``. Null: random initialisation from the fields
+    """gpt2, causal_lm: directory of a HF-format checkpoint (config.json + weights; ``~``
+    expanded), loaded with ``from_pretrained(local_files_only=True)``. Null: random initialisation from the fields
     above (gpt2) or from ``hf_config`` (causal_lm). With a checkpoint, the architecture comes
     from it; only dropout is overridden. Every tensor of the model must be in it (a partial or
     foreign folder is refused, not completed at random), and it is loaded in float32 whatever
@@ -158,7 +158,7 @@ class ModelConfig:
                 raise ConfigError("pretrained_path", "must not be empty (null: no "
                                                      "checkpoint)")
             if self.pretrained_path is not None:
-                check_checkpoint_folder("pretrained_path", Path(self.pretrained_path))
+                check_checkpoint_folder("pretrained_path", weights_path(self))
         if self.name == "gpt2":
             for f in ("n_layer", "n_embd", "n_head", "n_positions"):
                 if getattr(self, f) < 1:
@@ -198,7 +198,7 @@ class ModelConfig:
                 if own is not None:
                     raise ConfigError(f"timm_kwargs.{key}", f"set it with {own} instead")
             if self.pretrained_path is not None:
-                require_file("pretrained_path", self.pretrained_path)
+                require_file("pretrained_path", weights_path(self))
         if self.name == "timm" and not self.timm_name:
             raise ConfigError("timm_name", "must name a timm model, e.g. nf_resnet50")
         if self.name == "timm" and any(c in self.timm_name for c in ":/"):
@@ -238,6 +238,12 @@ _TIMM_OWN_FIELDS = {"num_classes": "model.num_classes", "in_chans": "model.in_ch
                     "pretrained": "model.pretrained_path", "pretrained_cfg": "model.pretrained_path",
                     "pretrained_cfg_overlay": "model.pretrained_path",
                     "checkpoint_path": "model.pretrained_path"}
+
+
+def weights_path(cfg: "ModelConfig") -> Path:
+    """``model.pretrained_path`` as a path, ``~`` expanded (as the data paths are: a YAML value
+    or a ``key=~/...`` override reaches dptrain unexpanded by the shell)."""
+    return Path(cfg.pretrained_path).expanduser()
 
 
 def check_checkpoint_folder(field: str, path: Path) -> None:
@@ -520,7 +526,7 @@ def _build_gpt2(cfg: ModelConfig, info: DataInfo) -> nn.Module:
         raise ConfigError("model.name", f"gpt2 needs language-model data, got {info.kind} data")
     data_vocab = info.vocab_size
     if cfg.pretrained_path is not None:
-        path = Path(cfg.pretrained_path)
+        path = weights_path(cfg)
         check_checkpoint_folder("model.pretrained_path", path)
         model = _load_pretrained_gpt2(GPT2LMHeadModel, path, cfg.dropout)
         vocab = model.config.vocab_size
@@ -873,7 +879,7 @@ def _build_causal_lm(cfg: ModelConfig, info: DataInfo, low_precision: bool) -> n
         raise ConfigError("model.name", f"causal_lm needs language-model data, got {info.kind} "
                                         f"data")
     if cfg.pretrained_path is not None:
-        path = Path(cfg.pretrained_path)
+        path = weights_path(cfg)
         check_checkpoint_folder("model.pretrained_path", path)
         model = _load_pretrained_causal_lm(cfg, path, info, low_precision)
         check_no_batchnorm(model, "model.pretrained_path")
@@ -1009,7 +1015,7 @@ def _build_model(cfg: ModelConfig, info: DataInfo, low_precision: bool) -> nn.Mo
             check_no_batchnorm(model, "model.timm_name")
             _check_fits_images(model, cfg, in_chans, info.image_size)
             if cfg.pretrained_path is not None:
-                _load_timm_weights(model, Path(cfg.pretrained_path))
+                _load_timm_weights(model, weights_path(cfg))
         elif cfg.name == "cnn":
             model = TinyCNN(in_chans, num_classes, list(cfg.channels), cfg.groups, cfg.pool,
                             cfg.hidden)
