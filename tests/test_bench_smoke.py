@@ -8,6 +8,7 @@ last printed line is one JSON object with the keys BENCHMARKS.md and issue 2 rel
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,20 @@ def test_dp_step_checks_each_variant_update_against_single_example_backwards(kin
     monkeypatch.setattr(dp_step, "build_variant", vectors_left_unmoved)
     wrong = dp_step.update_errors(kind, cfg, ("dptrain_bookkeeping",))["dptrain_bookkeeping"]
     assert wrong["worst"] == pytest.approx(1.0)
+
+    def one_nan(k, v, c, models=None):  # right but for one parameter's NaN update
+        models = [] if models is None else models
+        step = real(k, v, c, models)
+        last = list(models[-1].parameters())[-1]
+
+        def wrong_step():
+            step()
+            last.data.fill_(float("nan"))
+        return wrong_step
+
+    monkeypatch.setattr(dp_step, "build_variant", one_nan)
+    wrong = dp_step.update_errors(kind, cfg, ("dptrain_bookkeeping",))["dptrain_bookkeeping"]
+    assert wrong["worst"] == math.inf  # (max() over tuples passed the NaN over)
 
 
 def test_dp_step_llama_variants_make_the_same_update():

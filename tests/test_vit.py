@@ -282,6 +282,10 @@ def test_a_timm_model_that_cannot_take_the_images_is_refused_when_built(tmp_path
     # 4, padding 3) at 32 and 36 pixels (a check of image_size % patch_size refused them)
     ("pvt_v2_b0", {"depths": (1, 1, 1, 1)}, 32, 0),
     ("pvt_v2_b0", {"depths": (1, 1, 1, 1)}, 36, 0),
+    # PiT's is patch_embed.conv (kernel 16, stride 8): the image's first convolution is read,
+    # whatever its name (a check of patch_embed.proj alone let 36 px drop 4 rows in silence)
+    ("pit_ti_224", {"img_size": 36, "depth": (1, 1, 1)}, 36, 4),
+    ("pit_ti_224", {"img_size": 40, "depth": (1, 1, 1)}, 40, 0),
 ])
 def test_a_patch_embedding_that_leaves_pixels_out_is_refused_and_one_that_covers_them_is_not(
         timm_name, kwargs, size, left_out):
@@ -291,7 +295,8 @@ def test_a_patch_embedding_that_leaves_pixels_out_is_refused_and_one_that_covers
         return
     with pytest.raises(ConfigError) as e:
         build_model(cfg, _img(size))
-    assert e.value.field == "model.timm_kwargs.patch_size"
+    assert e.value.field == ("model.timm_kwargs.patch_size" if "patch_size" in kwargs
+                             else "model.timm_kwargs.img_size")
     assert f"leave out the last {left_out} of every image's {size} rows" in e.value.message
 
 

@@ -291,6 +291,16 @@ def _check_fits_images(model: nn.Module, cfg: ModelConfig, in_chans: int,
         return
     was_training = model.training
     model.eval()
+    first: list[nn.Conv2d] = []  # the first convolution the image itself goes through
+
+    def on_image(module, args):
+        x = args[0] if args else None
+        if (not first and isinstance(x, torch.Tensor) and x.dim() == 4
+                and tuple(x.shape[1:]) == (in_chans, image_size, image_size)):
+            first.append(module)
+
+    hooks = [m.register_forward_pre_hook(on_image) for m in model.modules()
+             if isinstance(m, nn.Conv2d)]
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model(torch.zeros(1, in_chans, image_size, image_size))
@@ -303,35 +313,34 @@ def _check_fits_images(model: nn.Module, cfg: ModelConfig, in_chans: int,
                                   f"{image_size} x {image_size} images: {type(e).__name__}: "
                                   f"{str(e).rstrip('.')}{hint}") from None
     finally:
+        for h in hooks:
+            h.remove()
         model.train(was_training)
-    proj = getattr(getattr(model, "patch_embed", None), "proj", None)
-    # (an exact Conv2d: timm's Conv2dSame pads at call time, its padding attribute is 0)
-    if type(proj) is nn.Conv2d and not getattr(model.patch_embed, "dynamic_img_pad", False):
-        # a ViT's patch embedding is a convolution (kernel = stride = the patch size, no
-        # padding): the pixels past the last whole window are left out of every image in
-        # silence (16 px in patches of 5: the last row and column). PVT's (kernel 7, stride 4,
-        # padding 3) and PiT's (16, 8) overlapping ones cover more sizes
-        left = [(image_size + 2 * p - k) % s - p for k, s, p in
-                zip(proj.kernel_size, proj.stride, _padding_of(proj))]
-        if max(left) > 0:
-            field_ = next((f"model.timm_kwargs.{k}" for k in ("patch_size", "img_size")
-                           if k in cfg.timm_kwargs), "model.timm_name")
-            raise ConfigError(field_, f"{cfg.timm_name}'s patch embedding (kernel "
-                                      f"{tuple(proj.kernel_size)}, stride {tuple(proj.stride)}) "
-                                      f"does not cover the data's {image_size} x {image_size} "
-                                      f"images: it would leave out the last {max(left)} of every "
-                                      f"image's {image_size} rows or columns; choose a patch "
-                                      f"size (or data.image_size) that tiles them")
+    left = _rows_left_out(first[0], image_size) if first else 0
+    if left > 0:
+        # a ViT's patch embedding (kernel = stride = the patch size, no padding), a ConvNeXt's
+        # stem (4, 4): the pixels past the last whole window are left out of every image in
+        # silence (16 px in patches of 5: the last row and column); overlapping ones (PVT-v2's
+        # kernel 7, stride 4, padding 3) cover more sizes
+        conv = first[0]
+        field_ = next((f"model.timm_kwargs.{k}" for k in ("patch_size", "img_size")
+                       if k in cfg.timm_kwargs), "model.timm_name")
+        raise ConfigError(field_, f"{cfg.timm_name}'s first convolution (kernel "
+                                  f"{tuple(conv.kernel_size)}, stride {tuple(conv.stride)}) does "
+                                  f"not cover the data's {image_size} x {image_size} images: it "
+                                  f"would leave out the last {left} of every image's "
+                                  f"{image_size} rows or columns; choose a patch size (or "
+                                  f"data.image_size) that tiles them")
 
 
-def _padding_of(conv: nn.Conv2d) -> tuple[int, ...]:
-    """A convolution's padding per spatial side, as numbers ('valid': 0; 'same' pads so that
-    nothing is left out: enough to cover the window)."""
-    if conv.padding == "valid":
-        return (0,) * len(conv.kernel_size)
-    if conv.padding == "same":
-        return tuple(k for k in conv.kernel_size)
-    return tuple(conv.padding)
+def _rows_left_out(conv: nn.Conv2d, size: int) -> int:
+    """How many of an image's last rows or columns (of ``size``) a convolution's windows never
+    reach: 0 for timm's ``*Same`` convolutions, which pad at call time to cover them."""
+    if type(conv).__name__.endswith("Same") or conv.padding == "same":
+        return 0
+    pad = (0,) * len(conv.kernel_size) if conv.padding == "valid" else conv.padding
+    return max((size + 2 * p - (d * (k - 1) + 1)) % s - p for k, s, p, d in
+               zip(conv.kernel_size, conv.stride, pad, conv.dilation))
 
 
 def _load_timm_weights(model: nn.Module, path: Path) -> None:

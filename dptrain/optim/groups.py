@@ -145,9 +145,10 @@ def gpt2_groups(named_params: NamedParams, main: ParamGroupConfig,
 _IN_BLOCK = re.compile(r"(^|\.)\d+\.")
 #: an embedding, position table or LM head by its name (``model.embed_tokens``, ``wte``, a
 #: ViT's ``patch_embed``/``pos_embed``, the relative position tables of BEiT, Swin and SAM's
-#: attention, ``relative_position_bias_table`` and ``rel_pos_h``/``rel_pos_w``)
-EMBEDDING_NAME = re.compile(
-    r"(^|\.)(\w*embed\w*|wte|wpe|lm_head|relative_position_bias_table|rel_pos\w*)(\.|$)")
+#: attention, ``relative_position_bias_table`` and ``rel_pos_h``/``rel_pos_w``, and the small
+#: MLPs that make such tables: vit_relpos' ``rel_pos.mlp``, Swin V2's ``cpb_mlp``)
+EMBEDDING_NAME = re.compile(r"(^|\.)(\w*embed\w*|wte|wpe|lm_head|relative_position_bias_table"
+                            r"|rel_pos\w*|cpb_mlp)(\.|$)")
 
 
 def causal_lm_groups(named_params: NamedParams, main: ParamGroupConfig,
