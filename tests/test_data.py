@@ -1227,6 +1227,14 @@ def test_image_collate_resizes_to_image_size():
     torch.testing.assert_close(batch[1], torch.full((1, 6, 6), 200 / 255), rtol=0, atol=1e-6)
     torch.testing.assert_close(ds.collate([2])["images"][0], batch[2], rtol=0, atol=1e-6)
     assert ds.collate([])["images"].shape == (0, 1, 6, 6)
+    # shrunk with an antialiasing filter (a mutant without it changed every shrunk image by up
+    # to 0.07 and no test saw it: the enlarging test is the same either way)
+    want = torch.nn.functional.interpolate(torch.from_numpy(imgs[[0]]).float() / 255, size=(6, 6),
+                                           mode="bilinear", align_corners=False, antialias=True)
+    torch.testing.assert_close(batch[0], want[0], rtol=0, atol=1e-6)
+    plain = torch.nn.functional.interpolate(torch.from_numpy(imgs[[0]]).float() / 255,
+                                            size=(6, 6), mode="bilinear", align_corners=False)
+    assert float((plain - want).abs().max()) > 1e-2  # (the check can tell them apart)
     # build_data: mnist-like synthetic data at another size
     task = build_data(DataConfig(name="synthetic_images", synthetic_train_size=4,
                                  synthetic_test_size=2, image_size=6))

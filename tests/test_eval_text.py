@@ -328,6 +328,18 @@ def test_generate_and_score_prompts_strips_and_scores_every_mr_against_its_own_r
     res = generate_and_score(model, ByteTokenizer(), refs, max_new_tokens=64, batch_size=3,
                              return_texts=True)
     assert res["texts"] == ["", "C", "", ""] and res["no_room"] == 3
+    # at the boundary: a prompt exactly n_positions tokens long has no room (Zizzi's and
+    # Wildwood's, 32 tokens; a mutant counting only longer ones said 1), one token shorter has
+    # room for one
+    lengths = {m: len(ByteTokenizer().encode_pair(m + " || ", "")[0]) for m in refs}
+    assert lengths["name[Zizzi], area[riverside]"] == lengths["name[Wildwood], food[French]"] == 32
+    for n_pos, no_room in ((32, 3), (33, 1)):
+        model = _ScriptedByteLM(answers, n_positions=n_pos)
+        res = generate_and_score(model, ByteTokenizer(), refs, max_new_tokens=64, batch_size=3,
+                                 return_texts=True)
+        # (each generates what room is left of its answer: at 33, one byte for Zizzi, " ")
+        assert res["texts"] == [answers[m][:max(0, n_pos - lengths[m])].strip() for m in refs]
+        assert res["no_room"] == no_room and (n_pos == 33) == (res["texts"][3] == "W")
 
 
 class _NeverEOS(torch.nn.Module):
