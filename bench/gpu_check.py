@@ -30,8 +30,9 @@ Two parts, one process:
    interleaved rounds of one private step (``Trainer.private_step``: clipped sums over
    microbatches, one Gaussian release, the optimizer) and one non-private step (plain
    ``loss.sum()/b`` backward over the same microbatches, the same optimizer), every variant of
-   a round on the same logical batch (``logical_batches``: each variant's sizes). Ratio = median private / median non-private step time; peak allocation per
-   variant (peak stats reset before each step). For gpt2_small the private step is DP-Muon-IM
+   a round on the same logical batch (``logical_batches``: each variant's sizes). Ratio =
+   median private / median non-private step time; peak allocation per variant (peak stats
+   reset before each step). For gpt2_small the private step is DP-Muon-IM
    K = 2 (three evaluations per example), the non-private one a plain step: the ratio includes
    inner momentum's cost. A third variant, ``private_inline``, is the same private step with
    the release's noise drawn after the microbatches instead of on the background thread during

@@ -71,20 +71,21 @@ class ModelConfig:
     except in bfloat16 or for a family without it: ``_attention``)."""
     pretrained_path: str | None = None
     """gpt2, causal_lm: directory of a HF-format checkpoint (config.json + weights; ``~``
-    expanded), loaded with ``from_pretrained(local_files_only=True)``. Null: random initialisation from the fields
-    above (gpt2) or from ``hf_config`` (causal_lm). With a checkpoint, the architecture comes
-    from it; only dropout is overridden. Every tensor of the model must be in it (a partial or
-    foreign folder is refused, not completed at random), and it is loaded in float32 whatever
-    its saved dtype. A run's ``final/hf`` folder is such a checkpoint (training continues).
-    timm: a weights file (``.safetensors``, or a torch ``.pth``/``.bin`` state dict, also
-    nested under ``state_dict`` or ``model``) for the model ``timm_name`` and ``timm_kwargs``
-    build. A file that does not fit as it is gets what timm's own loading does, without the
-    hub: the model family's ``checkpoint_filter_fn`` (a ViT's position table and patch
-    embedding resampled to ``img_size``/``patch_size``; other repositories' layouts converted),
-    and the first convolution adapted to ``in_chans`` (grey-scale sums the RGB filters); each
-    change is logged. Then every tensor must be in it with the model's shape, except the
-    classifier's, which is initialised afresh when ``num_classes`` differs from the file's
-    (fine-tuning on other classes); a tensor the model lacks is refused too."""
+    expanded), loaded with ``from_pretrained(local_files_only=True)``. Null: random
+    initialisation from the fields above (gpt2) or from ``hf_config`` (causal_lm). With a
+    checkpoint, the architecture comes from it; only dropout is overridden. Every tensor of the
+    model must be in it (a partial or foreign folder is refused, not completed at random), and
+    it is loaded in float32 whatever its saved dtype. A run's ``final/hf`` folder is such a
+    checkpoint (training continues). timm: a weights file (``.safetensors``, or a torch
+    ``.pth``/``.bin`` state dict, also nested under ``state_dict`` or ``model``) for the model
+    ``timm_name`` and ``timm_kwargs`` build. A file that does not fit as it is gets what timm's
+    own loading does, without the hub: the model family's ``checkpoint_filter_fn`` (a ViT's
+    position table and patch embedding resampled to ``img_size``/``patch_size``; other
+    repositories' layouts converted), and the first convolution adapted to ``in_chans``
+    (grey-scale sums the RGB filters); each change is logged. Then every tensor must be in it
+    with the model's shape, except the classifier's, which is initialised afresh when
+    ``num_classes`` differs from the file's (fine-tuning on other classes); a tensor the model
+    lacks is refused too."""
 
     # --- causal_lm ---
     hf_config: dict[str, Any] = field(default_factory=dict)
