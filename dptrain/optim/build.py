@@ -184,7 +184,7 @@ def _check_preset_fits(cfg: OptimConfig, named_params: NamedParams,
     """Every preset gives embeddings, position tables and LM heads to ``optim.aux``: one that
     would give such a parameter to ``optim.name`` was written for another model's layout (the
     gpt2 preset, reusing a GPT-2 config, takes a Llama's ``model.embed_tokens`` for a block
-    matrix; the vit preset its embedding and LM head too): refused, naming the parameters."""
+    matrix, and a ViT's position table and patch embedding): refused, naming the parameters."""
     matrices = next((g for g in preset_groups if g.name == "matrices"), None)
     if matrices is None:
         return
