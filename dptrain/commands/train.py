@@ -89,8 +89,8 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
             resume_path = _resume_path(out, cfg, args, several)
     except ConfigError as e:
         error = e
-    except OSError as e:  # (as in _one_verdict_on)
-        error = ConfigError("output-dir", f"cannot read {out}: {e.strerror or e}")
+    except OSError as e:
+        error = _unreadable(out, e)
     if several:  # one verdict: a rank refusing, or done, alone left the others in collectives
         finished = _agree_on_look(out, finished, error)
     elif error is not None:
@@ -552,8 +552,14 @@ def _one_verdict_on(out: Path, several: bool):
     except ConfigError as e:
         error = e
     except OSError as e:
-        error = ConfigError("output-dir", f"cannot read {out}: {e.strerror or e}")
+        error = _unreadable(out, e)
     one_verdict(error, several)
+
+
+def _unreadable(out: Path, e: OSError) -> ConfigError:
+    """An OSError of a check reading ``out`` (EACCES on a parent: pathlib's ``exists()``
+    raises it), as the refusal the ranks share."""
+    return ConfigError("output-dir", f"cannot read {out}: {e.strerror or e}")
 
 
 def _check_output_dir(out: Path) -> None:
@@ -638,10 +644,10 @@ def _agree_on_look(out: Path, finished: bool, error: ConfigError | None) -> bool
     done = [rank for rank, f in enumerate(every) if f]
     if done and len(done) < len(every):
         other = next(r for r in range(len(every)) if r not in done)
-        raise said_by_rank_0(ConfigError("output-dir", f"rank {done[0]} sees a finished run in {out} "
-                                        f"(summary.json), rank {other} does not: every rank "
-                                        "must see one directory (node-local copies that differ, "
-                                        "or a shared file system that lags?)"))
+        raise said_by_rank_0(ConfigError(
+            "output-dir", f"rank {done[0]} sees a finished run in {out} (summary.json), rank "
+                          f"{other} does not: every rank must see one directory (node-local "
+                          "copies that differ, or a shared file system that lags?)"))
     return bool(done)
 
 

@@ -122,9 +122,9 @@ def _stop_signals_terminate():
 
 def one_verdict(error, several: bool, value=None) -> list:
     """Each rank's ``value`` (``[value]`` in one process), once every rank has said whether a
-    check refused (``error``, a ConfigError or None): a refusal on any rank is raised on every rank, the first rank's
-    that refused, which rank 0 prints ("(on rank R)"; the others stay silent), except that a
-    rank whose own refusal differs raises, and prints, its own. A rank refusing alone would
+    check refused (``error``, a ConfigError or None): a refusal on any rank is raised on every
+    rank, the first rank's that refused, which rank 0 prints ("(on rank R)"; the others stay
+    silent), except that a rank whose own refusal differs raises, and prints, its own. A rank refusing alone would
     leave the others in a collective (gloo: a traceback; NCCL: a hang until the timeout)."""
     if not several:
         if error is not None:
