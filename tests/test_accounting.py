@@ -65,6 +65,34 @@ def test_heterogeneous_ledger_equals_opacus():
         assert epsilon(ledger, 1e-5, name) == _opacus(cls, releases, 1e-5)
 
 
+def test_prv_epsilon_computes_its_grid_domain_once(monkeypatch):
+    # the domain's bound (an RDP computation over opacus' orders) was computed twice per PRV
+    # epsilon, once for the grid-size guard and again in get_epsilon: half of calibrate's time
+    import opacus.accountants.prv as opacus_prv
+
+    import dptrain.privacy.accounting as acc_mod
+
+    calls = []
+    real = opacus_prv.compute_safe_domain_size
+
+    def counted(**kwargs):
+        calls.append(kwargs["eps_error"])
+        return real(**kwargs)
+
+    monkeypatch.setattr(opacus_prv, "compute_safe_domain_size", counted)
+    releases = [(1.0, 0.01, 30), (1.5, 0.02, 20)]
+    ledger = Ledger(list(releases))
+    assert epsilon(ledger, 1e-5, "prv") == _opacus(PRVAccountant, releases, 1e-5)
+    assert calls == [0.01, 0.01]  # once here, once in the reference
+    # asked for another grid than the one computed, the accountant computes that one
+    calls.clear()
+    acc, size = acc_mod._prv_accountant(releases, 1e-5, 0.01)
+    assert size > 0 and calls == [0.01]
+    assert acc.get_epsilon(delta=1e-5, eps_error=0.05) == _opacus(PRVAccountant, releases, 1e-5,
+                                                                  eps_error=0.05)
+    assert calls == [0.01, 0.05, 0.05]
+
+
 def test_epsilon_independent_of_recording_granularity():
     sigma, q, steps = 0.9, 0.02, 60
     one = Ledger()

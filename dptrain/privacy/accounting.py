@@ -188,29 +188,50 @@ def _rdp_epsilon(history, delta: float) -> float:
     return float(acc.get_epsilon(delta=delta))
 
 
-def _prv_grid_size(history, delta: float, eps_error: float) -> int | None:
-    """The points of the grid opacus' PRV accountant would build for ``history`` (a cheap
-    RDP-based bound it computes first), or None where this opacus has no ``_get_domain``."""
+def _prv_accountant(history, delta: float, eps_error: float):
+    """``(accountant, size)``: a PRVAccountant on ``history`` and the points of the grid its
+    ``get_epsilon(delta, eps_error=eps_error)`` will build (size None where this opacus has no
+    ``_get_domain``). The grid's domain is computed here, once: its bound is the costly part
+    of an epsilon (an RDP computation over opacus' orders, half of calibrate's time and
+    seconds at large sigma), and opacus computed it again in ``get_epsilon``; that call
+    takes the same domain (for the same arguments, opacus' default ``delta_error``)."""
     from opacus.accountants import PRVAccountant
     from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
 
-    get_domain = getattr(PRVAccountant(), "_get_domain", None)
+    acc = PRVAccountant()
+    acc.history = list(history)
+    get_domain = getattr(acc, "_get_domain", None)
     if get_domain is None:
-        return None
+        return acc, None
+    key = ([(s, q) for s, q, _ in history], [n for _, _, n in history], eps_error,
+           delta / 1000)  # opacus' default delta_error
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        return get_domain(prvs=[PoissonSubsampledGaussianPRV(q, s) for s, q, _ in history],
-                          num_self_compositions=[n for _, _, n in history],
-                          eps_error=eps_error, delta_error=delta / 1000).size  # opacus' default
+        domain = get_domain(prvs=[PoissonSubsampledGaussianPRV(q, s) for s, q, _ in history],
+                            num_self_compositions=key[1], eps_error=eps_error,
+                            delta_error=key[3])
+
+    def same_domain(*, prvs, num_self_compositions, eps_error, delta_error):
+        asked = ([(p.noise_multiplier, p.sample_rate) for p in prvs],
+                 list(num_self_compositions), eps_error, delta_error)
+        if asked == key:
+            return domain
+        return get_domain(prvs=prvs, num_self_compositions=num_self_compositions,
+                          eps_error=eps_error, delta_error=delta_error)
+
+    acc._get_domain = same_domain  # (an instance attribute: this accountant only)
+    return acc, domain.size
+
+
+def _prv_grid_size(history, delta: float, eps_error: float) -> int | None:
+    """The points of the grid opacus' PRV accountant would build for ``history`` (a cheap
+    RDP-based bound it computes first), or None where this opacus has no ``_get_domain``."""
+    return _prv_accountant(history, delta, eps_error)[1]
 
 
 def _prv_epsilon(history, delta: float, eps_error: float) -> float:
-    from opacus.accountants import PRVAccountant
-
-    acc = PRVAccountant()
-    acc.history = list(history)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         try:
-            size = _prv_grid_size(history, delta, eps_error)
+            acc, size = _prv_accountant(history, delta, eps_error)
             if size is not None and size > PRV_MAX_DOMAIN:
                 reason = f"its grid would need {size} points (> {PRV_MAX_DOMAIN})"
             else:
@@ -402,7 +423,7 @@ def _search_sigma(epsilon: float, delta: float, q: float, steps: int, accountant
     perhaps where PRV would not: the sigma found is the same or slightly larger (more noise),
     never below the target's. Raises opacus' errors
     (ValueError "The privacy budget is too low." past sigma 1e6)."""
-    from opacus.accountants import PRVAccountant, RDPAccountant
+    from opacus.accountants import RDPAccountant
     from opacus.accountants.utils import MAX_SIGMA
 
     by_rdp: dict[float, int] = {}  # PRV probes judged by RDP: sigma -> PRV's grid size
@@ -410,10 +431,8 @@ def _search_sigma(epsilon: float, delta: float, q: float, steps: int, accountant
     def probe(sigma: float) -> float:
         history = [(sigma, q, steps)]
         if accountant == "prv":
-            size = _prv_grid_size(history, delta, DEFAULT_EPS_ERROR)
+            acc, size = _prv_accountant(history, delta, DEFAULT_EPS_ERROR)
             if size is None or size <= PRV_MAX_DOMAIN:
-                acc = PRVAccountant()
-                acc.history = history
                 return acc.get_epsilon(delta=delta, eps_error=DEFAULT_EPS_ERROR)
             by_rdp[sigma] = size
         acc = RDPAccountant()
