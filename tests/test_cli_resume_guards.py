@@ -428,12 +428,14 @@ def _flip_a_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.parametrize("damage", ["flipped byte", "lost marker"])
 @pytest.mark.parametrize("secure", [False, True])
 def test_secure_resume_auto_does_not_fall_back_past_written_outputs(tmp_path, capsys, monkeypatch,
-                                                                    secure):
+                                                                    secure, damage):
     # the newest checkpoint (step 4) is damaged, so --resume auto falls back to step 2; in
     # secure mode that would draw releases 3 and 4 again although their checkpoint and
-    # metrics rows were written
+    # metrics rows were written. A checkpoint whose marker was lost was written too (it is
+    # renamed into place after its marker): alone, without its metrics rows, it refuses
     out = tmp_path / "run"
     extra = ("train.checkpoint_every=2", "train.keep_checkpoints=3", "privacy.steps=6",
              *(SECURE if secure else ()))
@@ -441,7 +443,13 @@ def test_secure_resume_auto_does_not_fall_back_past_written_outputs(tmp_path, ca
     code = main(["train", "--config", TINY, "--output-dir", str(out), *extra])
     assert code == 130 and "interrupted" in capsys.readouterr().err
     monkeypatch.undo()
-    _flip_a_byte(out / "checkpoints" / "step-00000004" / "state.pt")
+    if damage == "flipped byte":
+        _flip_a_byte(out / "checkpoints" / "step-00000004" / "state.pt")
+    else:
+        (out / "checkpoints" / "step-00000004" / "COMPLETE").unlink()
+        rows = (out / "metrics.jsonl").read_text().splitlines()
+        (out / "metrics.jsonl").write_text("".join(
+            row + "\n" for row in rows if json.loads(row)["step"] <= 2))
     before = snapshot(out)
     code, err = train(capsys, out, "--resume", "auto", *extra)
     if not secure:  # seeded: steps 3 and 4 are drawn exactly as before

@@ -652,6 +652,14 @@ def complete_steps(run_dir: Path) -> list[int]:
     return sorted(s for s in map(step_of, _marked(Path(run_dir) / "checkpoints")) if s is not None)
 
 
+def written_steps(run_dir: Path) -> list[int]:
+    """Steps of all the run's ``step-NNNNNNNN`` checkpoint directories, with a marker or not: a
+    directory gets its name only once its marker is written (the rename comes last), so even
+    one whose marker was lost since was written, and its step's release with it."""
+    return sorted(s for s in map(step_of, _step_dirs(Path(run_dir) / "checkpoints"))
+                  if s is not None)
+
+
 def _prune(root: Path, keep: int, newest: int) -> None:
     """After writing the checkpoint of step ``newest``: keep it and the ``keep`` - 1 before it.
     Checkpoints of later steps go first: they belong to steps this run is drawing again (it

@@ -722,7 +722,7 @@ def _check_secure_resume(path: Path | None, run_dir: Path | None = None) -> None
     if step is None:
         return
     run_dir = Path(run_dir) if run_dir is not None else Path(path).resolve().parent.parent
-    later = [s for s in ckpt.complete_steps(run_dir) if s > step]
+    later = [s for s in ckpt.written_steps(run_dir) if s > step]
     logged = [s for s in _metrics_steps(run_dir / "metrics.jsonl") if s > step]
     finished = (run_dir / "summary.json").exists()
     if later or logged or finished:
