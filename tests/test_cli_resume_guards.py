@@ -205,6 +205,7 @@ def test_resume_path_over_later_checkpoints_is_refused_but_another_dir_works(tmp
     before = snapshot(out)
     code, err = train(capsys, out, "--resume", str(out / "checkpoints" / "step-00000002"))
     assert code == 2 and "step 4" in one_line(err) and "overwrite" in err
+    assert "another --output-dir" in err
     assert snapshot(out) == before
     other = tmp_path / "branch"
     code, _ = train(capsys, other, "--resume", str(finished / "checkpoints" / "step-00000002"))
@@ -950,6 +951,44 @@ def test_resume_with_another_seed_is_refused(tmp_path, capsys, finished):
                       str(finished / "checkpoints" / "step-00000003"), "seed=1")
     line = one_line(err)
     assert code == 2 and line.split("error: ")[1].startswith("seed:") and "checkpoint" in line
+
+
+def test_secure_resume_path_over_later_checkpoints_advises_no_branch(tmp_path, capsys):
+    # "resume into another --output-dir" was the advice, which secure mode refuses too (a
+    # branch draws the later releases again with fresh noise)
+    out = tmp_path / "run"
+    code, _ = train(capsys, out, "train.checkpoint_every=1", "train.keep_checkpoints=3",
+                    "privacy.steps=3", *SECURE)
+    assert code == 0
+    unfinished_copy(out, tmp_path / "copy")
+    before = snapshot(tmp_path / "copy")
+    code, err = train(capsys, tmp_path / "copy", "--resume",
+                      str(tmp_path / "copy" / "checkpoints" / "step-00000001"), "privacy.steps=3",
+                      *SECURE)
+    line = one_line(err)
+    assert code == 2 and "step 3" in line and "overwrite" in line
+    assert "secure mode" in line and "--resume auto" in line
+    assert "another --output-dir" not in line
+    assert snapshot(tmp_path / "copy") == before
+
+
+@pytest.mark.parametrize("named", ["run", "checkpoints"])
+def test_resume_path_naming_a_run_directory_says_what_to_pass(tmp_path, capsys, finished,
+                                                               named):
+    # it was "checkpoint ... is unusable: incomplete (no COMPLETE marker)"
+    run = unfinished_copy(finished, tmp_path / "copy")
+    path = run if named == "run" else run / "checkpoints"
+    before = snapshot(run)
+    code, err = train(capsys, run, "--resume", str(path))
+    line = one_line(err)
+    assert code == 2 and line.split("error: ")[1].startswith("resume:")
+    assert f"{path} is a run" in line and f"--resume auto --output-dir {run} " in line
+    assert "COMPLETE" not in line
+    assert snapshot(run) == before
+    # a directory that is neither still reads as a checkpoint without its marker
+    (tmp_path / "empty").mkdir()
+    code, err = train(capsys, tmp_path / "other", "--resume", str(tmp_path / "empty"))
+    assert code == 2 and "no COMPLETE marker" in one_line(err)
 
 
 def test_a_renamed_checkpoint_keeps_its_step_for_the_guards(tmp_path, capsys, finished):

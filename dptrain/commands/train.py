@@ -620,7 +620,8 @@ def _resume_path(out: Path, cfg, args: argparse.Namespace, several: bool) -> Pat
         resume_path = Path(args.resume)
         if not resume_path.is_dir():
             raise ConfigError("resume", f"no checkpoint directory at {resume_path}")
-        _check_explicit_resume(out, resume_path)
+        _refuse_a_run_directory(resume_path)
+        _check_explicit_resume(out, resume_path, secure=cfg.privacy.secure_mode)
     if args.resume is None and _holds_a_run(out):
         raise ConfigError("output-dir", f"{out} holds an unfinished run (checkpoints, "
                                         "metrics.jsonl or final/); pass --resume auto to "
@@ -679,10 +680,29 @@ def _holds_a_run(out: Path) -> bool:
             or any((out / "final").glob("*")))
 
 
-def _check_explicit_resume(out: Path, path: Path) -> None:
+def _refuse_a_run_directory(path: Path) -> None:
+    """``--resume PATH`` names one checkpoint; a run directory, or its ``checkpoints/``, was
+    refused as a checkpoint with no COMPLETE marker: say what PATH is and what to pass."""
+    from dptrain import checkpoint as ckpt
+
+    if (path / ckpt.MARKER).exists():
+        return
+    if ckpt.has_step_dirs(path):  # (its checkpoints/ holds step-N directories)
+        run, where = path, "a run directory"
+    elif path.name == "checkpoints" and ckpt.has_step_dirs(path.parent):
+        run, where = path.parent, "a run's checkpoints/ directory"
+    else:
+        return
+    raise ConfigError("resume", f"{path} is {where}, not a checkpoint: pass --resume auto "
+                                f"--output-dir {run} to continue the run from its latest "
+                                f"checkpoint, or --resume {run / 'checkpoints'}/step-N for one")
+
+
+def _check_explicit_resume(out: Path, path: Path, secure: bool = False) -> None:
     """``--resume PATH`` continues from PATH and writes into ``out``: never over a finished run,
     over checkpoints of later steps, or into a directory holding another run's outputs
-    (nothing written before is lost)."""
+    (nothing written before is lost). ``secure``: the advice leaves out branching into another
+    directory, which secure mode refuses too (``_check_secure_resume``)."""
     from dptrain import checkpoint as ckpt
 
     if (out / "summary.json").exists():
@@ -691,9 +711,12 @@ def _check_explicit_resume(out: Path, path: Path) -> None:
     step = ckpt.checkpoint_step(path)  # the marker's: a renamed copy is still that step
     later = [s for s in ckpt.complete_steps(out) if step is not None and s > step]
     if later:
+        advice = ("in secure mode a run cannot branch off an earlier checkpoint (its later "
+                  "releases would be drawn again with fresh noise): resume the latest one "
+                  "(--resume auto)" if secure else "resume into another --output-dir")
         raise ConfigError("output-dir", f"{out} holds checkpoints after step {step} (step "
                                         f"{later[-1]}), which resuming from {path} would "
-                                        "overwrite; resume into another --output-dir")
+                                        f"overwrite; {advice}")
     own = Path(path).resolve().parent == (out / "checkpoints").resolve()
     if not own and _holds_a_run(out):  # its checkpoints would be pruned as this run's, its
         # metrics rows continued by another run's
