@@ -100,7 +100,8 @@ def test_sigterm_checkpoints_the_last_step_and_resume_is_bit_for_bit(tmp_path, c
 
 
 def _stop_on_one_rank(rank: int, world: int, out: str, stop_rank: int) -> tuple:
-    """Rank ``stop_rank`` alone gets the stop request, during step 2."""
+    """Rank ``stop_rank`` alone (-1: every rank, as a scheduler sends it) gets the stop request,
+    during step 2."""
     from dptrain.config import load
     from dptrain.trainer import RunConfig, StopRequested, Trainer
 
@@ -109,7 +110,7 @@ def _stop_on_one_rank(rank: int, world: int, out: str, stop_rank: int) -> tuple:
     step = t.private_step
 
     def private_step():
-        if rank == stop_rank and t.step == 1:
+        if stop_rank in (rank, -1) and t.step == 1:
             t.stop_signal = signal.SIGTERM
         return step()
 
@@ -153,7 +154,9 @@ def _stop_after_step(t: Trainer, k: int) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stop_rank", [1])  # not rank 0, which writes the checkpoint metadata
+@pytest.mark.parametrize("stop_rank", [1, -1])  # not rank 0 alone, which writes the checkpoint
+# metadata; -1: every rank, whose agreed signal is SIGTERM itself (a SUM of the ranks' signal
+# numbers, 2 x 15, read as SIGUSR1)
 def test_a_stop_seen_by_one_rank_stops_every_rank_at_the_same_step(tmp_path, stop_rank):
     from dptrain.parallel.dist import spawn
 

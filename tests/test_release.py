@@ -265,6 +265,20 @@ def test_the_plan_calibrates_sigma_with_the_configured_accountant():
     assert plan.planned_epsilon == pytest.approx(prv_eps(plan.noise_multiplier), rel=1e-12)
 
 
+def test_a_denominator_equal_to_the_dataset_size_is_a_valid_full_batch_plan():
+    # q = 1, b = N: full-batch DP-SGD, every example in every batch; only b > N is refused
+    from dptrain.trainer import plan_privacy
+
+    cfg = PrivacyConfig(epsilon=None, noise_multiplier=1.0, sample_rate=1.0,
+                        expected_batch_size=256, steps=2, seed=0)
+    plan = plan_privacy(cfg, 256)
+    assert (plan.denominator, plan.dataset_size) == (256, 256)
+    cfg.expected_batch_size = 257
+    with pytest.raises(ConfigError) as e:
+        plan_privacy(cfg, 256)
+    assert e.value.field == "privacy.expected_batch_size"
+
+
 def test_muon_bc_is_told_the_release_noise_std_sigma_C_over_b():
     # DP-MuonBC's bias correction needs the per-coordinate std of the release: sigma*C/b with
     # b = floor(q N) = floor(0.125 * 256) = 32 (not sigma*C, nor sigma)

@@ -369,7 +369,7 @@ def distributed_newton_schulz(
     out: list[Tensor | None] = [None] * len(mats)
     if world == 1:
         for i, x in enumerate(mats):
-            out[i] = (fn(i, x) if fn is not None
+            out[i] = (fn(i, x).to(x.dtype) if fn is not None  # (as _owner_compute casts)
                       else newton_schulz(x, steps, coefficients=coefficients, eps=eps))
     else:
         owner_idx = [i for i, k in enumerate(plan.methods) if k == "owner"]
