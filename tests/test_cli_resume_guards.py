@@ -1334,6 +1334,9 @@ def _history(state, fn) -> None:
     (lambda s: (s["plan"].update(noise_multiplier=s["plan"]["noise_multiplier"] * 1.02),
                 _history(s, lambda e: [e[0] * 1.02, e[1], e[2]])), "cannot give"),
     (lambda s: _history(s, lambda e: [e[0], e[1] / 1000, e[2]]), "sampling rate 0.000125"),
+    # a smaller sigma (more spent than the plan's, with the plan untouched): was accepted, and
+    # the run ended at epsilon 28 against its target of 8, saying nothing
+    (lambda s: _history(s, lambda e: [e[0] / 2, e[1], e[2]]), "and with them the plan spends"),
     # a ledger of the wrong types: was a TypeError's traceback, exit 1
     (lambda s: _history(s, lambda e: [str(e[0]), e[1], e[2]]), "its ledger: "),
     (lambda s: _history(s, lambda e: [e[0], e[1], -1]), "its ledger: "),

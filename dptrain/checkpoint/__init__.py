@@ -1071,11 +1071,22 @@ def _checked_ledger(trainer, state: dict, path: Path):
                                     f"{state['step']}, beyond privacy.steps "
                                     f"({trainer.plan.steps}) of its own config")
     _check_ledger(ledger, trainer, path)
+    sigma = trainer.plan.noise_multiplier
     saved_sigma = (state.get("plan") or {}).get("noise_multiplier")
-    if saved_sigma is not None and saved_sigma != trainer.plan.noise_multiplier:
-        # the same target calibrated by another dptrain or opacus version: the releases made
-        # and the remaining ones at the new sigma must stay within the target together
-        check_plan(trainer.cfg.privacy, trainer.plan.noise_multiplier, ledger=ledger)
+    if (saved_sigma is not None and saved_sigma != sigma) or \
+            any(s != sigma for s, _, _ in ledger.history):
+        # releases at another sigma than this run's (the same target calibrated by another
+        # dptrain or opacus version; or an edit): the releases made and the remaining ones at
+        # this sigma must stay within the target together
+        try:
+            check_plan(trainer.cfg.privacy, sigma, ledger=ledger,
+                       advice="it was edited, or written by a version that calibrates sigma "
+                              "otherwise (resume with that version)")
+        except ConfigError as e:
+            raise ConfigError("resume", f"checkpoint {path}: its ledger records releases at "
+                                        f"another noise multiplier than {sigma!r}, and with "
+                                        f"them {e.message}") from None
+    if saved_sigma is not None and saved_sigma != sigma:
         if trainer.rank == 0:
             print(f"dptrain train: note: sigma is calibrated to "
                   f"{trainer.plan.noise_multiplier!r} now, {saved_sigma!r} in the checkpoint's "

@@ -492,13 +492,15 @@ def would_exceed(ledger: Ledger, sigma: float, q: float, delta: float,
             > float(target_epsilon) * (1 + EPSILON_ROUNDING))
 
 
-def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None) -> float:
+def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None,
+               advice: str | None = None) -> float:
     """Epsilon of the planned run; raise ConfigError if it exceeds ``cfg.epsilon``.
 
     The plan is ``cfg.steps`` releases in total at ``(sigma, cfg.sample_rate)``; with ``ledger``
     (a resumed run) the releases already made count and only the remaining
     ``cfg.steps - ledger.num_releases`` are added. The error names ``privacy.noise_multiplier``
-    when sigma was set by the user and ``privacy.steps`` otherwise.
+    when sigma was set by the user and ``privacy.steps`` otherwise; ``advice`` replaces what it
+    says to change.
     """
     plan = ledger.copy() if ledger is not None else Ledger()
     remaining = cfg.steps - plan.num_releases
@@ -524,12 +526,13 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None) -> float:
     if cfg.epsilon is not None and eps > cfg.epsilon * (1 + EPSILON_ROUNDING):
         field_name = ("privacy.noise_multiplier" if cfg.noise_multiplier is not None
                       else "privacy.steps")
+        advice = advice or ("raise noise_multiplier, lower steps or sample_rate, or leave "
+                            "noise_multiplier null to calibrate it")
         raise ConfigError(
             field_name,
             f"the plan spends epsilon={eps:.4g} > the budget (target epsilon) {cfg.epsilon:g} "
             f"({cfg.steps} steps, noise_multiplier={sigma:g}, sample_rate={cfg.sample_rate:g}, "
-            f"delta={cfg.delta:g}, {cfg.accountant}); raise noise_multiplier, lower steps or "
-            f"sample_rate, or leave noise_multiplier null to calibrate it"
+            f"delta={cfg.delta:g}, {cfg.accountant}); {advice}"
             + "".join(f" ({n.message})" for n in notes
                       if issubclass(n.category, AccountingWarning)))
     for n in notes:  # the plan stands: say what its epsilon rests on
