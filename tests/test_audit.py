@@ -322,7 +322,7 @@ def test_the_config_is_never_the_output_even_with_force(tmp_path, capsys):
     assert code == 2 and "error: --config: is empty" in capsys.readouterr().err
 
 
-def test_a_write_that_fails_after_the_run_exits_2_naming_the_option_after_the_verdict(
+def test_a_write_that_fails_after_the_run_names_the_option_after_the_verdict(
         tmp_path, capsys, monkeypatch):
     # a full disk after the run: a traceback and exit 1 (the "EXCEEDS" code) before, and the
     # verdict line, printed after the writes, was lost with the run
@@ -342,6 +342,18 @@ def test_a_write_that_fails_after_the_run_exits_2_naming_the_option_after_the_ve
     assert code == 2 and not out.exists()
     assert "guesses correct: epsilon >= " in captured.out + captured.err  # the verdict
     assert f"--output: cannot write {out}: No space left on device" in captured.err
+    # a failed audit keeps its status 1 (a job looking for it read the write's 2 as a bad
+    # argument), the write's error said after the verdict
+    from dptrain.trainer import Trainer
+
+    real = Trainer._noise_flat
+    monkeypatch.setattr(Trainer, "_noise_flat", lambda self, *a, **k: 0 * real(self, *a, **k))
+    code = main(["audit", "--config", TINY, "--canaries", "100", "--output", str(out), *RUN,
+                 "privacy.steps=2"])
+    err = capsys.readouterr().err
+    assert code == 1 and not out.exists() and "the noise is missing" in err
+    assert err.rstrip().endswith(f"--output: cannot write {out}: No space left on device "
+                                 "(the results were printed above)")
 
 
 def _cli_audit(rank: int, world: int, out: str, overrides: list[str]) -> int:
