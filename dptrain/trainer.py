@@ -50,7 +50,7 @@ from dptrain.privacy.sampling import poisson_sample, shard_indices
 from dptrain.telemetry import json_rows, peak_memory_bytes, strict_json
 from dptrain.telemetry.gpu import GpuMonitor
 from dptrain.tree import map_tensors
-from dptrain.parallel.dist import init_from_env, local_rank
+from dptrain.parallel.dist import init_from_env, local_rank, one_verdict
 from dptrain.parallel.fsdp import (all_reduce_scalars, apply_fsdp, as_grad, flat_range,
                                    is_sharded, reduce_sum)
 
@@ -475,22 +475,30 @@ class Trainer:
         self.rank, self.world = join_ranks(perf)
         if self.world > 1:
             _check_ranks_agree_on_config(cfg)
-        with secure_notes(cfg.privacy.secure_mode):  # (no counts of training examples)
-            self.task = build_data(cfg.data, seed=cfg.seed)
-        threads = perf.decode_threads or default_decode_threads()
-        for split in (self.task.train, self.task.test):
-            if hasattr(split, "decode_threads"):  # datasets that decode files per step
-                split.decode_threads = threads
-        for split in (self.task.train, self.task.test):
-            if hasattr(split, "skip_undecodable") and len(split):
-                # a file that no format can read (a wrong data.path, another format) fails
-                # here, on a fixed prefix of the split, before any release; one damaged file
-                # met later is, in training, an example with clip factor 0 (release()), not an
-                # error at the step that sampled it, which would say when it was sampled; in
-                # an evaluation, left out of its metrics (said on stderr), rather than stopping
-                # the run at its end
-                split.collate(np.arange(min(8, len(split))))
-                split.skip_undecodable = True
+        refusal = None
+        try:
+            with secure_notes(cfg.privacy.secure_mode):  # (no counts of training examples)
+                self.task = build_data(cfg.data, seed=cfg.seed)
+            threads = perf.decode_threads or default_decode_threads()
+            for split in (self.task.train, self.task.test):
+                if hasattr(split, "decode_threads"):  # datasets that decode files per step
+                    split.decode_threads = threads
+            for split in (self.task.train, self.task.test):
+                if hasattr(split, "skip_undecodable") and len(split):
+                    # a file that no format can read (a wrong data.path, another format)
+                    # fails here, on a fixed prefix of the split, before any release; one
+                    # damaged file met later is, in training, an example with clip factor 0
+                    # (release()), not an error at the step that sampled it, which would say
+                    # when it was sampled; in an evaluation, left out of its metrics (said on
+                    # stderr), rather than stopping the run at its end
+                    split.collate(np.arange(min(8, len(split))))
+                    split.skip_undecodable = True
+        except ConfigError as e:
+            refusal = e
+        # a rank whose data is missing or unreadable (a path that exists on one node only)
+        # refuses with the others: alone, it left them in the next collective (gloo: a
+        # traceback on rank 0, the log people read; NCCL: a wait until the timeout)
+        one_verdict(refusal, self.world > 1)
         self.train_size = len(self.task.train)
         if self.world > 1:
             _check_ranks_agree_on_data(self.task, self.device)

@@ -1165,7 +1165,8 @@ def test_a_resume_is_refused_when_the_releases_made_and_the_rest_exceed_the_targ
     before = snapshot(first)
     code, err = train(capsys, first, "--resume", "auto")
     line = one_line(err)
-    assert code == 2 and line.startswith("dptrain train: error: privacy.steps"), line
+    assert code == 2 and line.startswith("dptrain train: error: resume: checkpoint "), line
+    assert "another noise multiplier than" in line and "the plan spends" in line
     assert snapshot(first) == before
 
 

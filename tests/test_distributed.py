@@ -617,12 +617,12 @@ def test_dp_muon_im_vit_same_on_1_and_2_fsdp_ranks():
     _check(vit + IM, [(2, "fsdp")], TINY_IMAGES)
 
 
-def _build_with(rank: int, world: int, per_rank: list[list[str]]):
+def _build_with(rank: int, world: int, per_rank: list[list[str]], config: str = TINY):
     from dptrain.config import ConfigError, load
     from dptrain.trainer import RunConfig, Trainer
 
     try:
-        Trainer(load(RunConfig, TINY, ["train.progress=false", *per_rank[rank]]))
+        Trainer(load(RunConfig, config, ["train.progress=false", *per_rank[rank]]))
     except ConfigError as e:
         return e.field, e.message
     return "built"
@@ -638,6 +638,26 @@ def _build_with(rank: int, world: int, per_rank: list[list[str]]):
 def test_ranks_with_another_configuration_are_refused_on_every_rank(per_rank, field, words):
     out = spawn(_build_with, len(per_rank), per_rank, timeout=240)
     assert all(r[0] == field and words in r[1] for r in out), out
+
+
+def test_data_missing_on_one_rank_is_refused_on_every_rank(tmp_path):
+    # a data.path that exists on node 0 only: node 1 said so and exited 2, while rank 0 (the
+    # log people read) showed gloo's "Connection closed by peer" traceback (NCCL: a wait until
+    # the collective timeout)
+    from PIL import Image
+
+    for split, n in (("train", 4), ("val", 2)):
+        for label in ("a", "b"):
+            (tmp_path / "data" / split / label).mkdir(parents=True)
+            for k in range(n):
+                Image.new("RGB", (8, 8), (40 * k, 0, 0)).save(
+                    tmp_path / "data" / split / label / f"{k}.png")
+    base = ["data.name=imagefolder", "data.image_size=8"]
+    per_rank = [[*base, f"data.path={tmp_path / 'data'}"],
+                [*base, f"data.path={tmp_path / 'elsewhere'}"]]
+    out = spawn(_build_with, 2, per_rank, TINY_IMAGES, timeout=240)
+    assert [r[0] for r in out] == ["data.train_file", "data.train_file"], out
+    assert out[0][1] == out[1][1] + " (on rank 1)" and "elsewhere" in out[1][1], out
 
 
 def test_ranks_may_differ_in_where_they_keep_files_and_how_many_threads_they_use(tmp_path):
@@ -700,6 +720,50 @@ def test_an_incomplete_launcher_environment_exits_2_naming_the_variable(
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith(f"dptrain train: error: {field}: "), err
     assert not out.exists()
+
+
+ACCELERATE_VARIABLES = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_FSDP",
+                        "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM",
+                        "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_DYNAMO_BACKEND")
+
+
+@pytest.mark.parametrize("command", ["train", "audit"])
+@pytest.mark.parametrize("name, value, says", [
+    # accelerate launch exports its config's settings for an Accelerator, which dptrain never
+    # builds: a bf16 launch trained in float32, an FSDP one replicated, exit 0 and no word
+    ("ACCELERATE_MIXED_PRECISION", "bf16", "performance.dtype"),
+    ("ACCELERATE_USE_FSDP", "true", "performance.sharding=fsdp"),
+    ("ACCELERATE_USE_DEEPSPEED", "TRUE", "DeepSpeed"),
+    ("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR", "--dynamo_backend no"),
+])
+def test_accelerate_settings_dptrain_does_not_apply_exit_2_naming_the_variable(
+        monkeypatch, capsys, tmp_path, command, name, value, says):
+    from dptrain.cli import main
+
+    for other in ACCELERATE_VARIABLES:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, value)
+    out = tmp_path / ("out" if command == "train" else "audit.json")
+    where = ["--output-dir", str(out)] if command == "train" else ["--output", str(out)]
+    code = main([command, "--config", TINY, *where])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"dptrain {command}: error: {name}: ") and says in err[0], err
+    assert not out.exists()
+
+
+def test_accelerate_settings_that_are_off_pass(monkeypatch, capsys, tmp_path):
+    # what accelerate launch exports by default (mixed_precision no, dynamo NO, no FSDP)
+    from dptrain.cli import main
+
+    for name, value in (("ACCELERATE_MIXED_PRECISION", "no"), ("ACCELERATE_USE_FSDP", "false"),
+                        ("ACCELERATE_USE_DEEPSPEED", "false"),
+                        ("ACCELERATE_DYNAMO_BACKEND", "NO")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("ACCELERATE_USE_MEGATRON_LM", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_PARALLELISM_CONFIG", raising=False)
+    assert main(["train", "--config", TINY, "--output-dir", str(tmp_path / "out"),
+                 "--dry-run"]) == 0
 
 
 @pytest.mark.parametrize("env, want", [({}, (0, 1)), ({"RANK": "0"}, (0, 1)),

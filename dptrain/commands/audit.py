@@ -83,11 +83,13 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from dptrain.config import load
+    from dptrain.parallel.dist import check_accelerate_settings
     from dptrain.privacy.audit import (MAX_SUGGESTED_CANARIES, GradientCanaries, audit_scores,
                                        canaries_needed, largest_lower_bound)
     from dptrain.trainer import RunConfig, Trainer
 
     m, confidence, seed = _parse(args)
+    check_accelerate_settings()
     cfg = load(RunConfig, args.config, args.overrides)
     trainer = Trainer(cfg)
     shapes = [(n, tuple(p.shape)) for n, p in trainer.named_params]

@@ -45,9 +45,10 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     # a stop signal from here on, also while the data, the model or a checkpoint is loaded,
     # stops the run at its first step boundary (before any step: with nothing to keep)
-    from dptrain.parallel.dist import launch_environment
+    from dptrain.parallel.dist import check_accelerate_settings, launch_environment
 
     rank, _ = launch_environment()  # (RANK, WORLD_SIZE: an incomplete set is refused here)
+    check_accelerate_settings()
     stop = types.SimpleNamespace(stop_signal=None, rank=rank, trainer=None, finished=False)
     with _stop_on_signals(stop, keep_ignoring=getattr(args, "process_exits", False)):
         rc = _run(args, stop)

@@ -184,6 +184,43 @@ def launch_environment() -> tuple[int, int]:
     return rank, world
 
 
+# accelerate launch exports its config's settings for an Accelerator to read (accelerate's
+# utils/launch.py); dptrain builds none, so these were dropped without a word
+_ACCELERATE_USE = {
+    "ACCELERATE_USE_FSDP": "accelerate's FSDP",
+    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
+    "ACCELERATE_USE_PARALLELISM_CONFIG": "accelerate's parallelism config",
+}
+
+
+def check_accelerate_settings() -> None:
+    """Refuse the accelerate settings that dptrain does not apply (it uses accelerate as a
+    launcher only, and builds no ``Accelerator``): a mixed precision, FSDP (a replicated run,
+    a whole model per GPU, where sharding was asked for), DeepSpeed, Megatron-LM, a
+    parallelism config or a dynamo backend. A ConfigError naming the variable; "no" and
+    "false", what accelerate exports when they are off, pass."""
+    from dptrain.config import ConfigError
+
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").strip()
+    if precision.lower() not in ("", "no"):
+        raise ConfigError("ACCELERATE_MIXED_PRECISION", (
+            f"is {precision!r} (accelerate's mixed_precision), which dptrain does not apply: "
+            "launch with --mixed_precision no (mixed_precision: 'no' in the accelerate config) "
+            "and set performance.dtype or performance.fsdp_mixed_precision"))
+    for name, what in _ACCELERATE_USE.items():
+        if os.environ.get(name, "").strip().lower() == "true":
+            raise ConfigError(name, (
+                f"is true ({what}), which dptrain does not apply: launch with distributed_type: "
+                "MULTI_GPU (or --multi_gpu) and shard with performance.sharding=fsdp (dptrain "
+                "applies FSDP2 itself)"))
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").strip()
+    if backend.lower() not in ("", "no"):
+        raise ConfigError("ACCELERATE_DYNAMO_BACKEND", (
+            f"is {backend!r} (accelerate's dynamo_backend), which dptrain does not apply (it "
+            "does not compile the model): launch with --dynamo_backend no"))
+
+
 def local_rank() -> int:
     """This process's GPU on its node (LOCAL_RANK, as torchrun and accelerate launch set it; 0
     for a plain process), for CUDA runs; a ConfigError naming LOCAL_RANK where it is not an
