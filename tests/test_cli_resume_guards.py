@@ -758,6 +758,30 @@ def _train_from(rank: int, world: int, cwds: list[str], args: list[str]):
     return _train_on_each_rank(0, 1, [["--output-dir", "run", *args]])
 
 
+@pytest.mark.parametrize("sharding", ["fsdp", "none"])
+def test_a_sharded_run_whose_ranks_see_other_directories_is_refused(tmp_path, sharding):
+    # the same relative --output-dir from each node's own folder (or a node-local path): with
+    # FSDP every rank writes its shards there, and the run failed at its first checkpoint
+    # with a traceback (FileNotFoundError on rank 0, "rank 0 could not write" on rank 1); a
+    # replicated run has only rank 0 write, and trains
+    from dptrain.parallel.dist import spawn
+
+    nodes = [tmp_path / "n0", tmp_path / "n1"]
+    for n in nodes:
+        n.mkdir()
+    got = spawn(_train_from, 2, [str(n) for n in nodes],
+                [f"performance.sharding={sharding}", "privacy.steps=2",
+                 "train.checkpoint_every=1"], timeout=240)
+    if sharding == "none":
+        assert [code for code, _ in got] == [0, 0], got
+        assert (nodes[0] / "run" / "summary.json").exists()
+        return
+    line = _said_by_rank_0(got)
+    assert "error: output-dir: " in line and "is not the directory rank 0 writes" in line
+    assert line.endswith("(on rank 1)"), line
+    assert not (nodes[0] / "run").exists() and not (nodes[1] / "run" / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("case", ["finished on rank 0 only", "unfinished on rank 1 only",
                                   "a link to nothing on rank 1 only"])
 def test_ranks_that_see_another_directory_are_refused_on_every_rank(tmp_path, capsys, case):
