@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import git_commit, load_average, machine_description, median, now_utc, time_interleaved  # noqa: E402
+from common import (git_commit, load_average, machine_description, median,  # noqa: E402
+                    now_utc, time_interleaved)
 
 from dptrain.privacy.accounting import Ledger, calibrate_noise_multiplier, epsilon  # noqa: E402
 
