@@ -291,6 +291,10 @@ def _on_rank0_for_all(trainer, fn) -> Any:
 
         (failed,) = all_reduce_scalars(float(error is not None), device=trainer.device,
                                        op="max")
+        if failed:  # rank 0's refusal (a ConfigError) is every rank's, said by rank 0
+            from dptrain.parallel.dist import one_verdict
+
+            one_verdict(error if isinstance(error, ConfigError) else None, True)
         if failed and error is None:
             raise RuntimeError("dptrain: rank 0 could not write the checkpoint (its error is "
                                "on rank 0's stderr)")
@@ -461,6 +465,20 @@ def _save_dcp(trainer, output_dir: Path) -> Path | None:
     dist.all_gather_object(sums, mine)
 
     def seal() -> Path:
+        # every rank writes its shards into output_dir: one the nodes do not share (a
+        # node-local path, or a relative one from other working directories) lacks the others'
+        # here (was a FileNotFoundError's traceback)
+        missing = [(r, n) for r, files in enumerate(sums) if r != rank for n in files
+                   if not (tmp / n).exists()]
+        if missing:
+            r, n = missing[0]
+            raise ConfigError("output-dir", f"rank {r}'s shard {n} of the checkpoint is not in "
+                                            f"{tmp} as rank 0 sees it: with "
+                                            "performance.sharding=fsdp every rank writes its "
+                                            "shards there, so --output-dir must be one "
+                                            "directory that every node shares (a node-local "
+                                            "path, or a relative one from other working "
+                                            "directories?)")
         meta = {
             "format": 2,
             "optimizer": optim,

@@ -73,8 +73,7 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         _check_ranks_agree_on_start(args, out)
     with _one_verdict_on(out, several):
         _check_output_dir(out)  # before the data and the model are built
-    with _run_lock(out, rank=stop.rank, dry_run=args.dry_run, shared=several,
-                   one_directory=several and cfg.performance.sharding == "fsdp"):
+    with _run_lock(out, rank=stop.rank, dry_run=args.dry_run, shared=several):
         return _run_in(out, cfg, args, stop, several)
 
 
@@ -384,8 +383,7 @@ or the cleanup of a start refused at the same moment, holds it for microseconds.
 
 
 @contextlib.contextmanager
-def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False,
-              one_directory: bool = False):
+def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False):
     """One run at a time in ``out``: rank 0 holds an exclusive ``flock`` on ``out/run.lock``
     (created, and ``out`` with it) from before it reads anything a run wrote there until it
     returns; a second run is refused (ConfigError naming output-dir, exit 2) before it reads
@@ -397,8 +395,7 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False,
     stays, naming the last holder, except that a start refused before it wrote anything
     removes the folders it created. A file system that cannot lock gets a warning and the run
     goes on unguarded. ``dry_run`` writes nothing: it only asks whether another run holds the
-    lock. ``one_directory`` (every rank will write into ``out``: FSDP-sharded checkpoints):
-    every rank must find rank 0's lock file there (:func:`_check_one_directory`)."""
+    lock."""
     try:
         import fcntl
     except ImportError:  # (not a POSIX system)
@@ -422,40 +419,10 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False,
     elif error is not None:
         raise error
     try:
-        if shared and one_directory and not dry_run:  # (in the try: a refusal releases)
-            _check_one_directory(path, rank)
         yield
     finally:
         if held is not None:
             _release(path, out, *held)
-
-
-def _check_one_directory(path: Path, rank: int) -> None:
-    """Every rank reads rank 0's lock file ``path`` as rank 0 wrote it: ``--output-dir`` is one
-    directory for all the nodes. A path local to each node (or a relative one from other
-    working directories) passed the ranks' comparison of the option's text, and a sharded run
-    failed at its first checkpoint, after the releases before it, with a traceback. Refused on
-    every rank, naming output-dir. (Where no lock could be written, no rank reads one.)"""
-    import torch.distributed as dist
-
-    from dptrain.parallel.dist import one_verdict
-
-    def read() -> str | None:
-        try:
-            return path.read_text()
-        except (OSError, UnicodeDecodeError):
-            return None
-
-    written = [read() if rank == 0 else None]
-    dist.broadcast_object_list(written, src=0)
-    error = None
-    if rank != 0 and read() != written[0]:
-        error = ConfigError("output-dir", f"{path.parent} is not the directory rank 0 writes "
-                                          f"into (its {path.name} is not rank 0's): with "
-                                          "performance.sharding=fsdp every rank writes its "
-                                          "shards there, so --output-dir must be one directory "
-                                          "shared by the nodes (a node-local or relative path?)")
-    one_verdict(error, True)
 
 
 def _release(path: Path, out: Path, fd: int, locked: bool, made: list[Path]) -> None:
