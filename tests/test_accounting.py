@@ -505,6 +505,24 @@ def test_would_exceed_judges_a_budget_as_check_plan_does():
     assert would_exceed(Ledger(), sigma, q, delta, np.float32(spent / 2), "rdp", count=100)
 
 
+def test_a_refused_plan_reads_its_epsilon_apart_from_the_target(monkeypatch):
+    # an epsilon just over the target (past the rounding allowance) read "the plan spends
+    # epsilon=8 > the budget (target epsilon) 8"
+    import dptrain.privacy.accounting as acc_mod
+
+    cfg = PrivacyConfig(epsilon=8.0, delta=1e-5, sample_rate=0.02, steps=10,
+                        noise_multiplier=1.0, accountant="rdp")
+    monkeypatch.setattr(acc_mod, "epsilon", lambda *a, **k: 8.0 * (1 + 1e-9))
+    with pytest.raises(ConfigError) as e:
+        check_plan(cfg, 1.0, advice="ADVICE")
+    assert "epsilon=8.00000001 > the budget (target epsilon) 8 " in e.value.message
+    assert e.value.message.endswith("; ADVICE")
+    monkeypatch.setattr(acc_mod, "epsilon", lambda *a, **k: 10.5913)
+    with pytest.raises(ConfigError) as e:
+        check_plan(cfg, 1.0)
+    assert "epsilon=10.59 > " in e.value.message and "raise noise_multiplier" in e.value.message
+
+
 def test_check_plan_and_would_exceed():
     cfg = PrivacyConfig(epsilon=2.0, delta=1e-5, sample_rate=0.02, steps=100,
                         noise_multiplier=0.6, accountant="rdp")

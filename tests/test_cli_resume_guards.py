@@ -1011,6 +1011,13 @@ def test_resume_path_naming_a_run_directory_says_what_to_pass(tmp_path, capsys, 
     assert f"{path} is a run" in line and f"--resume auto --output-dir {run} " in line
     assert "COMPLETE" not in line
     assert snapshot(run) == before
+    # a finished run's: its checkpoints, named, into another directory (--resume auto there
+    # only says there is nothing to do)
+    code, err = train(capsys, tmp_path / "branch", "--resume", str(finished if named == "run"
+                                                                   else finished / "checkpoints"))
+    line = one_line(err)
+    assert code == 2 and "of a finished run" in line and "--resume auto" not in line
+    assert f"--resume {finished / 'checkpoints'}/step-N" in line
     # a directory that is neither still reads as a checkpoint without its marker
     (tmp_path / "empty").mkdir()
     code, err = train(capsys, tmp_path / "other", "--resume", str(tmp_path / "empty"))

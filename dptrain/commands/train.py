@@ -694,6 +694,11 @@ def _refuse_a_run_directory(path: Path) -> None:
         run, where = path.parent, "a run's checkpoints/ directory"
     else:
         return
+    if (run / "summary.json").exists():
+        raise ConfigError("resume", f"{path} is {where} (of a finished run), not a checkpoint: "
+                                    f"name one of its checkpoints, --resume "
+                                    f"{run / 'checkpoints'}/step-N, to branch off it into "
+                                    "another --output-dir")
     raise ConfigError("resume", f"{path} is {where}, not a checkpoint: pass --resume auto "
                                 f"--output-dir {run} to continue the run from its latest "
                                 f"checkpoint, or --resume {run / 'checkpoints'}/step-N for one")

@@ -205,9 +205,10 @@ def check_accelerate_settings() -> None:
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").strip()
     if precision.lower() not in ("", "no"):
         raise ConfigError("ACCELERATE_MIXED_PRECISION", (
-            f"is {precision!r} (accelerate's mixed_precision), which dptrain does not apply: "
-            "launch with --mixed_precision no (mixed_precision: 'no' in the accelerate config) "
-            "and set performance.dtype or performance.fsdp_mixed_precision"))
+            f"is {precision!r} (accelerate's mixed_precision, from accelerate launch or the "
+            "environment), which dptrain does not apply: unset it, or launch with "
+            "--mixed_precision no (mixed_precision: 'no' in the accelerate config), and set "
+            "performance.dtype or performance.fsdp_mixed_precision"))
     for name, what in _ACCELERATE_USE.items():
         if os.environ.get(name, "").strip().lower() == "true":
             raise ConfigError(name, (

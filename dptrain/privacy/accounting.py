@@ -530,7 +530,8 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None,
                             "noise_multiplier null to calibrate it")
         raise ConfigError(
             field_name,
-            f"the plan spends epsilon={eps:.4g} > the budget (target epsilon) {cfg.epsilon:g} "
+            f"the plan spends epsilon={_apart(eps, cfg.epsilon)} > the budget (target epsilon) "
+            f"{cfg.epsilon:g} "
             f"({cfg.steps} steps, noise_multiplier={sigma:g}, sample_rate={cfg.sample_rate:g}, "
             f"delta={cfg.delta:g}, {cfg.accountant}); {advice}"
             + "".join(f" ({n.message})" for n in notes
@@ -538,6 +539,16 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None,
     for n in notes:  # the plan stands: say what its epsilon rests on
         warnings.warn_explicit(n.message, n.category, n.filename, n.lineno)
     return eps
+
+
+def _apart(value: float, other: float) -> str:
+    """``value`` with 4 significant digits, or as many more as make it read unlike ``other``
+    (an epsilon just above its target read "epsilon=8 > the budget 8")."""
+    for digits in range(4, 18):
+        text = f"{value:.{digits}g}"
+        if float(text) != other and text != f"{other:.{digits}g}":
+            return text
+    return repr(value)
 
 
 class Budget:
