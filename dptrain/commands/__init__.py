@@ -32,7 +32,7 @@ def run_owned(path) -> str | None:
     # is replaced by the write, not written through)
     path = Path(path).absolute()
     path = path.parent.resolve() / path.name
-    if path.name in RUN_FILES and (path.parent / "metrics.jsonl").is_file():
+    if path.name in RUN_FILES and _is_run(path.parent):  # (a run's summary.json, alone too)
         return f"{path} is a run's own file"
     for folder in path.parents:
         if folder.name in RUN_FOLDERS and _is_run(folder.parent):
