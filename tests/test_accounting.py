@@ -517,6 +517,13 @@ def test_a_refused_plan_reads_its_epsilon_apart_from_the_target(monkeypatch):
         check_plan(cfg, 1.0, advice="ADVICE")
     assert "epsilon=8.00000001 > the budget (target epsilon) 8 " in e.value.message
     assert e.value.message.endswith("; ADVICE")
+    # a target of more digits than :g writes: both read apart, in their order
+    cfg.epsilon = 7.9999999
+    monkeypatch.setattr(acc_mod, "epsilon", lambda *a, **k: 7.99999995)
+    with pytest.raises(ConfigError) as e:
+        check_plan(cfg, 1.0)
+    assert "epsilon=8 > the budget (target epsilon) 7.9999999 " in e.value.message
+    cfg.epsilon = 8.0
     monkeypatch.setattr(acc_mod, "epsilon", lambda *a, **k: 10.5913)
     with pytest.raises(ConfigError) as e:
         check_plan(cfg, 1.0)

@@ -979,6 +979,16 @@ def test_resume_with_another_seed_is_refused(tmp_path, capsys, finished):
     assert code == 2 and line.split("error: ")[1].startswith("seed:") and "checkpoint" in line
 
 
+def test_secure_resume_path_naming_a_finished_run_advises_no_branch(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(capsys, out, "privacy.steps=2", *SECURE)[0] == 0
+    code, err = train(capsys, tmp_path / "new", "--resume", str(out), "privacy.steps=2",
+                      *SECURE)
+    line = one_line(err)
+    assert code == 2 and "of a finished run" in line and "secure mode cannot branch" in line
+    assert "step-N" not in line and not (tmp_path / "new").exists()
+
+
 def test_secure_resume_path_over_later_checkpoints_advises_no_branch(tmp_path, capsys):
     # "resume into another --output-dir" was the advice, which secure mode refuses too (a
     # branch draws the later releases again with fresh noise)

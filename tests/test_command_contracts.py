@@ -60,6 +60,12 @@ def test_a_runs_summary_is_its_own_without_metrics_too(tmp_path):
     assert run_owned(run / "final" / "x.json") is not None
     with pytest.raises(ConfigError, match=r"summary\.json is a run's own file"):
         check_new_file("--output", run / "summary.json", force=True, suffixes=(".json",))
+    # a report written as summary.json, alone in its folder, is no run: --force overwrites it
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "summary.json").write_text("{}")
+    assert run_owned(tmp_path / "reports" / "summary.json") is None
+    check_new_file("--output", tmp_path / "reports" / "summary.json", force=True,
+                   suffixes=(".json",))
 
 
 def test_a_link_named_like_a_run_file_is_judged_by_its_own_name(tmp_path):

@@ -22,6 +22,15 @@ def _is_run(directory) -> bool:
     return (directory / "metrics.jsonl").is_file() or (directory / "summary.json").is_file()
 
 
+def _holds_run_files(directory) -> bool:
+    """``directory``'s RUN_FILES are a run's: it has ``metrics.jsonl``, or a ``summary.json``
+    beside a run's folders (a report a command wrote as summary.json, alone, is not a run:
+    ``--force`` overwrites it)."""
+    return (directory / "metrics.jsonl").is_file() or (
+        (directory / "summary.json").is_file()
+        and any((directory / folder).is_dir() for folder in RUN_FOLDERS))
+
+
 def run_owned(path) -> str | None:
     """Why ``path`` belongs to a run that ``dptrain train`` wrote (None if it does not): one of
     its ``RUN_FILES``, or anything inside its ``RUN_FOLDERS``."""
@@ -32,7 +41,7 @@ def run_owned(path) -> str | None:
     # is replaced by the write, not written through)
     path = Path(path).absolute()
     path = path.parent.resolve() / path.name
-    if path.name in RUN_FILES and _is_run(path.parent):  # (a run's summary.json, alone too)
+    if path.name in RUN_FILES and _holds_run_files(path.parent):
         return f"{path} is a run's own file"
     for folder in path.parents:
         if folder.name in RUN_FOLDERS and _is_run(folder.parent):

@@ -621,7 +621,7 @@ def _resume_path(out: Path, cfg, args: argparse.Namespace, several: bool) -> Pat
         resume_path = Path(args.resume)
         if not resume_path.is_dir():
             raise ConfigError("resume", f"no checkpoint directory at {resume_path}")
-        _refuse_a_run_directory(resume_path)
+        _refuse_a_run_directory(resume_path, secure=cfg.privacy.secure_mode)
         _check_explicit_resume(out, resume_path, secure=cfg.privacy.secure_mode)
     if args.resume is None and _holds_a_run(out):
         raise ConfigError("output-dir", f"{out} holds an unfinished run (checkpoints, "
@@ -681,9 +681,10 @@ def _holds_a_run(out: Path) -> bool:
             or any((out / "final").glob("*")))
 
 
-def _refuse_a_run_directory(path: Path) -> None:
+def _refuse_a_run_directory(path: Path, secure: bool = False) -> None:
     """``--resume PATH`` names one checkpoint; a run directory, or its ``checkpoints/``, was
-    refused as a checkpoint with no COMPLETE marker: say what PATH is and what to pass."""
+    refused as a checkpoint with no COMPLETE marker: say what PATH is and what to pass
+    (``secure``: no branch off a finished run, which secure mode refuses)."""
     from dptrain import checkpoint as ckpt
 
     if (path / ckpt.MARKER).exists():
@@ -695,10 +696,11 @@ def _refuse_a_run_directory(path: Path) -> None:
     else:
         return
     if (run / "summary.json").exists():
-        raise ConfigError("resume", f"{path} is {where} (of a finished run), not a checkpoint: "
-                                    f"name one of its checkpoints, --resume "
-                                    f"{run / 'checkpoints'}/step-N, to branch off it into "
-                                    "another --output-dir")
+        raise ConfigError("resume", f"{path} is {where} (of a finished run), not a checkpoint" + (
+            ": the run is complete, and secure mode cannot branch off its checkpoints (their "
+            "later releases would be drawn again with fresh noise)" if secure else
+            f": name one of its checkpoints, --resume {run / 'checkpoints'}/step-N, to branch "
+            "off it into another --output-dir"))
     raise ConfigError("resume", f"{path} is {where}, not a checkpoint: pass --resume auto "
                                 f"--output-dir {run} to continue the run from its latest "
                                 f"checkpoint, or --resume {run / 'checkpoints'}/step-N for one")

@@ -530,8 +530,8 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None,
                             "noise_multiplier null to calibrate it")
         raise ConfigError(
             field_name,
-            f"the plan spends epsilon={_apart(eps, cfg.epsilon)} > the budget (target epsilon) "
-            f"{cfg.epsilon:g} "
+            "the plan spends epsilon={} > the budget (target epsilon) {} ".format(
+                *_apart(eps, cfg.epsilon)) +
             f"({cfg.steps} steps, noise_multiplier={sigma:g}, sample_rate={cfg.sample_rate:g}, "
             f"delta={cfg.delta:g}, {cfg.accountant}); {advice}"
             + "".join(f" ({n.message})" for n in notes
@@ -541,14 +541,15 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None,
     return eps
 
 
-def _apart(value: float, other: float) -> str:
-    """``value`` with 4 significant digits, or as many more as make it read unlike ``other``
-    (an epsilon just above its target read "epsilon=8 > the budget 8")."""
+def _apart(value: float, other: float) -> tuple[str, str]:
+    """``value`` and ``other`` with 4 significant digits, or as many more as make them read
+    apart (an epsilon just above its target read "epsilon=8 > the budget 8"; ``other`` at
+    least as ``:g`` writes it)."""
     for digits in range(4, 18):
-        text = f"{value:.{digits}g}"
-        if float(text) != other and text != f"{other:.{digits}g}":
-            return text
-    return repr(value)
+        a, b = f"{value:.{digits}g}", f"{other:.{max(digits, 6)}g}"
+        if float(a) > float(b):  # (value > other: read so, at enough digits)
+            return a, b
+    return repr(value), repr(other)
 
 
 class Budget:
