@@ -1433,3 +1433,48 @@ def test_a_ledger_of_another_versions_calibration_is_accepted(tmp_path, capsys, 
     code, err = train(capsys, tmp_path / "given", "--resume", str(step_dir),
                       "privacy.noise_multiplier=0.6", "privacy.epsilon=null")
     assert code == 2 and "which this run's privacy settings cannot give" in one_line(err)
+
+
+def test_a_fresh_run_into_a_directory_holding_only_a_final_model_is_refused(tmp_path, capsys):
+    # final/ alone (no checkpoints, no rows: a run without checkpoints killed before its
+    # summary) is an earlier run's: a fresh run would overwrite its model
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "model.safetensors").write_bytes(b"earlier model")
+    before = snapshot(out)
+    code, err = train(capsys, out, "privacy.steps=2", "train.checkpoint_every=0")
+    assert code == 2 and "output-dir" in one_line(err) and "final/" in err
+    assert snapshot(out) == before
+
+
+def test_resume_path_under_a_checkpoint_one_step_later_is_refused(tmp_path, capsys):
+    # the later checkpoint is the very next step (step 3 after step 2): still overwritten
+    done = tmp_path / "done"
+    code, _ = train(capsys, done, "privacy.steps=3", "train.checkpoint_every=1",
+                    "train.keep_checkpoints=3")
+    assert code == 0
+    out = unfinished_copy(done, tmp_path / "run")
+    before = snapshot(out)
+    code, err = train(capsys, out, "--resume", str(out / "checkpoints" / "step-00000002"),
+                      "privacy.steps=3", "train.checkpoint_every=1", "train.keep_checkpoints=3")
+    assert code == 2 and "step 3" in one_line(err) and "overwrite" in err
+    assert snapshot(out) == before
+
+
+def test_secure_resume_path_on_several_ranks_is_checked_for_later_outputs(tmp_path, capsys):
+    # with several ranks only --resume auto defers the secure check (to rank 0's checksummed
+    # list); --resume PATH is checked before the model is built, as in one process: a branch
+    # off step 1 of a run that logged steps 2 and 3 would draw them again with fresh noise
+    from dptrain.parallel.dist import spawn
+
+    out = tmp_path / "run"
+    code, _ = train(capsys, out, "train.checkpoint_every=1", "train.keep_checkpoints=3",
+                    "privacy.steps=3", *SECURE)
+    assert code == 0
+    branch = str(tmp_path / "branch")
+    args = ["--output-dir", branch, "--resume", str(out / "checkpoints" / "step-00000001"),
+            "privacy.steps=3", *SECURE]
+    got = spawn(_train_on_each_rank, 2, [args, args], timeout=240)
+    line = _said_by_rank_0(got)
+    assert "error: resume: secure mode" in line and "after step 1" in line, line
+    assert not (tmp_path / "branch").exists()

@@ -458,3 +458,21 @@ def test_a_stop_signal_while_a_finished_run_is_torn_down_keeps_status_0(tmp_path
     assert proc.returncode == 0, proc.stderr
     assert (out / "summary.json").is_file()
     assert b"received" not in proc.stderr  # a finished run says nothing of stopping
+
+
+def test_stop_signals_stay_ignored_after_a_finished_run_when_the_process_exits_next():
+    # between the command's return and cli.entry's own SIG_IGN a SIGTERM would kill a
+    # finished run with 143: with keep_ignoring the handlers are not restored
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        for keep, want in ((True, signal.SIG_IGN), (False, None)):
+            stop = types.SimpleNamespace(stop_signal=None, rank=0, trainer=None, finished=False)
+            with _stop_on_signals(stop, keep_ignoring=keep):
+                stop.finished = True
+            for sig in STOP_SIGNALS:
+                assert signal.getsignal(sig) == (want if want is not None else before[sig])
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, before[sig])
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
