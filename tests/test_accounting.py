@@ -268,13 +268,15 @@ def test_prv_calibration_builds_no_grid_above_the_limit(monkeypatch):
     eps, delta, q, steps = 2.0, 1e-5, 0.02, 200
     unguarded = get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q,
                                      steps=steps, accountant="prv", epsilon_tolerance=0.01)
-    final = acc_mod._prv_grid_size([(unguarded, q, steps)], delta, acc_mod.DEFAULT_EPS_ERROR)
+    final = acc_mod._prv_accountant([(unguarded, q, steps)], delta,
+                                    acc_mod.DEFAULT_EPS_ERROR)[1]  # its grid's points
     monkeypatch.setattr(acc_mod, "PRV_MAX_DOMAIN", int(final * 1.5))
     sizes = []
     real = PRVAccountant.get_epsilon
 
     def spy(self, delta, **kwargs):
-        sizes.append(acc_mod._prv_grid_size(self.history, delta, kwargs.get("eps_error", 0.01)))
+        sizes.append(acc_mod._prv_accountant(self.history, delta,
+                                             kwargs.get("eps_error", 0.01))[1])
         return real(self, delta, **kwargs)
 
     monkeypatch.setattr(PRVAccountant, "get_epsilon", spy)

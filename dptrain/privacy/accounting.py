@@ -222,12 +222,6 @@ def _prv_accountant(history, delta: float, eps_error: float):
     return acc, domain.size
 
 
-def _prv_grid_size(history, delta: float, eps_error: float) -> int | None:
-    """The points of the grid opacus' PRV accountant would build for ``history`` (a cheap
-    RDP-based bound it computes first), or None where this opacus has no ``_get_domain``."""
-    return _prv_accountant(history, delta, eps_error)[1]
-
-
 def _prv_epsilon(history, delta: float, eps_error: float) -> float:
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         try:
@@ -528,10 +522,10 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None,
                       else "privacy.steps")
         advice = advice or ("raise noise_multiplier, lower steps or sample_rate, or leave "
                             "noise_multiplier null to calibrate it")
+        shown, target = _apart(eps, cfg.epsilon)
         raise ConfigError(
             field_name,
-            "the plan spends epsilon={} > the budget (target epsilon) {} ".format(
-                *_apart(eps, cfg.epsilon)) +
+            f"the plan spends epsilon={shown} > the budget (target epsilon) {target} "
             f"({cfg.steps} steps, noise_multiplier={sigma:g}, sample_rate={cfg.sample_rate:g}, "
             f"delta={cfg.delta:g}, {cfg.accountant}); {advice}"
             + "".join(f" ({n.message})" for n in notes
