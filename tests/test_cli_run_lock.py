@@ -221,7 +221,9 @@ def test_a_lock_held_for_a_moment_is_waited_for(tmp_path):
     fd = os.open(out / "run.lock", os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)
     threading.Timer(LOCK_WAIT_S / 4, os.close, (fd,)).start()  # the probe ends
-    with _run_lock(out, rank=0):
+    with _run_lock(out, rank=0) as claim:
+        assert (out / "run.lock").read_text() == ""  # named once the start's checks pass
+        claim()
         holder = json.loads((out / "run.lock").read_text())
     assert holder["pid"] == os.getpid()
 
@@ -259,3 +261,42 @@ def test_an_output_dir_that_is_a_link_to_nothing_is_one_line(tmp_path, capsys):
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and "symbolic link to nothing" in lines[0], err
     assert out.is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("args", [(), ("--resume", "auto", "privacy.epsilon=1")],
+                         ids=["finished run, no --resume", "changed setting"])
+def test_a_refused_start_leaves_the_lock_file_as_it_was(tmp_path, capsys, args):
+    """A start refused by the checks on what the directory holds took the lock, and wrote its
+    own name over the last run's in run.lock: every file of the run stays as it was."""
+    out = tmp_path / "run"
+    assert _cli(capsys, out, "privacy.steps=2")[0] == 0
+    before = _snapshot(out)
+    assert json.loads(before["run.lock"])["pid"] == os.getpid()
+    (out / "run.lock").write_text('{"host": "node7", "pid": 1, "since": "then"}\n')
+    before = _snapshot(out)
+    code, err = _cli(capsys, out, "privacy.steps=2", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert _snapshot(out) == before
+
+
+@pytest.mark.parametrize("inside", ["checkpoints/step-00000001", "checkpoints", "final",
+                                    "final/sub"])
+def test_an_output_dir_inside_another_runs_folders_is_refused(tmp_path, capsys, inside):
+    """A run started in another run's checkpoint, checkpoints/ or final/ was accepted, and
+    that run's pruning (or its final model's replacement) deleted the new run's outputs."""
+    run = tmp_path / "run"
+    assert _cli(capsys, run, "privacy.steps=2")[0] == 0
+    (run / "summary.json").unlink()  # unfinished: its pruning is still to come
+    before = _snapshot(run)
+    for link in (False, True):  # the folder, or a link to it
+        target = run / inside
+        out = target
+        if link:
+            out = tmp_path / f"link-{inside.replace('/', '-')}"
+            out.symlink_to(target, target_is_directory=True)
+        code, err = _cli(capsys, out, "privacy.steps=1")
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, err
+        assert "output-dir" in lines[0] and f"{run.resolve()}'s {inside.split('/')[0]}/" in lines[0]
+        assert _snapshot(run) == before
+        assert not target.exists() or target.is_dir() and inside != "final/sub"

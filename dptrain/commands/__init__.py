@@ -43,7 +43,21 @@ def run_owned(path) -> str | None:
     path = path.parent.resolve() / path.name
     if path.name in RUN_FILES and _holds_run_files(path.parent):
         return f"{path} is a run's own file"
-    for folder in path.parents:
+    return _in_run_folder(path, path.parents)
+
+
+def in_run_folder(directory) -> str | None:
+    """Why ``directory`` is, or is inside, a run's ``RUN_FOLDERS`` (None if it is not): its
+    checkpoints, which the run prunes, or its final/, which it replaces. Links and '..'
+    resolved."""
+    from pathlib import Path
+
+    directory = Path(directory).absolute().resolve()
+    return _in_run_folder(directory, (directory, *directory.parents))
+
+
+def _in_run_folder(path, folders) -> str | None:
+    for folder in folders:
         if folder.name in RUN_FOLDERS and _is_run(folder.parent):
             return f"{path} is inside the run {folder.parent}'s {folder.name}/ folder"
     return None

@@ -16,7 +16,7 @@ import threading
 import types
 from pathlib import Path
 
-from dptrain.commands import RUN_LAYOUT, check_can_create
+from dptrain.commands import RUN_LAYOUT, check_can_create, in_run_folder
 from dptrain.config import ConfigError, said_by_rank_0
 from dptrain.messages import brief
 from dptrain.telemetry import json_rows
@@ -73,13 +73,14 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         _check_ranks_agree_on_start(args, out)
     with _one_verdict_on(out, several):
         _check_output_dir(out)  # before the data and the model are built
-    with _run_lock(out, rank=stop.rank, dry_run=args.dry_run, shared=several):
-        return _run_in(out, cfg, args, stop, several)
+    with _run_lock(out, rank=stop.rank, dry_run=args.dry_run, shared=several) as claim:
+        return _run_in(out, cfg, args, stop, several, claim)
 
 
 def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespace,
-            several: bool) -> int:
-    """:func:`_run` once ``out`` is this run's alone (its lock held); ``several``: ranks."""
+            several: bool, claim=lambda: None) -> int:
+    """:func:`_run` once ``out`` is this run's alone (its lock held); ``several``: ranks;
+    ``claim()`` names this run in the lock file once the start is not refused."""
     from dptrain import checkpoint as ckpt
     from dptrain.trainer import StopRequested, Trainer
 
@@ -88,6 +89,7 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
         finished = _look(out, cfg, args)
         if not finished:
             resume_path = _resume_path(out, cfg, args, several)
+            claim()
     except ConfigError as e:
         error = e
     except OSError as e:
@@ -391,9 +393,10 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False)
     is every rank's, so every rank exits (ranks started without torchrun's agent waited for
     the others until the collective timeout). The lock is the open file's, so the kernel drops
     it when the process dies however it dies (a preempted run leaves nothing stale; on NFS the
-    server drops it when the client's lease lapses, about 90 s after a node is lost); the file
-    stays, naming the last holder, except that a start refused before it wrote anything
-    removes the folders it created. A file system that cannot lock gets a warning and the run
+    server drops it when the client's lease lapses, about 90 s after a node is lost). It
+    yields ``claim()``, which names this process in the file once the start's checks have
+    passed: a refused start leaves the file as it was (naming the last run that started),
+    except that one refused before it wrote anything removes the folders it created. A file system that cannot lock gets a warning and the run
     goes on unguarded. ``dry_run`` writes nothing: it only asks whether another run holds the
     lock."""
     try:
@@ -418,8 +421,12 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False)
         one_verdict(error, True)  # (rank 0's, the only one that looks)
     elif error is not None:
         raise error
+    def claim() -> None:
+        if held is not None and held[1]:
+            _claim(held[0], path)
+
     try:
-        yield
+        yield claim
     finally:
         if held is not None:
             _release(path, out, *held)
@@ -469,10 +476,8 @@ def _probe(fcntl, path: Path, out: Path) -> None:
 
 def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path]]:
     """Create ``out`` and ``path`` in it, and take its lock: (the descriptor, whether locked
-    (False: the file system cannot lock), the folders created, deepest first)."""
-    import socket
-    import time
-
+    (False: the file system cannot lock), the folders created, deepest first). The file is
+    left as it was: :func:`_claim` names the holder."""
     for _ in range(8):
         made = [d for d in (out, *out.absolute().parents) if not d.exists()]
         try:
@@ -491,20 +496,26 @@ def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path]]:
             except FileNotFoundError:
                 now = None
             if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
-                holder = {"host": socket.gethostname(), "pid": os.getpid(),
-                          "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-                try:
-                    os.ftruncate(fd, 0)
-                    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-                except OSError as e:  # (a full disk, a quota)
-                    raise ConfigError("output-dir", f"cannot write {path}: "
-                                                    f"{e.strerror or e}") from None
                 return fd, True, made
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)  # its holder removed the file after this process opened it: again
     raise ConfigError("output-dir", f"cannot lock {path}: it keeps being removed or replaced")
+
+
+def _claim(fd: int, path: Path) -> None:
+    """Name this process in the lock file it holds (what a refused second start prints)."""
+    import socket
+    import time
+
+    holder = {"host": socket.gethostname(), "pid": os.getpid(),
+              "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+    except OSError as e:  # (a full disk, a quota)
+        raise ConfigError("output-dir", f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _take(fcntl, fd: int, kind: int, path: Path, out: Path) -> bool:
@@ -564,10 +575,14 @@ def _unreadable(out: Path, e: OSError) -> ConfigError:
 
 
 def _check_output_dir(out: Path) -> None:
-    """``out`` is a directory, or can be made; what a run writes there is absent or of its
-    kind."""
+    """``out`` is a directory, or can be made, outside another run's folders (its pruning, or
+    its final model's replacement, would delete this run); what a run writes there is absent
+    or of its kind."""
     if out.exists() and not out.is_dir():
         raise ConfigError("output-dir", f"{out} exists and is not a directory")
+    if (inside := in_run_folder(out)) is not None:
+        raise ConfigError("output-dir", f"{inside}, which that run prunes or replaces; choose "
+                                        "another directory")
     if out.is_symlink() and not out.exists():
         raise ConfigError("output-dir", f"{out} is a symbolic link to nothing "
                                         f"({os.readlink(out)}); make its target, or remove it")
