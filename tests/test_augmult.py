@@ -243,6 +243,10 @@ def test_vertical_and_horizontal_offsets_are_independent():
     joint = torch.bincount(dy * 5 + dx, minlength=25)
     assert int(joint.min()) > 650  # 800 expected in each of the 25 cells
     assert abs(float((flip & (dy == 0)).double().mean()) - 0.1) < 0.01
+    # the mirror is drawn apart from the horizontal offset too (a flip drawn from dx's bits
+    # came with dx <= pad only: half of the (dx, flip) pairs never occurred)
+    pairs = torch.bincount(dx * 2 + flip.long(), minlength=10)
+    assert int(pairs.min()) > 1800  # 2000 expected in each of the 10 cells
 
 
 def test_augment_flip_false_never_mirrors_and_true_does():

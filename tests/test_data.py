@@ -467,6 +467,8 @@ def test_lm_collate_empty_one_many(synth_lm):
         for k in alone:
             assert torch.equal(many[k][r, :n], alone[k][0])
         assert (many["attention_mask"][r, n:] == 0).all() and (many["labels"][r, n:] == -100).all()
+        assert (many["input_ids"][r, n:] == ds.pad_id).all()  # the documented padding
+    assert ds.pad_id != 0 and (many["input_ids"] == ds.pad_id).any()
 
 
 def test_lm_loss_per_example_matches_alone_and_direct(synth_lm):
@@ -589,6 +591,8 @@ def test_lm_evaluate_is_token_weighted(synth_lm):
     model = tiny_gpt2(task.info).train()
     res = task.evaluate(model, batch_size=3)
     assert model.training  # mode restored
+    task.evaluate(model.eval(), batch_size=3)
+    assert not model.training  # either way
     ds = task.test
     with torch.no_grad():
         losses = task.loss_fn(model.eval(), ds.collate(np.arange(len(ds)))).double()
@@ -1045,6 +1049,7 @@ def test_webdataset_shards_matching_both_splits_are_refused(tmp_path):
     with pytest.raises(ConfigError) as e:
         build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
     assert e.value.field == "data.test_file" and "trainval" in e.value.message
+    assert "match both" in e.value.message  # named for what it is, not as a copy
     task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
                                  test_file="imagenet-val-*.tar"))
     assert len(task.train) == 4 and len(task.test) == 2

@@ -89,6 +89,16 @@ def test_image_folder_classes_whose_names_share_a_prefix_keep_their_folder():
     assert fp(["/r/a/x.png", "/r/ab/y.png"]) == fp(["/elsewhere/a/x.png", "/elsewhere/ab/y.png"])
 
 
+def test_image_folder_labels_count_as_well_as_paths():
+    # a class folder outside one rank's subset shifts the labels of the same files: the ranks
+    # would train one index on different labels
+    from dptrain.data.folders import ImageFolderImages
+
+    paths = ["/r/a/x.png", "/r/b/y.png"]
+    assert (index_fingerprint(ImageFolderImages([(paths[0], 0), (paths[1], 1)], 8, 3))
+            != index_fingerprint(ImageFolderImages([(paths[0], 0), (paths[1], 2)], 8, 3)))
+
+
 def test_webdataset_shards_by_name_layout_and_label(tmp_path):
     import webdataset as wds
 

@@ -232,6 +232,7 @@ def test_cifar10_a_batch_file_that_is_another_is_refused(tmp_path, how, name, fi
     (np.random.default_rng(0).random((2, 3072)).astype(np.float32), [0, 1],
      "pixels must be integers in 0..255"),  # [0, 1] floats were cast to black images
     (np.full((2, 3072), 300, np.int64), [0, 1], "pixels must be integers in 0..255"),  # 44
+    (np.full((2, 3072), 256, np.int64), [0, 1], "pixels must be integers in 0..255"),  # 0
     (np.full((2, 3072), -1, np.int16), [0, 1], "pixels must be integers in 0..255"),  # 255
     (np.zeros((2, 3072), np.uint8), [1.9, 2.5], "labels must be a list of integers"),  # 1, 2
     (np.zeros((2, 3072), np.uint8), [[1], [2]], "labels must be a list of integers"),

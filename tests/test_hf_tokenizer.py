@@ -42,6 +42,8 @@ def test_hf_pairs_spell_prompt_plus_target_as_the_whole_text_s_tokens(tokenizers
         assert tok.decode(p + t) == prompt + target
         if bos is not None:
             assert p[0] == bos and bos not in p[1:] + t
+            # a prompt with no trailing space and no target: BOS first all the same
+            assert tok.encode_pair(prompt.rstrip(), "")[0][0] == bos
     if kind == "metaspace":
         # what the pairs avoid: the target encoded alone gets the dummy prefix's extra space
         prompt, target = prompts[0], targets[0]
