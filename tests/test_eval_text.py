@@ -148,6 +148,32 @@ def test_greedy_stops_at_eos():
     assert greedy_generate(model, [[1, 2], [3]], 10, eos_id=256) == [[], []]
 
 
+def test_generation_runs_without_dropout_and_restores_the_mode():
+    """A model in training mode with dropout (GPT-2's usual 0.1, here 0.5) generates as in
+    eval mode, the same twice (the scores are reproducible), and trains again after."""
+    info = DataInfo(kind="lm", vocab_size=257, pad_id=256, eos_id=256, max_length=64)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(n_layer=2, n_embd=32, n_head=2, n_positions=64,
+                                    dropout=0.5), info)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.5)
+    prompts = [[10, 20, 30], [5], [7, 8, 9, 10]]
+    expected = greedy_generate(model.eval(), prompts, 8, eos_id=256)
+    model.train()
+    assert greedy_generate(model, prompts, 8, eos_id=256) == expected
+    assert greedy_generate(model, prompts, 8, eos_id=256) == expected and model.training
+
+
+def test_an_empty_prompt_starts_from_eos_whatever_the_pad():
+    model = _spiky_gpt2()
+    # 256 is EOS; 255 pads: an empty prompt is [EOS], not [pad]
+    got = greedy_generate(model, [[]], 8, eos_id=256, pad_id=255)
+    assert got == greedy_generate(model, [[256]], 8, eos_id=256, pad_id=255)
+    assert got != greedy_generate(model, [[255]], 8, eos_id=256, pad_id=255)
+
+
 # ------------------------------------------------------------------ independent references
 
 def _tok13a(s: str) -> list[str]:

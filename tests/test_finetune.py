@@ -77,6 +77,25 @@ def test_lora_freezes_all_but_the_adapters_and_the_trainable_matches():
     assert all(m.fan_in_fan_out for m in lora_layers(model).values())  # Conv1D: (in, out)
 
 
+@pytest.mark.parametrize("alpha, rslora, scale", [(None, False, 1.0), (8.0, False, 2.0),
+                                                  (8.0, True, 4.0), (None, True, 2.0)])
+def test_lora_scale_is_alpha_over_r_or_over_its_root(alpha, rslora, scale):
+    """alpha null is alpha = r (scale 1); rslora divides by sqrt(r) (r = 4)."""
+    from dptrain.models.finetune import describe
+
+    model = tiny_gpt2(torch.float64)
+    total = sum(p.numel() for p in model.parameters())  # (tied wte/lm_head counted once)
+    apply_finetuning(model, LoRAConfig(r=4, alpha=alpha, rslora=rslora,
+                                       target_modules=["c_attn"]), None)
+    layers = lora_layers(model)
+    assert layers and all(m.scaling["default"] == pytest.approx(scale) for m in layers.values())
+    counts = describe(model)
+    adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert counts["trainable_parameters"] == adapters
+    assert counts["total_parameters"] == total + adapters
+    assert counts["total_parameters"] < total + adapters + model.lm_head.weight.numel()
+
+
 def test_trainable_alone_trains_the_matches_only():
     model = tiny_gpt2(torch.float64)
     apply_finetuning(model, LoRAConfig(), [r"\.bias$"])  # DP-BiTFiT

@@ -185,7 +185,9 @@ def test_model_config_names_and_defaults():
 def test_cnn_groupnorm_shapes():
     model = build_model(ModelConfig(name="cnn", channels=[6, 12]), IMG)
     assert isinstance(model, TinyCNN)
-    assert any(isinstance(m, nn.GroupNorm) for m in model.modules())
+    norms = [m for m in model.modules() if isinstance(m, nn.GroupNorm)]
+    # learnable scale and shift per channel, in the largest divisor of the channels <= 4 groups
+    assert [(m.num_groups, m.affine) for m in norms] == [(3, True), (4, True)]
     assert model(torch.randn(5, 1, 28, 28)).shape == (5, 7)
     rgb = DataInfo(kind="classification", num_classes=3, in_chans=3, image_size=16)
     m3 = build_model(ModelConfig(name="cnn", in_chans=3, num_classes=4), rgb)
@@ -453,6 +455,10 @@ def test_timm_model_gets_drop_path_rate_and_input_channels_from_the_config():
     model.eval()
     with torch.no_grad():
         assert model(torch.randn(2, 1, 16, 16)).shape == (2, 5)
+    # built in training mode (its input check runs it in eval mode, and puts it back)
+    assert model.training is False  # (set above)
+    assert build_model(ModelConfig(name="timm", timm_name="nf_resnet_tiny",
+                                   drop_path_rate=0.4), info).training
     plain = build_model(ModelConfig(name="timm", timm_name="nf_resnet_tiny"), info)
     assert not any(isinstance(m, DropPath) for m in plain.modules())
     # a timm model without stochastic depth: one error naming the field (was a bare TypeError)

@@ -227,6 +227,12 @@ def test_nfresnet_preset_puts_conv_weights_in_muon_and_gains_biases_classifier_e
         "stem.conv.bias", "stem.conv.gain", "stages.0.conv1.bias", "stages.0.conv1.gain",
         "stages.0.skipinit_gain", "stages.0.proj.weight", "stages.0.proj.bias",
         "head.fc.weight", "head.fc.bias"])
+    # a classifier that is a 1x1 convolution (timm's use_conv heads) is no Muon matrix either
+    model.head.fc = torch.nn.Conv2d(8, 10, 1)
+    groups = _members(_build({"name": "muon", "preset": "nfresnet",
+                              "aux": {"optimizer": "sgd", "lr": 0.1}}, model=model))
+    assert groups["matrices"][1] == ["stem.conv.weight", "stages.0.conv1.weight"]
+    assert "head.fc.weight" in groups["others"][1]
 
 
 @pytest.mark.parametrize("name", ["convnext_atto", "convnext_tiny"])
@@ -296,6 +302,26 @@ def test_a_preset_for_another_layout_is_refused_not_given_the_embeddings():
     groups = _members(_build({"name": "muon", "preset": "gpt2", "groups": [
         {"pattern": "embed_tokens", "optimizer": "adamw", "name": "emb"}]}, model=llama))
     assert groups["emb"] == ("adamw", ["model.embed_tokens.weight"])
+
+
+def test_a_preset_s_names_match_whole_names_only():
+    """A preset's groups list exact names: a top-level matrix named ``weight`` is not a part of
+    ``norm.weight`` (a search for the bare name took every ``*.weight``)."""
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.randn(4, 4))
+    model.norm = torch.nn.LayerNorm(4)
+    groups = _members(_build({"name": "muon", "preset": "gpt2"}, model=model))
+    assert groups["matrices"][1] == ["weight"]
+    assert sorted(groups["others"][1]) == ["norm.bias", "norm.weight"]
+
+
+@pytest.mark.parametrize("name", ["muon_bc", "muon_s"])
+def test_inner_momentum_s_muon_states_are_the_muon_variant_s_matrices(name):
+    """The Muon variants' groups keep Muon states (k_muon), the others' the other states."""
+    opt = _build({"name": name, "unmatched": "default", "inner_momentum": {"k_muon": 1},
+                  "groups": [{"pattern": "bias$", "optimizer": "adamw"}]})
+    assert opt.history is not None
+    assert opt.history.muon == {"fc1.weight", "fc2.weight"}
 
 
 def test_the_vit_preset_keeps_relative_position_tables_for_aux():

@@ -114,6 +114,19 @@ def test_cpu_peak_memory_is_the_resident_high_water_mark_of_its_window():
     assert new < during - (1 << 29)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's")
+def test_cpu_peak_memory_is_vmhwm_in_bytes():
+    from dptrain.telemetry import peak_memory_bytes
+
+    def vmhwm_kib() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+    before = vmhwm_kib()
+    peak = peak_memory_bytes(torch.device("cpu"))
+    assert before * 1024 <= peak <= vmhwm_kib() * 1024  # KiB, not kB
+
+
 def test_the_command_line_starts_without_importing_torch():
     # every command's module is imported to build the parser: none of them, nor telemetry
     # (which they import for strict_json), may import torch at module level
