@@ -221,11 +221,10 @@ def test_a_lock_held_for_a_moment_is_waited_for(tmp_path):
     fd = os.open(out / "run.lock", os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)
     threading.Timer(LOCK_WAIT_S / 4, os.close, (fd,)).start()  # the probe ends
-    with _run_lock(out, rank=0) as claim:
-        assert (out / "run.lock").read_text() == ""  # named once the start's checks pass
-        claim()
+    with _run_lock(out, rank=0):
         holder = json.loads((out / "run.lock").read_text())
     assert holder["pid"] == os.getpid()
+    assert (out / "run.lock").read_text() == ""  # a start that never began: as it was
 
 
 def _start_where_another_holds(rank: int, world: int, out: str) -> tuple[int, list[str]]:
@@ -263,20 +262,40 @@ def test_an_output_dir_that_is_a_link_to_nothing_is_one_line(tmp_path, capsys):
     assert out.is_symlink() and not (tmp_path / "nowhere").exists()
 
 
-@pytest.mark.parametrize("args", [(), ("--resume", "auto", "privacy.epsilon=1")],
-                         ids=["finished run, no --resume", "changed setting"])
-def test_a_refused_start_leaves_the_lock_file_as_it_was(tmp_path, capsys, args):
-    """A start refused by the checks on what the directory holds took the lock, and wrote its
-    own name over the last run's in run.lock: every file of the run stays as it was."""
+@pytest.mark.parametrize("finished, args, rc", [
+    (True, (), 2), (True, ("--resume", "auto", "privacy.epsilon=1"), 2),
+    (False, ("--resume", "auto", "privacy.epsilon=1"), 2), (True, ("--resume", "auto"), 0)],
+    ids=["finished run, no --resume", "changed setting, finished",
+         "changed setting against a checkpoint", "nothing to do"])
+def test_a_start_that_does_not_begin_leaves_the_lock_file_as_it_was(tmp_path, capsys, finished,
+                                                                    args, rc):
+    """A start refused by its checks (on the directory, or on the checkpoint it loads) took
+    the lock and wrote its own name over the last run's in run.lock: it puts the line back,
+    and every file of the run stays as it was."""
     out = tmp_path / "run"
     assert _cli(capsys, out, "privacy.steps=2")[0] == 0
-    before = _snapshot(out)
-    assert json.loads(before["run.lock"])["pid"] == os.getpid()
+    assert json.loads((out / "run.lock").read_text())["pid"] == os.getpid()
+    if not finished:
+        (out / "summary.json").unlink()
     (out / "run.lock").write_text('{"host": "node7", "pid": 1, "since": "then"}\n')
     before = _snapshot(out)
     code, err = _cli(capsys, out, "privacy.steps=2", *args)
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert code == rc and len(err.strip().splitlines()) == 1, err
     assert _snapshot(out) == before
+
+
+def _unfinished_run(capsys, run: Path) -> dict:
+    assert _cli(capsys, run, "privacy.steps=2")[0] == 0
+    (run / "summary.json").unlink()  # unfinished: its pruning is still to come
+    return _snapshot(run)
+
+
+def _refused(capsys, out: Path, *words: str) -> None:
+    code, err = _cli(capsys, out, "privacy.steps=1")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("dptrain train: error: output-dir") and all(
+        w in lines[0] for w in words), lines[0]
 
 
 @pytest.mark.parametrize("inside", ["checkpoints/step-00000001", "checkpoints", "final",
@@ -285,18 +304,60 @@ def test_an_output_dir_inside_another_runs_folders_is_refused(tmp_path, capsys, 
     """A run started in another run's checkpoint, checkpoints/ or final/ was accepted, and
     that run's pruning (or its final model's replacement) deleted the new run's outputs."""
     run = tmp_path / "run"
-    assert _cli(capsys, run, "privacy.steps=2")[0] == 0
-    (run / "summary.json").unlink()  # unfinished: its pruning is still to come
-    before = _snapshot(run)
-    for link in (False, True):  # the folder, or a link to it
+    before = _unfinished_run(capsys, run)
+    for link in (False, True)[:1 + (inside != "final/sub")]:  # the folder, or a link to it
         target = run / inside
         out = target
         if link:
             out = tmp_path / f"link-{inside.replace('/', '-')}"
             out.symlink_to(target, target_is_directory=True)
-        code, err = _cli(capsys, out, "privacy.steps=1")
-        lines = err.strip().splitlines()
-        assert code == 2 and len(lines) == 1, err
-        assert "output-dir" in lines[0] and f"{run.resolve()}'s {inside.split('/')[0]}/" in lines[0]
+        _refused(capsys, out, f"{run}'s {inside.split('/')[0]}/")
         assert _snapshot(run) == before
         assert not target.exists() or target.is_dir() and inside != "final/sub"
+
+
+def test_an_output_dir_in_a_run_s_linked_checkpoints_or_a_starting_run_is_refused(tmp_path,
+                                                                                  capsys):
+    # checkpoints/ a link to scratch storage: the run prunes the link's target
+    run, store = tmp_path / "run", tmp_path / "store"
+    store.mkdir()
+    run.mkdir()
+    (run / "checkpoints").symlink_to(store, target_is_directory=True)
+    _unfinished_run(capsys, run)
+    _refused(capsys, run / "checkpoints" / "new", "checkpoints/")
+    # a run that holds its lock and has written nothing else yet (building its model)
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    (starting / "run.lock").write_text("")
+    _refused(capsys, starting / "final" / "sub", f"{starting}'s final/")
+    assert sorted(p.name for p in starting.iterdir()) == ["run.lock"]
+
+
+def test_a_run_whose_folders_hold_another_run_is_refused(tmp_path, capsys):
+    """The other order: a run in X/final/sub first, then one in X, whose final model would
+    replace X/final (and the run in it)."""
+    inner = tmp_path / "X" / "final" / "sub"
+    assert _cli(capsys, inner, "privacy.steps=1")[0] == 0
+    before = _snapshot(tmp_path / "X")
+    for args in ((), ("--resume", "auto")):
+        code, err = _cli(capsys, tmp_path / "X", "privacy.steps=1", *args)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and "output-dir" in lines[0], err
+        assert "final/ folder holds another run's files" in lines[0]
+        assert _snapshot(tmp_path / "X") == before
+
+
+def test_output_dir_checks_that_must_not_refuse_or_crash(tmp_path, capsys):
+    # a report named summary.json, alone, is no run: its folder's final/ is the user's
+    res = tmp_path / "res"
+    res.mkdir()
+    (res / "summary.json").write_text('{"x": 1}')
+    code, err = _cli(capsys, res / "final", "privacy.steps=1", "--dry-run")
+    assert code == 0, err
+    # a loop of links: one line naming output-dir, no traceback
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    for out in (tmp_path / "loop1", tmp_path / "loop1" / "sub"):
+        code, err = _cli(capsys, out, "privacy.steps=1")
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and "output-dir" in lines[0], err

@@ -48,18 +48,42 @@ def run_owned(path) -> str | None:
 
 def in_run_folder(directory) -> str | None:
     """Why ``directory`` is, or is inside, a run's ``RUN_FOLDERS`` (None if it is not): its
-    checkpoints, which the run prunes, or its final/, which it replaces. Links and '..'
-    resolved."""
+    checkpoints, which the run prunes, or its final/, which it replaces. Both as written (a
+    run's ``checkpoints`` may be a link to scratch storage) and with links and '..' resolved
+    (a link to a run's final/)."""
     from pathlib import Path
 
-    directory = Path(directory).absolute().resolve()
-    return _in_run_folder(directory, (directory, *directory.parents))
+    written = Path(os.path.abspath(directory))
+    try:
+        resolved = written.resolve()
+    except (OSError, RuntimeError):  # (a loop of links: refused as such by the caller)
+        resolved = written
+    return (_in_run_folder(directory, (written, *written.parents))
+            or _in_run_folder(directory, (resolved, *resolved.parents)))
 
 
 def _in_run_folder(path, folders) -> str | None:
     for folder in folders:
-        if folder.name in RUN_FOLDERS and _is_run(folder.parent):
+        if folder.name in RUN_FOLDERS and _is_run_or_starting(folder.parent):
             return f"{path} is inside the run {folder.parent}'s {folder.name}/ folder"
+    return None
+
+
+def _is_run_or_starting(directory) -> bool:
+    """``directory`` holds a run's files, or its lock (a run building its model has written
+    nothing else yet)."""
+    return _holds_run_files(directory) or (directory / "run.lock").is_file()
+
+
+def runs_inside(directory) -> str | None:
+    """Why a run in ``directory`` would delete another run (None if it would not): one that
+    was started inside its ``RUN_FOLDERS`` (its files, or its lock, are there)."""
+    from pathlib import Path
+
+    for folder in RUN_FOLDERS:
+        for top, dirs, files in os.walk(Path(directory) / folder):
+            if "metrics.jsonl" in files or "run.lock" in files:
+                return f"{directory}'s {folder}/ folder holds another run's files ({top})"
     return None
 
 

@@ -16,7 +16,7 @@ import threading
 import types
 from pathlib import Path
 
-from dptrain.commands import RUN_LAYOUT, check_can_create, in_run_folder
+from dptrain.commands import RUN_LAYOUT, check_can_create, in_run_folder, runs_inside
 from dptrain.config import ConfigError, said_by_rank_0
 from dptrain.messages import brief
 from dptrain.telemetry import json_rows
@@ -73,14 +73,15 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         _check_ranks_agree_on_start(args, out)
     with _one_verdict_on(out, several):
         _check_output_dir(out)  # before the data and the model are built
-    with _run_lock(out, rank=stop.rank, dry_run=args.dry_run, shared=several) as claim:
-        return _run_in(out, cfg, args, stop, several, claim)
+    with _run_lock(out, rank=stop.rank, dry_run=args.dry_run, shared=several) as started:
+        return _run_in(out, cfg, args, stop, several, started)
 
 
 def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespace,
-            several: bool, claim=lambda: None) -> int:
+            several: bool, started=lambda: None) -> int:
     """:func:`_run` once ``out`` is this run's alone (its lock held); ``several``: ranks;
-    ``claim()`` names this run in the lock file once the start is not refused."""
+    ``started()`` once every check before the first step has passed (a start that never gets
+    there leaves the lock file as it found it)."""
     from dptrain import checkpoint as ckpt
     from dptrain.trainer import StopRequested, Trainer
 
@@ -89,7 +90,6 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
         finished = _look(out, cfg, args)
         if not finished:
             resume_path = _resume_path(out, cfg, args, several)
-            claim()
     except ConfigError as e:
         error = e
     except OSError as e:
@@ -151,6 +151,7 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
             print(f"dptrain train: resumed from {resume_path} at step {trainer.step}",
                   file=sys.stderr)
             _drop_metrics_after(out / "metrics.jsonl", trainer.step)
+    started()
     try:
         summary = trainer.run()
     except StopRequested as e:
@@ -393,10 +394,11 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False)
     is every rank's, so every rank exits (ranks started without torchrun's agent waited for
     the others until the collective timeout). The lock is the open file's, so the kernel drops
     it when the process dies however it dies (a preempted run leaves nothing stale; on NFS the
-    server drops it when the client's lease lapses, about 90 s after a node is lost). It
-    yields ``claim()``, which names this process in the file once the start's checks have
-    passed: a refused start leaves the file as it was (naming the last run that started),
-    except that one refused before it wrote anything removes the folders it created. A file system that cannot lock gets a warning and the run
+    server drops it when the client's lease lapses, about 90 s after a node is lost). The file
+    names its holder; it yields ``started()``, to be called once the start's checks have
+    passed: a start that does not get there (refused, or a finished run: nothing to do) puts
+    back what the file said (the last run that started), and one refused before it wrote
+    anything removes the folders it created. A file system that cannot lock gets a warning and the run
     goes on unguarded. ``dry_run`` writes nothing: it only asks whether another run holds the
     lock."""
     try:
@@ -421,18 +423,17 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False)
         one_verdict(error, True)  # (rank 0's, the only one that looks)
     elif error is not None:
         raise error
-    def claim() -> None:
-        if held is not None and held[1]:
-            _claim(held[0], path)
+    began = []
 
     try:
-        yield claim
+        yield lambda: began.append(True)
     finally:
         if held is not None:
-            _release(path, out, *held)
+            _release(path, out, *held, started=bool(began))
 
 
-def _release(path: Path, out: Path, fd: int, locked: bool, made: list[Path]) -> None:
+def _release(path: Path, out: Path, fd: int, locked: bool, made: list[Path], before: bytes,
+             started: bool) -> None:
     try:
         if locked and made and [p.name for p in out.iterdir()] == [LOCK]:
             # a start refused before writing anything leaves no folder behind; the file goes
@@ -440,6 +441,9 @@ def _release(path: Path, out: Path, fd: int, locked: bool, made: list[Path]) -> 
             os.unlink(path)
             for folder in made:
                 folder.rmdir()
+        elif locked and not started:  # (refused, or nothing to do: the last run's name back)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, before, 0)
     except OSError:
         pass
     finally:
@@ -474,10 +478,10 @@ def _probe(fcntl, path: Path, out: Path) -> None:
         os.close(fd)
 
 
-def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path]]:
-    """Create ``out`` and ``path`` in it, and take its lock: (the descriptor, whether locked
-    (False: the file system cannot lock), the folders created, deepest first). The file is
-    left as it was: :func:`_claim` names the holder."""
+def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path], bytes]:
+    """Create ``out`` and ``path`` in it, take its lock and name this process there: (the
+    descriptor, whether locked (False: the file system cannot lock), the folders created,
+    deepest first, what the file said before)."""
     for _ in range(8):
         made = [d for d in (out, *out.absolute().parents) if not d.exists()]
         try:
@@ -489,14 +493,16 @@ def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path]]:
             raise ConfigError("output-dir", f"cannot write {path}: {e.strerror or e}") from None
         try:
             if not _take(fcntl, fd, fcntl.LOCK_EX, path, out):
-                return fd, False, made
+                return fd, False, made, b""
             held = os.fstat(fd)
             try:
                 now = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
                 now = None
             if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
-                return fd, True, made
+                before = os.pread(fd, os.fstat(fd).st_size, 0)
+                _claim(fd, path)
+                return fd, True, made, before
         except BaseException:
             os.close(fd)
             raise
@@ -580,13 +586,16 @@ def _check_output_dir(out: Path) -> None:
     or of its kind."""
     if out.exists() and not out.is_dir():
         raise ConfigError("output-dir", f"{out} exists and is not a directory")
-    if (inside := in_run_folder(out)) is not None:
-        raise ConfigError("output-dir", f"{inside}, which that run prunes or replaces; choose "
-                                        "another directory")
     if out.is_symlink() and not out.exists():
         raise ConfigError("output-dir", f"{out} is a symbolic link to nothing "
                                         f"({os.readlink(out)}); make its target, or remove it")
     check_can_create("output-dir", out)
+    if (inside := in_run_folder(out)) is not None:
+        raise ConfigError("output-dir", f"{inside}, which that run prunes or replaces; choose "
+                                        "another directory")
+    if (inside := runs_inside(out)) is not None:
+        raise ConfigError("output-dir", f"{inside}: this run would prune or replace it; move "
+                                        "it away, or choose another directory")
     _check_layout(out)
 
 
