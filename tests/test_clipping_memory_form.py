@@ -13,6 +13,7 @@ from dptrain.clipping.contributions import (
     Dense,
     OneHot,
     Outer,
+    choose_form,
     choose_form_memory,
     choose_form_states,
     state_bytes,
@@ -47,6 +48,18 @@ def test_convolution_counts_its_unfolded_input():
     assert c._R is None
     assert c.ghost_bytes() == (G.numel() + x.numel() + B * H * H * C * 9) * 4
     assert c._R is None  # sized without building it
+
+
+def test_the_flops_cost_model_picks_ghost_for_short_wide_and_instantiate_for_long_narrow():
+    # choose_form (auto, one state): ghost costs T^2 (out + in), instantiation T out in; a
+    # comparison turned around is as exact but takes the slower form for every layer
+    short_wide = Outer(torch.randn(2, 4, 512), torch.randn(2, 4, 512))  # 16 K vs 1 M
+    long_narrow = Outer(torch.randn(2, 512, 8), torch.randn(2, 512, 8))  # 4 M vs 32 K
+    assert choose_form([short_wide]) == "ghost"
+    assert choose_form([long_narrow]) == "instantiate"
+    # the policies other than auto decide alone
+    assert choose_form([long_narrow], "ghost") == "ghost"
+    assert choose_form([short_wide], "instantiate") == "instantiate"
 
 
 def _gpt2(width: int, T: int):

@@ -186,6 +186,88 @@ def test_other_forwards_are_not_recognised(float32_path):
     assert _transformers_rmsnorm_form(LlamaRMSNorm(6)) == "llama"
 
 
+class _Pow4GemmaRMSNorm(nn.Module):
+    """Gemma's form token for token, but for one constant of its ``_norm`` (x^4, not x^2)."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(d))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(4).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+
+class _QuarterGemma3nRMSNorm(nn.Module):
+    """Gemma 3n's form, but for its float constant (mean_squared^-0.25, not ^-0.5)."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.with_scale = True
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def _norm(self, hidden_states):
+        mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.eps
+        return hidden_states * torch.pow(mean_squared, -0.25)
+
+    def forward(self, hidden_states):
+        normed_output = self._norm(hidden_states.float())
+        if self.with_scale:
+            normed_output = normed_output * self.weight.float()
+        return normed_output.type_as(hidden_states)
+
+
+@pytest.mark.parametrize("cls", [_Pow4GemmaRMSNorm, _QuarterGemma3nRMSNorm])
+def test_a_form_with_another_constant_is_not_recognised(cls, float32_path):
+    # the same operations on the same names, one constant changed: only the code's constants
+    # tell it from its form. (Gemma's forward's 1.0 would not do: (c + w) has the same weight
+    # gradient for every c.)
+    norm = cls(6)
+    assert _transformers_rmsnorm_form(norm) is None
+    model, batch = _sandwich(norm, 6, torch.float64, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert _rule_of(model, 1) is FALLBACK
+        check(model, batch, policies=("auto",), modes=("bookkeeping",))
+
+
+def test_llama_form_gradient_in_bfloat16_is_exact():
+    """Llama's form rounds xhat to the input's dtype before the weight: with one token per
+    example and output gradients that are powers of two, the per-example weight gradient of a
+    bf16 model is exact (every product exact) in the reference and in the engine, and equal;
+    without the rounding it was off by bf16's 2^-9 (the looser test above allows 2e-2)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(8)
+    norm = LlamaRMSNorm(6, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(6, generator=gen) + 0.5)
+    norm = norm.to(torch.bfloat16)
+    x = torch.randn(5, 1, 6, generator=gen).to(torch.bfloat16)
+    sign = torch.randint(0, 2, (5, 1, 6), generator=gen) * 2 - 1
+    S = sign * 2.0 ** torch.randint(-2, 3, (5, 1, 6), generator=gen)
+
+    def linear_loss(m, b):  # its output gradient is b[1], exactly (a power of two: in bf16)
+        return (m(b[0]).float() * b[1]).flatten(1).sum(1)
+
+    ref = reference_grads(norm, linear_loss, (x, S))  # torch.func, in bf16
+    assert ref.dtype == torch.bfloat16
+    ref = ref.float()
+    got = ClippingEngine(norm).per_example_norms(linear_loss, (x, S))
+    torch.testing.assert_close(got.float(), ref.norm(dim=1), rtol=1e-6, atol=0)
+    for b in range(5):  # one example, unclipped: its gradient itself
+        acc = {}
+        ClippingEngine(norm, clip_norm=1e9, mode="bookkeeping").accumulate(
+            linear_loss, (x[b:b + 1], S[b:b + 1]), acc)
+        torch.testing.assert_close(acc["weight"].float(), ref[b], rtol=0, atol=0)
+
+
 class _EmbedHead(nn.Module):
     """A scaled word embedding, then a linear head over each token."""
 

@@ -118,6 +118,35 @@ def test_flows_between_examples_of_either_parity_or_half_are_refused(f, B, seed)
             sq_loss, (_x(B, 4, seed=seed),), {})
 
 
+class _Flipped(nn.Module):
+    def forward(self, h):
+        return h.flip(0)
+
+
+def test_rows_reordered_with_equal_norms_and_sums_are_refused_by_their_projection():
+    # rows of a LayerNorm without affine parameters all have norm sqrt(d) and sum 0: reversed,
+    # no row's norm moves and neither does its sum; only the projection on a random direction
+    # shows the other example's row (refused here, at the layer, not later by the losses)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.LayerNorm(16, elementwise_affine=False), _Flipped(),
+                      nn.Linear(16, 2)).double()
+    with pytest.raises(ValueError, match=r"the rows of the input of 2 \(Linear"):
+        ClippingEngine(m, clip_norm=1.0).accumulate(sq_loss, (_x(4, 16),), {})
+
+
+def test_an_example_is_replaced_by_a_different_one_not_by_its_duplicate():
+    # batch [a, a, b, c] and a flow from example 0 into example 2: only the first half's copy
+    # (0 and 1 replaced, 2 kept) can show it. Were example 0 replaced by its duplicate
+    # (example 1), nothing would flow, yet example 1's replacement reached the layer: the
+    # check would count as done and the model would be accepted
+    torch.manual_seed(0)
+    x = _x(4, 4)
+    x[1] = x[0]
+    engine = ClippingEngine(Between(_add_row(2, 0)).double(), clip_norm=1.0)
+    with pytest.raises(ValueError, match=r"the rows of the input of b \(Linear.*\(0, 1\) by"):
+        engine.accumulate(sq_loss, (x,), {})
+
+
 def test_a_loss_that_counts_labels_over_the_microbatch_is_refused():
     # class-balanced weights from the microbatch's own label counts; y[0] == y[1], so replacing
     # example 0 alone by a copy of example 1 would leave every count as it was

@@ -444,6 +444,33 @@ def test_stdconv_ghost_paths(case, dtype):
           modes=("bookkeeping",))
 
 
+def test_stdconv_output_modified_in_place_is_not_read_for_p():
+    # the ghost form reads <patch, what_o> off the conv's output only while that output is
+    # unmodified: a LeakyReLU(inplace=True) right after it scales its negative entries by 0.1
+    # after the forward, and reading them gave norms that are not those of the gradient added.
+    # (An in-place ReLU cannot show it: it zeroes the output exactly where the output gradient
+    # is 0, and <patch, what_o> only enters multiplied by that gradient.)
+    from timm.layers import StdConv2d
+
+    torch.manual_seed(12)
+    conv = StdConv2d(4, 6, 3, padding=0, bias=True)
+    model = nn.Sequential(conv, nn.LeakyReLU(0.1, inplace=True), nn.Flatten(),
+                          nn.Linear(6 * 4 * 4, 3)).double()
+    x = torch.randn(5, 4, 6, 6, dtype=torch.float64)
+    batch = make_batch(model, x, 21)
+    ref = reference_grads(model, mse_loss, batch).norm(dim=1)
+    got = ClippingEngine(model, ghost="ghost").per_example_norms(mse_loss, batch)
+    assert_norms(got, ref, torch.float64)
+    C = 0.5 * float(ref.min())
+    for mode in MODES:
+        for b in range(x.shape[0]):
+            acc = {}
+            ClippingEngine(model, clip_norm=C, ghost="ghost", mode=mode).accumulate(
+                mse_loss, (batch[0][b:b + 1], batch[1][b:b + 1]), acc)
+            added = float(torch.cat([v.reshape(-1) for v in acc.values()]).norm())
+            assert added <= C * (1 + 1e-6), (mode, b, added / C)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_stdconv_with_a_dominant_bias_keeps_float32_accuracy(seed):
     # reading <patch, what_o> off the output (y - bias) would lose the digits the bias holds:
@@ -563,6 +590,51 @@ def test_ghost_norms_whose_terms_cancel_are_recomputed(kind):
                 assert C * (1 - 1e-3) <= norm <= C * (1 + 1e-3), (policy, mode, b, norm)
 
 
+def test_the_rounding_scale_is_the_sum_of_the_per_token_terms_squared_norms():
+    # the Triton path's threshold for cancelled ghost sums (the torch path reads the same
+    # quantity off its Gram matrices' diagonals): sum_u coef_u^2 sum_t |L_t|^2 |R_t|^2. With
+    # |R_t| ~ 1e4, a scale from |R_t| instead of its square is 1e4 times too low, so a ghost
+    # sum cancelled to float32 noise is kept (the norm short, a clipped example above C)
+    from dptrain.clipping.contributions import (
+        Dense,
+        OneHot,
+        Outer,
+        rounding_scale,
+        squared_norms_scaled,
+    )
+
+    gen = torch.Generator().manual_seed(8)
+    L, R = torch.randn(2, 5, 3, generator=gen), 1e4 * torch.randn(2, 5, 4, generator=gen)
+    ids = torch.tensor([[0, 2, 2, 1, 0], [1, 1, 1, 1, 3]])
+    g = torch.randn(2, 6, generator=gen)
+    lr = (L.double().norm(dim=-1) ** 2 * R.double().norm(dim=-1) ** 2).sum(1)
+    hot = (R.double().norm(dim=-1) ** 2).sum(1)  # a one-hot row has norm 1
+    got = rounding_scale([Outer(L, R, 0.5), Outer(OneHot(ids, 4), R, 3.0), Dense(g, 2.0)])
+    want = 0.25 * lr + 9.0 * hot + 4.0 * g.double().norm(dim=1) ** 2
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+    # the torch path's diagonals: the same quantity
+    _, diag, _ = squared_norms_scaled([Outer(L, R, 0.5)])
+    torch.testing.assert_close(rounding_scale([Outer(L, R, 0.5)]), diag, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("Ta, Tb", [(3, 5), (4, 4)])
+def test_inner_product_of_a_dense_and_a_one_hot_outer_form_in_either_order(Ta, Tb):
+    # a tied head (dense L) paired with its embedding (one-hot L): the engine puts the dense one
+    # first, so the (dense, one-hot) order of _ll, a transpose of the other, ran in no other
+    # test; without its transpose the (B, Tb, Ta) Gram is paired with the (B, Ta, Tb) one
+    from dptrain.clipping.contributions import OneHot, Outer, inner, instantiate
+
+    gen = torch.Generator().manual_seed(10)
+    B, V, d = 2, 6, 4
+    dense = Outer(torch.randn(B, Ta, V, generator=gen, dtype=torch.float64),
+                  torch.randn(B, Ta, d, generator=gen, dtype=torch.float64))
+    hot = Outer(OneHot(torch.randint(0, V, (B, Tb), generator=gen), V),
+                torch.randn(B, Tb, d, generator=gen, dtype=torch.float64))
+    want = (instantiate(dense) * instantiate(hot)).sum(dim=(1, 2))
+    for u, v in ((dense, hot), (hot, dense)):
+        torch.testing.assert_close(inner(u, v), want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_exactly_cancelling_examples_among_others_get_their_own_norms(dtype):
     # examples 0 and 2 have two identical tokens with opposite output gradients: gradient 0,
@@ -621,6 +693,41 @@ def test_stdconv_positions_that_cancel_are_recomputed():
                 mse_loss, (x[b:b + 1], batch[1][b:b + 1]), acc)
             added = float(acc["conv.weight"].norm())  # clipped to C: each norm is >= 10 C
             assert C * (1 - 1e-3) <= added <= C * (1 + 1e-3), (policy, b, added / C)
+
+
+def test_stdconv_one_channel_that_cancels_is_recomputed():
+    # the ghost rows are per output channel, and an example is recomputed when ANY of its rows
+    # is doubtful: here only example 0's channel 0 cancels (alike patches at the two positions,
+    # output gradients +-3e3; its other channels and examples are ordinary). Recomputing only
+    # examples whose every row cancels left that row's float32 noise in its norm (off by 15%
+    # here, an example under-clipped when the noise is negative)
+    from timm.layers import StdConv2d
+
+    torch.manual_seed(0)
+    conv = StdConv2d(8, 4, 3, padding=0, bias=False)
+    with torch.no_grad():
+        conv.weight.normal_()
+    gen = torch.Generator().manual_seed(10)
+    base = torch.randn(6, 8, 3, 1, generator=gen)
+    x = base + 1e-4 * torch.randn(6, 8, 3, 4, generator=gen)  # both 3x3 patches alike
+    S = torch.randn(6, 4, 1, 2, generator=gen)
+    S[0, 0, 0] = torch.tensor([3e3, -3e3])
+    batch = (x, S)
+
+    def linear_loss(model, b):  # its output gradient is b[1], exactly
+        return (model(b[0]) * b[1]).flatten(1).sum(1)
+
+    ref = reference_grads(copy.deepcopy(conv).double(), linear_loss,
+                          tuple(t.double() for t in batch)).norm(dim=1)
+    got = ClippingEngine(conv, ghost="ghost").per_example_norms(linear_loss, batch).double()
+    assert float(((got - ref).abs() / ref).max()) <= 1e-4, ((got - ref) / ref).tolist()
+    C = float(ref.min()) / 10
+    for mode in MODES:
+        for b in range(x.shape[0]):
+            acc = {}
+            ClippingEngine(conv, clip_norm=C, ghost="ghost", mode=mode).accumulate(
+                linear_loss, (x[b:b + 1], S[b:b + 1]), acc)
+            assert float(acc["weight"].norm()) <= C * (1 + 1e-6), (mode, b)
 
 
 @pytest.mark.parametrize("scale", [1e6, 1e10])
@@ -852,6 +959,61 @@ def test_a_one_entry_plan_scales_the_query_by_its_coefficient(a):
     check(m, batch, plan=[(a, None)], ref=a * reference_grads(m, mse_loss, batch))
 
 
+@pytest.mark.parametrize("states", [1, 2])
+@pytest.mark.parametrize("tied", [False, True])
+def test_plan_coefficients_reach_the_instantiated_buffer_of_a_head_and_an_embedding(tied,
+                                                                                    states):
+    # the instantiated form adds each contribution times its coefficient into one buffer: a
+    # dense one whose output is wider than its input (an lm_head) scales R on the buffer's
+    # first write, a one-hot one (an embedding) goes through index_add_(alpha=...); a
+    # coefficient dropped there gives every example's norm and clipped sum the wrong weight
+    torch.manual_seed(0)
+    m = EmbedHead(16, 3, tied=tied).double()  # head: Linear(3 -> 16)
+    ids = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(9))
+    if states == 1:
+        plan = [(0.5, None)]
+        ref = 0.5 * reference_grads(m, lm_loss, (ids,))
+    else:
+        theta1 = {n: p.detach() + 0.1 * torch.randn_like(p) for n, p in m.named_parameters()}
+        plan = [(0.7, theta1), (0.3, None)]
+        ref = (0.7 * reference_grads(m, lm_loss, (ids,), theta1)
+               + 0.3 * reference_grads(m, lm_loss, (ids,)))
+    check(m, (ids,), lm_loss, policies=("instantiate",), plan=plan, ref=ref)
+
+
+@pytest.mark.parametrize("a", [0.5, 2.0])
+def test_a_coefficient_reaches_the_rows_recomputed_for_cancelled_ghost_sums(a):
+    # a cancelled ghost sum is recomputed as the example's instantiated rows, each contribution
+    # times its coefficient: without it the norm and the sum carry 1 where the query has a (the
+    # other cancellation tests have coefficient 1 only)
+    torch.manual_seed(0)
+    model = _Cancelling("tokens")
+    gen = torch.Generator().manual_seed(1)
+    B, d = 4, 16
+    base = torch.randn(B, 1, d, generator=gen)
+    x = torch.cat([base + 1e-4 * torch.randn(B, 1, d, generator=gen), base], 1)
+    batch = (x, 1e5 * torch.randn(B, d, generator=gen))
+    ref = a * reference_grads(copy.deepcopy(model).double(), mse_loss,
+                              tuple(t.double() for t in batch))
+    ref_norms = ref.norm(dim=1)
+    plan = [(a, None)]
+    for policy in ("ghost", "auto"):
+        engine = ClippingEngine(model, clip_norm=10 * float(ref_norms.max()), ghost=policy)
+        got = engine.per_example_norms(mse_loss, batch, plan).double()
+        assert float(((got - ref_norms).abs() / ref_norms).max()) < 1e-3, (policy, got)
+        acc: dict = {}  # C above every norm: the sum of the examples' queries
+        engine.accumulate(mse_loss, batch, acc, plan)
+        want = ref.sum(0)
+        assert float((acc["layer.weight"].double().reshape(-1) - want).norm()) <= (
+            1e-3 * float(ref_norms.sum())), policy
+        C = float(ref_norms.min()) / 10
+        for b in range(B):  # each clipped example adds at most C
+            acc = {}
+            ClippingEngine(model, clip_norm=C, ghost=policy).accumulate(
+                mse_loss, (x[b:b + 1], batch[1][b:b + 1]), acc, plan)
+            assert float(acc["layer.weight"].norm()) <= C * (1 + 1e-6), (policy, b)
+
+
 def test_a_per_parameter_plan_with_a_layer_at_one_state_only():
     # as inner momentum's separate Muon / AdamW histories give: the conv at theta_0 only
     m, batch = _std_conv_net()
@@ -954,6 +1116,45 @@ def test_a_weight_shared_with_a_fallback_layer(kind, states):
     check(m, batch, m.loss, plan=[(0.7, theta1), (0.3, None)], ref=ref)
 
 
+class _ExpScale(nn.Module):
+    """y = x * exp(w): a fallback layer whose gradient depends on the value of its parameter."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(0.3 * torch.randn(d))
+
+    def forward(self, x):
+        return x * torch.exp(self.w)
+
+
+def _strided_copy(v: torch.Tensor) -> torch.Tensor:
+    """``v``'s values in a tensor of other strides (the engine copies such a state's values
+    into the parameter, and its own back afterwards, instead of pointing it at them)."""
+    return torch.zeros(*v.shape, 2, dtype=v.dtype).select(-1, 0).copy_(v)
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.func:UserWarning")
+@pytest.mark.parametrize("states", [1, 2])
+def test_a_fallback_layer_at_a_state_copied_into_its_parameters(states):
+    # the fallback captures its parameters' values at the forward: a state that cannot be
+    # swapped in (other strides, dtype: FSDP2 shards, float32 master copies) is copied into the
+    # parameters and the current values copied back before the contributions are computed; a
+    # capture that aliased the parameter then took every state's VJP at the current values
+    from dptrain.clipping.engine import _swappable
+
+    torch.manual_seed(5)
+    m = nn.Sequential(_ExpScale(4), nn.Linear(4, 2)).double()
+    gen = torch.Generator().manual_seed(6)
+    batch = (torch.randn(5, 4, generator=gen, dtype=torch.float64),
+             torch.randn(5, 2, generator=gen, dtype=torch.float64))
+    thetas = [{n: _strided_copy(p.detach() + 0.4 * torch.randn_like(p))
+               for n, p in m.named_parameters()} for _ in range(states)]
+    assert not any(_swappable(p, thetas[0][n]) for n, p in m.named_parameters())
+    coefs = [1.0] if states == 1 else [0.6, 0.4]
+    ref = sum(a * reference_grads(m, mse_loss, batch, t) for a, t in zip(coefs, thetas))
+    check(m, batch, plan=list(zip(coefs, thetas)), ref=ref)
+
+
 def test_module_with_parameter_and_submodules_is_tapped():
     # refused until 2026-12-02; now tapped (tests/test_clipping_taps.py has the cases)
     class Odd(nn.Module):
@@ -988,6 +1189,28 @@ def test_inplace_modified_conv_input_is_detected():
     # autograd itself notices when the layer saved its input; the rules check it regardless
     with pytest.raises((ValueError, RuntimeError), match="modified (in place|by an inplace)"):
         ClippingEngine(m).per_example_norms(lambda mm, b: mm(b[0]), (torch.randn(2, 3, 4),))
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Conv1d(4, 3, 1), lambda: nn.Conv2d(4, 3, 3),
+                                  lambda: nn.Conv2d(4, 6, 3, groups=2)])
+def test_the_conv_rule_itself_refuses_an_input_modified_after_capture(make):
+    # the rule's own check, not the engine's: other guards catch the end-to-end case above
+    # (autograd, when the layer saved its input), but the rule computes from the captured
+    # input, and one modified in place after the forward would give another layer's gradient
+    from dptrain.clipping.errors import ClippingError
+    from dptrain.clipping.rules import find_rule
+
+    conv = make()
+    rule = find_rule(conv)
+    x = torch.randn(2, 4, *[5] * (conv.weight.dim() - 2))
+    with torch.no_grad():
+        y = conv(x)
+    saved = rule.capture(conv, (x,), y)
+    G = torch.randn_like(y)
+    assert set(rule.contributions(conv, saved, G)) == {"weight", "bias"}  # unmodified: fine
+    x.mul_(2.0)
+    with pytest.raises(ClippingError, match="modified in place after the forward"):
+        rule.contributions(conv, saved, G)
 
 
 def test_nan_norm_is_never_left_unclipped():
@@ -1116,6 +1339,28 @@ def test_subclasses_that_change_the_computation_go_to_the_fallback():
     conv = nn.Sequential(_WSConv(2, 3, 3), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)).double()
     x = torch.randn(4, 2, 6, 6, generator=gen, dtype=torch.float64)
     check(conv, (x, torch.randn(4, 2, generator=gen, dtype=torch.float64)))
+
+
+def test_a_forward_set_on_the_instance_goes_to_the_fallback():
+    # ``layer.forward = ...`` on a Linear: the Linear rule's gradient is that of the class's
+    # forward (here 10 times too small for the weight); the layer must take the fallback
+    import types
+
+    from dptrain.clipping.rules import find_rule
+
+    gen = torch.Generator().manual_seed(1)
+    lin = nn.Linear(3, 2)
+    # bound to the instance (a deep copy, as the reference makes, rebinds it to the copy)
+    lin.forward = types.MethodType(lambda self, x: F.linear(x, 10 * self.weight, self.bias), lin)
+    assert find_rule(lin) is None
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), lin).double()
+    x = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    batch = (x, torch.randn(5, 2, generator=gen, dtype=torch.float64))
+    with pytest.warns(UserWarning, match="has a forward of its own"):
+        ClippingEngine(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check(model, batch)
 
 
 def test_embedding_with_scale_grad_by_freq_is_refused():

@@ -251,6 +251,44 @@ def test_engine_norms_and_clipped_sum_with_the_kernel_equal_torch_over_several_s
 
 
 @runs_kernels
+def test_engine_recomputes_cancelled_ghost_sums_of_large_inputs_with_the_kernel():
+    # with the kernel, the threshold for a cancelled ghost sum is rounding_scale's
+    # sum_t |L_t|^2 |R_t|^2. Tokens 1e4 v + jitter with opposite output gradients (|R_t| ~ 8e4,
+    # the terms ~1e3 times their sum): from |R_t| unsquared the threshold was 8e4 times too
+    # low, the float32 ghost sum (6-20% off) was kept and a clipped example added above C
+    from dptrain.clipping import ClippingEngine
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64, bias=False).to(DEVICE)
+    gen = torch.Generator().manual_seed(7)
+    B, T = 3, 32
+    v, w = torch.randn(64, generator=gen), torch.randn(64, generator=gen)
+    sign = torch.cat([torch.ones(T // 2), -torch.ones(T // 2)])
+    x = 1e4 * v.expand(B, T, 64) + 20 * torch.randn(B, T, 64, generator=gen)
+
+    def loss_fn(m, batch):
+        t = batch[0]
+        return ((m(t) @ w.to(t)) * sign.to(t)).sum(1)
+
+    ref = []  # a loop over single examples, float64
+    for b in range(B):
+        m64 = torch.nn.Linear(64, 64, bias=False).double()
+        m64.weight.data.copy_(model.weight.detach().cpu())
+        ref.append(torch.autograd.grad(loss_fn(m64, (x[b:b + 1].double(),)), m64.weight)[0])
+    ref = torch.stack(ref).flatten(1).norm(dim=1)
+    x = x.to(DEVICE)
+    C = float(ref.min()) / 10  # every example is to be clipped
+    engine = ClippingEngine(model, ghost="ghost", kernels="triton")
+    got = engine.per_example_norms(loss_fn, (x,)).double().cpu()
+    assert float(((got - ref).abs() / ref).max()) < 1e-3, (got, ref)
+    for b in range(B):
+        acc: dict = {}
+        ClippingEngine(model, clip_norm=C, ghost="ghost", kernels="triton").accumulate(
+            loss_fn, (x[b:b + 1],), acc)
+        assert float(acc["weight"].norm()) <= C * (1 + 1e-6), b
+
+
+@runs_kernels
 def test_kernels_setting_leaves_clip_factors_and_the_release_unchanged():
     small = ["performance.dtype=float64", f"performance.device={DEVICE}",
              "performance.ghost=ghost", "model.n_layer=1", "privacy.sample_rate=0.04"]
