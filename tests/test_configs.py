@@ -517,3 +517,76 @@ def test_a_negative_seed_is_refused_naming_it(overrides, field):
     with pytest.raises(ConfigError) as e:
         load(RunConfig, next(p for p in CONFIGS if p.name == "tiny.yaml"), overrides)
     assert e.value.field == field
+
+
+# ------------------------------------------------- boundaries a mutation run found untested
+
+def test_a_bool_in_a_list_of_integers_is_refused_naming_its_element():
+    # the tree check after loading sees fields, not list elements: [16, true] was [16, True]
+    e = _field_of(["model.name=cnn", "model.channels=[16,true]"])
+    assert e.field == "model.channels[1]" and "expected an integer" in e.message
+    with pytest.raises(ConfigError):
+        from_dict(_Leaf, {"n": True})
+
+
+def test_a_list_of_sections_names_the_element_and_a_missing_required_field():
+    e = _field_of(["optim.groups=[{optimizer: sgd}]"])
+    assert e.field == "optim.groups[0].pattern" and "required" in e.message
+
+
+def test_an_unknown_top_level_key_is_one_error_naming_it():
+    e = _field_of(["seeed=1"])
+    assert e.field == "seeed" and "unknown key" in e.message
+
+
+def test_integer_and_float_ranges_end_where_int64_and_float32_end():
+    from dptrain.config import FLOAT32_MAX
+
+    for n in (2**63 - 1, -2**63):
+        assert from_dict(_Leaf, {"n": n}).n == n
+    for n in (2**63, -2**63 - 1):
+        with pytest.raises(ConfigError, match="int64"):
+            from_dict(_Leaf, {"n": n})
+    assert from_dict(_Leaf, {"x": FLOAT32_MAX}).x == FLOAT32_MAX
+    with pytest.raises(ConfigError):
+        from_dict(_Leaf, {"x": "3.5e38"})
+
+
+def test_blank_values_and_float_base_60_are_refused():
+    from dptrain.config import parse_override, safe_load
+
+    for text in ("privacy.epsilon=", "privacy.epsilon= ", "privacy.epsilon=\t"):
+        with pytest.raises(ConfigError, match="key=null") as e:
+            parse_override(text)  # (a shell variable that expanded to blanks: not null)
+        assert e.value.field == "privacy.epsilon"
+    for text in ("t: 1:30", "t: 1:30.5"):  # YAML 1.1 reads 90 and 90.5
+        with pytest.raises(ConfigError) as e:
+            safe_load(text)
+        assert e.value.field == "t"
+
+
+def test_an_override_below_a_scalar_that_is_zero_is_refused():
+    from dptrain.config import apply_override
+
+    for scalar in (0, "", False):
+        with pytest.raises(ConfigError, match="'seed' is not a section"):
+            apply_override({"seed": scalar}, ["seed", "x"], 1)
+
+
+def test_path_names_end_at_the_file_system_s_limits():
+    from dptrain.config import NAME_MAX, PATH_MAX, check_path_name
+
+    check_path_name("f", "a" * NAME_MAX)
+    long = "/".join(["a" * 200] * 21)  # (4,220 characters)
+    check_path_name("f", long[:PATH_MAX])
+    for bad in ("a" * (NAME_MAX + 1), long[:PATH_MAX + 1]):
+        with pytest.raises(ConfigError) as e:
+            check_path_name("f", bad)
+        assert e.value.field == "f"
+
+
+def test_brief_keeps_the_first_200_characters_of_the_first_line():
+    from dptrain.messages import brief
+
+    assert brief(ValueError("x" * 300 + "\nmore")) == "ValueError: " + "x" * 200
+    assert brief(ValueError("")) == "ValueError"
