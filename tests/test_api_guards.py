@@ -538,6 +538,31 @@ def test_two_pass_sums_by_its_second_backward_where_the_hooks_see_every_use():
     assert acc  # (book-keeping takes both sums from the same captured tensors)
 
 
+@pytest.mark.parametrize("per_parameter", [False, True])
+def test_two_pass_weights_each_states_second_backward_by_its_coefficient(per_parameter):
+    # a multi-state plan (inner momentum, DiSK) with coefficients other than 1: state j's second
+    # backward is scaled by a_j. Unscaled, its sum disagreed with the book-keeping one, and the
+    # probe sent every parameter to book-keeping with a warning: two_pass in name only
+    model = _two_layers()
+    gen = torch.Generator().manual_seed(1)
+    batch = (torch.randn(6, 8, generator=gen), torch.randint(0, 3, (6,), generator=gen))
+    theta1 = {n: p.detach() + 0.1 * torch.randn(p.shape, generator=gen)
+              for n, p in model.named_parameters()}
+    a0 = {n: 0.3 if n.startswith("0.") else 0.6 for n in theta1} if per_parameter else 0.4
+    a1 = {n: 1.5 - a for n, a in a0.items()} if per_parameter else 0.7
+    plan = [(a1, theta1), (a0, None)]
+    sums = {}
+    for mode in ("bookkeeping", "two_pass"):
+        engine = ClippingEngine(model, clip_norm=0.5, mode=mode)
+        acc: dict = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            engine.accumulate(_ce, batch, acc, plan)
+        sums[mode] = torch.cat([acc[n].reshape(-1) for n in theta1])
+    assert engine.summed_by_query == set()
+    torch.testing.assert_close(sums["two_pass"], sums["bookkeeping"], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("change", ["freeze", "unfreeze", "append", "replace", "assign",
                                     "same parameters, new layer"])
 def test_trainable_parameters_that_changed_since_the_engine_was_built_are_refused(change):

@@ -1632,6 +1632,66 @@ def test_a_parameter_registered_under_two_names_is_exact(where):
         check(model, (x, torch.randn(4, 2, generator=gen, dtype=torch.float64)))
 
 
+@pytest.mark.parametrize("fault", ["drops bias", "adds a name"])
+def test_a_rule_that_does_not_compute_every_parameter_of_its_module_is_refused(fault,
+                                                                               monkeypatch):
+    # a rule's contributions must name each trainable parameter of its module once: one left out
+    # (here the Linear rule without its bias) would be missing from every example's norm, its
+    # clipped sum unbounded by C; one the module does not have, credited to nothing
+    from dptrain.clipping.contributions import Dense
+    from dptrain.clipping.errors import ClippingError
+    from dptrain.clipping.rules import LinearRule
+
+    plain = LinearRule.contributions
+
+    def faulty(self, module, saved, G):
+        out = plain(self, module, saved, G)
+        if fault == "drops bias":
+            del out["bias"]
+        else:
+            out["scale"] = Dense(G.sum(1))
+        return out
+
+    monkeypatch.setattr(LinearRule, "contributions", faulty)
+    model = nn.Linear(3, 2).double()
+    gen = torch.Generator().manual_seed(0)
+    batch = (torch.randn(4, 3, generator=gen, dtype=torch.float64),
+             torch.randn(4, 2, generator=gen, dtype=torch.float64))
+    computes = "'weight'" if fault == "drops bias" else "'bias', 'scale', 'weight'"
+    with pytest.raises(ClippingError, match=rf"Linear\) has the trainable parameters \['bias', "
+                                            rf"'weight'\], and its rule \(LinearRule\) computes "
+                                            rf"\[{computes}\]: a gradient would be missing"):
+        ClippingEngine(model).per_example_norms(mse_loss, batch)
+
+
+def test_a_layer_output_modified_in_place_before_its_gradient_is_taken_is_refused():
+    # _take_gradients' own check (the engine returns a non-view alias of each target output, so
+    # an in-place op of the forward does not reach it; this guards the target itself): a
+    # gradient taken for an output changed in place would be w.r.t. another value
+    from dptrain.clipping.engine import _Record, _take_gradients
+    from dptrain.clipping.errors import ClippingError
+    from dptrain.clipping.rules import find_rule
+
+    lin = nn.Linear(3, 2)
+    out = lin(torch.randn(4, 3))
+    G = torch.randn(4, 2)
+
+    def record():
+        return _Record(lin, find_rule(lin), {}, 1.0, is_target=True, output=out,
+                       version=out._version, name="lin")
+
+    rec = record()
+    _take_gradients([rec], {id(out): G})  # unmodified: its gradient, and the output dropped
+    assert rec.G is G and rec.output is None
+    rec = record()
+    with torch.no_grad():
+        out.mul_(2.0)
+    with pytest.raises(ClippingError, match=r"the output of Linear was modified in place; its "
+                                            r"gradient cannot be captured"):
+        _take_gradients([rec], {id(out): G})
+    assert rec.G is None
+
+
 def test_timm_layernorms():
     # timm's LayerNorm computes nn.LayerNorm's function (its rule); LayerNorm2d normalises the
     # channels of NCHW input, which nn.LayerNorm's rule would get wrong: its own rule moves the

@@ -489,6 +489,124 @@ def test_a_module_whose_submodules_have_no_trainable_parameters_takes_the_fallba
         check(model, (_x(5), torch.zeros(5, 2, dtype=torch.float64)), mse_loss)
 
 
+class _FrozenChild(nn.Module):
+    """A parameter of its own next to a frozen child Linear, used as a layer norm's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(4) + 0.5)
+        self.fixed = nn.Linear(4, 4).requires_grad_(False)
+
+    def forward(self, x):
+        return F.layer_norm(torch.tanh(self.fixed(x)), (4,), weight=self.w)
+
+
+def test_a_module_whose_only_parameterised_child_is_frozen_takes_the_fallback_not_a_tap():
+    # only a child's TRAINABLE parameters make a module's own ones tapped: a frozen child's are
+    # constants, and the module is a leaf for the torch.func fallback. Tapped instead, w gets B
+    # rows as the layer norm's weight, which that call refuses (the model would not train)
+    from dptrain.clipping.rules import FALLBACK
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_FrozenChild(), nn.Linear(4, 2)).double()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        engine = ClippingEngine(model)
+    assert not engine.taps
+    fallbacks = [(h.name, list(h.params)) for h in engine.hooked if h.rule is FALLBACK]
+    assert fallbacks == [("0", ["w"])]
+    assert any("(0); using the torch.func fallback" in str(w.message) for w in seen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check(model, (_x(5), torch.zeros(5, 2, dtype=torch.float64)), mse_loss)
+
+
+class _Remade(nn.Module):
+    """A parameter used through a tensor made from it with its size but not its elements in
+    their order (not a reshape): 2 * gamma (ConvNeXt's form), pos.flip(1), W.t()."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        shape = {"double": (4,), "flip": (1, 4), "transpose": (4, 4)}[mode]
+        self.p = nn.Parameter(torch.rand(shape) + 0.5)
+
+    def forward(self, x):  # x: (B, 4, 4)
+        h = self.lin(x)
+        if self.mode == "double":
+            h = (h.unsqueeze(-1) * (2 * self.p).reshape(1, -1, 1, 1)).sum(-1)
+        elif self.mode == "flip":
+            h = h + self.p.flip(1)
+        else:
+            h = h + self.p.t()
+        return self.head(torch.tanh(h)).sum(1)
+
+
+@pytest.mark.parametrize("mode", ["double", "flip", "transpose"])
+def test_a_parameter_made_tensor_of_the_same_size_is_not_read_as_a_reshape(mode):
+    # only the parameter itself or a reshape of it (same storage, order and dtype) takes the
+    # gradient rows reshaped; any other tensor of its size goes through the VJP of P -> q (read
+    # as a reshape, 2 * gamma's rows would be half the gradient, flip's and t()'s permuted, and
+    # "nothing is missing" refuses them)
+    torch.manual_seed(0)
+    model = _Remade(mode).double()
+    assert [list(t.params) for t in ClippingEngine(model).taps] == [["p"]]
+    x = torch.randn(5, 4, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    check(model, (x, torch.zeros(5, 2, dtype=torch.float64)), mse_loss)
+
+
+class _RowPerExample(nn.Module):
+    """A (4, d) parameter added to a (B, d) input: at B = 4 it has a row per example."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.p = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return self.lin(torch.tanh(x + self.p))
+
+
+@pytest.mark.parametrize("B", [4, 3])
+def test_a_parameter_with_as_many_rows_as_the_microbatch_is_refused(B):
+    # its rows are not the examples' (row b is one parameter row, the same for every
+    # microbatch): credited to example b, each example's norm would miss the other rows'
+    # gradients; it cannot be broadcast over the examples, at B = 4 either
+    model = _RowPerExample().double()
+    with pytest.raises(ClippingError, match=r"p is a tapped parameter .* takes it with shape "
+                                            r"\(4, 4\) next to the examples' 2-dimensional"):
+        ClippingEngine(model).per_example_norms(_sq, (_x(B),))
+    assert model._parameters["p"] is model.p
+
+
+class _ReducedOverExamples(nn.Module):
+    """A call that takes the examples' tensor and a parameter and sums over the examples."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        h = self.lin(x)
+        s = torch.linalg.vecdot(h, self.gamma, dim=0)  # (4,): sum_b h_b * gamma
+        return torch.tanh(h + s)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_a_call_whose_result_has_no_row_per_example_is_refused_at_the_call(B):
+    # the rows of gamma's (B, 4) expansion reach every example's loss through the sum: refused
+    # at the call that gives a result without B rows, at any B (the rows check would see it
+    # only at a query of two or more examples)
+    torch.manual_seed(0)
+    model = _ReducedOverExamples().double()
+    with pytest.raises(ClippingError, match=r"<root>.gamma is a tapped parameter .* "
+                                            r"linalg_vecdot gave a result of shape \(4,\)"):
+        ClippingEngine(model).per_example_norms(_sq, (_x(B),))
+
+
 # --------------------------------------------------------------------------------- under FSDP2
 
 class _GammaBlock(nn.Module):

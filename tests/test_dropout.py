@@ -172,6 +172,51 @@ def test_per_example_norms_with_stochastic_depth_equal_one_example_at_a_time():
                                   rtol=1e-3)
 
 
+def test_each_entry_of_a_query_plan_draws_its_own_streams_masks():
+    """Entry j of a plan (inner momentum's or DiSK's states, augmult's views) is evaluated with
+    dropout stream j: its norms equal those of each example alone, state j's gradient under
+    stream j's masks. Every entry on stream 0 would give the past states the current state's
+    masks (wrong norms; the module docstring's hash promises otherwise)."""
+    import copy
+
+    from dptrain.clipping import ClippingEngine
+    from dptrain.models.dropout import example_dropout
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(16, 2)).double()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    y = torch.randn(3, 2, generator=gen, dtype=torch.float64)
+    theta1 = {n: p.detach() + 0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype)
+              for n, p in model.named_parameters()}
+    past = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in past.named_parameters():
+            p.copy_(theta1[n])
+    indices = [7, 2, 11]
+
+    def loss_fn(m, batch):
+        return 0.5 * (m(batch[0]) - batch[1]).pow(2).sum(1)
+
+    def alone(m, i, stream):
+        m.zero_grad()
+        with example_dropout(m, seed=3, step=5, indices=[indices[i]]) as mode:
+            mode.set_stream(stream)
+            loss_fn(m, (x[i:i + 1], y[i:i + 1])).sum().backward()
+        return torch.cat([p.grad.flatten() for p in m.parameters()])
+
+    def ref_norms(streams):
+        return torch.stack([(0.6 * alone(past, i, streams[0]) + 0.4 * alone(model, i, streams[1]))
+                            .norm() for i in range(3)])
+
+    engine = ClippingEngine(model, clip_norm=1.0)
+    with example_dropout(model, seed=3, step=5, indices=indices):
+        norms = engine.per_example_norms(loss_fn, (x, y), [(0.6, theta1), (0.4, None)])
+    torch.testing.assert_close(norms, ref_norms((0, 1)), rtol=1e-9, atol=0)
+    assert not torch.allclose(ref_norms((0, 0)), ref_norms((0, 1)), rtol=1e-3)  # streams matter
+
+
 _MASK = (1 << 64) - 1
 
 
