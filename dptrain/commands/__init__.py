@@ -18,10 +18,6 @@ RUN_FOLDERS = tuple(name for name, is_dir in RUN_LAYOUT.items() if is_dir)
 output goes inside them."""
 
 
-def _is_run(directory) -> bool:
-    return (directory / "metrics.jsonl").is_file() or (directory / "summary.json").is_file()
-
-
 def _holds_run_files(directory) -> bool:
     """``directory``'s RUN_FILES are a run's: it has ``metrics.jsonl``, or a ``summary.json``
     beside a run's folders (a report a command wrote as summary.json, alone, is not a run:

@@ -398,8 +398,8 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False)
     names its holder; it yields ``started()``, to be called once the start's checks have
     passed: a start that does not get there (refused, or a finished run: nothing to do) puts
     back what the file said (the last run that started), and one refused before it wrote
-    anything removes the folders it created. A file system that cannot lock gets a warning and the run
-    goes on unguarded. ``dry_run`` writes nothing: it only asks whether another run holds the
+    anything removes the folders it created. A file system that cannot lock gets a warning and
+    the run goes on unguarded. ``dry_run`` writes nothing: it only asks whether another run holds the
     lock."""
     try:
         import fcntl
