@@ -361,3 +361,27 @@ def test_output_dir_checks_that_must_not_refuse_or_crash(tmp_path, capsys):
         code, err = _cli(capsys, out, "privacy.steps=1")
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and "output-dir" in lines[0], err
+
+
+def test_a_refused_start_into_an_existing_folder_removes_the_lock_file_it_made(tmp_path, capsys):
+    """An empty run.lock left behind made a user's folder "a starting run" for good: other
+    runs and plots inside its checkpoints/ or final/ were refused."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    code, err = _cli(capsys, work, "--resume", str(tmp_path / "nothing"))
+    assert code == 2 and "resume" in err
+    assert sorted(p.name for p in work.iterdir()) == ["notes.txt"]
+    assert _cli(capsys, work / "checkpoints" / "run1", "privacy.steps=1")[0] == 0
+
+
+def test_a_plot_into_a_run_s_linked_checkpoints_is_refused(tmp_path, capsys):
+    run, store = tmp_path / "run", tmp_path / "store"
+    store.mkdir()
+    run.mkdir()
+    (run / "checkpoints").symlink_to(store, target_is_directory=True)
+    assert _cli(capsys, run, "privacy.steps=1")[0] == 0
+    code = main(["plot", "--run", str(run), "--output", str(run / "checkpoints" / "m.png")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--output" in err and "checkpoints/ folder" in err, err
+    assert not (store / "m.png").exists()

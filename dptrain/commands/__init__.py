@@ -35,11 +35,13 @@ def run_owned(path) -> str | None:
     # where the file lands: its folder with links and '..' resolved (a link to a run's final/
     # wrote into it; run/checkpoints/.. is the run itself), its own name as it is (a link there
     # is replaced by the write, not written through)
+    written = Path(os.path.abspath(path))
     path = Path(path).absolute()
     path = path.parent.resolve() / path.name
     if path.name in RUN_FILES and _holds_run_files(path.parent):
         return f"{path} is a run's own file"
-    return _in_run_folder(path, path.parents)
+    # (and as written: a run's checkpoints/ may be a link to scratch storage)
+    return _in_run_folder(path, path.parents) or _in_run_folder(path, written.parents)
 
 
 def in_run_folder(directory) -> str | None:
@@ -80,6 +82,10 @@ def runs_inside(directory) -> str | None:
         for top, dirs, files in os.walk(Path(directory) / folder):
             if "metrics.jsonl" in files or "run.lock" in files:
                 return f"{directory}'s {folder}/ folder holds another run's files ({top})"
+            # (not into this run's own checkpoints: a sharded one holds many files)
+            dirs[:] = [d for d in dirs if not (d.startswith("step-")
+                                               and os.path.exists(os.path.join(top, d,
+                                                                               "COMPLETE")))]
     return None
 
 

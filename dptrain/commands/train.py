@@ -432,8 +432,8 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False)
             _release(path, out, *held, started=bool(began))
 
 
-def _release(path: Path, out: Path, fd: int, locked: bool, made: list[Path], before: bytes,
-             started: bool) -> None:
+def _release(path: Path, out: Path, fd: int, locked: bool, made: list[Path],
+             before: bytes | None, started: bool) -> None:
     try:
         if locked and made and [p.name for p in out.iterdir()] == [LOCK]:
             # a start refused before writing anything leaves no folder behind; the file goes
@@ -441,6 +441,8 @@ def _release(path: Path, out: Path, fd: int, locked: bool, made: list[Path], bef
             os.unlink(path)
             for folder in made:
                 folder.rmdir()
+        elif locked and not started and before is None:  # (it made the file: gone again)
+            os.unlink(path)
         elif locked and not started:  # (refused, or nothing to do: the last run's name back)
             os.ftruncate(fd, 0)
             os.pwrite(fd, before, 0)
@@ -478,12 +480,13 @@ def _probe(fcntl, path: Path, out: Path) -> None:
         os.close(fd)
 
 
-def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path], bytes]:
+def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path], bytes | None]:
     """Create ``out`` and ``path`` in it, take its lock and name this process there: (the
     descriptor, whether locked (False: the file system cannot lock), the folders created,
-    deepest first, what the file said before)."""
+    deepest first, what the file said before (None: there was no file))."""
     for _ in range(8):
         made = [d for d in (out, *out.absolute().parents) if not d.exists()]
+        new = not os.path.lexists(path)
         try:
             out.mkdir(parents=True, exist_ok=True)
             fd = _open_lock_file(path, os.O_RDWR | os.O_CREAT)
@@ -493,14 +496,14 @@ def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path], b
             raise ConfigError("output-dir", f"cannot write {path}: {e.strerror or e}") from None
         try:
             if not _take(fcntl, fd, fcntl.LOCK_EX, path, out):
-                return fd, False, made, b""
+                return fd, False, made, None
             held = os.fstat(fd)
             try:
                 now = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
                 now = None
             if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
-                before = os.pread(fd, os.fstat(fd).st_size, 0)
+                before = None if new else os.pread(fd, os.fstat(fd).st_size, 0)
                 _claim(fd, path)
                 return fd, True, made, before
         except BaseException:
