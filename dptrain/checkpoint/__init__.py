@@ -1217,8 +1217,9 @@ def unused_state(saved: dict, optimizer) -> list[str]:
 def export_hf(trainer, directory: Path) -> Path | None:
     """For GPT-2 and causal_lm models: ``DIR/hf/`` (config.json + model.safetensors) loadable
     by transformers' ``from_pretrained`` (``AutoModelForCausalLM``, or ``model.pretrained_path``
-    of another run), copied from ``DIR/model.safetensors``; with ``data.tokenizer: hf`` the
-    tokenizer too, so that the folder is a complete checkpoint. None for other models."""
+    of another run), copied from ``DIR/model.safetensors``; with a transformers tokenizer
+    (``data.tokenizer: hf`` or ``gpt2``) the tokenizer too, so that the folder is a complete
+    checkpoint. None for other models."""
     model = trainer.model
     config = getattr(model, "config", None)
     if (trainer.cfg.model.name not in ("gpt2", "causal_lm") or config is None
@@ -1239,7 +1240,7 @@ def export_hf(trainer, directory: Path) -> Path | None:
         config.save_pretrained(str(tmp))
         shutil.copyfile(directory / "model.safetensors", tmp / "model.safetensors")
         tokenizer = getattr(trainer.task, "tokenizer", None)
-        if getattr(tokenizer, "name", None) == "hf":
+        if getattr(tokenizer, "name", None) in ("hf", "gpt2"):
             tokenizer.hf.save_pretrained(str(tmp))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
