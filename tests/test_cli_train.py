@@ -45,6 +45,18 @@ def test_train_writes_summary_and_full_model(tmp_path, capsys):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["epsilon"] <= summary["epsilon"] + 1e-12 for r in rows)
     assert "epsilon" in stdout
+    tokens = summary["metrics"]["tokens"]
+    assert isinstance(tokens, int) and f", tokens {tokens};" in stdout
+    assert f"nll_per_token {summary['metrics']['nll_per_token']:.4g}" in stdout
+
+
+def test_the_last_line_gives_counts_as_integers():
+    from dptrain.commands.train import _done_metrics
+
+    # a token count read 1.322e+04
+    assert _done_metrics({"nll_per_token": 2.675912, "tokens": 13220, "bleu": 0.2187,
+                          "last_iterate_examples": 5}) == (
+        "nll_per_token 2.676, tokens 13220, bleu 0.2187")
 
 
 def _tiny_run(tmp_path, capsys, *overrides) -> Path:

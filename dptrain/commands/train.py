@@ -163,11 +163,19 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
                   f"({where}); continue with --resume auto", file=sys.stderr)
         return 128 + e.signum
     if trainer.rank == 0:  # only rank 0 writes the files, and says so once
-        metrics = ", ".join(f"{k} {v:.4g}" for k, v in summary["metrics"].items()
-                            if isinstance(v, (int, float)) and k != "last_iterate_examples")
+        metrics = _done_metrics(summary["metrics"])
         print(f"done: {summary['steps']} steps, epsilon {summary['epsilon']:.3f} "
               f"(delta {summary['delta']:.3g}), {metrics}; wrote {out}/summary.json")
     return 0
+
+
+def _done_metrics(metrics: dict) -> str:
+    """The final metrics on the last line: counts as integers (a token count read 1.322e+04),
+    the rest to 4 significant digits."""
+    return ", ".join(f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4g}"
+                     for k, v in metrics.items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool)
+                     and k != "last_iterate_examples")
 
 
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1") if hasattr(signal, n))
