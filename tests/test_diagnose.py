@@ -185,6 +185,22 @@ def test_checkpoint_and_config_give_the_same_report(plain_run, tmp_path, capsys)
     assert a["matrices"] == b["matrices"] and a["clip_factors"] == b["clip_factors"]
 
 
+def test_a_finished_run_diagnosed_at_an_older_checkpoint_says_so(plain_run, tmp_path, capsys):
+    import shutil
+
+    code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "2",
+                           "--params", r"h\.1\.mlp\.c_fc", "--output", tmp_path / "a.json")
+    assert code == 0 and "finished at step" not in err, err
+    run = tmp_path / "run"  # its newest checkpoint is step 1 (one written on a stop signal)
+    shutil.copytree(plain_run, run)
+    shutil.rmtree(run / "checkpoints" / "step-00000002")
+    code, _, err = run_cli(capsys, "diagnose", "--run", run, "--probe-examples", "2",
+                           "--params", r"h\.1\.mlp\.c_fc", "--output", tmp_path / "b.json")
+    assert code == 0, err
+    assert "the run finished at step 2; its newest checkpoint, diagnosed here, is step 1" in err
+    assert json.loads((tmp_path / "b.json").read_text())["step"] == 1
+
+
 @pytest.mark.parametrize("spec", ["0,0.9", "2,0"])
 def test_compare_im_with_k0_or_gamma0_equals_current(im_run, tmp_path, capsys, spec):
     out = tmp_path / "d.json"

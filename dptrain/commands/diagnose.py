@@ -166,6 +166,24 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _note_a_later_end(run_dir: Path, path: Path) -> None:
+    """A finished run whose newest checkpoint is older than its end (one written on a stop
+    signal, or every few steps) is diagnosed at that checkpoint: say so."""
+    import json
+
+    from dptrain import checkpoint as ckpt
+
+    try:
+        steps = json.loads((run_dir / "summary.json").read_text()).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return
+    step = ckpt.checkpoint_step(path)
+    if isinstance(steps, int) and step is not None and steps > step:
+        print(f"{PROG}: note: the run finished at step {steps}; its newest checkpoint, "
+              f"diagnosed here, is step {step} (the probes need a checkpoint's optimizer "
+              f"state, which final/ does not hold)", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     from dptrain.diagnostics.probes import ImQuery, diagnose, load_run, resolve_checkpoint
 
@@ -192,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         require_matplotlib("--plot")
 
     path = resolve_checkpoint(run_dir=args.run, checkpoint=args.checkpoint)
+    if args.run is not None:
+        _note_a_later_end(Path(args.run), path)
     run_ = load_run(path, config_path=args.config, overrides=args.overrides)
     if run_.relocated:
         print(f"{PROG}: note: other files or test settings than the checkpoint's "
