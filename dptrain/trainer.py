@@ -81,7 +81,9 @@ class TrainConfig:
     summary.json as ``test_bleu``, ``test_bleu_uncased``, ``test_rouge_l``,
     ``test_generated_prompts`` (dptrain/eval/text.py says how they differ from the official
     scripts' numbers). Null: every test MR (the
-    papers' protocol); 0: none. Public test data: no privacy cost."""
+    papers' protocol), of the whole test file (``data.max_test_examples`` limits the NLL's
+    examples, not these); 0: none. The evaluations during training (``eval_every``) give NLL
+    only. Public test data: no privacy cost."""
     max_new_tokens: int = 64
     """generate_prompts: the longest generation in tokens (EOS ends one earlier; also capped by
     the model's positions). Byte-level tokenizers need about 4x more."""
