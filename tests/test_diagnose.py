@@ -586,6 +586,11 @@ def test_render_puts_each_value_under_its_column():
         assert cell == ("17" if k == "wedin_threshold" else f"{cur[k]:.4g}"), h
     for (h, k), cell in zip(columns, row_im.split()[1:]):
         assert cell == ("-" if k == "wedin_threshold" else f"{im[k]:.4g}"), h
+    # every column is explained below the table (the legend named 4 of the 10)
+    legend = "\n".join(lines[lines.index(row_im) + 1:])
+    for h, _ in columns:
+        assert any(f"{h}{end}" in legend for end in (":", ", ", "/")), h
+    assert "im/cur-1" not in legend  # (no inner-momentum comparison in this report)
 
 
 # -------------------------------------------------------------------------- the CLI

@@ -147,8 +147,14 @@ def render(report: dict) -> str:
                 " " + (_pct(d[k]) if k in d else f"{'':>9}") for _, k in COLUMNS))
     lines.append("")
     lines.append("reference = unclipped mean gradient of the probe examples; e_pol/e_cos: clipped "
-                 "mean vs reference; SNR: ||clipped mean|| / (sigma*C/b*sqrt(r*c)); B*: Wedin "
-                 "threshold of the clipped mean")
+                 "mean vs reference; clipped mean = mean(lambda) * mean gradient + R; eta_R: "
+                 "||R|| / ||mean(lambda) * mean gradient||; |R|: ||R||; sig_lam, sig_G: std of "
+                 "the clip factors and of the gradients (||R|| <= sig_lam * sig_G); SNR: "
+                 "||clipped mean|| / (sigma*C/b*sqrt(r*c)); r_eff: effective rank; rel_gap: "
+                 "(s1 - s2) / s1; B*: Wedin threshold of the clipped mean (docs/diagnostics.md)")
+    if any("relative_difference" in e for e in report["matrices"].values()):
+        lines.append("im/cur-1: the inner-momentum query's value over the current-only one's, "
+                     "minus 1 (negative: lower with inner momentum)")
     if im:
         parts = []
         for k, s in im["relative_difference"].items():
