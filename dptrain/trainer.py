@@ -80,10 +80,11 @@ class TrainConfig:
     the official E2E script) and ROUGE-L (best over references; rouge_score lower-cases) in
     summary.json as ``test_bleu``, ``test_bleu_uncased``, ``test_rouge_l``,
     ``test_generated_prompts`` (dptrain/eval/text.py says how they differ from the official
-    scripts' numbers). Null: every test MR (the
-    papers' protocol), of the whole test file (``data.max_test_examples`` limits the NLL's
-    examples, not these); 0: none. The evaluations during training (``eval_every``) give NLL
-    only. Public test data: no privacy cost."""
+    scripts' numbers), the texts in ``final/generations.jsonl`` (``mr``, ``generation``,
+    ``references`` per line; with a parameter EMA, ``last_iterate_generations.jsonl`` too).
+    Null: every test MR (the papers' protocol), of the whole test file
+    (``data.max_test_examples`` limits the NLL's examples, not these); 0: none. The evaluations
+    during training (``eval_every``) give NLL only. Public test data: no privacy cost."""
     max_new_tokens: int = 64
     """generate_prompts: the longest generation in tokens (EOS ends one earlier; also capped by
     the model's positions). Byte-level tokenizers need about 4x more."""
@@ -553,6 +554,10 @@ class Trainer:
         self.stop_signal: int | None = None
         #: inner momentum's memory, reported once its history is full (not in secure mode)
         self.query_memory: dict | None = None
+        #: the last evaluation's generations (train.generate_prompts), by the file under
+        #: final/ that holds them: {"mr", "generation", "references"} per test MR
+        self.generations: dict[str, list[dict]] = {}
+        self._texts: list[dict] | None = None
 
     # ---------------------------------------------------------------------------------- mechanism
 
@@ -905,9 +910,15 @@ class Trainer:
         poll = self._poll_stop if stoppable else None
         metrics = self._evaluate(generate, poll)
         if ema is None:
+            if self._texts is not None:
+                self.generations = {"generations.jsonl": self._texts}
             return metrics
+        last, self._texts = self._texts, None
         with ema.swapped_in():
             averaged = self._evaluate(generate, poll)
+        if self._texts is not None:
+            self.generations = {"generations.jsonl": self._texts,
+                                "last_iterate_generations.jsonl": last}
         return {**averaged, **{f"last_iterate_{k}": v for k, v in metrics.items()}}
 
     def _poll_stop(self) -> None:
@@ -916,6 +927,7 @@ class Trainer:
 
     def _evaluate(self, generate: bool = False, poll=None) -> dict:
         tc = self.cfg.train
+        self._texts = None
         self.model.eval()
         try:
             metrics = self.task.evaluate(self.model, self.task.test, tc.eval_batch_size,
@@ -929,7 +941,9 @@ class Trainer:
                                             max_new_tokens=tc.max_new_tokens,
                                             batch_size=tc.eval_batch_size,
                                             progress=tc.progress and self.rank == 0,
-                                            poll=poll)
+                                            poll=poll, return_texts=True)
+                self._texts = [{"mr": mr, "generation": text, "references": list(refs[mr])}
+                               for mr, text in zip(refs, scores["texts"])]
                 metrics.update(bleu=scores["bleu"], bleu_uncased=scores["bleu_uncased"],
                                rouge_l=scores["rouge_l"],
                                generated_prompts=scores["num_prompts"])
@@ -1164,8 +1178,9 @@ class Trainer:
 
     def _write_final(self, summary: dict) -> None:
         """Export the final model under ``final/`` (the EMA, which was evaluated, when there is
-        one, and the last iterate), its transformers folder and LoRA adapter, then
-        ``summary.json``, which marks the run finished. Collective under sharding (the full
+        one, and the last iterate), its transformers folder and LoRA adapter, the final
+        evaluation's generations (``generations.jsonl``), then ``summary.json``, which marks
+        the run finished. Collective under sharding (the full
         state dicts): every rank calls it, rank 0 writes."""
         from dptrain import checkpoint as ckpt
 
@@ -1191,6 +1206,11 @@ class Trainer:
             ckpt.export_hf(self, out / "final")  # GPT-2, causal_lm: final/hf/ for transformers
             if ema is None:
                 adapter(state)
+            for name, rows in self.generations.items():  # (train.generate_prompts)
+                tmp = out / "final" / f"{name}.tmp"
+                tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+                               encoding="utf-8")
+                os.replace(tmp, out / "final" / name)
             # last: summary.json marks the run finished (--resume auto then does nothing)
             tmp = out / "summary.json.tmp"
             tmp.write_text(strict_json(summary, indent=2, default=str))

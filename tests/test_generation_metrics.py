@@ -71,6 +71,31 @@ def test_the_final_evaluation_scores_the_final_models_generations(tmp_path):
     for k in ("bleu", "bleu_uncased", "rouge_l"):
         assert math.isfinite(summary[f"test_{k}"])
         assert summary[f"test_{k}"] == pytest.approx(want[k], abs=1e-9), k
+    # the scored texts are in final/generations.jsonl, with their MRs and references
+    lines = (tmp_path / "out" / "final" / "generations.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    refs = task.test.references_by_mr(max_prompts=3)
+    assert [r["mr"] for r in rows] == list(refs)
+    assert [r["generation"] for r in rows] == want["texts"]
+    assert [r["references"] for r in rows] == [list(v) for v in refs.values()]
+    assert not (tmp_path / "out" / "final" / "last_iterate_generations.jsonl").exists()
+
+
+def test_with_a_parameter_ema_both_models_generations_are_written(tmp_path):
+    from dptrain.eval.text import score_texts
+
+    _write_e2e(tmp_path / "e2e")
+    assert main(_args(tmp_path, "train.generate_prompts=2", "train.max_new_tokens=8",
+                      "optim.ema_decay=0.5")) == 0
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    for name, prefix in (("generations.jsonl", "test_"),
+                         ("last_iterate_generations.jsonl", "test_last_iterate_")):
+        rows = [json.loads(line) for line in (out / "final" / name).read_text().splitlines()]
+        assert len(rows) == 2
+        scores = score_texts([r["generation"] for r in rows], [r["references"] for r in rows])
+        assert summary[f"{prefix}rouge_l"] == pytest.approx(scores["rouge_l"], abs=1e-9)
+        assert summary[f"{prefix}bleu"] == pytest.approx(scores["bleu"], abs=1e-9)
 
 
 def test_null_generates_every_test_mr_and_zero_none(tmp_path):
@@ -84,6 +109,7 @@ def test_null_generates_every_test_mr_and_zero_none(tmp_path):
     assert main(args) == 0
     summary = json.loads((tmp_path / "out2" / "summary.json").read_text())
     assert "test_bleu" not in summary and "generated_prompts" not in summary["metrics"]
+    assert not (tmp_path / "out2" / "final" / "generations.jsonl").exists()
 
 
 @pytest.mark.parametrize("override,field", [
