@@ -255,6 +255,11 @@ def plan_privacy(cfg: PrivacyConfig, train_size: int) -> PrivacyPlan:
                        cfg.accountant, eps, n)
 
 
+GENERATIONS = ("generations.jsonl", "last_iterate_generations.jsonl")
+"""The final evaluation's generations under final/: the exported model's, the last iterate's
+(with a parameter EMA)."""
+
+
 PUBLIC_SEED_WARNING = (
     "privacy.seed is set, and it determines the Poisson samples and the noise: anyone who knows "
     "it (it is in the config, summary.json and the checkpoints) can remove the noise, so epsilon "
@@ -554,8 +559,8 @@ class Trainer:
         self.stop_signal: int | None = None
         #: inner momentum's memory, reported once its history is full (not in secure mode)
         self.query_memory: dict | None = None
-        #: the last evaluation's generations (train.generate_prompts), by the file under
-        #: final/ that holds them: {"mr", "generation", "references"} per test MR
+        #: the generations of the last evaluation that generated (train.generate_prompts), by
+        #: the file under final/ that holds them: {"mr", "generation", "references"} per test MR
         self.generations: dict[str, list[dict]] = {}
         self._texts: list[dict] | None = None
 
@@ -1206,11 +1211,15 @@ class Trainer:
             ckpt.export_hf(self, out / "final")  # GPT-2, causal_lm: final/hf/ for transformers
             if ema is None:
                 adapter(state)
-            for name, rows in self.generations.items():  # (train.generate_prompts)
+            for name in GENERATIONS:  # (train.generate_prompts)
+                path = out / "final" / name
+                if name not in self.generations:  # (an earlier attempt's, with other settings)
+                    path.unlink(missing_ok=True)
+                    continue
                 tmp = out / "final" / f"{name}.tmp"
-                tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
-                               encoding="utf-8")
-                os.replace(tmp, out / "final" / name)
+                tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                       for r in self.generations[name]), encoding="utf-8")
+                os.replace(tmp, path)
             # last: summary.json marks the run finished (--resume auto then does nothing)
             tmp = out / "summary.json.tmp"
             tmp.write_text(strict_json(summary, indent=2, default=str))

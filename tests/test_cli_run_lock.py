@@ -224,7 +224,7 @@ def test_a_lock_held_for_a_moment_is_waited_for(tmp_path):
     with _run_lock(out, rank=0):
         holder = json.loads((out / "run.lock").read_text())
     assert holder["pid"] == os.getpid()
-    assert (out / "run.lock").read_text() == ""  # a start that never began: as it was
+    assert not (out / "run.lock").exists()  # a start that never began: it named no one
 
 
 def _start_where_another_holds(rank: int, world: int, out: str) -> tuple[int, list[str]]:
@@ -328,9 +328,13 @@ def test_an_output_dir_in_a_run_s_linked_checkpoints_or_a_starting_run_is_refuse
     # a run that holds its lock and has written nothing else yet (building its model)
     starting = tmp_path / "starting"
     starting.mkdir()
-    (starting / "run.lock").write_text("")
+    (starting / "run.lock").write_text('{"host": "node7", "pid": 1, "since": "then"}\n')
     _refused(capsys, starting / "final" / "sub", f"{starting}'s final/")
     assert sorted(p.name for p in starting.iterdir()) == ["run.lock"]
+    # an empty one names no one (left where the file system cannot lock): no run
+    (starting / "run.lock").write_text("")
+    code, err = _cli(capsys, starting / "final" / "sub", "privacy.steps=1", "--dry-run")
+    assert code == 0, err
 
 
 def test_a_run_whose_folders_hold_another_run_is_refused(tmp_path, capsys):

@@ -55,8 +55,9 @@ def test_the_last_line_gives_counts_as_integers():
 
     # a token count read 1.322e+04
     assert _done_metrics({"nll_per_token": 2.675912, "tokens": 13220, "bleu": 0.2187,
+                          "last_iterate_nll_per_token": 2.7, "last_iterate_tokens": 13220,
                           "last_iterate_examples": 5}) == (
-        "nll_per_token 2.676, tokens 13220, bleu 0.2187")
+        "nll_per_token 2.676, tokens 13220, bleu 0.2187, last_iterate_nll_per_token 2.7")
 
 
 def _tiny_run(tmp_path, capsys, *overrides) -> Path:

@@ -98,6 +98,20 @@ def test_with_a_parameter_ema_both_models_generations_are_written(tmp_path):
         assert summary[f"{prefix}bleu"] == pytest.approx(scores["bleu"], abs=1e-9)
 
 
+def test_an_earlier_attempt_s_generations_do_not_outlive_its_settings(tmp_path):
+    """A run killed after its generations were written, before summary.json, and resumed
+    without generations (or without an EMA) left texts that its summary does not score."""
+    _write_e2e(tmp_path / "e2e")
+    assert main(_args(tmp_path, "train.generate_prompts=2", "train.max_new_tokens=4",
+                      "optim.ema_decay=0.5")) == 0
+    final = tmp_path / "out" / "final"
+    assert (final / "generations.jsonl").exists()
+    assert (final / "last_iterate_generations.jsonl").exists()
+    (tmp_path / "out" / "summary.json").unlink()  # the attempt that was killed
+    assert main(_args(tmp_path, "--resume", "auto", "optim.ema_decay=0.5")) == 0
+    assert sorted(p.name for p in final.iterdir() if "generations" in p.name) == []
+
+
 def test_null_generates_every_test_mr_and_zero_none(tmp_path):
     _write_e2e(tmp_path / "e2e")
     assert main(_args(tmp_path, "train.generate_prompts=null", "train.max_new_tokens=4")) == 0

@@ -68,9 +68,11 @@ def _in_run_folder(path, folders) -> str | None:
 
 
 def _is_run_or_starting(directory) -> bool:
-    """``directory`` holds a run's files, or its lock (a run building its model has written
-    nothing else yet)."""
-    return _holds_run_files(directory) or (directory / "run.lock").is_file()
+    """``directory`` holds a run's files, or its lock naming a run (a run building its model
+    has written nothing else yet; an empty file, left where the file system cannot lock,
+    names no one)."""
+    lock = directory / "run.lock"
+    return _holds_run_files(directory) or (lock.is_file() and lock.stat().st_size > 0)
 
 
 def runs_inside(directory) -> str | None:

@@ -171,11 +171,11 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
 
 def _done_metrics(metrics: dict) -> str:
     """The final metrics on the last line: counts as integers (a token count read 1.322e+04),
-    the rest to 4 significant digits."""
+    the rest to 4 significant digits; the last iterate's counts (the same) left out."""
     return ", ".join(f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4g}"
                      for k, v in metrics.items()
                      if isinstance(v, (int, float)) and not isinstance(v, bool)
-                     and k != "last_iterate_examples")
+                     and not (k.startswith("last_iterate_") and isinstance(v, int)))
 
 
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1") if hasattr(signal, n))
@@ -449,7 +449,7 @@ def _release(path: Path, out: Path, fd: int, locked: bool, made: list[Path],
             os.unlink(path)
             for folder in made:
                 folder.rmdir()
-        elif locked and not started and before is None:  # (it made the file: gone again)
+        elif locked and not started and before is None:  # (it made the file, or named no one)
             os.unlink(path)
         elif locked and not started:  # (refused, or nothing to do: the last run's name back)
             os.ftruncate(fd, 0)
@@ -491,10 +491,10 @@ def _probe(fcntl, path: Path, out: Path) -> None:
 def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path], bytes | None]:
     """Create ``out`` and ``path`` in it, take its lock and name this process there: (the
     descriptor, whether locked (False: the file system cannot lock), the folders created,
-    deepest first, what the file said before (None: there was no file))."""
+    deepest first, what the file said before (None: nothing, there was no file or an empty
+    one))."""
     for _ in range(8):
         made = [d for d in (out, *out.absolute().parents) if not d.exists()]
-        new = not os.path.lexists(path)
         try:
             out.mkdir(parents=True, exist_ok=True)
             fd = _open_lock_file(path, os.O_RDWR | os.O_CREAT)
@@ -511,8 +511,16 @@ def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path], b
             except FileNotFoundError:
                 now = None
             if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
-                before = None if new else os.pread(fd, os.fstat(fd).st_size, 0)
-                _claim(fd, path)
+                # (read under the lock: a file made a moment ago and named by a run that has
+                # ended since is that run's; an empty one names no one, and goes with us)
+                size = os.fstat(fd).st_size
+                before = os.pread(fd, size, 0) if size else None
+                try:
+                    _claim(fd, path)
+                except ConfigError:  # (a full disk: the truncated line back, if it fits)
+                    with contextlib.suppress(OSError):
+                        os.pwrite(fd, before or b"", 0)
+                    raise
                 return fd, True, made, before
         except BaseException:
             os.close(fd)
