@@ -608,3 +608,39 @@ def test_calibration_falls_back_to_rdp_when_prv_reports_over_the_target(monkeypa
         sigma = A.calibrate_noise_multiplier(2.0, 1e-5, 0.05, 20)
     assert any("cannot be used at the calibrated sigma" in str(x.message) for x in w)
     assert real(sigma, 0.05, 20, 1e-5, "rdp") <= 2.0 * (1 + A.EPSILON_ROUNDING)
+
+
+def test_delta_of_1_and_entries_of_other_lengths_are_refused():
+    """delta must lie in (0, 1), as opacus' conversions assume (delta = 1 states nothing), on
+    an empty ledger and a real one; a ledger entry is exactly (sigma, q, num_steps), so a
+    4-tuple is a ValueError naming the form, as a 2-tuple is."""
+    for ledger in (Ledger(), Ledger([(1.0, 0.01, 10)])):
+        for delta in (1.0, 0.0, -1e-5):
+            with pytest.raises(ValueError, match="delta"):
+                epsilon(ledger, delta, "rdp")
+    for entry in ([1.0, 0.01], [1.0, 0.01, 1, 5]):
+        with pytest.raises(ValueError, match="is \\(noise_multiplier"):
+            Ledger.from_dict({"history": [entry]})
+        with pytest.raises(ValueError, match="is \\(noise_multiplier"):
+            Ledger([tuple(entry)])
+
+
+def test_prv_epsilon_falls_back_to_rdp_once_its_grid_exceeds_the_limit(monkeypatch):
+    """A grid of exactly PRV_MAX_DOMAIN points is computed by PRV; one point more and the
+    (looser, valid) RDP bound is reported, with a warning. The size is opacus' own domain."""
+    from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
+
+    import dptrain.privacy.accounting as acc_mod
+
+    releases, delta = [(1.0, 0.01, 100)], 1e-5
+    size = PRVAccountant()._get_domain(
+        prvs=[PoissonSubsampledGaussianPRV(0.01, 1.0)], num_self_compositions=[100],
+        eps_error=0.01, delta_error=delta / 1000).size
+    monkeypatch.setattr(acc_mod, "PRV_MAX_DOMAIN", size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AccountingWarning)
+        assert epsilon(Ledger(releases), delta, "prv") == _opacus(PRVAccountant, releases, delta)
+    monkeypatch.setattr(acc_mod, "PRV_MAX_DOMAIN", size - 1)
+    with pytest.warns(AccountingWarning, match=f"{size} points"):
+        e = epsilon(Ledger(releases), delta, "prv")
+    assert e == _opacus(RDPAccountant, releases, delta)

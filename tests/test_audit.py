@@ -43,6 +43,14 @@ def test_p_value_against_the_theorem_term_by_term(m, r, v, eps, delta):
         _p_value_reference(m, r, v, eps, delta), rel=1e-9, abs=1e-15)
 
 
+
+@pytest.mark.parametrize("m,r,v", [(10, 11, 5), (10, 20, 20), (4, 6, 0), (10, 5, 6), (10, 5, -1)])
+def test_p_value_refuses_guesses_the_theorem_does_not_cover(m, r, v):
+    """Theorem 5.2 counts v correct of r <= m guesses: more guesses than canaries (which
+    _guess_plans' m // 2 cap exists to avoid) has no p-value, and neither has v > r or v < 0."""
+    with pytest.raises(ValueError, match="need 0 <= v <= r <= m"):
+        one_run_p_value(m, r, v, 1.0, 1e-5)
+
 def test_lower_bound_is_where_the_p_value_reaches_the_significance():
     m, r, v, delta, sig = 1000, 200, 170, 1e-5, 0.05
     eps = epsilon_lower_bound(m, r, v, delta, sig)

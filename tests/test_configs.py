@@ -590,3 +590,56 @@ def test_brief_keeps_the_first_200_characters_of_the_first_line():
 
     assert brief(ValueError("x" * 300 + "\nmore")) == "ValueError: " + "x" * 200
     assert brief(ValueError("")) == "ValueError"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"epsilon": 0.0}, "epsilon"), ({"delta": 0.0}, "delta"), ({"delta": 1.0}, "delta"),
+    ({"sample_rate": 0.0}, "sample_rate"), ({"sample_rate": 1.0000000000000002}, "sample_rate"),
+    ({"steps": 0}, "steps"), ({"steps": 10**9 + 1}, "steps"),
+    ({"noise_multiplier": -1e-300}, "noise_multiplier"),
+    ({"epsilon": None, "noise_multiplier": None}, "noise_multiplier"),
+    ({"dataset_size": 0}, "dataset_size"), ({"expected_batch_size": 0}, "expected_batch_size"),
+    ({"secure_mode": True, "seed": 0}, "seed"), ({"seed": None}, "seed"),
+])
+def test_privacy_settings_just_outside_their_documented_ranges_are_refused(kwargs, field):
+    """The ranges of docs/config.md: epsilon > 0, delta in (0, 1), q in (0, 1], 1 <= steps <=
+    1e9, sigma >= 0, N and b >= 1, a seed unless secure_mode (and none with it)."""
+    from dptrain.privacy.config import PrivacyConfig
+
+    with pytest.raises(ConfigError) as e:
+        PrivacyConfig(**kwargs).validate()
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"epsilon": 1e-300}, {"delta": 0.9999999999999999}, {"sample_rate": 1.0}, {"steps": 1},
+    {"steps": 10**9}, {"epsilon": None, "noise_multiplier": 0.0},
+    {"dataset_size": 1, "expected_batch_size": 1}, {"secure_mode": True, "seed": None}])
+def test_privacy_settings_at_the_ends_of_their_documented_ranges_are_accepted(kwargs):
+    from dptrain.privacy.config import PrivacyConfig
+
+    PrivacyConfig(**kwargs).validate()
+
+
+def test_noise_fits_float32_only_when_its_largest_draw_does():
+    """No float64 normal draw exceeds ~38.5 standard deviations: sigma C at FLOAT32_MAX / 38
+    can draw a value float32 holds as inf, at FLOAT32_MAX / 1000 it cannot."""
+    from dptrain.config import FLOAT32_MAX
+    from dptrain.privacy.config import noise_fits
+
+    for scale, fits in ((FLOAT32_MAX / 38, False), (FLOAT32_MAX / 1000, True)):
+        assert torch.isinf(torch.tensor(38.5 * scale, dtype=torch.float32)).item() is not fits
+        assert noise_fits(scale, 1.0) is fits and noise_fits(1.0, scale) is fits
+
+
+@pytest.mark.parametrize("q, n", [(0.001, 100), (0.25, 3), (0.5, 1), (0.3, 10), (0.07, 1000)])
+def test_the_release_denominator_is_max_1_floor_qn_never_0(q, n):
+    """b = max(1, floor(q N)) (docs/config.md): a q N below 1 still divides by one example,
+    never by 0."""
+    import math
+
+    from dptrain.privacy.config import PrivacyConfig, expected_batch_size
+
+    want = max(1, math.floor(q * n + 1e-9))
+    assert expected_batch_size(q, n) == want >= 1
+    assert PrivacyConfig(sample_rate=q).release_denominator(n) == want
