@@ -405,10 +405,10 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False)
     server drops it when the client's lease lapses, about 90 s after a node is lost). The file
     names its holder; it yields ``started()``, to be called once the start's checks have
     passed: a start that does not get there (refused, or a finished run: nothing to do) puts
-    back what the file said (the last run that started), and one refused before it wrote
-    anything removes the folders it created. A file system that cannot lock gets a warning and
-    the run goes on unguarded. ``dry_run`` writes nothing: it only asks whether another run holds the
-    lock."""
+    back what the file said (the last run that started; an empty or new file goes), and one
+    refused before it wrote anything removes the folders it created. A file system that cannot
+    lock gets a warning and the run goes on unguarded. ``dry_run`` writes nothing: it only asks
+    whether another run holds the lock."""
     try:
         import fcntl
     except ImportError:  # (not a POSIX system)
