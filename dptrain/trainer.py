@@ -1211,6 +1211,8 @@ class Trainer:
             ckpt.export_hf(self, out / "final")  # GPT-2, causal_lm: final/hf/ for transformers
             if ema is None:
                 adapter(state)
+                # (an earlier attempt's, with an EMA: this run's final model is the iterate)
+                (out / "final" / "last_iterate.safetensors").unlink(missing_ok=True)
             for name in GENERATIONS:  # (train.generate_prompts)
                 path = out / "final" / name
                 if name not in self.generations:  # (an earlier attempt's, with other settings)

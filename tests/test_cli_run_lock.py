@@ -351,12 +351,58 @@ def test_a_run_whose_folders_hold_another_run_is_refused(tmp_path, capsys):
         assert _snapshot(tmp_path / "X") == before
 
 
+def test_a_start_that_fails_before_its_checks_lets_go_of_the_lock_as_it_was(tmp_path,
+                                                                           monkeypatch):
+    """Rank 0 named itself in run.lock, then the ranks' shared verdict failed (another rank
+    lost, a timeout), or naming itself failed (a full disk): the lock was kept, the file named
+    a dead start, and a new folder stayed behind as "a starting run"."""
+    import dptrain.commands.train as train_module
+    import dptrain.parallel.dist as dist_module
+    from dptrain.commands.train import _run_lock
+
+    line = '{"host": "node7", "pid": 1, "since": "then"}\n'
+
+    from dptrain.config import ConfigError
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("Connection reset by peer")
+
+    def full(fd, path):
+        os.ftruncate(fd, 0)
+        raise ConfigError("output-dir", f"cannot write {path}: No space left on device")
+
+    for where, fail, error in ((dist_module, "one_verdict", RuntimeError),
+                               (train_module, "_claim", ConfigError)):
+        with monkeypatch.context() as m:
+            m.setattr(where, fail, lost if fail == "one_verdict" else full)
+            old = tmp_path / f"old-{fail}"
+            old.mkdir()
+            (old / "run.lock").write_text(line)
+            new = tmp_path / f"new-{fail}" / "run"
+            for out in (old, new):
+                with pytest.raises(error):
+                    with _run_lock(out, rank=0, shared=fail == "one_verdict"):
+                        pass
+        assert (old / "run.lock").read_text() == line
+        assert not (tmp_path / f"new-{fail}").exists()
+        fd = os.open(old / "run.lock", os.O_RDONLY)  # let go of
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+
+
 def test_output_dir_checks_that_must_not_refuse_or_crash(tmp_path, capsys):
     # a report named summary.json, alone, is no run: its folder's final/ is the user's
     res = tmp_path / "res"
     res.mkdir()
     (res / "summary.json").write_text('{"x": 1}')
     code, err = _cli(capsys, res / "final", "privacy.steps=1", "--dry-run")
+    assert code == 0, err
+    # an empty run.lock below a folder's checkpoints/ names no run
+    (tmp_path / "X" / "checkpoints" / "sub").mkdir(parents=True)
+    (tmp_path / "X" / "checkpoints" / "sub" / "run.lock").write_text("")
+    code, err = _cli(capsys, tmp_path / "X", "privacy.steps=1", "--dry-run")
     assert code == 0, err
     # a loop of links: one line naming output-dir, no traceback
     (tmp_path / "loop1").symlink_to(tmp_path / "loop2")

@@ -107,9 +107,11 @@ def test_an_earlier_attempt_s_generations_do_not_outlive_its_settings(tmp_path):
     final = tmp_path / "out" / "final"
     assert (final / "generations.jsonl").exists()
     assert (final / "last_iterate_generations.jsonl").exists()
+    assert (final / "last_iterate.safetensors").exists()
     (tmp_path / "out" / "summary.json").unlink()  # the attempt that was killed
-    assert main(_args(tmp_path, "--resume", "auto", "optim.ema_decay=0.5")) == 0
+    assert main(_args(tmp_path, "--resume", "auto")) == 0  # no generations, no EMA
     assert sorted(p.name for p in final.iterdir() if "generations" in p.name) == []
+    assert not (final / "last_iterate.safetensors").exists()
 
 
 def test_null_generates_every_test_mr_and_zero_none(tmp_path):

@@ -82,7 +82,8 @@ def runs_inside(directory) -> str | None:
 
     for folder in RUN_FOLDERS:
         for top, dirs, files in os.walk(Path(directory) / folder):
-            if "metrics.jsonl" in files or "run.lock" in files:
+            if "metrics.jsonl" in files or ("run.lock" in files and os.path.getsize(
+                    os.path.join(top, "run.lock")) > 0):  # (an empty one names no run)
                 return f"{directory}'s {folder}/ folder holds another run's files ({top})"
             # (not into this run's own checkpoints: a sharded one holds many files)
             dirs[:] = [d for d in dirs if not (d.startswith("step-")

@@ -428,7 +428,12 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False)
     if shared:
         from dptrain.parallel.dist import one_verdict
 
-        one_verdict(error, True)  # (rank 0's, the only one that looks)
+        try:
+            one_verdict(error, True)  # (rank 0's, the only one that looks)
+        except BaseException:  # (another rank lost, a timeout, Ctrl-C: let go, as it was)
+            if held is not None:
+                _release(path, out, *held, started=False)
+            raise
     elif error is not None:
         raise error
     began = []
@@ -517,9 +522,14 @@ def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path], b
                 before = os.pread(fd, size, 0) if size else None
                 try:
                     _claim(fd, path)
-                except ConfigError:  # (a full disk: the truncated line back, if it fits)
-                    with contextlib.suppress(OSError):
-                        os.pwrite(fd, before or b"", 0)
+                except ConfigError:  # (a full disk: the line back, or the file and folders
+                    with contextlib.suppress(OSError):  # it made gone, deepest first)
+                        if before is not None:
+                            os.pwrite(fd, before, 0)
+                        else:
+                            os.unlink(path)
+                            for folder in made:
+                                folder.rmdir()
                     raise
                 return fd, True, made, before
         except BaseException:
