@@ -562,7 +562,6 @@ class Trainer:
         #: the generations of the last evaluation that generated (train.generate_prompts), by
         #: the file under final/ that holds them: {"mr", "generation", "references"} per test MR
         self.generations: dict[str, list[dict]] = {}
-        self._texts: list[dict] | None = None
 
     # ---------------------------------------------------------------------------------- mechanism
 
@@ -913,26 +912,26 @@ class Trainer:
         ``_EvaluationStopped`` (a collective per batch with several ranks)."""
         ema = self.optimizer.ema
         poll = self._poll_stop if stoppable else None
-        metrics = self._evaluate(generate, poll)
+        metrics, texts = self._evaluate(generate, poll)
         if ema is None:
-            if self._texts is not None:
-                self.generations = {"generations.jsonl": self._texts}
+            if texts is not None:
+                self.generations = {"generations.jsonl": texts}
             return metrics
-        last, self._texts = self._texts, None
         with ema.swapped_in():
-            averaged = self._evaluate(generate, poll)
-        if self._texts is not None:
-            self.generations = {"generations.jsonl": self._texts,
-                                "last_iterate_generations.jsonl": last}
+            averaged, averaged_texts = self._evaluate(generate, poll)
+        if averaged_texts is not None:
+            self.generations = {"generations.jsonl": averaged_texts,
+                                "last_iterate_generations.jsonl": texts}
         return {**averaged, **{f"last_iterate_{k}": v for k, v in metrics.items()}}
 
     def _poll_stop(self) -> None:
         if signum := self._stop_agreed():
             raise _EvaluationStopped(signum)
 
-    def _evaluate(self, generate: bool = False, poll=None) -> dict:
+    def _evaluate(self, generate: bool = False, poll=None) -> tuple[dict, list[dict] | None]:
+        """(the test metrics, the generations when it generated)."""
         tc = self.cfg.train
-        self._texts = None
+        texts = None
         self.model.eval()
         try:
             metrics = self.task.evaluate(self.model, self.task.test, tc.eval_batch_size,
@@ -947,8 +946,8 @@ class Trainer:
                                             batch_size=tc.eval_batch_size,
                                             progress=tc.progress and self.rank == 0,
                                             poll=poll, return_texts=True)
-                self._texts = [{"mr": mr, "generation": text, "references": list(refs[mr])}
-                               for mr, text in zip(refs, scores["texts"])]
+                texts = [{"mr": mr, "generation": text, "references": list(refs[mr])}
+                         for mr, text in zip(refs, scores["texts"])]
                 metrics.update(bleu=scores["bleu"], bleu_uncased=scores["bleu_uncased"],
                                rouge_l=scores["rouge_l"],
                                generated_prompts=scores["num_prompts"])
@@ -970,7 +969,7 @@ class Trainer:
                       f"are left out of the test metrics ({metrics.get('examples')} examples "
                       f"scored): {'; '.join(failed[:3])}", file=sys.stderr)
             failed.clear()
-        return metrics
+        return metrics, texts
 
     # ---------------------------------------------------------------------------------- the run
 

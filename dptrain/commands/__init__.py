@@ -8,11 +8,12 @@ JSON = (".json",)
 FIGURES = (".png", ".pdf", ".svg")
 """The suffixes of the files the commands write: a report, a figure (its format)."""
 RUN_LAYOUT = {"checkpoints": True, "final": True, "metrics.jsonl": False, "summary.json": False,
-              "secure_resumes.jsonl": False, "run.lock": False}
+              "secure_resumes.jsonl": False, "run.lock": False}  # (run.lock: LOCK)
 """What ``dptrain train`` writes in a run directory: name -> whether it is a directory
 (``run.lock``: the lock its rank 0 holds while it runs, ``commands.train._run_lock``)."""
 RUN_FILES = tuple(name for name, is_dir in RUN_LAYOUT.items() if not is_dir)
 """A run's own files: never another command's output."""
+LOCK = "run.lock"  # in a run directory: held (flock) by the run's rank 0 while it runs
 RUN_FOLDERS = tuple(name for name, is_dir in RUN_LAYOUT.items() if is_dir)
 """A run's folders (the checkpoints, which it prunes; the exported model): no other command's
 output goes inside them."""
@@ -69,10 +70,14 @@ def _in_run_folder(path, folders) -> str | None:
 
 def _is_run_or_starting(directory) -> bool:
     """``directory`` holds a run's files, or its lock naming a run (a run building its model
-    has written nothing else yet; an empty file, left where the file system cannot lock,
-    names no one)."""
-    lock = directory / "run.lock"
-    return _holds_run_files(directory) or (lock.is_file() and lock.stat().st_size > 0)
+    has written nothing else yet)."""
+    return _holds_run_files(directory) or _names_a_run(os.path.join(directory, LOCK))
+
+
+def _names_a_run(lock) -> bool:
+    """A run's lock file names its holder; an empty one (left where the file system cannot
+    lock) names no one."""
+    return os.path.isfile(lock) and os.path.getsize(lock) > 0
 
 
 def runs_inside(directory) -> str | None:
@@ -82,8 +87,8 @@ def runs_inside(directory) -> str | None:
 
     for folder in RUN_FOLDERS:
         for top, dirs, files in os.walk(Path(directory) / folder):
-            if "metrics.jsonl" in files or ("run.lock" in files and os.path.getsize(
-                    os.path.join(top, "run.lock")) > 0):  # (an empty one names no run)
+            if "metrics.jsonl" in files or (LOCK in files
+                                            and _names_a_run(os.path.join(top, LOCK))):
                 return f"{directory}'s {folder}/ folder holds another run's files ({top})"
             # (not into this run's own checkpoints: a sharded one holds many files)
             dirs[:] = [d for d in dirs if not (d.startswith("step-")

@@ -16,7 +16,7 @@ import threading
 import types
 from pathlib import Path
 
-from dptrain.commands import RUN_LAYOUT, check_can_create, in_run_folder, runs_inside
+from dptrain.commands import LOCK, RUN_LAYOUT, check_can_create, in_run_folder, runs_inside
 from dptrain.config import ConfigError, said_by_rank_0
 from dptrain.messages import brief
 from dptrain.telemetry import json_rows
@@ -381,7 +381,6 @@ def _check_layout(out: Path) -> None:
             raise ConfigError("output-dir", f"cannot write {path}: it is not writable")
 
 
-LOCK = "run.lock"  # in a run directory: held (flock) by the run's rank 0 while it runs
 _NO_LOCKS = frozenset(getattr(errno, n) for n in ("ENOLCK", "ENOSYS", "EOPNOTSUPP", "ENOTSUP")
                       if hasattr(errno, n))
 """What ``flock`` says on a file system that cannot lock (Lustre mounted without ``-o flock``,
@@ -448,21 +447,27 @@ def _run_lock(out: Path, rank: int, dry_run: bool = False, shared: bool = False)
 def _release(path: Path, out: Path, fd: int, locked: bool, made: list[Path],
              before: bytes | None, started: bool) -> None:
     try:
-        if locked and made and [p.name for p in out.iterdir()] == [LOCK]:
-            # a start refused before writing anything leaves no folder behind; the file goes
-            # while still held, so a run that opened it sees it gone and opens anew
-            os.unlink(path)
-            for folder in made:
-                folder.rmdir()
-        elif locked and not started and before is None:  # (it made the file, or named no one)
-            os.unlink(path)
-        elif locked and not started:  # (refused, or nothing to do: the last run's name back)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, before, 0)
+        if locked and (not started or made and [p.name for p in out.iterdir()] == [LOCK]):
+            _put_back(path, out, fd, made, before)
     except OSError:
         pass
     finally:
         os.close(fd)  # (the lock goes with the descriptor)
+
+
+def _put_back(path: Path, out: Path, fd: int, made: list[Path], before: bytes | None) -> None:
+    """The lock file (still held) and the folders this start made as they were: a start that
+    wrote nothing else leaves no folder behind; a file it made, or found empty, goes (while
+    held, so a run that opened it sees it gone and opens anew); else the last run's line."""
+    if made and [p.name for p in out.iterdir()] == [LOCK]:
+        os.unlink(path)
+        for folder in made:
+            folder.rmdir()
+    elif before is None:
+        os.unlink(path)
+    else:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, before, 0)
 
 
 def _open_lock_file(path: Path, flags: int) -> int:
@@ -522,14 +527,9 @@ def _open_locked(fcntl, path: Path, out: Path) -> tuple[int, bool, list[Path], b
                 before = os.pread(fd, size, 0) if size else None
                 try:
                     _claim(fd, path)
-                except ConfigError:  # (a full disk: the line back, or the file and folders
-                    with contextlib.suppress(OSError):  # it made gone, deepest first)
-                        if before is not None:
-                            os.pwrite(fd, before, 0)
-                        else:
-                            os.unlink(path)
-                            for folder in made:
-                                folder.rmdir()
+                except ConfigError:  # (a full disk)
+                    with contextlib.suppress(OSError):
+                        _put_back(path, out, fd, made, before)
                     raise
                 return fd, True, made, before
         except BaseException:
