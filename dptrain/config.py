@@ -176,13 +176,26 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
         if key not in fields:
             raise ConfigError(sub, f"unknown key (known keys of {path or 'the config'}: "
                                    f"{', '.join(sorted(fields))})")
-        kwargs[key] = _convert(value, hints[key], sub)
+        try:
+            kwargs[key] = _convert(value, hints[key], sub)
+        except ConfigError as e:
+            raise _with_hint(e, cls, key, value) from None
     for name, f in fields.items():  # a field without a default must be given
         if (name not in kwargs and f.default is dataclasses.MISSING
                 and f.default_factory is dataclasses.MISSING):
             raise ConfigError(f"{path}.{name}" if path else name, "required, but not given")
     obj = cls(**kwargs)
     return obj
+
+
+def _with_hint(error: ConfigError, cls: type, key: str, value: Any) -> ConfigError:
+    """``error`` with what ``cls.value_hint(key, value)`` says the user may have meant (a
+    config class may define it for names users bring from papers and other tools)."""
+    hint = getattr(cls, "value_hint", None)
+    said = hint(key, value) if hint is not None and error.field.split(".")[-1] == key else None
+    if not said:
+        return error
+    return ConfigError(error.field, f"{error.message}; {said}")
 
 
 def to_dict(obj: Any) -> Any:
@@ -271,7 +284,8 @@ def validate_tree(obj: Any, path: str = "") -> None:
         # (OptimConfig(name="foo"): a KeyError later; filter convention "foo": read as
         # im_paper) is refused here too
         if get_origin(hint) is Literal and value not in get_args(hint):
-            raise ConfigError(sub, f"must be one of {_type_name(hint)}, got {value!r}")
+            raise _with_hint(ConfigError(sub, f"must be one of {_type_name(hint)}, got "
+                                              f"{value!r}"), type(obj), f.name, value)
         if not _scalar_fits(value, hint):  # (PrivacyConfig(steps=2.5) passed validate())
             raise ConfigError(sub, f"expected {_type_name(hint)}, got {value!r}")
         if _is_path_field(f.name) and isinstance(value, str):

@@ -145,6 +145,46 @@ def test_unknown_config_key_is_an_error():
     assert e.value.field == "optim.nesterv"
 
 
+@pytest.mark.parametrize("optim,field,says", [
+    # the papers' names for what are settings here
+    ({"name": "muon_im"}, "optim.name", "optim.inner_momentum.k_muon"),
+    ({"name": "DP-Muon-IM"}, "optim.name", "optim.inner_momentum.k_muon"),
+    ({"name": "disk"}, "optim.name", "optim.filter.name=disk"),
+    ({"name": "DOPPLER"}, "optim.name", "optim.filter.name=doppler"),
+    ({"name": "DP-SGD"}, "optim.name", "write 'sgd' (every optimizer"),
+    ({"name": "dp_muon_bc"}, "optim.name", "write 'muon_bc' (every optimizer"),
+    ({"name": "muonbc"}, "optim.name", "write 'muon_bc'"),
+    ({"name": "adam"}, "optim.name", "write 'adamw'"),
+    ({"aux": {"optimizer": "Adam"}}, "optim.aux.optimizer", "write 'adamw'"),
+    ({"groups": [{"pattern": "w", "optimizer": "DP-Muon"}]}, "optim.groups[0].optimizer",
+     "write 'muon'"),
+])
+def test_an_optimizer_named_as_the_papers_name_it_is_refused_with_the_setting_meant(
+        optim, field, says):
+    with pytest.raises(ConfigError) as e:
+        validate_tree(from_dict(OptimConfig, optim, "optim"), "optim")
+    assert e.value.field == field
+    assert says in e.value.message
+
+
+def test_a_config_built_in_python_gets_the_hint_too():
+    with pytest.raises(ConfigError) as e:
+        validate_tree(OptimConfig(name="dp_adamw"), "optim")
+    assert e.value.field == "optim.name" and "write 'adamw'" in e.value.message
+
+
+@pytest.mark.parametrize("optim,field", [
+    ({"name": "foo"}, "optim.name"),
+    ({"aux": {"optimizer": "muon"}}, "optim.aux.optimizer"),  # a name, but not of aux's
+    ({"filter": {"name": "muon_im"}}, "optim.filter.name"),  # not an optimizer's field
+])
+def test_no_hint_is_given_where_none_fits(optim, field):
+    with pytest.raises(ConfigError) as e:
+        validate_tree(from_dict(OptimConfig, optim, "optim"), "optim")
+    assert e.value.field == field
+    assert ";" not in e.value.message
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_gpt2_preset_puts_matrices_in_muon_and_embeddings_head_vectors_in_adamw(tie):
     transformers = pytest.importorskip("transformers")

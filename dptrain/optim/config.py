@@ -24,7 +24,8 @@ from dptrain.config import ConfigError, refuse_unused
 from dptrain.optim.filters import FilterConfig
 from dptrain.optim.groups import PRESETS, ParamGroupConfig
 from dptrain.optim.inner_momentum import InnerMomentumConfig
-from dptrain.optim.optimizers import OPTIMIZERS, check_options, optimizer_options
+from dptrain.optim.optimizers import (OPTIMIZERS, check_options, optimizer_name_hint,
+                                      optimizer_options)
 from dptrain.optim.schedules import SCHEDULES
 
 __all__ = ["OptimConfig", "AuxGroupConfig", "ParamGroupConfig", "FilterConfig"]
@@ -53,6 +54,10 @@ class AuxGroupConfig:
                 raise ConfigError(f"kwargs.{key}", f"not an option of {self.optimizer} "
                                                    f"(options: {', '.join(sorted(known))})")
         self.kwargs = check_options(self.kwargs, "kwargs.")
+
+    @staticmethod
+    def value_hint(key: str, value: Any) -> str | None:  # (dptrain.config.from_dict's errors)
+        return optimizer_name_hint(key, value, allowed=("adamw", "sgd"))
 
 
 @dataclass(kw_only=True)
@@ -124,6 +129,8 @@ class OptimConfig:
     0: off. De et al. 2022 use 0.9999 and up. Post-processing: no privacy cost."""
     ema_start_step: int = 0
     """Steps before the average starts (until then it equals the parameters)."""
+
+    value_hint = staticmethod(optimizer_name_hint)
 
     def main_options(self) -> dict[str, Any]:
         """The top-level options that are set, as keyword arguments of the ``name`` optimizer."""

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 
 from dptrain.config import ConfigError
-from dptrain.optim.optimizers import OPTIMIZERS, check_options, optimizer_options
+from dptrain.optim.optimizers import (OPTIMIZERS, check_options, optimizer_name_hint,
+                                      optimizer_options)
 
 __all__ = ["ParamGroupConfig", "ResolvedGroup", "resolve_groups", "PRESETS", "gpt2_groups",
            "causal_lm_groups", "nfresnet_groups", "vit_groups", "convnext_groups"]
@@ -48,8 +49,10 @@ class ParamGroupConfig:
         except re.error as e:
             raise ConfigError("pattern", f"not a valid regex: {e}") from None
         if self.optimizer not in OPTIMIZERS:
+            hint = optimizer_name_hint("optimizer", self.optimizer)
             raise ConfigError("optimizer", f"must be one of {', '.join(OPTIMIZERS)}, "
-                                           f"got {self.optimizer!r}")
+                                           f"got {self.optimizer!r}"
+                                           + (f"; {hint}" if hint else ""))
         if self.lr is not None and not (self.lr >= 0 and math.isfinite(self.lr)):
             raise ConfigError("lr", f"must be finite and >= 0, got {self.lr}")
         known = optimizer_options(self.optimizer)

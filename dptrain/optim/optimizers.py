@@ -19,7 +19,7 @@ from dptrain.config import FLOAT32_TINY, ConfigError, _convert
 from dptrain.optim.muon import Muon, MuonBC, MuonS
 
 __all__ = ["SGD", "AdamW", "OPTIMIZERS", "RUNTIME_OPTIONS", "Runtime", "optimizer_options",
-           "check_options", "construct"]
+           "optimizer_name_hint", "check_options", "construct"]
 
 
 class SGD(torch.optim.SGD):
@@ -49,6 +49,30 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "muon_bc": MuonBC,
     "muon_s": MuonS,
 }
+
+
+def optimizer_name_hint(key: str, value: Any, allowed=OPTIMIZERS) -> str | None:
+    """What a user who wrote ``value`` for an optimizer's name may have meant (one of
+    ``allowed``): names of the papers (DP-Muon-IM, DiSK, DP-SGD) and of other tools are
+    settings here, not optimizers."""
+    if key not in ("name", "optimizer") or not isinstance(value, str):
+        return None
+    v = value.lower().replace("-", "_")
+    if v.startswith("dp_"):
+        v = v[3:]
+    if v in ("muon_im", "muonim", "im", "inner_momentum"):
+        return ("inner momentum is not an optimizer: keep 'muon' (or another) and set "
+                "optim.inner_momentum.k_muon and k_other (configs/e2e_paper_gpt2_im.yaml)")
+    filters = {"disk": "DiSK", "doppler": "DOPPLER"}
+    if v in filters:
+        return (f"{filters[v]} is a filter on the release: keep the optimizer and set "
+                f"optim.filter.name={v}")
+    v = {"muonbc": "muon_bc", "muons": "muon_s", "adam": "adamw"}.get(v, v)
+    if v in allowed:  # (written otherwise)
+        why = (" (every optimizer here updates with the clipped, noised release: there are "
+               "no 'dp_' names)") if value.lower().startswith("dp") else ""
+        return f"write {v!r}{why}"
+    return None
 
 
 @dataclass(frozen=True)
