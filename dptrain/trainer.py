@@ -475,6 +475,12 @@ class Trainer:
         # directory, for rank 0 to write where a kill after the seal lost them
         self._held_rows: list[str] = []
         self._resumed_rows: list[str] = []
+        # the training loop's seconds in the processes before this one (from the checkpoint
+        # resumed; None: it did not record them) and how many resumes led here; this
+        # process's loop began at _loop[0] and ended at _loop[1] (:meth:`train_seconds`)
+        self._trained_before: float | None = 0.0
+        self._resumes = 0
+        self._loop: tuple[float, float | None] | None = None
         perf = cfg.performance
         if perf.num_threads is not None:
             torch.set_num_threads(perf.num_threads)
@@ -1005,6 +1011,7 @@ class Trainer:
 
         eps, eps_step = self.epsilon(), self.step  # shown with its step: computed every log_every
         start = time.time()
+        self._loop = (start, None)
         peak_gib = self._peak_so_far()
         peak_memory_bytes(self.device, reset=True)  # rows measure the steps, not the build
         gpu = GpuMonitor(self.device).start()  # off (and silent) without CUDA
@@ -1060,6 +1067,7 @@ class Trainer:
             flush()
         finally:
             trained = time.time() - start  # the loop: steps, its evaluations and checkpoints
+            self._loop = (start, start + trained)
             bar.close()
             gpu.close()
             if main and gpu.reason and gpu.reason.startswith("NVML sampling stopped"):
@@ -1083,6 +1091,16 @@ class Trainer:
             return open(out / "metrics.jsonl", "a")
         except OSError as e:
             raise ConfigError("output-dir", f"cannot write {out}: {e.strerror or e}") from None
+
+    def train_seconds(self) -> float | None:
+        """The training loop's wall time so far, over this process and those whose checkpoints
+        it continues (their time after their last checkpoint, redone here, is not counted);
+        None after resuming a checkpoint that did not record it."""
+        now = 0.0
+        if self._loop is not None:
+            start, end = self._loop
+            now = (time.time() if end is None else end) - start
+        return None if self._trained_before is None else self._trained_before + now
 
     def _peak_so_far(self) -> float | None:
         """The highest ``peak_memory_gib`` of the run's rows, those before a resume included
@@ -1140,7 +1158,7 @@ class Trainer:
             # a step's time and memory follow its realised batch (the number of examples and,
             # for text, the padded length: side channels on the sample): a run meant for
             # release does not write them per row
-            row["time"] = time.time() - start
+            row["time"] = self.train_seconds()
             row["peak_memory_gib"] = self._peak_memory_gib()
             peak_gib = max(peak_gib or 0.0, row["peak_memory_gib"])
             row.update(self._gpu_row(gpu))
@@ -1172,7 +1190,8 @@ class Trainer:
             "secure_mode": self.cfg.privacy.secure_mode,
             "guarantee": guarantee(self.cfg.privacy),
             "git_commit": git_commit(),
-            "train_seconds": trained,
+            "train_seconds": self.train_seconds(),
+            "resumes": self._resumes,
             "final_eval_seconds": time.time() - start - trained,
             "peak_memory_gib": peak_gib,
             "gpu_energy_kwh": self._gpu_energy_kwh(gpu),

@@ -1335,6 +1335,78 @@ def test_train_seconds_is_the_loop_and_the_final_evaluation_is_timed_apart(tmp_p
     assert 1.0 <= summary["final_eval_seconds"] <= after - began[0] + 0.25
 
 
+def test_train_seconds_and_rows_time_count_the_processes_a_resumed_run_continues(
+        tmp_path, monkeypatch, capsys):
+    # a run preempted twice reported only its last process's time: GPU-hours of a preemptible
+    # ImageNet run were undercounted. Its time is the loops' up to each checkpoint continued
+    # (the steps redone after a kill are counted once), and it says how many resumes it took.
+    import signal
+    import time
+
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, StopRequested, Trainer
+
+    args = ["privacy.steps=4", "train.checkpoint_every=1", "train.log_every=1",
+            "train.progress=false"]
+
+    def trainer(stop_after=None):
+        t = Trainer(load(RunConfig, TINY, args), tmp_path / "run")
+        step = t.private_step
+
+        def slow_step():
+            time.sleep(0.4)
+            row = step()
+            if t.step == stop_after:
+                t.stop_signal = signal.SIGTERM
+            return row
+        monkeypatch.setattr(t, "private_step", slow_step)
+        return t
+
+    def cost():
+        return ckpt.read_meta(ckpt.find_latest(tmp_path / "run"))["cost"]
+
+    began = time.time()
+    first = trainer(stop_after=2)
+    with pytest.raises(StopRequested):
+        first.run()
+    after_first = cost()
+    assert after_first["resumes"] == 0 and 0.8 <= after_first["train_seconds"]
+    second = trainer(stop_after=3)
+    ckpt.load(second, ckpt.find_latest(tmp_path / "run"))
+    with pytest.raises(StopRequested):
+        second.run()
+    after_second = cost()
+    assert after_second["resumes"] == 1
+    assert after_second["train_seconds"] >= after_first["train_seconds"] + 0.4
+    third = trainer()
+    ckpt.load(third, ckpt.find_latest(tmp_path / "run"))
+    summary = third.run()
+    wall = time.time() - began
+    own = third._loop[1] - third._loop[0]
+    assert summary["resumes"] == 2
+    assert summary["train_seconds"] == pytest.approx(after_second["train_seconds"] + own)
+    assert 1.6 <= summary["train_seconds"] < wall
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    times = [r["time"] for r in rows]
+    assert times == sorted(times) and times[-1] <= summary["train_seconds"]
+    assert all(b - a >= 0.4 for a, b in zip(times, times[1:]))  # no restart from 0
+
+
+def test_a_checkpoint_that_does_not_record_the_time_before_it_says_so(tmp_path, finished,
+                                                                       capsys):
+    # an older dptrain's checkpoint: the time before it is unknown, and said to be
+    older = tmp_path / "older" / "checkpoints" / "step-00000003"
+    shutil.copytree(finished / "checkpoints" / older.name, older)
+    forged(tmp_path / "older", lambda state: state.pop("cost"))
+    code, err = train(capsys, tmp_path / "older", "--resume", "auto",
+                      "train.checkpoint_every=1", "train.keep_checkpoints=4")
+    assert code == 0, err
+    assert "does not record the training time before it" in err
+    summary = json.loads((tmp_path / "older" / "summary.json").read_text())
+    assert summary["train_seconds"] is None and summary["resumes"] == 1
+
+
 def test_an_empty_resume_is_refused_before_anything_is_built(tmp_path, capsys):
     code, err = train(capsys, tmp_path / "run", "--resume", " ")
     assert code == 2 and "resume: is empty" in one_line(err)

@@ -190,6 +190,9 @@ def _run_state(trainer, frozen: dict[str, Any] | None) -> dict[str, Any]:
         # Secure mode: the seed is never written (exact replay impossible by design).
         "privacy_seed": None if trainer.cfg.privacy.secure_mode else trainer._privacy_seed,
         "held_rows": list(trainer._held_rows),  # (secure mode: rows not yet in metrics.jsonl)
+        # the training loop's seconds up to this checkpoint (this process's and those it
+        # continues) and the resumes that led to it: summary.json's totals after a resume
+        "cost": {"train_seconds": trainer.train_seconds(), "resumes": trainer._resumes},
     }
 
 
@@ -1034,6 +1037,13 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         # (a branch into another directory starts its rows afresh)
         trainer._resumed_rows = list(state.get("held_rows") or [])
     _restore_rngs(trainer, state)
+    cost = state.get("cost") or {}
+    trainer._trained_before = cost.get("train_seconds")  # (None: an older dptrain's checkpoint)
+    trainer._resumes = cost.get("resumes", 0) + 1
+    if "train_seconds" not in cost and trainer.rank == 0:
+        print(f"dptrain: {path} does not record the training time before it (an older "
+              f"dptrain wrote it): metrics rows' time and summary.json's train_seconds will "
+              f"be null", file=sys.stderr)
     if trainer.cfg.privacy.secure_mode:
         if trainer.rank == 0:  # (said once, as the "resumed from" line)
             print("dptrain: secure mode: resuming with fresh randomness (a new privacy seed "
