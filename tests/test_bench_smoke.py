@@ -121,6 +121,10 @@ def test_muon_s_sigma_bench_restores_lanczos_and_measures_both_methods(capsys):
     assert out["max_sigma_error"]["power3"] > 1e-2 > 1e-5 > out["max_sigma_error"]["lanczos"]
     assert 2 <= out["lanczos_products_per_matrix"]["min"] <= out["lanczos_products_per_matrix"][
         "max"] <= 50 and out["seconds_per_step"]["lanczos"] > 0
+    # 6 Newton-Schulz steps bring the update to lr * sigma_1 within 1%; 5 left it 10% off
+    ratio = out["update_over_lr_sigma1"]
+    assert 0.99 < ratio["lanczos"]["min"] <= ratio["lanczos"]["max"] < 1.01
+    assert ratio["lanczos_ns5"]["max"] > 1.1
 
 
 def test_trainer_step_bench_times_both_tiny_configs(capsys):

@@ -452,3 +452,12 @@ def test_doppler_restarting_empty_drops_its_own_state_too():
     f.load_state_dict(other.state_dict())  # other coefficients: restarts empty
     assert f.restart_note and f.num_steps == 0 and f.c_hist == [] and f.m_hist == {}
     assert f.state_dict() == DopplerFilter([-0.9], [0.1]).state_dict()
+
+
+def test_doppler_step0_checkpoint_with_another_correction_is_not_called_a_coefficient_change():
+    """Only ``correction`` differs (a and b equal): the history may go on (docs/optim.md). At
+    step 0 the note said the coefficients differ and the state restarts, which is not so."""
+    saved = DopplerFilter([-0.9], [0.5, 0.5], "step_response")
+    f = DopplerFilter([-0.9], [0.5, 0.5], "paper")
+    f.load_state_dict(saved.state_dict())
+    assert f.restart_note is None or "differ from this run" not in f.restart_note, f.restart_note

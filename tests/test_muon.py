@@ -408,10 +408,36 @@ def test_muon_s_update_is_sigma1_times_ns_and_heavy_ball_sgd_for_vectors(wd):
         opt.step()
         M_W, M_b = 0.9 * M_W + GW, 0.9 * M_b + Gb
         sigma = torch.linalg.svdvals(M_W)[0]
-        W0 = W0 * (1 - LR * wd) - LR * sigma * newton_schulz(M_W, 5, coefficients="polar_express")
+        W0 = W0 * (1 - LR * wd) - LR * sigma * newton_schulz(M_W, 6, coefficients="polar_express")
         b0 = b0 * (1 - LR * wd) - LR * M_b
         torch.testing.assert_close(W.detach(), W0, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(b.detach(), b0, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (128, 128)])
+def test_muon_s_default_update_has_spectral_norm_lr_times_sigma1(shape):
+    """DP-Muon-S's update is lr * sigma_1(M) * U V^T (docs/optim.md): with its default settings
+    the update's spectral norm must be lr * sigma_1(M), to 2%. Five Polar Express steps leave
+    singular values in about [0.86, 1.14], so the default update was 1.14x it; six give 1.008."""
+    gen = torch.Generator().manual_seed(0)
+    S = torch.randn(shape[0], 8, generator=gen) @ torch.randn(8, shape[1], generator=gen)
+    G = (S / torch.linalg.matrix_norm(S, 2)
+         + 0.5 * torch.randn(*shape, generator=gen) / math.sqrt(max(shape)))
+    W = torch.nn.Parameter(torch.zeros(shape))
+    opt = MuonS([("w", W)], lr=1.0, momentum=0.0)
+    W.grad = G.clone()
+    opt.step()
+    ratio = (torch.linalg.matrix_norm(W.detach(), 2) / torch.linalg.matrix_norm(G, 2)).item()
+    assert abs(ratio - 1.0) < 0.02, ratio
+
+
+def test_muon_s_refuses_zero_newton_schulz_steps_like_muon():
+    """Muon refuses ns_steps < 1; MuonS took 0 and stepped by sigma_1 * M / (1.02 ||M||_F)."""
+    W = torch.nn.Parameter(torch.zeros(8, 16))
+    with pytest.raises(ValueError, match="ns_steps"):
+        Muon([W], ns_steps=0)
+    with pytest.raises(ValueError, match="ns_steps"):
+        MuonS([("w", W)], ns_steps=0)
 
 
 @pytest.mark.parametrize("cls", ["Muon", "MuonBC"])

@@ -386,12 +386,12 @@ class DopplerFilter(Filter):
         c_hist, last_c = [float(c) for c in state["c_hist"]], state["last_c"]
         # only the correction differs: m and g do not depend on it, c_t alone does (a function
         # of a, b, the correction and t): recomputed from step 0 for this one
-        recompute = (saved is not None and saved != now and steps
-                     and (saved["a"], saved["b"]) == (self.a, self.b))
+        same_ab = saved is not None and (saved["a"], saved["b"]) == (self.a, self.b)
+        recompute = saved is not None and saved != now and steps and same_ab
         if recompute:
             for _, last_c, c_hist in normalisers(self.a, self.b, self.correction, [], 0, steps):
                 pass
-        elif saved is not None and saved != now:
+        elif saved is not None and saved != now and not same_ab:
             self.restart_note = (f"DOPPLER's filter state restarts empty: its coefficients "
                                  f"{saved} differ from this run's {now}")
             return

@@ -98,6 +98,16 @@ def _check_finite(**values: float) -> None:
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
 
 
+def _check_newton_schulz(ns_steps: int, ns_coefficients: str) -> None:
+    """ValueError for a Newton–Schulz setting ``step`` could not run, at construction: at the
+    first step the release it would orthogonalise is already spent."""
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
+        raise ValueError(f"ns_steps must be an int >= 1, got {ns_steps!r}")
+    if ns_coefficients not in ("muon", "polar_express"):
+        raise ValueError(f"ns_coefficients must be 'muon' or 'polar_express', got "
+                         f"{ns_coefficients!r}")
+
+
 class Muon(torch.optim.Optimizer):
     """DP-Muon (Eq. 7 of Kim and Fan): momentum, Newton–Schulz, shape-scaled step.
 
@@ -139,8 +149,7 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"scale must be one of {sorted(SCALES)}, got {scale!r}")
         if momentum_style not in MOMENTUM_STYLES:
             raise ValueError(f"momentum_style must be one of {sorted(MOMENTUM_STYLES)}")
-        if ns_steps < 1:
-            raise ValueError(f"ns_steps must be >= 1, got {ns_steps}")
+        _check_newton_schulz(ns_steps, ns_coefficients)
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, ns_dtype=_dtype_name(ns_dtype),
                         scale=scale, momentum_style=momentum_style, weight_decay=weight_decay,
@@ -460,9 +469,10 @@ class MuonS(torch.optim.Optimizer):
     Warnings:
     - ``eps`` is Newton–Schulz's normalisation guard with ``ns_coefficients="muon"`` only: the
       Polar Express coefficients (the default) use their own fixed safety terms;
-    - U V^T is approximated by Newton–Schulz; the default Polar Express coefficients get much
-      closer to the polar factor than Muon's at 5 steps (Muon's leave singular values in
-      ~[0.7, 1.2]);
+    - U V^T is approximated by Newton–Schulz. The default, 6 Polar Express steps, leaves the
+      singular values of a matrix normalised to ||M||_F in [0.992, 1.008] from 1e-3 of it up,
+      so the update's spectral norm is lr * sigma_1 within 1%: 5 steps leave [0.85, 1.14] (an
+      update up to 14% larger), Muon's quintic [0.68, 1.13] at any number of steps;
     - the first step's power vector is public randomness seeded from (seed, parameter name).
     """
 
@@ -475,13 +485,14 @@ class MuonS(torch.optim.Optimizer):
         momentum: float = 0.9,
         power_iters: int = 50,
         power_tol: float = 1e-4,
-        ns_steps: int = 5,
+        ns_steps: int = 6,
         ns_coefficients: Literal["muon", "polar_express"] = "polar_express",
         ns_dtype: str | torch.dtype = "float32",
         weight_decay: float = 0.0,
         eps: float = 1e-7,
     ):
         _check_finite(lr=lr, weight_decay=weight_decay, eps=eps)
+        _check_newton_schulz(ns_steps, ns_coefficients)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if power_iters < 2:  # one product leaves the warm start where it was
