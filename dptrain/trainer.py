@@ -1044,7 +1044,7 @@ class Trainer:
                 if self.step % tc.log_every == 0 or last or evaluate:
                     eps, eps_step = self.epsilon(), self.step
                     row["epsilon"] = eps
-                    peak_gib = self._measure_row(row, start, gpu, evaluate, peak_gib)
+                    peak_gib = self._measure_row(row, gpu, evaluate, peak_gib)
                     if metrics_file:
                         pending.append(strict_json(row) + "\n")
                         if not held:
@@ -1150,7 +1150,7 @@ class Trainer:
                 saved_path = ckpt.save(self, self.output_dir)
             raise StopRequested(e.signum, self.step, saved_path) from None
 
-    def _measure_row(self, row: dict, start: float, gpu, evaluate: bool,
+    def _measure_row(self, row: dict, gpu, evaluate: bool,
                      peak_gib: float | None) -> float | None:
         """Add a logged row's time, memory and GPU readings (not in secure mode) and, at an
         evaluation step, the test metrics; return the run's peak memory so far."""

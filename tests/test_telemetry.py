@@ -158,6 +158,7 @@ def test_an_evaluation_rows_readings_start_a_new_window_for_the_next_row(monkeyp
     # a row at an evaluation step measures the steps before it; the evaluation's own memory
     # and GPU samples must not go into the next row's (its peak memory would be the
     # evaluation's batch, not training's)
+    import time
     from pathlib import Path
 
     import dptrain.trainer as trainer_mod
@@ -178,10 +179,11 @@ def test_an_evaluation_rows_readings_start_a_new_window_for_the_next_row(monkeyp
 
     monkeypatch.setattr(t, "_gpu_row", lambda gpu: {})
     row: dict = {}
-    assert t._measure_row(row, 0.0, Gpu(), False, 3.0) == 3.0  # the run's peak so far, kept
-    assert row["peak_memory_gib"] == 1.0 and row["time"] > 0 and "test_loss" not in row
+    t._loop = (time.time() - 2.0, None)  # (the training loop began 2 s ago)
+    assert t._measure_row(row, Gpu(), False, 3.0) == 3.0  # the run's peak so far, kept
+    assert row["peak_memory_gib"] == 1.0 and 2.0 <= row["time"] < 60 and "test_loss" not in row
     assert resets == [True] and windows == []  # (the row's own reading starts a window)
     row = {}
-    assert t._measure_row(row, 0.0, Gpu(), True, None) == 1.0
+    assert t._measure_row(row, Gpu(), True, None) == 1.0
     assert row["test_loss"] == 1.5
     assert resets == [True, True, True] and windows == [1]  # the reading, then the evaluation's
