@@ -1237,11 +1237,13 @@ class Trainer:
                     path.unlink(missing_ok=True)
                     continue
                 tmp = out / "final" / f"{name}.tmp"
+                tmp.unlink(missing_ok=True)  # (a link there: written through, not replaced)
                 tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n"
                                        for r in self.generations[name]), encoding="utf-8")
                 os.replace(tmp, path)
             # last: summary.json marks the run finished (--resume auto then does nothing)
             tmp = out / "summary.json.tmp"
+            tmp.unlink(missing_ok=True)
             tmp.write_text(strict_json(summary, indent=2, default=str))
             os.replace(tmp, out / "summary.json")
 

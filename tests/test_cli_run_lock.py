@@ -435,3 +435,71 @@ def test_a_plot_into_a_run_s_linked_checkpoints_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "--output" in err and "checkpoints/ folder" in err, err
     assert not (store / "m.png").exists()
+
+
+@pytest.mark.parametrize("folder", ["checkpoints", "final"])
+def test_an_output_dir_reaching_another_runs_folders_through_a_link_and_dotdot_is_refused(
+        tmp_path, capsys, folder):
+    """Red-team: ``in_run_folder`` collapses '..' lexically (``os.path.abspath``) before it
+    resolves links, so LINK/../checkpoints/step-N, with LINK a link to a run's checkpoints/
+    (LINK/.. is the run itself), looked like CWD/checkpoints/step-N: the start was accepted,
+    the new run was made inside the other run's checkpoints/ (or final/), and that run's
+    pruning of "later" step directories deleted the new run whole."""
+    run = tmp_path / "run"
+    before = _unfinished_run(capsys, run)
+    link = tmp_path / "link"
+    link.symlink_to(run / "checkpoints", target_is_directory=True)
+    out = Path(f"{link}/../{folder}/step-00000099")
+    _refused(capsys, out, f"{folder}/")
+    assert not (run / folder / "step-00000099").exists()
+    assert _snapshot(run) == before
+
+
+def test_resume_auto_through_a_checkpoints_link_into_another_run_is_refused(tmp_path, capsys):
+    """Red-team: run/checkpoints a link to ANOTHER run's checkpoints/ (two runs' links copied
+    to one folder). A fresh start is refused as "holds an unfinished run; pass --resume auto",
+    and --resume auto then resumed the other run's checkpoint, wrote its own checkpoints into
+    that run's folder and pruned the other run's checkpoints (keep_checkpoints)."""
+    other = tmp_path / "other"
+    assert _cli(capsys, other, "privacy.steps=2", "train.keep_checkpoints=5")[0] == 0
+    (other / "summary.json").unlink()  # an unfinished run (stopped, to be resumed)
+    before = _snapshot(other)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(other / "checkpoints", target_is_directory=True)
+    code, err = _cli(capsys, run, "privacy.steps=2", "train.keep_checkpoints=1",
+                     "--resume", "auto")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "output-dir" in lines[0], err
+    assert _snapshot(other) == before
+
+
+def test_resume_auto_through_a_final_link_into_another_run_is_refused(tmp_path, capsys):
+    """Red-team: run/final a link to a finished run's final/. Without --resume the start is
+    refused (final/ holds files); with --resume auto (a requeue script's line) it found no
+    checkpoint, "started afresh" and replaced the finished run's final/model.safetensors,
+    which that run's summary.json describes."""
+    other = tmp_path / "other"
+    assert _cli(capsys, other, "privacy.steps=1", "train.checkpoint_every=0")[0] == 0
+    before = _snapshot(other)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "final").symlink_to(other / "final", target_is_directory=True)
+    code, err = _cli(capsys, run, "privacy.steps=1", "seed=5", "--resume", "auto")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "output-dir" in lines[0], err
+    assert _snapshot(other) == before
+
+
+def test_a_run_still_building_its_model_owns_its_file_names(tmp_path):
+    # only its lock so far (it writes the rest later): another command's --output
+    # DIR/summary.json --force was let in, and the run then overwrote the report
+    from dptrain.commands import LOCK, run_owned
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK).write_text("")  # an empty lock names no run (a file system without locks)
+    assert run_owned(run / "summary.json") is None
+    (run / LOCK).write_text("pid 123 on host since 2026-12-07T10:00:00Z\n")
+    assert "run's own file" in run_owned(run / "summary.json")
+    assert run_owned(run / "report.json") is None

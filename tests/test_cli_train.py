@@ -643,3 +643,34 @@ def test_a_diverged_run_says_once_that_its_releases_may_be_noise_alone(tmp_path,
     code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
                            str(tmp_path / "fine"), "privacy.steps=3")
     assert code == 0 and "training loss is" not in err
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "generations.jsonl",
+                                  "last_iterate_generations.jsonl", "last_iterate.safetensors"])
+def test_a_path_of_the_wrong_kind_in_final_is_refused_before_any_work(tmp_path, capsys, name):
+    """Red-team: _check_layout checks the output dir's own names only. A folder under final/
+    where the run writes (or removes) a file, e.g. final/generations.jsonl, was found only by
+    _write_final after the whole run and its final evaluation: IsADirectoryError traceback,
+    exit 1, no summary.json, and final/<name>.tmp left behind. (A fresh start refuses a
+    non-empty final/; --resume auto, whose checkpoint may be the last step, goes on.)"""
+    out = tmp_path / "run"
+    (out / "final" / name).mkdir(parents=True)
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                           "privacy.steps=1", "--resume", "auto")
+    lines = [line for line in err.strip().splitlines() if "error" in line or "Error" in line]
+    assert code == 2 and len(lines) == 1 and "output-dir" in lines[0] and name in lines[0], err
+    assert sorted(p.name for p in (out / "final").iterdir()) == [name]
+
+
+def test_resume_auto_without_a_checkpoint_does_not_overwrite_a_final_model(tmp_path, capsys):
+    """Red-team: test_a_final_model_in_the_output_dir_is_not_overwritten, with --resume auto
+    (what a requeue script always passes): no checkpoint, "starting afresh", and the folder's
+    final/model.safetensors (a copied model) was replaced. (Judgment call: a checkpoint_every=0
+    run of its own killed between its export and summary.json looks the same.)"""
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "model.safetensors").write_bytes(b"mine")
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir", str(out),
+                           "privacy.steps=1", "--resume", "auto")
+    assert code == 2 and "output-dir" in err and "final/" in err, err
+    assert (out / "final" / "model.safetensors").read_bytes() == b"mine"

@@ -11,6 +11,10 @@ RUN_LAYOUT = {"checkpoints": True, "final": True, "metrics.jsonl": False, "summa
               "secure_resumes.jsonl": False, "run.lock": False}  # (run.lock: LOCK)
 """What ``dptrain train`` writes in a run directory: name -> whether it is a directory
 (``run.lock``: the lock its rank 0 holds while it runs, ``commands.train._run_lock``)."""
+FINAL_LAYOUT = {"model.safetensors": False, "last_iterate.safetensors": False,
+                "generations.jsonl": False, "last_iterate_generations.jsonl": False,
+                "hf": True, "adapter": True}
+"""What it writes (or removes, an earlier attempt's) in its ``final/``: name -> is a directory."""
 RUN_FILES = tuple(name for name, is_dir in RUN_LAYOUT.items() if not is_dir)
 """A run's own files: never another command's output."""
 LOCK = "run.lock"  # in a run directory: held (flock) by the run's rank 0 while it runs
@@ -39,7 +43,8 @@ def run_owned(path) -> str | None:
     written = Path(os.path.abspath(path))
     path = Path(path).absolute()
     path = path.parent.resolve() / path.name
-    if path.name in RUN_FILES and _holds_run_files(path.parent):
+    if path.name in RUN_FILES and _is_run_or_starting(path.parent):
+        # (a run still building its model has only its lock: it writes the rest later)
         return f"{path} is a run's own file"
     # (and as written: a run's checkpoints/ may be a link to scratch storage)
     return _in_run_folder(path, path.parents) or _in_run_folder(path, written.parents)
@@ -49,12 +54,13 @@ def in_run_folder(directory) -> str | None:
     """Why ``directory`` is, or is inside, a run's ``RUN_FOLDERS`` (None if it is not): its
     checkpoints, which the run prunes, or its final/, which it replaces. Both as written (a
     run's ``checkpoints`` may be a link to scratch storage) and with links and '..' resolved
-    (a link to a run's final/)."""
+    as the file system does, a link before its '..' (a link to a run's final/; LINK/.. is the
+    parent of LINK's target, not the folder holding LINK)."""
     from pathlib import Path
 
     written = Path(os.path.abspath(directory))
     try:
-        resolved = written.resolve()
+        resolved = Path(directory).absolute().resolve()
     except (OSError, RuntimeError):  # (a loop of links: refused as such by the caller)
         resolved = written
     return (_in_run_folder(directory, (written, *written.parents))
@@ -78,6 +84,26 @@ def _names_a_run(lock) -> bool:
     """A run's lock file names its holder; an empty one (left where the file system cannot
     lock) names no one."""
     return os.path.isfile(lock) and os.path.getsize(lock) > 0
+
+
+def linked_into_a_run(directory) -> str | None:
+    """Why ``directory``'s own ``RUN_FOLDERS`` are another run's (None if they are not): its
+    ``checkpoints`` or ``final`` a link into another run's folders, whose checkpoints this run
+    would resume and prune, or whose final model it would replace."""
+    from pathlib import Path
+
+    try:
+        home = Path(directory).resolve()
+        for name in RUN_FOLDERS:
+            real = (Path(directory) / name).resolve()
+            for folder in (real, *real.parents):
+                if (folder.name in RUN_FOLDERS and folder.parent != home
+                        and _is_run_or_starting(folder.parent)):
+                    return (f"{Path(directory) / name} leads into the run {folder.parent}'s "
+                            f"{folder.name}/ folder ({real})")
+    except (OSError, RuntimeError):  # (a loop of links: refused as such by the caller)
+        return None
+    return None
 
 
 def runs_inside(directory) -> str | None:

@@ -16,7 +16,8 @@ import threading
 import types
 from pathlib import Path
 
-from dptrain.commands import LOCK, RUN_LAYOUT, check_can_create, in_run_folder, runs_inside
+from dptrain.commands import (FINAL_LAYOUT, LOCK, RUN_LAYOUT, check_can_create, in_run_folder,
+                              linked_into_a_run, runs_inside)
 from dptrain.config import ConfigError, said_by_rank_0
 from dptrain.messages import brief
 from dptrain.telemetry import json_rows
@@ -367,8 +368,10 @@ def _check_same_training(saved: dict, cfg, out: Path) -> None:
 def _check_layout(out: Path) -> None:
     """Each path a run writes in ``out`` is absent, or of the kind it writes (a directory, a
     file) and writable: a file named ``checkpoints`` raised FileExistsError at the first
-    checkpoint, and one named ``final`` after the whole run had trained."""
-    for name, is_dir in RUN_LAYOUT.items():
+    checkpoint, and one named ``final`` after the whole run had trained (as did a directory
+    named ``final/generations.jsonl``)."""
+    layout = {**RUN_LAYOUT, **{f"final/{name}": d for name, d in FINAL_LAYOUT.items()}}
+    for name, is_dir in layout.items():
         path = out / name
         if not path.exists() and not path.is_symlink():
             continue
@@ -625,6 +628,9 @@ def _check_output_dir(out: Path) -> None:
     if (inside := runs_inside(out)) is not None:
         raise ConfigError("output-dir", f"{inside}: this run would prune or replace it; move "
                                         "it away, or choose another directory")
+    if (linked := linked_into_a_run(out)) is not None:
+        raise ConfigError("output-dir", f"{linked}: this run would take over, prune or "
+                                        "replace that run's files; choose another directory")
     _check_layout(out)
 
 
@@ -670,6 +676,14 @@ def _resume_path(out: Path, cfg, args: argparse.Namespace, several: bool) -> Pat
     if args.resume == "auto":
         # each rank's own first look: marker, files and sizes only (no hashing)
         resume_path = ckpt.find_latest(out, shallow=True, quiet=True)
+        if (resume_path is None and any((out / "final").glob("*"))
+                and not (out / "metrics.jsonl").is_file()):
+            # (a run of its own that reached its export wrote metrics.jsonl first: this final/
+            # is something else's, which "starting afresh" would replace)
+            raise ConfigError("output-dir", f"{out}'s final/ holds files, but no checkpoint "
+                                            "and no metrics.jsonl of a run that wrote them "
+                                            "are there: --resume auto would replace them; "
+                                            "move them away, or choose another directory")
     elif args.resume is not None:
         resume_path = Path(args.resume)
         if not resume_path.is_dir():
