@@ -766,8 +766,10 @@ class Trainer:
                     if s is not None:
                         noisy = noisy + s
                 if self.audit is not None and (self.rank == 0 or is_sharded(p)):
-                    _, lo, hi = flat_range(p)  # a replicated release is read on rank 0 only
-                    self.audit.observe(name, noisy, lo, hi, step)
+                    # (this rank's part of the flat parameter: its rows of a sharded one; a
+                    # replicated release, whole, is read on rank 0 only)
+                    _, part_lo, part_hi = flat_range(p)
+                    self.audit.observe(name, noisy, part_lo, part_hi, step)
                 out[name] = as_grad((noisy / b).to(p.dtype), p)
         del acc
         loss_sum, count = all_reduce_scalars(loss_sum, count, device=self.device)

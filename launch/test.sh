@@ -5,10 +5,11 @@ set -euo pipefail
 ROOT="$(cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)"  # (quiet with CDPATH)
 # Paths are made absolute before the cd below: a test path given from another directory (an
 # existing one: tests/ is dropped then), and the value of an option that names a file, existing
-# or not (--junitxml, --basetemp: pytest empties an existing basetemp). The value of an option
-# that takes an expression (-k EXPR, -m MARK, ...) is passed as it is, even where a file of that
-# name exists (-k launch is an expression, not the launch/ folder); so is --deselect's node id,
-# which pytest matches against ids relative to the repository root.
+# or not (--junitxml, --basetemp: pytest empties an existing basetemp), or a pattern of paths
+# (--ignore-glob, which pytest, as --ignore, reads from its working directory). The value of an
+# option that takes an expression (-k EXPR, -m MARK, ...) is passed as it is, even where a file
+# of that name exists (-k launch is an expression, not the launch/ folder); so is --deselect's
+# node id, which pytest matches against ids relative to the repository root.
 absolute() {  # an existing path (test ids' ::parts kept) from the caller's directory
   if [ -e "${1%%::*}" ]; then
     local rest="${1#"${1%%::*}"}"
@@ -19,7 +20,7 @@ anchored() {  # any path, existing or not, from the caller's directory
   case "$1" in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac
 }
 PATH_OPTIONS="--ignore --rootdir --basetemp --junitxml --junit-xml --confcutdir -c --log-file"
-PATH_OPTIONS="$PATH_OPTIONS --config-file"
+PATH_OPTIONS="$PATH_OPTIONS --config-file --ignore-glob"
 ARGS=()
 TARGETS=(tests)  # unless the arguments name a test file or directory
 value=""  # the kind of value the previous option takes: expr or path
@@ -29,7 +30,7 @@ for arg in "$@"; do
     path) ARGS+=("$(anchored "$arg")"); value=""; continue ;;
   esac
   case "$arg" in
-    -k|-m|-p|-o|-W|-n|--maxfail|--durations|--tb|--log-level|--ignore-glob|--deselect)
+    -k|-m|-p|-o|-W|-n|--maxfail|--durations|--tb|--log-level|--deselect)
        ARGS+=("$arg"); value=expr ;;
     --*=*) name="${arg%%=*}"
        if [[ " $PATH_OPTIONS " == *" $name "* ]]; then

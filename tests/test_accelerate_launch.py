@@ -296,3 +296,36 @@ def test_slurm_script_refuses_a_rank_count_that_is_not_positive(tmp_path, env, s
     assert len(err.strip().splitlines()) == 1 and "GPUS_PER_NODE" in err and said in err, err
     code, err, _, acc = _sbatch(tmp_path, [TINY], GPUS_PER_NODE="", SLURM_GPUS_ON_NODE="4")
     assert code == 0 and acc[acc.index("--num_processes") + 1] == "8", err  # 2 nodes x 4
+
+
+def test_slurm_script_requeued_finds_its_checkpoints_under_a_directory_with_brackets(tmp_path):
+    """The requeue check globbed "$OUTPUT_DIR/checkpoints/step-*" with OUTPUT_DIR unescaped: a
+    directory named like runs/exp[1] (glob characters) matched nothing, so a job started from
+    --resume PATH and requeued after checkpoints of its own resumed PATH again, which dptrain
+    refuses (exit 2, "holds checkpoints after step ...")."""
+    branch = tmp_path / "exp[1]"
+    (branch / "checkpoints" / "step-00000013").mkdir(parents=True)
+    code, err, srun, acc = _sbatch(tmp_path, [TINY, "--resume", "runs/old/checkpoints/step-4"],
+                                   SLURM_RESTART_COUNT="1", OUTPUT_DIR=str(branch))
+    assert code == 0, err
+    assert acc.count("--resume") == 1 and acc[acc.index("--resume") + 1] == "auto", acc
+
+
+def test_slurm_script_run_outside_an_allocation_says_what_is_missing(tmp_path):
+    """`bash launch/slurm.sbatch CONFIG` outside Slurm (no SLURM_JOB_NODELIST): the script has
+    fallbacks for SLURM_NNODES and SLURM_JOB_ID, but died with bash's "SLURM_JOB_NODELIST:
+    unbound variable", exit 1."""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    (stubs / "srun").write_text("#!/usr/bin/env bash\necho srun >> \"$LOG\"\n")
+    (stubs / "srun").chmod(0o755)
+    log = tmp_path / "srun.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{stubs}:{env['PATH']}", LOG=str(log), DPTRAIN_ROOT=str(ROOT),
+               GPUS_PER_NODE="2")
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), TINY], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert "unbound variable" not in proc.stderr, proc.stderr
+    if proc.returncode != 0:  # refused: one line, status 2, nothing launched
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert not log.exists()

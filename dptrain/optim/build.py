@@ -289,9 +289,10 @@ def build_optimizer(
 
 def _check_decay(path: str, optimizer: torch.optim.Optimizer) -> None:
     """lr x weight_decay >= 1 multiplies the weights by 1 - lr wd <= 0 at every step (AdamW's
-    and Muon's decoupled decay, SGD's coupled L2 alike): their sign flips at every step, and
-    past 2 they grow until the run is NaN, without an error. The schedule's factor is at most
-    1, so the base lr is the largest."""
+    and Muon's decoupled decay exactly; SGD's coupled L2 term too without momentum, and with
+    it the check is a heuristic: the decay goes through the momentum buffer): their sign
+    flips at every step, and past 2 they grow until the run is NaN, without an error. The
+    schedule's factor is at most 1, so the base lr is the largest."""
     for pg in optimizer.param_groups:
         lr, wd = float(pg["lr"]), float(pg.get("weight_decay", 0.0))
         if lr * wd >= 1:

@@ -43,7 +43,9 @@ class AuxGroupConfig:
     lr: float | None = None
     """Its base learning rate. Null: ``optim.lr``."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Its options (e.g. betas, weight_decay, momentum)."""
+    """Its options (e.g. betas, weight_decay, momentum); none is taken from the top level
+    (``optim.momentum`` and the like are the main optimizer's), even where ``optimizer`` is
+    ``optim.name``: its defaults, unless set here."""
 
     def validate(self) -> None:
         if self.lr is not None and not (self.lr >= 0 and math.isfinite(self.lr)):
@@ -117,7 +119,10 @@ class OptimConfig:
     warmup_steps: int = 0
     """Linear warm-up steps (any schedule)."""
     min_lr_ratio: float = 0.0
-    """Final learning rate of linear/cosine decay, as a fraction of the base."""
+    """Floor of linear/cosine decay, as a fraction of the base learning rate: the factor the
+    decay reaches at step T, one past the last (dptrain/optim/schedules.py), so the last
+    step's rate is one decay step above it (linear: min_lr_ratio + (1 - min_lr_ratio)/(T -
+    warmup_steps))."""
     filter: FilterConfig = field(default_factory=FilterConfig)
     """Filter on the release before the optimizer (DiSK, DOPPLER)."""
     inner_momentum: InnerMomentumConfig = field(default_factory=InnerMomentumConfig)

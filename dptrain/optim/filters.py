@@ -353,7 +353,7 @@ class DopplerFilter(Filter):
         if p_len:
             self.c_hist.insert(0, c_t)
             del self.c_hist[p_len:]
-        self._last_c = c_t
+        self._last_c: float | None = c_t
         self.num_steps += 1
 
     def noise_gain(self) -> float:

@@ -2,8 +2,8 @@
 
 Every class reads ``p.grad`` (the release after the filters) and keeps all its state in
 ``self.state``; none stashes anything on parameters. Classes take ``(params, lr, **options)``;
-options named like a runtime value (``seed``, ``release_noise_std``, ``ns_dtype``) are filled
-in by ``build_optimizer`` rather than by the config.
+options named like a runtime value (``seed``, ``release_noise_std``, ``ns_dtype``,
+``transposed``; ``Runtime``) are filled in by ``build_optimizer`` rather than by the config.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ class Runtime:
     """Values the run supplies (not the config): passed to classes whose __init__ names them."""
 
     seed: int
-    """Seed of public post-processing randomness (MuonBC probes, MuonS power vectors)."""
+    """Seed of public post-processing randomness (MuonBC probes, MuonS power vectors; inner
+    momentum's past-state dropout is seeded from it too, by the trainer)."""
     release_noise_std: float
     """sigma*C/b: std per coordinate of the release's Gaussian noise (MuonBC's nu before gains)."""
     ns_dtype: str = "float32"
@@ -129,8 +130,8 @@ _OPTION_RANGES: dict[str, tuple[Any, str]] = {
     # (eps = 1e-50): floats' smallest normal. (Newton-Schulz divides a zero matrix by 1.)
     "eps": (lambda x: _finite(x) and x >= FLOAT32_TINY,
             f"must be finite and >= {FLOAT32_TINY:.3g} (float32's smallest normal: a smaller "
-            f"one rounds to 0 in float32 or bf16, and AdamW's step of an all-zero gradient "
-            f"is then 0/0)"),
+            f"one rounds to 0 in float32 or bf16, where AdamW's step of an all-zero gradient "
+            f"is 0/0; Muon's Newton-Schulz guard is held to the same range)"),
     "ns_steps": (lambda x: x >= 1, "must be >= 1"),
     "bc_lambda": (lambda x: _finite(x) and x >= 0, "must be finite and >= 0"),
     "bc_kappa": (lambda x: _finite(x) and x > 0, "must be finite and > 0"),
