@@ -139,6 +139,28 @@ def test_ghost_squared_norm_of_alike_tokens_is_as_exact_as_the_reference():
 
 
 @runs_kernels
+def test_ghost_product_of_integer_factors_is_exact():
+    # small integers: every Gram entry is an integer below 2^24 (exact in float32, any order),
+    # their products (~1e8) are not all float32 numbers but are float64 ones, and so are
+    # the sums: the result is the exact value rounded once to float32, though the terms cancel
+    # (half the tokens with opposite output gradients, as in a squared norm of alike tokens)
+    from dptrain.kernels.ghost import outer_inner
+
+    g = torch.Generator().manual_seed(11)
+    B, T, O, I = 2, 64, 16, 24
+    a, c = torch.randint(-40, 41, (O,), generator=g), torch.randint(-40, 41, (I,), generator=g)
+    sign = torch.tensor([1] * (T // 2) + [-1] * (T // 2))[None, :, None]
+    L = (sign * a + torch.randint(-2, 3, (B, T, O), generator=g)).float()
+    R = (c + torch.randint(-2, 3, (B, T, I), generator=g)).float()
+    exact = _exact(L, R)
+    assert (exact.abs() < 1e-3 * _exact(L.abs(), R.abs())).all()  # the terms cancel
+    assert torch.equal(outer_inner(L.to(DEVICE), R.to(DEVICE)).cpu(), exact.float())
+    Lv, Rv = L[:, :40].flip(1), R[:, :40].flip(1)
+    got = outer_inner(L.to(DEVICE), R.to(DEVICE), Lv.to(DEVICE), Rv.to(DEVICE))
+    assert torch.equal(got.cpu(), _exact(L, R, Lv, Rv).float())
+
+
+@runs_kernels
 def test_ghost_product_in_float64_is_float64_exact():
     from dptrain.kernels.ghost import outer_inner
 
@@ -147,6 +169,11 @@ def test_ghost_product_in_float64_is_float64_exact():
     assert got.dtype == torch.float64
     torch.testing.assert_close(got.cpu(), _exact(Lu, Ru, Lv, Rv), rtol=1e-12, atol=1e-10)
     torch.testing.assert_close(outer_inner(Lu, Ru).cpu(), _exact(Lu, Ru), rtol=1e-12, atol=0)
+    # one float64 factor is enough: the others are widened, not it rounded to float32
+    Lf = Lu.float()
+    got = outer_inner(Lf, Ru, Lv.float(), Rv)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got.cpu(), _exact(Lf, Ru, Lv.float(), Rv), rtol=1e-12, atol=1e-10)
 
 
 @runs_kernels
@@ -172,6 +199,12 @@ def test_ghost_product_of_an_empty_batch_or_sequence_is_zero():
     assert outer_inner(Lu, Ru).shape == (0,)
     Lu, Ru, _, _ = _factors(2, 0, 0, 3, 3)
     assert torch.equal(outer_inner(Lu, Ru).cpu(), torch.zeros(2))
+    Lu, Ru, Lv, Rv = _factors(2, 4, 0, 3, 3)  # a pair with one empty sequence
+    assert torch.equal(outer_inner(Lu, Ru, Lv, Rv).cpu(), torch.zeros(2))
+    # float64 factors give float64 zeros, like any other float64 product
+    Lu, Ru, _, _ = _factors(2, 0, 0, 3, 3, dtype=torch.float64)
+    got = outer_inner(Lu, Ru)
+    assert got.dtype == torch.float64 and torch.equal(got.cpu(), torch.zeros(2).double())
 
 
 @runs_kernels
@@ -181,6 +214,62 @@ def test_ghost_product_refuses_factors_that_do_not_pair():
     Lu, Ru, Lv, Rv = _factors(2, 5, 6, 4, 3)
     with pytest.raises(ValueError, match="do not pair"):
         outer_inner(Lu, Ru, Lv, Rv[:, :, :2])
+    # Lv of other features or of another length than Rv; Rv of another batch
+    for lv, rv in ((Lv[:, :, :3], Rv), (Lv[:, :5], Rv), (Lv, Rv[:1]), (Lv[:1], Rv[:1])):
+        with pytest.raises(ValueError, match="do not pair"):
+            outer_inner(Lu, Ru, lv, rv)
+    # one of the pair alone: Rv was ignored (the squared norm returned), Lv an AttributeError
+    for lv, rv in ((None, Rv), (Lv, None)):
+        with pytest.raises(ValueError, match="both Lv and Rv, or neither"):
+            outer_inner(Lu, Ru, lv, rv)
+
+
+@runs_kernels
+def test_ghost_squared_norm_computes_each_pair_of_tiles_once(monkeypatch):
+    # u = v: tile (t, s) of both Grams is tile (s, t) transposed, so each unordered pair of
+    # tiles is computed once (the kernel counts the off-diagonal ones twice), nu (nu + 1) / 2
+    # programs; a general pair computes all nu x nv tiles
+    import dptrain.kernels.ghost as ghost
+
+    seen = []
+    tiles = ghost._tiles
+
+    def spy(nu, nv, symmetric, device):
+        r, c = tiles(nu, nv, symmetric, device)
+        seen.append((nu, nv, symmetric, list(zip(r.tolist(), c.tolist()))))
+        return r, c
+
+    monkeypatch.setattr(ghost, "_tiles", spy)
+    Lu, Ru, Lv, Rv = _factors(2, 150, 150, 8, 8)
+    ghost.outer_inner(Lu, Ru)
+    ghost.outer_inner(Lu, Ru, Lv, Rv)
+    (nu, nv, sym, pairs), (nu2, nv2, sym2, pairs2) = seen
+    assert sym and not sym2 and nu == nv == nu2 == nv2 >= 3
+    assert len(pairs) == nu * (nu + 1) // 2
+    assert {tuple(sorted(p)) for p in pairs} == {(i, j) for i in range(nu) for j in range(i, nu)}
+    assert sorted(pairs2) == [(i, j) for i in range(nu) for j in range(nu)]
+
+
+@runs_kernels
+def test_ghost_tile_side_is_a_power_of_two_from_16_to_64():
+    # 16 is tl.dot's minimum; 64 keeps two float32 tiles in registers. Under the interpreter
+    # (programs one after another) the smallest power of two covering the longer sequence; on
+    # a GPU halved while fewer than 256 programs would leave multiprocessors idle
+    from dptrain.kernels.ghost import _INTERPRETED, _block
+
+    for B, Tu, Tv in [(1, 1, 1), (3, 5, 5), (2, 16, 16), (2, 17, 90), (1, 33, 2), (2, 64, 64),
+                      (1, 65, 3), (1, 130, 130), (64, 200, 200)]:
+        bt = _block(B, Tu, Tv)
+        cover = min(64, max(16, 1 << (max(Tu, Tv) - 1).bit_length()))
+        assert bt in (16, 32, 64) and bt <= cover, (B, Tu, Tv, bt)
+        if _INTERPRETED:
+            assert bt == cover, (B, Tu, Tv, bt)
+        else:
+            def programs(side):
+                return B * -(-Tu // side) * -(-Tv // side)
+
+            assert bt == 16 or programs(bt) >= 256, (B, Tu, Tv, bt)  # halved far enough
+            assert bt == cover or programs(2 * bt) < 256, (B, Tu, Tv, bt)  # and no further
 
 
 # ---------------------------------------------------------------------------------------------

@@ -160,6 +160,9 @@ def outer_inner(Lu: Tensor, Ru: Tensor, Lv: Tensor | None = None,
     why = available(Lu.device)
     if why is not None:
         raise RuntimeError(f"kernels.ghost.outer_inner: {why}")
+    if (Lv is None) != (Rv is None):
+        raise ValueError("kernels.ghost.outer_inner: give both Lv and Rv, or neither (the "
+                         "squared norm)")
     symmetric = Lv is None
     if symmetric:
         Lv, Rv = Lu, Ru
