@@ -667,3 +667,35 @@ def test_to_device_and_the_float32_copies_reach_tensors_inside_container_subclas
     assert floated["x"][0].dtype == torch.float32
     moved = to_device(batch, torch.device("cpu"))
     assert type(moved) is Fields and moved["x"][0].dtype == torch.bfloat16
+
+
+def test_map_tensors_reaches_any_mapping_keeps_tuples_and_falls_back_to_plain_containers():
+    # a Mapping that is no dict (UserDict: transformers' BatchEncoding) holds tensors too; a
+    # plain tuple stays a tuple; a subclass whose constructor takes other arguments comes
+    # back as the plain container, its tensors mapped, not as an error
+    from collections import UserDict
+
+    from dptrain.tree import map_tensors
+
+    class Encoding(UserDict):
+        pass
+
+    class Pair(list):
+        def __init__(self, a, b):
+            super().__init__([a, b])
+
+    class Two(tuple):
+        def __new__(cls, a, b):
+            return super().__new__(cls, (a, b))
+
+    batch = {"enc": Encoding(ids=torch.ones(2)), "pair": Pair(torch.ones(1), 2),
+             "t": (torch.ones(1), "s"), "two": Two(torch.ones(1), None)}
+    out = map_tensors(lambda t: t * 3, batch)
+    assert type(out["enc"]) is Encoding and torch.equal(out["enc"]["ids"], torch.full((2,), 3.0))
+    assert type(out["pair"]) is list and out["pair"][1] == 2
+    assert torch.equal(out["pair"][0], torch.full((1,), 3.0))
+    assert type(out["t"]) is tuple and out["t"][1] == "s"
+    assert torch.equal(out["t"][0], torch.full((1,), 3.0))
+    assert type(out["two"]) is tuple and out["two"][1] is None
+    assert torch.equal(out["two"][0], torch.full((1,), 3.0))
+    assert torch.equal(batch["enc"]["ids"], torch.ones(2))  # (the input is not changed)

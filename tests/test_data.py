@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import shutil
+import tarfile
 import types
 from pathlib import Path
 
@@ -975,7 +976,7 @@ def test_webdataset_a_key_that_comes_back_after_another_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("label", ["1_0", "\u0663", "99999999999999999999999", "1.0",
-                                   "9223372036854775808"])
+                                   "9223372036854775808", "1" * 5000])
 def test_webdataset_a_label_that_is_not_ascii_int64_digits_is_refused(tmp_path, label):
     # int() read "1_0" as 10 and an Arabic-Indic three as 3; 23 digits overflowed later with a
     # traceback (exit 1)
@@ -1766,3 +1767,261 @@ def test_a_secure_run_prints_no_count_of_its_training_examples(tmp_path, capsys)
         assert ("train.json: 1 of 3 DART records" in err) != secure, err
         assert ("train examples" in err) != secure, err
         assert "test.json: 1 of 3 DART records" in err and "test examples" in err, err
+
+
+def _ppm(v, size=(8, 8)):
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((*size, 3), v, np.uint8)).save(buf, format="PPM")
+    return buf.getvalue()
+
+
+def test_webdataset_members_webdataset_skips_are_skipped_and_extensions_lowercased(tmp_path):
+    """webdataset yields regular files only, skips names without an extension and lowercases
+    extensions: a directory "d.x", a symlink "k9.ppm", a "README" and "K1.PPM" / "K1.CLS"
+    are indexed as it reads them (the image bytes those of the stdlib's tarfile)."""
+    import tarfile
+
+    import webdataset as wds
+
+    _write_shards(tmp_path, "imagenet-val", 1, 2, np.random.default_rng(1))
+    shard = tmp_path / "imagenet-train-000000.tar"
+    with tarfile.open(shard, "w") as tf:
+        def add(name, data=None, kind=tarfile.REGTYPE, link=""):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, link
+            info.size = 0 if data is None else len(data)
+            tf.addfile(info, None if data is None else io.BytesIO(data))
+
+        add("k0.ppm", _ppm(10))
+        add("k0.cls", b"1")
+        add("d.x", kind=tarfile.DIRTYPE)
+        add("README", b"shards of test images")
+        add("k9.ppm", kind=tarfile.SYMTYPE, link="k0.ppm")
+        add("K1.PPM", _ppm(20))
+        add("K1.CLS", b"2")
+    task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    stream = wds.WebDataset(str(shard), shardshuffle=False).to_tuple("__key__", "ppm", "cls")
+    want = [(k, img, int(c)) for k, img, c in stream]
+    assert [(k, c) for k, _, c in want] == [("k0", 1), ("K1", 2)]
+    assert task.train.labels.tolist() == [1, 2]
+    with tarfile.open(shard) as tf:
+        ref = [tf.extractfile(name).read() for name in ("k0.ppm", "K1.PPM")]
+    assert task.train.read_bytes([1, 0]) == [ref[1], ref[0]] == [want[1][1], want[0][1]]
+
+
+def test_webdataset_a_sample_without_its_label_or_with_two_images_is_refused(tmp_path):
+    """Every sample is one image and one label: an image without a .cls is refused naming
+    the missing label (it was a KeyError traceback for a mutant); two images or two labels
+    under one key (k.ppm and k.jpg: which one is the example?) are refused too."""
+    _write_shards(tmp_path, "imagenet-val", 1, 2, np.random.default_rng(1))
+    shard = tmp_path / "imagenet-train-000000.tar"
+
+    def build():
+        return build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+
+    _tar(shard, [("a.ppm", _ppm(1)), ("a.cls", b"0"), ("b.ppm", _ppm(2))])
+    with pytest.raises(ConfigError, match=r"sample 'b' has no cls label \(it has b.ppm") as e:
+        build()
+    assert e.value.field == "data.path"
+    _tar(shard, [("a.ppm", _ppm(1)), ("a.cls", b"0"), ("b.cls", b"1")])
+    with pytest.raises(ConfigError, match=r"sample 'b' has no image \(it has b.cls"):
+        build()
+    for second in (("a.jpg", b"\xff\xd8"), ("a.label", b"1")):
+        _tar(shard, [("a.ppm", _ppm(1)), ("a.cls", b"0"), second])
+        with pytest.raises(ConfigError, match=f"'a' appears twice \\(a second {second[0]}\\)"):
+            build()
+    _tar(shard, [("a.ppm", _ppm(1)), ("a.cls", b"0"), ("b.ppm", _ppm(2)), ("b.label", b"1")])
+    assert build().train.labels.tolist() == [0, 1]
+
+
+def test_webdataset_index_cache_of_another_format_or_cut_short_is_scanned_afresh(
+        tmp_path, monkeypatch, capsys):
+    """An entry written under another INDEX_CACHE_FORMAT is not read back (its key names the
+    format); an entry cut short (a zip without its directory) is scanned again, not an
+    error; a cache folder that cannot be written is said once, not once per shard."""
+    import dptrain.data.wds as wds_mod
+
+    rng = np.random.default_rng(8)
+    _write_shards(tmp_path, "imagenet-train", 2, 3, rng)
+    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
+    cache = tmp_path / "cache"
+    scans = []
+    real_scan = wds_mod._scan_shard
+    monkeypatch.setattr(wds_mod, "_scan_shard", lambda p, b: scans.append(p.name) or
+                        real_scan(p, b))
+
+    def build(cache_dir=cache):
+        scans.clear()
+        return build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                                     index_cache_dir=None if cache_dir is None
+                                     else str(cache_dir))).train.index
+
+    plain = build(None)
+    build()
+    assert len(scans) == 3
+    build()
+    assert scans == []
+    monkeypatch.setattr(wds_mod, "INDEX_CACHE_FORMAT", wds_mod.INDEX_CACHE_FORMAT + 1)
+    build()
+    assert len(scans) == 3 and len(list(cache.glob("*.npz"))) == 6
+    for entry in cache.glob("*.npz"):
+        data = entry.read_bytes()
+        assert data[:4] == b"PK\x03\x04"
+        entry.write_bytes(data[:len(data) // 2])
+    index = build()
+    assert len(scans) == 3 and all(np.array_equal(index[k], plain[k]) for k in plain)
+    monkeypatch.setattr(wds_mod, "_UNWRITABLE", set())
+    blocked = tmp_path / "blocked"
+    blocked.write_text("")
+    capsys.readouterr()
+    index = build(blocked)
+    assert len(scans) == 3 and all(np.array_equal(index[k], plain[k]) for k in plain)
+    assert capsys.readouterr().err.count(f"data.index_cache_dir {blocked} cannot be") == 1
+
+
+def test_webdataset_distinct_shards_alike_in_all_but_bytes_or_empty_are_not_copies(tmp_path):
+    """find_copy compares bytes: two shards of one size, layout, modification time and first
+    and last 64 KiB, other pixels in the middle, are two shards (a stat-only comparison calls
+    them equal), and shards without samples add no example, so two empty ones are no copy."""
+    import filecmp
+    import os
+    import tarfile
+
+    for name, middle in (("imagenet-train-000000.tar", 2), ("imagenet-train-000001.tar", 4),
+                         ("imagenet-val-000000.tar", 5)):
+        _tar(tmp_path / name, [m for j, v in enumerate((1, middle, 3)) for m in (
+            (f"k{j}.ppm", _ppm(v, (150, 150))), (f"k{j}.cls", str(j).encode()))])
+    a, b = tmp_path / "imagenet-train-000000.tar", tmp_path / "imagenet-train-000001.tar"
+    t = a.stat().st_mtime_ns
+    os.utime(b, ns=(t, t))
+    x, y = a.read_bytes(), b.read_bytes()
+    assert x != y and x[:1 << 16] == y[:1 << 16] and x[-(1 << 16):] == y[-(1 << 16):]
+    assert filecmp.cmp(a, b, shallow=True)  # (stat alike)
+    for name in ("imagenet-train-000002.tar", "imagenet-train-000003.tar"):
+        tarfile.open(tmp_path / name, "w").close()
+    task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert len(task.train) == 6 and len(task.test) == 3
+    assert task.train.layouts[0] == task.train.layouts[1]
+    assert task.train.layouts[2:] == [b"", b""]
+
+
+def test_webdataset_a_stray_byte_after_the_end_marker_is_refused_naming_it(tmp_path):
+    """Anything but zeros after the end-of-archive marker is refused, a single non-zero byte
+    anywhere up to the file's last, and the message names that byte's position."""
+    import tarfile
+
+    rng = np.random.default_rng(9)
+    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
+    _write_shards(tmp_path, "imagenet-train", 1, 2, rng)
+    train = tmp_path / "imagenet-train-000000.tar"
+    whole = train.read_bytes()
+    with tarfile.open(train) as tf:
+        last = tf.getmembers()[-1]
+    marker = last.offset_data + -(-last.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+    assert whole[marker:].count(0) == len(whole) - marker >= 3 * tarfile.BLOCKSIZE
+    for at in (marker + tarfile.BLOCKSIZE, marker + tarfile.BLOCKSIZE + 77, len(whole) - 1):
+        data = bytearray(whole)
+        data[at] = 1
+        train.write_bytes(bytes(data))
+        with pytest.raises(ConfigError, match=f"end-of-archive marker at byte {marker} "
+                                              f"\\(byte {at} is not 0\\)") as e:
+            build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+        assert e.value.field == "data.path"
+
+
+def test_center_crop_transform_rounds_the_short_side_and_floors_odd_margins():
+    """image_size 12: the shorter side goes to round(12 / 0.875) = round(13.71) = 14 (not 13);
+    a 41 x 20 image scales by 0.7 to round(28.7) = 29 x 14, and the crop's margins 17 and 2
+    split as 8 left (floor), 1 top."""
+    from PIL import Image
+
+    from dptrain.data.wds import center_crop_transform
+
+    arr = np.random.default_rng(1).integers(0, 256, (20, 41, 3), dtype=np.uint8)
+    img = Image.fromarray(arr)
+    ref = np.asarray(img.resize((29, 14), Image.BILINEAR).crop((8, 1, 20, 13)))
+    np.testing.assert_array_equal(center_crop_transform(img, 12, 3), ref.transpose(2, 0, 1))
+
+
+def test_webdataset_an_image_cut_off_after_indexing_is_an_error_not_short_bytes(tmp_path):
+    """A shard cut short after it was indexed: reading an image past the new end is a
+    ConfigError naming the member, not fewer bytes decoded (or zeros) in silence."""
+    rng = np.random.default_rng(10)
+    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
+    _write_shards(tmp_path, "imagenet-train", 1, 3, rng)
+    train = tmp_path / "imagenet-train-000000.tar"
+    ds = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8)).train
+    start, size = int(ds.index["offset"][2]), int(ds.index["size"][2])
+    train.write_bytes(train.read_bytes()[:start + size - 1])
+    assert len(ds.read_bytes([0, 1])[1]) == int(ds.index["size"][1])
+    with pytest.raises(ConfigError, match=r"000000.tar: imagenet-train000002.jpg: it is cut "
+                                          r"off \(the shard changed") as e:
+        ds.read_bytes([0, 2])
+    assert e.value.field == "data.path" and str(e.value).count(str(train)) == 1
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_webdataset_an_undecodable_image_with_a_long_name_is_named_whole(tmp_path, fmt):
+    # a member name over 100 bytes is whole only in the GNU or PAX header before the member's
+    # own, whose name field holds its first 100 bytes: the error named those (no ".jpg")
+    from dptrain.data.wds import WebDatasetImages
+
+    key = "n" * 120
+    shard = tmp_path / "s.tar"
+    with tarfile.open(shard, "w", format=fmt) as tar:
+        for name, data in ((f"{key}.jpg", b"not an image"), (f"{key}.cls", b"1")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(Exception) as e:
+        WebDatasetImages([str(shard)], 8).collate([0])
+    assert f"s.tar: {key}.jpg cannot be decoded" in str(e.value), e.value
+
+
+def test_webdataset_a_character_class_in_the_shard_pattern_is_a_pattern(tmp_path):
+    """"[...]" is a glob wildcard as "*" and "?" are: "-00000[02].tar" names shards 0 and 2
+    (it was looked up as a file of that name: file not found)."""
+    rng = np.random.default_rng(11)
+    train = _write_shards(tmp_path, "imagenet-train", 3, 2, rng)
+    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
+    task = build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                                 train_file="imagenet-train-00000[02].tar", num_classes=5))
+    assert [p.name for p in task.train.shards] == ["imagenet-train-000000.tar",
+                                                   "imagenet-train-000002.tar"]
+    assert task.train.labels.tolist() == [label for _, label in train[:2] + train[4:]]
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_webdataset_a_shard_gone_before_it_is_indexed_names_data_path(tmp_path, cached):
+    """A shard listed, then removed (or unreadable) before its headers are scanned: one line
+    naming data.path and the shard, with or without the index cache, not a traceback."""
+    from dptrain.data.wds import WebDatasetImages
+
+    gone = tmp_path / "imagenet-train-000000.tar"
+    with pytest.raises(ConfigError, match="imagenet-train-000000.tar is not a readable") as e:
+        WebDatasetImages([gone], 8, index_cache_dir=tmp_path / "cache" if cached else None)
+    assert e.value.field == "data.path"
+
+
+def test_decode_images_an_undecodable_row_is_zeros_and_the_others_are_decoded():
+    """With ``failed`` (skip_undecodable), a file PIL cannot read is a row of zeros after the
+    normalisation (not (0 - mean) / std) and (row, message naming it) is recorded; the other
+    rows are the decoded images."""
+    from PIL import Image
+
+    from dptrain.data.wds import center_crop_transform, decode_images, image_stats
+
+    img = Image.fromarray(np.full((8, 8, 3), 200, np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    mean, std = image_stats(3)
+    failed = []
+    x = decode_images([io.BytesIO(b"junk"), io.BytesIO(buf.getvalue())],
+                      lambda row: f"file{row}", 8, 3, mean, std, failed=failed)
+    assert torch.equal(x[0], torch.zeros(3, 8, 8))
+    want = (torch.from_numpy(center_crop_transform(img, 8, 3)).float() / 255 - mean[0]) / std[0]
+    torch.testing.assert_close(x[1], want, rtol=0, atol=1e-6)
+    assert [(row, m.split(":")[0]) for row, m in failed] == [
+        (0, "file0 cannot be decoded as an image")]

@@ -447,23 +447,29 @@ class WebDatasetImages(ImageDecoding):
                         fh.seek(int(self.index["offset"][i]))
                         out[pos] = fh.read(int(self.index["size"][i]))
                         if len(out[pos]) != int(self.index["size"][i]):
-                            raise OSError(f"{self._where(int(i))} is cut off (the shard "
-                                          f"changed after it was indexed)")
+                            raise ConfigError("data.path", f"cannot read {self._where(int(i))}: "
+                                                           f"it is cut off (the shard changed "
+                                                           f"after it was indexed)")
             except OSError as e:  # a shard removed, replaced or unreadable since indexing
                 raise ConfigError("data.path", f"cannot read {path}: {e}") from None
         return out  # type: ignore[return-value]
 
     def _where(self, i: int) -> str:
         """'SHARD: MEMBER' of example i's image, for error messages (the member's name is read
-        back from its tar header block, just before its data)."""
+        back from its tar header block, just before its data; a name that fills the block's
+        100 bytes may be cut there, its whole one in a GNU or PAX header before it: then the
+        shard's members are listed to find it)."""
         path, offset = self.shards[int(self.index["shard"][i])], int(self.index["offset"][i])
         name = f"the image at byte {offset}"
         try:
             with open(path, "rb") as fh:
                 fh.seek(offset - tarfile.BLOCKSIZE)
-                name = tarfile.TarInfo.frombuf(fh.read(tarfile.BLOCKSIZE), "utf-8",
-                                               "surrogateescape").name
-        except (OSError, ValueError, tarfile.TarError):
+                block = fh.read(tarfile.BLOCKSIZE)
+            name = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape").name
+            if b"\0" not in block[:100]:
+                with tarfile.open(path, "r:") as tar:  # (an error's cost only)
+                    name = next(m.name for m in tar if m.offset_data == offset)
+        except (OSError, ValueError, StopIteration, tarfile.TarError):
             pass
         return f"{path}: {name}"
 
