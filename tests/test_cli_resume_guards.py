@@ -1407,6 +1407,34 @@ def test_a_checkpoint_that_does_not_record_the_time_before_it_says_so(tmp_path, 
     assert summary["train_seconds"] is None and summary["resumes"] == 1
 
 
+def _unfinished_copy(run: Path, out: Path) -> Path:
+    shutil.copytree(run, out)
+    (out / "summary.json").unlink()
+    shutil.rmtree(out / "final")
+    return out
+
+
+@pytest.mark.parametrize("cost", [
+    {"train_seconds": 1.0, "resumes": "2"}, {"train_seconds": 1.0, "resumes": None},
+    [3.0, 1], {"train_seconds": "12.5", "resumes": 0}, {"train_seconds": float("nan"),
+                                                        "resumes": 0},
+    {"train_seconds": float("inf"), "resumes": 0}, {"train_seconds": -1e9, "resumes": 0},
+    {"train_seconds": 1.0, "resumes": -5}, {"train_seconds": 1.0, "resumes": 2.5},
+    {"train_seconds": 1.0, "resumes": True}, {"train_seconds": 1.0},
+], ids=["resumes-str", "resumes-none", "list", "seconds-str", "nan", "inf", "negative",
+        "resumes-negative", "resumes-float", "resumes-bool", "resumes-missing"])
+def test_a_checkpoint_whose_cost_is_not_a_run_s_is_refused_naming_it(tmp_path, capsys,
+                                                                      finished, cost):
+    # (a red team: tracebacks in ckpt.load or at the first row, "nan" or a negative time in
+    # summary.json and every row)
+    out = _unfinished_copy(finished, tmp_path / "run")
+    forged(out, lambda state: state.__setitem__("cost", cost))
+    code, err = train(capsys, out, "--resume", "auto", "train.checkpoint_every=1",
+                      "train.keep_checkpoints=4")
+    assert code == 2 and "cost entry" in one_line(err) and "resume:" in err, err
+    assert not (out / "summary.json").exists()
+
+
 def test_an_empty_resume_is_refused_before_anything_is_built(tmp_path, capsys):
     code, err = train(capsys, tmp_path / "run", "--resume", " ")
     assert code == 2 and "resume: is empty" in one_line(err)

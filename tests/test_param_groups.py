@@ -156,6 +156,10 @@ def test_unknown_config_key_is_an_error():
     ({"name": "muonbc"}, "optim.name", "write 'muon_bc'"),
     ({"name": "adam"}, "optim.name", "write 'adamw'"),
     ({"aux": {"optimizer": "Adam"}}, "optim.aux.optimizer", "write 'adamw'"),
+    # aux takes adamw or sgd: not "keep 'muon'"
+    ({"aux": {"optimizer": "DP-Muon-IM"}}, "optim.aux.optimizer", "keep 'adamw' or 'sgd'"),
+    ({"name": "DPSGD"}, "optim.name", "write 'sgd' (every optimizer"),  # (no separator)
+    ({"name": "dpadam"}, "optim.name", "write 'adamw' (every optimizer"),
     ({"groups": [{"pattern": "w", "optimizer": "DP-Muon"}]}, "optim.groups[0].optimizer",
      "write 'muon'"),
 ])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -1037,7 +1038,7 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         # (a branch into another directory starts its rows afresh)
         trainer._resumed_rows = list(state.get("held_rows") or [])
     _restore_rngs(trainer, state)
-    cost = state.get("cost") or {}
+    cost = _checked_cost(state.get("cost", {}), path)
     trainer._trained_before = cost.get("train_seconds")  # (None: an older dptrain's checkpoint)
     trainer._resumes = cost.get("resumes", 0) + 1
     if "train_seconds" not in cost and trainer.rank == 0:
@@ -1054,6 +1055,25 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         raise ConfigError("resume", f"checkpoint {path} is unusable: its privacy seed is not "
                                     f"this run's (privacy.seed); it was not written by "
                                     f"dptrain train for this config")
+
+
+def _checked_cost(cost, path: Path) -> dict:
+    """A checkpoint's ``cost`` entry (absent in older versions: ``{}``), refused unless it is
+    what ``_run_state`` writes: seconds a finite float >= 0 (or None, after resuming an older
+    checkpoint), resumes an int >= 0."""
+    def number(v, kind) -> bool:
+        return isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+    if cost == {}:
+        return cost
+    if not (isinstance(cost, dict) and set(cost) == {"train_seconds", "resumes"}
+            and (cost["train_seconds"] is None or number(cost["train_seconds"], (int, float)))
+            and number(cost["resumes"], int)):
+        raise ConfigError("resume", f"checkpoint {path} is unusable: its cost entry {cost!r} "
+                                    "is not a run's (train_seconds a finite number >= 0, "
+                                    "resumes an integer >= 0); it was not written by dptrain "
+                                    "train")
+    return cost
 
 
 def _check_ranks_resume_alike(state: dict, path: Path, problem: ConfigError | None) -> None:

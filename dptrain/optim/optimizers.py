@@ -58,11 +58,15 @@ def optimizer_name_hint(key: str, value: Any, allowed=OPTIMIZERS) -> str | None:
     if key not in ("name", "optimizer") or not isinstance(value, str):
         return None
     v = value.lower().replace("-", "_")
-    if v.startswith("dp_"):
-        v = v[3:]
+    for prefix in ("dp_", "dp"):  # (DP-SGD, DPSGD, dp_adam: Opacus's and the papers' names)
+        if v.startswith(prefix) and len(v) > len(prefix):
+            v = v[len(prefix):]
+            break
     if v in ("muon_im", "muonim", "im", "inner_momentum"):
-        return ("inner momentum is not an optimizer: keep 'muon' (or another) and set "
-                "optim.inner_momentum.k_muon and k_other (configs/e2e_paper_gpt2_im.yaml)")
+        keep = ("'muon' (or another)" if "muon" in allowed
+                else " or ".join(repr(a) for a in allowed))
+        return (f"inner momentum is not an optimizer: keep {keep} and set "
+                f"optim.inner_momentum.k_muon and k_other (configs/e2e_paper_gpt2_im.yaml)")
     filters = {"disk": "DiSK", "doppler": "DOPPLER"}
     if v in filters:
         return (f"{filters[v]} is a filter on the release: keep the optimizer and set "
