@@ -329,3 +329,23 @@ def test_slurm_script_run_outside_an_allocation_says_what_is_missing(tmp_path):
     if proc.returncode != 0:  # refused: one line, status 2, nothing launched
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert not log.exists()
+
+
+@pytest.mark.parametrize("arg", [["--output-dir", "runs/x"], ["--output-dir=runs/x"]])
+def test_slurm_script_refuses_an_output_dir_argument_for_the_one_its_checks_read(tmp_path,
+                                                                                  arg):
+    # dptrain takes the last --output-dir, but the requeue's "--resume auto" and the --resume
+    # check read OUTPUT_DIR (default runs/<config>-<job id>): a requeued job looked in the
+    # wrong directory
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    (stubs / "srun").write_text("#!/usr/bin/env bash\necho srun >> \"$LOG\"\n")
+    (stubs / "srun").chmod(0o755)
+    log = tmp_path / "srun.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{stubs}:{env['PATH']}", LOG=str(log), DPTRAIN_ROOT=str(ROOT),
+               GPUS_PER_NODE="2", SLURM_JOB_NODELIST="node1", SLURM_JOB_ID="7")
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), TINY, *arg],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "OUTPUT_DIR=DIR" in proc.stderr, proc.stderr
+    assert not log.exists()
