@@ -741,7 +741,7 @@ class Trainer:
         self._report_query_memory(sizes)
         self._report_undecodable(step)
         if self.audit is not None:  # canaries added on one rank: the sums are reduced below
-            self.audit.insert(acc, step, dtype=self.engine._acc_dtype(), device=self.device,
+            self.audit.insert(acc, step, dtype=self.engine.acc_dtype(), device=self.device,
                               add=self.rank == 0)
         sigma, C, b = self.plan.noise_multiplier, self.plan.clip_norm, self.plan.denominator
         drawn = noise_future.result() if noise_future is not None else {}
@@ -752,7 +752,7 @@ class Trainer:
                      else self._noise_flat(step, name, p, numel, lo, hi))
                 s = acc.pop(name, None)
                 if self.world > 1 and s is None:  # every rank joins every reduction
-                    s = torch.zeros(p.shape, device=self.device, dtype=self.engine._acc_dtype())
+                    s = torch.zeros(p.shape, device=self.device, dtype=self.engine.acc_dtype())
                 if self.world > 1 and not is_sharded(p):
                     # replicated: each rank adds its share of Z before the all-reduce, which
                     # sums the shares into sigma*C*Z once (not drawn W times)

@@ -1582,7 +1582,8 @@ class ClippingEngine:
         self._workspace.clear()
         self._rows_other = None
 
-    def _acc_dtype(self) -> torch.dtype:
+    def acc_dtype(self) -> torch.dtype:
+        """The dtype clipped sums accumulate in: float64 for a float64 model, else float32."""
         p = next(iter(self.params.values()))
         return torch.float64 if p.dtype == torch.float64 else torch.float32
 
@@ -1590,7 +1591,7 @@ class ClippingEngine:
                           plan: QueryPlan | None = None) -> Tensor:
         """||u_b|| for each example of ``batch`` (no clipping, no accumulation)."""
         B = batch_size_of(batch)
-        dtype = self._acc_dtype()
+        dtype = self.acc_dtype()
         device = next(iter(self.params.values())).device
         if B == 0:
             return torch.zeros(0, device=device, dtype=dtype)
@@ -1636,7 +1637,7 @@ class ClippingEngine:
         if not isinstance(acc, dict):
             raise TypeError(f"acc must be a dict (parameter name -> clipped sum; an empty {{}} "
                             f"to start), got {type(acc).__name__}")
-        bits = torch.finfo(self._acc_dtype()).bits
+        bits = torch.finfo(self.acc_dtype()).bits
         for name, have in acc.items():  # (before any work: acc is left as it was)
             p = self.params.get(name)
             if p is not None and not (
@@ -1650,11 +1651,11 @@ class ClippingEngine:
                         if isinstance(have, Tensor) else type(have).__name__)
                 raise ClippingError(
                     f"dptrain.clipping: acc[{name!r}] is {what}, the clipped sum of {name} "
-                    f"{self._acc_dtype()} {tuple(p.shape)} (a tensor of its own): pass an empty "
+                    f"{self.acc_dtype()} {tuple(p.shape)} (a tensor of its own): pass an empty "
                     f"dict (the engine creates each entry) or one the engine filled")
         if B == 0:
             return StepStats()
-        dtype = self._acc_dtype()
+        dtype = self.acc_dtype()
         device = next(iter(self.params.values())).device
         two_pass = self.mode == "two_pass"
         if two_pass and torch.is_autocast_enabled(device.type):
