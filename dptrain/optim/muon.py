@@ -98,6 +98,32 @@ def _check_finite(**values: float) -> None:
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
 
 
+try:  # DTensor: FSDP2's sharded parameters
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover
+    _DTensor = None
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of an FSDP2 parameter/gradient (the tensor itself when not sharded)."""
+    return t.to_local() if _DTensor is not None and isinstance(t, _DTensor) else t
+
+
+def _sharded_newton_schulz(local_rows: list[Tensor], shapes: list[tuple[int, int]], group: dict,
+                           at_owner: Callable[[int, Tensor], Tensor] | None = None
+                           ) -> list[Tensor]:
+    """Each rank's rows of NS_J of the FSDP2-sharded matrices whose local rows are given (their
+    global (r, c) in ``shapes``), in the group's ``ns_dtype``: ``distributed_newton_schulz``;
+    ``at_owner(i, X)`` instead of the iteration, at matrix i's owner rank (MuonBC's own map)."""
+    from dptrain.parallel.newton_schulz import distributed_newton_schulz
+
+    dtype = DTYPES[group["ns_dtype"]]
+    return distributed_newton_schulz([X.to(dtype) for X in local_rows], shapes,
+                                     steps=group["ns_steps"],
+                                     coefficients=group["ns_coefficients"], eps=group["eps"],
+                                     fn=at_owner)
+
+
 def _check_newton_schulz(ns_steps: int, ns_coefficients: str) -> None:
     """ValueError for a Newton–Schulz setting ``step`` could not run, at construction: at the
     first step the release it would orthogonalise is already spent."""
@@ -208,18 +234,13 @@ class Muon(torch.optim.Optimizer):
                 continue
             sharded = isinstance(todo[0][1], _DTensor) if _DTensor is not None else False
             if sharded:
-                from dptrain.parallel.newton_schulz import distributed_newton_schulz
-
-                dtype = DTYPES[group["ns_dtype"]]
                 def at_owner(i: int, X: Tensor) -> Tensor:  # MuonBC's own map
                     name, _, _, _, state = todo[i]
                     return self._orthogonalise(X, group, state, name)
 
                 custom = type(self)._orthogonalise is not Muon._orthogonalise
-                outs = distributed_newton_schulz(
-                    [t[2].to(dtype) for t in todo], [t[3] for t in todo],
-                    steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                    eps=group["eps"], fn=at_owner if custom else None)
+                outs = _sharded_newton_schulz([t[2] for t in todo], [t[3] for t in todo],
+                                              group, at_owner if custom else None)
             else:
                 outs = [self._orthogonalise(N_rc, group, state, name)
                         for name, _, N_rc, rc, state in todo]
@@ -232,17 +253,6 @@ class Muon(torch.optim.Optimizer):
                     w.mul_(1 - lr * wd)
                 w.add_(O_rc.view(w.shape).to(w.dtype), alpha=-lr * s)
         return loss
-
-
-try:  # DTensor: FSDP2's sharded parameters
-    from torch.distributed.tensor import DTensor as _DTensor
-except Exception:  # pragma: no cover
-    _DTensor = None
-
-
-def _local(t: Tensor) -> Tensor:
-    """The local shard of an FSDP2 parameter/gradient (the tensor itself when not sharded)."""
-    return t.to_local() if _DTensor is not None and isinstance(t, _DTensor) else t
 
 
 def heat_bias_correction(
@@ -556,15 +566,10 @@ class MuonS(torch.optim.Optimizer):
                                               reduce=_all_reduce if sharded else None)
                 state["power_vector"].copy_(v)
                 state["sigma"].copy_(sigma)
-            dtype = DTYPES[group["ns_dtype"]]
             if sharded:
-                from dptrain.parallel.newton_schulz import distributed_newton_schulz
-
-                outs = distributed_newton_schulz(
-                    [t[1].to(dtype) for t in todo], [t[2] for t in todo],
-                    steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                    eps=group["eps"])
+                outs = _sharded_newton_schulz([t[1] for t in todo], [t[2] for t in todo], group)
             else:
+                dtype = DTYPES[group["ns_dtype"]]
                 outs = [newton_schulz(M_rc.to(dtype), group["ns_steps"],
                                       coefficients=group["ns_coefficients"], eps=group["eps"])
                         for _, M_rc, _, _ in todo]
