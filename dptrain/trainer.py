@@ -927,7 +927,7 @@ class Trainer:
         """What a run says on stderr before its first step (the dry run says it too): the
         seed's meaning without secure mode, a delta at or above 1/N, a dataset size or sample
         rate that does not fit the data, no noise at all, no learning rate at all, examples
-        cut at ``data.max_length``."""
+        cut at ``data.max_length``, sharding asked of one rank."""
         lines = [] if self.cfg.privacy.secure_mode else [PUBLIC_SEED_WARNING]
         # (the examples sampled from, or a larger public N: privacy.dataset_size need not be
         # the training set's length)
@@ -950,6 +950,9 @@ class Trainer:
                               secure=self.cfg.privacy.secure_mode)
         if cut is not None:
             lines.append(f"note: {cut}")
+        if self.world == 1 and self.cfg.performance.sharding == "fsdp":
+            lines.append("note: performance.sharding=fsdp with one rank: nothing is sharded "
+                         "(the same run as sharding=none; launch several ranks to shard)")
         for line in lines:
             print(f"dptrain: {line}", file=sys.stderr)
 
