@@ -1669,25 +1669,35 @@ def test_webdataset_index_cache_entries_are_no_more_readable_than_their_shard(
     assert modes == [entry_mode] * 2, [oct(m) for m in modes]
 
 
-def test_webdataset_index_cache_is_read_back_while_the_shard_is_unchanged(tmp_path, monkeypatch):
-    """data.index_cache_dir: a shard's index is scanned once and read back after; a shard
-    written again, a damaged or foreign entry are scanned afresh; a cache that cannot be
-    written changes nothing but the speed."""
+def _shards_and_scans(tmp_path: Path, monkeypatch, seed: int):
+    """Two training shards and a validation shard in ``tmp_path``; the names of the shards
+    scanned (their headers read), and ``build(cache_dir)``: the task over them."""
     import dptrain.data.wds as wds_mod
 
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seed)
     _write_shards(tmp_path, "imagenet-train", 2, 3, rng)
     _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
-    cache = tmp_path / "cache"
-    scans = []
+    scans: list[str] = []
     real_scan = wds_mod._scan_shard
     monkeypatch.setattr(wds_mod, "_scan_shard", lambda p, b: scans.append(p.name) or
                         real_scan(p, b))
 
-    def build(cache_dir=cache):
+    def build(cache_dir):
         return build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
                                      index_cache_dir=None if cache_dir is None
-                                     else str(cache_dir))).train
+                                     else str(cache_dir)))
+    return scans, build
+
+
+def test_webdataset_index_cache_is_read_back_while_the_shard_is_unchanged(tmp_path, monkeypatch):
+    """data.index_cache_dir: a shard's index is scanned once and read back after; a shard
+    written again, a damaged or foreign entry are scanned afresh; a cache that cannot be
+    written changes nothing but the speed."""
+    cache = tmp_path / "cache"
+    scans, build_index = _shards_and_scans(tmp_path, monkeypatch, 5)
+
+    def build(cache_dir=cache):
+        return build_index(cache_dir).train
 
     plain = build(None).index
     assert len(scans) == 3  # 2 training shards + 1 validation shard
@@ -1884,20 +1894,12 @@ def test_webdataset_index_cache_of_another_format_or_cut_short_is_scanned_afresh
     error; a cache folder that cannot be written is said once, not once per shard."""
     import dptrain.data.wds as wds_mod
 
-    rng = np.random.default_rng(8)
-    _write_shards(tmp_path, "imagenet-train", 2, 3, rng)
-    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
     cache = tmp_path / "cache"
-    scans = []
-    real_scan = wds_mod._scan_shard
-    monkeypatch.setattr(wds_mod, "_scan_shard", lambda p, b: scans.append(p.name) or
-                        real_scan(p, b))
+    scans, build_index = _shards_and_scans(tmp_path, monkeypatch, 8)
 
     def build(cache_dir=cache):
         scans.clear()
-        return build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
-                                     index_cache_dir=None if cache_dir is None
-                                     else str(cache_dir))).train.index
+        return build_index(cache_dir).train.index
 
     plain = build(None)
     build()
