@@ -1027,6 +1027,14 @@ def load(trainer, path: Path, verified: bool = False) -> None:
     # the tensors a checkpoint left out (frozen) must be the ones rebuilt here (collective
     # under FSDP: every rank)
     check_frozen(state.get("frozen"), _frozen(trainer), path)
+    cost = _checked_cost(state.get("cost", {}), path)
+    if not trainer.cfg.privacy.secure_mode and state.get("privacy_seed") != trainer._privacy_seed:
+        # (privacy.seed is compared with the config above: a checkpoint written by something
+        # else; never an assert, which python -O removes)
+        raise ConfigError("resume", f"checkpoint {path} is unusable: its privacy seed is not "
+                                    f"this run's (privacy.seed); it was not written by "
+                                    f"dptrain train for this config")
+    # every check made: from here on the trainer is changed (a refusal above leaves it whole)
     state = _load_tensors(trainer, state, path)
     if trainer.rank == 0:
         _report_changes(trainer, state)
@@ -1038,23 +1046,15 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         # (a branch into another directory starts its rows afresh)
         trainer._resumed_rows = list(state.get("held_rows") or [])
     _restore_rngs(trainer, state)
-    cost = _checked_cost(state.get("cost", {}), path)
     trainer._trained_before = cost.get("train_seconds")  # (None: an older dptrain's checkpoint)
     trainer._resumes = cost.get("resumes", 0) + 1
     if "train_seconds" not in cost and trainer.rank == 0:
         print(f"dptrain: {path} does not record the training time before it (an older "
               f"dptrain wrote it): metrics rows' time and summary.json's train_seconds will "
               f"be null", file=sys.stderr)
-    if trainer.cfg.privacy.secure_mode:
-        if trainer.rank == 0:  # (said once, as the "resumed from" line)
-            print("dptrain: secure mode: resuming with fresh randomness (a new privacy seed "
-                  "from OS entropy; exact replay is impossible by design)", file=sys.stderr)
-    elif state.get("privacy_seed") != trainer._privacy_seed:
-        # (privacy.seed is compared with the config above: a checkpoint written by something
-        # else; never an assert, which python -O removes)
-        raise ConfigError("resume", f"checkpoint {path} is unusable: its privacy seed is not "
-                                    f"this run's (privacy.seed); it was not written by "
-                                    f"dptrain train for this config")
+    if trainer.cfg.privacy.secure_mode and trainer.rank == 0:  # (said once, as "resumed from")
+        print("dptrain: secure mode: resuming with fresh randomness (a new privacy seed "
+              "from OS entropy; exact replay is impossible by design)", file=sys.stderr)
 
 
 def _checked_cost(cost, path: Path) -> dict:
