@@ -73,6 +73,13 @@ def main(argv: list[str] | None = None, *, process_exits: bool = False) -> int:
     """Run one command; its exit status. ``process_exits``: the process exits right after
     (:func:`entry`), so a finished command may leave stop signals ignored."""
     parser, commands = build_parser()
+    given = sys.argv[1:] if argv is None else list(argv)
+    if given[:1] == ["calibrate"] and any(a.split("=")[0] == "--config" for a in given):
+        # (argparse would say that --epsilon ... are required, as if they were the mistake)
+        print("dptrain calibrate: error: --config: calibrate takes the numbers as options "
+              "(--epsilon, --delta, --sample-rate, --steps); the privacy plan of a config is "
+              "what dptrain train --config FILE --dry-run prints", file=sys.stderr)
+        return 2
     args, rest = parser.parse_known_args(argv)
     args.process_exits = process_exits
     # ``key=value`` overrides may come before and after options (``train a=1 --config X b=2``):

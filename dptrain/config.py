@@ -60,6 +60,18 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def shown(value: Any) -> str:
+    """``value`` as a config file would write it, for messages: null, true, false (Python's
+    None, True and False mean nothing to a user of YAML); anything else as repr."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(shown(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {shown(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
 def _parse_fraction(value: str) -> float | None:
     """Accept ``1/84122`` as a float (delta is often written this way)."""
     if isinstance(value, str) and value.count("/") == 1:

@@ -72,7 +72,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """How many complete checkpoints to keep (the newest complete one is never deleted)."""
     progress: bool = True
-    """Show a progress bar on stderr."""
+    """Show progress on stderr: a bar on a terminal; elsewhere (a cluster job's log file) a
+    plain line at most every 30 s and at the last step (``step S/T``, loss, epsilon, seconds
+    per step; no rate in secure mode)."""
     generate_prompts: int | None = 0
     """E2E and DART (``data.name: e2e``): at the final evaluation, greedy generations for the
     first this many test meaning representations, scored against all their references: BLEU
@@ -148,6 +150,44 @@ class RunConfig:
             raise ConfigError("train.generate_prompts",
                               f"scores generations against E2E/DART references: it applies only "
                               f"with data.name e2e, not {self.data.name}; set it to 0")
+
+
+def tqdm_write(message: str) -> None:
+    """``message`` on stderr, on a line of its own under a progress bar (not mid-bar)."""
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # (a closed or stand-in stream)
+        return False
+
+
+class _LogLines:
+    """Progress as plain lines, for a log file (a progress bar's carriage returns make one
+    unreadable line there): ``dptrain: step S/T ...`` at most every ``every_s`` seconds and at
+    the last step; with ``rate``, the seconds per step since the previous line."""
+
+    def __init__(self, total: int, step: int, *, rate: bool, enabled: bool,
+                 every_s: float = 30.0):
+        self.total, self.rate, self.enabled, self.every_s = total, rate, enabled, every_s
+        self.last_t, self.last_step = time.time(), step
+
+    def update(self, step: int, loss: float | None, eps: str) -> None:
+        now = time.time()
+        if not self.enabled or (now - self.last_t < self.every_s and step < self.total):
+            return
+        parts = [f"dptrain: step {step}/{self.total}"]
+        if loss is not None:
+            parts.append(f"loss {loss:.4f}")
+        parts.append(f"eps {eps}")
+        if self.rate and step > self.last_step:
+            parts.append(f"{(now - self.last_t) / (step - self.last_step):.3g} s/step")
+        print(", ".join(parts), file=sys.stderr, flush=True)
+        self.last_t, self.last_step = now, step
 
 
 class StopRequested(Exception):
@@ -640,8 +680,9 @@ class Trainer:
             return
         if not self.cfg.privacy.secure_mode:
             for message in failed:
-                print(f"dptrain: warning: step {step}: data.path: {message}; the example adds "
-                      "nothing to the releases (clip factor 0)", file=sys.stderr)
+                # (step + 1: the release this step makes is metrics.jsonl's row step + 1)
+                tqdm_write(f"dptrain: warning: step {step + 1}: data.path: {message}; the "
+                           "example adds nothing to the releases (clip factor 0)")
         failed.clear()
 
     def _collated(self, chunks: list) -> Iterator[Any]:
@@ -886,7 +927,7 @@ class Trainer:
         """What a run says on stderr before its first step (the dry run says it too): the
         seed's meaning without secure mode, a delta at or above 1/N, a dataset size or sample
         rate that does not fit the data, no noise at all, no learning rate at all, examples
-        cut at ``data.max_length``."""
+        cut at ``data.max_length``, sharding asked of one rank."""
         lines = [] if self.cfg.privacy.secure_mode else [PUBLIC_SEED_WARNING]
         # (the examples sampled from, or a larger public N: privacy.dataset_size need not be
         # the training set's length)
@@ -909,6 +950,9 @@ class Trainer:
                               secure=self.cfg.privacy.secure_mode)
         if cut is not None:
             lines.append(f"note: {cut}")
+        if self.world == 1 and self.cfg.performance.sharding == "fsdp":
+            lines.append("note: performance.sharding=fsdp with one rank: nothing is sharded "
+                         "(the same run as sharding=none; launch several ranks to shard)")
         for line in lines:
             print(f"dptrain: {line}", file=sys.stderr)
 
@@ -992,8 +1036,13 @@ class Trainer:
         metrics_file = self._open_metrics() if out is not None and main else None
         if main:
             self.print_start_notes()
-        bar = tqdm(total=self.plan.steps, initial=self.step, disable=not (tc.progress and main),
-                   desc="dptrain", unit="step", dynamic_ncols=True)
+        # a bar on a terminal; into a log file, where a bar's carriage returns make one line of
+        # every update, plain lines (_LogLines)
+        shown_live = tc.progress and main
+        bar = tqdm(total=self.plan.steps, initial=self.step, desc="dptrain", unit="step",
+                   disable=not (shown_live and _is_terminal(sys.stderr)), dynamic_ncols=True)
+        lines = _LogLines(self.plan.steps, self.step, rate=not self.cfg.privacy.secure_mode,
+                          enabled=shown_live and bar.disable)
         # Secure mode: metrics rows are written only once a checkpoint covers their step (with
         # checkpoint_every 0: the last step's, written for them, or the one a stop writes). A
         # resume there draws the releases after the checkpoint again with fresh noise, which is
@@ -1055,6 +1104,7 @@ class Trainer:
                 bar.set_postfix(**({"loss": f"{row['train_loss']:.4f}"} if "train_loss" in row
                                    else {}), eps=shown)
                 bar.update(1)
+                lines.update(self.step, row.get("train_loss"), shown)
                 if out is not None and tc.checkpoint_every and (
                         self.step % tc.checkpoint_every == 0 or last):
                     # every rank calls: sharded runs write their shards (DCP)

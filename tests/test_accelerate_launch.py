@@ -311,10 +311,9 @@ def test_slurm_script_requeued_finds_its_checkpoints_under_a_directory_with_brac
     assert acc.count("--resume") == 1 and acc[acc.index("--resume") + 1] == "auto", acc
 
 
-def test_slurm_script_run_outside_an_allocation_says_what_is_missing(tmp_path):
-    """`bash launch/slurm.sbatch CONFIG` outside Slurm (no SLURM_JOB_NODELIST): the script has
-    fallbacks for SLURM_NNODES and SLURM_JOB_ID, but died with bash's "SLURM_JOB_NODELIST:
-    unbound variable", exit 1."""
+def _slurm_with_a_stub_srun(tmp_path: Path, args: list[str], **slurm: str):
+    """slurm.sbatch on the tiny config with ``args``, outside Slurm but for the ``slurm``
+    variables, its srun a stub that logs its call: (the process, the stub's log file)."""
     stubs = tmp_path / "stubs"
     stubs.mkdir()
     (stubs / "srun").write_text("#!/usr/bin/env bash\necho srun >> \"$LOG\"\n")
@@ -322,9 +321,17 @@ def test_slurm_script_run_outside_an_allocation_says_what_is_missing(tmp_path):
     log = tmp_path / "srun.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(PATH=f"{stubs}:{env['PATH']}", LOG=str(log), DPTRAIN_ROOT=str(ROOT),
-               GPUS_PER_NODE="2")
-    proc = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), TINY], env=env,
-                          capture_output=True, text=True, timeout=60)
+               GPUS_PER_NODE="2", **slurm)
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), TINY, *args],
+                          env=env, capture_output=True, text=True, timeout=60)
+    return proc, log
+
+
+def test_slurm_script_run_outside_an_allocation_says_what_is_missing(tmp_path):
+    """`bash launch/slurm.sbatch CONFIG` outside Slurm (no SLURM_JOB_NODELIST): the script has
+    fallbacks for SLURM_NNODES and SLURM_JOB_ID, but died with bash's "SLURM_JOB_NODELIST:
+    unbound variable", exit 1."""
+    proc, log = _slurm_with_a_stub_srun(tmp_path, [])
     assert "unbound variable" not in proc.stderr, proc.stderr
     if proc.returncode != 0:  # refused: one line, status 2, nothing launched
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -337,15 +344,7 @@ def test_slurm_script_refuses_an_output_dir_argument_for_the_one_its_checks_read
     # dptrain takes the last --output-dir, but the requeue's "--resume auto" and the --resume
     # check read OUTPUT_DIR (default runs/<config>-<job id>): a requeued job looked in the
     # wrong directory
-    stubs = tmp_path / "stubs"
-    stubs.mkdir()
-    (stubs / "srun").write_text("#!/usr/bin/env bash\necho srun >> \"$LOG\"\n")
-    (stubs / "srun").chmod(0o755)
-    log = tmp_path / "srun.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(PATH=f"{stubs}:{env['PATH']}", LOG=str(log), DPTRAIN_ROOT=str(ROOT),
-               GPUS_PER_NODE="2", SLURM_JOB_NODELIST="node1", SLURM_JOB_ID="7")
-    proc = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), TINY, *arg],
-                          env=env, capture_output=True, text=True, timeout=60)
+    proc, log = _slurm_with_a_stub_srun(tmp_path, arg, SLURM_JOB_NODELIST="node1",
+                                        SLURM_JOB_ID="7")
     assert proc.returncode == 2 and "OUTPUT_DIR=DIR" in proc.stderr, proc.stderr
     assert not log.exists()

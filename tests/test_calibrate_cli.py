@@ -231,3 +231,16 @@ def test_small_targets_calibrate_with_a_relative_default_tolerance(capsys, eps, 
                  "privacy.accountant=prv"])
     plan = capsys.readouterr().out
     assert code == 0 and f"noise_multiplier: {obj['noise_multiplier']!r}" in plan, plan[:400]
+
+
+@pytest.mark.parametrize("args", [["--config", "configs/tiny.yaml"],
+                                  ["--config=configs/tiny.yaml", "--steps", "3"]])
+def test_a_config_given_to_calibrate_is_pointed_to_the_dry_run(capsys, args):
+    # argparse said "the following arguments are required: --epsilon, ...", as if those were
+    # the mistake
+    from dptrain.cli import main
+
+    assert main(["calibrate", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dptrain calibrate: error: --config: ")
+    assert "dptrain train --config FILE --dry-run" in err[0]

@@ -422,6 +422,45 @@ def test_secure_resume_from_a_checkpoint_with_later_outputs_is_refused(tmp_path,
     assert not (tmp_path / "branch").exists()
 
 
+
+@pytest.mark.parametrize("later", ["checkpoint", "metrics"])
+def test_secure_resume_refuses_an_output_of_the_very_next_release(tmp_path, later):
+    # the release right after the checkpoint (step 3 after step 2): a checkpoint of it whose
+    # rows a kill after its seal lost, or its row alone; tests of outputs two or more steps
+    # later let "after step + 1" through
+    from dptrain.commands.train import _check_secure_resume
+    from dptrain.config import ConfigError
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "step-00000002").mkdir(parents=True)
+    rows = [{"step": 1}, {"step": 2}]
+    if later == "checkpoint":
+        (checkpoints / "step-00000003").mkdir()
+    else:
+        rows.append({"step": 3})
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=rf"after step 2 \({later}\D* 3\)"):
+        _check_secure_resume(checkpoints / "step-00000002")
+    shutil.rmtree(checkpoints / "step-00000003", ignore_errors=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n"
+                                                            for r in rows[:2]))
+    _check_secure_resume(checkpoints / "step-00000002")  # nothing after step 2: resumable
+
+
+def test_secure_resume_of_a_renamed_copy_goes_by_its_marker_s_step(tmp_path):
+    # a copy in checkpoints/ under another name (never resumed by --resume auto) is the
+    # checkpoint its marker names: the releases after that step were written, not "no step"
+    from dptrain.commands.train import _check_secure_resume
+    from dptrain.config import ConfigError
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "mine").mkdir(parents=True)
+    (checkpoints / "mine" / ckpt.MARKER).write_text(json.dumps({"step": 2}))
+    (checkpoints / "step-00000003").mkdir()
+    with pytest.raises(ConfigError, match=r"after step 2 \(checkpoint step 3\)"):
+        _check_secure_resume(checkpoints / "mine")
+
+
 def _flip_a_byte(path: Path) -> None:
     """Bit rot: the same size, other contents (a shallow check by sizes passes)."""
     data = bytearray(path.read_bytes())
@@ -1420,9 +1459,11 @@ def _unfinished_copy(run: Path, out: Path) -> Path:
                                                         "resumes": 0},
     {"train_seconds": float("inf"), "resumes": 0}, {"train_seconds": -1e9, "resumes": 0},
     {"train_seconds": 1.0, "resumes": -5}, {"train_seconds": 1.0, "resumes": 2.5},
-    {"train_seconds": 1.0, "resumes": True}, {"train_seconds": 1.0},
+    {"train_seconds": 1.0, "resumes": True}, {"train_seconds": 1.0}, {"resumes": 0},
+    {"train_seconds": 1.0, "resumes": 0, "seconds": 2.0},
 ], ids=["resumes-str", "resumes-none", "list", "seconds-str", "nan", "inf", "negative",
-        "resumes-negative", "resumes-float", "resumes-bool", "resumes-missing"])
+        "resumes-negative", "resumes-float", "resumes-bool", "resumes-missing",
+        "seconds-missing", "another-key"])
 def test_a_checkpoint_whose_cost_is_not_a_run_s_is_refused_naming_it(tmp_path, capsys,
                                                                       finished, cost):
     # (a red team: tracebacks in ckpt.load or at the first row, "nan" or a negative time in

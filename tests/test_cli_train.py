@@ -674,3 +674,12 @@ def test_resume_auto_without_a_checkpoint_does_not_overwrite_a_final_model(tmp_p
                            "privacy.steps=1", "--resume", "auto")
     assert code == 2 and "output-dir" in err and "final/" in err, err
     assert (out / "final" / "model.safetensors").read_bytes() == b"mine"
+
+
+def test_sharding_asked_of_one_rank_is_said_to_shard_nothing(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
+                           str(tmp_path / "run"), "--dry-run", "performance.sharding=fsdp")
+    assert code == 0 and "performance.sharding=fsdp with one rank: nothing is sharded" in err
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
+                           str(tmp_path / "run"), "--dry-run")
+    assert code == 0 and "nothing is sharded" not in err

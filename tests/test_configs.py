@@ -643,3 +643,12 @@ def test_the_release_denominator_is_max_1_floor_qn_never_0(q, n):
     want = max(1, math.floor(q * n + 1e-9))
     assert expected_batch_size(q, n) == want >= 1
     assert PrivacyConfig(sample_rate=q).release_denominator(n) == want
+
+
+def test_values_in_messages_are_written_as_a_config_writes_them():
+    # a resume refusal said "(None there, 'x' now)": YAML's words are null, true and false
+    from dptrain.config import shown
+
+    assert [shown(v) for v in (None, True, False, 3, 0.5, "x")] == [
+        "null", "true", "false", "3", "0.5", "'x'"]
+    assert shown([None, {"a": False}]) == "[null, {a: false}]"

@@ -1081,6 +1081,47 @@ def test_webdataset_negative_label_names_the_data_not_num_classes(tmp_path):
     with pytest.raises(ConfigError) as e:
         build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
     assert e.value.field == "data.path" and "negative label -1" in e.value.message
+    # where it is: the shard, the sample's member and the split (with ~1,000 shards, a hunt)
+    assert f"-1 ({tmp_path}/imagenet-train-000000.tar: x.jpg, in the training split;" in str(
+        e.value)
+
+
+@pytest.mark.parametrize("mode,name", [("w:gz", "gzip"), ("w:bz2", "bzip2"), ("w:xz", "xz")])
+def test_webdataset_a_compressed_shard_is_refused_as_compressed(tmp_path, mode, name):
+    # a real .tar.gz named .tar was "not a readable uncompressed tar shard: bad checksum"
+    from dptrain.config import ConfigError
+
+    _write_shards(tmp_path, "imagenet-val", 1, 2, np.random.default_rng(6))
+    shard = tmp_path / "imagenet-train-000000.tar"
+    with tarfile.open(shard, mode) as tar:
+        info = tarfile.TarInfo("k.cls")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"1"))
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert e.value.field == "data.path"
+    assert f"{shard} is compressed ({name})" in str(e.value) and "decompress" in str(e.value)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_webdataset_a_label_beyond_num_classes_is_refused_naming_where_it_is(tmp_path, split):
+    import webdataset as wds
+
+    from dptrain.config import ConfigError
+
+    rng = np.random.default_rng(5)
+    _write_shards(tmp_path, "imagenet-train", 2, 3, rng)
+    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
+    with wds.TarWriter(str(tmp_path / f"imagenet-{split}-000009.tar")) as w:
+        w.write({"__key__": "odd", "jpg": b"\xff\xd8", "cls": b"12"})
+        w.write({"__key__": "fine", "jpg": b"\xff\xd8", "cls": b"1"})
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                              num_classes=10))
+    name = "training" if split == "train" else "test"
+    assert e.value.field == "data.num_classes"
+    assert e.value.message.endswith(f"outside 0..9 (label 12: {tmp_path}/imagenet-{split}-"
+                                    f"000009.tar: odd.jpg, in the {name} split)"), e.value
 
 
 def test_webdataset_damaged_shards_are_config_errors_naming_data_path(tmp_path):
@@ -1628,25 +1669,35 @@ def test_webdataset_index_cache_entries_are_no_more_readable_than_their_shard(
     assert modes == [entry_mode] * 2, [oct(m) for m in modes]
 
 
-def test_webdataset_index_cache_is_read_back_while_the_shard_is_unchanged(tmp_path, monkeypatch):
-    """data.index_cache_dir: a shard's index is scanned once and read back after; a shard
-    written again, a damaged or foreign entry are scanned afresh; a cache that cannot be
-    written changes nothing but the speed."""
+def _shards_and_scans(tmp_path: Path, monkeypatch, seed: int):
+    """Two training shards and a validation shard in ``tmp_path``; the names of the shards
+    scanned (their headers read), and ``build(cache_dir)``: the task over them."""
     import dptrain.data.wds as wds_mod
 
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seed)
     _write_shards(tmp_path, "imagenet-train", 2, 3, rng)
     _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
-    cache = tmp_path / "cache"
-    scans = []
+    scans: list[str] = []
     real_scan = wds_mod._scan_shard
     monkeypatch.setattr(wds_mod, "_scan_shard", lambda p, b: scans.append(p.name) or
                         real_scan(p, b))
 
-    def build(cache_dir=cache):
+    def build(cache_dir):
         return build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
                                      index_cache_dir=None if cache_dir is None
-                                     else str(cache_dir))).train
+                                     else str(cache_dir)))
+    return scans, build
+
+
+def test_webdataset_index_cache_is_read_back_while_the_shard_is_unchanged(tmp_path, monkeypatch):
+    """data.index_cache_dir: a shard's index is scanned once and read back after; a shard
+    written again, a damaged or foreign entry are scanned afresh; a cache that cannot be
+    written changes nothing but the speed."""
+    cache = tmp_path / "cache"
+    scans, build_index = _shards_and_scans(tmp_path, monkeypatch, 5)
+
+    def build(cache_dir=cache):
+        return build_index(cache_dir).train
 
     plain = build(None).index
     assert len(scans) == 3  # 2 training shards + 1 validation shard
@@ -1843,20 +1894,12 @@ def test_webdataset_index_cache_of_another_format_or_cut_short_is_scanned_afresh
     error; a cache folder that cannot be written is said once, not once per shard."""
     import dptrain.data.wds as wds_mod
 
-    rng = np.random.default_rng(8)
-    _write_shards(tmp_path, "imagenet-train", 2, 3, rng)
-    _write_shards(tmp_path, "imagenet-val", 1, 2, rng)
     cache = tmp_path / "cache"
-    scans = []
-    real_scan = wds_mod._scan_shard
-    monkeypatch.setattr(wds_mod, "_scan_shard", lambda p, b: scans.append(p.name) or
-                        real_scan(p, b))
+    scans, build_index = _shards_and_scans(tmp_path, monkeypatch, 8)
 
     def build(cache_dir=cache):
         scans.clear()
-        return build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
-                                     index_cache_dir=None if cache_dir is None
-                                     else str(cache_dir))).train.index
+        return build_index(cache_dir).train.index
 
     plain = build(None)
     build()

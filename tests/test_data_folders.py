@@ -432,7 +432,9 @@ def test_a_damaged_training_image_adds_nothing_and_does_not_say_when_it_was_samp
     if secure:
         assert named == []
     else:
-        assert len(named) == 1 and "step 0" in named[0] and "adds nothing" in named[0]
+        # the step as metrics.jsonl and the checkpoints number it (its release is the first)
+        assert len(named) == 1 and "step 1:" in named[0] and "adds nothing" in named[0]
+        assert "PIL identifies no image format in it" in named[0] and "0x" not in named[0]
     assert trainer.task.train.undecodable == []  # reported (or not), then forgotten
 
 

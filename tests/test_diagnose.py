@@ -407,9 +407,9 @@ def test_relocated_settings_are_reported(plain_run, tmp_path, capsys):
                            "--params", r"h\.0\.attn\.c_attn", "--output", js,
                            "data.max_test_examples=7", "performance.device=cpu")
     assert code == 0, err
-    assert "data.max_test_examples: None -> 7" in err and "held out" in err
+    assert "data.max_test_examples: null -> 7" in err and "held out" in err
     report = json.loads(js.read_text())
-    assert report["relocated"] == ["data.max_test_examples: None -> 7"]
+    assert report["relocated"] == ["data.max_test_examples: null -> 7"]
     assert report["overrides"] == ["data.max_test_examples=7", "performance.device=cpu"]
     code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "2",
                            "--params", r"h\.0\.attn\.c_attn", "--output", js, "--force")

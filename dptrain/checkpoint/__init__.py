@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from dptrain.config import ConfigError, said_by_rank_0, to_dict, unused_fields
+from dptrain.config import ConfigError, said_by_rank_0, shown, to_dict, unused_fields
 from dptrain.messages import brief
 
 MARKER = "COMPLETE"
@@ -812,8 +812,8 @@ def check_compatible(saved_cfg: dict, cfg, source: str = "the checkpoint",
     for key in PRIVACY_FIELDS:
         if saved.get(key) != current.get(key):
             raise ConfigError(f"privacy.{key}",
-                              f"differs from {source} ({saved.get(key)!r} there, "
-                              f"{current.get(key)!r} now): "
+                              f"differs from {source} ({shown(saved.get(key))} there, "
+                              f"{shown(current.get(key))} now): "
                               + needs.format("privacy settings"))
     if saved.get("secure_mode") != current.get("secure_mode"):
         raise ConfigError("privacy.secure_mode", f"differs from {source}")
@@ -821,8 +821,8 @@ def check_compatible(saved_cfg: dict, cfg, source: str = "the checkpoint",
         raise ConfigError("privacy.seed", f"differs from {source}")
     if saved_cfg.get("seed") != cfg.seed:
         # the run's seed: synthetic data, dropout, augmentation and probe streams
-        raise ConfigError("seed", f"differs from {source} ({saved_cfg.get('seed')!r} "
-                                  f"there, {cfg.seed!r} now): " + needs.format("seed"))
+        raise ConfigError("seed", f"differs from {source} ({shown(saved_cfg.get('seed'))} "
+                                  f"there, {shown(cfg.seed)} now): " + needs.format("seed"))
     saved_filter = ((saved_cfg.get("optim") or {}).get("filter") or {}).get("name", "none")
     filt = cfg.optim.filter.name
     # turning a filter on or off is allowed (its state starts empty, or is left unused)
@@ -843,13 +843,13 @@ def check_compatible(saved_cfg: dict, cfg, source: str = "the checkpoint",
         unused = unused_fields(getattr(cfg, section))
         keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k)
                       and k not in unused)
-        moved += [f"{section}.{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in keys
+        moved += [f"{section}.{k}: {shown(was.get(k))} -> {shown(now.get(k))}" for k in keys
                   if (section, k) in RELOCATABLE]
         keys = [k for k in keys if (section, k) not in RELOCATABLE]
         if keys:
             key = keys[0]
-            raise ConfigError(f"{section}.{key}", f"differs from {source} ({was.get(key)!r} "
-                                                  f"there, {now.get(key)!r} now): "
+            raise ConfigError(f"{section}.{key}", f"differs from {source} ({shown(was.get(key))} "
+                                                  f"there, {shown(now.get(key))} now): "
                                                   + needs.format(f"{section} settings"))
     return moved
 
@@ -1027,6 +1027,14 @@ def load(trainer, path: Path, verified: bool = False) -> None:
     # the tensors a checkpoint left out (frozen) must be the ones rebuilt here (collective
     # under FSDP: every rank)
     check_frozen(state.get("frozen"), _frozen(trainer), path)
+    cost = _checked_cost(state.get("cost", {}), path)
+    if not trainer.cfg.privacy.secure_mode and state.get("privacy_seed") != trainer._privacy_seed:
+        # (privacy.seed is compared with the config above: a checkpoint written by something
+        # else; never an assert, which python -O removes)
+        raise ConfigError("resume", f"checkpoint {path} is unusable: its privacy seed is not "
+                                    f"this run's (privacy.seed); it was not written by "
+                                    f"dptrain train for this config")
+    # every check made: from here on the trainer is changed (a refusal above leaves it whole)
     state = _load_tensors(trainer, state, path)
     if trainer.rank == 0:
         _report_changes(trainer, state)
@@ -1038,23 +1046,15 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         # (a branch into another directory starts its rows afresh)
         trainer._resumed_rows = list(state.get("held_rows") or [])
     _restore_rngs(trainer, state)
-    cost = _checked_cost(state.get("cost", {}), path)
     trainer._trained_before = cost.get("train_seconds")  # (None: an older dptrain's checkpoint)
     trainer._resumes = cost.get("resumes", 0) + 1
     if "train_seconds" not in cost and trainer.rank == 0:
         print(f"dptrain: {path} does not record the training time before it (an older "
               f"dptrain wrote it): metrics rows' time and summary.json's train_seconds will "
               f"be null", file=sys.stderr)
-    if trainer.cfg.privacy.secure_mode:
-        if trainer.rank == 0:  # (said once, as the "resumed from" line)
-            print("dptrain: secure mode: resuming with fresh randomness (a new privacy seed "
-                  "from OS entropy; exact replay is impossible by design)", file=sys.stderr)
-    elif state.get("privacy_seed") != trainer._privacy_seed:
-        # (privacy.seed is compared with the config above: a checkpoint written by something
-        # else; never an assert, which python -O removes)
-        raise ConfigError("resume", f"checkpoint {path} is unusable: its privacy seed is not "
-                                    f"this run's (privacy.seed); it was not written by "
-                                    f"dptrain train for this config")
+    if trainer.cfg.privacy.secure_mode and trainer.rank == 0:  # (said once, as "resumed from")
+        print("dptrain: secure mode: resuming with fresh randomness (a new privacy seed "
+              "from OS entropy; exact replay is impossible by design)", file=sys.stderr)
 
 
 def _checked_cost(cost, path: Path) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dptrain.commands import (FINAL_LAYOUT, LOCK, RUN_LAYOUT, check_can_create, in_run_folder,
                               linked_into_a_run, runs_inside)
-from dptrain.config import ConfigError, said_by_rank_0
+from dptrain.config import ConfigError, said_by_rank_0, shown
 from dptrain.messages import brief
 from dptrain.telemetry import json_rows
 
@@ -349,7 +349,7 @@ def _check_same_training(saved: dict, cfg, out: Path) -> None:
     from dptrain.config import to_dict
 
     def show(value) -> str:
-        return "(not set)" if value is _MISSING else repr(value)
+        return "(not set)" if value is _MISSING else shown(value)
 
     was, now = _finished_settings(saved), _finished_settings(to_dict(cfg))
     for key in sorted(set(was) | set(now), key=lambda k: (k in _SWITCHED, k)):

@@ -465,12 +465,19 @@ def _webdataset(cfg: DataConfig, seed: int, train_name: str | None, test_name: s
     low = min((r[0] for r in ranges), default=0)
     high = max((r[1] for r in ranges), default=-1)
     k = cfg.num_classes or high + 1
+    def where(label: int, highest: bool) -> str:  # a sample with that label, and its split
+        split, name = next((s, n) for s, n in ((train, "training"), (test, "test"))
+                           if s.label_range is not None and s.label_range[highest] == label)
+        return f"{split.label_place(highest)}, in the {name} split"
+
     if low < 0:
         raise ConfigError("data.path", f"a shard holds the negative label {low} "
-                                       "(.cls must be a class index >= 0)")
+                                       f"({where(low, False)}; .cls must be a class index "
+                                       f">= 0)")
     if ranges and high >= k:
         raise ConfigError("data.num_classes",
-                          f"labels range over [{low}, {high}], outside 0..{k - 1}")
+                          f"labels range over [{low}, {high}], outside 0..{k - 1} (label "
+                          f"{high}: {where(high, True)})")
     if ranges and k < 2:
         raise ConfigError("data.num_classes",
                           f"every label in the shards is {high}: a classifier needs at "

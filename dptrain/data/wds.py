@@ -152,6 +152,21 @@ def _layouts(index: dict[str, np.ndarray], shards: int) -> list[bytes]:
             else b"" for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
+          b"\x28\xb5\x2f\xfd": "zstd"}
+"""The first bytes of the compressed formats shards come in (``.tar.gz`` and the like)."""
+
+
+def _compressed(path: Path) -> str | None:
+    """The compression ``path``'s first bytes name, if any (None: unreadable, or none)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(6)
+    except OSError:
+        return None
+    return next((name for magic, name in _MAGIC.items() if head.startswith(magic)), None)
+
+
 def _shard_index(path: Path, base_plus_ext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(image offsets, image sizes, labels) of one shard's samples, in member order."""
     try:
@@ -159,6 +174,11 @@ def _shard_index(path: Path, base_plus_ext) -> tuple[np.ndarray, np.ndarray, np.
     except (tarfile.TarError, OSError, EOFError) as e:
         # tarfile reads member headers lazily: a truncated or damaged shard fails while
         # the members are iterated, not when it is opened
+        if _compressed(path):
+            raise ConfigError("data.path", f"{path} is compressed ({_compressed(path)}): "
+                                           "images are read at their byte offsets in the "
+                                           "shard, so shards must be uncompressed tar files "
+                                           "(decompress it)") from None
         raise ConfigError("data.path", f"{path} is not a readable uncompressed tar shard: "
                                        f"{e}") from None
     offsets, sizes, labels = [], [], []
@@ -421,6 +441,11 @@ class WebDatasetImages(ImageDecoding):
         #: classes are the data's, not a subset's); None without examples
         labels = self.index["label"]
         self.label_range = (int(labels.min()), int(labels.max())) if len(labels) else None
+        # (shard, offset) of a sample with the lowest and one with the highest label, for an
+        # error that refuses one (``label_place``)
+        self._label_places = [(int(self.index["shard"][i]), int(self.index["offset"][i]))
+                              for i in ((labels.argmin(), labels.argmax()) if len(labels)
+                                        else ())]
         #: how many distinct labels they hold (the classes a head inferred from the range has)
         self.label_count = len(np.unique(labels))
         if max_examples is not None and max_examples < len(self.index["label"]):
@@ -454,12 +479,20 @@ class WebDatasetImages(ImageDecoding):
                 raise ConfigError("data.path", f"cannot read {path}: {e}") from None
         return out  # type: ignore[return-value]
 
+    def label_place(self, highest: bool) -> str:
+        """'SHARD: MEMBER' of a sample with the highest (or lowest) label of ``label_range``."""
+        return self._member_at(*self._label_places[int(highest)])
+
     def _where(self, i: int) -> str:
-        """'SHARD: MEMBER' of example i's image, for error messages (the member's name is read
-        back from its tar header block, just before its data; a name that fills the block's
-        100 bytes may be cut there, its whole one in a GNU or PAX header before it: then the
-        shard's members are listed to find it)."""
-        path, offset = self.shards[int(self.index["shard"][i])], int(self.index["offset"][i])
+        """'SHARD: MEMBER' of example i's image, for error messages."""
+        return self._member_at(int(self.index["shard"][i]), int(self.index["offset"][i]))
+
+    def _member_at(self, shard: int, offset: int) -> str:
+        """'SHARD: MEMBER' of the member whose data begins at ``offset`` of shard ``shard``
+        (its name is read back from its tar header block, just before its data; a name that
+        fills the block's 100 bytes may be cut there, its whole one in a GNU or PAX header
+        before it: then the shard's members are listed to find it)."""
+        path = self.shards[shard]
         name = f"the image at byte {offset}"
         try:
             with open(path, "rb") as fh:
@@ -528,9 +561,10 @@ def decode_images(files, where, image_size: int, in_chans: int, mean: torch.Tens
         try:
             with Image.open(files[row]) as img:
                 arr[row] = center_crop_transform(img, s, in_chans)
+        except Image.UnidentifiedImageError:  # (its message names a BytesIO's address)
+            return "PIL identifies no image format in it"
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-            # PIL: UnidentifiedImageError / "image file is truncated" (OSError), a broken
-            # PNG (SyntaxError), ...
+            # PIL: "image file is truncated" (OSError), a broken PNG (SyntaxError), ...
             return str(e)
         return None
 
