@@ -49,6 +49,7 @@ from dptrain.privacy.noise import block_share, chacha20, gaussian_noise, secure_
 from dptrain.privacy.sampling import poisson_sample, shard_indices
 from dptrain.telemetry import json_rows, peak_memory_bytes, strict_json
 from dptrain.telemetry.gpu import GpuMonitor
+from dptrain.telemetry.progress import LogLines, progress_bar, tqdm_write
 from dptrain.tree import map_tensors
 from dptrain.parallel.dist import init_from_env, local_rank, one_verdict
 from dptrain.parallel.fsdp import (all_reduce_scalars, apply_fsdp, as_grad, flat_range,
@@ -150,44 +151,6 @@ class RunConfig:
             raise ConfigError("train.generate_prompts",
                               f"scores generations against E2E/DART references: it applies only "
                               f"with data.name e2e, not {self.data.name}; set it to 0")
-
-
-def tqdm_write(message: str) -> None:
-    """``message`` on stderr, on a line of its own under a progress bar (not mid-bar)."""
-    from tqdm import tqdm
-
-    tqdm.write(message, file=sys.stderr)
-
-
-def _is_terminal(stream) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # (a closed or stand-in stream)
-        return False
-
-
-class _LogLines:
-    """Progress as plain lines, for a log file (a progress bar's carriage returns make one
-    unreadable line there): ``dptrain: step S/T ...`` at most every ``every_s`` seconds and at
-    the last step; with ``rate``, the seconds per step since the previous line."""
-
-    def __init__(self, total: int, step: int, *, rate: bool, enabled: bool,
-                 every_s: float = 30.0):
-        self.total, self.rate, self.enabled, self.every_s = total, rate, enabled, every_s
-        self.last_t, self.last_step = time.time(), step
-
-    def update(self, step: int, loss: float | None, eps: str) -> None:
-        now = time.time()
-        if not self.enabled or (now - self.last_t < self.every_s and step < self.total):
-            return
-        parts = [f"dptrain: step {step}/{self.total}"]
-        if loss is not None:
-            parts.append(f"loss {loss:.4f}")
-        parts.append(f"eps {eps}")
-        if self.rate and step > self.last_step:
-            parts.append(f"{(now - self.last_t) / (step - self.last_step):.3g} s/step")
-        print(", ".join(parts), file=sys.stderr, flush=True)
-        self.last_t, self.last_step = now, step
 
 
 class StopRequested(Exception):
@@ -839,10 +802,8 @@ class Trainer:
             "query_mib": sizes[1] / mib, "least_query_mib": sizes[2] / mib,
             "history_mib": history / mib, "ghost": self.cfg.performance.ghost}
         if self.rank == 0:
-            from tqdm import tqdm
-
             q = self.query_memory
-            tqdm.write(
+            tqdm_write(
                 f"dptrain: inner momentum makes {q['evaluations']} evaluations (model states x "
                 f"augmentation views) per microbatch of up to {q['microbatch_size']}; until the "
                 f"clip factors are known its query holds "
@@ -851,7 +812,7 @@ class Trainer:
                 f"and the history {q['history_mib']:.0f} MiB"
                 + (" on this rank" if self.world > 1 else "")
                 + "; activations not counted (sizes of this step's microbatches, outside the "
-                "guarantee)", file=sys.stderr)
+                "guarantee)")
 
     @staticmethod
     def _noise_dtype(p: Tensor) -> torch.dtype:
@@ -1004,10 +965,10 @@ class Trainer:
                                rouge_l=scores["rouge_l"],
                                generated_prompts=scores["num_prompts"])
                 if scores["no_room"] and self.rank == 0:
-                    print(f"dptrain: note: {scores['no_room']} of {scores['num_prompts']} test "
-                          f"prompts fill the model's positions: nothing is generated for them, "
-                          f"and they score as empty texts in BLEU and ROUGE-L (model.n_positions,"
-                          f" or shorter prompts)", file=sys.stderr)
+                    tqdm_write(f"dptrain: note: {scores['no_room']} of {scores['num_prompts']} "
+                               f"test prompts fill the model's positions: nothing is generated "
+                               f"for them, and they score as empty texts in BLEU and ROUGE-L "
+                               f"(model.n_positions, or shorter prompts)")
         except _EvaluationStopped:
             # its undecodable images are not reported: the next evaluation finds its own
             getattr(self.task.test, "undecodable", []).clear()
@@ -1017,17 +978,15 @@ class Trainer:
         failed = getattr(self.task.test, "undecodable", None)
         if failed:
             if self.rank == 0:
-                print(f"dptrain: warning: {len(failed)} test image(s) could not be decoded and "
-                      f"are left out of the test metrics ({metrics.get('examples')} examples "
-                      f"scored): {'; '.join(failed[:3])}", file=sys.stderr)
+                tqdm_write(f"dptrain: warning: {len(failed)} test image(s) could not be decoded "
+                           f"and are left out of the test metrics ({metrics.get('examples')} "
+                           f"examples scored): {'; '.join(failed[:3])}")
             failed.clear()
         return metrics, texts
 
     # ---------------------------------------------------------------------------------- the run
 
     def run(self) -> dict:
-        from tqdm import tqdm
-
         from dptrain import checkpoint as ckpt
 
         tc = self.cfg.train
@@ -1037,12 +996,11 @@ class Trainer:
         if main:
             self.print_start_notes()
         # a bar on a terminal; into a log file, where a bar's carriage returns make one line of
-        # every update, plain lines (_LogLines)
-        shown_live = tc.progress and main
-        bar = tqdm(total=self.plan.steps, initial=self.step, desc="dptrain", unit="step",
-                   disable=not (shown_live and _is_terminal(sys.stderr)), dynamic_ncols=True)
-        lines = _LogLines(self.plan.steps, self.step, rate=not self.cfg.privacy.secure_mode,
-                          enabled=shown_live and bar.disable)
+        # every update, plain lines
+        bar = progress_bar(tc.progress and main, total=self.plan.steps, initial=self.step,
+                           desc="dptrain", unit="step")
+        lines = LogLines(self.plan.steps, self.step, rate=not self.cfg.privacy.secure_mode,
+                         enabled=tc.progress and main and bar.disable)
         # Secure mode: metrics rows are written only once a checkpoint covers their step (with
         # checkpoint_every 0: the last step's, written for them, or the one a stop writes). A
         # resume there draws the releases after the checkpoint again with fresh noise, which is
@@ -1067,7 +1025,7 @@ class Trainer:
         peak_memory_bytes(self.device, reset=True)  # rows measure the steps, not the build
         gpu = GpuMonitor(self.device).start()  # off (and silent) without CUDA
         if main and gpu.reason and self.device.type == "cuda":
-            print(f"dptrain: no GPU telemetry in metrics.jsonl: {gpu.reason}", file=sys.stderr)
+            tqdm_write(f"dptrain: no GPU telemetry in metrics.jsonl: {gpu.reason}")
         try:
             # the step of the newest checkpoint in this run's directory and its path, once
             # this run has written it
@@ -1123,7 +1081,7 @@ class Trainer:
             bar.close()
             gpu.close()
             if main and gpu.reason and gpu.reason.startswith("NVML sampling stopped"):
-                print(f"dptrain: GPU telemetry ended early: {gpu.reason}", file=sys.stderr)
+                tqdm_write(f"dptrain: GPU telemetry ended early: {gpu.reason}")
             # the per-example buffers of multi-state queries (private data): not needed now
             self.engine.release_workspace()
             if metrics_file:
@@ -1183,10 +1141,10 @@ class Trainer:
         elif not diverged and "train_loss" in row and not math.isfinite(row["train_loss"]):
             diverged = True  # said once (the loss is in metrics.jsonl anyway)
             if self.rank == 0:
-                print(f"dptrain: note: the training loss is {row['train_loss']} at step "
-                      f"{self.step}: every example with a non-finite loss or gradient gets clip "
-                      f"factor 0, so the releases from here may be noise alone (a learning "
-                      f"rate or weight decay too large?)", file=sys.stderr)
+                tqdm_write(f"dptrain: note: the training loss is {row['train_loss']} at step "
+                           f"{self.step}: every example with a non-finite loss or gradient gets "
+                           f"clip factor 0, so the releases from here may be noise alone (a "
+                           f"learning rate or weight decay too large?)")
         return diverged
 
     def _final_evaluation(self, saved_step: int, saved_path: Path | None) -> dict:
@@ -1307,9 +1265,8 @@ class Trainer:
         if lost:
             metrics_file.write("".join(lost))
             metrics_file.flush()
-            print(f"dptrain: wrote {len(lost)} metrics row(s) of the checkpoint that "
-                  f"metrics.jsonl lacked (a stop after the checkpoint, before the rows)",
-                  file=sys.stderr)
+            tqdm_write(f"dptrain: wrote {len(lost)} metrics row(s) of the checkpoint that "
+                       f"metrics.jsonl lacked (a stop after the checkpoint, before the rows)")
         self._resumed_rows = []
 
     def full_state_dict(self) -> dict[str, Tensor]:

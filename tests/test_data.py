@@ -2068,3 +2068,52 @@ def test_decode_images_an_undecodable_row_is_zeros_and_the_others_are_decoded():
     torch.testing.assert_close(x[1], want, rtol=0, atol=1e-6)
     assert [(row, m.split(":")[0]) for row, m in failed] == [
         (0, "file0 cannot be decoded as an image")]
+
+
+def _jpg() -> bytes:
+    from PIL import Image
+
+    b = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(b, "JPEG")
+    return b.getvalue()
+
+
+def _pax_shard(path: Path, samples, fmt=tarfile.PAX_FORMAT) -> None:
+    with tarfile.open(path, "w", format=fmt) as t:
+        for key, label in samples:
+            for ext, data in (("jpg", _jpg()), ("cls", str(label).encode())):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+
+
+def test_a_label_error_names_a_non_ascii_member_of_a_pax_shard_as_it_is(tmp_path):
+    # a PAX shard (Python's and webdataset's TarWriter's default) keeps a non-ASCII name in
+    # its PAX header, and "caf?.jpg" (ASCII, replaced) in the ustar block that _member_at
+    # reads: the message named a member the shard does not have
+    from dptrain.config import ConfigError
+    from dptrain.data import DataConfig, build_data
+
+    _pax_shard(tmp_path / "imagenet-train-000000.tar", [("a", 0), ("café", 12), ("b", 1)])
+    _pax_shard(tmp_path / "imagenet-val-000000.tar", [("c", 0), ("e", 1)])
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8,
+                              num_classes=10))
+    assert "imagenet-train-000000.tar: café.jpg, in the training split" in str(e.value), e.value
+
+
+def test_a_damaged_uncompressed_shard_whose_first_member_starts_BZh_is_not_called_bzip2(
+        tmp_path):
+    # _compressed looks at the first bytes only: an uncompressed tar's first bytes are its
+    # first member's name, so a cut-off tar whose first key starts with "BZh" was said to be
+    # bzip2-compressed ("decompress it"), though it is a truncated plain tar
+    from dptrain.config import ConfigError
+    from dptrain.data import DataConfig, build_data
+
+    shard = tmp_path / "imagenet-train-000000.tar"
+    _pax_shard(shard, [("BZh91AY", 0), ("b", 1), ("c", 2)])
+    _pax_shard(tmp_path / "imagenet-val-000000.tar", [("v", 0), ("w", 1)])
+    shard.write_bytes(shard.read_bytes()[:2500])  # cut inside the second member
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert "is compressed" not in str(e.value), e.value

@@ -7,7 +7,6 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -188,43 +187,3 @@ def test_an_evaluation_rows_readings_start_a_new_window_for_the_next_row(monkeyp
     assert t._measure_row(row, Gpu(), True, None) == 1.0
     assert row["test_loss"] == 1.5
     assert resets == [True, True, True] and windows == [1]  # the reading, then the evaluation's
-
-
-def test_progress_into_a_log_file_is_plain_lines_not_a_bar(tmp_path, capsys):
-    # stderr redirected to a file (a cluster job's log): a bar's carriage returns made one
-    # unreadable line of every update there; now plain lines, at least the last step's
-    from dptrain.config import load
-    from dptrain.trainer import RunConfig, Trainer
-
-    tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
-    t = Trainer(load(RunConfig, tiny, ["train.progress=true", "privacy.steps=3",
-                                       "train.checkpoint_every=0", "privacy.accountant=rdp"]))
-    t.run()
-    err = capsys.readouterr().err
-    assert "\r" not in err
-    steps = [line for line in err.splitlines() if line.startswith("dptrain: step ")]
-    assert steps and steps[-1].startswith("dptrain: step 3/3, loss ") and " s/step" in steps[-1]
-    assert f"eps {t.epsilon():.3f}" in steps[-1]
-
-
-@pytest.mark.parametrize("secure", [False, True])
-def test_log_lines_come_at_most_every_interval_and_at_the_last_step(capsys, monkeypatch,
-                                                                    secure):
-    import dptrain.trainer as trainer_mod
-
-    clock = [100.0]
-    monkeypatch.setattr(trainer_mod.time, "time", lambda: clock[0])
-    lines = trainer_mod._LogLines(10, 2, rate=not secure, enabled=True, every_s=30.0)
-    for step, dt in ((3, 10.0), (4, 25.0), (5, 1.0), (10, 1.0)):
-        clock[0] += dt
-        lines.update(step, None if secure else 0.5, "1.000")
-    got = capsys.readouterr().err.splitlines()
-    # 35 s after the start at step 4 (2 steps: 17.5 s/step), then the last step (6 in 2 s)
-    rate = ["17.5 s/step", "0.333 s/step"] if not secure else ["", ""]
-    assert got == [f"dptrain: step 4/10{'' if secure else ', loss 0.5000'}, eps 1.000"
-                   + (f", {rate[0]}" if rate[0] else ""),
-                   f"dptrain: step 10/10{'' if secure else ', loss 0.5000'}, eps 1.000"
-                   + (f", {rate[1]}" if rate[1] else "")]
-    off = trainer_mod._LogLines(10, 2, rate=True, enabled=False)
-    off.update(10, 0.5, "1.000")
-    assert capsys.readouterr().err == ""

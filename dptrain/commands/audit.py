@@ -80,12 +80,12 @@ def _parse(args: argparse.Namespace) -> tuple[int, float, int]:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
-    from tqdm import tqdm
 
     from dptrain.config import load
     from dptrain.parallel.dist import check_accelerate_settings
     from dptrain.privacy.audit import (MAX_SUGGESTED_CANARIES, GradientCanaries, audit_scores,
                                        canaries_needed, largest_lower_bound)
+    from dptrain.telemetry.progress import LogLines, progress_bar
     from dptrain.trainer import RunConfig, Trainer
 
     m, confidence, seed = _parse(args)
@@ -101,11 +101,13 @@ def run(args: argparse.Namespace) -> int:
     trainer.audit = canaries = GradientCanaries(shapes, m, plan.clip_norm, plan.sample_rate, seed,
                                                 plan.noise_multiplier)
     main = trainer.rank == 0
-    bar = tqdm(total=plan.steps, disable=not (cfg.train.progress and main), desc=PROG,
-               unit="step", dynamic_ncols=True)
+    bar = progress_bar(cfg.train.progress and main, total=plan.steps, desc=PROG, unit="step")
+    lines = LogLines(plan.steps, 0, rate=not cfg.privacy.secure_mode, prefix=PROG,
+                     enabled=cfg.train.progress and main and bar.disable)
     while trainer.step < plan.steps:
         trainer.private_step()
         bar.update(1)
+        lines.update(trainer.step)
     bar.close()
     # each canary's coordinate is observed on one rank: the ranks' parts summed
     sums = torch.as_tensor(np.stack([canaries.scores, canaries.noise_squares,

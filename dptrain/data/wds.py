@@ -158,11 +158,15 @@ _MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
 
 
 def _compressed(path: Path) -> str | None:
-    """The compression ``path``'s first bytes name, if any (None: unreadable, or none)."""
+    """The compression ``path``'s first bytes name, if any (None: unreadable, or none; or a
+    tar, whose first header block says "ustar" at byte 257: its first bytes are a member's
+    name, which may begin as a magic number does)."""
     try:
         with open(path, "rb") as fh:
-            head = fh.read(6)
+            head = fh.read(tarfile.BLOCKSIZE)
     except OSError:
+        return None
+    if head[257:262] == b"ustar":
         return None
     return next((name for magic, name in _MAGIC.items() if head.startswith(magic)), None)
 
@@ -452,6 +456,7 @@ class WebDatasetImages(ImageDecoding):
             keep = even_subset(len(self.index["label"]), max_examples)
             self.index = {k: v[keep] for k, v in self.index.items()}
         self.labels = torch.from_numpy(self.index["label"])
+        self._member_names: dict[int, dict[int, str]] = {}  # (``_member_at``: shard's names)
         self.mean, self.std = image_stats(in_chans)
         self.decode_threads = 1  # (performance.decode_threads, set by the trainer)
 
@@ -488,22 +493,31 @@ class WebDatasetImages(ImageDecoding):
         return self._member_at(int(self.index["shard"][i]), int(self.index["offset"][i]))
 
     def _member_at(self, shard: int, offset: int) -> str:
-        """'SHARD: MEMBER' of the member whose data begins at ``offset`` of shard ``shard``
-        (its name is read back from its tar header block, just before its data; a name that
-        fills the block's 100 bytes may be cut there, its whole one in a GNU or PAX header
-        before it: then the shard's members are listed to find it)."""
+        """'SHARD: MEMBER' of the member whose data begins at ``offset`` of shard ``shard``,
+        for messages. Its name as tarfile reads it, from the GNU or PAX header before its own
+        where there is one (a name over 100 bytes, or not ASCII: the own block holds a cut or
+        replaced copy); the shard's member names are listed once, when first asked for. A
+        shard that cannot be listed (changed since it was indexed) gives the own block's."""
         path = self.shards[shard]
-        name = f"the image at byte {offset}"
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(offset - tarfile.BLOCKSIZE)
-                block = fh.read(tarfile.BLOCKSIZE)
-            name = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape").name
-            if b"\0" not in block[:100]:
-                with tarfile.open(path, "r:") as tar:  # (an error's cost only)
-                    name = next(m.name for m in tar if m.offset_data == offset)
-        except (OSError, ValueError, StopIteration, tarfile.TarError):
-            pass
+        names = self._member_names.get(shard)
+        if names is None:
+            names = self._member_names[shard] = {}
+            try:
+                with tarfile.open(path, "r:") as tar:
+                    for member in tar:
+                        names[member.offset_data] = member.name
+            except (OSError, tarfile.TarError, EOFError):
+                pass  # (the members listed until the damage)
+        name = names.get(offset)
+        if name is None:
+            name = f"the image at byte {offset}"
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(offset - tarfile.BLOCKSIZE)
+                    block = fh.read(tarfile.BLOCKSIZE)
+                name = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape").name
+            except (OSError, ValueError, tarfile.TarError):
+                pass
         return f"{path}: {name}"
 
     def collate(self, indices) -> dict[str, torch.Tensor]:

@@ -85,10 +85,10 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     batch's sequence never exceeds ``n_positions``: rows that reach that length before their own
     limit (shorter prompts batched with a longer one) are continued in later rounds from their
     prompt plus what they generated, which greedy decoding continues identically.
-    ``progress``: a progress bar of the prompts done (tqdm, on stderr). ``poll``: called before
+    ``progress``: a progress bar of the prompts done (tqdm, on stderr, on a terminal). ``poll``: called before
     each batch; it may raise to stop the generation (the trainer's stop signal: collective with
     several ranks, which generate the same batches)."""
-    from tqdm import tqdm
+    from dptrain.telemetry.progress import progress_bar
 
     pad = eos_id if pad_id is None else pad_id
     n_pos = model_positions(model)
@@ -98,8 +98,9 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     left = [max(0, max_new_tokens if n_pos is None else min(max_new_tokens, n_pos - len(q)))
             for q in seqs]
     pending = [i for i in range(len(seqs)) if left[i] > 0]
-    bar = tqdm(total=len(seqs), initial=len(seqs) - len(pending), disable=not progress,
-               desc="generating", unit="prompt", dynamic_ncols=True, leave=False)
+    # (drawn on a terminal only: a log file would get one line of carriage returns)
+    bar = progress_bar(progress, total=len(seqs), initial=len(seqs) - len(pending),
+                       desc="generating", unit="prompt", leave=False)
     was_training = model.training
     model.eval()
     try:
