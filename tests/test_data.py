@@ -2117,3 +2117,103 @@ def test_a_damaged_uncompressed_shard_whose_first_member_starts_BZh_is_not_calle
     with pytest.raises(ConfigError) as e:
         build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
     assert "is compressed" not in str(e.value), e.value
+
+
+def test_member_at_never_raises_on_a_shard_rewritten_after_indexing(tmp_path):
+    # red team: _member_at lists the shard with tarfile and catches OSError, TarError and
+    # EOFError only; tarfile raises ValueError on a PAX header with a non-numeric
+    # GNU.sparse.size (the old code caught ValueError). A shard replaced after indexing then
+    # turns an error *message* (or a skipped undecodable image) into a ValueError traceback
+    from dptrain.data.wds import WebDatasetImages
+
+    shard = tmp_path / "imagenet-train-000000.tar"
+    _pax_shard(shard, [("a", 0), ("b", 1)])
+    ds = WebDatasetImages([shard], 8)
+    with tarfile.open(shard, "w", format=tarfile.PAX_FORMAT) as t:
+        for name in ("a.jpg", "a.cls", "b.jpg"):
+            info = tarfile.TarInfo(name)
+            data = b"not an image"
+            info.size = len(data)
+            if name == "b.jpg":
+                info.pax_headers = {"GNU.sparse.size": "x"}
+            t.addfile(info, io.BytesIO(data))
+    where = ds._where(0)  # must never raise
+    assert where.startswith(f"{shard}: ")
+    ds.skip_undecodable = True
+    batch = ds.collate(np.array([0]))  # an undecodable image is skipped, not a crash
+    assert not batch["decoded"][0]
+
+
+def _v7(data: bytes) -> bytes:
+    """``data`` (a GNU tar) with every header's magic and version cleared: a v7 tar."""
+    out = bytearray(data)
+    pos = 0
+    while pos + 512 <= len(out) and any(out[pos:pos + 512]):
+        block = out[pos:pos + 512]
+        size = int(block[124:136].rstrip(b"\0 ") or b"0", 8)
+        block[257:265] = b"\0" * 8
+        block[148:156] = b" " * 8
+        block[148:156] = b"%06o\0 " % sum(block)
+        out[pos:pos + 512] = block
+        pos += 512 + (size + 511) // 512 * 512
+    return bytes(out)
+
+
+def test_a_damaged_v7_shard_whose_first_member_starts_BZh_is_not_called_bzip2(tmp_path):
+    # red team: _compressed recognises a plain tar by "ustar" at byte 257 only; a v7 tar
+    # (no magic, which tarfile reads as any other) whose first key starts "BZh" and that is
+    # cut off is still said to be bzip2-compressed ("decompress it")
+    from dptrain.config import ConfigError
+    from dptrain.data import DataConfig, build_data
+
+    shard = tmp_path / "imagenet-train-000000.tar"
+    _pax_shard(shard, [("BZh91AY", 0), ("b", 1), ("c", 2)], fmt=tarfile.GNU_FORMAT)
+    whole = _v7(shard.read_bytes())
+    with tarfile.open(fileobj=io.BytesIO(whole)) as t:  # (still a readable tar)
+        assert [m.name for m in t][0] == "BZh91AY.jpg"
+    shard.write_bytes(whole[:2500])  # cut inside the second member
+    _pax_shard(tmp_path / "imagenet-val-000000.tar", [("v", 0), ("w", 1)])
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert "is compressed" not in str(e.value), e.value
+
+
+def test_a_damaged_old_gnu_shard_whose_first_member_starts_BZh_is_not_called_bzip2(tmp_path):
+    # (passes: old GNU magic "ustar  \0" has "ustar" at 257)
+    from dptrain.config import ConfigError
+    from dptrain.data import DataConfig, build_data
+
+    shard = tmp_path / "imagenet-train-000000.tar"
+    _pax_shard(shard, [("BZh91AY", 0), ("b", 1), ("c", 2)], fmt=tarfile.GNU_FORMAT)
+    assert shard.read_bytes()[257:265] == b"ustar  \0"
+    shard.write_bytes(shard.read_bytes()[:2500])
+    _pax_shard(tmp_path / "imagenet-val-000000.tar", [("v", 0), ("w", 1)])
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert "is compressed" not in str(e.value), e.value
+
+
+def test_member_at_does_not_publish_a_shards_names_before_they_are_listed(tmp_path,
+                                                                          monkeypatch):
+    # red team: _member_at stores the shard's (empty) dict in _member_names before it lists
+    # the members: another thread asking meanwhile (decode/collate threads) finds it empty,
+    # and names the member from its own ustar block ("caf?.jpg"-like for a non-ASCII PAX
+    # name) -- the wrong name this commit fixed. Simulated deterministically: a second call
+    # made while the first is listing.
+    import dptrain.data.wds as wds
+    from dptrain.data.wds import WebDatasetImages
+
+    shard = tmp_path / "imagenet-train-000000.tar"
+    _pax_shard(shard, [("café", 0), ("b", 1)])
+    ds = WebDatasetImages([shard], 8)
+    real_open, seen, raced = tarfile.open, [], []
+
+    def racing_open(*args, **kwargs):
+        if not raced:
+            raced.append(True)
+            seen.append(ds._where(0))  # "the other thread", during the listing
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(wds.tarfile, "open", racing_open)
+    assert ds._where(0).endswith(": café.jpg")
+    assert seen[0].endswith(": café.jpg"), seen

@@ -465,6 +465,7 @@ def _webdataset(cfg: DataConfig, seed: int, train_name: str | None, test_name: s
     low = min((r[0] for r in ranges), default=0)
     high = max((r[1] for r in ranges), default=-1)
     k = cfg.num_classes or high + 1
+
     def where(label: int, highest: bool) -> str:  # a sample with that label, and its split
         split, name = next((s, n) for s, n in ((train, "training"), (test, "test"))
                            if s.label_range is not None and s.label_range[highest] == label)

@@ -159,15 +159,18 @@ _MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
 
 def _compressed(path: Path) -> str | None:
     """The compression ``path``'s first bytes name, if any (None: unreadable, or none; or a
-    tar, whose first header block says "ustar" at byte 257: its first bytes are a member's
+    tar, whose first block is a valid header, ustar or v7: its first bytes are a member's
     name, which may begin as a magic number does)."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(tarfile.BLOCKSIZE)
     except OSError:
         return None
-    if head[257:262] == b"ustar":
-        return None
+    try:
+        tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
+        return None  # (its checksum holds)
+    except Exception:
+        pass
     return next((name for magic, name in _MAGIC.items() if head.startswith(magic)), None)
 
 
@@ -501,13 +504,14 @@ class WebDatasetImages(ImageDecoding):
         path = self.shards[shard]
         names = self._member_names.get(shard)
         if names is None:
-            names = self._member_names[shard] = {}
+            names = {}  # (kept once whole: another thread asking meanwhile lists them too)
             try:
                 with tarfile.open(path, "r:") as tar:
                     for member in tar:
                         names[member.offset_data] = member.name
-            except (OSError, tarfile.TarError, EOFError):
+            except Exception:  # (ValueError too: a PAX header's number; this never raises)
                 pass  # (the members listed until the damage)
+            self._member_names[shard] = names
         name = names.get(offset)
         if name is None:
             name = f"the image at byte {offset}"
@@ -516,7 +520,7 @@ class WebDatasetImages(ImageDecoding):
                     fh.seek(offset - tarfile.BLOCKSIZE)
                     block = fh.read(tarfile.BLOCKSIZE)
                 name = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape").name
-            except (OSError, ValueError, tarfile.TarError):
+            except Exception:
                 pass
         return f"{path}: {name}"
 
