@@ -49,7 +49,7 @@ from dptrain.privacy.noise import block_share, chacha20, gaussian_noise, secure_
 from dptrain.privacy.sampling import poisson_sample, shard_indices
 from dptrain.telemetry import json_rows, peak_memory_bytes, strict_json
 from dptrain.telemetry.gpu import GpuMonitor
-from dptrain.telemetry.progress import LogLines, progress_bar, tqdm_write
+from dptrain.telemetry.progress import LogLines, WarningsUnderBar, progress_bar, tqdm_write
 from dptrain.tree import map_tensors
 from dptrain.parallel.dist import init_from_env, local_rank, one_verdict
 from dptrain.parallel.fsdp import (all_reduce_scalars, apply_fsdp, as_grad, flat_range,
@@ -1026,6 +1026,7 @@ class Trainer:
         gpu = GpuMonitor(self.device).start()  # off (and silent) without CUDA
         if main and gpu.reason and self.device.type == "cuda":
             tqdm_write(f"dptrain: no GPU telemetry in metrics.jsonl: {gpu.reason}")
+        warnings_shown = WarningsUnderBar(bar)
         try:
             # the step of the newest checkpoint in this run's directory and its path, once
             # this run has written it
@@ -1078,6 +1079,7 @@ class Trainer:
         finally:
             trained = time.time() - start  # the loop: steps, its evaluations and checkpoints
             self._loop = (start, start + trained)
+            warnings_shown.close()
             bar.close()
             gpu.close()
             if main and gpu.reason and gpu.reason.startswith("NVML sampling stopped"):

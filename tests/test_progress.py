@@ -139,3 +139,33 @@ def test_log_lines_come_at_most_every_interval_and_at_the_last_step(capsys, monk
     off = progress.LogLines(10, 2, rate=True, enabled=False)
     off.update(10, 0.5, "1.000")
     assert capsys.readouterr().err == ""
+
+
+def test_a_python_warning_during_a_run_goes_under_the_bar_and_the_old_way_comes_back(
+        capsys, monkeypatch):
+    # warnings.warn (the accountants', a model's) wrote into the middle of a drawn bar
+    import warnings
+
+    from dptrain.config import load
+    from dptrain.trainer import RunConfig, Trainer
+
+    monkeypatch.setattr(progress, "is_terminal", lambda stream: True)
+    t = Trainer(load(RunConfig, TINY, ["train.progress=true", "privacy.steps=2",
+                                       "train.checkpoint_every=0"]))
+    step = t.private_step
+
+    def warning_step():
+        warnings.warn("a model's warning mid-run", UserWarning)
+        return step()
+
+    monkeypatch.setattr(t, "private_step", warning_step)
+    before = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = before  # (pytest's own recorder off: shown as a user sees it)
+        t.run()
+        assert warnings.showwarning is before
+    err = capsys.readouterr().err
+    # (formatwarning's line begins with the file that warned: here, this one)
+    assert err.count("UserWarning: a model's warning mid-run") == 2
+    assert _starts_lines(err, f"{__file__}:"), err[-600:]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = ["is_terminal", "progress_bar", "tqdm_write", "LogLines"]
+__all__ = ["is_terminal", "progress_bar", "tqdm_write", "WarningsUnderBar", "LogLines"]
 
 
 def is_terminal(stream) -> bool:
@@ -29,6 +29,28 @@ def tqdm_write(message: str) -> None:
     from tqdm import tqdm
 
     tqdm.write(message, file=sys.stderr)
+
+
+class WarningsUnderBar:
+    """While ``bar`` is drawn, Python warnings (the accountants', a model's) go on lines of
+    their own under it, as ``tqdm_write`` does, not into the middle of the bar; ``close()``
+    puts back the way they were shown before. Nothing changes where the bar is not drawn."""
+
+    def __init__(self, bar):
+        import warnings
+
+        self._warnings = warnings
+        self._before = warnings.showwarning if not bar.disable else None
+        if self._before is not None:
+            def show(message, category, filename, lineno, file=None, line=None):
+                text = warnings.formatwarning(message, category, filename, lineno, line)
+                tqdm_write(text.rstrip("\n"))
+            warnings.showwarning = show
+
+    def close(self) -> None:
+        if self._before is not None:
+            self._warnings.showwarning = self._before
+            self._before = None
 
 
 class LogLines:
