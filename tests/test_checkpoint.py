@@ -461,6 +461,7 @@ def test_a_resumed_run_s_progress_starts_at_its_step(tmp_path, monkeypatch):
     class Bar:
         def __init__(self, **kw):
             self.kw, self.updates, self.postfix = kw, 0, []
+            self.disable = kw.get("disable", False)  # (as tqdm's)
             bars.append(self)
 
         def update(self, n):
