@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 
 __all__ = ["is_terminal", "progress_bar", "tqdm_write", "WarningsUnderBar", "LogLines"]
 
@@ -37,9 +38,6 @@ class WarningsUnderBar:
     puts back the way they were shown before. Nothing changes where the bar is not drawn."""
 
     def __init__(self, bar):
-        import warnings
-
-        self._warnings = warnings
         self._before = warnings.showwarning if not bar.disable else None
         if self._before is not None:
             def show(message, category, filename, lineno, file=None, line=None):
@@ -49,7 +47,7 @@ class WarningsUnderBar:
 
     def close(self) -> None:
         if self._before is not None:
-            self._warnings.showwarning = self._before
+            warnings.showwarning = self._before
             self._before = None
 
 
