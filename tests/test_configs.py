@@ -242,7 +242,8 @@ def test_imagenet_config_trains_on_webdataset_shards(tmp_path, name):
     code = main(["train", "--config", str(Path(__file__).resolve().parents[1] / "configs" /
                                           name),
                  "--output-dir", str(out), f"data.path={tmp_path}", "data.image_size=32",
-                 "privacy.sample_rate=0.5", "privacy.steps=1", "performance.dtype=float32",
+                 "privacy.sample_rate=0.5", "privacy.dataset_size=null", "privacy.steps=1",
+                 "performance.dtype=float32",
                  "performance.microbatch_size=4", "performance.num_threads=1",
                  "performance.device=cpu", "optim.warmup_steps=0", "train.eval_every=0",
                  "data.augmult=2",  # the configs' 4 views: 2 here, for time
@@ -255,6 +256,9 @@ def test_imagenet_config_trains_on_webdataset_shards(tmp_path, name):
     assert summary["config"]["data"]["augmult"] == 2
     shipped = load(RunConfig, Path(__file__).resolve().parents[1] / "configs" / name)
     assert shipped.data.augmult == 4 and shipped.optim.ema_decay > 0.99
+    # De et al.'s batch, b = 16,384 of ImageNet's public N, whatever count the shards give
+    assert shipped.privacy.release_denominator(1_281_000) == 16_384
+    assert shipped.privacy.release_denominator(1_281_167) == 16_384
     assert (out / "final" / "last_iterate.safetensors").is_file()
 
 
