@@ -57,6 +57,8 @@ def method_overrides(method: str, lr: float | None) -> list[str]:
         "dp_adamw": ["optim.name=adamw", "optim.preset=null", f"optim.lr={lr or ADAMW_LR}"],
         "dp_muon": muon,
         "dp_muon_bc": [*muon, "optim.name=muon_bc"],
+        # DP-Muon-S's non-matrix group is AdamW, as for every Muon variant here (its seed paper
+        # gives 1-D parameters DP-SGD with momentum: optim.aux.optimizer=sgd)
         "dp_muon_s": ["optim.name=muon_s", "optim.preset=gpt2", "optim.aux.optimizer=adamw", aux,
                       f"optim.lr={lr or MUON_S_LR}"],
         # DiSK as the inner-momentum paper runs its KF: kappa = 0.5 on the previous state,
