@@ -52,7 +52,7 @@
 #      adapters, rank 8, every block matrix) vs private full fine-tuning vs their non-private
 #      steps, and Opacus ghost on the same adapters (added 2026-12-02, not run on a GPU yet).
 #   11. bench/muon_s_sigma.py --device cuda --layers 4 (30): DP-Muon-S's step with sigma_1 by
-#      Lanczos (two device reads per product) vs the 3 power iterations it replaced, on 4 of
+#      Lanczos (three device reads per product) vs the 3 power iterations it replaced, on 4 of
 #      GPT-2 small's 12 blocks (16 matrices; added 2026-12-02, not run on a GPU yet).
 #   12. bench/cancellation_guard.py --device cuda (25): the ghost norms' cancellation check,
 #      its one device sync per query (added 2026-12-03, not run on a GPU yet).

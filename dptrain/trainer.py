@@ -107,7 +107,9 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class RunConfig:
     seed: int = 0
-    """Seed of the public randomness: model initialisation, data splits, synthetic data."""
+    """Seed of the public randomness: model initialisation, synthetic data, augmentation views,
+    dropout masks and the optimizers' probes. Not the batches: they come from
+    ``privacy.seed``."""
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     performance: PerformanceConfig = field(default_factory=PerformanceConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
