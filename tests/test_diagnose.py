@@ -593,6 +593,81 @@ def test_render_puts_each_value_under_its_column():
     assert "im/cur-1" not in legend  # (no inner-momentum comparison in this report)
 
 
+def test_render_header_lines_spell_out_the_release_the_clipping_and_the_im_query():
+    """The lines above and below the table, against values written out by hand: the noise std
+    (not C), the clipped fraction as a percentage, each K with its own parameters, and the IM
+    summary's count as lower-in/of-matrices."""
+    from dptrain.commands.diagnose import UNDEFINED_NOTE, render
+
+    cur = {"polar_error": 0.5, "cosine_error": 0.25, "eta_R": 0.125}
+    im_c = {"polar_error": 0.25, "cosine_error": 0.5, "eta_R": 0.125}
+    report = {
+        "checkpoint": "ck", "step": 7, "config_source": "checkpoint",
+        "release": {"noise_multiplier": 1.5, "clip_norm": 2.0, "denominator": 32,
+                    "noise_std": 0.09375},
+        "probe": {"num_examples": 4, "test_size": 64, "selection": "evenly spaced",
+                  "model_mode": "eval"},
+        "clip_factors": {"current": {"mean_lambda": 0.5, "min_lambda": 0.25,
+                                     "fraction_clipped": 0.375},
+                         "im": {"mean_lambda": 0.75, "min_lambda": 0.5,
+                                "fraction_clipped": 0.25}},
+        "compare_im": {"k_muon": 3, "gamma_muon": 0.9, "k_other": 1, "gamma_other": 0.5,
+                       "history_states": 4,
+                       "relative_difference": {"polar_error": {"mean": -0.5, "im_lower": 1,
+                                                               "matrices": 3}}},
+        "matrices": {"layer.w": {"candidates": {"current": cur, "im": im_c},
+                                 "relative_difference": {"polar_error": -0.5,
+                                                         "cosine_error": 1.0, "eta_R": 0.0}}},
+        "privacy_note": "P", "probe_note": "Q",
+    }
+    lines = render(report).splitlines()
+    assert lines[0] == "dptrain diagnose: ck (step 7, config from checkpoint)"
+    assert lines[1] == ("probe set: 4 of 64 examples of the PUBLIC test split (evenly spaced; "
+                        "eval)")
+    assert lines[2] == "release: sigma 1.5, C 2, b 32, noise std sigma*C/b 0.09375"
+    assert lines[3] == "clip factors (current query): mean 0.5, min 0.25, clipped 37.5%"
+    assert lines[4] == "clip factors (im query): mean 0.75, min 0.5, clipped 25.0%"
+    assert lines[5] == ("inner-momentum query: K 3, gamma 0.9 (Muon matrices), K 1, gamma 0.5 "
+                        "(other parameters); 4 past states in the checkpoint")
+    diff = next(line for line in lines if line.strip().startswith("im/cur-1"))
+    assert diff.split()[1:4] == ["-50.0%", "+100.0%", "+0.0%"]
+    assert ("IM vs current-only (before noise and outer momentum): polar_error -50.0% (mean), "
+            "IM lower in 1/3") in lines
+    assert UNDEFINED_NOTE not in lines
+    assert lines[-2:] == ["privacy: P", "probe set: Q"]
+
+
+def test_plot_of_more_than_three_matrices_says_which_it_shows(plain_run, tmp_path, capsys):
+    png = tmp_path / "spectra.png"
+    code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "2",
+                           "--params", r"h\.0\.", "--output", tmp_path / "r.json", "--plot", png)
+    assert code == 0, err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert len(report["matrices"]) == 4
+    assert ("dptrain diagnose: note: --plot shows the first 3 of 4 matrices; choose others "
+            "with --params") in err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "2",
+                           "--params", r"h\.0\.attn", "--output", tmp_path / "r.json", "--plot",
+                           png, "--force")
+    assert code == 0 and "--plot shows" not in err, err
+
+
+def test_a_bad_params_regex_is_refused_before_the_run_is_loaded(plain_run, tmp_path, capsys,
+                                                                monkeypatch):
+    import dptrain.diagnostics.probes as probes
+
+    def never(*a, **k):
+        raise AssertionError("the run was loaded before --params was checked")
+
+    monkeypatch.setattr(probes, "load_run", never)
+    code, _, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", "2",
+                           "--params", "(unclosed", "--output", tmp_path / "r.json")
+    lines = [line for line in err.strip().splitlines() if line]
+    assert code == 2 and len(lines) == 1 and "--params: not a valid regex" in lines[0], err
+    assert not (tmp_path / "r.json").exists()
+
+
 # -------------------------------------------------------------------------- the CLI
 
 def test_probe_examples_is_checked_before_the_run_is_loaded(plain_run, tmp_path, capsys,

@@ -439,3 +439,127 @@ def test_greedy_generate_polls_before_each_batch_and_stops_when_the_poll_raises(
                            poll=lambda: polls.append(1)) == greedy_generate(
         model, prompts, 4, eos_id=256, batch_size=4)
     assert polls == [1, 1]
+
+
+# ------------------------------------------------------------------ mutation-run additions
+
+def test_score_texts_refuses_mismatched_or_missing_references_and_gives_nan_for_none():
+    refs = list(SMALL.values())
+    with pytest.raises(ValueError, match="one list of references per hypothesis"):
+        score_texts([r[0] for r in refs][:2], refs)
+    with pytest.raises(ValueError, match="at least one reference"):
+        score_texts(["Aromi is a coffee shop.", "Zizzi"], [refs[0], []])
+    empty = score_texts([], [])
+    assert empty["num_prompts"] == 0
+    assert all(math.isnan(empty[k]) for k in ("bleu", "bleu_uncased", "rouge_l"))
+
+
+def test_bleu_tokenises_e2e_prices_as_sacrebleu_13a_does():
+    # E2E references spell prices "£20-25": 13a splits the hyphen between digits (not the one
+    # of "family-friendly") and keeps "£20" whole, so "£20-25" and "£20 - 25" are the same
+    # tokens (100); the international tokenizer would split "£" and keep "20-25" (44.8)
+    import sacrebleu
+
+    hyp, ref = "The Vaults costs £20-25.", "The Vaults costs £20 - 25."
+    assert score_texts([hyp], [[ref]])["bleu"] == pytest.approx(100.0)
+    hyps = ["The Vaults is a family-friendly pub costing £20-25."]
+    refs = [["The Vaults is a family friendly pub costing £ 20-25."]]
+    want = sacrebleu.corpus_bleu(hyps, [[r[0] for r in refs]], tokenize="13a").score
+    assert score_texts(hyps, refs)["bleu"] == pytest.approx(want, rel=1e-9)
+    assert want < 50  # (the international tokenizer gives 70.2 here)
+
+
+def test_greedy_generate_feeds_the_kv_cache_under_the_models_own_argument_name():
+    # transformers 5.x calls it ``cache``; the older ``past_key_values`` still works there but
+    # warns (and goes away in 5.40): each step after the first feeds one token, no warning
+    import warnings
+
+    model = _spiky_gpt2()
+    widths = []
+    model.register_forward_pre_hook(
+        lambda mod, args, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = greedy_generate(model, [[10, 20, 30], [5]], 4, eos_id=256)
+    assert widths == [3, 1, 1, 1]
+    assert [len(g) for g in got] == [4, 4]
+
+
+class _Scripted(torch.nn.Module):
+    """Predicts ``script[n]`` after ``n`` real (unmasked) tokens past the first: a row's
+    continuation does not depend on what it is batched with. No KV cache."""
+
+    def __init__(self, script, n_positions=64):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.config = types.SimpleNamespace(n_positions=n_positions)
+        self.script = script
+
+    def forward(self, input_ids, attention_mask=None, **kw):
+        logits = torch.zeros(*input_ids.shape, 257)
+        for r in range(input_ids.shape[0]):
+            n = int(attention_mask[r].sum()) - 1
+            logits[r, -1, self.script[n % len(self.script)]] = 1.0
+        return types.SimpleNamespace(logits=logits)
+
+
+def test_a_row_stops_for_good_at_its_first_eos():
+    # after an EOS a row adds nothing, whatever the model predicts next and however long its
+    # batch goes on; rows that finish (EOS or their limit) do not get pad tokens either
+    model = _Scripted([120, 121, 256, 122, 123, 124, 125, 126])
+    prompts = [[1], [1, 2], [1, 2, 3, 4]]
+    out = greedy_generate(model, prompts, 6, eos_id=256, pad_id=255, batch_size=3)
+    assert out == [[120, 121], [121], [122, 123, 124, 125, 126, 120]]
+    assert greedy_generate(model, prompts, 6, eos_id=256, pad_id=255, batch_size=1) == out
+
+
+def test_rows_that_reach_their_limit_get_no_pad_tokens():
+    # the length test's rows with a pad that is not EOS: a row done early is fed the pad while
+    # its batch goes on, which must not be counted as generated
+    model = _NeverEOS(n_positions=15)
+    prompts = [[1] * 14, [2] * 10, [3] * 2, [4] * 12, [5] * 15, [6] * 16]
+    for bs in (2, 6):
+        out = greedy_generate(model, prompts, 6, eos_id=256, pad_id=255, batch_size=bs)
+        assert out == [[120] * n for n in (1, 5, 6, 3, 0, 0)], bs
+
+
+def test_generate_and_score_passes_its_settings_to_the_generation(monkeypatch):
+    refs = {"name[Aromi]": ["Aromi is a pub."], "name[Zizzi]": ["Zizzi is a pub."]}
+    answers = {"name[Aromi]": "Aromi is a coffee shop.", "name[Zizzi]": "Zizzi is a pub."}
+    # max_new_tokens: at most that many bytes of each answer
+    res = generate_and_score(_ScriptedByteLM(answers), ByteTokenizer(), refs, max_new_tokens=5,
+                             return_texts=True)
+    assert res["texts"] == ["Aromi", "Zizzi"]
+    assert res["bleu"] == pytest.approx(score_texts(["Aromi", "Zizzi"],
+                                                    list(refs.values()))["bleu"])
+    # poll: the trainer's stop signal reaches the generation
+    polls = []
+
+    def stop():
+        polls.append(1)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_and_score(_ScriptedByteLM(answers), ByteTokenizer(), refs, poll=stop)
+    assert polls == [1]
+    # progress: a bar of the prompts (drawn when asked)
+    import dptrain.telemetry.progress as progress
+
+    asked = []
+    real = progress.progress_bar
+    monkeypatch.setattr(progress, "progress_bar",
+                        lambda on, **kw: asked.append(on) or real(False, **kw))
+    for on in (True, False):
+        generate_and_score(_ScriptedByteLM(answers), ByteTokenizer(), refs, progress=on)
+    assert asked == [True, False]
+
+
+def test_no_room_counts_only_the_scored_prompts_that_fill_the_positions():
+    # every prompt here fills the positions: the one without references is generated, not
+    # scored, and not counted
+    refs = {"name[Aromi]": ["Aromi is a pub."], "name[Cotto]": [], "name[Zizzi]": ["Zizzi."]}
+    shortest = min(len(ByteTokenizer().encode_pair(m + " || ", "")[0]) for m in refs)
+    model = _ScriptedByteLM({m: "x" for m in refs}, n_positions=shortest)
+    res = generate_and_score(model, ByteTokenizer(), refs, return_texts=True)
+    assert res["texts"] == ["", "", ""] and res["num_prompts"] == 2
+    assert res["no_room"] == 2

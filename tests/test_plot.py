@@ -325,3 +325,33 @@ def test_the_step_axis_has_whole_steps_only(tmp_path, monkeypatch):
                            "test": {"test_nll": ([4], [2.5])}}, tmp_path / "m.png")
     assert all(seen["ticks"]) and len(seen["ticks"]) == 2
     assert all(float(t).is_integer() for ticks in seen["ticks"] for t in ticks), seen
+
+
+def test_blank_lines_in_the_metrics_are_skipped(tmp_path, capsys):
+    run = _fake_run(tmp_path, [ROW % 1, "", "  ", ROW % 2])
+    code, stdout, err = _run(capsys, "plot", "--run", str(run))
+    assert code == 0, err
+    assert "2 panels: loss, epsilon spent" in stdout and err == ""
+
+
+def test_one_run_is_drawn_with_its_metric_names_and_no_run_legend(tmp_path, capsys, monkeypatch):
+    # the run's name prefixes the curves and the legend only when several runs share panels;
+    # a summary without final metrics (an integer epsilon too) gives the title
+    import dptrain.diagnostics.plotting as plotting
+
+    drawn = {}
+    monkeypatch.setattr(plotting, "plot_metrics",
+                        lambda series, path, **kw: drawn.update(series=series, path=path, **kw))
+    run = _fake_run(tmp_path, [ROW % 1, '{"step": 2, "train_loss": 1.5, "epsilon": 1.5}'])
+    (run / "summary.json").write_text('{"steps": 3, "epsilon": 2}')
+    code, _, err = _run(capsys, "plot", "--run", str(run))
+    assert code == 0, err
+    assert drawn["series"] == {"loss": {"train_loss": ([1, 2], [2.0, 1.5])},
+                               "epsilon spent": {"epsilon": ([1, 2], [1.0, 1.5])}}
+    assert drawn["runs"] is None and drawn["path"] == run / "metrics.png"
+    assert drawn["title"] == "run: step 3, epsilon 2.000"
+    # a run given as "." is named by its folder, not by the empty name of "."
+    monkeypatch.chdir(run)
+    code, _, err = _run(capsys, "plot", "--run", ".", "--force")
+    assert code == 0, err
+    assert drawn["title"] == "run: step 3, epsilon 2.000"
