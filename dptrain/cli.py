@@ -13,6 +13,7 @@ import signal
 import sys
 
 from dptrain.config import ConfigError, check_path_name
+from dptrain.messages import command_warnings
 
 _PATH_OPTIONS = ("config", "output_dir", "resume", "run", "checkpoint", "output", "plot")
 
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None, *, process_exits: bool = False) -> int:
                 if args.command != "train" and not value.strip():  # (train says more)
                     raise ConfigError(name, "is empty: give a path")  # (Path("") is ".")
                 check_path_name(name, value)
-        return int(commands[args.command].run(args) or 0)
+        with command_warnings():
+            return int(commands[args.command].run(args) or 0)
     except ConfigError as e:
         # (a refusal every rank shares is said once, by rank 0: not W identical lines)
         if not (e.every_rank and _rank() != 0):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
+import warnings
 
 
 def brief(e: BaseException) -> str:
@@ -42,3 +43,39 @@ def data_note(text: str, training: bool) -> None:
     split's examples, which :func:`secure_notes` silences (docs/privacy.md, "Secure mode")."""
     if not (training and _SECURE.get()):
         print(f"dptrain: note: {text}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def command_warnings():
+    """While a ``dptrain`` command runs: dptrain's own warnings (a warning class of dptrain,
+    such as the accountants' ``AccountingWarning``, or a message that starts with ``dptrain``)
+    are lines like the command's other warnings, ``dptrain: warning: ...``, without Python's
+    file, line number and source line; opacus' note on its RDP orders is left out
+    (``OPACUS_ORDER_NOTE``). Other libraries' warnings are shown as Python shows them. Filters
+    and formatting are restored afterwards (the command may run inside a test or a notebook)."""
+    from dptrain.privacy.accounting import OPACUS_ORDER_NOTE
+
+    before = warnings.formatwarning
+
+    def formatted(message, category, filename, lineno, line=None):
+        text = str(message)
+        if category.__module__.split(".")[0] == "dptrain" or text.startswith("dptrain"):
+            return as_warning_line(text) + "\n"
+        return before(message, category, filename, lineno, line)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=OPACUS_ORDER_NOTE, category=UserWarning)
+        warnings.formatwarning = formatted
+        try:
+            yield
+        finally:
+            warnings.formatwarning = before
+
+
+def as_warning_line(text: str) -> str:
+    """``text`` as a warning line: ``dptrain.clipping: X`` -> ``dptrain.clipping: warning: X``,
+    anything else -> ``dptrain: warning: text``."""
+    head, sep, rest = text.partition(": ")
+    if sep and head.startswith("dptrain") and " " not in head:
+        return f"{head}: warning: {rest}"
+    return f"dptrain: warning: {text}"

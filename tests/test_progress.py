@@ -169,3 +169,54 @@ def test_a_python_warning_during_a_run_goes_under_the_bar_and_the_old_way_comes_
     # (formatwarning's line begins with the file that warned: here, this one)
     assert err.count("UserWarning: a model's warning mid-run") == 2
     assert _starts_lines(err, f"{__file__}:"), err[-600:]
+
+
+def _shown_on_stderr(message, category, filename, lineno, file=None, line=None):
+    """Python's own way of showing a warning (pytest records them instead)."""
+    import warnings
+
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def test_a_command_shows_dptrain_s_warnings_as_lines_and_others_as_python_does(capsys):
+    # the accountants' fallback note came with trainer.py's file, line and source line, and
+    # opacus' note on its RDP orders after it
+    import warnings
+
+    from dptrain.messages import command_warnings
+    from dptrain.privacy.accounting import OPACUS_ORDER_NOTE, AccountingWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = _shown_on_stderr
+        before = warnings.formatwarning, list(warnings.filters)
+        with command_warnings():
+            warnings.warn("PRV not used; the RDP bound instead", AccountingWarning)
+            warnings.warn("dptrain.clipping: no rule for X; the fallback", UserWarning)
+            warnings.warn("dptrain: a mask from torch's RNG", UserWarning)
+            warnings.warn(f"{OPACUS_ORDER_NOTE} smallest alpha.", UserWarning)
+            warnings.warn("a library's own", FutureWarning)
+        assert (warnings.formatwarning, list(warnings.filters)) == before
+        warnings.warn(f"{OPACUS_ORDER_NOTE} smallest alpha, outside a command", UserWarning)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:3] == ["dptrain: warning: PRV not used; the RDP bound instead",
+                         "dptrain.clipping: warning: no rule for X; the fallback",
+                         "dptrain: warning: a mask from torch's RNG"]
+    assert lines[3].startswith(f"{__file__}:") and "FutureWarning: a library's own" in lines[3]
+    assert sum(OPACUS_ORDER_NOTE in x for x in lines) == 1 and "outside" in lines[-2] + lines[-1]
+
+
+def test_train_s_accounting_fallback_is_one_warning_line(tmp_path, capsys):
+    import warnings
+
+    from dptrain.cli import main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = _shown_on_stderr
+        assert main(["train", "--config", str(TINY), "--output-dir", str(tmp_path / "r"),
+                     "--dry-run", "privacy.epsilon=200", "privacy.accountant=prv"]) == 0
+    err = capsys.readouterr().err
+    assert ("dptrain: warning: opacus' PRV search is impractical above epsilon 100; "
+            "calibrating to the RDP bound instead\n") in err
+    assert "AccountingWarning" not in err and ".py:" not in err, err

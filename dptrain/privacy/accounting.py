@@ -77,8 +77,9 @@ MIN_SAMPLE_RATE = sys.float_info.min
 
 _LEDGER_FORMAT = 1
 
-# opacus' notes that the best RDP order is at the edge of its list: not results, just noise
-_OPACUS_NOTES = "Optimal order is the"
+OPACUS_ORDER_NOTE = "Optimal order is the"
+"""The start of opacus' note that the best RDP order is at the edge of its list (a bound that
+more orders could tighten): not a result, and noise to a dptrain command, which filters it."""
 
 
 class AccountingWarning(UserWarning):
@@ -360,7 +361,7 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
         # the bisection's probes are not results: silence opacus' notes about its RDP orders
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"), \
                 warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_OPACUS_NOTES, category=UserWarning)
+            warnings.filterwarnings("ignore", message=OPACUS_ORDER_NOTE, category=UserWarning)
             sigma = _search_sigma(float(epsilon), float(delta), float(sample_rate),
                                   int(steps), accountant, float(epsilon_tolerance))
     except ValueError as e:
@@ -397,7 +398,7 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
         # docstring); the calibrated sigma must meet the target as epsilon() reports it
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=AccountingWarning)
-            warnings.filterwarnings("ignore", message=_OPACUS_NOTES, category=UserWarning)
+            warnings.filterwarnings("ignore", message=OPACUS_ORDER_NOTE, category=UserWarning)
             achieved = _epsilon_of(sigma, sample_rate, steps, delta, "prv")
         if achieved > epsilon * (1 + EPSILON_ROUNDING):
             return with_rdp(f"the PRV accountant cannot be used at the calibrated sigma "
@@ -506,7 +507,7 @@ def check_plan(cfg, sigma: float, *, ledger: Ledger | None = None,
         # accepted, and is part of the error otherwise)
         with warnings.catch_warnings(record=True) as notes:
             warnings.simplefilter("always", AccountingWarning)
-            warnings.filterwarnings("ignore", message=_OPACUS_NOTES, category=UserWarning)
+            warnings.filterwarnings("ignore", message=OPACUS_ORDER_NOTE, category=UserWarning)
             eps = epsilon(plan, cfg.delta, cfg.accountant)
     except (MemoryError, OverflowError, ValueError, ZeroDivisionError) as e:
         # (sigma 1e300: opacus' sigma^2 overflows; below NEGLIGIBLE_SIGMA epsilon is inf)
