@@ -244,3 +244,23 @@ def test_a_config_given_to_calibrate_is_pointed_to_the_dry_run(capsys, args):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dptrain calibrate: error: --config: ")
     assert "dptrain train --config FILE --dry-run" in err[0]
+
+
+def test_a_target_prv_cannot_calibrate_says_sigma_was_calibrated_to_rdp(capsys):
+    # above epsilon 100 sigma meets the target by RDP's bound, and the printed PRV epsilon is
+    # far below the target: the output said "prv accountant", as if PRV had calibrated it
+    argv = ["--epsilon", "200", "--delta", "1e-5", "--sample-rate", "0.01", "--steps", "10"]
+    rc, out, err = _run([*argv, "--json"], capsys)
+    obj = json.loads(out)
+    assert rc == 0 and obj["accountant"] == "prv" and obj["calibrated_with"] == "rdp"
+    sigma = _opacus_sigma(200.0, 1e-5, 0.01, 10)  # opacus' own RDP search
+    assert obj["noise_multiplier"] == pytest.approx(sigma, rel=1e-9)
+    rdp = opacus_epsilon("rdp", obj["noise_multiplier"], 0.01, 10, 1e-5)
+    assert 200 - 0.01 <= rdp <= 200 and obj["epsilon"] < 190  # (PRV's, well below)
+    assert err.count("calibrating to the RDP bound instead") == 1
+    rc, out, _ = _run(argv, capsys)
+    assert rc == 0 and out.rstrip().endswith(
+        "(prv accountant; sigma calibrated to the RDP bound, which it meets within 0.01 of the "
+        "target)")
+    rc, out, _ = _run(["--epsilon", "8", *argv[2:], "--json"], capsys)
+    assert json.loads(out)["calibrated_with"] == "prv"

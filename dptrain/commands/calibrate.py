@@ -145,7 +145,7 @@ def run(args) -> int:
     from dptrain.config import ConfigError
     from dptrain.privacy.accounting import Ledger, calibrate_noise_multiplier, epsilon
 
-    from dptrain.privacy.accounting import AccountingWarning
+    from dptrain.privacy.accounting import AccountingWarning, CalibratedToRDP
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -164,6 +164,11 @@ def run(args) -> int:
     for w in caught:
         if issubclass(w.category, AccountingWarning):
             print(f"{PROG}: warning: {w.message}", file=sys.stderr)
+    # sigma meets the target by this accountant's bound (the achieved epsilon is within the
+    # tolerance of it), or by RDP's where PRV could not be used: then PRV's epsilon of it, the
+    # one printed, may be well below the target
+    calibrated_with = ("rdp" if any(issubclass(w.category, CalibratedToRDP) for w in caught)
+                       else v["accountant"])
 
     if args.json:
         print(json.dumps({
@@ -174,10 +179,14 @@ def run(args) -> int:
             "sample_rate": v["sample_rate"],
             "steps": v["steps"],
             "accountant": v["accountant"],
+            "calibrated_with": calibrated_with,
             "epsilon_tolerance": v["epsilon_tolerance"],
         }))
     else:
         print(f"noise_multiplier {sigma:.6g}: epsilon {achieved:.4f} (target {v['epsilon']:g}) "
               f"at delta {v['delta']:.4g} over {v['steps']} steps at sample rate "
-              f"{v['sample_rate']:g} ({v['accountant']} accountant)")
+              f"{v['sample_rate']:g} ({v['accountant']} accountant"
+              + (f"; sigma calibrated to the RDP bound, which it meets within "
+                 f"{v['epsilon_tolerance']:g} of the target)"
+                 if calibrated_with != v["accountant"] else ")"))
     return 0

@@ -43,6 +43,7 @@ from dptrain.config import ConfigError
 __all__ = [
     "ACCOUNTANTS",
     "AccountingWarning",
+    "CalibratedToRDP",
     "MAX_STEPS",
     "Budget",
     "Ledger",
@@ -84,6 +85,11 @@ more orders could tighten): not a result, and noise to a dptrain command, which 
 
 class AccountingWarning(UserWarning):
     """The requested accountant could not be used; a looser valid bound was reported."""
+
+
+class CalibratedToRDP(AccountingWarning):
+    """:func:`calibrate_noise_multiplier` could not use PRV: the sigma returned meets the
+    target by RDP's (looser) bound, and PRV's epsilon of it may be well below the target."""
 
 
 def _check_sigma(sigma) -> float:
@@ -347,7 +353,7 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
                                                f"{epsilon_tolerance:g}")
 
     def with_rdp(why: str) -> float:
-        warnings.warn(f"{why}; calibrating to the RDP bound instead", AccountingWarning,
+        warnings.warn(f"{why}; calibrating to the RDP bound instead", CalibratedToRDP,
                       stacklevel=3)
         return calibrate_noise_multiplier(epsilon, delta, sample_rate, steps, "rdp",
                                           epsilon_tolerance)
@@ -450,7 +456,7 @@ def _search_sigma(epsilon: float, delta: float, q: float, steps: int, accountant
     if sigma_high in by_rdp:
         warnings.warn(f"PRV's grid at sigma {sigma_high:.6g} would need {by_rdp[sigma_high]} "
                       f"points (> {PRV_MAX_DOMAIN}); calibrated to the RDP bound there",
-                      AccountingWarning, stacklevel=4)
+                      CalibratedToRDP, stacklevel=4)
     return sigma_high
 
 
