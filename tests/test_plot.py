@@ -215,6 +215,16 @@ def test_values_that_are_not_finite_are_named_on_stderr_not_dropped_silently(tmp
     assert left_out == {"train_loss": list(range(2, 10))}
 
 
+def test_a_run_without_noise_is_not_asked_whether_it_diverged(tmp_path, capsys):
+    # (epsilon is infinite by design there; "did the run diverge?" sent users looking)
+    run = _fake_run(tmp_path, ['{"step": %d, "train_loss": 3.0, "epsilon": "inf"}' % s
+                               for s in (1, 2, 3)])
+    code, _, err = _run(capsys, "plot", "--run", str(run))
+    assert code == 0
+    assert ("run: epsilon is infinite at steps 1-3 (3 rows): the run adds no noise "
+            "(privacy.noise_multiplier 0); not drawn") in err and "diverge" not in err
+
+
 def test_several_runs_share_the_panels_each_curve_named_by_its_run(tmp_path, capsys):
     a = _fake_run(tmp_path, [ROW % 1, ROW % 2], "muon")
     b = _fake_run(tmp_path, ['{"step": 1, "train_loss": 3.0, "epsilon": 0.5}'], "sgd")

@@ -112,8 +112,12 @@ def run(args: argparse.Namespace) -> int:
         left_out: dict[str, list[int]] = {}
         one = metric_series(rows, summary, left_out)
         for label, steps in left_out.items():
-            print(f"{PROG}: note: {name}: {label} is not a finite number at "
-                  f"{_steps(steps)}; not drawn (did the run diverge?)", file=sys.stderr)
+            # (epsilon comes from the ledger, not the model: not finite only without noise)
+            why = ("is infinite at {}: the run adds no noise (privacy.noise_multiplier 0); "
+                   "not drawn" if label == "epsilon" else
+                   "is not a finite number at {}; not drawn (did the run diverge?)")
+            print(f"{PROG}: note: {name}: {label} {why.format(_steps(steps))}",
+                  file=sys.stderr)
         if not one:
             if len(run_dirs) == 1:
                 raise ConfigError("--run", f"{metrics} has no numbers to draw yet")
