@@ -166,6 +166,40 @@ def test_diagnose_run_report_matches_independent_computation(plain_run, capsys):
                       float(G.mean(0).norm()))
 
 
+def test_clip_norm_probes_the_same_checkpoint_clipped_at_another_c(plain_run, tmp_path,
+                                                                    capsys):
+    # (the run's C = 1 clipped nothing of E2E's current-only query in BENCHMARKS' real check:
+    # the geometry of clipping needs a smaller C, on the same checkpoint)
+    out = tmp_path / "c.json"
+    code, text, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", M,
+                              "--clip-norm", "0.05", "--output", out)
+    assert code == 0, err
+    assert "C 0.05 (--clip-norm; the run's C is 1), b 32" in text
+    report = json.loads(out.read_text())
+    rel = report["release"]
+    assert (rel["clip_norm"], rel["run_clip_norm"]) == (0.05, 1.0)
+    assert rel["noise_std"] == pytest.approx(1.0 * 0.05 / 32)
+    _, _, grad = _reference(plain_run, "privacy.steps=2")
+    grads = [grad(i) for i in report["probe"]["indices"]]
+    lam = torch.tensor([min(1.0, 0.05 / _norm(g)) for g in grads], dtype=torch.float64)
+    assert float(lam.max()) < 1  # every example clipped at this C
+    got = torch.tensor(report["clip_factors"]["current"]["lam"], dtype=torch.float64)
+    assert torch.allclose(got, lam, rtol=1e-4), (got, lam)
+    name = next(iter(report["matrices"]))
+    entry = report["matrices"][name]
+    G = torch.stack([g[name] for g in grads]).double()
+    X = clipped_mean(G, lam)
+    assert _close(entry["candidates"]["current"]["polar_error"], polar_error(X, G.mean(0)),
+                  rel=1e-3)
+    r, c = entry["matrix_shape"]
+    assert entry["expected_noise_frobenius"] == pytest.approx(0.05 / 32 * math.sqrt(r * c))
+    # the run's own C, given as --clip-norm, is the plain report
+    code, text, _ = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", M,
+                            "--clip-norm", "1", "--output", tmp_path / "one.json")
+    assert code == 0 and "--clip-norm" not in text
+    assert json.loads((tmp_path / "one.json").read_text())["release"]["clip_norm"] == 1.0
+
+
 def test_checkpoint_and_config_give_the_same_report(plain_run, tmp_path, capsys):
     from dptrain import checkpoint as ckpt
 
@@ -442,6 +476,12 @@ def test_relocated_settings_are_reported(plain_run, tmp_path, capsys):
     ("plain", ["--run", "{run}", "--config", "{missing}"], "--config"),
     ("plain", ["--run", "{run}", "--config", "{empty}"], "is a directory, not a file"),
     ("plain", ["--run", "{run}", "privacy.clip_norm=2"], "privacy.clip_norm"),
+    ("plain", ["--run", "{run}", "privacy.clip_norm=2"], "give --clip-norm"),
+    ("plain", ["--run", "{run}", "--clip-norm", "0"], "--clip-norm: must be finite and > 0"),
+    ("plain", ["--run", "{run}", "--clip-norm", "-1"], "--clip-norm"),
+    ("plain", ["--run", "{run}", "--clip-norm", "nan"], "--clip-norm"),
+    ("plain", ["--run", "{run}", "--clip-norm", "inf"], "--clip-norm"),
+    ("plain", ["--run", "{run}", "--clip-norm", "small"], "--clip-norm: expected a number"),
     ("plain", ["--run", "{run}", "seed=-1"], "seed"),
 ])
 def test_mistakes_exit_2_with_one_line_naming_the_option(request, tmp_path, capsys, which, args,

@@ -2,6 +2,7 @@
 
     dptrain diagnose --run DIR | --checkpoint PATH [--config PATH] [--probe-examples M]
                      [--params REGEX] [--compare-im K,GAMMA[,K_OTHER,GAMMA_OTHER]]
+                     [--clip-norm C]
                      [--output FILE.json] [--plot FILE.png] [--force] [key.sub=value ...]
 
 Rebuilds the run from the checkpoint's stored config (or ``--config``), loads the checkpoint and
@@ -52,6 +53,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="also probe the inner-momentum query over the checkpoint's last K states "
                         "(K,GAMMA for every parameter, or K,GAMMA,K_OTHER,GAMMA_OTHER for the "
                         "Muon and the other parameters); the checkpoint must hold K past states")
+    p.add_argument("--clip-norm", metavar="C", default=None,
+                   help="clip the probe examples at C instead of the run's clip norm (what "
+                        "clipping at C does to the same checkpoint's geometry; the SNR and "
+                        "Wedin threshold then take the noise sigma*C/b a run at C would add)")
     p.add_argument("--output", metavar="FILE.json", default=None,
                    help="write the report as JSON (default with --run: DIR/diagnostics.json)")
     p.add_argument("--plot", metavar="FILE.png", default=None,
@@ -117,8 +122,10 @@ def render(report: dict) -> str:
                  f"{report['config_source']})")
     lines.append(f"probe set: {probe['num_examples']} of {probe['test_size']} examples of the "
                  f"PUBLIC test split ({probe['selection']}; {probe['model_mode']})")
-    lines.append(f"release: sigma {rel['noise_multiplier']:.4g}, C {rel['clip_norm']:.4g}, "
-                 f"b {rel['denominator']}, noise std sigma*C/b {rel['noise_std']:.4g}")
+    own = rel.get("run_clip_norm", rel["clip_norm"])
+    given = (f" (--clip-norm; the run's C is {own:.4g})" if own != rel["clip_norm"] else "")
+    lines.append(f"release: sigma {rel['noise_multiplier']:.4g}, C {rel['clip_norm']:.4g}"
+                 f"{given}, b {rel['denominator']}, noise std sigma*C/b {rel['noise_std']:.4g}")
     for q, st in report["clip_factors"].items():
         lines.append(f"clip factors ({q} query): mean {st['mean_lambda']:.4g}, min "
                      f"{st['min_lambda']:.4g}, clipped {100 * st['fraction_clipped']:.1f}%")
@@ -191,10 +198,12 @@ def _note_a_later_end(run_dir: Path, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dptrain.diagnostics.probes import ImQuery, diagnose, load_run, resolve_checkpoint
+    from dptrain.diagnostics.probes import (ImQuery, check_clip_norm, diagnose, load_run,
+                                            resolve_checkpoint)
 
     # Everything that can be checked without loading the run, first.
     m = _probe_examples(args.probe_examples)
+    clip_norm = check_clip_norm(args.clip_norm) if args.clip_norm is not None else None
     query = ImQuery.parse(args.compare_im) if args.compare_im is not None else None
     if args.params is not None:
         import re
@@ -218,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_checkpoint(run_dir=args.run, checkpoint=args.checkpoint)
     if args.run is not None:
         _note_a_later_end(Path(args.run), path)
-    run_ = load_run(path, config_path=args.config, overrides=args.overrides)
+    run_ = load_run(path, config_path=args.config, overrides=args.overrides,
+                    clip_norm=clip_norm)
     if run_.relocated:
         print(f"{PROG}: note: other files or test settings than the checkpoint's "
               f"({'; '.join(run_.relocated)}); the probe records must be held out from "

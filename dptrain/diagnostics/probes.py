@@ -159,9 +159,12 @@ class LoadedRun:
     device: torch.device
     noise_multiplier: float
     clip_norm: float
+    """C of the probes: the run's, or the one ``load_run`` was given."""
     denominator: int
     history: list[dict[str, Tensor]] = field(default_factory=list)
     """theta_{t-1}, theta_{t-2}, ...: the checkpoint's inner-momentum history (may be empty)."""
+    run_clip_norm: float | None = None
+    """The run's own C (its plan's); None: ``clip_norm``."""
     config_source: str = "checkpoint"
     overrides: list[str] = field(default_factory=list)
     """The ``key.sub=value`` overrides applied on top of ``config_source``."""
@@ -248,12 +251,25 @@ def _build_config(saved: dict, config_path: str | Path | None, overrides: Sequen
     return cfg
 
 
+def check_clip_norm(value, option: str = "--clip-norm") -> float:
+    """A clip norm given for the probes: a finite number > 0 (one line naming ``option``)."""
+    try:
+        c = float(str(value).strip())
+    except ValueError:
+        raise ConfigError(option, f"expected a number > 0, got {value!r}") from None
+    if not (c > 0 and math.isfinite(c)):
+        raise ConfigError(option, f"must be finite and > 0, got {value}")
+    return c
+
+
 def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
-             overrides: Sequence[str] = ()) -> LoadedRun:
+             overrides: Sequence[str] = (), clip_norm: float | None = None) -> LoadedRun:
     """Rebuild the run of ``checkpoint`` (its stored config, or ``config_path``; then
     ``key.sub=value`` overrides) and load its model and optimizer state (inner-momentum history
     included). Mirrors ``Trainer.__init__`` without privacy planning: sigma, C and b are the
-    checkpoint's own. Leaves the global RNG untouched."""
+    checkpoint's own, except that ``clip_norm`` replaces C for the probes (clipping at another
+    C on the public probe set; the noise they compare with is then sigma * clip_norm / b, what
+    a run at that C would add). Leaves the global RNG untouched."""
     from dptrain import checkpoint as ckpt
     from dptrain.clipping import ClippingEngine
     from dptrain.data import build_data
@@ -272,8 +288,14 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     except ConfigError as e:
         raise ConfigError("--checkpoint", e.message) from None
     cfg = _build_config(state["config"], config_path, overrides)
-    relocated = ckpt.check_compatible(state["config"], cfg,
-                                      needs="diagnose measures the checkpoint's run: keep its {}")
+    try:
+        relocated = ckpt.check_compatible(
+            state["config"], cfg, needs="diagnose measures the checkpoint's run: keep its {}")
+    except ConfigError as e:
+        if e.field == "privacy.clip_norm":  # (the probes' own C is an option of its own)
+            raise ConfigError(e.field, f"{e.message}; to probe at another clip norm, give "
+                                       f"--clip-norm") from None
+        raise
     plan = _checked_plan(state, path)
     perf = cfg.performance
     if perf.num_threads is not None:
@@ -292,7 +314,8 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     model = model.double()
     sigma, C = float(plan["noise_multiplier"]), float(plan["clip_norm"])
     b = int(plan["denominator"])
-    engine = ClippingEngine(model, clip_norm=C, ghost=perf.ghost,
+    probe_C = C if clip_norm is None else check_clip_norm(clip_norm, "clip_norm")
+    engine = ClippingEngine(model, clip_norm=probe_C, ghost=perf.ghost,
                             mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping",
                             kernels=perf.kernels)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -318,7 +341,7 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     model.eval()
     return LoadedRun(cfg=cfg, checkpoint=path, step=int(state["step"]), task=task, model=model,
                      engine=engine, optimizer=optimizer, device=device, noise_multiplier=sigma,
-                     clip_norm=C, denominator=b, history=history,
+                     clip_norm=probe_C, denominator=b, history=history, run_clip_norm=C,
                      config_source=str(config_path) if config_path is not None else "checkpoint",
                      overrides=list(overrides), relocated=relocated)
 
@@ -610,7 +633,8 @@ def diagnose(run: LoadedRun, *, probe_examples: int = 64, params: str | None = N
                   "selection": "evenly spaced over the test split",
                   "model_mode": "eval (dropout off), full precision"},
         "release": {"noise_multiplier": sigma, "clip_norm": C, "denominator": b,
-                    "noise_std": run.noise_std},
+                    "noise_std": run.noise_std,
+                    "run_clip_norm": C if run.run_clip_norm is None else run.run_clip_norm},
         "clip_factors": {"current": _lam_stats(norms_cur, lam_cur)},
         "compare_im": None,
         "matrices": {n: matrices[n] for n in names},
