@@ -958,3 +958,195 @@ def test_a_stored_config_drops_the_settings_its_run_ignored_but_an_override_is_r
     with pytest.raises(ConfigError) as e:
         probes._build_config(saved, None, ["model.n_layer=3"])
     assert e.value.field == "model.n_layer"
+
+
+# -------------------------------------------------------------------------- mutation pass 2
+
+def test_spectra_and_im_candidate_are_the_clipped_means_of_each_query(im_run):
+    """The matrices handed to the plot are the unclipped current mean and each query's clipped
+    mean (1/m) sum_i lam_i G_i; the IM candidate's B* and Frobenius norm are its own clipped
+    mean's, not the current one's. Against torch.func gradients at theta_t and the history."""
+    from dptrain import checkpoint as ckpt
+    from dptrain.diagnostics import wedin_threshold
+    from dptrain.diagnostics.probes import ImQuery, diagnose, load_run
+
+    run = load_run(ckpt.find_latest(im_run))
+    name = "transformer.h.0.mlp.c_fc.weight"
+    report, spectra = diagnose(run, probe_examples=5, params=r"h\.0\.mlp\.c_fc",
+                               compare_im=ImQuery(2, 0.9))
+    _, state, grad = _reference(im_run, "privacy.steps=3", *IM)
+    history = state["optimizer"]["history"]["states"]
+    am = [1 / 2.71, 0.9 / 2.71, 0.81 / 2.71]
+    Gc, Gi, lam_c, lam_i = [], [], [], []
+    for i in report["probe"]["indices"]:
+        per_state = [grad(i)] + [grad(i, h) for h in history]
+        u = {n: sum(am[j] * per_state[j][n] for j in range(3)) for n in per_state[0]}
+        Gc.append(per_state[0][name])
+        Gi.append(u[name])
+        lam_c.append(min(1.0, 1.0 / _norm(per_state[0])))
+        lam_i.append(min(1.0, 1.0 / _norm(u)))
+    Gc, Gi = torch.stack(Gc), torch.stack(Gi)
+    Xc = clipped_mean(Gc, torch.tensor(lam_c, dtype=torch.float64))
+    Xi = clipped_mean(Gi, torch.tensor(lam_i, dtype=torch.float64))
+    assert not torch.allclose(Xc, Xi, rtol=1e-2)  # the two queries differ here
+    assert torch.allclose(spectra[(name, "reference")], Gc.mean(0), rtol=1e-6, atol=1e-12)
+    assert torch.allclose(spectra[(name, "current")], Xc, rtol=1e-6, atol=1e-12)
+    assert torch.allclose(spectra[(name, "im")], Xi, rtol=1e-6, atol=1e-12)
+    cands = report["matrices"][name]["candidates"]
+    assert cands["im"]["frobenius_norm"] == pytest.approx(float(Xi.norm()), rel=1e-6)
+    assert cands["im"]["wedin_threshold"] == wedin_threshold(Xi, 1.0, 1.0)
+    assert cands["current"]["wedin_threshold"] == wedin_threshold(Xc, 1.0, 1.0)
+    assert cands["im"]["wedin_threshold"] != cands["current"]["wedin_threshold"]
+
+
+def test_probe_counts_say_how_many_examples_were_used(plain_run):
+    """num_examples is the probes actually run (the split's size when more were asked for);
+    test_size is the split's size; the model is probed in eval mode."""
+    from dptrain import checkpoint as ckpt
+    from dptrain.diagnostics.probes import diagnose, load_run
+
+    run = load_run(ckpt.find_latest(plain_run))
+    kw = dict(params=r"h\.1\.mlp\.c_proj")
+    report, _ = diagnose(run, probe_examples=1000, **kw)
+    probe = report["probe"]
+    assert probe["test_size"] == len(run.task.test) == 64
+    assert probe["num_examples"] == len(probe["indices"]) == 64
+    assert report["matrices"]["transformer.h.1.mlp.c_proj.weight"]["candidates"]["current"][
+        "num_examples"] == 64
+    report, _ = diagnose(run, probe_examples=3, **kw)
+    assert (report["probe"]["num_examples"], report["probe"]["test_size"]) == (3, 64)
+    assert report["probe"]["model_mode"].startswith("eval")
+
+
+def test_compare_im_summary_leaves_out_undefined_differences(im_run, monkeypatch):
+    """A matrix whose IM/current ratio is undefined (inf or nan) is counted in ``matrices`` but
+    left out of the mean and the median, which stay finite."""
+    from dptrain import checkpoint as ckpt
+    import dptrain.diagnostics.probes as probes
+
+    real = probes._ratio_minus_one
+    calls = []
+
+    def first_undefined(new, old):
+        calls.append(1)
+        return math.inf if len(calls) <= len(probes.METRICS) else real(new, old)
+
+    monkeypatch.setattr(probes, "_ratio_minus_one", first_undefined)
+    run = probes.load_run(ckpt.find_latest(im_run))
+    report, _ = probes.diagnose(run, probe_examples=3, params=r"h\.0\.",
+                                compare_im=probes.ImQuery(1, 0.9))
+    names = list(report["matrices"])
+    assert len(names) >= 3
+    for k in probes.METRICS:
+        vals = [report["matrices"][n]["relative_difference"][k] for n in names]
+        assert vals[0] == math.inf and all(math.isfinite(v) for v in vals[1:])
+        s = report["compare_im"]["relative_difference"][k]
+        assert s["matrices"] == len(names)
+        assert s["mean"] == pytest.approx(statistics.fmean(vals[1:]))
+        assert s["median"] == pytest.approx(statistics.median(vals[1:]))
+
+
+def test_probes_of_a_run_with_dropout_are_its_eval_mode_gradients(tmp_path):
+    """A run trained with dropout: the probes (current query, IM query over the history, and
+    the per-example matrices) are the deterministic eval-mode gradients, at each stored state,
+    whatever dropout stream a past-state evaluation has in training."""
+    from dptrain import checkpoint as ckpt
+    from dptrain.diagnostics.probes import ImQuery, diagnose, load_run
+
+    extra = ["privacy.steps=2", "model.dropout=0.5", "optim.inner_momentum.k_muon=1",
+             "optim.inner_momentum.gamma_muon=0.9"]
+    run_dir = _train(tmp_path / "drop", *extra)
+    run = load_run(ckpt.find_latest(run_dir))
+    name = "transformer.h.1.attn.c_attn.weight"
+    report, spectra = diagnose(run, probe_examples=4, params=r"h\.1\.attn\.c_attn",
+                               compare_im=ImQuery(1, 0.5))
+    again, _ = diagnose(run, probe_examples=4, params=r"h\.1\.attn\.c_attn",
+                        compare_im=ImQuery(1, 0.5))
+    assert again["matrices"] == report["matrices"]  # no dropout mask drawn
+    _, state, grad = _reference(run_dir, *extra)
+    (past,) = state["optimizer"]["history"]["states"]
+    a = [1 / 1.5, 0.5 / 1.5]
+    lam_c, lam_i, Gi = [], [], []
+    for i in report["probe"]["indices"]:
+        g0, g1 = grad(i), grad(i, past)
+        u = {n: a[0] * g0[n] + a[1] * g1[n] for n in g0}
+        lam_c.append(min(1.0, 1.0 / _norm(g0)))
+        lam_i.append(min(1.0, 1.0 / _norm(u)))
+        Gi.append(u[name])
+    assert report["clip_factors"]["current"]["lam"] == pytest.approx(lam_c, rel=1e-6)
+    assert report["clip_factors"]["im"]["lam"] == pytest.approx(lam_i, rel=1e-6)
+    Xi = clipped_mean(torch.stack(Gi), torch.tensor(lam_i, dtype=torch.float64))
+    assert torch.allclose(spectra[(name, "im")], Xi, rtol=1e-6, atol=1e-12)
+
+
+def test_history_is_the_pre_update_states_newest_first(im_run):
+    """load_run's history is theta_{t-1}, theta_{t-2}: the step-2 checkpoint's model is the
+    step-3 checkpoint's history[0], and the step-2 checkpoint's newest past state (theta_1) is
+    its history[1]; neither is the current model theta_t."""
+    from dptrain import checkpoint as ckpt
+    from dptrain.diagnostics.probes import load_run
+
+    steps = sorted(p for p in (im_run / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert [p.name for p in steps[-2:]] == ["step-00000002", "step-00000003"]
+    run = load_run(steps[-1])
+    earlier = load_run(steps[-2])
+    assert run.step == 3 and len(run.history) == 2 and len(earlier.history) == 2
+    names = list(run.params)
+    assert set(run.history[0]) == set(names)
+    for n in names:
+        assert torch.equal(run.history[0][n], earlier.params[n].detach()), n
+        assert torch.equal(run.history[1][n], earlier.history[0][n]), n
+    moved = [n for n in names if not torch.equal(run.history[0][n], run.params[n].detach())]
+    assert len(moved) == len(names)  # every trainable parameter moved at step 3
+    assert any(not torch.equal(run.history[0][n], run.history[1][n]) for n in names)
+
+
+def test_memory_budget_of_an_im_probe_is_exactly_three_copies(im_run, monkeypatch):
+    """Two matrices of one (m * numel * 8 bytes) each: with a Muon history they cost 3 + 3
+    copies, so they share a chunk at a budget of 6 copies and not at one byte less."""
+    from dptrain import checkpoint as ckpt
+    import dptrain.diagnostics.probes as probes
+
+    run = probes.load_run(ckpt.find_latest(im_run))
+    names = ["transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"]
+    one = 2 * run.params[names[0]].numel() * 8
+    calls = []
+    real = probes.per_example_grads
+
+    def recording(run_, indices, chunk, state=None):
+        if state is None:
+            calls.append(list(chunk))
+        return real(run_, indices, chunk, state)
+
+    monkeypatch.setattr(probes, "per_example_grads", recording)
+    kw = dict(probe_examples=2, params=r"h\.0\.mlp\.c_", compare_im=probes.ImQuery(1, 0.9))
+    probes.diagnose(run, max_bytes=6 * one, **kw)
+    assert calls == [names]
+    calls.clear()
+    probes.diagnose(run, max_bytes=6 * one - 1, **kw)
+    assert calls == [[names[0]], [names[1]]]
+
+
+def test_im_plan_weights_every_parameter_of_a_muon_group_by_alpha_muon():
+    """im_plan by hand: a Muon group's 1-D parameter (not a probed matrix) takes the Muon weights
+    alpha^M like its matrices, the other groups alpha^A, zero beyond their own K; entry j
+    evaluates at history[j - 1] (theta_{t-j})."""
+    from dptrain.diagnostics.probes import ImQuery, im_plan
+
+    P = {n: torch.zeros(shape) for n, shape in [("h.w", (2, 2)), ("h.b", (2,)), ("wte", (3, 2))]}
+    groups = [SimpleNamespace(config=SimpleNamespace(optimizer="muon"),
+                              named_params=[("h.w", P["h.w"]), ("h.b", P["h.b"])]),
+              SimpleNamespace(config=SimpleNamespace(optimizer="adamw"),
+                              named_params=[("wte", P["wte"])])]
+    history = [{"tag": torch.tensor(1.0)}, {"tag": torch.tensor(2.0)}, {"tag": torch.tensor(3.0)}]
+    run = SimpleNamespace(history=history, optimizer=SimpleNamespace(
+        groups=groups, named_params=[(n, P[n]) for n in ("h.w", "h.b", "wte")]))
+    plan, am, aa = im_plan(run, ImQuery(2, 0.5, 1, 0.25))
+    assert am == pytest.approx([1 / 1.75, 0.5 / 1.75, 0.25 / 1.75])
+    assert aa == pytest.approx([1 / 1.25, 0.25 / 1.25])
+    assert len(plan) == 3
+    for j, (coef, state) in enumerate(plan):
+        assert state is (None if j == 0 else history[j - 1])
+        assert coef["h.w"] == coef["h.b"] == pytest.approx(am[j])
+        assert coef["wte"] == pytest.approx(aa[j] if j <= 1 else 0.0)
+    assert im_plan(run, ImQuery(0, 0.5)) == ([(1.0, None)], [1.0], [1.0])

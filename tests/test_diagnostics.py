@@ -548,3 +548,66 @@ def test_effective_rank_of_an_uneven_spectrum_by_hand():
     assert effective_rank(torch.diag(torch.tensor([3.0, 1.0]))) == pytest.approx(1.6, rel=1e-12)
     X = torch.diag(torch.tensor([4.0, 2.0, 1.0, 1.0]))
     assert effective_rank(X) == pytest.approx(64 / 22, rel=1e-12)
+
+
+# ---- low-precision inputs (mutation pass 2) -------------------------------------------------
+
+
+def test_cosine_error_of_bfloat16_inputs_is_computed_in_float64():
+    """bf16 gradients: the inner product and both norms in float64 (of the bf16 values), not in
+    bf16 or float32, whose rounding is larger than a small cosine error itself."""
+    X = randn(32, 48, seed=21).to(torch.bfloat16)
+    Y = (X.double() + 1e-2 * randn(32, 48, seed=22)).to(torch.bfloat16)
+    x, y = X.double().numpy().ravel(), Y.double().numpy().ravel()
+    expected = 1.0 - float(x @ y) / (float(np.linalg.norm(x)) * float(np.linalg.norm(y)))
+    assert 1e-6 < expected < 1e-3
+    assert cosine_error(X, Y) == pytest.approx(expected, rel=1e-9, abs=1e-15)
+
+
+def test_clipped_mean_keeps_clip_factors_in_float64_for_bfloat16_gradients():
+    """lam is not rounded to the gradients' dtype: (1/m) sum_i lam_i G_i of the bf16 values
+    with the float64 factors, against a numpy loop."""
+    G = randn(5, 3, 4, seed=23).to(torch.bfloat16)
+    lam = torch.tensor([1.0, 1 / 3, 0.123456789, 0.7071067811865476, 0.01], dtype=torch.float64)
+    expected = sum(float(lam[i]) * G[i].double().numpy() for i in range(5)) / 5
+    got = clipped_mean(G, lam)
+    assert got.dtype == torch.float64
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-12, atol=1e-15)
+    R, s_lam, _ = clipping_residual(G, lam)
+    l = lam.numpy()
+    assert s_lam == pytest.approx(float(np.sqrt(((l - l.mean()) ** 2).mean())), rel=1e-12)
+    Gd = G.double().numpy()
+    R_ref = np.einsum("i,ijk->jk", l - l.mean(), Gd - Gd.mean(0)) / 5
+    np.testing.assert_allclose(R.numpy(), R_ref, rtol=1e-12, atol=1e-15)
+
+
+def test_singular_values_and_polar_of_an_ill_conditioned_matrix_are_float64():
+    """The SVD runs in float64 whatever the input: a float32 SVD of a condition-1e9 matrix
+    gets its small singular value wrong (and its polar factor's direction with it)."""
+    U, _ = torch.linalg.qr(randn(6, 6, seed=24))
+    V, _ = torch.linalg.qr(randn(4, 4, seed=25))
+    s = torch.tensor([1.0, 1e-3, 1e-6, 1e-9], dtype=torch.float64)
+    X = U[:, :4] @ torch.diag(s) @ V.T
+    np.testing.assert_allclose(singular_values(X).numpy(), s.numpy(), rtol=1e-5)
+    assert torch.allclose(polar(X), U[:, :4] @ V.T, atol=1e-6)
+    ref = np.linalg.svd(X.numpy(), compute_uv=False)
+    assert effective_rank(X) == pytest.approx(ref.sum() ** 2 / (ref ** 2).sum(), rel=1e-12)
+
+
+def test_summarize_refuses_a_zero_batch_size():
+    ref = randn(3, 4, seed=26)
+    with pytest.raises(ValueError, match="batch_size"):
+        summarize(ref, {}, noise_multiplier=1.0, clip_norm=1.0, batch_size=0)
+
+
+def test_plot_spectra_labels_its_axes_by_normalisation(monkeypatch, tmp_path):
+    X = torch.diag(torch.tensor([4.0, 2.0], dtype=torch.float64))
+    assert _captured_axes(monkeypatch, tmp_path, {"d": X}).get_ylabel() == "sigma_i / sigma_1"
+    ax = _captured_axes(monkeypatch, tmp_path, {"d": X}, normalize=False)
+    assert ax.get_ylabel() == "sigma_i" and ax.get_xlabel() == "index i"
+
+
+def test_plot_spectra_format_follows_an_upper_case_suffix(tmp_path):
+    X = torch.diag(torch.tensor([4.0, 2.0], dtype=torch.float64))
+    assert plot_spectra({"d": X}, tmp_path / "s.PDF").read_bytes().startswith(b"%PDF")
+    assert b"<svg" in plot_spectra({"d": X}, tmp_path / "s.Svg").read_bytes()[:400]
