@@ -406,6 +406,19 @@ def test_summarize_pair_candidate_fields_by_hand():
         np.linalg.svd(ref.numpy(), compute_uv=False)[0], rel=1e-12)
 
 
+def test_a_gap_within_rounding_is_not_recoverable_without_noise_either():
+    # sigma = 0 and an orthogonal reference (its gap is rounding): "no batch suffices" and
+    # "recoverable" were said together
+    Q, _ = torch.linalg.qr(torch.randn(5, 5, generator=torch.Generator().manual_seed(1),
+                                       dtype=torch.float64))
+    r = summarize(Q, {}, noise_multiplier=0.0, clip_norm=1.0, batch_size=1)["reference"]
+    assert 0 < r["spectral_gap"] < 1e-13 and r["wedin_threshold"] is None
+    assert r["wedin_recoverable"] is False
+    D = torch.diag(torch.tensor([2.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64))
+    r = summarize(D, {}, noise_multiplier=0.0, clip_norm=1.0, batch_size=1)["reference"]
+    assert r["wedin_threshold"] == 1 and r["wedin_recoverable"] is True
+
+
 def test_summarize_wedin_recoverable_is_strict_at_equality():
     """diag(3, 1, 0, 0), sigma = C = 1: noise scale (2 + 2)/B equals the gap 2 at B = 2, which
     is not below it (the Wedin condition is strict); B = 3 is."""

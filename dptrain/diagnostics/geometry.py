@@ -343,7 +343,10 @@ def summarize(
                 raise ValueError(f"batch_size must be > 0, got {batch_size}")
             op = _noise_op_norm(noise_multiplier, clip_norm, (rows, cols), batch_size)
             ref_stats["noise_op_norm"] = op
-            ref_stats["wedin_recoverable"] = op < ref_stats["spectral_gap"]
+            # (a gap within rounding of 0 is none, as for the threshold: with sigma = 0 an
+            # orthogonal reference read "no batch suffices" and "recoverable" at once)
+            ref_stats["wedin_recoverable"] = (op < ref_stats["spectral_gap"]
+                                              and ref_stats["wedin_threshold"] is not None)
             std = noise_multiplier * clip_norm / batch_size
             expected_noise_fro = std * math.sqrt(rows * cols)
             ref_stats["expected_snr"] = (
