@@ -62,6 +62,24 @@ def test_families_are_built_from_hf_config_with_dptrain_s_fields_applied():
     assert mistral(input_ids=ids).logits.shape == (3, 11, 257)
 
 
+def test_hf_config_s_own_special_tokens_win_over_the_data_s():
+    """The data's EOS, pad and BOS ids fill the token ids hf_config leaves unset; one it sets is
+    kept (it is what the exported config.json says to generation)."""
+    info = DataInfo(kind="lm", vocab_size=257, pad_id=256, eos_id=256, bos_id=255, max_length=40)
+    c = build_model(causal_cfg(hf={"eos_token_id": 3, "bos_token_id": 4}), info).config
+    assert (c.eos_token_id, c.bos_token_id, c.pad_token_id) == (3, 4, 256)
+    c = build_model(causal_cfg(), info).config
+    assert (c.eos_token_id, c.bos_token_id, c.pad_token_id) == (256, 255, 256)
+
+
+def test_a_causal_lm_s_positions_may_equal_the_longest_example():
+    model = build_model(causal_cfg(hf={"max_position_embeddings": 40}), LM)  # LM.max_length
+    assert model.config.max_position_embeddings == 40
+    with pytest.raises(ConfigError) as e:
+        build_model(causal_cfg(hf={"max_position_embeddings": 39}), LM)
+    assert e.value.field == "model.hf_config.max_position_embeddings" and "39" in e.value.message
+
+
 def _right_padded_batch(lengths, vocab=257, pad=256, seed=0):
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)

@@ -300,3 +300,102 @@ def test_dropout_with_p_1_drops_everything():
         z = torch.ones(2, 7)
         F.dropout(z, 1.0, training=True, inplace=True)
     assert torch.equal(y, torch.zeros(2, 7)) and torch.equal(z, torch.zeros(2, 7))
+
+
+def test_the_threshold_rounds_p_up_to_the_next_24_bit_step():
+    """drop <=> bits < ceil(p * 2**24): at p = (bits + 0.5) / 2**24 an element with those bits
+    is dropped (the threshold is bits + 1); rounding down would keep it. The same threshold for
+    stochastic depth's keep mask (keep <=> bits < threshold)."""
+    seed, step, indices = 5, 3, [9, 0, 4]
+    bits = _reference_bits(seed, step, 0, 0, indices[1], (0, 0))
+    p = (bits + 0.5) / (1 << 24)
+    assert math.ceil(p * (1 << 24)) == bits + 1 and int(p * (1 << 24)) == bits
+    with ExampleDropout(seed=seed, step=step, indices=indices):
+        y = F.dropout(torch.ones(3, 2, 5), p, training=True)
+    assert float(y[1, 0, 0]) == 0.0
+    keep_bits = _reference_bits(seed, step, 0, 0, indices[2], ())
+    p_keep = (keep_bits + 0.5) / (1 << 24)
+    with ExampleDropout(seed=seed, step=step, indices=indices):
+        keep = torch.empty(3, 1).bernoulli_(p_keep)
+    assert float(keep[2, 0]) == 1.0  # keep_bits < keep_bits + 1
+
+
+def test_a_dropout_input_that_is_not_batch_first_keeps_torchs_rng_and_warns_once():
+    """A (5, 8) input with a microbatch of 2 is not batch-first: its mask is torch's own
+    (the same as F.dropout outside the mode from the same RNG state), with one warning for
+    the mode however many such calls it sees."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ExampleDropout(seed=0, step=0, indices=[3, 8]):
+            torch.manual_seed(0)
+            got = [F.dropout(torch.ones(5, 8), 0.5, training=True) for _ in range(2)]
+    torch.manual_seed(0)
+    want = [F.dropout(torch.ones(5, 8), 0.5, training=True) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    mine = [w for w in caught if "not batch-first" in str(w.message)]
+    assert len(mine) == 1, [str(w.message) for w in caught]
+
+
+def test_inplace_dropout_writes_the_per_example_mask_into_its_input():
+    """F.dropout(x, inplace=True), as nn.Dropout(inplace=True) calls it: x itself is scaled by
+    the same per-example mask the out-of-place call gives, and returned, as torch does."""
+    with ExampleDropout(seed=1, step=2, indices=[3, 8]):
+        want = F.dropout(torch.ones(2, 1000), 0.5, training=True)
+    x = torch.ones(2, 1000)
+    with ExampleDropout(seed=1, step=2, indices=[3, 8]):
+        out = torch.nn.Dropout(0.5, inplace=True)(x)
+    assert torch.equal(x, want) and out.data_ptr() == x.data_ptr()
+    assert (want == 0).any() and (want != 0).any()
+
+
+def test_a_bernoulli_with_its_own_generator_keeps_that_generator():
+    """Only the process RNG's draws are replaced: a per-example scalar mask drawn with an
+    explicit generator is that generator's."""
+    with ExampleDropout(seed=0, step=0, indices=list(range(64))):
+        got = torch.empty(64, 1, 1, 1).bernoulli_(0.5, generator=torch.Generator().manual_seed(7))
+    want = torch.empty(64, 1, 1, 1).bernoulli_(0.5, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(got, want)
+    with ExampleDropout(seed=0, step=0, indices=list(range(64))):
+        hashed = torch.empty(64, 1, 1, 1).bernoulli_(0.5)
+    assert not torch.equal(hashed, want)  # without the generator: the hash (the check can fail)
+
+
+def test_a_gpt2_without_dropout_has_none_and_its_head_dropouts_are_not_counted():
+    """GPT-2's config carries summary_first_dropout = 0.1 for a classification head a causal
+    LM never runs: it is not one of the model's dropouts, so with dropout 0 the mode is not
+    entered (it would intercept every torch call of every forward)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dptrain.models.dropout import config_dropout_keys
+
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=11, n_positions=8,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    assert config.summary_first_dropout > 0
+    assert config_dropout_keys(config) == ["attn_pdrop", "embd_pdrop", "resid_pdrop"]
+    model = GPT2LMHeadModel(config)
+    assert not has_dropout(model)
+    with example_dropout(model, 0, 0, [1, 2]) as mode:
+        assert mode is None
+
+
+def test_set_stream_reaches_the_innermost_active_mode_and_the_outer_one_after_it_exits():
+    """dptrain.models.dropout.set_stream (what the clipping engine calls per plan entry) goes to
+    the mode entered last; once that one has exited, to the one around it."""
+    from dptrain.models.dropout import set_stream
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    with example_dropout(model, 1, 2, [3, 8]) as outer:
+        with example_dropout(model, 1, 2, [3, 8]) as inner:
+            set_stream(2)
+            assert (inner.stream, outer.stream) == (2, 0)
+        set_stream(1)
+        assert (inner.stream, outer.stream) == (2, 1)
+        y = F.dropout(torch.ones(2, 1000), 0.5, training=True)
+    mode = ExampleDropout(seed=1, step=2, indices=[3, 8])
+    with mode:
+        mode.set_stream(1)
+        assert torch.equal(y, F.dropout(torch.ones(2, 1000), 0.5, training=True))
+    set_stream(3)  # no active mode: nothing to tell
+    assert outer.stream == 1

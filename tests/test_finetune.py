@@ -122,6 +122,9 @@ def test_default_targets_are_peft_s_for_the_model_type():
      "names no module"),
     (LoRAConfig(r=2, target_modules=["lm_head"]), None, "model.lora.target_modules",
      "tied to transformer.wte.weight"),
+    # peft's matching: a whole last component ("proj" is not "c_proj"), else peft's own error
+    (LoRAConfig(r=2, target_modules=["proj"]), None, "model.lora.target_modules",
+     "names no module"),
     (LoRAConfig(), ["ln_f", "nothing_like_this"], "model.trainable[1]", "matches no parameter"),
 ])
 def test_refusals_name_the_field(lora, trainable, field, words):
@@ -129,6 +132,75 @@ def test_refusals_name_the_field(lora, trainable, field, words):
     with pytest.raises(ConfigError) as e:
         apply_finetuning(model, lora, trainable)
     assert e.value.field == field and words in e.value.message
+
+
+def test_a_subclass_of_linear_is_refused_as_a_target():
+    """Targets must be exactly nn.Linear or Conv1D: nn.MultiheadAttention's out_proj is a
+    subclass of nn.Linear whose weight the attention reads itself (its forward is never
+    called), so an adapter on it would never act."""
+    model = torch.nn.Sequential()
+    model.add_module("attn", torch.nn.MultiheadAttention(8, 2, batch_first=True))
+    assert isinstance(model.attn.out_proj, torch.nn.Linear)
+    with pytest.raises(ConfigError) as e:
+        apply_finetuning(model, LoRAConfig(r=2, target_modules=["out_proj"]), None)
+    assert e.value.field == "model.lora.target_modules"
+    assert "attn.out_proj is a NonDynamicallyQuantizableLinear" in e.value.message
+
+
+def test_lora_dropout_is_a_dropout_of_the_model_with_per_example_masks():
+    """model.lora.dropout reaches peft's lora_dropout on each adapter's input, so the model has
+    a dropout (the trainer's per-example mode is entered) and an example's adapted output under
+    the mode does not depend on the other examples of its microbatch."""
+    from dptrain.models.dropout import ExampleDropout, has_dropout
+
+    model = tiny_gpt2(torch.float64)
+    apply_finetuning(model, LoRAConfig(r=2, dropout=0.25, target_modules=["c_attn"]), None)
+    drops = [m.lora_dropout["default"] for m in lora_layers(model).values()]
+    assert len(drops) == 2 and all(isinstance(d, torch.nn.Dropout) and d.p == 0.25
+                                   for d in drops)
+    assert has_dropout(model)
+    _randomise_b(model)
+    ids = gpt2_batch()[0][:3]
+    with torch.no_grad():
+        with ExampleDropout(seed=0, step=1, indices=[4, 5, 6]):
+            together = model(input_ids=ids).logits
+        with ExampleDropout(seed=0, step=1, indices=[5]):
+            alone = model(input_ids=ids[1:2]).logits
+        with ExampleDropout(seed=0, step=2, indices=[4, 5, 6]):
+            other_step = model(input_ids=ids).logits
+    torch.testing.assert_close(alone[0], together[1], rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(other_step, together, atol=1e-6)  # the masks act
+
+
+def test_mixed_conv1d_and_linear_targets_merge_each_its_way_and_write_no_adapter(tmp_path):
+    """A Conv1D (weight stored (in, out)) and an nn.Linear target in one model: peft's layers
+    get fan_in_fan_out True and False, the merged weights equal the adapted forward layer by
+    layer, and no adapter folder is written (one adapter_config has one fan_in_fan_out)."""
+    from transformers.pytorch_utils import Conv1D
+
+    from dptrain.models.finetune import write_adapter
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("conv", Conv1D(6, 4))  # 4 -> 6, weight (4, 6)
+    model.add_module("lin", torch.nn.Linear(6, 5))
+    model.double()
+    lora = LoRAConfig(r=2, alpha=3, target_modules=["conv", "lin"])
+    apply_finetuning(model, lora, None)
+    assert {n: m.fan_in_fan_out for n, m in lora_layers(model).items()} == {"conv": True,
+                                                                            "lin": False}
+    _randomise_b(model)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with torch.no_grad():
+        want = model(x)
+        merged = merged_state(model.state_dict(), model)
+        plain = torch.nn.Sequential()
+        plain.add_module("conv", Conv1D(6, 4))
+        plain.add_module("lin", torch.nn.Linear(6, 5))
+        plain.double().load_state_dict(merged)
+        torch.testing.assert_close(plain(x), want, rtol=1e-12, atol=1e-12)
+    assert not write_adapter(model.state_dict(), model, lora, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
 
 
 def test_a_timm_model_needs_target_modules():
@@ -146,6 +218,11 @@ def test_a_timm_model_needs_target_modules():
     (LoRAConfig(alpha=16), "alpha"), (LoRAConfig(target_modules=["c_attn"]), "target_modules"),
     (LoRAConfig(r=-1), "r"), (LoRAConfig(r=4, dropout=1.0), "dropout"),
     (LoRAConfig(r=4, alpha=0), "alpha"), (LoRAConfig(r=4, target_modules=[]), "target_modules"),
+    # each LoRA setting without a rank would be ignored
+    (LoRAConfig(dropout=0.1), "dropout"), (LoRAConfig(rslora=True), "rslora"),
+    (LoRAConfig(r=4, alpha=float("inf")), "alpha"),
+    (LoRAConfig(r=4, target_modules=["c_attn", "."]), "target_modules"),
+    (LoRAConfig(r=4, target_modules=[""]), "target_modules"),
 ])
 def test_lora_config_refusals(lora, field):
     with pytest.raises(ConfigError) as e:

@@ -280,6 +280,8 @@ def test_data_info_without_channels_leaves_them_to_the_model_config():
     ({"n_embd": 30, "n_head": 4}, "model.n_embd"),
     ({"dropout": 1.0}, "model.dropout"),
     ({"n_layer": 0}, "model.n_layer"),
+    ({"n_positions": 0}, "model.n_positions"),
+    ({"n_head": 0}, "model.n_head"),                              # (before n_embd % n_head)
     ({"name": "cnn", "channels": []}, "model.channels"),
     ({"vocab_size": 1}, "model.vocab_size"),                      # a one-token vocabulary
     ({"name": "cnn", "num_classes": 0}, "model.num_classes"),
