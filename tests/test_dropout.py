@@ -8,6 +8,7 @@ import math
 import random
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -336,6 +337,45 @@ def test_a_dropout_input_that_is_not_batch_first_keeps_torchs_rng_and_warns_once
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     mine = [w for w in caught if "not batch-first" in str(w.message)]
     assert len(mine) == 1, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("layer", [torch.nn.Dropout2d(0.5), torch.nn.AlphaDropout(0.2)],
+                         ids=["dropout2d", "alpha_dropout"])
+def test_a_channel_or_alpha_dropout_keeps_torchs_rng_and_says_so_once(layer):
+    # only F.dropout is replaced: these layers' masks silently depended on rank and microbatch
+    import warnings
+
+    x = torch.ones(2, 3, 4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ExampleDropout(seed=0, step=0, indices=[3, 8]):
+            torch.manual_seed(0)
+            got = [layer.train()(x) for _ in range(2)]
+            layer.eval()(x)
+    torch.manual_seed(0)
+    want = [layer.train()(x) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))  # torch's own masks
+    mine = [str(w.message) for w in caught if "torch's RNG" in str(w.message)]
+    name = "dropout2d" if isinstance(layer, torch.nn.Dropout2d) else "alpha_dropout"
+    assert mine == [f"dptrain: {name} (p = {layer.p:g}) draws its mask from torch's RNG: only "
+                    f"F.dropout and stochastic depth get the per-example masks, so this "
+                    f"layer's depend on the rank and the microbatch"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ExampleDropout(seed=0, step=0, indices=[3, 8]):
+            layer.eval()(x)
+            torch.nn.Dropout2d(0.0).train()(x)
+    assert not caught  # (no mask drawn: nothing to say)
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.5])
+def test_a_dropout_probability_out_of_range_is_refused_as_torch_refuses_it(p):
+    with pytest.raises(ValueError, match="between 0 and 1") as outside:
+        F.dropout(torch.ones(2, 3), p, training=True)
+    with ExampleDropout(seed=0, step=0, indices=[3, 8]):
+        with pytest.raises(ValueError) as inside:
+            F.dropout(torch.ones(2, 3), p, training=True)
+    assert str(inside.value) == str(outside.value)
 
 
 def test_inplace_dropout_writes_the_per_example_mask_into_its_input():

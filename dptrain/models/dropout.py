@@ -27,12 +27,16 @@ Only ``F.dropout`` calls on batch-first tensors (first dimension = the microbatc
 and ``Tensor.bernoulli_(p)`` on a per-example scalar mask, shape ``(B, 1, ..., 1)``: timm's
 stochastic depth (``drop_path``, ``model.drop_path_rate``) draws its per-example keep mask that
 way, and gets ``keep <=> (h >> 40) < ceil(p * 2**24)`` with the same hash (no coordinates).
+Channel and alpha dropouts (``nn.Dropout1d/2d/3d``, ``nn.AlphaDropout``,
+``nn.FeatureAlphaDropout``) keep torch's RNG, with a warning, as does a dropout input that is
+not batch-first.
 The mode intercepts every torch call of the forward, so it is only entered when the model has
 a dropout or a stochastic-depth layer with p > 0.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import warnings
@@ -127,7 +131,7 @@ class ExampleDropout(TorchFunctionMode):
         self.indices = torch.as_tensor(indices, dtype=torch.int64)
         self.stream = 0
         self.calls = 0
-        self._warned = False
+        self._warned = self._warned_rng = False
 
     def set_stream(self, stream: int) -> None:
         self.stream, self.calls = int(stream), 0
@@ -149,7 +153,25 @@ class ExampleDropout(TorchFunctionMode):
             return self._dropout(*args, **kwargs)
         if func is Tensor.bernoulli_ and self._per_example_scalar(args, kwargs):
             return self._bernoulli_(*args, **kwargs)
+        if func in _TORCH_RNG_DROPOUTS and not self._warned_rng:
+            self._warn_torch_rng(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _warn_torch_rng(self, func, args, kwargs) -> None:
+        """Channel and alpha dropouts (``nn.Dropout1d/2d/3d``, ``nn.AlphaDropout``, ...) keep
+        torch's RNG: said once, as a dropout input that is not batch-first is."""
+        try:
+            bound = inspect.signature(func).bind(*args, **kwargs)
+        except TypeError:
+            return  # (torch's own call will say what is wrong)
+        bound.apply_defaults()
+        p, training = bound.arguments.get("p", 0.0), bound.arguments.get("training", False)
+        if training and isinstance(p, (int, float)) and p > 0:
+            warnings.warn(f"dptrain: {func.__name__} (p = {p:g}) draws its mask from torch's "
+                          f"RNG: only F.dropout and stochastic depth get the per-example "
+                          f"masks, so this layer's depend on the rank and the microbatch",
+                          stacklevel=3)
+            self._warned_rng = True
 
     def _per_example_scalar(self, args, kwargs) -> bool:
         """``mask.bernoulli_(p)`` with a float p on a (B, 1, ..., 1) tensor (timm's drop_path)."""
@@ -169,6 +191,8 @@ class ExampleDropout(TorchFunctionMode):
     def _dropout(self, input: Tensor, p: float = 0.5, training: bool = True,
                  inplace: bool = False) -> Tensor:
         with torch._C.DisableTorchFunction():
+            if not 0.0 <= p <= 1.0:  # (torch's own check, which this call replaces)
+                raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
             if not training or p == 0.0:
                 return input
             if input.dim() == 0 or input.shape[0] != len(self.indices):
@@ -183,6 +207,10 @@ class ExampleDropout(TorchFunctionMode):
             keep = self._mask(input, p).to(input.dtype).mul_(1.0 / (1.0 - p))
             return input.mul_(keep) if inplace else input * keep
 
+
+#: dropouts whose masks stay torch's (per channel, or alpha dropout's affine noise): warned of
+_TORCH_RNG_DROPOUTS = frozenset({F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                                 F.feature_alpha_dropout})
 
 _ACTIVE: list[ExampleDropout] = []
 
