@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None, *, process_exits: bool = False) -> int:
                 if args.command != "train" and not value.strip():  # (train says more)
                     raise ConfigError(name, "is empty: give a path")  # (Path("") is ".")
                 check_path_name(name, value)
-        with command_warnings():
+        with command_warnings(_rank()):
             return int(commands[args.command].run(args) or 0)
     except ConfigError as e:
         # (a refusal every rank shares is said once, by rank 0: not W identical lines)

@@ -46,13 +46,14 @@ def data_note(text: str, training: bool) -> None:
 
 
 @contextlib.contextmanager
-def command_warnings():
+def command_warnings(rank: int = 0):
     """While a ``dptrain`` command runs: dptrain's own warnings (a warning class of dptrain,
     such as the accountants' ``AccountingWarning``, or a message that starts with ``dptrain``)
     are lines like the command's other warnings, ``dptrain: warning: ...``, without Python's
     file, line number and source line; opacus' note on its RDP orders is left out
-    (``OPACUS_ORDER_NOTE``). Other libraries' warnings are shown as Python shows them. Filters
-    and formatting are restored afterwards (the command may run inside a test or a notebook)."""
+    (``OPACUS_ORDER_NOTE``), and on a ``rank`` other than 0 the accountants' notes (every
+    rank's: rank 0 says them). Other libraries' warnings are shown as Python shows them. What
+    this adds is taken away afterwards (the command may run inside a test or a notebook)."""
     from dptrain.privacy.accounting import OPACUS_ORDER_NOTE
 
     before = warnings.formatwarning
@@ -63,13 +64,28 @@ def command_warnings():
             return as_warning_line(text) + "\n"
         return before(message, category, filename, lineno, line)
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=OPACUS_ORDER_NOTE, category=UserWarning)
-        warnings.formatwarning = formatted
-        try:
-            yield
-        finally:
-            warnings.formatwarning = before
+    # (not catch_warnings(), which puts the whole filter list back: the filters a library
+    # installs when the command first imports it, torch's and scipy's, were lost)
+    added = [("ignore", OPACUS_ORDER_NOTE, UserWarning)]
+    if rank != 0:  # (the accountants' notes are every rank's: said once, by rank 0)
+        from dptrain.privacy.accounting import AccountingWarning
+
+        added.append(("ignore", "", AccountingWarning))
+    ours = []
+    for action, message, category in added:
+        before_filters = list(warnings.filters)
+        warnings.filterwarnings(action, message=message, category=category)
+        if warnings.filters[0] not in before_filters:  # (one the user has stays theirs)
+            ours.append(warnings.filters[0])
+    show = warnings.showwarning
+    warnings.formatwarning = formatted
+    try:
+        yield
+    finally:
+        warnings.formatwarning, warnings.showwarning = before, show
+        for f in ours:
+            if f in warnings.filters:
+                warnings.filters.remove(f)
 
 
 def as_warning_line(text: str) -> str:

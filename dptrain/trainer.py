@@ -42,7 +42,7 @@ from dptrain.messages import secure_notes
 from dptrain.optim import OptimConfig, build_optimizer
 from dptrain.optim.build import transposed_weights
 from dptrain.performance import PerformanceConfig, check_kernels
-from dptrain.privacy.accounting import (NEGLIGIBLE_SIGMA, Ledger, calibrate_noise_multiplier,
+from dptrain.privacy.accounting import (NEGLIGIBLE_SIGMA, Ledger, calibrate,
                                         check_plan, epsilon as ledger_epsilon)
 from dptrain.privacy.config import NOISE_TAIL, PrivacyConfig, noise_fits
 from dptrain.privacy.noise import block_share, chacha20, gaussian_noise, secure_seed
@@ -229,6 +229,9 @@ class PrivacyPlan:
     accountant: str
     planned_epsilon: float
     dataset_size: int  # N used for b and calibration
+    calibrated_with: str | None = None
+    """The accountant whose bound the calibrated sigma meets the target by: ``accountant``, or
+    ``rdp`` where ``prv`` could not be used (a target above 100); None: sigma was given."""
 
 
 def plan_privacy(cfg: PrivacyConfig, train_size: int) -> PrivacyPlan:
@@ -242,14 +245,14 @@ def plan_privacy(cfg: PrivacyConfig, train_size: int) -> PrivacyPlan:
                           f"hold")
     if cfg.noise_multiplier is None:
         try:
-            sigma = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, cfg.sample_rate,
+            sigma, calibrated_with = calibrate(cfg.epsilon, cfg.delta, cfg.sample_rate,
                                                cfg.steps, accountant=cfg.accountant)
         except ConfigError as e:  # calibration names its own arguments (steps, epsilon)
             if e.field.startswith("privacy."):
                 raise
             raise ConfigError(f"privacy.{e.field}", e.message) from None
     else:
-        sigma = cfg.noise_multiplier
+        sigma, calibrated_with = cfg.noise_multiplier, None
     if not noise_fits(sigma, cfg.clip_norm):
         raise ConfigError(
             "privacy.noise_multiplier" if cfg.noise_multiplier is not None else "privacy.clip_norm",
@@ -257,7 +260,7 @@ def plan_privacy(cfg: PrivacyConfig, train_size: int) -> PrivacyPlan:
             f"(up to {NOISE_TAIL:g} times it) would overflow float32 and the model would be NaN")
     eps = check_plan(cfg, sigma)  # ConfigError naming the field if over the budget
     return PrivacyPlan(cfg.sample_rate, sigma, cfg.clip_norm, b, cfg.steps, cfg.delta,
-                       cfg.accountant, eps, n)
+                       cfg.accountant, eps, n, calibrated_with)
 
 
 GENERATIONS = ("generations.jsonl", "last_iterate_generations.jsonl")
@@ -1198,6 +1201,7 @@ class Trainer:
             "expected_batch_size": self.plan.denominator,
             "dataset_size": self.plan.dataset_size,
             "accountant": self.plan.accountant,
+            "calibrated_with": self.plan.calibrated_with,
             "metrics": final,
             **{f"test_{k}": v for k, v in final.items()},
             "seed": self.cfg.seed,

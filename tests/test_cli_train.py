@@ -531,6 +531,7 @@ def test_a_run_without_noise_writes_strict_json(tmp_path, capsys):
 
     summary = json.loads((out / "summary.json").read_text(), parse_constant=refuse)
     assert summary["epsilon"] == "inf"
+    assert summary["calibrated_with"] is None  # (sigma given, not calibrated)
     rows = [json.loads(line, parse_constant=refuse)
             for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["epsilon"] for r in rows] == ["inf"] * 4
@@ -552,7 +553,7 @@ def test_summary_reports_the_plan_of_the_run_and_its_public_seed(tmp_path, capsy
     assert s["noise_multiplier"] == pytest.approx(sigma, rel=1e-12)
     assert s["sample_rate"] == 0.125 and s["clip_norm"] == 0.5 and s["delta"] == 1e-5
     assert s["dataset_size"] == 300 and s["expected_batch_size"] == 37
-    assert s["accountant"] == "rdp" and s["steps"] == 4
+    assert s["accountant"] == s["calibrated_with"] == "rdp" and s["steps"] == 4
     assert s["seed"] == 5 and s["config"]["seed"] == 5 and s["config"]["privacy"]["seed"] == 0
     assert s["epsilon"] == pytest.approx(opacus_epsilon("rdp", sigma, 0.125, 4, 1e-5), rel=1e-9)
     assert s["epsilon"] <= 8.0

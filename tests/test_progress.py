@@ -216,7 +216,45 @@ def test_train_s_accounting_fallback_is_one_warning_line(tmp_path, capsys):
         warnings.showwarning = _shown_on_stderr
         assert main(["train", "--config", str(TINY), "--output-dir", str(tmp_path / "r"),
                      "--dry-run", "privacy.epsilon=200", "privacy.accountant=prv"]) == 0
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert ("dptrain: warning: opacus' PRV search is impractical above epsilon 100; "
             "calibrating to the RDP bound instead\n") in err
     assert "AccountingWarning" not in err and ".py:" not in err, err
+    # the plan says so too (a -W ignore run prints no warning at all)
+    assert "  accountant: prv\n" in out and "  calibrated_with: rdp\n" in out
+
+
+def test_a_command_takes_away_only_the_filters_it_added(capsys):
+    # catch_warnings() put the whole list back: filters that a library imported during the
+    # command installs (torch's TracerWarning, scipy's) were lost
+    import warnings
+
+    from dptrain.messages import command_warnings
+    from dptrain.privacy.accounting import OPACUS_ORDER_NOTE, AccountingWarning
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=OPACUS_ORDER_NOTE, category=UserWarning)
+        users = list(warnings.filters)
+        with command_warnings(rank=1):
+            warnings.filterwarnings("ignore", message="a library's own filter")
+            library = warnings.filters[0]
+            assert any(f[2] is AccountingWarning for f in warnings.filters)
+        assert warnings.filters == [library, *users]  # (the user's identical one kept)
+
+
+def test_on_other_ranks_the_accountants_notes_are_left_to_rank_0(capsys):
+    import warnings
+
+    from dptrain.messages import command_warnings
+    from dptrain.privacy.accounting import AccountingWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = _shown_on_stderr
+        for rank in (0, 1):
+            with command_warnings(rank):
+                warnings.warn("PRV not used", AccountingWarning)
+                warnings.warn("dptrain.clipping: no rule for X", UserWarning)
+    assert capsys.readouterr().err.splitlines() == [
+        "dptrain: warning: PRV not used", "dptrain.clipping: warning: no rule for X",
+        "dptrain.clipping: warning: no rule for X"]

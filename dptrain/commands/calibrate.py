@@ -143,16 +143,14 @@ def run(args) -> int:
         return _error(str(e))
 
     from dptrain.config import ConfigError
-    from dptrain.privacy.accounting import Ledger, calibrate_noise_multiplier, epsilon
-
-    from dptrain.privacy.accounting import AccountingWarning, CalibratedToRDP
+    from dptrain.privacy.accounting import AccountingWarning, Ledger, calibrate, epsilon
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             # (a tolerance not given goes as None: the library's default, and an epsilon too
             # small for it is refused naming --epsilon, not a tolerance no one passed)
-            sigma = calibrate_noise_multiplier(v["epsilon"], v["delta"], v["sample_rate"],
+            sigma, calibrated_with = calibrate(v["epsilon"], v["delta"], v["sample_rate"],
                                                v["steps"], accountant=v["accountant"],
                                                epsilon_tolerance=v["tolerance_given"])
         except ConfigError as e:
@@ -164,11 +162,8 @@ def run(args) -> int:
     for w in caught:
         if issubclass(w.category, AccountingWarning):
             print(f"{PROG}: warning: {w.message}", file=sys.stderr)
-    # sigma meets the target by this accountant's bound (the achieved epsilon is within the
-    # tolerance of it), or by RDP's where PRV could not be used: then PRV's epsilon of it, the
-    # one printed, may be well below the target
-    calibrated_with = ("rdp" if any(issubclass(w.category, CalibratedToRDP) for w in caught)
-                       else v["accountant"])
+    # (sigma meets the target by RDP's bound where PRV could not be used: PRV's epsilon of it,
+    # the one printed, may then be well below the target)
 
     if args.json:
         print(json.dumps({

@@ -213,6 +213,7 @@ def _dry_run_report(trainer, out: Path, resume_path: Path | None) -> str:
         "privacy": {"planned_epsilon": plan.planned_epsilon, "delta": plan.delta,
                     "noise_multiplier": plan.noise_multiplier,
                     "noise_multiplier_calibrated": cfg.privacy.noise_multiplier is None,
+                    "calibrated_with": plan.calibrated_with,
                     "sample_rate": plan.sample_rate, "steps": plan.steps,
                     "clip_norm": plan.clip_norm, "expected_batch_size": plan.denominator,
                     "dataset_size": plan.dataset_size, "train_size": trainer.train_size,

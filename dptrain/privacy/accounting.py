@@ -35,6 +35,7 @@ import numbers
 import sys
 import warnings
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -48,6 +49,8 @@ __all__ = [
     "Budget",
     "Ledger",
     "PRV_MAX_DOMAIN",
+    "Calibration",
+    "calibrate",
     "calibrate_noise_multiplier",
     "check_plan",
     "epsilon",
@@ -292,9 +295,25 @@ def default_epsilon_tolerance(epsilon: float) -> float:
     return min(0.01, 0.01 * epsilon)
 
 
+class Calibration(NamedTuple):
+    """What :func:`calibrate` found: sigma, and the accountant whose bound it meets the target
+    by (``rdp`` where ``prv`` was asked for and could not be used)."""
+
+    noise_multiplier: float
+    calibrated_with: str
+
+
 def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float, steps: int,
                                accountant: str = "prv",
                                epsilon_tolerance: float | None = None) -> float:
+    """The noise multiplier of :func:`calibrate` (which also says which accountant's bound it
+    meets the target by)."""
+    return calibrate(epsilon, delta, sample_rate, steps, accountant,
+                     epsilon_tolerance).noise_multiplier
+
+
+def calibrate(epsilon: float, delta: float, sample_rate: float, steps: int,
+              accountant: str = "prv", epsilon_tolerance: float | None = None) -> Calibration:
     """Smallest sigma (to ``epsilon_tolerance``; None: :func:`default_epsilon_tolerance`) with
     ``steps`` releases at rate ``sample_rate`` spending at most ``epsilon`` at ``delta``
     (where epsilon is flat in sigma, near PRV's 0.01 floor, the first sigma within the
@@ -305,9 +324,10 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
     size); the returned sigma's epsilon, computed by :func:`epsilon`, is <= the target and
     within ``epsilon_tolerance`` of it. Where PRV cannot be used (a target above
     ``PRV_MAX_CALIBRATION_EPSILON``, or a PRV failure at the sigma found), the search is redone
-    with the RDP accountant, with an :class:`AccountingWarning`: RDP's bound is then within the
-    tolerance of the target, and PRV's epsilon of that sigma, where it can be computed, may be
-    further below. Raises ConfigError (a ValueError) naming the bad argument.
+    with the RDP accountant, with a :class:`CalibratedToRDP` warning: RDP's bound is then within
+    the tolerance of the target (``calibrated_with`` is ``rdp``), and PRV's epsilon of that
+    sigma, where it can be computed, may be further below. Raises ConfigError (a ValueError)
+    naming the bad argument.
     """
     # (bool is a Real: epsilon=True calibrated for 1.0; a string said "must be > 0, got 4")
     for name, value in (("epsilon", epsilon), ("delta", delta), ("sample_rate", sample_rate)):
@@ -352,11 +372,10 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
                                                f"[{1e-9 * epsilon:.3g}, {epsilon:g}), got "
                                                f"{epsilon_tolerance:g}")
 
-    def with_rdp(why: str) -> float:
+    def with_rdp(why: str) -> Calibration:
         warnings.warn(f"{why}; calibrating to the RDP bound instead", CalibratedToRDP,
                       stacklevel=3)
-        return calibrate_noise_multiplier(epsilon, delta, sample_rate, steps, "rdp",
-                                          epsilon_tolerance)
+        return calibrate(epsilon, delta, sample_rate, steps, "rdp", epsilon_tolerance)
 
     if accountant == "prv" and epsilon > PRV_MAX_CALIBRATION_EPSILON:
         # opacus' PRV search at such targets takes minutes and GBs per call (epsilon 1e3: over
@@ -368,8 +387,9 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"), \
                 warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=OPACUS_ORDER_NOTE, category=UserWarning)
-            sigma = _search_sigma(float(epsilon), float(delta), float(sample_rate),
-                                  int(steps), accountant, float(epsilon_tolerance))
+            sigma, judged_by_rdp = _search_sigma(float(epsilon), float(delta),
+                                                 float(sample_rate), int(steps), accountant,
+                                                 float(epsilon_tolerance))
     except ValueError as e:
         if "budget is too low" in str(e):
             from opacus.accountants.utils import MAX_SIGMA
@@ -409,11 +429,11 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
         if achieved > epsilon * (1 + EPSILON_ROUNDING):
             return with_rdp(f"the PRV accountant cannot be used at the calibrated sigma "
                             f"{float(sigma):.6g}")
-    return float(sigma)
+    return Calibration(float(sigma), "rdp" if judged_by_rdp else accountant)
 
 
 def _search_sigma(epsilon: float, delta: float, q: float, steps: int, accountant: str,
-                  tolerance: float) -> float:
+                  tolerance: float) -> tuple[float, bool]:
     """opacus' ``get_noise_multiplier`` search, probe for probe (sigma doubled from 20 until
     the target is met, then bisection until within ``tolerance`` below it; the bracket's upper
     end is returned), except that a PRV probe whose grid would exceed ``PRV_MAX_DOMAIN`` points
@@ -422,7 +442,7 @@ def _search_sigma(epsilon: float, delta: float, q: float, steps: int, accountant
     judged by the looser bound moves the bracket's upper end only where PRV's epsilon would
     move it too (RDP's within the target means PRV's is), and otherwise raises its lower end,
     perhaps where PRV would not: the sigma found is the same or slightly larger (more noise),
-    never below the target's. Raises opacus' errors
+    never below the target's. Returns sigma, and whether RDP judged it. Raises opacus' errors
     (ValueError "The privacy budget is too low." past sigma 1e6)."""
     from opacus.accountants import RDPAccountant
     from opacus.accountants.utils import MAX_SIGMA
@@ -456,8 +476,8 @@ def _search_sigma(epsilon: float, delta: float, q: float, steps: int, accountant
     if sigma_high in by_rdp:
         warnings.warn(f"PRV's grid at sigma {sigma_high:.6g} would need {by_rdp[sigma_high]} "
                       f"points (> {PRV_MAX_DOMAIN}); calibrated to the RDP bound there",
-                      CalibratedToRDP, stacklevel=4)
-    return sigma_high
+                      CalibratedToRDP, stacklevel=3)
+    return sigma_high, sigma_high in by_rdp
 
 
 def _epsilon_of(sigma: float, q: float, steps: int, delta: float, accountant: str) -> float:
