@@ -172,7 +172,7 @@ def test_clip_norm_probes_the_same_checkpoint_clipped_at_another_c(plain_run, tm
     # the geometry of clipping needs a smaller C, on the same checkpoint)
     out = tmp_path / "c.json"
     code, text, err = run_cli(capsys, "diagnose", "--run", plain_run, "--probe-examples", M,
-                              "--clip-norm", "0.05", "--output", out)
+                              "--clip-norm", " 1/20 ", "--output", out)
     assert code == 0, err
     assert "C 0.05 (--clip-norm; the run's C is 1), b 32" in text
     report = json.loads(out.read_text())
@@ -482,6 +482,11 @@ def test_relocated_settings_are_reported(plain_run, tmp_path, capsys):
     ("plain", ["--run", "{run}", "--clip-norm", "nan"], "--clip-norm"),
     ("plain", ["--run", "{run}", "--clip-norm", "inf"], "--clip-norm"),
     ("plain", ["--run", "{run}", "--clip-norm", "small"], "--clip-norm: expected a number"),
+    ("plain", ["--run", "{run}", "--clip-norm", "1e-300"], "float32's smallest normal"),
+    ("plain", ["--run", "{run}", "--clip-norm", "1e300"], "--clip-norm: sigma * C = 1 * 1e+300"),
+    ("plain", ["--run", "{run}", "--clip-norm", "1/0"], "--clip-norm: expected a number"),
+    ("plain", ["--run", "{run}", "--clip-norm", "0.5", "privacy.clip_norm=0.5"],
+     "leave it as the checkpoint's: --clip-norm sets the probes' C"),
     ("plain", ["--run", "{run}", "seed=-1"], "seed"),
 ])
 def test_mistakes_exit_2_with_one_line_naming_the_option(request, tmp_path, capsys, which, args,
@@ -587,6 +592,14 @@ def test_pct_is_a_percentage():
     assert _pct(0.5).strip() == "+50.0%"
     assert _pct(-0.2).strip() == "-20.0%"
     assert _pct(math.inf).strip() == "undef" and _pct(math.nan).strip() == "undef"
+
+
+def test_a_batch_size_past_the_column_s_width_is_written_as_a_float_is():
+    # (B* of a tiny gap: a 38-digit integer pushed every later column out of line)
+    from dptrain.commands.diagnose import _fmt
+
+    assert _fmt(123456789) == "123456789" and _fmt(17) == "       17"
+    assert _fmt(10 ** 37 + 3) == "    1e+37" and _fmt(1234567890) == "1.235e+09"
 
 
 def test_render_puts_each_value_under_its_column():

@@ -87,8 +87,8 @@ def _fmt(x, width: int = 9) -> str:
         return f"{'-':>{width}}"
     if isinstance(x, bool):
         return f"{str(x):>{width}}"
-    if isinstance(x, int):
-        return f"{x:>{width}d}"
+    if isinstance(x, int):  # (a batch size past 9 digits in the width, as a float is)
+        return f"{x:>{width}d}" if abs(x) < 10 ** width else f"{x:>{width}.4g}"
     if isinstance(x, float) and not math.isfinite(x):
         return f"{str(x):>{width}}"
     return f"{x:>{width}.4g}"
@@ -254,7 +254,10 @@ def run(args: argparse.Namespace) -> int:
                   f"{PLOT_MAX_MATRICES + left_out} matrices; choose others with --params",
                   file=sys.stderr)
         with writing("--plot", plot):
+            rel = report["release"]
+            at = (f", clipped at C = {rel['clip_norm']:g}"
+                  if rel["clip_norm"] != rel["run_clip_norm"] else "")
             plot_spectra(curves, plot, title=f"Singular-value spectra, step {report['step']} "
-                                             f"(public probe set)")
+                                             f"(public probe set{at})")
         print(f"wrote {plot}")
     return 0

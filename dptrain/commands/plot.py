@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
         one = metric_series(rows, summary, left_out)
         for label, steps in left_out.items():
             # (epsilon comes from the ledger, not the model: not finite only without noise)
-            why = ("is infinite at {}: the run adds no noise (privacy.noise_multiplier 0); "
-                   "not drawn" if label == "epsilon" else
+            why = ("is infinite at {}: the run adds no noise (privacy.noise_multiplier 0, or "
+                   "below 1e-100); not drawn" if label == "epsilon" else
                    "is not a finite number at {}; not drawn (did the run diverge?)")
             print(f"{PROG}: note: {name}: {label} {why.format(_steps(steps))}",
                   file=sys.stderr)

@@ -252,13 +252,21 @@ def _build_config(saved: dict, config_path: str | Path | None, overrides: Sequen
 
 
 def check_clip_norm(value, option: str = "--clip-norm") -> float:
-    """A clip norm given for the probes: a finite number > 0 (one line naming ``option``)."""
+    """A clip norm given for the probes (``0.1``, ``1/8``): a finite number > 0 and at least
+    float32's smallest normal, as ``privacy.clip_norm`` (one line naming ``option``)."""
+    from dptrain.config import FLOAT32_TINY
+
+    text = str(value).strip()
     try:
-        c = float(str(value).strip())
-    except ValueError:
+        num, slash, den = text.partition("/")
+        c = float(num) / float(den) if slash else float(text)
+    except (ValueError, ZeroDivisionError):
         raise ConfigError(option, f"expected a number > 0, got {value!r}") from None
     if not (c > 0 and math.isfinite(c)):
         raise ConfigError(option, f"must be finite and > 0, got {value}")
+    if c < FLOAT32_TINY:  # (the clipping engine refuses it, after the model is built)
+        raise ConfigError(option, f"{c:g} is below float32's smallest normal number "
+                                  f"({FLOAT32_TINY:.3g})")
     return c
 
 
@@ -277,6 +285,7 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     from dptrain.optim import build_optimizer
     from dptrain.optim.build import transposed_weights
     from dptrain.performance import check_kernels
+    from dptrain.privacy.config import noise_fits
     from dptrain.trainer import resolve_device
 
     path = Path(checkpoint)
@@ -293,10 +302,17 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
             state["config"], cfg, needs="diagnose measures the checkpoint's run: keep its {}")
     except ConfigError as e:
         if e.field == "privacy.clip_norm":  # (the probes' own C is an option of its own)
-            raise ConfigError(e.field, f"{e.message}; to probe at another clip norm, give "
-                                       f"--clip-norm") from None
+            hint = ("leave it as the checkpoint's: --clip-norm sets the probes' C"
+                    if clip_norm is not None else "to probe at another clip norm, give "
+                                                  "--clip-norm")
+            raise ConfigError(e.field, f"{e.message}; {hint}") from None
         raise
     plan = _checked_plan(state, path)
+    sigma, C = float(plan["noise_multiplier"]), float(plan["clip_norm"])
+    probe_C = C if clip_norm is None else check_clip_norm(clip_norm, "--clip-norm")
+    if not noise_fits(sigma, probe_C):  # (sigma * C: the noise a run at that C would add)
+        raise ConfigError("--clip-norm", f"sigma * C = {sigma:g} * {probe_C:g} is too large: a "
+                                         f"run's noise at that C would overflow float32")
     perf = cfg.performance
     if perf.num_threads is not None:
         torch.set_num_threads(perf.num_threads)
@@ -312,9 +328,7 @@ def load_run(checkpoint: str | Path, *, config_path: str | Path | None = None,
     # LayerNorm's backward) a rounding-level singular value that it counts as a direction
     frozen = ckpt.frozen_state(model)  # (model.lora, model.trainable) as the run built them
     model = model.double()
-    sigma, C = float(plan["noise_multiplier"]), float(plan["clip_norm"])
     b = int(plan["denominator"])
-    probe_C = C if clip_norm is None else check_clip_norm(clip_norm, "clip_norm")
     engine = ClippingEngine(model, clip_norm=probe_C, ghost=perf.ghost,
                             mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping",
                             kernels=perf.kernels)
