@@ -295,7 +295,8 @@ def sampling_note(cfg: PrivacyConfig, train_size: int, plan: PrivacyPlan) -> str
     if cfg.dataset_size is not None and abs(cfg.dataset_size - train_size) > 0.1 * train_size:
         return (f"privacy.dataset_size N = {cfg.dataset_size} is far from the training set's "
                 f"{train_size} examples: each release is divided by b = {plan.denominator}, "
-                f"while q * {train_size} = {expected:.4g} examples are expected in a batch")
+                f"while q * {train_size} = {expected:.4g} examples are expected in a batch "
+                f"(privacy.dataset_size=null takes the training set's length)")
     if expected < 1:
         return (f"privacy.sample_rate = {cfg.sample_rate:g} expects {expected:.3g} of the "
                 f"{train_size} training examples in a batch: most releases will be noise alone")

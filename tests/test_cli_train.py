@@ -464,7 +464,9 @@ def test_a_dataset_size_sample_rate_or_noise_that_does_not_fit_is_warned_about(t
     # tiny.yaml: 256 examples, q = 0.125; a public N within 10% of them is a public estimate
     for extra, warned in ((("privacy.dataset_size=240",), None),
                           (("privacy.dataset_size=1",), "divided by b = 1"),
-                          (("privacy.dataset_size=1000",), "divided by b = 125"),
+                          (("privacy.dataset_size=1000",), "divided by b = 125, while q * "
+                           "256 = 32 examples are expected in a batch (privacy.dataset_size=null "
+                           "takes the training set's length)"),
                           (("privacy.sample_rate=0.001",), "expects 0.256 of the 256"),
                           (("privacy.sample_rate=0.004",), None),
                           (("privacy.epsilon=null", "privacy.noise_multiplier=0",
