@@ -62,9 +62,13 @@ def _type_name(tp: Any) -> str:
 
 def shown(value: Any) -> str:
     """``value`` as a config file would write it, for messages: null, true, false (Python's
-    None, True and False mean nothing to a user of YAML); anything else as repr."""
+    None, True and False mean nothing to a user of YAML); a string in YAML's single quotes,
+    its backslashes as written (repr doubles those of a regex; a string with a control
+    character: repr); anything else as repr."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, str) and value.isprintable():
+        return "'" + value.replace("'", "''") + "'"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(shown(v) for v in value) + "]"
     if isinstance(value, dict):

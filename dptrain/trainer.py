@@ -307,19 +307,29 @@ def truncation_note(task, max_length, secure: bool = False) -> str | None:
     """A line for examples cut short at ``data.max_length`` (their EOS and the end of their
     target lost: a model trained on them is not taught to stop; a cut test target changes the
     test NLL's tokens; an example left without a target token adds nothing, while it still
-    counts in N and b), or None when none was. ``secure``: of the test split only (a count of
-    training examples is an exact statistic of the private data: ``messages.secure_notes``)."""
-    parts = []
+    counts in N and b), ``note: ...``, or ``warning: ...`` when more than half of a split's
+    examples keep no target token (a run mostly on noise, a test NLL of a few examples); None
+    when none was cut. ``secure``: of the test split only (a count of training examples is an
+    exact statistic of the private data: ``messages.secure_notes``; so is whether most of
+    them keep no target)."""
+    parts, most_empty = [], False
     for name in ("test",) if secure else ("train", "test"):
         split = getattr(task, name)
         cut, empty = getattr(split, "truncated", 0), getattr(split, "no_target", 0)
         if cut:
             parts.append(f"{cut} of {len(split)} {name} examples"
                          + (f" ({empty} of them left without a target token)" if empty else ""))
+            most_empty = most_empty or 2 * empty > len(split)
     if not parts:
         return None
-    return (f"data.max_length = {max_length} cuts {' and '.join(parts)} short: their EOS and "
-            f"the end of their target are lost")
+    return (f"{'warning' if most_empty else 'note'}: data.max_length = {max_length} cuts "
+            f"{' and '.join(parts)} short: their EOS and the end of their target are lost")
+
+
+def mib_text(mib: float) -> str:
+    """A size in MiB for a message: whole MiB from 1 MiB up, 2 significant digits below (a
+    tiny model's 0.067 MiB, not "0 MiB")."""
+    return f"{mib:.0f} MiB" if mib >= 1 or mib == 0 else f"{mib:.2g} MiB"
 
 
 def guarantee(cfg) -> str:
@@ -813,9 +823,10 @@ class Trainer:
                 f"dptrain: inner momentum makes {q['evaluations']} evaluations (model states x "
                 f"augmentation views) per microbatch of up to {q['microbatch_size']}; until the "
                 f"clip factors are known its query holds "
-                f"{q['query_mib']:.0f} MiB (performance.ghost={q['ghost']}; the smaller form of "
-                f"every parameter, performance.ghost=memory: {q['least_query_mib']:.0f} MiB), "
-                f"and the history {q['history_mib']:.0f} MiB"
+                f"{mib_text(q['query_mib'])} (performance.ghost={q['ghost']}; the smaller form "
+                f"of every parameter, performance.ghost=memory: "
+                f"{mib_text(q['least_query_mib'])}), and the history "
+                f"{mib_text(q['history_mib'])}"
                 + (" on this rank" if self.world > 1 else "")
                 + "; activations not counted (sizes of this step's microbatches, outside the "
                 "guarantee)")
@@ -916,7 +927,7 @@ class Trainer:
         cut = truncation_note(self.task, self.cfg.data.max_length,
                               secure=self.cfg.privacy.secure_mode)
         if cut is not None:
-            lines.append(f"note: {cut}")
+            lines.append(cut)
         if self.world == 1 and self.cfg.performance.sharding == "fsdp":
             lines.append("note: performance.sharding=fsdp with one rank: nothing is sharded "
                          "(the same run as sharding=none; launch several ranks to shard)")

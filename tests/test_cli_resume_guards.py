@@ -343,6 +343,27 @@ def _crash_at(monkeypatch, step: int):
     monkeypatch.setattr(trainer_mod.Trainer, "private_step", private_step)
 
 
+def test_ctrl_c_names_the_checkpoint_that_resume_auto_continues_from(tmp_path, capsys,
+                                                                     monkeypatch):
+    # it said "dptrain train: interrupted" alone, where SIGTERM's stop names its checkpoint
+    out = tmp_path / "run"
+    _crash_at(monkeypatch, 4)
+    code, err = train(capsys, out, "train.checkpoint_every=2")
+    step2 = out / "checkpoints" / "step-00000002"
+    assert code == 130 and err.strip().splitlines()[-1] == (
+        f"dptrain train: interrupted; the last complete checkpoint is {step2} (step 2): "
+        f"continue from it with --resume auto")
+    code, err = train(capsys, tmp_path / "none", "train.checkpoint_every=0")
+    assert code == 130 and err.strip().splitlines()[-1] == (
+        f"dptrain train: interrupted; no complete checkpoint in {tmp_path / 'none'}/checkpoints: "
+        f"--resume auto would start afresh, from step 0")
+    # a branch that wrote no checkpoint of its own: its --resume PATH again
+    code, err = train(capsys, tmp_path / "branch", "train.checkpoint_every=0", "--resume",
+                      str(step2))
+    assert code == 130 and err.strip().splitlines()[-1].endswith(
+        f"yet: start again from {step2} with --resume {step2}")
+
+
 @pytest.mark.parametrize("secure,every", [(False, 2), (True, 2), (False, 0), (True, 0)])
 def test_secure_mode_writes_metrics_only_with_checkpoints(tmp_path, capsys, monkeypatch, secure,
                                                           every):

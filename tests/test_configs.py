@@ -333,6 +333,10 @@ def test_float32_range_is_checked_on_both_signs_and_leaves_inf_to_the_field():
     assert from_dict(_Leaf, {"x": "-inf"}).x == float("-inf")
     e = _field_of(["privacy.clip_norm=inf"])
     assert e.field == "privacy.clip_norm" and "float32" not in e.message
+    # (it said "must be > 0, got inf", which inf is)
+    assert e.message == "must be finite and > 0, got inf"
+    e = _field_of(["privacy.epsilon=inf"])
+    assert e.field == "privacy.epsilon" and e.message == "must be finite and > 0, got inf"
 
 
 def test_a_string_field_takes_numbers_but_not_booleans():
@@ -656,3 +660,17 @@ def test_values_in_messages_are_written_as_a_config_writes_them():
     assert [shown(v) for v in (None, True, False, 3, 0.5, "x")] == [
         "null", "true", "false", "3", "0.5", "'x'"]
     assert shown([None, {"a": False}]) == "[null, {a: false}]"
+    # a regex's backslashes as written (repr doubled them: ['\\.bias$']); YAML's quote
+    assert shown([r"\.bias$", "it's"]) == r"['\.bias$', 'it''s']"
+    assert shown("a\nb") == repr("a\nb")  # (a control character: repr, on one line)
+
+
+def test_a_resume_refusal_shows_a_changed_regex_as_written():
+    from dptrain.checkpoint import check_compatible
+    from dptrain.config import to_dict
+
+    saved = to_dict(load(RunConfig, None, ["model.trainable=[bias$]"]))
+    with pytest.raises(ConfigError) as e:
+        check_compatible(saved, load(RunConfig, None, [r"model.trainable=['\.bias$']"]))
+    assert e.value.field == "model.trainable"
+    assert r"(['bias$'] there, ['\.bias$'] now)" in e.value.message, e.value.message

@@ -680,6 +680,7 @@ def test_e2e_cut_examples_are_counted_and_a_length_that_leaves_no_target_is_refu
     assert task.train.truncated == 6 and task.test.truncated == 6  # every example is cut
     assert task.train.no_target == sum(p >= 20 for p in prompts) == 2
     note = truncation_note(task, 20)
+    assert note.startswith("note: data.max_length = 20 cuts ")  # 2 of 6 without a target
     assert "6 of 6 train examples (2 of them left without a target token)" in note
     assert "6 of 6 test examples" in note
     secure = truncation_note(task, 20, secure=True)  # no count of the private examples
@@ -693,6 +694,33 @@ def test_e2e_cut_examples_are_counted_and_a_length_that_leaves_no_target_is_refu
     assert e.value.field == "data.max_length" and "no example of train.csv" in e.value.message
     longest = len(b"name[Aromi], food[Chinese] || Aromi serves Chinese food.") + 1
     assert f"longest example is {longest} tokens" in e.value.message
+
+
+def test_a_length_that_leaves_most_of_a_split_without_a_target_is_a_warning():
+    # (max_length 60 on E2E left 988 of 1000 training examples and 39 of 40 test examples
+    # without a target token, said as a note)
+    from dptrain.trainer import truncation_note
+
+    class Split:
+        def __init__(self, n, cut, empty):
+            self.n, self.truncated, self.no_target = n, cut, empty
+
+        def __len__(self):
+            return self.n
+
+    def task(train, test):
+        return types.SimpleNamespace(train=Split(*train), test=Split(*test))
+
+    most = truncation_note(task((1000, 1000, 988), (40, 40, 39)), 60)
+    assert most == ("warning: data.max_length = 60 cuts 1000 of 1000 train examples (988 of "
+                    "them left without a target token) and 40 of 40 test examples (39 of them "
+                    "left without a target token) short: their EOS and the end of their "
+                    "target are lost")
+    assert truncation_note(task((10, 10, 6), (4, 1, 0)), 60).startswith("warning: ")  # train
+    assert truncation_note(task((10, 0, 0), (4, 3, 3)), 60).startswith("warning: ")  # test
+    assert truncation_note(task((10, 10, 5), (4, 4, 2)), 60).startswith("note: ")  # half
+    # secure mode says nothing of the training split, not even that most of it lost its target
+    assert truncation_note(task((10, 10, 9), (4, 1, 0)), 60, secure=True).startswith("note: ")
 
 
 # ---------------------------------------------------------------- targets, losses ---------------

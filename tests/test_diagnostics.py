@@ -176,6 +176,16 @@ def test_cosine_error_scaling_and_negation(r, c, seed, scale):
     assert cosine_error(X, Y) == pytest.approx(expected.item(), abs=1e-12)
 
 
+def test_cosine_error_of_parallel_vectors_is_exactly_0_or_2():
+    # the norms' rounding left 1 - cos at -2.2e-16 for X = Y (diagnose printed e_cos -2.22e-16)
+    # and 2 + 4.4e-16 for X = -Y, outside the documented [0, 2]
+    x = torch.tensor([3.0, 0.1, 0.1], dtype=torch.float64)
+    assert cosine_error(x, x) == 0.0 and cosine_error(3 * x, x) == 0.0
+    y = torch.tensor([0.98, 0.14, 0.29], dtype=torch.float64)
+    assert cosine_error(-y, y) == 2.0
+    assert math.isnan(cosine_error(torch.tensor([math.inf, 1.0]), torch.tensor([1.0, 1.0])))
+
+
 def test_cosine_error_of_orthogonal_matrices_is_one():
     assert cosine_error(torch.eye(3), torch.tensor([[0.0, 1, 0], [1, 0, 0], [0, 0, 0]])) == 1.0
     assert math.isnan(cosine_error(torch.zeros(2, 2), torch.eye(2)))

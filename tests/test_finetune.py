@@ -172,10 +172,12 @@ def test_lora_dropout_is_a_dropout_of_the_model_with_per_example_masks():
     assert not torch.allclose(other_step, together, atol=1e-6)  # the masks act
 
 
-def test_mixed_conv1d_and_linear_targets_merge_each_its_way_and_write_no_adapter(tmp_path):
+def test_mixed_conv1d_and_linear_targets_merge_each_its_way_and_write_no_adapter(tmp_path,
+                                                                                capsys):
     """A Conv1D (weight stored (in, out)) and an nn.Linear target in one model: peft's layers
     get fan_in_fan_out True and False, the merged weights equal the adapted forward layer by
-    layer, and no adapter folder is written (one adapter_config has one fan_in_fan_out)."""
+    layer, and no adapter folder is written (one adapter_config has one fan_in_fan_out), with
+    one line on stderr saying why (a run said nothing of it)."""
     from transformers.pytorch_utils import Conv1D
 
     from dptrain.models.finetune import write_adapter
@@ -199,8 +201,36 @@ def test_mixed_conv1d_and_linear_targets_merge_each_its_way_and_write_no_adapter
         plain.add_module("lin", torch.nn.Linear(6, 5))
         plain.double().load_state_dict(merged)
         torch.testing.assert_close(plain(x), want, rtol=1e-12, atol=1e-12)
+    capsys.readouterr()
     assert not write_adapter(model.state_dict(), model, lora, tmp_path / "adapter")
     assert not (tmp_path / "adapter").exists()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"dptrain: note: {tmp_path / 'adapter'} is not written: the LoRA "
+                           f"targets mix transformers' Conv1D (conv) and nn.Linear (lin) "
+                           f"layers"), line
+
+
+def test_a_regex_of_an_adapted_layer_s_base_name_is_refused_naming_peft_s_name():
+    # c_attn's bias is ...c_attn.base_layer.bias once peft wraps c_attn: the message named the
+    # first three parameters (wte, wpe, ln_1), none of them near it
+    model = tiny_gpt2(torch.float32)
+    with pytest.raises(ConfigError) as e:
+        apply_finetuning(model, LoRAConfig(r=2, target_modules=["c_attn"]), [r"c_attn\.bias$"])
+    message = e.value.message
+    assert e.value.field == "model.trainable[0]"
+    assert message.startswith(r"'c_attn\.bias$' matches no parameter of this model (closest: "
+                              "transformer.h.0.attn.c_attn.base_layer.bias, "
+                              "transformer.h.1.attn.c_attn.base_layer.bias)"), message
+    assert "adapted layer's own parameters are named <layer>.base_layer.<name>" in message
+    # without LoRA: the names closest to a typo, else the first ones (no word of peft)
+    with pytest.raises(ConfigError) as e:
+        apply_finetuning(tiny_gpt2(torch.float32), LoRAConfig(), ["ln_F"])
+    assert "(closest: transformer.ln_f.weight, " in e.value.message, e.value.message
+    assert "base_layer" not in e.value.message
+    with pytest.raises(ConfigError) as e:
+        apply_finetuning(tiny_gpt2(torch.float32), LoRAConfig(), ["nothing_like_this"])
+    assert e.value.message.endswith("(e.g. transformer.wte.weight, transformer.wpe.weight, "
+                                     "transformer.h.0.ln_1.weight)"), e.value.message
 
 
 def test_a_timm_model_needs_target_modules():

@@ -11,7 +11,7 @@ from torch.func import functional_call, grad, vmap
 from dptrain.clipping import ClippingEngine
 from dptrain.config import load
 from dptrain.optim.inner_momentum import InnerMomentumConfig, InnerMomentumHistory, im_weights
-from dptrain.trainer import RunConfig, Trainer
+from dptrain.trainer import RunConfig, Trainer, mib_text
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
@@ -321,6 +321,9 @@ def test_run_reports_the_query_memory_once_the_history_is_full(tmp_path, capsys)
     assert abs(q["history_mib"] - 2 * params / 2**20) < 1e-9
     err = capsys.readouterr().err
     assert err.count("inner momentum makes 3 evaluations") == 1
+    # tiny.yaml's history is a fraction of a MiB: said as such, not "0 MiB"
+    assert q["history_mib"] < 1 and f"the history {mib_text(q['history_mib'])}" in err
+    assert " 0 MiB" not in err
     t.private_step()
     assert capsys.readouterr().err.count("inner momentum makes") == 0
     assert t.step == t.plan.steps  # (tiny.yaml: 4) run() evaluates and reports it
@@ -335,6 +338,11 @@ def test_run_reports_the_query_memory_once_the_history_is_full(tmp_path, capsys)
         secure.private_step()
     assert secure.query_memory is None
     assert "inner momentum makes" not in capsys.readouterr().err
+
+
+def test_memory_sizes_below_a_mib_keep_two_significant_digits():
+    assert [mib_text(v) for v in (0.0, 0.0671, 0.5, 0.99, 1.0, 1.4, 12.6, 2048.2)] == [
+        "0 MiB", "0.067 MiB", "0.5 MiB", "0.99 MiB", "1 MiB", "1 MiB", "13 MiB", "2048 MiB"]
 
 
 @pytest.mark.parametrize("ghost", ["ghost", "instantiate"])

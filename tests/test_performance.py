@@ -85,3 +85,7 @@ def test_only_settings_that_change_no_arithmetic_go_unnamed_at_a_resume():
                   {"sharding": "fsdp"}, {"fsdp_mixed_precision": True}):
         (line,) = named(**other)
         assert line.startswith(f"performance.{next(iter(other))}: "), line
+    # values as a config writes them (repr's None and True before)
+    assert named(num_threads=2, fsdp_mixed_precision=True, clipping="two_pass") == [
+        "performance.clipping: 'auto' -> 'two_pass'", "performance.fsdp_mixed_precision: "
+        "false -> true", "performance.num_threads: null -> 2"]

@@ -872,9 +872,9 @@ def section_changes(saved_cfg: dict, cfg, section: str = "optim",
                     if isinstance(x, dict):
                         out.update(flat(x, f"{prefix}{k}[{i}]."))
                     else:
-                        out[f"{prefix}{k}[{i}]"] = repr(x)
+                        out[f"{prefix}{k}[{i}]"] = shown(x)
             else:
-                out[f"{prefix}{k}"] = repr(v)
+                out[f"{prefix}{k}"] = shown(v)
         return out
 
     def kept(d: dict) -> dict:

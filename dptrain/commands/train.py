@@ -50,12 +50,40 @@ def run(args: argparse.Namespace) -> int:
 
     rank, _ = launch_environment()  # (RANK, WORLD_SIZE: an incomplete set is refused here)
     check_accelerate_settings()
-    stop = types.SimpleNamespace(stop_signal=None, rank=rank, trainer=None, finished=False)
-    with _stop_on_signals(stop, keep_ignoring=getattr(args, "process_exits", False)):
-        rc = _run(args, stop)
-        stop.finished = rc == 0
-        stop.trainer = None  # freed here, while a stop signal only sets a flag
-        return rc
+    stop = types.SimpleNamespace(stop_signal=None, rank=rank, trainer=None, finished=False,
+                                 out=None)
+    try:
+        with _stop_on_signals(stop, keep_ignoring=getattr(args, "process_exits", False)):
+            rc = _run(args, stop)
+            stop.finished = rc == 0
+            stop.trainer = None  # freed here, while a stop signal only sets a flag
+            return rc
+    except KeyboardInterrupt:  # Ctrl-C (SIGINT): at once, not at a step boundary
+        if stop.out is None or stop.rank != 0 or args.dry_run:
+            raise  # (before the output directory was this run's: "interrupted", dptrain.cli)
+        print(f"dptrain train: interrupted; {_interrupted_where(stop.out, args.resume)}",
+              file=sys.stderr)
+        return 130
+
+
+def _interrupted_where(out: Path, resume: str | None) -> str:
+    """Where a run stopped by Ctrl-C goes on from: its newest complete checkpoint (marker,
+    files and sizes; not hashed, which a large checkpoint would make the user wait for), or
+    none."""
+    from dptrain import checkpoint as ckpt
+
+    try:
+        latest = ckpt.find_latest(out, shallow=True, quiet=True)
+    except OSError:
+        latest = None
+    if latest is not None:
+        return (f"the last complete checkpoint is {latest} (step {ckpt.checkpoint_step(latest)}): "
+                f"continue from it with --resume auto")
+    if resume not in (None, "auto"):  # a branch that wrote no checkpoint of its own yet
+        return (f"no complete checkpoint in {out / 'checkpoints'} yet: start again from "
+                f"{resume} with --resume {resume}")
+    return (f"no complete checkpoint in {out / 'checkpoints'}: --resume auto would start "
+            f"afresh, from step 0")
 
 
 def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
@@ -86,6 +114,7 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
     from dptrain import checkpoint as ckpt
     from dptrain.trainer import StopRequested, Trainer
 
+    stop.out = out  # (where a Ctrl-C says the run can go on from)
     finished, resume_path, error = False, None, None
     try:
         finished = _look(out, cfg, args)

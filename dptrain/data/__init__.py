@@ -79,8 +79,9 @@ class DataConfig:
     max_length: int | None = None
     """LM: truncate examples (prompt + target + EOS) to this many tokens, in the training and
     the test split (a cut example loses its EOS and the end of its target; the run and the
-    dry run say how many were cut; a length that leaves no example of a split a target token
-    is refused); null: no truncation. synthetic_lm: the longest generated sequence (null: 16)."""
+    dry run say how many were cut, as a warning when more than half of a split's examples keep
+    no target token; a length that leaves no example of a split a target token is refused);
+    null: no truncation. synthetic_lm: the longest generated sequence (null: 16)."""
     train_file: str | None = None
     """e2e: training CSV in ``path`` (null: devset.csv, the E2E-small protocol; trainset.csv
     with the full release), or an official DART JSON file (``*.json``: one example per

@@ -134,7 +134,8 @@ class ModelConfig:
     """LoRA adapters (peft) on the model's linear layers: ``r > 0`` freezes every other
     parameter (``model.trainable`` adds some back). The final model is written with the
     adapters merged (a plain model of the same architecture), and, when the adapters are all
-    that was trained, ``final/adapter/`` for peft's ``PeftModel.from_pretrained``."""
+    that was trained, ``final/adapter/`` for peft's ``PeftModel.from_pretrained`` (not when the
+    targets mix transformers' Conv1D and nn.Linear layers: a note on stderr says so)."""
     trainable: list[str] | None = None
     """Regexes (``re.search``) over parameter names: the parameters to train; every other one
     is frozen. Null: every parameter (or, with ``lora.r > 0``, only the adapters). E.g.

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dptrain.config import ConfigError
+from dptrain.config import ConfigError, shown
 
 __all__ = ["LoRAConfig", "apply_finetuning", "validate_trainable", "lora_layers", "merged_state",
            "adapter_state", "write_adapter", "describe"]
@@ -187,11 +187,40 @@ def apply_finetuning(model: nn.Module, lora: LoRAConfig, trainable: list[str] | 
         rx = re.compile(pattern)
         hits = [p for n, p in named if rx.search(n)]
         if not hits:
-            raise ConfigError(f"model.trainable[{i}]",
-                              f"{pattern!r} matches no parameter of this model (e.g. "
-                              f"{', '.join(n for n, _ in named[:3])})")
+            raise ConfigError(f"model.trainable[{i}]", _no_match(pattern, named, lora))
         for p in hits:
             p.requires_grad_(True)
+
+
+def _no_match(pattern: str, named: list[tuple[str, nn.Parameter]], lora: LoRAConfig) -> str:
+    """Why ``pattern`` of ``model.trainable`` is refused: the parameters it would match under
+    the base model's names (peft renamed its targets' own ones ``<layer>.base_layer.<name>``),
+    else the names closest to it (difflib), else the first ones."""
+    import difflib
+
+    names = list(dict.fromkeys(n for n, _ in named))
+    rx = re.compile(pattern)
+    close = [n for n in names
+             if ".base_layer." in n and rx.search(n.replace(".base_layer.", "."))]
+    if not close:
+        # a name's runs of components (``c_attn.bias``, ``ln_f`` of ``transformer.ln_f.bias``)
+        # are compared with the regex's text (``c_attn\.bias$`` as ``c_attn.bias``)
+        tails: dict[str, str] = {}
+        for n in names:
+            parts = n.split(".")
+            for i in range(len(parts)):
+                for j in range(i + 1, len(parts) + 1):
+                    tails.setdefault(".".join(parts[i:j]), n)
+        plain = re.sub(r"\\(.)", r"\1", pattern).strip("^$")
+        close = list(dict.fromkeys(tails[t] for t in difflib.get_close_matches(
+            plain, list(tails), n=10, cutoff=0.6)))
+    text = (f"{shown(pattern)} matches no parameter of this model "
+            f"({'closest: ' if close else 'e.g. '}{', '.join((close or names)[:3])})")
+    renamed = next((n for n in names if ".base_layer." in n), None)
+    if lora.enabled and renamed is not None:
+        text += (f"; with LoRA an adapted layer's own parameters are named "
+                 f"<layer>.base_layer.<name>, e.g. {renamed}")
+    return text
 
 
 def _peft_config(lora: LoRAConfig, targets: list[str], fan_in_fan_out: bool):
@@ -262,7 +291,8 @@ def write_adapter(state: dict[str, Tensor], model: nn.Module, lora: LoRAConfig,
     for ``PeftModel.from_pretrained(base, directory)``. Only when the adapters are all that
     was trained (a parameter of ``model.trainable`` is not part of a LoRA adapter, so only the
     merged model holds it) and the targets are all Linear or all Conv1D (peft's config has one
-    ``fan_in_fan_out``): returns whether it was written."""
+    ``fan_in_fan_out``): returns whether it was written. Mixed targets say on stderr why the
+    folder is not written (a user who listed them expects it)."""
     layers = lora_layers(model)
     if not lora.enabled or not layers:
         return False
@@ -270,8 +300,15 @@ def write_adapter(state: dict[str, Tensor], model: nn.Module, lora: LoRAConfig,
     if any(p.requires_grad and id(p) not in adapter_params for p in model.parameters()):
         return False
     fan_in_fan_out = {m.fan_in_fan_out for m in layers.values()}
-    if len(fan_in_fan_out) > 1:
-        return False  # Conv1D and Linear targets: one adapter_config cannot describe both
+    if len(fan_in_fan_out) > 1:  # Conv1D and Linear targets: one adapter_config cannot
+        # describe both (peft would reload the adapter to other logits)
+        conv1d = next(n for n, m in layers.items() if m.fan_in_fan_out)
+        linear = next(n for n, m in layers.items() if not m.fan_in_fan_out)
+        print(f"dptrain: note: {directory} is not written: the LoRA targets mix transformers' "
+              f"Conv1D ({conv1d}) and nn.Linear ({linear}) layers, which one peft adapter "
+              f"config (one fan_in_fan_out) cannot describe; the merged model in "
+              f"{Path(directory).parent} holds the adapters", file=sys.stderr)
+        return False
     config = _peft_config(lora, lora.target_modules or _default_targets(model),
                           fan_in_fan_out.pop())
     from safetensors.torch import save_file

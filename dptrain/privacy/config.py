@@ -62,7 +62,7 @@ class PrivacyConfig:
 
     def validate(self) -> None:
         if self.epsilon is not None and not (self.epsilon > 0 and math.isfinite(self.epsilon)):
-            raise ConfigError("epsilon", f"must be > 0, got {self.epsilon}")
+            raise ConfigError("epsilon", f"must be finite and > 0, got {self.epsilon}")
         if not (0.0 < self.delta < 1.0):
             raise ConfigError("delta", f"must be in (0, 1), got {self.delta}")
         if not (0.0 < self.sample_rate <= 1.0):
@@ -76,7 +76,7 @@ class PrivacyConfig:
             raise ConfigError("steps", f"must be <= {MAX_STEPS:.0e} (the accountants cannot "
                                        f"handle more releases), got {self.steps}")
         if not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
-            raise ConfigError("clip_norm", f"must be > 0, got {self.clip_norm}")
+            raise ConfigError("clip_norm", f"must be finite and > 0, got {self.clip_norm}")
         if self.clip_norm < FLOAT32_TINY:  # clip factors C/||u|| and the noise flush to 0
             raise ConfigError("clip_norm", f"{self.clip_norm:g} is below float32's smallest "
                                            f"normal number ({FLOAT32_TINY:.3g})")
