@@ -1231,9 +1231,10 @@ def test_dry_run_makes_the_resume_checks_and_leaves_the_run_as_it_was(finished, 
 def test_a_resume_whose_sigma_calibrates_differently_says_so_and_counts_both(
         tmp_path, capsys, monkeypatch, finished):
     # another dptrain or opacus version can calibrate another sigma for the same target
-    real = trainer_mod.calibrate_noise_multiplier
-    monkeypatch.setattr(trainer_mod, "calibrate_noise_multiplier",
-                        lambda *a, **k: real(*a, **k) * 1.001)
+    real = trainer_mod.calibrate
+    monkeypatch.setattr(trainer_mod, "calibrate",
+                        lambda *a, **k: real(*a, **k)._replace(
+                            noise_multiplier=real(*a, **k).noise_multiplier * 1.001))
     saved = json.loads((finished / "summary.json").read_text())
     out = tmp_path / "branch"
     code, err = train(capsys, out, "--resume", str(finished / "checkpoints" / "step-00000002"))
@@ -1255,9 +1256,10 @@ def test_a_resume_is_refused_when_the_releases_made_and_the_rest_exceed_the_targ
     # a checkpoint whose sigma is too small under this version's accountant (here: made so
     # by calibrating 0.8x and skipping the plan check): the new sigma alone would fit the
     # target, but not the 2 releases already made plus the 2 left
-    real = trainer_mod.calibrate_noise_multiplier
-    monkeypatch.setattr(trainer_mod, "calibrate_noise_multiplier",
-                        lambda *a, **k: real(*a, **k) * 0.8)
+    real = trainer_mod.calibrate
+    monkeypatch.setattr(trainer_mod, "calibrate",
+                        lambda *a, **k: real(*a, **k)._replace(
+                            noise_multiplier=real(*a, **k).noise_multiplier * 0.8))
     monkeypatch.setattr(trainer_mod, "check_plan", lambda cfg, sigma: 0.0)
     first = tmp_path / "first"
     assert train(capsys, first, "train.checkpoint_every=2")[0] == 0
