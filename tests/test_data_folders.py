@@ -483,3 +483,34 @@ def test_a_damaged_test_image_is_left_out_of_the_metrics_not_the_end_of_the_run(
     with pytest.raises(ConfigError) as e:
         _folder_trainer(tmp_path)
     assert e.value.field == "data.path" and "x/002.png" in e.value.message
+
+
+@pytest.mark.parametrize("where", ["data/train", "data/train/runs/a", "data/val/x",
+                                   "link/train"])
+def test_an_output_directory_inside_a_split_folder_is_refused(tmp_path, capsys, where):
+    # the run's checkpoints/ and final/ became classes of the training split: the next run
+    # failed ("Found no valid file for the classes checkpoints, final"), or trained on them
+    from dptrain.cli import main
+
+    rng = np.random.default_rng(3)
+    _tree(tmp_path / "data", "train", {"x": 4, "y": 4}, rng)
+    _tree(tmp_path / "data", "val", {"x": 1}, rng)
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*"))
+    root = Path(__file__).resolve().parents[1]
+    code = main(["train", "--config", str(root / "configs" / "tiny_images.yaml"),
+                 "--output-dir", str(tmp_path / where), "data.name=imagefolder",
+                 f"data.path={tmp_path / 'data'}", "data.image_size=8"])
+    err = capsys.readouterr().err
+    split = "val" if "val" in where else "train"
+    field = "data.test_file" if split == "val" else "data.train_file"
+    assert code == 2 and err.count("\n") == 1, err
+    assert (f"dptrain train: error: output-dir: {tmp_path / where} is inside "
+            f"{(tmp_path / 'data' / split).resolve()} ({field}), whose every folder is a "
+            f"class") in err
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*")) == before
+    # beside the splits, in data.path itself, is no class
+    code = main(["train", "--config", str(root / "configs" / "tiny_images.yaml"),
+                 "--output-dir", str(tmp_path / "data" / "run"), "data.name=imagefolder",
+                 f"data.path={tmp_path / 'data'}", "data.image_size=8", "--dry-run"])
+    assert code == 0, capsys.readouterr().err

@@ -102,6 +102,7 @@ def _run(args: argparse.Namespace, stop: types.SimpleNamespace) -> int:
         _check_ranks_agree_on_start(args, out)
     with _one_verdict_on(out, several):
         _check_output_dir(out)  # before the data and the model are built
+        _check_outside_the_data(out, cfg)
     with _run_lock(out, rank=stop.rank, dry_run=args.dry_run, shared=several) as started:
         return _run_in(out, cfg, args, stop, several, started)
 
@@ -662,6 +663,22 @@ def _check_output_dir(out: Path) -> None:
         raise ConfigError("output-dir", f"{linked}: this run would take over, prune or "
                                         "replace that run's files; choose another directory")
     _check_layout(out)
+
+
+def _check_outside_the_data(out: Path, cfg) -> None:
+    """``out`` is not an imagefolder's split folder, nor inside one: the run's checkpoints/
+    and final/ would be read as classes of the data by the next run (which then fails, or
+    trains on them)."""
+    from dptrain.data import example_folders
+
+    where = out.resolve()
+    for field, folder in example_folders(cfg.data):
+        folder = folder.resolve()
+        if folder == where or folder in where.parents:
+            raise ConfigError("output-dir", f"{out} is inside {folder} ({field}), whose every "
+                                            f"folder is a class: this run's checkpoints/ and "
+                                            f"final/ would be read as classes of the data; "
+                                            f"choose another directory")
 
 
 def _look(out: Path, cfg, args: argparse.Namespace) -> bool:

@@ -27,8 +27,8 @@ import numpy as np
 from dptrain.config import ConfigError, refuse_unused, require_file
 from dptrain.data.info import DataInfo
 
-__all__ = ["DataConfig", "DataInfo", "Task", "build_data", "even_subset", "REPO_ROOT",
-           "DEFAULT_E2E_PATH"]
+__all__ = ["DataConfig", "DataInfo", "Task", "build_data", "even_subset", "example_folders",
+           "REPO_ROOT", "DEFAULT_E2E_PATH"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_E2E_PATH = "../shared/data/e2e"
@@ -278,6 +278,27 @@ def _resolve_dir(path: str | None, default: str | None) -> Path | None:
     if p.is_absolute() or p.exists() or not (REPO_ROOT / p).exists():
         return p
     return REPO_ROOT / p
+
+
+def example_folders(cfg: DataConfig) -> list[tuple[str, Path]]:
+    """The folders whose every subfolder is read as examples, with the setting that names
+    each: an imagefolder's split folders (a class per subfolder), as the data will read them
+    (they may not exist yet). A run's output directory must not be in one: its checkpoints/
+    and final/ would be read as classes by the next run."""
+    if cfg.name != "imagefolder":
+        return []
+    root = _resolve_dir(cfg.path, None)
+    default_train, default_test = _DEFAULT_FILES["imagefolder"]
+    out = []
+    for field, name in (("data.train_file", cfg.train_file or default_train),
+                        ("data.test_file", cfg.test_file or default_test)):
+        folder = Path(name).expanduser()
+        if not folder.is_absolute():
+            if root is None:
+                continue
+            folder = root / folder
+        out.append((field, folder))
+    return out
 
 
 def _data_file(directory: Path, name: str, field: str) -> Path:
