@@ -1243,7 +1243,8 @@ class Trainer:
         # LoRA: the adapters alone, for peft (only when they are all that was trained), of the
         # evaluated model
         adapter = (lambda sd: write_adapter(sd, self.model, self.cfg.model.lora,
-                                            out / "final" / "adapter"))
+                                            out / "final" / "adapter",
+                                            self.cfg.model.pretrained_path))
         if ema is not None:  # the evaluated model, the average, is the exported one
             # written inside: on CPU the state dict holds the parameters themselves, which
             # leaving the block sets back to the last iterate (final/adapter held that one)

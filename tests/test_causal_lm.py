@@ -225,7 +225,11 @@ def test_an_example_s_padded_length_leaves_the_others_clipped_sum_in_bfloat16_to
     ({"attn_implementation": "eager"}, {}, "model.hf_config.attn_implementation", "sdpa"),
     ({"hidden_sizes": 64}, {}, "model.hf_config.hidden_sizes", "not a setting of LlamaConfig"),
     ({"hidden_size": "wide"}, {}, "model.hf_config.hidden_size", "must be an integer >= 1"),
-    ({"num_attention_heads": 3}, {}, "model.hf_config", "not a multiple"),
+    # a message naming two keys in words names both; a KeyError of a value names its key
+    ({"num_attention_heads": 3}, {}, "model.hf_config",
+     "LlamaConfig refused it (hidden_size = 32, num_attention_heads = 3): "),
+    ({"hidden_act": "foo"}, {}, "model.hf_config.hidden_act",
+     "'foo': transformers cannot build it: KeyError: 'foo'"),
     ({"num_key_value_heads": 3}, {}, "model.hf_config.num_key_value_heads",
      "must divide num_attention_heads (4)"),
     ({"model_type": "bert"}, {}, "model.hf_config.model_type", "not a decoder-only"),

@@ -686,3 +686,13 @@ def test_sharding_asked_of_one_rank_is_said_to_shard_nothing(tmp_path, capsys):
     code, _, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
                            str(tmp_path / "run"), "--dry-run")
     assert code == 0 and "nothing is sharded" not in err
+
+
+@pytest.mark.parametrize("steps, said", [(1, "done: 1 step, epsilon "),
+                                         (2, "done: 2 steps, epsilon ")])
+def test_the_last_line_counts_its_steps_in_english(tmp_path, capsys, steps, said):
+    code, out, err = run_cli(capsys, "train", "--config", TINY, "--output-dir",
+                             str(tmp_path / "run"), "train.checkpoint_every=0",
+                             f"privacy.steps={steps}")
+    assert code == 0, err
+    assert out.splitlines()[-1].startswith(said), out

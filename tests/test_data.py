@@ -814,6 +814,55 @@ def test_tokenizer_path_with_only_one_of_the_bpe_files_says_what_is_missing(tmp_
     assert "holds no GPT-2 tokenizer" in str(e.value) and "merges.txt" in str(e.value)
 
 
+def test_hf_tokenizer_path_without_tokenizer_files_says_so_and_long_reasons_end_in_dots(
+        tmp_path, monkeypatch):
+    from dptrain.config import ConfigError
+    from dptrain.data import tokenizers
+
+    (tmp_path / "config.json").write_text("{}")  # a model folder's, not a tokenizer's
+    with pytest.raises(ConfigError) as e:
+        build_tokenizer("hf", str(tmp_path))
+    assert e.value.field == "data.tokenizer_path"
+    assert f"{tmp_path} holds no tokenizer files (tokenizer.json" in e.value.message
+    assert "install" not in e.value.message
+
+    def refuse(folder):
+        raise ValueError("word " * 100)
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(tokenizers, "HFTokenizer", refuse)
+    with pytest.raises(ConfigError) as e:
+        build_tokenizer("hf", str(tmp_path))
+    assert e.value.message.endswith("word wo...)")
+
+
+def test_gpt2_tokenizer_path_refuses_another_byte_level_bpe(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from dptrain.config import ConfigError
+
+    def save(folder, specials, **tokens):
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.train_from_iterator(["a b c"] * 3, trainers.BpeTrainer(
+            vocab_size=300, special_tokens=specials, show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        PreTrainedTokenizerFast(tokenizer_object=tok, **tokens).save_pretrained(str(folder))
+        return str(folder)
+
+    ok = build_tokenizer("gpt2", save(tmp_path / "gpt2", ["<|endoftext|>"],
+                                      eos_token="<|endoftext|>"))
+    assert ok.eos_id == ok.pad_id == ok.hf.convert_tokens_to_ids("<|endoftext|>")
+    other = save(tmp_path / "other", ["<s>", "</s>"], bos_token="<s>", eos_token="</s>")
+    with pytest.raises(ConfigError) as e:
+        build_tokenizer("gpt2", other)
+    assert e.value.field == "data.tokenizer_path"
+    assert "not a GPT-2 tokenizer: no <|endoftext|> token" in e.value.message
+    assert "<s>" in e.value.message and "data.tokenizer=hf" in e.value.message
+
+
 def test_classification_loss_per_example():
     task = build_data(DataConfig(name="synthetic_images", synthetic_train_size=12,
                                  synthetic_test_size=5, image_size=12, in_chans=1))
@@ -1201,6 +1250,20 @@ def test_webdataset_damaged_shards_are_config_errors_naming_data_path(tmp_path):
     with pytest.raises(ConfigError, match="no shard matches") as e:
         build()
     assert e.value.field == "data.train_file"
+
+
+def test_webdataset_only_compressed_shards_say_to_decompress_them(tmp_path):
+    from dptrain.config import ConfigError
+
+    for name in ("data-train-000.tar.gz", "data-train-001.tar.gz", "data-train-002.tar.xz"):
+        (tmp_path / name).write_bytes(b"\x1f\x8b")
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    assert e.value.field == "data.train_file"
+    assert e.value.message == (
+        f"file not found: no shard matches {tmp_path}/*train*.tar; 3 compressed shards "
+        f"(data-train-000.tar.gz, data-train-001.tar.gz, ...) match it: shards are read as "
+        f"plain .tar files, decompress them first (e.g. gunzip)")
 
 
 def test_webdataset_undecodable_or_vanished_image_is_a_config_error(tmp_path):

@@ -440,7 +440,8 @@ def test_a_lora_run_trains_the_adapters_only_and_writes_merged_and_adapter_model
         want = t.model(input_ids=ids).logits
         torch.testing.assert_close(hf(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(peft_model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
-    assert json.loads((final / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    config = json.loads((final / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["base_model_name_or_path"] == str(base_dir.absolute())
 
 
 def test_with_ema_the_adapter_is_the_average_like_the_merged_and_hf_models(tmp_path):
@@ -574,3 +575,23 @@ def test_the_adapter_config_lists_its_targets_sorted(tmp_path):
     assert write_adapter(model.state_dict(), model, lora, tmp_path / "adapter")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["target_modules"] == sorted(names) and config["r"] == 2
+    assert config["base_model_name_or_path"] is None  # no model.pretrained_path
+    assert write_adapter(model.state_dict(), model, lora, tmp_path / "adapter", "~/llama")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(Path.home() / "llama")
+
+
+def test_a_lora_rank_above_a_target_s_smaller_dimension_is_noted(capsys):
+    model = _tiny_llama(False, torch.float32)
+    apply_finetuning(model, LoRAConfig(r=2, target_modules=["q_proj"]), None)
+    assert "model.lora.r" not in capsys.readouterr().err
+    model = _tiny_llama(False, torch.float32)
+    shapes = {n: min(m.weight.shape) for n, m in model.named_modules()
+              if n.endswith(("q_proj", "k_proj"))}
+    apply_finetuning(model, LoRAConfig(r=1000, target_modules=["q_proj", "k_proj"]), None)
+    err = capsys.readouterr().err
+    first, rank = next(iter(shapes.items()))
+    assert err.startswith(f"dptrain: note: model.lora.r = 1000 exceeds the rank of {first} "
+                          f"({rank}) (and {len(shapes) - 1} more target layer(s)): its adapter's "
+                          f"update has rank at most {rank}")
+    assert err.count("\n") == 1

@@ -71,7 +71,7 @@ def test_hf_special_ids_and_refusals(tokenizers, tmp_path):
     hf.save_pretrained(str(no_eos))
     (tmp_path / "empty").mkdir()
     for path, words in ((None, "required"), (tmp_path / "none", "not found"),
-                        (tmp_path / "empty", "cannot load"), (no_eos, "no EOS")):
+                        (tmp_path / "empty", "holds no tokenizer files"), (no_eos, "no EOS")):
         with pytest.raises(ConfigError) as e:
             build_tokenizer("hf", None if path is None else str(path))
         assert e.value.field == "data.tokenizer_path" and words in e.value.message

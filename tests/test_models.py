@@ -169,6 +169,19 @@ def test_image_model_mismatches_with_the_data_name_the_field():
         with pytest.raises(ConfigError) as e:
             build_model(from_dict(ModelConfig, kw, "model"), mnist)
         assert e.value.field == field, kw
+    with pytest.raises(ConfigError) as e:
+        build_model(from_dict(ModelConfig, dict(name="cnn", in_chans=3), "model"), mnist)
+    assert e.value.message == ("3, but the data's images have 1 channels; or set "
+                               "data.in_chans=3 (webdataset and imagefolder decode the images "
+                               "as RGB)")
+    rgb = DataInfo(kind="classification", num_classes=12, in_chans=3, image_size=28)
+    with pytest.raises(ConfigError) as e:
+        build_model(from_dict(ModelConfig, dict(name="cnn", in_chans=1), "model"), rgb)
+    assert e.value.message.endswith("; or set data.in_chans=1 (webdataset and imagefolder "
+                                    "decode the images as grey)")
+    with pytest.raises(ConfigError) as e:  # data.num_classes 12, labels seen maybe 0..9
+        build_model(from_dict(ModelConfig, dict(name="cnn", num_classes=10), "model"), rgb)
+    assert e.value.message == "10 is fewer than the data's classes (data.num_classes = 12)"
     # what fits is built: more classes than labels, 4 stages on 28 px
     m = build_model(from_dict(ModelConfig, dict(name="cnn", num_classes=12,
                                                 channels=[4, 4, 4, 4]), "model"), mnist)

@@ -316,6 +316,27 @@ def test_convnext_preset_gives_muon_the_lora_factors_of_the_mlp():
     assert groups["matrices"] == ("muon", factors) and "others" not in groups
 
 
+def test_lora_only_on_the_lm_head_says_the_adapters_go_to_optim_aux():
+    """LoRA only on an untied lm_head: the causal_lm preset (the model's own) gives its factors
+    to optim.aux; the refusal said "use the model's preset" although it was."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from dptrain.models.finetune import LoRAConfig, apply_finetuning
+
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64, tie_word_embeddings=False))
+    apply_finetuning(llama, LoRAConfig(r=2, target_modules=["lm_head"]), None)
+    with pytest.raises(ConfigError) as e:
+        _build({"name": "muon", "preset": "causal_lm"}, model=llama)
+    assert e.value.field == "optim.preset"
+    assert ("'causal_lm': model.lora adapts no layer of the blocks; the adapters outside them "
+            "(an LM head's) go to optim.aux, so nothing is left for muon (optim.name): use "
+            "optim.preset null and optim.name adamw, or target the blocks' layers"
+            in e.value.message)
+    assert "use the model's preset" not in e.value.message
+
+
 def test_a_preset_for_another_layout_is_refused_not_given_the_embeddings():
     """A GPT-2 config's ``preset: gpt2`` reused for a Llama gave ``model.embed_tokens`` to
     Muon (the gpt2 preset keeps only wte/wpe/lm_head for AdamW), and reused for a ViT its

@@ -195,7 +195,8 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
         return 128 + e.signum
     if trainer.rank == 0:  # only rank 0 writes the files, and says so once
         metrics = _done_metrics(summary["metrics"])
-        print(f"done: {summary['steps']} steps, epsilon {summary['epsilon']:.3f} "
+        steps = summary["steps"]
+        print(f"done: {steps} step{'' if steps == 1 else 's'}, epsilon {summary['epsilon']:.3f} "
               f"(delta {summary['delta']:.3g}), {metrics}; wrote {out}/summary.json")
     return 0
 

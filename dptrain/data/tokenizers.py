@@ -89,11 +89,19 @@ class GPT2Tokenizer(_TransformersTokenizer):
         from transformers import GPT2TokenizerFast
 
         super().__init__(folder, GPT2TokenizerFast)
-        eos = self.hf.eos_token_id
-        if eos is None:
-            eos = self.hf.convert_tokens_to_ids("<|endoftext|>")
+        # GPT-2's <|endoftext|>, the folder's own (its EOS or in its vocabulary, not the default
+        # GPT2TokenizerFast adds): another byte-level BPE (<s> ... </s>) would lose the BOS its
+        # model was trained with, which only data.tokenizer=hf adds
+        eot = "<|endoftext|>"
+        own = (self.hf.eos_token == eot
+               or eot in self.hf.backend_tokenizer.get_vocab(with_added_tokens=False))
+        eos = self.hf.convert_tokens_to_ids(eot) if own else None
         if eos is None or eos >= self.vocab_size:
-            raise ConfigError("data.tokenizer_path", f"{folder}: no <|endoftext|> token")
+            special = ", ".join(sorted(set(self.hf.all_special_tokens) - {eot})[:6]) or "none"
+            raise ConfigError("data.tokenizer_path",
+                              f"{folder}: not a GPT-2 tokenizer: no <|endoftext|> token "
+                              f"(its special tokens: {special}); for another tokenizer, set "
+                              f"data.tokenizer=hf, which also adds its BOS")
         self.eos_id = int(eos)
         self.pad_id = self.eos_id
 
@@ -230,6 +238,13 @@ def gpt2_bpe_folder() -> Path:
                                         "set DPTRAIN_CACHE")
 
 
+# what AutoTokenizer loads a tokenizer from: a folder with none of them is refused before
+# transformers' own message (which suggests installing sentencepiece or tiktoken)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.txt",
+                    "tokenizer.tiktoken")
+
+
 def build_tokenizer(kind: str, path: str | None = None):
     """``kind`` = "bytes", "gpt2" or "hf"; ``path`` = a folder with a tokenizer (optional for
     gpt2, required for hf)."""
@@ -243,12 +258,19 @@ def build_tokenizer(kind: str, path: str | None = None):
         folder = Path(path)
         if not folder.is_dir():
             raise ConfigError("data.tokenizer_path", f"directory not found: {folder}")
+        if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+            raise ConfigError("data.tokenizer_path",
+                              f"{folder} holds no tokenizer files "
+                              f"({', '.join(_TOKENIZER_FILES)}); name the folder that does "
+                              f"(a pretrained model's own usually does)")
         try:
             return HFTokenizer(folder)
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise many kinds
-            reason = " ".join(str(e).split())[:300] or type(e).__name__
+            reason = " ".join(str(e).split()) or type(e).__name__
+            if len(reason) > 300:
+                reason = reason[:297] + "..."
             raise ConfigError("data.tokenizer_path",
                               f"{folder}: cannot load a tokenizer ({reason})") from None
     if kind == "gpt2":

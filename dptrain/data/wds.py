@@ -43,6 +43,20 @@ LABEL_EXTS = ("cls", "cls.txt", "label")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 CROP_FRACTION = 0.875
+COMPRESSED_EXTS = (".gz", ".bz2", ".xz", ".zst")
+
+
+def _compressed_hint(query: str) -> str:
+    """What to say when glob ``query`` matches no shard but compressed ones exist (only
+    ``.tar.gz`` shards, with the default ``*train*.tar``): they are read uncompressed."""
+    packed = [Path(x) for ext in COMPRESSED_EXTS for x in sorted(glob.glob(query + ext))
+              if Path(x).is_file()]
+    if not packed:
+        return ""
+    shown = ", ".join(p.name for p in packed[:2]) + (", ..." if len(packed) > 2 else "")
+    return (f"; {len(packed)} compressed shard{'s' if len(packed) > 1 else ''} ({shown}) "
+            f"match{'' if len(packed) > 1 else 'es'} it: shards are read as plain .tar files, "
+            f"decompress them first (e.g. gunzip)")
 
 
 def expand_shards(directory: Path | None, pattern: str, field: str) -> list[Path]:
@@ -63,7 +77,8 @@ def expand_shards(directory: Path | None, pattern: str, field: str) -> list[Path
             query = os.path.join(where, pat) if where is not None else pat
             found = [Path(x) for x in sorted(glob.glob(query)) if Path(x).is_file()]
             if not found:  # one alternative of a brace list that matches nothing: a typo
-                raise ConfigError(field, f"file not found: no shard matches {p}")
+                raise ConfigError(field, f"file not found: no shard matches {p}"
+                                         f"{_compressed_hint(query)}")
             out.extend(found)
         else:
             require_file(field, p)

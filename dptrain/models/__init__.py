@@ -599,7 +599,37 @@ _HF_CHOSEN_KEYS = ("attn_implementation", "_attn_implementation")
 
 
 def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:300] or type(e).__name__
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _hf_keys(e: BaseException, hf: dict) -> list[str]:
+    """The hf_config keys a transformers error is about: a KeyError of one of their values
+    (``hidden_act: foo`` gives ``KeyError: 'foo'``), a validator's ``field 'x'``, or the keys
+    its message names, as written or in words (``hidden size``, ``number of attention
+    heads`` for num_attention_heads)."""
+    import re
+
+    if isinstance(e, KeyError) and e.args:
+        keys = [k for k, v in hf.items() if isinstance(v, str) and v == e.args[0]]
+        if keys:
+            return keys
+    text = str(e)
+    named = re.search(r"field '(\w+)'", text)
+    if named and named.group(1) in hf:
+        return [named.group(1)]
+    words = " ".join(text.lower().split())
+    return [k for k in hf if k in text or k.replace("_", " ") in words
+            or (k.startswith("num_") and k[4:].replace("_", " ") in words)]
+
+
+def _hf_refusal(e: BaseException, hf: dict, what: str, detail: str) -> ConfigError:
+    """``what: detail``, at the one hf_config key ``e`` names; several are named in the text."""
+    keys = _hf_keys(e, hf)
+    if len(keys) == 1:
+        return ConfigError(f"model.hf_config.{keys[0]}", f"{hf[keys[0]]!r}: {what}: {detail}")
+    shown = f" ({', '.join(f'{k} = {hf[k]!r}' for k in keys)})" if keys else ""
+    return ConfigError("model.hf_config", f"{what}{shown}: {detail}")
 
 
 def _decoder_only(config, model_type: str, field: str) -> None:
@@ -698,8 +728,6 @@ def scratch_config(cfg: ModelConfig, vocab_size: int | None = None,
     model.tie_embeddings and model.dropout applied. ``special``: token ids (bos/eos/pad) to
     set where hf_config does not. Used by validate() too, so a dry run refuses a bad key
     before any data is read."""
-    import re
-
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -729,10 +757,7 @@ def scratch_config(cfg: ModelConfig, vocab_size: int | None = None,
     try:
         config = AutoConfig.for_model(model_type, **hf)
     except Exception as e:  # noqa: BLE001 - transformers' validators raise many kinds
-        named = re.search(r"field '(\w+)'", str(e))
-        key = named.group(1) if named and named.group(1) in hf else None
-        raise ConfigError("model.hf_config" + (f".{key}" if key else ""),
-                          f"{cls.__name__} refused it: {_one_line(e)}") from None
+        raise _hf_refusal(e, hf, f"{cls.__name__} refused it", _one_line(e)) from None
     _decoder_only(config, model_type, "model.hf_config.model_type")
     heads = getattr(config, "num_attention_heads", None)
     groups = getattr(config, "num_key_value_heads", None)
@@ -918,8 +943,8 @@ def _build_causal_lm(cfg: ModelConfig, info: DataInfo, low_precision: bool) -> n
         # (ImportError: a family's extra package; ArithmeticError: num_key_value_heads 0)
         if _allocation_failure(e):
             raise  # build_model names the size setting
-        raise ConfigError("model.hf_config", f"transformers cannot build it: "
-                                             f"{type(e).__name__}: {_one_line(e)}") from None
+        raise _hf_refusal(e, dict(cfg.hf_config), "transformers cannot build it",
+                          f"{type(e).__name__}: {_one_line(e)}") from None
     check_no_batchnorm(model, "model.hf_config")
     _check_runs(model)
     return model
@@ -991,12 +1016,16 @@ def _build_model(cfg: ModelConfig, info: DataInfo, low_precision: bool) -> nn.Mo
             raise ConfigError("model.in_chans", "unknown; set model.in_chans")
         # a smaller head or other input channels would fail mid-training with a traceback
         if info.num_classes is not None and num_classes < info.num_classes:
+            # (data.num_classes as set, or inferred; labels seen may stop lower)
             raise ConfigError("model.num_classes",
-                              f"{num_classes} is fewer than the data's {info.num_classes} "
-                              f"classes (labels 0..{info.num_classes - 1})")
+                              f"{num_classes} is fewer than the data's classes "
+                              f"(data.num_classes = {info.num_classes})")
         if info.in_chans is not None and in_chans != info.in_chans:
+            hint = (f"; or set data.in_chans={in_chans} (webdataset and imagefolder decode "
+                    f"the images as {'grey' if in_chans == 1 else 'RGB'})"
+                    if in_chans in (1, 3) else "")
             raise ConfigError("model.in_chans", f"{in_chans}, but the data's images have "
-                                                f"{info.in_chans} channels")
+                                                f"{info.in_chans} channels{hint}")
         if (cfg.name == "cnn" and info.image_size is not None
                 and info.image_size < 2 ** len(cfg.channels)):
             raise ConfigError("model.channels",

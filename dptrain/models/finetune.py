@@ -174,6 +174,7 @@ def apply_finetuning(model: nn.Module, lora: LoRAConfig, trainable: list[str] | 
         targets = lora.target_modules or _default_targets(model)
         found = _targets(model, targets)
         conv1d = any(type(m) is not nn.Linear for m in found.values())
+        _note_rank(lora.r, found)
         with warnings.catch_warnings():  # fan_in_fan_out, set per layer by peft when mixed
             warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
             inject_adapter_in_model(_peft_config(lora, targets, conv1d), model,
@@ -190,6 +191,21 @@ def apply_finetuning(model: nn.Module, lora: LoRAConfig, trainable: list[str] | 
             raise ConfigError(f"model.trainable[{i}]", _no_match(pattern, named, lora))
         for p in hits:
             p.requires_grad_(True)
+
+
+def _note_rank(r: int, found: dict[str, nn.Module]) -> None:
+    """A note on stderr when ``r`` exceeds a target's smaller dimension: its update ``B A``
+    cannot have rank above that, so the surplus only adds factor coordinates (each clipped
+    and noised) and memory. Allowed, as peft allows it."""
+    over = {n: min(m.weight.shape) for n, m in found.items() if min(m.weight.shape) < r}
+    if not over:
+        return
+    name, rank = next(iter(over.items()))
+    more = f" (and {len(over) - 1} more target layer(s))" if len(over) > 1 else ""
+    print(f"dptrain: note: model.lora.r = {r} exceeds the rank of {name} ({rank}){more}: its "
+          f"adapter's update has rank at most {rank}, as the full layer's would; the surplus "
+          f"only adds noised coordinates and memory (model.lora.r <= {min(over.values())} "
+          f"loses nothing)", file=sys.stderr)
 
 
 def _no_match(pattern: str, named: list[tuple[str, nn.Parameter]], lora: LoRAConfig) -> str:
@@ -286,9 +302,10 @@ def adapter_state(state: dict[str, Tensor], model: nn.Module) -> dict[str, Tenso
 
 
 def write_adapter(state: dict[str, Tensor], model: nn.Module, lora: LoRAConfig,
-                  directory) -> bool:
+                  directory, base_model: str | None = None) -> bool:
     """Write peft's adapter folder (``adapter_config.json``, ``adapter_model.safetensors``)
-    for ``PeftModel.from_pretrained(base, directory)``. Only when the adapters are all that
+    for ``PeftModel.from_pretrained(base, directory)``; ``base_model`` (model.pretrained_path,
+    written absolute) is its ``base_model_name_or_path``. Only when the adapters are all that
     was trained (a parameter of ``model.trainable`` is not part of a LoRA adapter, so only the
     merged model holds it) and the targets are all Linear or all Conv1D (peft's config has one
     ``fan_in_fan_out``): returns whether it was written. Mixed targets say on stderr why the
@@ -311,6 +328,8 @@ def write_adapter(state: dict[str, Tensor], model: nn.Module, lora: LoRAConfig,
         return False
     config = _peft_config(lora, lora.target_modules or _default_targets(model),
                           fan_in_fan_out.pop())
+    if base_model is not None:
+        config.base_model_name_or_path = str(Path(base_model).expanduser().absolute())
     from safetensors.torch import save_file
 
     directory = Path(directory)

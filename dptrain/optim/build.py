@@ -220,6 +220,16 @@ def plan_groups(cfg: OptimConfig, named_params: NamedParams) -> list[ResolvedGro
         if not any(g.name == "matrices" for g in preset_groups):
             # e.g. preset nfresnet on GPT-2 (no 4-D weights): optim.name and optim.lr would
             # drive nothing, every parameter going to optim.aux
+            adapters = [n for n, _ in named_params if ".lora_A." in n or ".lora_B." in n]
+            if adapters and all(EMBEDDING_NAME.search(n) for n in adapters):
+                # the model's own preset, LoRA only outside the blocks (an LM head's adapters)
+                raise ConfigError("optim.preset", f"{cfg.preset!r}: model.lora adapts no "
+                                                  f"layer of the blocks; the adapters outside "
+                                                  f"them (an LM head's) go to optim.aux, so "
+                                                  f"nothing is left for {cfg.name} "
+                                                  f"(optim.name): use optim.preset null and "
+                                                  f"optim.name adamw, or target the blocks' "
+                                                  f"layers (model.lora.target_modules)")
             raise ConfigError("optim.preset", f"{cfg.preset!r} gives no parameter of this "
                                               f"model to {cfg.name} (optim.name); use the "
                                               f"model's preset or explicit optim.groups (if "
