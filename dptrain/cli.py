@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None, *, process_exits: bool = False) -> int:
             print(f"dptrain {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"dptrain {args.command}: interrupted", file=sys.stderr)
+        if _rank() == 0:  # (rank 0 speaks for the run, as dptrain train's own line does)
+            print(f"dptrain {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import re
@@ -67,8 +68,9 @@ def shown(value: Any) -> str:
     character: repr); anything else as repr."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
-    if isinstance(value, str) and value.isprintable():
-        return "'" + value.replace("'", "''") + "'"
+    if isinstance(value, str):  # (a control character: JSON's escapes, YAML's double quotes)
+        return ("'" + value.replace("'", "''") + "'" if value.isprintable()
+                else json.dumps(value))
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(shown(v) for v in value) + "]"
     if isinstance(value, dict):

@@ -328,8 +328,10 @@ def truncation_note(task, max_length, secure: bool = False) -> str | None:
 
 def mib_text(mib: float) -> str:
     """A size in MiB for a message: whole MiB from 1 MiB up, 2 significant digits below (a
-    tiny model's 0.067 MiB, not "0 MiB")."""
-    return f"{mib:.0f} MiB" if mib >= 1 or mib == 0 else f"{mib:.2g} MiB"
+    tiny model's 0.067 MiB, not "0 MiB"), KiB below 0.01 MiB."""
+    if mib >= 1 or mib == 0:
+        return f"{mib:.0f} MiB"
+    return f"{mib:.2g} MiB" if mib >= 0.01 else f"{mib * 1024:.2g} KiB"
 
 
 def guarantee(cfg) -> str:

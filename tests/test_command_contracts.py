@@ -194,3 +194,19 @@ def test_calibrate_range_errors_echo_the_value_as_given(capsys, option, value, l
     rc, out, err = _calibrate([x for kv in argv.items() for x in kv], capsys)
     assert rc == 2 and out == ""
     assert err == f"dptrain calibrate: error: {line}\n"
+
+
+@pytest.mark.parametrize("rank, said", [("0", "dptrain calibrate: interrupted\n"), ("1", "")])
+def test_an_interrupted_command_is_said_once_by_rank_0(monkeypatch, capsys, rank, said):
+    # (under torchrun every rank got the SIGINT, and rank 1 printed its own line)
+    import dptrain.commands.calibrate as calibrate
+    from dptrain.cli import main
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(calibrate, "run", interrupted)
+    monkeypatch.setenv("RANK", rank)
+    assert main(["calibrate", "--epsilon", "1", "--delta", "1e-5", "--sample-rate", "0.1",
+                 "--steps", "1"]) == 130
+    assert capsys.readouterr().err == said

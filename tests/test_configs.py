@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from dptrain.config import ConfigError, from_dict, load, validate_tree
 from dptrain.data import build_data
@@ -662,7 +663,9 @@ def test_values_in_messages_are_written_as_a_config_writes_them():
     assert shown([None, {"a": False}]) == "[null, {a: false}]"
     # a regex's backslashes as written (repr doubled them: ['\\.bias$']); YAML's quote
     assert shown([r"\.bias$", "it's"]) == r"['\.bias$', 'it''s']"
-    assert shown("a\nb") == repr("a\nb")  # (a control character: repr, on one line)
+    # a control character: JSON's escapes, YAML's double quotes (repr read "a\\tb" the same)
+    assert shown("a\tb") == '"a\\tb"' and shown("a\\tb") == "'a\\tb'"
+    assert yaml.safe_load(shown("a\tb")) == "a\tb" and yaml.safe_load(shown("a\nb")) == "a\nb"
 
 
 def test_a_resume_refusal_shows_a_changed_regex_as_written():

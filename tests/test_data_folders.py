@@ -507,7 +507,11 @@ def test_an_output_directory_inside_a_split_folder_is_refused(tmp_path, capsys, 
     assert code == 2 and err.count("\n") == 1, err
     assert (f"dptrain train: error: output-dir: {tmp_path / where} is inside "
             f"{(tmp_path / 'data' / split).resolve()} ({field}), whose every folder is a "
-            f"class") in err
+            f"class: ") in err
+    below = {"data/train": "this run's checkpoints/ and final/ would be read as classes",
+             "data/train/runs/a": "this run's files would be read as examples of class runs",
+             "data/val/x": "x would be read as a class", "link/train": "this run's "}[where]
+    assert f"class: {below}" in err and "move it out whole" in err
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*")) == before
     # beside the splits, in data.path itself, is no class
     code = main(["train", "--config", str(root / "configs" / "tiny_images.yaml"),

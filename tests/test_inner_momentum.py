@@ -343,6 +343,8 @@ def test_run_reports_the_query_memory_once_the_history_is_full(tmp_path, capsys)
 def test_memory_sizes_below_a_mib_keep_two_significant_digits():
     assert [mib_text(v) for v in (0.0, 0.0671, 0.5, 0.99, 1.0, 1.4, 12.6, 2048.2)] == [
         "0 MiB", "0.067 MiB", "0.5 MiB", "0.99 MiB", "1 MiB", "1 MiB", "13 MiB", "2048 MiB"]
+    # (not "1e-05 MiB")
+    assert [mib_text(v) for v in (0.0099, 1e-5, 1 / 1024)] == ["10 KiB", "0.01 KiB", "1 KiB"]
 
 
 @pytest.mark.parametrize("ghost", ["ghost", "instantiate"])

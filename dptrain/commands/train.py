@@ -676,10 +676,15 @@ def _check_outside_the_data(out: Path, cfg) -> None:
     for field, folder in example_folders(cfg.data):
         folder = folder.resolve()
         if folder == where or folder in where.parents:
+            below = where.relative_to(folder).parts
+            why = ("this run's checkpoints/ and final/ would be read as classes" if not below
+                   else f"{below[0]} would be read as a class" if len(below) == 1
+                   else f"this run's files would be read as examples of class {below[0]} "
+                        f"(its images trained on)")
             raise ConfigError("output-dir", f"{out} is inside {folder} ({field}), whose every "
-                                            f"folder is a class: this run's checkpoints/ and "
-                                            f"final/ would be read as classes of the data; "
-                                            f"choose another directory")
+                                            f"folder is a class: {why}; choose another "
+                                            f"directory (a run already there: move it out "
+                                            f"whole and continue it with --resume auto)")
 
 
 def _look(out: Path, cfg, args: argparse.Namespace) -> bool:
