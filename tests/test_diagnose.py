@@ -840,9 +840,9 @@ def test_gamma_zero_needs_no_history(plain_run, tmp_path, capsys):
     assert report["clip_factors"]["im"]["lam"] == report["clip_factors"]["current"]["lam"]
 
 
-def test_memory_budget_counts_the_three_copies_of_an_im_probe(im_run, monkeypatch):
-    """With a Muon history the probes hold G_cur, G_im and one past state's G_j at once, so a
-    matrix costs 3 * m * numel * 8 bytes of the max_bytes budget (1x without IM)."""
+def _chunks_of_the_probes(im_run, monkeypatch):
+    """(the IM run loaded, two matrices of one size, the bytes of one copy of either at m = 2
+    float64 examples, the list that records each chunk of matrices probed together)."""
     from dptrain import checkpoint as ckpt
     import dptrain.diagnostics.probes as probes
 
@@ -859,6 +859,15 @@ def test_memory_budget_counts_the_three_copies_of_an_im_probe(im_run, monkeypatc
         return real(run_, indices, chunk, state)
 
     monkeypatch.setattr(probes, "per_example_grads", recording)
+    return run, names, one, calls
+
+
+def test_memory_budget_counts_the_three_copies_of_an_im_probe(im_run, monkeypatch):
+    """With a Muon history the probes hold G_cur, G_im and one past state's G_j at once, so a
+    matrix costs 3 * m * numel * 8 bytes of the max_bytes budget (1x without IM)."""
+    import dptrain.diagnostics.probes as probes
+
+    run, names, one, calls = _chunks_of_the_probes(im_run, monkeypatch)
     kw = dict(probe_examples=2, params=r"h\.0\.mlp\.c_")
     probes.diagnose(run, compare_im=probes.ImQuery(1, 0.9), max_bytes=3 * one, **kw)
     assert calls == [[names[0]], [names[1]]]  # 2 x 3 copies would exceed the budget
@@ -1117,21 +1126,9 @@ def test_history_is_the_pre_update_states_newest_first(im_run):
 def test_memory_budget_of_an_im_probe_is_exactly_three_copies(im_run, monkeypatch):
     """Two matrices of one (m * numel * 8 bytes) each: with a Muon history they cost 3 + 3
     copies, so they share a chunk at a budget of 6 copies and not at one byte less."""
-    from dptrain import checkpoint as ckpt
     import dptrain.diagnostics.probes as probes
 
-    run = probes.load_run(ckpt.find_latest(im_run))
-    names = ["transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"]
-    one = 2 * run.params[names[0]].numel() * 8
-    calls = []
-    real = probes.per_example_grads
-
-    def recording(run_, indices, chunk, state=None):
-        if state is None:
-            calls.append(list(chunk))
-        return real(run_, indices, chunk, state)
-
-    monkeypatch.setattr(probes, "per_example_grads", recording)
+    run, names, one, calls = _chunks_of_the_probes(im_run, monkeypatch)
     kw = dict(probe_examples=2, params=r"h\.0\.mlp\.c_", compare_im=probes.ImQuery(1, 0.9))
     probes.diagnose(run, max_bytes=6 * one, **kw)
     assert calls == [names]
