@@ -72,8 +72,8 @@ def main() -> None:
     }
     for k, v in result["ms"].items():
         print(f"{k:>6}: {v:8.2f} ms per forward")
-    print(f"this/base {result['this_over_base']:.3f} (CPU time {result['this_over_base_cpu']:.3f}), "
-          f"this/torch {result['this_over_torch']:.3f}")
+    print(f"this/base {result['this_over_base']:.3f} (CPU time "
+          f"{result['this_over_base_cpu']:.3f}), this/torch {result['this_over_torch']:.3f}")
     print(json.dumps(result))
 
 

@@ -162,8 +162,6 @@ def run(args) -> int:
     for w in caught:
         if issubclass(w.category, AccountingWarning):
             print(f"{PROG}: warning: {w.message}", file=sys.stderr)
-    # (sigma meets the target by RDP's bound where PRV could not be used: PRV's epsilon of it,
-    # the one printed, may then be well below the target)
 
     if args.json:
         print(json.dumps({
@@ -178,6 +176,8 @@ def run(args) -> int:
             "epsilon_tolerance": v["epsilon_tolerance"],
         }))
     else:
+        # (sigma meets the target by RDP's bound where PRV could not be used: PRV's epsilon of
+        # it, the one printed, may then be well below the target)
         print(f"noise_multiplier {sigma:.6g}: epsilon {achieved:.4f} (target {v['epsilon']:g}) "
               f"at delta {v['delta']:.4g} over {v['steps']} steps at sample rate "
               f"{v['sample_rate']:g} ({v['accountant']} accountant"

@@ -91,8 +91,8 @@ class AccountingWarning(UserWarning):
 
 
 class CalibratedToRDP(AccountingWarning):
-    """:func:`calibrate_noise_multiplier` could not use PRV: the sigma returned meets the
-    target by RDP's (looser) bound, and PRV's epsilon of it may be well below the target."""
+    """:func:`calibrate` could not use PRV: the sigma returned meets the target by RDP's
+    (looser) bound, and PRV's epsilon of it may be well below the target."""
 
 
 def _check_sigma(sigma) -> float:
