@@ -513,6 +513,14 @@ def test_an_output_directory_inside_a_split_folder_is_refused(tmp_path, capsys, 
              "data/val/x": "x would be read as a class", "link/train": "this run's "}[where]
     assert f"class: {below}" in err and "move it out whole" in err
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*")) == before
+    # a loop of links: one line naming output-dir (not a RuntimeError of Path.resolve)
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    code = main(["train", "--config", str(root / "configs" / "tiny_images.yaml"),
+                 "--output-dir", str(tmp_path / "loop1" / "sub"), "data.name=imagefolder",
+                 f"data.path={tmp_path / 'data'}", "data.image_size=8"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "output-dir" in err, err
     # beside the splits, in data.path itself, is no class
     code = main(["train", "--config", str(root / "configs" / "tiny_images.yaml"),
                  "--output-dir", str(tmp_path / "data" / "run"), "data.name=imagefolder",

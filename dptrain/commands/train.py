@@ -672,9 +672,15 @@ def _check_outside_the_data(out: Path, cfg) -> None:
     trains on them)."""
     from dptrain.data import example_folders
 
-    where = out.resolve()
-    for field, folder in example_folders(cfg.data):
-        folder = folder.resolve()
+    folders = example_folders(cfg.data)
+    if not folders:
+        return
+    try:
+        where = out.resolve()
+        folders = [(field, folder.resolve()) for field, folder in folders]
+    except (OSError, RuntimeError):  # (a loop of links: refused at the lock, naming output-dir)
+        return
+    for field, folder in folders:
         if folder == where or folder in where.parents:
             below = where.relative_to(folder).parts
             why = ("this run's checkpoints/ and final/ would be read as classes" if not below
