@@ -78,6 +78,18 @@ def shown(value: Any) -> str:
     return repr(value)
 
 
+def parse_number(text: str) -> float | None:
+    """``text`` as a float, ``1/84122`` included (delta is often written this way); None if it
+    is neither."""
+    number = _parse_fraction(text)
+    if number is None:
+        try:
+            number = float(text)
+        except ValueError:
+            pass
+    return number
+
+
 def _parse_fraction(value: str) -> float | None:
     """Accept ``1/84122`` as a float (delta is often written this way)."""
     if isinstance(value, str) and value.count("/") == 1:
@@ -155,12 +167,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             except OverflowError:  # an integer of more than 308 digits
                 raise ConfigError(path, f"{value!r} is beyond float32's range (3.4e38)") from None
         elif isinstance(value, str):
-            number = _parse_fraction(value)
-            if number is None:
-                try:
-                    number = float(value)
-                except ValueError:
-                    pass
+            number = parse_number(value)
         if number is None:
             raise ConfigError(path, f"expected a number, got {value!r}")
         # every number meets float32 tensors (lr 1e300 was a RuntimeError in the first step);

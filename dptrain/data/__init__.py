@@ -287,18 +287,13 @@ def example_folders(cfg: DataConfig) -> list[tuple[str, Path]]:
     and final/ would be read as classes by the next run."""
     if cfg.name != "imagefolder":
         return []
+    from dptrain.data.folders import split_path
+
     root = _resolve_dir(cfg.path, None)
     default_train, default_test = _DEFAULT_FILES["imagefolder"]
-    out = []
-    for field, name in (("data.train_file", cfg.train_file or default_train),
-                        ("data.test_file", cfg.test_file or default_test)):
-        folder = Path(name).expanduser()
-        if not folder.is_absolute():
-            if root is None:
-                continue
-            folder = root / folder
-        out.append((field, folder))
-    return out
+    named = (("data.train_file", split_path(root, cfg.train_file or default_train)),
+             ("data.test_file", split_path(root, cfg.test_file or default_test)))
+    return [(field, folder) for field, folder in named if folder is not None]
 
 
 def _data_file(directory: Path, name: str, field: str) -> Path:

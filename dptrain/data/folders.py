@@ -70,13 +70,19 @@ class ImageFolderImages(ImageDecoding):
         return self._decode(files, lambda row: files[row], idx)
 
 
-def _split_folder(root: Path | None, name: str, field: str) -> Path:
+def split_path(root: Path | None, name: str) -> Path | None:
+    """The split folder ``name`` (absolute, or in ``root``); None: relative without a root."""
     folder = Path(name).expanduser()
-    if not folder.is_absolute():
-        if root is None:
-            raise ConfigError("data.path", "imagefolder needs data.path (the folder holding "
-                                           "the split folders)")
-        folder = root / folder
+    if folder.is_absolute():
+        return folder
+    return root / folder if root is not None else None
+
+
+def _split_folder(root: Path | None, name: str, field: str) -> Path:
+    folder = split_path(root, name)
+    if folder is None:
+        raise ConfigError("data.path", "imagefolder needs data.path (the folder holding "
+                                       "the split folders)")
     if not folder.is_dir():
         raise ConfigError(field, f"no directory {folder} (data.path/<split>/<class>/<image>)")
     return folder

@@ -252,21 +252,15 @@ def _build_config(saved: dict, config_path: str | Path | None, overrides: Sequen
 
 
 def check_clip_norm(value, option: str = "--clip-norm") -> float:
-    """A clip norm given for the probes (``0.1``, ``1/8``): a finite number > 0 and at least
-    float32's smallest normal, as ``privacy.clip_norm`` (one line naming ``option``)."""
-    from dptrain.config import FLOAT32_TINY
+    """A clip norm given for the probes (``0.1``, ``1/8``), read and checked as
+    ``privacy.clip_norm`` is (one line naming ``option``)."""
+    from dptrain.config import parse_number
+    from dptrain.privacy.config import check_clip_norm as checked
 
-    text = str(value).strip()
-    try:
-        num, slash, den = text.partition("/")
-        c = float(num) / float(den) if slash else float(text)
-    except (ValueError, ZeroDivisionError):
-        raise ConfigError(option, f"expected a number > 0, got {value!r}") from None
-    if not (c > 0 and math.isfinite(c)):
-        raise ConfigError(option, f"must be finite and > 0, got {value}")
-    if c < FLOAT32_TINY:  # (the clipping engine refuses it, after the model is built)
-        raise ConfigError(option, f"{c:g} is below float32's smallest normal number "
-                                  f"({FLOAT32_TINY:.3g})")
+    c = parse_number(str(value).strip())
+    if c is None:
+        raise ConfigError(option, f"expected a number > 0, got {value!r}")
+    checked(c, option)
     return c
 
 

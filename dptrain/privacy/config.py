@@ -25,6 +25,16 @@ def noise_fits(sigma: float, clip_norm: float) -> bool:
     return sigma * clip_norm * NOISE_TAIL < FLOAT32_MAX
 
 
+def check_clip_norm(clip_norm: float, field: str = "clip_norm") -> None:
+    """ConfigError naming ``field`` unless C is finite, > 0 and at least float32's smallest
+    normal (below it the clip factors C/||u|| and the noise flush to 0)."""
+    if not (clip_norm > 0 and math.isfinite(clip_norm)):
+        raise ConfigError(field, f"must be finite and > 0, got {clip_norm}")
+    if clip_norm < FLOAT32_TINY:
+        raise ConfigError(field, f"{clip_norm:g} is below float32's smallest normal number "
+                                 f"({FLOAT32_TINY:.3g})")
+
+
 @dataclass(kw_only=True)
 class PrivacyConfig:
     epsilon: float | None = 8.0
@@ -75,11 +85,7 @@ class PrivacyConfig:
         if self.steps > MAX_STEPS:
             raise ConfigError("steps", f"must be <= {MAX_STEPS:.0e} (the accountants cannot "
                                        f"handle more releases), got {self.steps}")
-        if not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
-            raise ConfigError("clip_norm", f"must be finite and > 0, got {self.clip_norm}")
-        if self.clip_norm < FLOAT32_TINY:  # clip factors C/||u|| and the noise flush to 0
-            raise ConfigError("clip_norm", f"{self.clip_norm:g} is below float32's smallest "
-                                           f"normal number ({FLOAT32_TINY:.3g})")
+        check_clip_norm(self.clip_norm)
         if self.noise_multiplier is not None and not (self.noise_multiplier >= 0
                                                       and math.isfinite(self.noise_multiplier)):
             raise ConfigError("noise_multiplier",
