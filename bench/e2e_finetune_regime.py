@@ -7,9 +7,10 @@ weights on these machines, this script builds the regime on E2E-small itself:
 1. Split ``devset.csv`` by meaning representation (MR): the distinct MRs, sorted, alternate
    between a **public** half (even positions) and a **private** half (odd positions), so no MR
    is in both. Written to ``OUT/data/{public,private}.csv``. The public half keeps only the
-   references, with an empty MR: pretraining learns restaurant English, not the data-to-text
-   task, as GPT-2's WebText pretraining does not (``--public-mr`` keeps the MRs; then the
-   public model already does the private task and fine-tuning has nothing left to learn).
+   references, each under the same placeholder MR ``PUBLIC_MR`` (the loader refuses an empty
+   one): pretraining learns restaurant English, not the data-to-text task, as GPT-2's WebText
+   pretraining does not (``--public-mr`` keeps the MRs; then the public model already does the
+   private task and fine-tuning has nothing left to learn).
 2. **Public pretraining**, not private: ``dptrain train`` on the public half with
    ``noise_multiplier: 0`` and a clip norm no gradient reaches (epsilon is infinite, and only
    public data is touched). The model goes to ``OUT/pretrain/final/hf`` (transformers format).
@@ -36,12 +37,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "configs" / "e2e_small.yaml"
+# the public half's one MR: it says nothing of any example's MR (the runs recorded before the
+# E2E loader refused empty MRs, in November 2026, had the prompt " || " of an empty one)
+PUBLIC_MR = "text"
 
 
 def split_by_mr(devset: Path, out_dir: Path, public_mr: bool = False) -> dict[str, int]:
     """Write ``public.csv`` and ``private.csv`` (columns mr, ref) into ``out_dir``: the sorted
     distinct MRs alternate between the halves. The public half keeps only the references
-    (empty MR) unless ``public_mr``. Returns the number of rows of each."""
+    (under ``PUBLIC_MR``) unless ``public_mr``. Returns the number of rows of each."""
     with open(devset, newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     if not rows or not {"mr", "ref"} <= set(rows[0]):
@@ -55,7 +59,7 @@ def split_by_mr(devset: Path, out_dir: Path, public_mr: bool = False) -> dict[st
             w = csv.DictWriter(f, fieldnames=["mr", "ref"])
             w.writeheader()
             kept = [r for r in rows if (r["mr"] in public) == keep]
-            w.writerows({"mr": r["mr"] if public_mr or not keep else "", "ref": r["ref"]}
+            w.writerows({"mr": r["mr"] if public_mr or not keep else PUBLIC_MR, "ref": r["ref"]}
                         for r in kept)
         tmp.replace(out_dir / f"{name}.csv")
         counts[name] = len(kept)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from _bench import load_bench
+from dptrain.data.lm import read_e2e_csv
 
 DEVSET = Path(__file__).resolve().parents[2] / "shared" / "data" / "e2e" / "devset.csv"
 
@@ -23,6 +24,7 @@ def test_split_is_disjoint_by_mr_and_keeps_every_row(tmp_path):
     bench = load_bench("e2e_finetune_regime")
     rows = [{"mr": f"name[{m}]", "ref": f"ref {m} {k}, with a comma"}
             for m in "ABCDE" for k in range(1 + "ABCDE".index(m))]
+    mrs = {r["mr"] for r in rows}
     src = tmp_path / "devset.csv"
     with open(src, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=["mr", "ref"])
@@ -34,15 +36,20 @@ def test_split_is_disjoint_by_mr_and_keeps_every_row(tmp_path):
     assert {r["mr"] for r in pub} == {"name[A]", "name[C]", "name[E]"}
     assert {r["mr"] for r in priv} == {"name[B]", "name[D]"}
     assert counts == {"public": 9, "private": 6}
-    assert sorted(map(tuple, map(dict.items, pub + priv))) == sorted(map(tuple, map(dict.items, rows)))
+    as_tuples = lambda rs: sorted(tuple(r.items()) for r in rs)  # noqa: E731
+    assert as_tuples(pub + priv) == as_tuples(rows)
     # deterministic: a second split writes the same files
     bench.split_by_mr(src, tmp_path / "again", public_mr=True)
     assert _read(tmp_path / "again" / "public.csv") == pub
-    # by default the public half keeps only the references: the same rows with an empty MR
+    # by default the public half keeps only the references: the same rows under one MR, which
+    # names none of the data's, and which the E2E loader reads (it refuses an empty MR)
     bench.split_by_mr(src, tmp_path / "refs")
     refs = _read(tmp_path / "refs" / "public.csv")
-    assert [r["ref"] for r in refs] == [r["ref"] for r in pub] and {r["mr"] for r in refs} == {""}
+    assert [r["ref"] for r in refs] == [r["ref"] for r in pub]
+    assert {r["mr"] for r in refs} == {bench.PUBLIC_MR} and bench.PUBLIC_MR not in mrs
     assert _read(tmp_path / "refs" / "private.csv") == priv
+    read = read_e2e_csv(tmp_path / "refs" / "public.csv", "data.train_file")
+    assert read == ([bench.PUBLIC_MR] * len(pub), [r["ref"] for r in pub])
 
 
 def test_split_refuses_a_csv_without_mr_and_ref(tmp_path):
