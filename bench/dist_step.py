@@ -25,6 +25,10 @@ load. Per step, between barriers, every rank measures
 - after the steps, the stop agreement ``Trainer.run()`` adds before every step (one scalar
   all-reduce with several ranks: a SIGTERM seen by any rank stops all after the same step).
 
+After the steps, the final parameters of each world size are compared with world size 1's: the
+largest relative difference ``|a - b| / |b|`` over the parameter tensors (the same run, up to
+float summation order; ``tests/test_distributed.py`` asserts it is at most 1e-5).
+
 Reported per world size: medians over all timed steps of the slowest rank's times (an
 all-reduce MAX: what a step waits for), speed-up T1/TW and scaling efficiency T1/(W*TW), the
 optimizer's share of the step, and NS seconds per rank. Isolated NS scaling on bigger matrices:
@@ -117,8 +121,18 @@ def _rank(rank: int, world: int, overrides_: list[str]) -> dict:
         dist.all_reduce(mx, op=dist.ReduceOp.MAX)
         checks.append(float(mx[0]))
     params = sum(p.numel() for _, p in t.named_params)  # a DTensor's numel is the global one
+    state = t.full_state_dict()  # (collective: every rank; the gathered state is rank 0's)
+    final = {k: v.detach().double().clone() for k, v in state.items()} if rank == 0 else {}
     return {"steps": rows[1:], "params": int(params), "warmup": rows[:1],  # step 0: warm-up
-            "stop_check": statistics.median(checks)}
+            "stop_check": statistics.median(checks), "final": final}
+
+
+def largest_relative_difference(a: dict, b: dict) -> float:
+    """max over the tensors both states hold of ``|a - b| / |b|`` (Frobenius norms)."""
+    common = sorted(set(a) & set(b))
+    if not common:
+        raise ValueError("the two states share no tensor")
+    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in common)
 
 
 def summarize(samples: dict[int, list[dict]]) -> dict:
@@ -168,20 +182,22 @@ def main() -> None:
     load_start, t_start = load_average(), time.time()
     samples: dict[int, list[dict]] = {w: [] for w in worlds}
     checks: dict[int, list[float]] = {w: [] for w in worlds}
-    params = None
+    params, finals = None, {}
     for rep in range(a.repeats):
         order = worlds if rep % 2 == 0 else worlds[::-1]
         for w in order:
             res = spawn(_rank, w, ov, num_threads=1, timeout=1800)[0]
             samples[w] += res["steps"]
             checks[w].append(res["stop_check"])
-            params = res["params"]
+            params, finals[w] = res["params"], res["final"]
             print(f"pass {rep + 1}, world {w}: step "
                   + ", ".join(f"{r['wall']:.2f}" for r in res["steps"]) + " s", flush=True)
     summary = summarize(samples)
     for w, row in summary.items():
         row["stop_check_s"] = statistics.median(checks[w])
         row["stop_check_over_step"] = row["stop_check_s"] / row["wall"]
+        if 1 in finals:
+            row["final_rel_diff_vs_w1"] = largest_relative_difference(finals[w], finals[1])
     cores = os.cpu_count() or 1
     print(f"\nGPT-2 {a.layers} layers, width {a.width}, {params} parameters; logical batch "
           f"~{a.sample_rate * a.train_size:.0f} (N = {a.train_size}, q = {a.sample_rate}), "
@@ -200,6 +216,10 @@ def main() -> None:
           + ", ".join(f"world {w}: {r['stop_check_s'] * 1e6:.0f} us = "
                       f"{100 * r['stop_check_over_step']:.3f}% of the step"
                       for w, r in summary.items()))
+    if 1 in finals:
+        print("final parameters against world 1's, largest relative difference over the "
+              "tensors: " + ", ".join(f"world {w}: {r['final_rel_diff_vs_w1']:.2g}"
+                                     for w, r in summary.items() if w != 1))
     if max(worlds) > cores:
         print(f"note: {cores} CPU cores; world sizes above {cores} share cores (oversubscribed)")
     print(json.dumps({"config": vars(a), "params": params, "summary": summary,
