@@ -855,6 +855,11 @@ def test_gpt2_tokenizer_path_refuses_another_byte_level_bpe(tmp_path):
     ok = build_tokenizer("gpt2", save(tmp_path / "gpt2", ["<|endoftext|>"],
                                       eos_token="<|endoftext|>"))
     assert ok.eos_id == ok.pad_id == ok.hf.convert_tokens_to_ids("<|endoftext|>")
+    # GPT-2's <|endoftext|> in the vocabulary is its EOS even where the folder declares another
+    both = build_tokenizer("gpt2", save(tmp_path / "both", ["</s>", "<|endoftext|>"],
+                                        eos_token="</s>"))
+    assert both.eos_id == both.pad_id == both.hf.convert_tokens_to_ids("<|endoftext|>")
+    assert both.eos_id != both.hf.convert_tokens_to_ids("</s>")
     other = save(tmp_path / "other", ["<s>", "</s>"], bos_token="<s>", eos_token="</s>")
     with pytest.raises(ConfigError) as e:
         build_tokenizer("gpt2", other)
@@ -2308,3 +2313,172 @@ def test_member_at_does_not_publish_a_shards_names_before_they_are_listed(tmp_pa
     monkeypatch.setattr(wds.tarfile, "open", racing_open)
     assert ds._where(0).endswith(": café.jpg")
     assert seen[0].endswith(": café.jpg"), seen
+
+
+def test_lm_dataset_refuses_a_prompt_length_count_other_than_the_sequence_count():
+    from dptrain.data.lm import LMDataset
+
+    with pytest.raises(ValueError, match="one prompt length per sequence"):
+        LMDataset([np.array([1, 2, 3]), np.array([4, 5])], [1], pad_id=9)
+
+
+def test_e2e_references_by_mr_keeps_the_first_max_prompts_and_hands_out_copies(tmp_path):
+    task = _csv_task(tmp_path)
+    first2 = task.test.references_by_mr(max_prompts=2)
+    assert list(first2) == ["name[Aromi], food[Chinese]", "name[Zizzi]"]
+    assert first2["name[Zizzi]"] == ["Zizzi is a pub.", "There is a pub called Zizzi."]
+    assert len(task.test.references_by_mr(max_prompts=0)) == 0
+    assert len(task.test.references_by_mr(max_prompts=9)) == 4
+    first2["name[Zizzi]"].append("changed by a caller")  # the dataset's groups are not
+    assert len(task.test.references_by_mr()["name[Zizzi]"]) == 2
+
+
+def test_e2e_csv_with_a_byte_order_mark_and_blank_lines_is_read(tmp_path):
+    from dptrain.data.lm import read_e2e_csv
+
+    path = tmp_path / "train.csv"
+    path.write_bytes(b'\xef\xbb\xbfmr,ref\n\n"name[A]","A text."\n\n"name[B]","B text."\n')
+    assert read_e2e_csv(path, "data.train_file") == (["name[A]", "name[B]"],
+                                                    ["A text.", "B text."])
+
+
+def test_e2e_csv_with_a_header_only_is_refused(tmp_path):
+    from dptrain.data.lm import read_e2e_csv
+
+    path = tmp_path / "train.csv"
+    path.write_text("mr,ref\n\n")
+    with pytest.raises(ConfigError) as e:
+        read_e2e_csv(path, "data.train_file")
+    assert e.value.field == "data.train_file" and "a header but no examples" in e.value.message
+
+
+def test_byte_tokenizer_decodes_a_cut_character_as_a_replacement_character():
+    # (a generation cut inside a multi-byte character shows that it was cut, not nothing)
+    tok = ByteTokenizer()
+    assert tok.decode(list("é".encode("utf-8"))[:1] + [tok.eos_id]) == "\ufffd"
+    assert tok.decode(tok.encode("aé")[:2]) == "a\ufffd"
+
+
+@needs_gpt2_bpe
+def test_gpt2_pair_keeps_the_prompt_s_leading_white_space(gpt2_tok):
+    p, t = gpt2_tok.encode_pair("  a || ", "x")
+    assert gpt2_tok.decode(p) == "  a ||" and gpt2_tok.decode(p + t) == "  a || x"
+
+
+@pytest.mark.parametrize("tripleset", [[], [["a", "b", "c", "d"]]])
+def test_dart_record_without_triples_or_with_a_four_member_triple_is_refused(tmp_path, tripleset):
+    import json
+
+    from dptrain.data.lm import read_dart_json
+
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps([{"tripleset": tripleset, "annotations": [{"text": "x"}]}]))
+    with pytest.raises(ConfigError) as e:
+        read_dart_json(path, "data.train_file")
+    assert "record 0" in e.value.message and "every triple needs" in e.value.message
+
+
+def test_a_dart_file_named_in_capitals_is_read_as_json(tmp_path):
+    import json
+
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.JSON").write_text(json.dumps(DART_RECORDS))
+    task = build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path),
+                                 train_file="train.JSON", test_file="test.JSON"))
+    assert task.train.mrs[2] == "The Vaults : eattype : restaurant"
+
+
+def test_lm_loss_of_an_empty_batch_is_empty_and_backward_leaves_no_gradient(synth_lm):
+    from dptrain.data.lm import lm_loss
+
+    model = tiny_gpt2(synth_lm.info)
+    losses = lm_loss(model, synth_lm.train.collate(np.array([], dtype=np.int64)))
+    assert losses.shape == (0,)
+    losses.sum().backward()
+    assert all(p.grad is None or (p.grad == 0).all() for p in model.parameters())
+
+
+class _FixedLogits(torch.nn.Module):
+    """A "model" whose logits put ``scale`` on token 0 at every position."""
+
+    def __init__(self, vocab, scale):
+        super().__init__()
+        self.vocab, self.scale = vocab, scale
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask=None):
+        logits = torch.zeros(*input_ids.shape, self.vocab, dtype=torch.float64)
+        logits[..., 0] = self.scale
+        return types.SimpleNamespace(logits=logits)
+
+
+def test_lm_evaluate_perplexity_is_capped_and_no_target_gives_nan():
+    from dptrain.data.lm import LMDataset, lm_evaluate
+
+    ds = LMDataset([np.array([1, 2, 3])], [1], pad_id=0)
+    res = lm_evaluate(_FixedLogits(5, 1e4), ds)  # every target costs 1e4 nats
+    assert res["nll_per_token"] == pytest.approx(1e4) and res["tokens"] == 2
+    assert res["perplexity"] == math.exp(700.0)  # not an OverflowError
+    none = lm_evaluate(_FixedLogits(5, 0.0), LMDataset([np.array([1, 2])], [2], pad_id=0))
+    assert none["tokens"] == 0 and math.isnan(none["nll_per_token"])
+    assert math.isnan(none["perplexity"])
+
+
+def test_lm_dataset_max_length_is_its_longest_sequence():
+    from dptrain.data.lm import LMDataset
+
+    assert LMDataset([np.array([1, 2, 3]), np.array([4, 5, 6, 7, 8])], [1, 1], 0).max_length == 5
+    assert LMDataset([], [], pad_id=0).max_length == 0
+
+
+def test_e2e_example_exactly_max_length_long_is_not_counted_as_cut(tmp_path):
+    # CSV6's longest example, "name[Aromi], food[Chinese] || Aromi serves Chinese food." + EOS,
+    # is 57 tokens; the next longest 53
+    assert _csv_task(tmp_path, max_length=57).train.truncated == 0
+    task = _csv_task(tmp_path, max_length=56)
+    assert task.train.truncated == 1 and task.train.no_target == 0
+    assert task.train.lengths.max() == 56 and task.train.sequences[0][-1] != 256
+
+
+def test_e2e_one_example_whose_prompt_fills_max_length_is_refused(tmp_path):
+    (tmp_path / "train.csv").write_text('mr,ref\n"name[Zizzi]","Zizzi is a pub."\n')
+    (tmp_path / "test.csv").write_text(CSV6)
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path), max_length=15,
+                              train_file="train.csv", test_file="test.csv"))
+    assert e.value.field == "data.max_length" and "no example of train.csv" in e.value.message
+
+
+def test_hf_pair_whose_boundary_falls_inside_a_token_encodes_the_target_alone(tmp_path):
+    # "a" + "b" is one token "ab": the prompt's ids stay what generation feeds the model, and
+    # the target's are its own tokens, not the whole text's cut at the prompt's length
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["ab ab ab"] * 3, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(
+        str(tmp_path))
+    tok = build_tokenizer("hf", str(tmp_path))
+    assert len(tok.encode("ab")) == 1
+    p, t = tok.encode_pair("a", "b")
+    assert p == tok.encode("a") and t == tok.encode("b") and tok.decode(p + t) == "ab"
+    # decoding keeps the text's spaces as written (no clean-up of " ." or " ,")
+    assert tok.decode(tok.encode("ab . ab , ab")) == "ab . ab , ab"
+
+
+@needs_gpt2_bpe
+def test_gpt2_bpe_files_go_to_dptrain_cache_and_a_damaged_copy_is_replaced(tmp_path,
+                                                                         monkeypatch):
+    from dptrain.data.tokenizers import gpt2_bpe_folder
+
+    monkeypatch.setenv("DPTRAIN_CACHE", str(tmp_path))
+    folder = gpt2_bpe_folder()
+    assert folder == tmp_path / "gpt2-bpe"
+    size = (folder / "vocab.json").stat().st_size
+    (folder / "vocab.json").write_text("{}")  # e.g. a copy cut short
+    assert gpt2_bpe_folder() == folder and (folder / "vocab.json").stat().st_size == size
