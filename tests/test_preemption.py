@@ -170,6 +170,35 @@ def test_a_stop_seen_by_one_rank_stops_every_rank_at_the_same_step(tmp_path, sto
     assert _steps_logged(out) == [1, 2]
 
 
+def _cli_stop_on_rank_1(rank: int, world: int, out: str) -> tuple:
+    """``dptrain train`` on each rank, rank 1 alone asked to stop during step 2: the exit
+    status and whether a stop signal would still kill this rank as it exits."""
+    real_step = Trainer.private_step
+
+    def private_step(self):
+        if rank == 1 and self.step == 1:
+            self.stop_signal = signal.SIGTERM
+        return real_step(self)
+
+    Trainer.private_step = private_step
+    code = main(["train", "--config", TINY, "--output-dir", out, "privacy.accountant=rdp",
+                 "performance.sharding=fsdp", *ARGS])
+    return code, [signal.getsignal(s) == signal.SIG_IGN for s in STOP_SIGNALS]
+
+
+@pytest.mark.distributed
+def test_a_rank_stopped_by_another_s_signal_ignores_the_launcher_s_sigterm(tmp_path):
+    # rank 1 alone gets the SIGTERM, exits 143 after the checkpoint, and torchrun then sends
+    # SIGTERM to rank 0: rank 0 (which saw no signal itself) must keep ignoring it, or it died
+    # of it (-15) instead of exiting 143
+    from dptrain.parallel.dist import spawn
+
+    out = tmp_path / "run"
+    got = spawn(_cli_stop_on_rank_1, 2, str(out), timeout=240)
+    assert got == [(143, [True, True]), (143, [True, True])]
+    assert [p.name for p in (out / "checkpoints").glob("step-*")] == ["step-00000002"]
+
+
 @pytest.mark.distributed
 def test_a_stop_seen_by_one_rank_in_the_final_evaluation_stops_every_rank_there(tmp_path):
     # the ranks agree before each test batch (FSDP2's forwards are collective): both stop

@@ -186,6 +186,9 @@ def _run_in(out: Path, cfg, args: argparse.Namespace, stop: types.SimpleNamespac
     try:
         summary = trainer.run()
     except StopRequested as e:
+        # (a stop another rank saw: this rank exits 128 + signum too, and its launcher's
+        # SIGTERM, sent when that rank exits first, must not kill it on the way out)
+        stop.stop_signal = stop.stop_signal or e.signum
         if trainer.rank == 0:
             name = signal.Signals(e.signum).name
             where = (f"checkpoint {e.checkpoint}" if e.checkpoint is not None else
