@@ -809,6 +809,20 @@ def test_ranks_that_start_another_run_are_refused_on_every_rank(tmp_path, differ
     assert not (tmp_path / "a" / "checkpoints").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize("change", ["privacy.clip_norm=2", "seed=1"])
+def test_a_resume_with_changed_privacy_settings_is_said_once_on_ranks(tmp_path, finished,
+                                                                        change):
+    # every rank compares the same config with the same checkpoint: one line, by rank 0
+    # (each rank printed it before)
+    from dptrain.parallel.dist import spawn
+
+    step = str(finished / "checkpoints" / "step-00000003")
+    args = ["--output-dir", str(tmp_path / "b"), "--resume", step, change]
+    got = spawn(_train_on_each_rank, 2, [args, args], timeout=240)
+    assert f"error: {change.split('=')[0]}: differs from the checkpoint" in _said_by_rank_0(got)
+    assert not (tmp_path / "b" / "checkpoints").exists()
+
+
 def _train_from(rank: int, world: int, cwds: list[str], args: list[str]):
     """``dptrain train --output-dir run`` from this rank's working directory (a node's own
     folder under one relative path): (exit status, its stderr's error lines)."""

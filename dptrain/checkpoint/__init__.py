@@ -1017,8 +1017,16 @@ def load(trainer, path: Path, verified: bool = False) -> None:
         _check_ranks_resume_alike(state, path, problem)
     else:
         state = read_meta(path, verified=True)
-    moved = check_compatible(state["config"], trainer.cfg)
-    check_same_data(state, trainer)
+    from dptrain.parallel.dist import one_verdict
+
+    try:
+        moved, problem = check_compatible(state["config"], trainer.cfg), None
+        check_same_data(state, trainer)
+    except ConfigError as e:
+        moved, problem = [], e
+    # one verdict, said once by rank 0 (every rank compares the same config and checkpoint;
+    # each printed the same line before)
+    one_verdict(problem, trainer.world > 1)
     if moved and trainer.rank == 0:
         print(f"dptrain train: resuming with other files or test settings than the checkpoint's "
               f"({'; '.join(moved)}); the training set must be the same (its size is checked, "
