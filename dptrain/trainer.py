@@ -1224,6 +1224,7 @@ class Trainer:
             "git_commit": git_commit(),
             "train_seconds": self.train_seconds(),
             "resumes": self._resumes,
+            "world_size": self.world,  # (this process's ranks; a resume may change it)
             "final_eval_seconds": time.time() - start - trained,
             "peak_memory_gib": peak_gib,
             "gpu_energy_kwh": self._gpu_energy_kwh(gpu),

@@ -87,6 +87,7 @@ def test_accelerate_launch_two_cpu_ranks_equal_one(tmp_path):
     s1 = json.loads((one / "summary.json").read_text())
     s2 = json.loads((two / "summary.json").read_text())
     assert s2["steps"] == s1["steps"] == 4
+    assert (s1["world_size"], s2["world_size"]) == (1, 2)  # the ranks that finished the run
     assert s2["epsilon"] == pytest.approx(s1["epsilon"], rel=1e-12)
     a, b = _load(two / "final" / "model.safetensors"), _load(one / "final" / "model.safetensors")
     # both store GPT-2's tied wte/lm_head once, under transformer.wte.weight
