@@ -1205,6 +1205,7 @@ def test_dry_run_prints_the_plan_and_the_resolved_config_and_writes_nothing(tmp_
     ref = Trainer(load(RunConfig, TINY, ["privacy.epsilon=3"]))
     assert report["config"] == json.loads(json.dumps(to_dict(ref.cfg)))
     assert report["start"] == "from step 0" and report["output_dir"] == str(out)
+    assert report["ranks"] == {"world_size": 1, "sharded": False, "device": "cpu"}
     priv = report["privacy"]
     assert priv["noise_multiplier"] == ref.plan.noise_multiplier
     assert priv["noise_multiplier_calibrated"]
@@ -1215,6 +1216,31 @@ def test_dry_run_prints_the_plan_and_the_resolved_config_and_writes_nothing(tmp_
     groups = {g["label"]: g for g in report["groups"]}
     assert groups["matrices"]["optimizer"] == "muon" and groups["others"]["optimizer"] == "adamw"
     assert sum(g["parameters"] for g in report["groups"]) == total
+
+
+def _dry_run_on_each_rank(rank: int, world: int, args: list[str]) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["train", "--config", TINY, "train.progress=false", "--dry-run", *args])
+    return code, out.getvalue()
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "none"])
+def test_a_dry_run_on_ranks_says_how_many_and_whether_the_model_is_sharded(tmp_path, sharding):
+    # (a cluster's pre-flight check: what the launch will be; printed once, by rank 0)
+    import yaml
+
+    from dptrain.parallel.dist import spawn
+
+    args = ["--output-dir", str(tmp_path / "run"), f"performance.sharding={sharding}"]
+    got = spawn(_dry_run_on_each_rank, 2, args, timeout=240)
+    assert [code for code, _ in got] == [0, 0] and got[1][1] == ""
+    report = yaml.safe_load(got[0][1])
+    assert report["ranks"] == {"world_size": 2, "sharded": sharding == "fsdp", "device": "cpu"}
+    assert not (tmp_path / "run").exists()
 
 
 def test_dry_run_makes_the_resume_checks_and_leaves_the_run_as_it_was(finished, tmp_path,

@@ -227,8 +227,9 @@ _DRY_RUN_HEADER = ("# dptrain train --dry-run: every check before the first step
 
 
 def _dry_run_report(trainer, out: Path, resume_path: Path | None) -> str:
-    """What ``--dry-run`` prints: one YAML document (the plan, the parameter groups, the
-    resolved config), with a comment line saying that nothing was written."""
+    """What ``--dry-run`` prints: one YAML document (the ranks, the plan, the parameter groups,
+    the resolved config), printed by rank 0, with a comment line saying that nothing was
+    written."""
     import yaml
 
     from dptrain.config import to_dict
@@ -244,6 +245,10 @@ def _dry_run_report(trainer, out: Path, resume_path: Path | None) -> str:
         "output_dir": str(out),
         "start": (f"resume from {resume_path} at step {trainer.step}" if resume_path is not None
                   else "from step 0"),
+        # this launch's ranks, and whether FSDP2 shards the model over them (one rank never)
+        "ranks": {"world_size": trainer.world,
+                  "sharded": cfg.performance.sharding == "fsdp" and trainer.world > 1,
+                  "device": str(trainer.device)},
         "privacy": {"planned_epsilon": plan.planned_epsilon, "delta": plan.delta,
                     "noise_multiplier": plan.noise_multiplier,
                     "noise_multiplier_calibrated": cfg.privacy.noise_multiplier is None,
