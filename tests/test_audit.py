@@ -470,8 +470,13 @@ def test_audit_report_is_the_bound_of_its_own_scores_at_the_confidence(tmp_path,
     """The report's bound, ceiling and inclusion bits: recomputed from the report's scores and
     bits with audit_scores (checked against the theorem above) at significance 1 - confidence;
     the bits are the canaries' (half included), not another mask."""
-    code, rep = _cli(tmp_path, "a", "--confidence", "0.9")
+    code, rep = _cli(tmp_path, "a", "--confidence", "0.9", "--audit-seed", "5")
     assert code == 0
+    # the run's plan, as RUN sets it, and the flags
+    assert (rep["config"], rep["audit_seed"], rep["world_size"]) == (TINY, 5, 1)
+    assert (rep["sample_rate"], rep["steps"], rep["noise_multiplier"]) == (0.5, 8, 3.4)
+    assert (rep["clip_norm"], rep["delta"]) == (1.0, 1e-5)
+    assert rep["canaries_ever_sampled"] == pytest.approx(1 - 0.5 ** 8)
     assert rep["significance"] == pytest.approx(0.1) and rep["confidence"] == 0.9
     again = audit_scores(rep["scores"], rep["canary_included"], rep["delta"], 0.1)
     assert rep["epsilon_lower_bound"] == pytest.approx(again.epsilon_lower_bound, abs=1e-9)
@@ -482,7 +487,7 @@ def test_audit_report_is_the_bound_of_its_own_scores_at_the_confidence(tmp_path,
 
     t = Trainer(load(RunConfig, TINY, ["train.progress=false", *RUN]))
     shapes = [(n, tuple(p.shape)) for n, p in t.named_params]
-    can = GradientCanaries(shapes, 400, 1.0, 0.5, seed=0)  # audit seed 0: the run's canaries
+    can = GradientCanaries(shapes, 400, 1.0, 0.5, seed=5)  # audit seed 5: the run's canaries
     assert rep["canary_included"] == can.included.tolist()
     assert rep["included"] == int(can.included.sum()) == again.included  # the count
     capsys.readouterr()
@@ -504,12 +509,30 @@ def test_consistency_is_the_bound_against_the_claim(tmp_path, capsys, monkeypatc
             "ratio 0)" in err), err
     # the bound's verdict alone (the noise check, which a run without noise fails, aside)
     monkeypatch.setattr(GradientCanaries, "noise_check", lambda self, *a: {"ok": None})
-    for claim, want in ((bound + 0.2, 0), (bound - 0.2, 1)):
+    # (a bound equal to the claim is at most the claim: consistent)
+    for claim, want in ((bound + 0.2, 0), (bound, 0), (bound - 0.2, 1)):
         monkeypatch.setattr(Trainer, "epsilon", lambda self, c=claim: c)
         code, rep = _cli(tmp_path, f"claim{want}", "--force")
         assert rep["epsilon_lower_bound"] == pytest.approx(bound)
         assert code == want and rep["consistent"] is (want == 0)
-    capsys.readouterr()
+    # the noise check alone: a bound below the claim does not pass noise that is too small
+    # (up to 4 parameters named, then "...")
+    monkeypatch.setattr(Trainer, "epsilon", lambda self: bound + 0.2)
+    for names, shown in ((["a"], "a"), (list("abcd"), "a, b, c, d"),
+                         (list("abcde"), "a, b, c, d, ...")):
+        small = {"ok": False, "parameters_below": names, "coordinates_below": 0,
+                 "coordinates_checked": 400, "smallest_variance_ratio": 0.5,
+                 "pool_below": False, "variance_ratio": 0.9, "significance": 1e-6}
+        monkeypatch.setattr(GradientCanaries, "noise_check", lambda self, *a, c=small: c)
+        capsys.readouterr()
+        code, rep = _cli(tmp_path, "small", "--force")
+        err = capsys.readouterr().err
+        assert code == 1 and rep["consistent"] is False and rep["noise_check"] == small
+        assert rep["epsilon_lower_bound"] < rep["claimed_epsilon"]
+        assert (f"the noise is missing or too small at {len(names)} parameter(s) ({shown}; "
+                "variance ratio to (sigma C)^2 down to 0.5) (chi-square tests at 1e-06 "
+                "together)" in err), err
+        assert "EXCEEDS" not in err
 
 
 @pytest.mark.parametrize("confidence", ["0", "1"])
@@ -566,6 +589,10 @@ def test_more_canaries_than_coordinates_exit_2(capsys):
     code = main(["audit", "--config", TINY, "--canaries", str(total + 1), *RUN])
     err = capsys.readouterr().err
     assert code == 2 and "--canaries" in err and str(total) in err
+    # every coordinate a canary is still an audit (one release of it)
+    code = main(["audit", "--config", TINY, "--canaries", str(total), *RUN, "privacy.steps=1",
+                 "train.progress=false"])
+    assert code in (0, 1) and "--canaries" not in capsys.readouterr().err
 
 
 def _noise_check_of(noise_std: float, per_coordinate, steps: int = 20, m: int = 400,
@@ -631,3 +658,38 @@ def test_the_noise_check_corrects_each_coordinate_s_test_for_their_number():
     squares[3] = chi2.ppf(1e-9, 1)
     out = c.noise_check(squares, count, significance=1e-6)
     assert out["coordinates_below"] == 1 and out["ok"] is False
+
+
+def test_two_canaries_are_the_fewest_accepted_and_parse_returns_the_flags():
+    import argparse
+
+    from dptrain.commands.audit import _parse
+
+    args = argparse.Namespace(canaries="2", confidence="0.9", audit_seed="3", config=TINY,
+                              output=None, plot=None, force=False)
+    assert _parse(args) == (2, 0.9, 3)
+
+
+def test_a_missing_config_is_named_before_an_existing_output(tmp_path, capsys):
+    from dptrain.cli import main
+
+    out = tmp_path / "audit.json"
+    out.write_text("earlier")
+    missing = tmp_path / "missing.yaml"
+    code = main(["audit", "--config", str(missing), "--output", str(out), *RUN])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--config: file not found: {missing}" in err and "--output" not in err
+
+
+def test_a_plot_without_matplotlib_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    import sys
+
+    import dptrain.trainer as trainer_mod
+    from dptrain.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (an import of it raises)
+    monkeypatch.setattr(trainer_mod.Trainer, "__init__",
+                        lambda *a, **k: pytest.fail("the run started"))
+    code = main(["audit", "--config", TINY, "--plot", str(tmp_path / "s.png"), *RUN])
+    err = capsys.readouterr().err
+    assert code == 2 and "--plot: needs matplotlib" in err

@@ -264,3 +264,22 @@ def test_a_target_prv_cannot_calibrate_says_sigma_was_calibrated_to_rdp(capsys):
         "target)")
     rc, out, _ = _run(["--epsilon", "8", *argv[2:], "--json"], capsys)
     assert json.loads(out)["calibrated_with"] == "prv"
+
+
+def test_only_dptrain_s_accounting_warnings_reach_stderr(capsys, monkeypatch):
+    # opacus' own notes (its RDP orders) are noise to the command; the fallback notice is not
+    import warnings
+
+    import dptrain.privacy.accounting as accounting
+
+    real = accounting.calibrate
+
+    def noisy(*args, **kwargs):
+        warnings.warn("a library's note on its orders", UserWarning)
+        warnings.warn("PRV not used; the RDP bound instead", accounting.AccountingWarning)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(accounting, "calibrate", noisy)
+    rc, out, err = _run([*BASE, "--delta", "1e-5", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["accountant"] == "rdp"
+    assert err == "dptrain calibrate: warning: PRV not used; the RDP bound instead\n"

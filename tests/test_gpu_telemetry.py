@@ -257,3 +257,61 @@ def test_power_is_the_mean_of_the_samples_that_read_it(cuda_props):
     assert w["samples"] == 4 and w["gpu_util_pct"] == 50.0
     assert w["gpu_power_w"] == pytest.approx(200.0)  # 2 readings of 200 W, not 400 W / 4
     monitor.close()
+
+
+def test_a_mig_slice_is_found_by_its_uuid_and_a_device_without_one_by_index(monkeypatch):
+    class Mig(FakeNVML):
+        def nvmlDeviceGetHandleByUUID(self, name):
+            if name != f"MIG-{DEVICE_UUID}":
+                raise self.NVMLError(f"no device {name}")
+            return "handle"
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(uuid=DEVICE_UUID))
+    assert GpuMonitor(SimpleNamespace(type="cuda", index=0), nvml=Mig([1], [1])).active
+
+    # no UUID from torch (older builds): NVML's index, torch's current device for cuda
+    class ByIndex(FakeNVML):
+        def nvmlDeviceGetHandleByUUID(self, name):
+            raise AssertionError("no UUID to look up")
+
+        def nvmlDeviceGetHandleByIndex(self, index):
+            self.index = index
+            return "handle"
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    nvml = ByIndex([1], [1])
+    mon = GpuMonitor(SimpleNamespace(type="cuda", index=None), nvml=nvml)
+    assert mon.active and nvml.index == 2
+
+
+def test_an_energy_counter_that_stops_answering_falls_back_to_the_power_samples(cuda_props):
+    nvml = FakeNVML([50], [0], power_mw=[100_000], energy_mj=[1_000_000])  # one reading only
+    mon = GpuMonitor(CUDA, nvml=nvml, interval=60).start()
+    mon.sample()
+    assert mon._energy_start_mj == 1_000_000
+    assert mon.energy_j() == pytest.approx(mon._energy_j)  # (not the counter's None)
+    mon.close()
+
+
+def test_close_waits_for_a_sample_in_progress_before_shutting_nvml_down(cuda_props):
+    log = []
+
+    class Slow(FakeNVML):
+        def nvmlDeviceGetUtilizationRates(self, h):
+            log.append("sample")
+            time.sleep(0.2)
+            log.append("sampled")
+            return super().nvmlDeviceGetUtilizationRates(h)
+
+        def nvmlShutdown(self):
+            log.append("shutdown")
+            super().nvmlShutdown()
+
+    mon = GpuMonitor(CUDA, nvml=Slow([40], [2**30]), interval=0.01).start()
+    time.sleep(0.1)  # the thread's first sample is under way
+    mon.close()
+    assert log[-1] == "shutdown" and log.count("shutdown") == 1
+    time.sleep(0.3)
+    assert log[-1] == "shutdown"  # no NVML call after its shutdown

@@ -258,3 +258,33 @@ def test_on_other_ranks_the_accountants_notes_are_left_to_rank_0(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "dptrain: warning: PRV not used", "dptrain.clipping: warning: no rule for X",
         "dptrain.clipping: warning: no rule for X"]
+
+
+def test_a_line_at_the_step_of_the_previous_one_has_no_rate(capsys, monkeypatch):
+    # a run resumed at its last step logs that step again: no steps since, so no s/step (and
+    # no division by zero)
+    monkeypatch.setattr(progress.time, "time", lambda: 100.0)
+    lines = progress.LogLines(10, 10, rate=True, enabled=True, prefix="dptrain audit")
+    lines.update(10)
+    assert capsys.readouterr().err == "dptrain audit: step 10/10\n"
+
+
+def test_warnings_are_left_alone_where_the_bar_is_not_drawn():
+    import io
+    import warnings
+    from types import SimpleNamespace
+
+    before = warnings.showwarning
+    hidden = progress.WarningsUnderBar(SimpleNamespace(disable=True))
+    assert warnings.showwarning is before
+    hidden.close()
+    assert warnings.showwarning is before
+    drawn = progress.WarningsUnderBar(SimpleNamespace(disable=False))
+    try:
+        assert warnings.showwarning is not before
+    finally:
+        drawn.close()
+    assert warnings.showwarning is before
+    closed = io.StringIO()
+    closed.close()  # isatty() raises ValueError on a closed stream
+    assert progress.is_terminal(closed) is False and progress.is_terminal(object()) is False

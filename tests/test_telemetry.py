@@ -61,7 +61,7 @@ def test_a_report_or_figure_that_fails_half_way_leaves_the_old_file(tmp_path, mo
 
     report = tmp_path / "out" / "report.json"
     write_json(report, {"a": 1.0})
-    assert json.loads(report.read_text()) == {"a": 1.0}
+    assert report.read_text() == '{\n  "a": 1.0\n}\n'  # indented, a last newline
     with pytest.raises(TypeError):
         write_json(report, {"a": 2.0, "b": object()})  # refused before anything is written
     assert json.loads(report.read_text()) == {"a": 1.0}
@@ -187,3 +187,47 @@ def test_an_evaluation_rows_readings_start_a_new_window_for_the_next_row(monkeyp
     assert t._measure_row(row, Gpu(), True, None) == 1.0
     assert row["test_loss"] == 1.5
     assert resets == [True, True, True] and windows == [1]  # the reading, then the evaluation's
+
+
+def test_the_temporary_file_is_hidden_beside_the_target_and_unique_per_write(tmp_path):
+    # ranks of one job (one pid on other nodes) writing one shared file system must not
+    # share a temporary: the pid and a random token
+    import os
+
+    from dptrain.telemetry import replace_atomically
+
+    seen = []
+
+    def write(tmp):
+        seen.append(tmp)
+        tmp.write_text(str(len(seen)))
+
+    target = tmp_path / "sub" / "summary.json"
+    assert replace_atomically(target, write) == target
+    replace_atomically(target, write)
+    assert target.read_text() == "2" and len(set(seen)) == 2
+    assert all(t.parent == target.parent and not t.exists() for t in seen)
+    assert all(t.name.startswith(f".summary.json.tmp-{os.getpid()}-") for t in seen)
+
+
+def test_cuda_peak_memory_is_the_allocator_s_and_a_reset_starts_a_new_window(monkeypatch):
+    from dptrain.telemetry import peak_memory_bytes
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                        lambda device: calls.append(("peak", device)) or 5 * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device: calls.append(("reset", device)))
+    cuda = torch.device("cuda", 1)
+    assert peak_memory_bytes(cuda) == 5 * 2**30 and calls == [("peak", cuda)]
+    assert peak_memory_bytes(cuda, reset=True) == 5 * 2**30  # the window's, read before
+    assert calls == [("peak", cuda), ("peak", cuda), ("reset", cuda)]
+
+
+def test_json_rows_skip_a_cut_line_anywhere_and_rows_that_are_not_objects(tmp_path):
+    from dptrain.telemetry import json_rows
+
+    path = tmp_path / "metrics.jsonl"
+    assert json_rows(path) == []
+    path.write_text('{"step": 1}\n{"step": 2, "lo\n[1, 2]\n3\n{"step": 3}\n')
+    assert json_rows(path) == [('{"step": 1}', {"step": 1}), ('{"step": 3}', {"step": 3})]
