@@ -56,10 +56,13 @@ def _refusal(saved: dict, cfg=None) -> str | None:
 
 
 def test_a_finished_run_s_settings_compare_as_numbers_and_name_what_differs():
-    lr = RunConfig().optim.lr
-    if lr is not None and float(lr).is_integer():
-        assert _refusal(_saved(optim__lr=int(lr))) is None
-    assert _refusal(_saved(optim__lr=(lr or 1.0) * 2)) == "optim.lr"
+    # (the default lr, 0.002, has no integer spelling: set one that has)
+    cfg = RunConfig()
+    cfg.optim.lr = 2.0
+    saved = _saved(optim__lr=2)  # summary.json's JSON can hold an int where the run had 2.0
+    assert isinstance(saved["optim"]["lr"], int) and _refusal(saved, cfg) is None
+    assert _refusal(_saved(optim__lr=3), cfg) == "optim.lr"
+    assert _refusal(_saved(optim__lr=RunConfig().optim.lr * 2)) == "optim.lr"
     assert _refusal(_saved(data__max_test_examples=7)) == "data.max_test_examples"
     assert _refusal(_saved(optim__filter__name="elsewhere")) == "optim.filter.name"
 
