@@ -657,6 +657,11 @@ def test_e2e_max_examples_keeps_rows_spread_evenly_first_and_last_included(tmp_p
     assert task.train.refs == ["Aromi serves Chinese food.", "Chinese food at Aromi.",
                                "Cotto is a cafe.", "There is a pub called Zizzi."]
     assert task.test.refs == ["Aromi serves Chinese food.", "There is a pub called Zizzi."]
+    # the prompts come from the same rows as the references (not the first 4 rows' mrs)
+    assert task.train.mrs == ["name[Aromi], food[Chinese]", "name[Aromi], food[Chinese]",
+                              "name[Cotto]", "name[Zizzi]"]
+    zizzi = b"name[Zizzi] || There is a pub called Zizzi."
+    assert task.train.sequences[3].tolist() == list(zizzi) + [256]
     # the references of every mr of the file are kept, whatever rows are used for NLL
     assert sum(len(v) for v in task.test.references_by_mr().values()) == 6
 
@@ -794,6 +799,12 @@ def test_synthetic_lm_lengths_prompts_and_chain():
     assert all(s[-1] == vocab and (s[:-1] < vocab).all() for s in ds.sequences)
     assert set(ds.prompt_lengths.tolist()) == {1, 2, 3}
     assert (ds.prompt_lengths < ds.lengths).all()
+    # a short max_length: lengths from 3 (a token, its successor, EOS) and a prompt shorter
+    # than its sequence (a length-3 sequence's prompt is 1 or 2 tokens, never all 3)
+    short = synthetic_lm(300, vocab, 4, rng, t)
+    assert set(short.lengths.tolist()) == {3, 4}  # uniform on max(3, 4 // 2)..4
+    assert (short.prompt_lengths < short.lengths).all()
+    assert set(short.prompt_lengths[short.lengths == 3].tolist()) == {1, 2}
     # the data follow the seed
     a = build_data(DataConfig(name="synthetic_lm", synthetic_train_size=5, max_length=8), seed=1)
     b = build_data(DataConfig(name="synthetic_lm", synthetic_train_size=5, max_length=8), seed=1)
@@ -2438,6 +2449,29 @@ def test_e2e_example_exactly_max_length_long_is_not_counted_as_cut(tmp_path):
     task = _csv_task(tmp_path, max_length=56)
     assert task.train.truncated == 1 and task.train.no_target == 0
     assert task.train.lengths.max() == 56 and task.train.sequences[0][-1] != 256
+
+
+def test_e2e_an_example_cut_to_one_target_token_keeps_a_target(tmp_path):
+    # max_length 16: the 15-byte prompts ("name[Zizzi] || ", "name[Cotto] || ") keep one
+    # target token; the 18- and 30-byte ones none
+    task = _csv_task(tmp_path, max_length=16)
+    assert task.train.truncated == 6 and task.train.no_target == 3
+    assert (task.train.lengths - task.train.prompt_lengths).tolist() == [0, 1, 0, 1, 0, 1]
+
+
+def test_e2e_cut_examples_of_a_file_without_references_are_not_counted_as_left_without(
+        tmp_path):
+    # an mr-only test file (like testset.csv) has no target to lose: a cut prompt is cut, not
+    # "left without a target token"
+    from dptrain.trainer import truncation_note
+
+    (tmp_path / "train.csv").write_text('mr,ref\n"a","b"\n"c","d"\n')
+    (tmp_path / "test.csv").write_text('mr\n"name[Zizzi]"\n"name[Cotto]"\n"x"\n')
+    task = build_data(DataConfig(name="e2e", tokenizer="bytes", path=str(tmp_path), max_length=12,
+                                 train_file="train.csv", test_file="test.csv"))
+    assert task.test.truncated == 2 and task.test.no_target == 0
+    assert task.test.lengths.tolist() == [12, 12, len(b"x || ")]
+    assert "2 of 3 test examples short" in truncation_note(task, 12)
 
 
 def test_e2e_one_example_whose_prompt_fills_max_length_is_refused(tmp_path):
