@@ -1033,6 +1033,19 @@ def test_webdataset_path_with_glob_characters_is_a_path(tmp_path):
     assert len(task.train) == 2 and len(task.test) == 1
 
 
+def test_webdataset_a_shard_linked_to_a_missing_file_is_refused(tmp_path):
+    # shards linked to a file system this node has not mounted: the glob's broken link was
+    # skipped in silence, and the run trained on the other shards' examples alone
+    _labelled_shards(tmp_path, {"train": [0, 1, 1], "val": [1]})
+    (tmp_path / "imagenet-train-000001.tar").symlink_to(tmp_path / "gone" / "x.tar")
+    with pytest.raises(ConfigError, match=r"data.train_file: .*-000001.tar is a link "
+                                          r"to a missing file \(.*gone/x.tar\)"):
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+    (tmp_path / "imagenet-train-000001.tar").unlink()
+    assert len(build_data(DataConfig(name="webdataset", path=str(tmp_path),
+                                     image_size=8)).train) == 3
+
+
 def test_webdataset_shards_of_one_class_are_refused_naming_num_classes(tmp_path):
     _labelled_shards(tmp_path, {"train": [0, 0], "val": [0, 0]})
     with pytest.raises(ConfigError, match="data.num_classes: every label in the shards is 0"):

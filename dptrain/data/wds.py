@@ -75,7 +75,15 @@ def expand_shards(directory: Path | None, pattern: str, field: str) -> list[Path
         if any(ch in pat for ch in "*?["):
             # files only: a directory named like a shard is not one
             query = os.path.join(where, pat) if where is not None else pat
-            found = [Path(x) for x in sorted(glob.glob(query)) if Path(x).is_file()]
+            matches = sorted(glob.glob(query))
+            # a link to a missing file (a scratch file system not mounted on this node) was
+            # skipped in silence: N and the classes of the shards that are left, exit 0
+            broken = [x for x in matches if os.path.islink(x) and not os.path.exists(x)]
+            if broken:
+                raise ConfigError(field, f"{broken[0]} is a link to a missing file "
+                                         f"({os.readlink(broken[0])}): a shard this node "
+                                         f"cannot read")
+            found = [Path(x) for x in matches if Path(x).is_file()]
             if not found:  # one alternative of a brace list that matches nothing: a typo
                 raise ConfigError(field, f"file not found: no shard matches {p}"
                                          f"{_compressed_hint(query)}")
