@@ -407,21 +407,28 @@ def _check_ranks_agree_on_data(task, device: torch.device) -> None:
     splits = ("training", "test")
     sizes = [len(task.train), len(task.test)]
     fps = [index_fingerprint(task.train), index_fingerprint(task.test)]
-    mine = sizes + [-1 if fp is None else fp for fp in fps]
-    t = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # [max..., -min...]
-    hi, lo = t[:4].tolist(), [-v for v in t[4:].tolist()]
+    mine = torch.tensor(sizes + [-1 if fp is None else fp for fp in fps], dtype=torch.int64,
+                        device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    every = [t.tolist() for t in every]
+    # every rank raises the same refusal: rank 0 prints it once (it was once per rank, and
+    # "this rank 23" named no rank)
+    for k, split in enumerate(splits):
+        seen = [row[k] for row in every]
+        if len(set(seen)) > 1:
+            raise said_by_rank_0(ConfigError("data", f"the ranks see {split} sets of different "
+                                 f"sizes (from {min(seen)} to {max(seen)} examples; "
+                                 + ", ".join(f"rank {r}: {n}" for r, n in enumerate(seen))
+                                 + "): every rank must read the same data"))
     for k, (split, n) in enumerate(zip(splits, sizes)):
-        if hi[k] != lo[k]:
-            raise ConfigError("data", f"the ranks see {split} sets of different sizes (from "
-                                      f"{lo[k]} to {hi[k]} examples; this rank {n}): every rank "
-                                      "must read the same data")
-    for k, (split, n) in enumerate(zip(splits, sizes)):
-        if hi[2 + k] != lo[2 + k]:
-            raise ConfigError("data", f"the ranks see different {split} sets of {n} examples "
-                                      "(their index digests differ: other files, labels or "
-                                      "order; dptrain/data/fingerprint.py): every rank must "
-                                      "read the same data")
+        other = next((r for r, row in enumerate(every) if row[2 + k] != every[0][2 + k]), None)
+        if other is not None:
+            raise said_by_rank_0(ConfigError("data", f"the ranks see different {split} sets of "
+                                 f"{n} examples (their index digests differ, rank {other}'s "
+                                 "from rank 0's: other files, labels or order; "
+                                 "dptrain/data/fingerprint.py): every rank must read the same "
+                                 "data"))
 
 
 def _check_ranks_agree_on_weights(model: torch.nn.Module, path: str) -> None:

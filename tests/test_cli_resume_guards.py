@@ -1016,6 +1016,57 @@ def test_ranks_that_see_other_test_sets_refuse_to_start(tmp_path):
                                               "sizes") for e in errors), errors
 
 
+def _node_local_shards(root: Path, per_shard: list[int]) -> str:
+    """``root`` holding webdataset shards of these sizes (8x8 images, labels 0 and 1) and one
+    of 2 test images: a node's copy; the ``data.path`` override that reads it."""
+    import io
+
+    import webdataset as wds
+    from PIL import Image
+
+    root.mkdir()
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="PNG")
+    for name, sizes in (("train", per_shard), ("val", [2])):
+        for s, n in enumerate(sizes):
+            with wds.TarWriter(str(root / f"imagenet-{name}-{s:06d}.tar")) as w:
+                for j in range(n):
+                    w.write({"__key__": f"{name}{s}_{j}", "png": buf.getvalue(),
+                             "cls": str(j % 2).encode()})
+    return f"data.path={root}"
+
+
+def _images_on_each_rank(rank: int, world: int, per_rank: list) -> tuple[int, list[str]]:
+    """``dptrain train --dry-run`` of configs/tiny_images.yaml on webdataset shards with this
+    rank's ``data.path`` override into ``out``: (exit status, its stderr's error lines)."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["train", "--config", str(ROOT / "configs" / "tiny_images.yaml"),
+                     "--dry-run", "--output-dir", per_rank[rank][0], "train.progress=false",
+                     "data.name=webdataset", "data.image_size=8", per_rank[rank][1]])
+    return code, [line for line in err.getvalue().splitlines() if "error:" in line]
+
+
+def test_ranks_that_see_other_shards_are_refused_once_naming_each_ranks_size(tmp_path):
+    from dptrain.parallel.dist import spawn
+
+    # one node misses a shard: every rank printed its own line ("this rank 4", naming no rank)
+    out = str(tmp_path / "run")
+    full = out, _node_local_shards(tmp_path / "a", [3, 4])
+    short = out, _node_local_shards(tmp_path / "b", [4])
+    got = spawn(_images_on_each_rank, 2, [full, short], timeout=240)
+    assert _said_by_rank_0(got).endswith(
+        "data: the ranks see training sets of different sizes (from 4 to 7 examples; rank 0: "
+        "7, rank 1: 4): every rank must read the same data"), got
+    swapped = out, _node_local_shards(tmp_path / "c", [4, 3])  # the same 7, another order
+    got = spawn(_images_on_each_rank, 2, [full, swapped], timeout=240)
+    assert "(their index digests differ, rank 1's from rank 0's" in _said_by_rank_0(got), got
+    assert spawn(_images_on_each_rank, 2, [full, full], timeout=240) == [(0, [])] * 2
+
+
 def test_ranks_with_another_seed_are_refused_by_the_configuration_check():
     from dptrain.parallel.dist import spawn
 
