@@ -148,6 +148,21 @@ def test_a_linked_image_is_refused_twice_in_training_or_as_a_test_image(tmp_path
     assert "copy.png" in e.value.message and "a/000.png" in e.value.message
 
 
+@pytest.mark.parametrize("split, field", [("train", "data.train_file"),
+                                          ("val", "data.test_file")])
+def test_an_image_linked_to_a_missing_file_is_one_error_naming_the_split(tmp_path, split, field):
+    # (an image on a file system this node has not mounted: a FileNotFoundError traceback)
+    rng = np.random.default_rng(3)
+    _tree(tmp_path, "train", {"a": 2, "b": 2}, rng)
+    _tree(tmp_path, "val", {"a": 1, "b": 1}, rng)
+    (tmp_path / split / "b" / "gone.png").symlink_to(tmp_path / "scratch" / "gone.png")
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="imagefolder", path=str(tmp_path), image_size=8))
+    assert e.value.field == field, e.value
+    assert e.value.message == (f"{tmp_path / split / 'b' / 'gone.png'} cannot be read: a link to "
+                               f"a missing file ({tmp_path / 'scratch' / 'gone.png'})")
+
+
 @pytest.mark.parametrize("mode", ["I;16", "I"])
 def test_sixteen_bit_grey_images_are_scaled_to_eight_bits_not_clipped(tmp_path, mode):
     # convert("L") clips 16-bit values at 255: a mid-grey scan came out white

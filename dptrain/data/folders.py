@@ -37,7 +37,7 @@ import torch
 from dptrain.config import ConfigError
 from dptrain.data import even_subset
 from dptrain.data.wds import ImageDecoding, file_id, image_stats
-from dptrain.messages import data_note
+from dptrain.messages import brief, data_note
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -137,7 +137,7 @@ def load_imagefolder(root: Path | None, train_name: str, test_name: str, image_s
     owner: dict[tuple[int, int], str] = {}
     sizes: list[int] = []  # (one stat per file for both)
     for path, _ in train.samples:
-        st = os.stat(path)
+        st = _stat(path, "data.train_file")
         sizes.append(st.st_size)
         first = owner.setdefault((st.st_dev, st.st_ino), path)
         if first != path:
@@ -145,7 +145,8 @@ def load_imagefolder(root: Path | None, train_name: str, test_name: str, image_s
                                                  f"link): one example would be counted twice; "
                                                  f"remove one")
     for path, _ in test.samples:
-        first = owner.get(file_id(Path(path)))
+        st = _stat(path, "data.test_file")
+        first = owner.get((st.st_dev, st.st_ino))
         if first is not None:
             raise ConfigError("data.test_file", f"{path} is the training image {first} (a "
                                                 f"link): the test split would hold training "
@@ -153,6 +154,18 @@ def load_imagefolder(root: Path | None, train_name: str, test_name: str, image_s
     test_samples = [(p, train.class_to_idx[test.classes[y]]) for p, y in test.samples]
     return (ImageFolderImages(train.samples, image_size, in_chans, max_train, sizes),
             ImageFolderImages(test_samples, image_size, in_chans, max_test), train.classes)
+
+
+def _stat(path: str, field: str) -> os.stat_result:
+    """``os.stat(path)`` of a listed image; one that cannot be read (a link to a missing file,
+    on a file system this node has not mounted) is an error naming ``field`` (a traceback
+    before)."""
+    try:
+        return os.stat(path)
+    except OSError as e:
+        what = (f"a link to a missing file ({os.readlink(path)})" if os.path.islink(path)
+                else brief(e))
+        raise ConfigError(field, f"{path} cannot be read: {what}") from None
 
 
 class _ArraysOnly(pickle.Unpickler):
