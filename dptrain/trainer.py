@@ -419,8 +419,7 @@ def _check_ranks_agree_on_data(task, device: torch.device) -> None:
         if len(set(seen)) > 1:
             raise said_by_rank_0(ConfigError("data", f"the ranks see {split} sets of different "
                                  f"sizes (from {min(seen)} to {max(seen)} examples; "
-                                 + ", ".join(f"rank {r}: {n}" for r, n in enumerate(seen))
-                                 + "): every rank must read the same data"))
+                                 f"{_each_ranks(seen)}): every rank must read the same data"))
     for k, (split, n) in enumerate(zip(splits, sizes)):
         other = next((r for r, row in enumerate(every) if row[2 + k] != every[0][2 + k]), None)
         if other is not None:
@@ -429,6 +428,19 @@ def _check_ranks_agree_on_data(task, device: torch.device) -> None:
                                  "from rank 0's: other files, labels or order; "
                                  "dptrain/data/fingerprint.py): every rank must read the same "
                                  "data"))
+
+
+def _each_ranks(seen: list[int], shown: int = 8) -> str:
+    """"rank 0: 7, rank 1: 4" for a few ranks; with more, the first ``shown`` ranks whose value
+    differs from rank 0's and how many more do (one line per rank of 512 ranks was a 9 KB
+    message)."""
+    if len(seen) <= shown:
+        return ", ".join(f"rank {r}: {n}" for r, n in enumerate(seen))
+    other = [r for r, n in enumerate(seen) if n != seen[0]]
+    more = len(other) - shown
+    return (f"rank 0: {seen[0]}, other sizes on {len(other)} of {len(seen)} ranks: "
+            + ", ".join(f"rank {r}: {seen[r]}" for r in other[:shown])
+            + (f" and {more} more" if more > 0 else ""))
 
 
 def _check_ranks_agree_on_weights(model: torch.nn.Module, path: str) -> None:

@@ -1067,6 +1067,16 @@ def test_ranks_that_see_other_shards_are_refused_once_naming_each_ranks_size(tmp
     assert spawn(_images_on_each_rank, 2, [full, full], timeout=240) == [(0, [])] * 2
 
 
+def test_the_sizes_of_many_ranks_are_cut_to_those_that_differ_from_rank_0():
+    from dptrain.trainer import _each_ranks
+
+    assert _each_ranks([7, 4]) == "rank 0: 7, rank 1: 4"
+    # 512 ranks, one node short: one line per rank was a 9 KB message naming 511 equal sizes
+    assert _each_ranks([7] * 511 + [4]) == "rank 0: 7, other sizes on 1 of 512 ranks: rank 511: 4"
+    many = _each_ranks([7] + [4] * 511)
+    assert many.endswith("rank 8: 4 and 503 more") and len(many) < 200, many
+
+
 def test_ranks_with_another_seed_are_refused_by_the_configuration_check():
     from dptrain.parallel.dist import spawn
 

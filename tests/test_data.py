@@ -2529,3 +2529,14 @@ def test_gpt2_bpe_files_go_to_dptrain_cache_and_a_damaged_copy_is_replaced(tmp_p
     size = (folder / "vocab.json").stat().st_size
     (folder / "vocab.json").write_text("{}")  # e.g. a copy cut short
     assert gpt2_bpe_folder() == folder and (folder / "vocab.json").stat().st_size == size
+
+
+def test_webdataset_a_shard_that_is_a_loop_of_links_is_not_called_missing(tmp_path):
+    # os.path.exists() is False for a loop of links (ELOOP) too: "a link to a missing file
+    # (itself)" sent the user looking for a file that was never meant to exist
+    _labelled_shards(tmp_path, {"train": [0, 1, 1], "val": [1]})
+    loop = tmp_path / "imagenet-train-000001.tar"
+    loop.symlink_to(loop)
+    with pytest.raises(ConfigError, match=r"-000001.tar is a link that cannot be followed "
+                                          r"\(.*-000001.tar: Too many levels of symbolic"):
+        build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))

@@ -541,3 +541,16 @@ def test_an_output_directory_inside_a_split_folder_is_refused(tmp_path, capsys, 
                  "--output-dir", str(tmp_path / "data" / "run"), "data.name=imagefolder",
                  f"data.path={tmp_path / 'data'}", "data.image_size=8", "--dry-run"])
     assert code == 0, capsys.readouterr().err
+
+
+def test_an_image_that_is_a_loop_of_links_is_not_called_missing(tmp_path):
+    rng = np.random.default_rng(3)
+    _tree(tmp_path, "train", {"a": 2, "b": 2}, rng)
+    _tree(tmp_path, "val", {"a": 1, "b": 1}, rng)
+    loop = tmp_path / "train" / "b" / "loop.png"
+    loop.symlink_to(loop)
+    with pytest.raises(ConfigError) as e:
+        build_data(DataConfig(name="imagefolder", path=str(tmp_path), image_size=8))
+    assert e.value.field == "data.train_file", e.value
+    assert e.value.message.startswith(f"{loop} cannot be read: a link that cannot be followed "
+                                      f"({loop}: Too many levels of symbolic links)"), e.value

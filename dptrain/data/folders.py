@@ -36,7 +36,7 @@ import torch
 
 from dptrain.config import ConfigError
 from dptrain.data import even_subset
-from dptrain.data.wds import ImageDecoding, file_id, image_stats
+from dptrain.data.wds import ImageDecoding, file_id, image_stats, unfollowable_link
 from dptrain.messages import brief, data_note
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -158,13 +158,12 @@ def load_imagefolder(root: Path | None, train_name: str, test_name: str, image_s
 
 def _stat(path: str, field: str) -> os.stat_result:
     """``os.stat(path)`` of a listed image; one that cannot be read (a link to a missing file,
-    on a file system this node has not mounted) is an error naming ``field`` (a traceback
-    before)."""
+    on a file system this node has not mounted; a loop of links) is an error naming ``field``
+    (a traceback before)."""
     try:
         return os.stat(path)
     except OSError as e:
-        what = (f"a link to a missing file ({os.readlink(path)})" if os.path.islink(path)
-                else brief(e))
+        what = unfollowable_link(path) or brief(e)
         raise ConfigError(field, f"{path} cannot be read: {what}") from None
 
 

@@ -22,6 +22,7 @@ sampler's exact per-example independence, so it is not offered.
 
 from __future__ import annotations
 
+import errno
 import glob
 import io
 import os
@@ -59,6 +60,23 @@ def _compressed_hint(query: str) -> str:
             f"decompress them first (e.g. gunzip)")
 
 
+def unfollowable_link(path: str | Path) -> str | None:
+    """What ``path`` is if it is a symbolic link that cannot be followed ("a link to a missing
+    file (target)"; a loop of links, ELOOP, or a target this user may not reach, EACCES, says
+    its own reason: neither is a missing file), None otherwise."""
+    if not os.path.islink(path):
+        return None
+    try:
+        os.stat(path)
+        return None
+    except OSError as e:
+        target = os.readlink(path)
+        if e.errno == errno.ENOENT:
+            return f"a link to a missing file ({target})"
+        return (f"a link that cannot be followed ({target}: "
+                f"{os.strerror(e.errno) if e.errno else e})")
+
+
 def expand_shards(directory: Path | None, pattern: str, field: str) -> list[Path]:
     """Shard paths of ``pattern`` (brace notation ``{000..146}`` and/or glob wildcards),
     relative to ``directory`` unless absolute; sorted; ConfigError(field) if none exist."""
@@ -78,10 +96,9 @@ def expand_shards(directory: Path | None, pattern: str, field: str) -> list[Path
             matches = sorted(glob.glob(query))
             # a link to a missing file (a scratch file system not mounted on this node) was
             # skipped in silence: N and the classes of the shards that are left, exit 0
-            broken = [x for x in matches if os.path.islink(x) and not os.path.exists(x)]
+            broken = [(x, why) for x in matches if (why := unfollowable_link(x))]
             if broken:
-                raise ConfigError(field, f"{broken[0]} is a link to a missing file "
-                                         f"({os.readlink(broken[0])}): a shard this node "
+                raise ConfigError(field, f"{broken[0][0]} is {broken[0][1]}: a shard this node "
                                          f"cannot read")
             found = [Path(x) for x in matches if Path(x).is_file()]
             if not found:  # one alternative of a brace list that matches nothing: a typo
