@@ -96,9 +96,9 @@ def expand_shards(directory: Path | None, pattern: str, field: str) -> list[Path
             matches = sorted(glob.glob(query))
             # a link to a missing file (a scratch file system not mounted on this node) was
             # skipped in silence: N and the classes of the shards that are left, exit 0
-            broken = [(x, why) for x in matches if (why := unfollowable_link(x))]
-            if broken:
-                raise ConfigError(field, f"{broken[0][0]} is {broken[0][1]}: a shard this node "
+            broken = next(((x, why) for x in matches if (why := unfollowable_link(x))), None)
+            if broken is not None:
+                raise ConfigError(field, f"{broken[0]} is {broken[1]}: a shard this node "
                                          f"cannot read")
             found = [Path(x) for x in matches if Path(x).is_file()]
             if not found:  # one alternative of a brace list that matches nothing: a typo
