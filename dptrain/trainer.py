@@ -556,12 +556,12 @@ class Trainer:
         self.train_size = len(self.task.train)
         if self.world > 1:
             _check_ranks_agree_on_data(self.task, self.device)
-        self.plan = plan_privacy(cfg.privacy, self.train_size)
+        self.plan = self._together(plan_privacy, cfg.privacy, self.train_size)
         # Sensitive in secure mode: the seed is never written anywhere.
         self._privacy_seed = (_shared_secure_seed(self.world) if cfg.privacy.secure_mode
                               else cfg.privacy.seed)
         torch.manual_seed(cfg.seed)
-        self.model = build_model(cfg.model, self.task.info, low_precision=(
+        self.model = self._together(build_model, cfg.model, self.task.info, low_precision=(
             perf.dtype == "bfloat16" or perf.fsdp_mixed_precision)).to(self.device)
         if self.world > 1 and cfg.model.pretrained_path is not None:
             _check_ranks_agree_on_weights(self.model, cfg.model.pretrained_path)
@@ -572,18 +572,12 @@ class Trainer:
             apply_fsdp(self.model, mixed_precision=perf.fsdp_mixed_precision)
         # (most of its checks run over the first queries, release(); a few layers it refuses
         # when built: nn.MultiheadAttention with trainable weights, parametrizations)
-        try:
-            self.engine = ClippingEngine(
-                self.model, clip_norm=self.plan.clip_norm, ghost=perf.ghost,
-                mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping",
-                kernels=perf.kernels)
-        except ClippingError as e:
-            raise ConfigError(self._model_field(), str(e)) from None
+        self.engine = self._together(self._engine)
         # (two_pass's fallback warnings: a step that tells something of the sampled examples)
         self.engine.warn_at_queries = not cfg.privacy.secure_mode
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(
-            cfg.optim, self.named_params, total_steps=self.plan.steps,
+        self.optimizer = self._together(
+            build_optimizer, cfg.optim, self.named_params, total_steps=self.plan.steps,
             release_noise_std=(self.plan.noise_multiplier * self.plan.clip_norm
                                / self.plan.denominator),
             seed=cfg.seed, ns_dtype=perf.newton_schulz_dtype,
@@ -731,6 +725,30 @@ class Trainer:
         import contextlib
 
         return contextlib.nullcontext()
+
+    def _together(self, build, *args, **kwargs):
+        """``build(*args, **kwargs)``, its refusal (a ConfigError) raised on every rank together
+        and said once, by rank 0: a setting every rank refuses alike (a LoRA target that matches
+        no module) was printed once per rank, and a rank refusing alone (a file on one node)
+        left the others in the next collective. Call it on every rank; ``build`` runs no
+        collective."""
+        refusal, built = None, None
+        try:
+            built = build(*args, **kwargs)
+        except ConfigError as e:
+            refusal = e
+        one_verdict(refusal, self.world > 1)
+        return built
+
+    def _engine(self) -> ClippingEngine:
+        perf = self.cfg.performance
+        try:
+            return ClippingEngine(
+                self.model, clip_norm=self.plan.clip_norm, ghost=perf.ghost,
+                mode="two_pass" if perf.clipping == "two_pass" else "bookkeeping",
+                kernels=perf.kernels)
+        except ClippingError as e:
+            raise ConfigError(self._model_field(), str(e)) from None
 
     def _model_field(self) -> str:
         """The config field that chose the model, for the clipping engine's refusals (over the

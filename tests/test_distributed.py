@@ -660,6 +660,29 @@ def test_data_missing_on_one_rank_is_refused_on_every_rank(tmp_path):
     assert out[0][1] == out[1][1] + " (on rank 1)" and "elsewhere" in out[1][1], out
 
 
+def _refusal_with_speaker(rank: int, world: int, overrides: list[str]):
+    from dptrain.config import ConfigError, load
+    from dptrain.trainer import RunConfig, Trainer
+
+    try:
+        Trainer(load(RunConfig, TINY, ["train.progress=false", *overrides]))
+    except ConfigError as e:
+        return e.field, e.message, getattr(e, "every_rank", False)
+    return "built"
+
+
+@pytest.mark.parametrize("override, field", [
+    ("model.trainable=[nomatch]", "model.trainable[0]"),  # build_model's refusal
+    ("optim.weight_decay=60", "optim.weight_decay"),  # build_optimizer's (lr x wd >= 1)
+])
+def test_a_refusal_every_rank_makes_when_building_is_said_once_by_rank_0(override, field):
+    # each rank printed its own copy of the same line (a LoRA target that matches no module:
+    # one line per rank, 64 at 64 ranks); now rank 0 says it, the others raise it silently
+    out = spawn(_refusal_with_speaker, 2, [override], timeout=240)
+    assert [r[0] for r in out] == [field, field] and out[0][1] == out[1][1], out
+    assert [r[2] for r in out] == [True, True], out
+
+
 def test_ranks_may_differ_in_where_they_keep_files_and_how_many_threads_they_use(tmp_path):
     per_rank = [["performance.num_threads=1"],
                 ["performance.num_threads=2", "performance.noise_prefetch=background",
