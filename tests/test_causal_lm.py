@@ -392,7 +392,8 @@ def test_pretrained_causal_lm_refusals_name_their_field(llama_folder, tmp_path):
         (llama_folder, {}, info, "model.tie_embeddings", "tie_word_embeddings=False"),
         (llama_folder, {**untied, "vocab_size": 500}, info, "model.vocab_size", "vocab_size=400"),
         (llama_folder, untied, DataInfo(kind="lm", vocab_size=401, pad_id=2, eos_id=2,
-                                        max_length=40), "model.pretrained_path", "401"),
+                                        max_length=40, vocab_from="data.tokenizer: hf"),
+         "model.pretrained_path", "401 (data.tokenizer: hf): tokenize with the checkpoint's"),
         (llama_folder, untied, _info(llama_folder, max_length=300), "data.max_length", "256"),
     ]
     for folder, kw, data_info, field, words in cases:

@@ -493,3 +493,32 @@ def test_a_head_too_large_for_memory_names_where_its_class_count_came_from():
     with pytest.raises(ConfigError) as e:
         build_model(ModelConfig(name="cnn", channels=[4], num_classes=10 ** 13), small)
     assert e.value.field == "model.num_classes"
+
+
+@pytest.mark.parametrize("data, words", [
+    # the data's ids come from its tokenizer: the fix is the checkpoint's own
+    ({"name": "e2e", "tokenizer": "bytes"},
+     "data vocabulary 257 (data.tokenizer: bytes): tokenize with the checkpoint's own "
+     "tokenizer (data.tokenizer: hf and data.tokenizer_path: its folder)"),
+    # no tokenizer at all: the hint named data.tokenizer_path, a setting synthetic data lacks
+    ({"name": "synthetic_lm", "synthetic_vocab_size": 300},
+     "data vocabulary 301: set data.synthetic_vocab_size to at most 199"),
+])
+def test_a_checkpoint_vocabulary_too_small_names_the_fix_for_the_data_s_vocabulary(
+        tmp_path, data, words):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dptrain.data import DataConfig, build_data
+
+    for name, text in (("train.csv", "mr,ref\nname[A],A is good.\nname[B],B is bad.\n"),
+                       ("test.csv", "mr,ref\nname[C],C is fine.\n")):
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    files = (dict(path=str(tmp_path), train_file="train.csv", test_file="test.csv")
+             if data["name"] == "e2e" else {})
+    info = build_data(DataConfig(**data, **files)).info
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=200, n_positions=64, n_embd=16, n_layer=1,
+                               n_head=2)).save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ConfigError) as e:
+        build_model(ModelConfig(name="gpt2", pretrained_path=str(tmp_path / "ckpt")), info)
+    assert e.value.field == "model.pretrained_path" and words in e.value.message, e.value

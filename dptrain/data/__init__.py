@@ -386,7 +386,8 @@ def _e2e(cfg: DataConfig, seed: int, train_name: str | None, test_name: str | No
                            cfg.max_train_examples, references=True)
     test = load_e2e_split(test_path, "data.test_file", tok, cfg.max_length,
                           cfg.max_test_examples)
-    info = DataInfo(kind="lm", vocab_size=tok.vocab_size, pad_id=tok.pad_id,
+    info = DataInfo(kind="lm", vocab_size=tok.vocab_size,
+                    vocab_from=f"data.tokenizer: {cfg.tokenizer}", pad_id=tok.pad_id,
                     eos_id=tok.eos_id, bos_id=getattr(tok, "bos_id", None),
                     max_length=max(train.max_length, test.max_length))
     return Task(train=train, test=test, info=info, loss_fn=lm_loss, tokenizer=tok)
@@ -405,7 +406,8 @@ def _synthetic_lm(cfg: DataConfig, seed: int, train_name: str | None,
                          rng, trans)
     test = synthetic_lm(_cap(cfg.synthetic_test_size, cfg.max_test_examples), v, length,
                         rng, trans)
-    info = DataInfo(kind="lm", vocab_size=v + 1, pad_id=v, eos_id=v,
+    info = DataInfo(kind="lm", vocab_size=v + 1, vocab_from="data.synthetic_vocab_size",
+                    pad_id=v, eos_id=v,
                     max_length=max(train.max_length, test.max_length))
     return Task(train=train, test=test, info=info, loss_fn=lm_loss)
 

@@ -12,6 +12,9 @@ class DataInfo:
     """``lm``: batches of token ids for a causal language model; ``classification``: images."""
     vocab_size: int | None = None
     """LM: number of token ids (ids are 0..vocab_size-1, pad and EOS included)."""
+    vocab_from: str | None = None
+    """LM: the setting that chose the vocabulary, as messages name it (``data.tokenizer: hf``,
+    ``data.synthetic_vocab_size``)."""
     pad_id: int | None = None
     """LM: id used for right padding (masked out of attention and labels)."""
     eos_id: int | None = None

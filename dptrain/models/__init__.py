@@ -530,6 +530,18 @@ def _check_complete(loading: dict, path: Path) -> None:
                               f"random initialisation")
 
 
+def _vocab_too_small(vocab: int, info: DataInfo) -> str:
+    """The refusal of a pretrained checkpoint whose vocabulary lacks some of the data's ids,
+    with the fix for the setting that chose the data's vocabulary."""
+    text = f"checkpoint vocabulary {vocab} < data vocabulary {info.vocab_size}"
+    if info.vocab_from == "data.synthetic_vocab_size":  # (its ids plus one for EOS)
+        return f"{text}: set data.synthetic_vocab_size to at most {vocab - 1}"
+    if info.vocab_from is not None:
+        return (f"{text} ({info.vocab_from}): tokenize with the checkpoint's own tokenizer "
+                f"(data.tokenizer: hf and data.tokenizer_path: its folder)")
+    return text
+
+
 def _build_gpt2(cfg: ModelConfig, info: DataInfo) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -542,8 +554,7 @@ def _build_gpt2(cfg: ModelConfig, info: DataInfo) -> nn.Module:
         model = _load_pretrained_gpt2(GPT2LMHeadModel, path, cfg.dropout)
         vocab = model.config.vocab_size
         if data_vocab is not None and vocab < data_vocab:
-            raise ConfigError("model.pretrained_path",
-                              f"checkpoint vocabulary {vocab} < data vocabulary {data_vocab}")
+            raise ConfigError("model.pretrained_path", _vocab_too_small(vocab, info))
         if info.max_length is not None and model.config.n_positions < info.max_length:
             raise ConfigError("data.max_length",
                               f"longest example has {info.max_length} tokens but the checkpoint "
@@ -873,9 +884,7 @@ def _load_pretrained_causal_lm(cfg: ModelConfig, path: Path, info: DataInfo,
                                               f"model.pretrained_path has vocab_size={vocab}: "
                                               f"remove the setting or make it {vocab}")
     if info.vocab_size is not None and vocab < info.vocab_size:
-        raise ConfigError(field_, f"checkpoint vocabulary {vocab} < data vocabulary "
-                                  f"{info.vocab_size} (data.tokenizer_path: the checkpoint's "
-                                  f"own tokenizer?)")
+        raise ConfigError(field_, _vocab_too_small(vocab, info))
     if bool(config.tie_word_embeddings) != cfg.tie_embeddings:
         # the checkpoint decides; say so rather than silently ignoring the field
         raise ConfigError("model.tie_embeddings", f"the checkpoint has tie_word_embeddings="
