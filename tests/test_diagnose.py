@@ -311,6 +311,8 @@ def test_compare_im_matches_explicit_inner_momentum_query(im_run, tmp_path, caps
     assert len(history) == 2
     muon = {n for g in trainer.optimizer.groups if g.config.optimizer == "muon"
             for n, _ in g.named_params}
+    assert im["other_parameters"] == sum(1 for n, _ in trainer.named_params if n not in muon)
+    assert im["other_parameters"] > 0
     indices = report["probe"]["indices"]
     G_cur, G_im, lam_cur, lam_im = {n: [] for n in names}, {n: [] for n in names}, [], []
     for i in indices:
@@ -688,6 +690,39 @@ def test_render_header_lines_spell_out_the_release_the_clipping_and_the_im_query
             "IM lower in 1/3") in lines
     assert UNDEFINED_NOTE not in lines
     assert lines[-2:] == ["privacy: P", "probe set: Q"]
+
+
+def test_an_im_query_of_a_run_without_other_parameters_leaves_k_other_out():
+    """A LoRA run's trainable parameters are all Muon matrices: K_A weights nothing, so it
+    needs no past state, and the report says there are no other parameters (it showed
+    "K 2, gamma 0.5 (other parameters)" for a run trained with k_other 0)."""
+    from dptrain.commands.diagnose import render
+    from dptrain.diagnostics import probes
+
+    muon_group = SimpleNamespace(config=SimpleNamespace(optimizer="muon"),
+                                 named_params=[("a.lora_A", None), ("a.lora_B", None)])
+    run = SimpleNamespace(history=[object()], optimizer=SimpleNamespace(
+        groups=[muon_group], named_params=muon_group.named_params))
+    # K_M = 1 within the one past state; K_A = 2 asked for, with no parameter to weight
+    plan, am, aa = probes.im_plan(run, probes.ImQuery(1, 0.5, 2, 0.5))
+    assert len(plan) == 2 and am == pytest.approx([2 / 3, 1 / 3]) and aa == [1.0]
+    assert plan[1][1] is run.history[0] and plan[1][0] == {"a.lora_A": am[1], "a.lora_B": am[1]}
+    other = SimpleNamespace(config=SimpleNamespace(optimizer="adamw"), named_params=[("b", None)])
+    run.optimizer = SimpleNamespace(groups=[muon_group, other],
+                                    named_params=muon_group.named_params + [("b", None)])
+    with pytest.raises(ConfigError, match="k_other >= 2"):  # with one: 2 states needed
+        probes.im_plan(run, probes.ImQuery(1, 0.5, 2, 0.5))
+
+    report = {"checkpoint": "ck", "step": 3, "config_source": "checkpoint",
+              "release": {"noise_multiplier": 1.0, "clip_norm": 1.0, "denominator": 8,
+                          "noise_std": 0.125},
+              "probe": {"num_examples": 2, "test_size": 8, "selection": "s", "model_mode": "m"},
+              "clip_factors": {}, "matrices": {}, "privacy_note": "P", "probe_note": "Q",
+              "compare_im": {"k_muon": 1, "gamma_muon": 0.5, "k_other": 2, "gamma_other": 0.5,
+                             "other_parameters": 0, "history_states": 1,
+                             "relative_difference": {}}}
+    assert ("inner-momentum query: K 1, gamma 0.5 (Muon matrices), no other parameters; 1 past "
+            "states in the checkpoint") in render(report).splitlines()
 
 
 def test_plot_of_more_than_three_matrices_says_which_it_shows(plain_run, tmp_path, capsys):
@@ -1105,7 +1140,6 @@ def test_history_is_the_pre_update_states_newest_first(im_run):
     """load_run's history is theta_{t-1}, theta_{t-2}: the step-2 checkpoint's model is the
     step-3 checkpoint's history[0], and the step-2 checkpoint's newest past state (theta_1) is
     its history[1]; neither is the current model theta_t."""
-    from dptrain import checkpoint as ckpt
     from dptrain.diagnostics.probes import load_run
 
     steps = sorted(p for p in (im_run / "checkpoints").iterdir() if p.name.startswith("step-"))

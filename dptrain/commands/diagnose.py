@@ -131,9 +131,11 @@ def render(report: dict) -> str:
                      f"{st['min_lambda']:.4g}, clipped {100 * st['fraction_clipped']:.1f}%")
     im = report.get("compare_im")
     if im:
+        other = (f"K {im['k_other']}, gamma {im['gamma_other']:g} (other parameters)"
+                 if im.get("other_parameters", 1) else "no other parameters")
         lines.append(f"inner-momentum query: K {im['k_muon']}, gamma {im['gamma_muon']:g} (Muon "
-                     f"matrices), K {im['k_other']}, gamma {im['gamma_other']:g} (other "
-                     f"parameters); {im['history_states']} past states in the checkpoint")
+                     f"matrices), {other}; {im['history_states']} past states in the "
+                     f"checkpoint")
     lines.append("")
     names = list(report["matrices"])
     w = max([len("matrix")] + [len(n) for n in names])

@@ -478,6 +478,10 @@ def im_plan(run: LoadedRun, query: ImQuery) -> tuple[list, list[float], list[flo
     from dptrain.optim.inner_momentum import im_weights
 
     km, ka = query.effective()
+    muon = _muon_family_names(run)
+    names = [n for n, _ in run.optimizer.named_params]
+    if all(n in muon for n in names):  # no other parameters (a LoRA run): K_A weights nothing
+        ka = 0
     need = max(km, ka)
     if need > len(run.history):
         raise ConfigError(
@@ -489,8 +493,6 @@ def im_plan(run: LoadedRun, query: ImQuery) -> tuple[list, list[float], list[flo
     am, aa = im_weights(km, query.gamma_muon), im_weights(ka, query.go)
     if need == 0:
         return [(1.0, None)], am, aa
-    muon = _muon_family_names(run)
-    names = [n for n, _ in run.optimizer.named_params]
 
     def coef(j: int) -> dict[str, float]:
         return {n: ((am[j] if j <= km else 0.0) if n in muon else (aa[j] if j <= ka else 0.0))
@@ -575,6 +577,8 @@ def diagnose(run: LoadedRun, *, probe_examples: int = 64, params: str | None = N
                   info={"k_muon": compare_im.k_muon, "gamma_muon": compare_im.gamma_muon,
                         "k_other": compare_im.ko, "gamma_other": compare_im.go,
                         "alpha_muon": am, "alpha_other": aa,
+                        "other_parameters": sum(1 for n, _ in run.optimizer.named_params
+                                                if n not in _muon_family_names(run)),
                         "history_states": len(run.history)})
 
     sigma, C, b = run.noise_multiplier, run.clip_norm, run.denominator
