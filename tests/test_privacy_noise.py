@@ -296,3 +296,48 @@ def test_secure_noise_slices_concatenate_to_the_full_draw():
 def test_secure_must_be_a_bool():
     with pytest.raises(TypeError, match="secure must be a bool"):
         gaussian_noise(0, 0, "w", 10, secure="yes")
+
+
+def test_block_keys_follow_the_documented_encoding():
+    # blake2b-128 (secure: 256) of "seed\0step\0block\0len(key):key", re-derived here: the noise
+    # of a resumed run, and of 1 vs N ranks, rests on this stream; a change must be deliberate
+    import hashlib
+
+    for seed, step, key, block in [(0, 0, "w", 0), (-7, 3, "h.0.attn", 2), (2 ** 90, 10, "é:x", 11)]:
+        kb = key.encode()
+        msg = f"{seed}\0{step}\0{block}\0{len(kb)}:".encode() + kb
+        for secure, size, person in [(False, 16, b"dptrain-noise-v2"), (True, 32, b"dptrain-noise-cs")]:
+            want = int.from_bytes(hashlib.blake2b(msg, digest_size=size, person=person).digest(),
+                                  "little")
+            assert block_key(seed, step, key, block, secure=secure) == want
+
+
+def test_a_negative_seed_is_a_seed_of_its_own():
+    # "any Python int is a seed" (block_key): a negative one is accepted and is not its
+    # absolute value's stream
+    a, b = gaussian_noise(-5, 0, "w", 1000), gaussian_noise(5, 0, "w", 1000)
+    assert a.shape == (1000,)
+    assert abs(np.corrcoef(a.numpy(), b.numpy())[0, 1]) < 6 / math.sqrt(1000)
+
+
+def test_block_share_refuses_a_rank_outside_the_world():
+    # rank == world would draw rank (index % world)'s share a second time: noise counted twice
+    # on those coordinates, none on the share it should have drawn
+    from dptrain.privacy.noise import block_share
+
+    for rank, world in [(2, 2), (-1, 2), (0, 0), (1, 1)]:
+        with pytest.raises(ValueError, match="out of range"):
+            block_share(10 * BLOCK, 0, rank, world)
+    assert block_share(10 * BLOCK, 0, 1, 2) == (5 * BLOCK, 10 * BLOCK)
+
+
+def test_block_share_of_whole_blocks_gives_each_rank_its_chunk_of_them():
+    # numel a multiple of BLOCK: exactly numel / BLOCK blocks, split as torch.chunk splits them
+    # (one count too many, numel // BLOCK + 1, left the last ranks with nothing to draw)
+    from dptrain.privacy.noise import block_share
+
+    for blocks, world in [(4, 4), (1, 1), (6, 3), (8, 8)]:
+        want = [(c[0] * BLOCK, (c[-1] + 1) * BLOCK)
+                for c in torch.arange(blocks).chunk(world)]
+        assert [block_share(blocks * BLOCK, 0, r, world) for r in range(world)] == [
+            (int(lo), int(hi)) for lo, hi in want]

@@ -335,3 +335,23 @@ def test_a_uniform_of_exactly_0_is_not_sampled_at_rate_0(secure, monkeypatch):
     monkeypatch.setattr(sampling, name, lambda *a: np.zeros(a[-1] if secure else len(a[-1])))
     assert len(sampling.poisson_sample(0, 0, 5, 0.0, secure=secure)) == 0
     assert list(sampling.poisson_sample(0, 0, 5, 1e-9, secure=secure)) == [0, 1, 2, 3, 4]
+
+
+def test_a_rate_that_is_not_a_probability_is_refused_when_the_sampler_is_built():
+    # True would sample everyone (it is 1), 1.5 and -0.1 are no probability, "0.5" a string;
+    # refused by the sampler's constructor, not at its first sample
+    for bad, error in [(True, TypeError), (False, TypeError), (1.5, ValueError),
+                       (-0.1, ValueError), ("0.5", TypeError), (float("nan"), ValueError)]:
+        with pytest.raises(error):
+            PoissonSampler(0, bad, 10)
+        with pytest.raises(error):
+            poisson_sample(0, 0, 10, bad)
+    assert PoissonSampler(0, 1, 10).sample(0).tolist() == list(range(10))  # an int is a rate
+
+
+def test_the_last_step_accepted_is_two_to_the_64_minus_2():
+    from dptrain.privacy.sampling import _step_key
+
+    assert 0 <= _step_key(3, 2 ** 64 - 2) < 2 ** 64
+    with pytest.raises(ValueError, match="step must be < 2\\*\\*64 - 1"):
+        _step_key(3, 2 ** 64 - 1)
