@@ -1,6 +1,7 @@
 """DiSK and DOPPLER on the release: recursions, query plans, and reduction to no filter."""
 
 import io
+import math
 
 import numpy as np
 import pytest
@@ -241,6 +242,8 @@ def test_doppler_constant_input_passes_unchanged():
     ({"name": "disk", "correction": "step_response"}, "optim.filter.correction"),
     ({"name": "disk", "kappa": 0.0}, "optim.filter.kappa"),
     ({"name": "disk", "gamma": -1.0}, "optim.filter.gamma"),
+    ({"name": "disk", "gamma": 0.0}, "optim.filter.gamma"),  # (c = ratio / 0)
+    ({"name": "disk", "kappa": 1.0, "convention": "im_paper"}, "optim.filter.kappa"),
     # another filter's settings would be ignored (DiSK's gain without DiSK: no filter at all)
     ({"kappa": 0.5}, "optim.filter.kappa"),
     ({"name": "doppler", "gamma": 2.0}, "optim.filter.gamma"),
@@ -461,3 +464,98 @@ def test_doppler_step0_checkpoint_with_another_correction_is_not_called_a_coeffi
     f = DopplerFilter([-0.9], [0.5, 0.5], "paper")
     f.load_state_dict(saved.state_dict())
     assert f.restart_note is None or "differ from this run" not in f.restart_note, f.restart_note
+
+
+# --- settings, histories and dtypes one at a time ---------------------------------------
+
+def test_first_zero_normaliser_is_relative_to_b_and_catches_infinity():
+    from dptrain.optim.filters import first_zero_normaliser
+
+    # step_response: c_0 = 1, c_1 = b_0 + b_1 = 1e-12, below 1e-9 of sum |b| (c_1 ~ 0)
+    zero = first_zero_normaliser([], [1.0, -1.0 + 1e-12], "step_response", [], 0, 5)
+    assert zero is not None and zero[0] == 1
+    assert first_zero_normaliser([], [1.0, -1.0 + 1e-6], "step_response", [], 0, 5) is None
+    # a history that overflowed: c_0 = 1 + 0.5 inf is not a normaliser either
+    assert first_zero_normaliser([-0.5], [1.0], "paper", [math.inf], 0, 3) == (0, math.inf)
+
+
+def test_disk_with_kappa_1_keeps_a_single_evaluation():
+    # kappa = 1: c = 0, the filter is off; a plan [(0, ahead), (1, None)] gave the same sum at
+    # twice the cost
+    f = DiSKFilter(kappa=1.0, gamma=0.5)
+    p = torch.nn.Parameter(torch.ones(3))
+    for _ in range(3):
+        p.grad = torch.ones(3)
+        f.apply([("p", p)])
+        with torch.no_grad():
+            p.add_(1.0)
+        assert f.query_plan([("p", p)]) == [(1.0, None)]
+
+
+def test_doppler_keeps_only_the_histories_its_coefficients_read():
+    # m_{t-1..t-p} and g_{t-1..t-q}: the state (and each checkpoint) does not grow with t
+    f = DopplerFilter([-0.6, 0.1], [0.3, 0.2, 0.1])
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    for _ in range(6):
+        p.grad = torch.ones(3, dtype=torch.float64)
+        f.apply([("w", p)])
+    state = f.state_dict()
+    assert len(state["m_hist"]["w"]) == 2 and len(state["g_hist"]["w"]) == 2
+    assert len(state["c_hist"]) == 2
+
+
+@pytest.mark.parametrize("make", [lambda: DiSKFilter(0.3, 0.5),
+                                  lambda: DopplerFilter([-0.6, 0.1], [0.3, 0.2, 0.1])],
+                         ids=["disk", "doppler"])
+def test_a_float32_filter_state_continues_in_the_parameters_float64(make):
+    # a float32 run's checkpoint resumed with performance.dtype float64: the history is cast to
+    # the parameter's dtype and the filter goes on as the float64 run (to float32's rounding)
+    gen = torch.Generator().manual_seed(0)
+    gs = [torch.randn(4, generator=gen, dtype=torch.float64) for _ in range(5)]
+    p32 = torch.nn.Parameter(torch.zeros(4))
+    p64 = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    f32, ref = make(), make()
+    for g in gs[:3]:
+        for f, p in ((f32, p32), (ref, p64)):
+            f.query_plan([("w", p)])
+            p.grad = g.to(p.dtype).clone()
+            f.apply([("w", p)])
+    f64 = make()
+    f64.load_state_dict(f32.state_dict())
+    for g in gs[3:]:
+        outs = []
+        for f in (f64, ref):
+            f.query_plan([("w", p64)])
+            p64.grad = g.clone()
+            f.apply([("w", p64)])
+            outs.append(p64.grad.clone())
+        assert outs[0].dtype == torch.float64
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+        hists = [f64.g] if isinstance(f64, DiSKFilter) else [f64.m_hist, f64.g_hist]
+        for v in (t for h in hists for v in h.values() for t in (v if isinstance(v, list) else [v])):
+            assert v.dtype == torch.float64
+
+
+def test_doppler_with_the_same_a_but_another_b_restarts_empty():
+    # only a and b both equal let the history go on; b alone changed is another filter
+    p = torch.nn.Parameter(torch.zeros(3))
+    old = DopplerFilter([-0.9], [0.1])
+    for _ in range(4):
+        p.grad = torch.ones(3)
+        old.apply([("w", p)])
+    new = DopplerFilter([-0.9], [0.2])
+    new.load_state_dict(old.state_dict())
+    assert new.num_steps == 0 and new.restart_note and "restarts empty" in new.restart_note
+
+
+def test_built_filters_take_the_configured_settings_and_documented_defaults():
+    from dptrain.optim.filters import build_filter
+
+    f = build_filter(FilterConfig(name="doppler", b=[0.5, 0.5], correction="step_response"))
+    assert (f.a, f.b, f.correction) == ([-0.9], [0.5, 0.5], "step_response")
+    d = build_filter(FilterConfig(name="doppler"))  # the EMA m = 0.9 m + 0.1 g
+    assert (d.a, d.b, d.correction) == ([-0.9], [0.1], "paper")
+    disk = build_filter(FilterConfig(name="disk"))
+    assert (disk.kappa, disk.gamma) == (0.7, 0.5)
+    im = build_filter(FilterConfig(name="disk", kappa=0.2, convention="im_paper"))
+    assert im.kappa == pytest.approx(0.8)

@@ -451,3 +451,37 @@ def test_a_name_missing_from_a_plan_entry_s_weights_weighs_0():
     acc = {}
     engine.accumulate(_mlp_loss, (x, y), acc, plan)
     assert all(n == only or float(v.abs().max()) == 0.0 for n, v in acc.items()), sorted(acc)
+
+
+# --- settings, histories and dtypes one at a time ---------------------------------------
+
+def test_gamma_1_is_the_uniform_average_and_gamma_0_turns_a_part_off():
+    InnerMomentumConfig(k_muon=2, gamma_muon=1.0, k_other=1, gamma_other=1.0).validate()
+    assert im_weights(2, 1.0) == pytest.approx([1 / 3] * 3, abs=1e-15)
+    with pytest.raises(Exception, match="gamma_muon"):
+        InnerMomentumConfig(gamma_muon=1.5).validate()
+    off = InnerMomentumConfig(k_muon=3, gamma_muon=0.0, k_other=2, gamma_other=0.0)
+    assert not off.enabled  # (the config's DiSK check reads it)
+    assert InnerMomentumConfig(k_muon=3, gamma_muon=0.0, k_other=1).enabled
+    # gamma 0: no history kept (a copy of every parameter per K, for weights 0)
+    w = torch.nn.Parameter(torch.zeros(2))
+    hist = InnerMomentumHistory(off, [("w", w)], {"w"}, seed=0)
+    hist.push()
+    hist.push()
+    assert hist.depth == 0 and len(hist.states) == 0 and hist.plan(2) == [(1.0, None)]
+
+
+def test_a_history_with_more_parameters_than_this_run_is_refused():
+    w = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="other parameters"):
+        _history(2, w).load_state_dict({"states": [{"w": torch.zeros(2), "v": torch.zeros(2)}]})
+
+
+def test_a_loaded_history_takes_the_parameters_dtype():
+    # a float32 run's checkpoint resumed with performance.dtype float64 (or back)
+    w = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    hist = _history(2, w)
+    hist.load_state_dict({"states": [{"w": torch.full((2,), 0.1)}]})
+    assert hist.states[0]["w"].dtype == torch.float64
+    plan = hist.plan(1)
+    assert plan[1][1]["w"].dtype == torch.float64

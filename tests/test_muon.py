@@ -553,3 +553,123 @@ def test_an_empty_weight_steps_without_error(shape, make):
     opt.step()
     opt.step()
     assert p.shape == shape
+
+
+# --- defaults, settings the step must read, refusals ---------------------------------------
+
+def test_muon_class_defaults_are_the_documented_eq7_settings():
+    """OptimConfig leaves momentum, nesterov, ns_steps, eps, ... null: the classes' defaults are
+    the run's. Muon's: lr 0.02, mu 0.95, Nesterov, 5 quintic steps in float32 with eps 1e-7, the
+    match_rms_adamw scale, accumulated momentum (a default changed to mu 0.9, no Nesterov, the
+    original scale or eps 1e-3 passed every other test)."""
+    shape = (8, 12)
+    W0 = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    Wd, We = torch.nn.Parameter(W0.clone()), torch.nn.Parameter(W0.clone())
+    default = Muon([Wd])
+    explicit = Muon([We], lr=0.02, momentum=0.95, nesterov=True, ns_steps=5,
+                    ns_coefficients="muon", ns_dtype="float32", scale="match_rms_adamw",
+                    momentum_style="accumulate", weight_decay=0.0, eps=1e-7)
+    for G in _grads(shape, 3):
+        G = G * 1e-4  # ||N||_F ~ 1e-2: eps = 1e-7 is visible in float32
+        Wd.grad, We.grad = G.clone(), G.clone()
+        default.step()
+        explicit.step()
+        assert torch.equal(Wd.detach(), We.detach())
+
+
+def test_muon_bc_and_muon_s_class_defaults_are_the_documented_ones():
+    W0 = torch.randn(6, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    grads = _grads((6, 10), 3, dtype=torch.float64)
+
+    def run(make):
+        W = torch.nn.Parameter(W0.clone())
+        opt = make(W)
+        for G in grads:
+            W.grad = G.clone()
+            opt.step()
+        return W.detach()
+
+    bc = dict(release_noise_std=0.3, seed=1)
+    assert torch.equal(run(lambda W: MuonBC([("w", W)], **bc)),
+                       run(lambda W: MuonBC([("w", W)], **bc, bc_lambda=1.25, bc_kappa=2.0,
+                                            bc_gamma_ns=1e-4, bc_probes=1)))
+    assert torch.equal(run(lambda W: MuonS([("w", W)], seed=1)),
+                       run(lambda W: MuonS([("w", W)], seed=1, lr=0.02, momentum=0.9,
+                                           power_iters=50, power_tol=1e-4, ns_steps=6,
+                                           ns_coefficients="polar_express", eps=1e-7)))
+
+
+@pytest.mark.parametrize("make, ns", [
+    (lambda W: Muon([W], lr=LR, momentum=MU, ns_dtype="float64",
+                    ns_coefficients="polar_express"),
+     lambda N: newton_schulz(N, 5, coefficients="polar_express")),
+    (lambda W: MuonBC([W], lr=LR, momentum=MU, ns_dtype="float64", release_noise_std=0.0,
+                      seed=0, ns_coefficients="polar_express"),
+     lambda N: smooth_newton_schulz(N, 5, 1e-4, coefficients="polar_express")),
+    (lambda W: MuonBC([W], lr=LR, momentum=MU, ns_dtype="float64", release_noise_std=0.0,
+                      seed=0, bc_gamma_ns=3.0),
+     lambda N: smooth_newton_schulz(N, 5, 3.0)),
+])
+def test_muon_and_muon_bc_orthogonalise_with_the_configured_newton_schulz(make, ns):
+    # every other test used the default quintic and Smooth-NS constant (or 0, within 1e-12 of
+    # the default): a step that dropped ns_coefficients or bc_gamma_ns passed
+    W0 = torch.randn(6, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    W, ref, M = torch.nn.Parameter(W0.clone()), W0.clone(), torch.zeros_like(W0)
+    opt = make(W)
+    for G in _grads((6, 10), 3, dtype=torch.float64):
+        W.grad = G.clone()
+        opt.step()
+        M = MU * M + G
+        ref = ref - LR * 0.2 * math.sqrt(10) * ns(G + MU * M)
+        torch.testing.assert_close(W.detach(), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_muon_s_newton_schulz_reads_eps_and_its_residual_tolerance():
+    # eps (with the quintic) and power_tol are the group's: a step that dropped either
+    # (NS's default eps, or tol 0: every product) passed the other tests
+    gen = torch.Generator().manual_seed(4)
+    G = torch.randn(7, 9, dtype=torch.float64, generator=gen)
+    W = torch.nn.Parameter(torch.zeros(7, 9, dtype=torch.float64))
+    opt = MuonS([("w", W)], lr=1.0, seed=2, momentum=0.0, ns_coefficients="muon", eps=0.5,
+                power_tol=0.3, ns_dtype="float64")
+    W.grad = G.clone()
+    v = torch.randn(9, dtype=torch.float64, generator=torch.Generator().manual_seed(
+        probe_seed("muon_s_power", 2, "w")))
+    sigma, _ = top_singular_value(G, v / v.norm(), 50, 0.3)
+    assert float(sigma) < 0.999 * float(torch.linalg.svdvals(G)[0])  # stopped early: tol read
+    opt.step()
+    torch.testing.assert_close(opt.state[W]["sigma"], sigma, rtol=1e-12, atol=0)
+    torch.testing.assert_close(W.detach(), -sigma * newton_schulz(G, 6, coefficients="muon",
+                                                                   eps=0.5),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_muon_bc_reads_bias_correction_settings_per_parameter_group():
+    # a group's own bc_lambda (as torch.optim's per-group options) must not be replaced by the
+    # constructor's
+    W0 = torch.randn(6, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    G = _grads((6, 10), 1, dtype=torch.float64)[0]
+    outs = []
+    for groups in ([{"params": [None], "bc_lambda": 0.5}], [{"params": [None]}]):
+        W = torch.nn.Parameter(W0.clone())
+        groups[0]["params"] = [W]
+        opt = MuonBC(groups, lr=LR, release_noise_std=0.2, seed=0, ns_dtype="float64",
+                     bc_lambda=0.5 if "bc_lambda" not in groups[0] else 2.0)
+        assert opt.param_groups[0]["bc_lambda"] == 0.5
+        W.grad = G.clone()
+        opt.step()
+        outs.append(W.detach())
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda W: Muon([W], lr=True), "lr"),
+    (lambda W: Muon([W], momentum=1.0), "momentum"),
+    (lambda W: Muon([W], ns_coefficients="quintic"), "ns_coefficients"),
+    (lambda W: MuonBC([W], release_noise_std=0.1, seed=0, bc_kappa=0.0), "bc_kappa"),
+    (lambda W: MuonS([W], power_iters=1), "power_iters"),
+    (lambda W: MuonS([W], momentum=1.0), "momentum"),
+])
+def test_settings_a_step_cannot_use_are_refused_at_construction(make, match):
+    with pytest.raises(ValueError, match=match):
+        make(torch.nn.Parameter(torch.zeros(4, 6)))
