@@ -120,10 +120,11 @@ def entry() -> None:
     exit with its status. A command that returned 0 has done its work (a run's ``summary.json``
     and ``final/`` are written), so a stop signal arriving while the interpreter shuts down
     (the trainer's teardown, the process group's, atexit handlers) is ignored: a scheduler
-    must not read a complete run as preempted (status 143). Any other status keeps the
-    default action."""
+    must not read a complete run as preempted (status 143); nor a refused one (status 2: its
+    error printed), which would be started again to be refused again. Any other status keeps
+    the default action."""
     rc = main(process_exits=True)
-    if rc == 0:
+    if rc in (0, 2):
         from dptrain.commands.train import STOP_SIGNALS
 
         for sig in STOP_SIGNALS:

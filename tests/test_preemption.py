@@ -455,11 +455,11 @@ def test_a_stop_during_an_eval_every_evaluation_drops_it_and_stops_at_its_step(t
     assert [r["step"] for r in rows if any(k.startswith("test_") for k in r)] == [2]
 
 
-@pytest.mark.parametrize("status", [0, 1])
+@pytest.mark.parametrize("status", [0, 1, 2])
 def test_a_stop_signal_while_a_finished_process_exits_keeps_its_status(status):
     # the process entry point (`dptrain`, `python -m dptrain`): after a command returned 0 (a
-    # finished run), a SIGTERM during the interpreter's shutdown is ignored, so the status
-    # stays 0, not 143; after a failure the default action still applies
+    # finished run) or 2 (a refusal), a SIGTERM during the interpreter's shutdown is ignored,
+    # so the status stays 0 or 2, not 143; after a failure the default action still applies
     code = ("import atexit, os, signal\n"
             "from dptrain import cli\n"
             "atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))\n"
@@ -467,7 +467,35 @@ def test_a_stop_signal_while_a_finished_process_exits_keeps_its_status(status):
             "cli.entry()\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           timeout=120)
-    assert proc.returncode == (0 if status == 0 else -signal.SIGTERM), proc.stderr
+    assert proc.returncode == (status if status != 1 else -signal.SIGTERM), proc.stderr
+
+
+def test_a_refused_rank_killed_by_the_launcher_while_it_prints_still_exits_2(tmp_path):
+    # under torchrun a refusal every rank shares is printed by rank 0 alone; the other ranks
+    # exit 2 at once, and the agent's SIGTERM to rank 0 killed it (-15) before the line, so
+    # nobody said why the job stopped. Here the SIGTERM lands as the line is written.
+    code = ("import os, signal, sys\n"
+            "from dptrain import cli\n"
+            "from dptrain.commands import train\n"
+            "from dptrain.config import ConfigError\n"
+            "def refuse(args, stop):\n"
+            "    raise ConfigError('model.trainable[0]', \"'x' matches no parameter\")\n"
+            "train._run = refuse\n"
+            "class Err:\n"
+            "    def __init__(self, f): self.f = f\n"
+            "    def write(self, t):\n"
+            "        if 'error:' in t: os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        return self.f.write(t)\n"
+            "    def flush(self): self.f.flush()\n"
+            "sys.stderr = Err(sys.stderr)\n"
+            f"sys.argv = ['dptrain', 'train', '--config', {TINY!r}, '--output-dir', "
+            f"{str(tmp_path / 'out')!r}]\n"
+            "cli.entry()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.decode().strip().splitlines() == [
+        "dptrain train: error: model.trainable[0]: 'x' matches no parameter"], proc.stderr
 
 
 def test_a_stop_signal_while_a_finished_run_is_torn_down_keeps_status_0(tmp_path):

@@ -54,7 +54,11 @@ def run(args: argparse.Namespace) -> int:
                                  out=None)
     try:
         with _stop_on_signals(stop, keep_ignoring=getattr(args, "process_exits", False)):
-            rc = _run(args, stop)
+            try:
+                rc = _run(args, stop)
+            except ConfigError:
+                stop.refused = True  # (its line is printed next, then the process exits 2)
+                raise
             stop.finished = rc == 0
             stop.trainer = None  # freed here, while a stop signal only sets a flag
             return rc
@@ -279,7 +283,10 @@ def _stop_on_signals(stop, keep_ignoring: bool = False):
     On the way out the stop signals are ignored after a stop (the process exits 128 + signum,
     its checkpoint written) and, with ``keep_ignoring`` (the process exits next:
     :func:`dptrain.cli.entry`), after a finished run (``stop.finished``: its summary.json
-    written, status 0); otherwise the previous handlers come back."""
+    written, status 0) or a refusal (``stop.refused``: its one line printed next, status 2;
+    under torchrun the agent sends SIGTERM to the other ranks as soon as one has exited 2,
+    and a rank 0 killed then died -15 before printing the line the ranks share); otherwise
+    the previous handlers come back."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -303,7 +310,7 @@ def _stop_on_signals(stop, keep_ignoring: bool = False):
         # after a stop the process exits 128 + signum with its checkpoint written, and after a
         # finished run it exits 0: a signal arriving in those last milliseconds must not turn
         # that exit into a kill (143)
-        finished = getattr(stop, "finished", False)
+        finished = getattr(stop, "finished", False) or getattr(stop, "refused", False)
         done = stop.stop_signal is not None or (keep_ignoring and finished)
         for sig, previous in before.items():
             signal.signal(sig, signal.SIG_IGN if done else previous)
