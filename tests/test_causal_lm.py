@@ -357,6 +357,31 @@ def test_pretrained_causal_lm_loads_every_tensor_in_float32_with_model_dropout(l
     assert plain.config._attn_implementation == "sdpa" and plain.config.attention_dropout == 0.0
 
 
+def test_a_checkpoint_whose_own_tokenizer_has_tokens_beyond_its_embeddings_is_not_told_to_use_it(
+        tmp_path):
+    # the data already used the checkpoint's own tokenizer (data.tokenizer_path is its folder),
+    # which has a token added after saving (a pad token, the embeddings not resized): the
+    # refusal told to "tokenize with the checkpoint's own tokenizer", what the run already did
+    from transformers import AutoTokenizer
+
+    from dptrain.data import DataConfig, build_data
+
+    if not (E2E_DIR / "devset.csv").is_file():
+        pytest.skip("shared E2E data not present")
+    folder = save_pretrained_llama(tmp_path / "ckpt")
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tok.add_special_tokens({"pad_token": "<pad>"})
+    tok.save_pretrained(str(folder))
+    info = build_data(DataConfig(name="e2e", tokenizer="hf", tokenizer_path=str(folder),
+                                 max_train_examples=4, max_test_examples=4)).info
+    with pytest.raises(ConfigError) as e:
+        build_model(causal_cfg(pretrained_path=str(folder), tie_embeddings=False), info)
+    assert e.value.field == "model.pretrained_path", e.value
+    assert "own tokenizer (data.tokenizer: hf" not in e.value.message, e.value
+    assert "the data's tokenizer is the checkpoint's own (data.tokenizer_path), with 1 token " \
+           "more than its embeddings" in e.value.message, e.value
+
+
 def test_pretrained_causal_lm_refusals_name_their_field(llama_folder, tmp_path):
     import shutil
 

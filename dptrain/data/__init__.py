@@ -387,7 +387,8 @@ def _e2e(cfg: DataConfig, seed: int, train_name: str | None, test_name: str | No
     test = load_e2e_split(test_path, "data.test_file", tok, cfg.max_length,
                           cfg.max_test_examples)
     info = DataInfo(kind="lm", vocab_size=tok.vocab_size,
-                    vocab_from=f"data.tokenizer: {cfg.tokenizer}", pad_id=tok.pad_id,
+                    vocab_from=f"data.tokenizer: {cfg.tokenizer}",
+                    tokenizer_path=cfg.tokenizer_path, pad_id=tok.pad_id,
                     eos_id=tok.eos_id, bos_id=getattr(tok, "bos_id", None),
                     max_length=max(train.max_length, test.max_length))
     return Task(train=train, test=test, info=info, loss_fn=lm_loss, tokenizer=tok)

@@ -15,6 +15,8 @@ class DataInfo:
     vocab_from: str | None = None
     """LM: the setting that chose the vocabulary, as messages name it (``data.tokenizer: hf``,
     ``data.synthetic_vocab_size``)."""
+    tokenizer_path: str | None = None
+    """LM: ``data.tokenizer_path`` as set (the folder of the data's tokenizer), for messages."""
     pad_id: int | None = None
     """LM: id used for right padding (masked out of attention and labels)."""
     eos_id: int | None = None

@@ -530,10 +530,19 @@ def _check_complete(loading: dict, path: Path) -> None:
                               f"random initialisation")
 
 
-def _vocab_too_small(vocab: int, info: DataInfo) -> str:
-    """The refusal of a pretrained checkpoint whose vocabulary lacks some of the data's ids,
-    with the fix for the setting that chose the data's vocabulary."""
+def _vocab_too_small(vocab: int, info: DataInfo, path: Path) -> str:
+    """The refusal of a pretrained checkpoint (the folder ``path``) whose vocabulary lacks some
+    of the data's ids, with the fix for the setting that chose the data's vocabulary."""
     text = f"checkpoint vocabulary {vocab} < data vocabulary {info.vocab_size}"
+    if (info.tokenizer_path is not None
+            and Path(info.tokenizer_path).expanduser().resolve() == path.resolve()):
+        # already the checkpoint's own tokenizer: telling to use it was no fix
+        extra = info.vocab_size - vocab
+        return (f"{text}: the data's tokenizer is the checkpoint's own (data.tokenizer_path), "
+                f"with {extra} token{'s' if extra > 1 else ''} more than its embeddings (added "
+                f"to the tokenizer, the embeddings not resized): remove them from the "
+                f"tokenizer, or save the checkpoint with embeddings resized to "
+                f"{info.vocab_size}")
     if info.vocab_from == "data.synthetic_vocab_size":  # (its ids plus one for EOS)
         return f"{text}: set data.synthetic_vocab_size to at most {vocab - 1}"
     if info.vocab_from is not None:
@@ -554,7 +563,7 @@ def _build_gpt2(cfg: ModelConfig, info: DataInfo) -> nn.Module:
         model = _load_pretrained_gpt2(GPT2LMHeadModel, path, cfg.dropout)
         vocab = model.config.vocab_size
         if data_vocab is not None and vocab < data_vocab:
-            raise ConfigError("model.pretrained_path", _vocab_too_small(vocab, info))
+            raise ConfigError("model.pretrained_path", _vocab_too_small(vocab, info, path))
         if info.max_length is not None and model.config.n_positions < info.max_length:
             raise ConfigError("data.max_length",
                               f"longest example has {info.max_length} tokens but the checkpoint "
@@ -884,7 +893,7 @@ def _load_pretrained_causal_lm(cfg: ModelConfig, path: Path, info: DataInfo,
                                               f"model.pretrained_path has vocab_size={vocab}: "
                                               f"remove the setting or make it {vocab}")
     if info.vocab_size is not None and vocab < info.vocab_size:
-        raise ConfigError(field_, _vocab_too_small(vocab, info))
+        raise ConfigError(field_, _vocab_too_small(vocab, info, path))
     if bool(config.tie_word_embeddings) != cfg.tie_embeddings:
         # the checkpoint decides; say so rather than silently ignoring the field
         raise ConfigError("model.tie_embeddings", f"the checkpoint has tie_word_embeddings="
