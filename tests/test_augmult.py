@@ -273,3 +273,15 @@ def test_augmult_1_is_one_random_view():
     assert task.augmult == 1 and task.augment is not None
     assert build_data(DataConfig(name="synthetic_images", synthetic_train_size=16,
                                  image_size=8)).augment is None
+
+
+def test_a_pad_of_one_pixel_crops_too():
+    # (the crop for every pad >= 1, not only the larger pads of the other tests)
+    torch.manual_seed(1)
+    x = torch.randn(64, 1, 4, 4, dtype=torch.float64)
+    dy, dx, flip = view_offsets(2, 5, 0, torch.arange(64), 1)
+    out = augment_images(x, dy, dx, flip, 1, do_flip=False)
+    xp = F.pad(x, (1, 1, 1, 1), mode="reflect")
+    for b in range(64):
+        assert torch.equal(out[b], xp[b, :, int(dy[b]):int(dy[b]) + 4, int(dx[b]):int(dx[b]) + 4])
+    assert bool(((dy != 1) | (dx != 1)).any())  # some views are shifted

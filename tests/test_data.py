@@ -2540,3 +2540,69 @@ def test_webdataset_a_shard_that_is_a_loop_of_links_is_not_called_missing(tmp_pa
     with pytest.raises(ConfigError, match=r"-000001.tar is a link that cannot be followed "
                                           r"\(.*-000001.tar: Too many levels of symbolic"):
         build_data(DataConfig(name="webdataset", path=str(tmp_path), image_size=8))
+
+
+def test_image_collate_resizes_an_image_whose_width_already_matches():
+    # (a side that already has image_size does not make a non-square image square)
+    from dptrain.data.images import ImageDataset
+
+    x = np.arange(6 * 8, dtype=np.uint8).reshape(1, 1, 6, 8)
+    for shape in ((1, 1, 6, 8), (1, 1, 8, 6)):
+        ds = ImageDataset(x.reshape(shape), [0], 0.5, 0.5, image_size=8)
+        assert ds.collate([0])["images"].shape == (1, 1, 8, 8)
+
+
+def test_mnist_rows_are_784_pixels_then_the_label(tmp_path):
+    # each example is its row's first 784 values as a 28 x 28 image, labelled by the last;
+    # the split per class is disjoint and covers every row
+    from dptrain.data.images import load_mnist
+
+    rows = []
+    for i in range(30):
+        pixels = (np.arange(784) * (i + 1) + 3 * i) % 256
+        rows.append([*pixels, i % 10])
+    f = tmp_path / "digits.csv"
+    f.write_text("\n".join(",".join(str(int(v)) for v in r) for r in rows) + "\n")
+    (xtr, ytr), (xte, yte) = load_mnist(str(f), test_per_class=1)
+    assert xtr.shape == (20, 1, 28, 28) and xte.shape == (10, 1, 28, 28)
+    assert sorted(yte.tolist()) == list(range(10))
+    want = {tuple(r[:784]): r[784] for r in rows}
+    got = [(tuple(int(v) for v in x.reshape(-1)), int(y))
+           for x, y in zip(np.concatenate([xtr, xte]), np.concatenate([ytr, yte]))]
+    assert len({p for p, _ in got}) == 30 and all(want[p] == y for p, y in got)
+    rows[4][784] = 10  # a label past 9
+    f.write_text("\n".join(",".join(str(int(v)) for v in r) for r in rows) + "\n")
+    with pytest.raises(ConfigError, match="labels must be integers 0..9"):
+        load_mnist(str(f), test_per_class=1)
+
+
+def test_classification_loss_of_a_float64_model_on_float32_images_is_float64():
+    # (performance.dtype=float64: images are collated as float32 and cast to the model's dtype)
+    from dptrain.data.images import classification_loss
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3)).double()
+    x, y = torch.randn(2, 1, 2, 2), torch.tensor([0, 2])
+    loss = classification_loss(model, {"images": x, "labels": y})
+    assert loss.dtype == torch.float64 and loss.shape == (2,)
+    torch.testing.assert_close(loss, F.cross_entropy(model(x.double()), y, reduction="none"),
+                               rtol=0, atol=0)
+
+
+def test_classification_loss_of_half_precision_logits_is_float32():
+    from dptrain.data.images import classification_loss
+
+    class Half(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([[1.0, -2.0, 0.5, 3.0]] * 3))
+
+        def forward(self, x):
+            return (x.flatten(1) @ self.w.t()).to(torch.bfloat16)
+
+    x, y = torch.randn(2, 1, 2, 2, generator=torch.Generator().manual_seed(0)), torch.tensor([1, 2])
+    model = Half()
+    loss = classification_loss(model, {"images": x, "labels": y})
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, F.cross_entropy(model(x).float(), y, reduction="none"),
+                               rtol=0, atol=0)

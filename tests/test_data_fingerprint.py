@@ -124,6 +124,9 @@ def test_webdataset_shards_by_name_layout_and_label(tmp_path):
     fp = {d: index_fingerprint(WebDatasetImages([tmp_path / d / "train-000000.tar"], 8))
           for d in "xyzw"}
     assert fp["x"] == fp["y"] and fp["z"] != fp["x"] and fp["w"] != fp["x"]
+    # the same shard under another name (another extraction, another shard order)
+    (tmp_path / "x" / "train-000000.tar").rename(tmp_path / "x" / "train-000001.tar")
+    assert index_fingerprint(WebDatasetImages([tmp_path / "x" / "train-000001.tar"], 8)) != fp["x"]
 
 
 def test_e2e_splits_by_their_references_too(tmp_path):
@@ -147,3 +150,34 @@ def test_e2e_splits_by_their_references_too(tmp_path):
     same = digest(rows, "a")
     assert digest(rows, "b") == same
     assert digest(rows[:2] + ['"name[B]","B is other."'], "c") != same
+
+
+def test_image_folder_paths_are_kept_apart_and_one_file_keeps_its_name():
+    from dptrain.data.folders import ImageFolderImages
+
+    def fp(paths):
+        return index_fingerprint(ImageFolderImages([(p, i) for i, p in enumerate(paths)], 8, 3))
+
+    # "a/b" + "c/de/f" and "a/bc/d" + "e/f" are the same characters run together
+    assert fp(["/r/a/b", "/r/c/de/f"]) != fp(["/r/a/bc/d", "/r/e/f"])
+    # a one-file set on two nodes (the first and last path are one: no difference to cut at)
+    assert fp(["/node0/a/x.png"]) == fp(["/node1/data/a/x.png"])
+    assert fp(["/node0/a/x.png"]) != fp(["/node0/a/y.png"])
+
+
+def test_in_memory_images_of_another_shape_with_the_same_bytes_differ():
+    from dptrain.data.images import ImageDataset
+
+    x = np.arange(2 * 16, dtype=np.uint8).reshape(2, 1, 4, 4)
+    assert (index_fingerprint(ImageDataset(x, [0, 1], 0.5, 0.5))
+            != index_fingerprint(ImageDataset(x.reshape(2, 1, 2, 8), [0, 1], 0.5, 0.5)))
+
+
+def test_digests_are_non_negative_and_below_2_to_the_62():
+    # (the ranks compare them as int64 sums: 32 digests all below 2**62, not only one)
+    from dptrain.data.images import ImageDataset
+
+    x = np.zeros((4, 1, 2, 2), np.uint8)
+    digests = {index_fingerprint(ImageDataset(x, [k % 3, k // 3 % 3, k // 9 % 3, k // 27], 0.5,
+                                              0.5)) for k in range(32)}
+    assert len(digests) == 32 and all(0 <= d < 2**62 for d in digests)

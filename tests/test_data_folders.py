@@ -554,3 +554,91 @@ def test_an_image_that_is_a_loop_of_links_is_not_called_missing(tmp_path):
     assert e.value.field == "data.train_file", e.value
     assert e.value.message.startswith(f"{loop} cannot be read: a link that cannot be followed "
                                       f"({loop}: Too many levels of symbolic links)"), e.value
+
+
+def test_cifar10_is_normalised_with_the_published_statistics_in_channel_order(tmp_path):
+    # (the reading test takes CIFAR10_MEAN/STD from the module: a swapped or reordered
+    # constant passed it)
+    root = tmp_path / "c"
+    batches = _cifar(root, 2, np.random.default_rng(5))
+    task = build_data(DataConfig(name="cifar10", path=str(root)))
+    raw = batches["test_batch"][b"data"][1].reshape(3, 32, 32)[:, 4, 9].astype(np.float64)
+    mean, std = np.array([0.4914, 0.4822, 0.4465]), np.array([0.2470, 0.2435, 0.2616])
+    got = task.test.collate([1])["images"][0, :, 4, 9].double().numpy()
+    np.testing.assert_allclose(got, (raw / 255 - mean) / std, rtol=0, atol=1e-5)
+
+
+def test_imagefolder_caps_sizes_copies_and_a_missing_test_folder_are_per_split(tmp_path):
+    import shutil
+
+    rng = np.random.default_rng(6)
+    _tree(tmp_path, "train", {"a": 3, "b": 2}, rng)
+    with pytest.raises(ConfigError) as e:  # the test folder is the one named
+        build_data(DataConfig(name="imagefolder", path=str(tmp_path), image_size=8))
+    assert e.value.field == "data.test_file" and "no directory" in e.value.message
+    (tmp_path / "val" / "a").mkdir(parents=True)
+    with pytest.raises(ConfigError) as e:  # a class without images in the test folder
+        build_data(DataConfig(name="imagefolder", path=str(tmp_path), image_size=8))
+    assert e.value.field == "data.test_file" and "val" in e.value.message
+    shutil.rmtree(tmp_path / "val")
+    _tree(tmp_path, "val", {"a": 2, "b": 2}, rng)
+    task = build_data(DataConfig(name="imagefolder", path=str(tmp_path), image_size=8,
+                                 max_train_examples=2, max_test_examples=3))
+    assert len(task.train) == 2 and len(task.test) == 3  # each split its own cap
+    assert task.train.labels.tolist() == [0, 1]  # rows 0 and 4
+    # the kept files' sizes (the ranks' digest), not the first two files'
+    assert task.train.sizes.tolist() == [os.path.getsize(p) for p in task.train.paths]
+    assert task.test.sizes is None
+    # a copy (another file with the same bytes) is another example, not a link: accepted
+    shutil.copyfile(tmp_path / "train" / "a" / "000.png", tmp_path / "train" / "b" / "dup.png")
+    assert len(build_data(DataConfig(name="imagefolder", path=str(tmp_path),
+                                     image_size=8)).train) == 6
+
+
+class _Eval:
+    def __reduce__(self):
+        return (eval, ("__import__('os').system('touch /tmp/dptrain-cifar-pwned')",))
+
+
+class _NumpyLoad:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (np.load, (self.path,))
+
+
+def test_cifar10_batches_with_other_globals_or_mismatched_labels_are_refused(tmp_path):
+    # the restricted unpickler lets numpy's array reconstruction through, not any numpy or
+    # builtins callable; and a batch without labels, with one label too few, or a negative
+    # label is not read as one
+    root = tmp_path / "c"
+    _cifar(root, 2, np.random.default_rng(7))
+    marker = Path("/tmp/dptrain-cifar-pwned")
+    marker.unlink(missing_ok=True)
+    np.save(tmp_path / "x.npy", np.zeros((2, 3072), np.uint8))
+    cases = [
+        ({b"data": _Eval(), b"labels": [0, 1]}, "builtins.eval is not allowed"),
+        ({b"data": _NumpyLoad(str(tmp_path / "x.npy")), b"labels": [0, 1]}, "is not allowed"),
+        ({b"data": np.zeros((2, 3072), np.uint8)}, "is not a CIFAR-10 batch: KeyError"),
+        ({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0]}, "want N x 3072 and N labels"),
+        ({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, -1]}, "labels outside 0..9"),
+    ]
+    for batch, words in cases:
+        with open(root / "data_batch_3", "wb") as fh:
+            pickle.dump(batch, fh)  # (protocol 2 spells builtins __builtin__)
+        with pytest.raises(ConfigError) as e:
+            build_data(DataConfig(name="cifar10", path=str(root)))
+        assert e.value.field == "data.path" and words in e.value.message, (words, e.value)
+    assert not marker.exists()
+
+
+def test_imagefolder_unlisted_extensions_are_counted_whatever_their_case(tmp_path, capsys):
+    rng = np.random.default_rng(8)
+    _tree(tmp_path, "train", {"a": 1}, rng)
+    _tree(tmp_path, "val", {"a": 1}, rng)
+    for name in ("x.DCM", "y.dcm", "z.Dcm"):
+        (tmp_path / "train" / "a" / name).write_bytes(b"not listed")
+    build_data(DataConfig(name="imagefolder", path=str(tmp_path), image_size=8))
+    assert "3 file(s) of a type torchvision does not list are left out (3 .dcm)" in (
+        capsys.readouterr().err)
