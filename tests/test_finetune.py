@@ -579,6 +579,12 @@ def test_the_adapter_config_lists_its_targets_sorted(tmp_path):
     assert write_adapter(model.state_dict(), model, lora, tmp_path / "adapter", "~/llama")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(Path.home() / "llama")
+    # what a write killed before its rename left (another pid) goes; another folder's stays
+    for stale in (".tmp-adapter-1", ".tmp-adapter-99999", ".tmp-adapters-1"):
+        (tmp_path / stale).mkdir()
+        (tmp_path / stale / "adapter_model.safetensors").write_bytes(b"x" * 64)
+    assert write_adapter(model.state_dict(), model, lora, tmp_path / "adapter")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-adapters-1", "adapter"]
 
 
 def test_a_lora_rank_above_a_target_s_smaller_dimension_is_noted(capsys):

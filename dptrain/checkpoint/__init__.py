@@ -1265,7 +1265,10 @@ def export_hf(trainer, directory: Path) -> Path | None:
         return None
     hf = Path(directory) / "hf"
     tmp = Path(directory) / f".tmp-hf-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # (any left by an export killed before its rename, whatever its pid: a copy of the model
+    # that nothing reads; one writer per output directory, as for the checkpoints' .tmp-*)
+    for stale in Path(directory).glob(".tmp-hf-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         if not getattr(config, "architectures", None):  # built from a config: name the class

@@ -334,7 +334,10 @@ def write_adapter(state: dict[str, Tensor], model: nn.Module, lora: LoRAConfig,
 
     directory = Path(directory)
     tmp = directory.parent / f".tmp-{directory.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # (any left by a write killed before its rename, whatever its pid: one writer per output
+    # directory, as for the checkpoints' and the Hugging Face export's .tmp-*)
+    for stale in directory.parent.glob(f".tmp-{directory.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
     config.save_pretrained(str(tmp))
     # peft keeps target_modules as a set, written in the order of this process's string
