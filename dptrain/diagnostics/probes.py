@@ -573,12 +573,13 @@ def diagnose(run: LoadedRun, *, probe_examples: int = 64, params: str | None = N
         else:
             norms_im, lam_im = clip_factors(run, indices, plan)
         km, ka = compare_im.effective()
+        muon = _muon_family_names(run)
         im = dict(plan=plan, am=am, km=km, norms=norms_im, lam=lam_im,
                   info={"k_muon": compare_im.k_muon, "gamma_muon": compare_im.gamma_muon,
                         "k_other": compare_im.ko, "gamma_other": compare_im.go,
                         "alpha_muon": am, "alpha_other": aa,
                         "other_parameters": sum(1 for n, _ in run.optimizer.named_params
-                                                if n not in _muon_family_names(run)),
+                                                if n not in muon),
                         "history_states": len(run.history)})
 
     sigma, C, b = run.noise_multiplier, run.clip_norm, run.denominator
