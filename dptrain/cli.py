@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None, *, process_exits: bool = False) -> int:
         with command_warnings(_rank()):
             return int(commands[args.command].run(args) or 0)
     except ConfigError as e:
+        if process_exits:
+            # the process exits 2 next: a stop signal must not kill it before its line (also
+            # a refusal met before dptrain train's own handlers: the launch environment's)
+            _ignore_stop_signals()
         # (a refusal every rank shares is said once, by rank 0: not W identical lines)
         if not (e.every_rank and _rank() != 0):
             print(f"dptrain {args.command}: error: {e}", file=sys.stderr)
@@ -125,11 +129,16 @@ def entry() -> None:
     the default action."""
     rc = main(process_exits=True)
     if rc in (0, 2):
-        from dptrain.commands.train import STOP_SIGNALS
-
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
+        _ignore_stop_signals()
     raise SystemExit(rc)
+
+
+def _ignore_stop_signals() -> None:
+    """SIG_IGN for dptrain train's stop signals (SIGTERM, SIGUSR1), in the main thread."""
+    from dptrain.commands.train import STOP_SIGNALS
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -470,24 +470,29 @@ def test_a_stop_signal_while_a_finished_process_exits_keeps_its_status(status):
     assert proc.returncode == (status if status != 1 else -signal.SIGTERM), proc.stderr
 
 
+#: a subprocess's stderr that sends the process SIGTERM as the error line is written
+SIGTERM_AS_THE_ERROR_IS_WRITTEN = (
+    "import os, signal, sys\n"
+    "class Err:\n"
+    "    def __init__(self, f): self.f = f\n"
+    "    def write(self, t):\n"
+    "        if 'error:' in t: os.kill(os.getpid(), signal.SIGTERM)\n"
+    "        return self.f.write(t)\n"
+    "    def flush(self): self.f.flush()\n"
+    "sys.stderr = Err(sys.stderr)\n")
+
+
 def test_a_refused_rank_killed_by_the_launcher_while_it_prints_still_exits_2(tmp_path):
     # under torchrun a refusal every rank shares is printed by rank 0 alone; the other ranks
     # exit 2 at once, and the agent's SIGTERM to rank 0 killed it (-15) before the line, so
     # nobody said why the job stopped. Here the SIGTERM lands as the line is written.
-    code = ("import os, signal, sys\n"
-            "from dptrain import cli\n"
+    code = ("from dptrain import cli\n"
             "from dptrain.commands import train\n"
             "from dptrain.config import ConfigError\n"
             "def refuse(args, stop):\n"
             "    raise ConfigError('model.trainable[0]', \"'x' matches no parameter\")\n"
             "train._run = refuse\n"
-            "class Err:\n"
-            "    def __init__(self, f): self.f = f\n"
-            "    def write(self, t):\n"
-            "        if 'error:' in t: os.kill(os.getpid(), signal.SIGTERM)\n"
-            "        return self.f.write(t)\n"
-            "    def flush(self): self.f.flush()\n"
-            "sys.stderr = Err(sys.stderr)\n"
+            f"{SIGTERM_AS_THE_ERROR_IS_WRITTEN}"
             f"sys.argv = ['dptrain', 'train', '--config', {TINY!r}, '--output-dir', "
             f"{str(tmp_path / 'out')!r}]\n"
             "cli.entry()\n")
@@ -496,6 +501,25 @@ def test_a_refused_rank_killed_by_the_launcher_while_it_prints_still_exits_2(tmp
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.decode().strip().splitlines() == [
         "dptrain train: error: model.trainable[0]: 'x' matches no parameter"], proc.stderr
+
+
+@pytest.mark.parametrize("env", [{"RANK": "0", "WORLD_SIZE": "x"},
+                                 {"RANK": "0", "WORLD_SIZE": "2",
+                                  "ACCELERATE_DYNAMO_BACKEND": "inductor"}])
+def test_a_refusal_of_the_launch_environment_killed_while_it_prints_still_exits_2(tmp_path, env):
+    # refusals raised before dptrain train's signal handlers (the launch environment's, every
+    # rank's alike under accelerate launch) ignore stop signals from the refusal on too
+    code = ("from dptrain import cli\n"
+            f"{SIGTERM_AS_THE_ERROR_IS_WRITTEN}"
+            f"sys.argv = ['dptrain', 'train', '--config', {TINY!r}, '--output-dir', "
+            f"{str(tmp_path / 'out')!r}]\n"
+            "cli.entry()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          timeout=120, env={**os.environ, **env})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dptrain train: error: "), proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_stop_signal_while_a_finished_run_is_torn_down_keeps_status_0(tmp_path):
