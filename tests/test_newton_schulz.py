@@ -313,3 +313,83 @@ def test_float16_polar_express_whose_denominator_alone_overflows():
 def test_empty_matrices_give_empty_results(shape):
     for f in (newton_schulz, smooth_newton_schulz):
         assert f(torch.zeros(shape)).shape == shape
+
+
+def test_the_coefficients_are_the_published_ones():
+    # the references above read the module's own tables, so a mistyped digit there passed every
+    # other test here: Keller Jordan's quintic, and modded-nanogpt's five Polar Express quintics
+    # (train_gpt.py's polar_express_coeffs, as written there; arXiv 2505.16932)
+    assert MUON_COEFFICIENTS == (3.4445, -4.7750, 2.0315)
+    assert POLAR_EXPRESS_COEFFICIENTS == (
+        (8.156554524902461, -22.48329292557795, 15.878769915207462),
+        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+    )
+    assert NS.POLAR_EXPRESS_LIMIT == (15 / 8, -10 / 8, 3 / 8)
+    # and the limit is what its docstring says: p(1) = 1, p'(1) = 0
+    a, b, c = NS.POLAR_EXPRESS_LIMIT
+    assert a + b + c == 1 and a + 3 * b + 5 * c == 0
+
+
+@pytest.mark.parametrize("smooth", [False, True])
+def test_a_norm_whose_squares_are_subnormal_is_rescued(smooth):
+    """float32 entries ~1e-22: the squares are subnormal, so the norm is nonzero and above the
+    smallest normal but only good to ~1e-2 (5.064e-22 for 5.055e-22). The rescue takes every
+    norm below the root of the smallest normal (a mutant that took only norms below the smallest
+    normal itself divided by the subnormal sum's root). steps = 0: the normalisation alone."""
+    X = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    if smooth:
+        out = smooth_newton_schulz((X * 1e-22).float(), 0, 0.0)
+    else:
+        out = newton_schulz((X * 1e-22).float(), 0, eps=0.0)
+    ref = X / torch.linalg.matrix_norm(X, keepdim=True)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_the_sync_free_normalisation_reads_nothing_back_from_the_device(monkeypatch):
+    """sync_free (a device's default) computes the plain and the rescued normalisation and lets
+    torch.where pick, so that the host never waits on a tensor's value: no bool() of a tensor
+    (a mutant that asked rescue.any() on every path passed the bit-for-bit tests)."""
+    import functools
+
+    monkeypatch.setattr(NS, "_normalise", functools.partial(NS._normalise, sync_free=True))
+    X = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(0))
+    X[1] *= 1e-25  # one matrix that needs the rescue, two that do not
+    expected = [newton_schulz(X, coefficients=c) for c in ("muon", "polar_express")]
+    expected.append(smooth_newton_schulz(X))
+
+    def no_sync(self):
+        raise AssertionError("a tensor's value was read on the host")
+
+    monkeypatch.setattr(torch.Tensor, "__bool__", no_sync)
+    got = [newton_schulz(X, coefficients=c) for c in ("muon", "polar_express")]
+    got.append(smooth_newton_schulz(X))
+    monkeypatch.undo()
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
+def test_smooth_ns_whose_sum_of_squares_alone_overflows_is_rescued():
+    """||X||_F^2 fits float32 (2.3e38) and so does gamma_ns^2, but their sum does not: the guard
+    is the sum Smooth-NS takes the root of (a mutant that added gamma_ns, not its square, to
+    ||X||^2 saw a finite guard and divided by the root of inf: a zero update)."""
+    X = torch.randn(4, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    X = X / torch.linalg.matrix_norm(X) * 1.5e19
+    gamma = 1.5e19
+    out = smooth_newton_schulz(X.float(), 0, gamma)
+    ref = X / (torch.linalg.matrix_norm(X) ** 2 + gamma ** 2) ** 0.5  # X / (sqrt(2) ||X||)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-7)
+
+
+def test_on_the_cpu_the_rescue_is_computed_only_for_a_matrix_that_needs_it(monkeypatch):
+    """The CPU's default is not sync_free: an ordinary matrix's normalisation takes one norm,
+    not a second one of the rescaled matrix that torch.where would then discard."""
+    calls, norm = [], torch.linalg.matrix_norm
+    monkeypatch.setattr(torch.linalg, "matrix_norm", lambda *a, **k: calls.append(1) or norm(*a, **k))
+    X = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(0))
+    newton_schulz(X)
+    assert len(calls) == 1
+    newton_schulz(X * 1e-25)  # the rescue: the rescaled matrix's norm as well
+    assert len(calls) == 3

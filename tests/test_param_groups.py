@@ -126,6 +126,9 @@ def test_muon_on_a_vector_names_the_group_and_the_parameter():
     ({"ema_decay": 1.0}, "optim.ema_decay"),
     ({"lr": float("inf")}, "optim.lr"),
     ({"lr": float("nan")}, "optim.lr"),
+    ({"groups": [{"pattern": ".", "optimizer": "sgd", "lr": float("inf")}]},
+     "optim.groups[0].lr"),
+    ({"groups": [{"pattern": ".", "optimizer": "sgd", "lr": -0.1}]}, "optim.groups[0].lr"),
     ({"preset": "gpt2", "aux": {"lr": -0.1}}, "optim.aux.lr"),
     ({"preset": "gpt2", "aux": {"kwargs": {"momentum": 0.9}}}, "optim.aux.kwargs.momentum"),
     ({"name": "adamw", "nesterov": True}, "optim.nesterov"),
@@ -252,6 +255,53 @@ class _ScaledStdConv(torch.nn.Module):
         self.gain = torch.nn.Parameter(torch.ones(o, 1, 1, 1))
 
 
+def test_causal_lm_preset_takes_only_numbered_blocks_not_any_name_with_a_digit():
+    """A block is a numbered module (``layers.0.``); a matrix outside the blocks whose name has
+    a digit (LLaVA's ``multi_modal_projector.linear_1``) goes to aux, as every other one does."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4, bias=False)])
+    model.linear_1 = torch.nn.Linear(4, 4, bias=False)
+    model.v2 = torch.nn.Linear(4, 4, bias=False)
+    groups = _members(_build({"name": "muon", "preset": "causal_lm"}, model=model))
+    assert groups == {"matrices": ("muon", ["layers.0.weight"]),
+                      "others": ("adamw", ["linear_1.weight", "v2.weight"])}
+
+
+def test_causal_lm_preset_keeps_an_embedding_inside_a_block_for_aux():
+    # (a 2-D tensor named like an embedding, in a numbered block: aux, not a refusal)
+    block = torch.nn.Module()
+    block.q_proj = torch.nn.Linear(4, 4, bias=False)
+    block.embed_positions = torch.nn.Embedding(6, 4)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([block])
+    groups = _members(_build({"name": "muon", "preset": "causal_lm"}, model=model))
+    assert groups == {"matrices": ("muon", ["layers.0.q_proj.weight"]),
+                      "others": ("adamw", ["layers.0.embed_positions.weight"])}
+
+
+def test_the_vit_preset_keeps_every_kind_of_position_table_and_the_heads_for_aux():
+    """Each name of docs/optim.md's list, in a block, as a 2-D tensor, and both of DeiT's heads:
+    aux (a position table given to Muon is a refusal of the preset)."""
+    attn = torch.nn.Module()
+    attn.qkv = torch.nn.Linear(4, 12, bias=False)
+    attn.cpb_mlp = torch.nn.Sequential(torch.nn.Linear(2, 4, bias=False))  # Swin V2
+    attn.rel_pos = torch.nn.Module()
+    attn.rel_pos.mlp = torch.nn.Linear(2, 4, bias=False)  # timm's vit_relpos
+    attn.rel_pos_h = torch.nn.Parameter(torch.zeros(7, 4))  # SAM
+    attn.relative_position_bias_table = torch.nn.Parameter(torch.zeros(9, 2))  # BEiT, Swin
+    block = torch.nn.Module()
+    block.attn = attn
+    model = torch.nn.Module()
+    model.patch_embed = torch.nn.Linear(4, 4, bias=False)
+    model.blocks = torch.nn.ModuleList([block])
+    model.head = torch.nn.Linear(4, 3, bias=False)
+    model.head_dist = torch.nn.Linear(4, 3, bias=False)  # DeiT's distillation head
+    groups = _members(_build({"name": "muon", "preset": "vit"}, model=model))
+    assert groups["matrices"] == ("muon", ["blocks.0.attn.qkv.weight"])
+    assert sorted(groups["others"][1]) == sorted(
+        n for n, _ in model.named_parameters() if n != "blocks.0.attn.qkv.weight")
+
+
 def test_nfresnet_preset_puts_conv_weights_in_muon_and_gains_biases_classifier_elsewhere():
     model = torch.nn.Module()
     model.stem = torch.nn.Module()
@@ -337,6 +387,24 @@ def test_lora_only_on_the_lm_head_says_the_adapters_go_to_optim_aux():
     assert "use the model's preset" not in e.value.message
 
 
+def test_another_models_preset_on_lora_in_the_blocks_and_the_head_says_use_the_models_preset():
+    # some adapters are in the blocks: the preset (nfresnet, for 4-D weights) is the mistake,
+    # not the LoRA targets ("adapts no layer of the blocks" was for LM-head-only adapters)
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from dptrain.models.finetune import LoRAConfig, apply_finetuning
+
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64, tie_word_embeddings=False))
+    apply_finetuning(llama, LoRAConfig(r=2, target_modules=["q_proj", "lm_head"]), None)
+    with pytest.raises(ConfigError) as e:
+        _build({"name": "muon", "preset": "nfresnet"}, model=llama)
+    assert e.value.field == "optim.preset"
+    assert "use the model's preset" in e.value.message
+    assert "adapts no layer of the blocks" not in e.value.message
+
+
 def test_a_preset_for_another_layout_is_refused_not_given_the_embeddings():
     """A GPT-2 config's ``preset: gpt2`` reused for a Llama gave ``model.embed_tokens`` to
     Muon (the gpt2 preset keeps only wte/wpe/lm_head for AdamW), and reused for a ViT its
@@ -380,6 +448,16 @@ def test_a_preset_s_names_match_whole_names_only():
     assert sorted(groups["others"][1]) == ["norm.bias", "norm.weight"]
 
 
+def test_a_preset_s_names_are_literal_not_regexes():
+    """The dot of ``fc.weight`` is a dot: the matrices' pattern does not take ``fc_weight``, a
+    vector of the same name but for one character (unescaped, it gave Muon the vector)."""
+    model = torch.nn.Module()
+    model.fc = torch.nn.Linear(4, 4, bias=False)
+    model.fc_weight = torch.nn.Parameter(torch.ones(4))
+    groups = _members(_build({"name": "muon", "preset": "gpt2"}, model=model))
+    assert groups == {"matrices": ("muon", ["fc.weight"]), "others": ("adamw", ["fc_weight"])}
+
+
 @pytest.mark.parametrize("name", ["muon_bc", "muon_s"])
 def test_inner_momentum_s_muon_states_are_the_muon_variant_s_matrices(name):
     """The Muon variants' groups keep Muon states (k_muon), the others' the other states."""
@@ -414,6 +492,23 @@ def test_explicit_groups_come_before_the_preset():
     groups = _members(opt)
     assert groups["fc"] == ("muon_s", ["transformer.h.0.mlp.c_fc.weight"])
     assert "transformer.h.0.mlp.c_fc.weight" not in groups["matrices"][1]
+
+
+def test_a_preset_group_that_explicit_groups_emptied_is_dropped_not_refused():
+    # a configured pattern that matches nothing is an error; a preset's group left empty
+    # because optim.groups took all of it is not, and no optimizer is built over no parameters
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+    opt = _build({"name": "muon", "preset": "gpt2", "groups": [
+        {"pattern": r"\.(c_attn|c_proj|c_fc)\.weight$", "optimizer": "muon_s",
+         "name": "blocks"}]}, model=model)
+    groups = _members(opt)
+    assert set(groups) == {"blocks", "others"} and len(opt.optimizers) == 2
+    assert groups["blocks"][0] == "muon_s" and len(groups["blocks"][1]) == 4
+    assert groups["others"][0] == "adamw"
+    assert sorted(groups["blocks"][1] + groups["others"][1]) == sorted(
+        n for n, _ in model.named_parameters())
 
 
 def test_schedules():
@@ -684,6 +779,9 @@ def test_inner_momentum_k_other_without_other_parameters_is_refused():
         _build({"name": "muon", "inner_momentum": {"k_other": 2}}, model=model)
     assert e.value.field == "optim.inner_momentum.k_other"
     _build({"name": "muon", "inner_momentum": {"k_muon": 2}}, model=model)  # fine
+    # gamma_other = 0: the other history is off, so no other parameter is needed for it
+    _build({"name": "muon", "inner_momentum": {"k_muon": 2, "k_other": 2, "gamma_other": 0.0}},
+           model=model)
 
 
 def test_inner_momentum_k_muon_with_zero_weight_is_not_refused_without_muon():
@@ -706,6 +804,7 @@ def test_transposed_weights_names_a_root_conv1d_weight():
 
 @pytest.mark.parametrize("optim", [
     {"lr": 0.0}, {"preset": "gpt2", "aux": {"lr": 0.0}},
+    {"groups": [{"pattern": ".", "optimizer": "sgd", "lr": 0.0}]},
     {"schedule": "linear", "min_lr_ratio": 1.0},
     {"schedule": "cosine", "min_lr_ratio": 0.0}, {"warmup_steps": 0}, {"ema_decay": 0.0},
     {"ema_decay": 0.5, "ema_start_step": 0},
@@ -769,3 +868,21 @@ def test_a_decay_that_flips_the_weights_sign_every_step_is_refused(optim, field)
     ok = ({**optim, "weight_decay": 0.5 / optim.get("lr", 0.02)} if "weight_decay" in optim
           else {**optim, "aux": {**optim["aux"], "kwargs": {"weight_decay": 0.5}}})
     _build(ok, model=model)  # lr x wd = 0.5: decays, does not flip
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.25])
+def test_any_positive_ema_decay_turns_the_average_on(decay):
+    # the bias-corrected mean of the iterates weighted by d^(t-s) (docs/optim.md); 0: off
+    opt = _build({"name": "sgd", "lr": 1.0, "ema_decay": decay})
+    if decay == 0:
+        assert opt.ema is None
+        return
+    thetas = []
+    for _ in range(2):
+        for _, p in opt.named_params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        thetas.append({n: p.detach().clone() for n, p in opt.named_params})
+    for n, _ in opt.named_params:
+        expected = (thetas[1][n] + decay * thetas[0][n]) / (1 + decay)
+        torch.testing.assert_close(opt.ema.values[n], expected)
