@@ -421,9 +421,14 @@ def test_a_gap_within_rounding_is_not_recoverable_without_noise_either():
     # "recoverable" were said together
     Q, _ = torch.linalg.qr(torch.randn(5, 5, generator=torch.Generator().manual_seed(1),
                                        dtype=torch.float64))
-    r = summarize(Q, {}, noise_multiplier=0.0, clip_norm=1.0, batch_size=1)["reference"]
-    assert 0 < r["spectral_gap"] < 1e-13 and r["wedin_threshold"] is None
-    assert r["wedin_recoverable"] is False
+    # (the gap is exactly 0 with MKL's AVX-512 SVD, a few ulps elsewhere; a few ulps set by
+    # hand below, so the strictly positive case is checked on every machine)
+    D = torch.diag(torch.tensor([1.0, 1.0 - 2.0 ** -51, 0.5, 0.25, 0.125], dtype=torch.float64))
+    for X in (Q, D):
+        r = summarize(X, {}, noise_multiplier=0.0, clip_norm=1.0, batch_size=1)["reference"]
+        assert 0 <= r["spectral_gap"] < 1e-13 and r["wedin_threshold"] is None
+        assert r["wedin_recoverable"] is False
+    assert r["spectral_gap"] > 0
     D = torch.diag(torch.tensor([2.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64))
     r = summarize(D, {}, noise_multiplier=0.0, clip_norm=1.0, batch_size=1)["reference"]
     assert r["wedin_threshold"] == 1 and r["wedin_recoverable"] is True
@@ -538,8 +543,15 @@ def test_wedin_threshold_of_a_tiny_gap_returns_without_settling_forever(X):
 def test_wedin_threshold_none_for_a_rounding_level_or_unrepresentable_gap():
     Q, _ = torch.linalg.qr(torch.randn(50, 50, dtype=torch.float64,
                                        generator=torch.Generator().manual_seed(0)))
-    assert 0 < spectral_gap(Q).gap < 1e-13  # an orthogonal matrix: a gap of rounding noise
+    # an orthogonal matrix: a gap of rounding noise (exactly 0 with MKL's AVX-512 SVD, which
+    # returns every singular value as 1.0; 1e-15 or so elsewhere)
+    assert 0 <= spectral_gap(Q).gap < 1e-13
     assert wedin_threshold(Q, 1.0, 1.0) is None
+    # a gap of a few ulps set by hand, strictly positive whatever the LAPACK: rounding too
+    # (max(r, c) * eps64 * sigma_1 = 3 * 2.2e-16 here)
+    D = torch.diag(torch.tensor([1.0, 1.0 - 2.0 ** -51, 0.5], dtype=torch.float64))
+    assert 0 < spectral_gap(D).gap < 1e-15
+    assert wedin_threshold(D, 1.0, 1.0) is None
     # a subnormal gap: sigma*C*(sqrt(r)+sqrt(c)) / gap overflows to inf (was an OverflowError)
     sub = torch.diag(torch.tensor([1e-310, 0.0], dtype=torch.float64))
     assert wedin_threshold(sub, 1.0, 1.0) is None
