@@ -529,30 +529,10 @@ class Trainer:
         self.rank, self.world = join_ranks(perf)
         if self.world > 1:
             _check_ranks_agree_on_config(cfg)
-        refusal = None
-        try:
-            with secure_notes(cfg.privacy.secure_mode):  # (no counts of training examples)
-                self.task = build_data(cfg.data, seed=cfg.seed)
-            threads = perf.decode_threads or default_decode_threads()
-            for split in (self.task.train, self.task.test):
-                if hasattr(split, "decode_threads"):  # datasets that decode files per step
-                    split.decode_threads = threads
-            for split in (self.task.train, self.task.test):
-                if hasattr(split, "skip_undecodable") and len(split):
-                    # a file that no format can read (a wrong data.path, another format)
-                    # fails here, on a fixed prefix of the split, before any release; one
-                    # damaged file met later is, in training, an example with clip factor 0
-                    # (release()), not an error at the step that sampled it, which would say
-                    # when it was sampled; in an evaluation, left out of its metrics (said on
-                    # stderr), rather than stopping the run at its end
-                    split.collate(np.arange(min(8, len(split))))
-                    split.skip_undecodable = True
-        except ConfigError as e:
-            refusal = e
         # a rank whose data is missing or unreadable (a path that exists on one node only)
         # refuses with the others: alone, it left them in the next collective (gloo: a
         # traceback on rank 0, the log people read; NCCL: a wait until the timeout)
-        one_verdict(refusal, self.world > 1)
+        self.task = self._together(self._data)
         self.train_size = len(self.task.train)
         if self.world > 1:
             _check_ranks_agree_on_data(self.task, self.device)
@@ -739,6 +719,28 @@ class Trainer:
             refusal = e
         one_verdict(refusal, self.world > 1)
         return built
+
+    def _data(self):
+        """The run's data, its decoding threads set and the first examples of each split that
+        decodes files decoded."""
+        cfg, perf = self.cfg, self.cfg.performance
+        with secure_notes(cfg.privacy.secure_mode):  # (no counts of training examples)
+            task = build_data(cfg.data, seed=cfg.seed)
+        threads = perf.decode_threads or default_decode_threads()
+        for split in (task.train, task.test):
+            if hasattr(split, "decode_threads"):  # datasets that decode files per step
+                split.decode_threads = threads
+        for split in (task.train, task.test):
+            if hasattr(split, "skip_undecodable") and len(split):
+                # a file that no format can read (a wrong data.path, another format) fails
+                # here, on a fixed prefix of the split, before any release; one damaged file
+                # met later is, in training, an example with clip factor 0 (release()), not an
+                # error at the step that sampled it, which would say when it was sampled; in
+                # an evaluation, left out of its metrics (said on stderr), rather than
+                # stopping the run at its end
+                split.collate(np.arange(min(8, len(split))))
+                split.skip_undecodable = True
+        return task
 
     def _engine(self) -> ClippingEngine:
         perf = self.cfg.performance

@@ -68,15 +68,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _clean_stale(root: Path) -> None:
-    """Temporary directories of writers that died mid-write. There is one writer per output
-    directory (``dptrain train`` holds its ``run.lock``) and it calls this before it creates
-    its own, so every one is stale, including one named with this process's pid (a restarted
-    container often reuses the pid)."""
-    for p in root.glob(".tmp-*"):
-        shutil.rmtree(p, ignore_errors=True)
-    for p in root.glob(".old-*"):
-        shutil.rmtree(p, ignore_errors=True)
+def _clean_stale(root: Path, *patterns: str) -> None:
+    """Temporary directories of writers that died mid-write (``patterns``: ``.tmp-*`` and
+    ``.old-*`` unless given). There is one writer per output directory (``dptrain train``
+    holds its ``run.lock``) and it calls this before it creates its own, so every one is
+    stale, including one named with this process's pid (a restarted container often reuses
+    the pid)."""
+    for pattern in patterns or (".tmp-*", ".old-*"):
+        for p in root.glob(pattern):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _test_pause() -> None:
@@ -1265,10 +1265,9 @@ def export_hf(trainer, directory: Path) -> Path | None:
         return None
     hf = Path(directory) / "hf"
     tmp = Path(directory) / f".tmp-hf-{os.getpid()}"
-    # (any left by an export killed before its rename, whatever its pid: a copy of the model
-    # that nothing reads; one writer per output directory, as for the checkpoints' .tmp-*)
-    for stale in Path(directory).glob(".tmp-hf-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    # any left by an export killed before a rename, whatever its pid: a copy of the model that
+    # nothing reads (and os.replace below needs .old-hf-*'s path free)
+    _clean_stale(Path(directory), ".tmp-hf-*", ".old-hf-*")
     tmp.mkdir(parents=True)
     try:
         if not getattr(config, "architectures", None):  # built from a config: name the class
@@ -1289,9 +1288,6 @@ def export_hf(trainer, directory: Path) -> Path | None:
     # an earlier hf/ (a resumed export) is moved aside, not deleted, until the new one is in
     # place: a kill between the two leaves one of them
     old = Path(directory) / f".old-hf-{os.getpid()}"
-    # (one left by a kill between the renames; os.replace below needs its path free)
-    for stale in Path(directory).glob(".old-hf-*"):
-        shutil.rmtree(stale, ignore_errors=True)
     if hf.exists():
         os.replace(hf, old)
     os.replace(tmp, hf)
